@@ -1,0 +1,13 @@
+"""hvdcomp: gradient compression for data-parallel PyTorch training on Horovod and MPI.
+
+Main entry points: :func:`get_compressor` (``"topk:density=0.01"``), :class:`Compressor`,
+:class:`ErrorFeedback` and :func:`DistributedOptimizer`.
+"""
+from .compressors import Compressor, available, get_compressor, parse_spec, register
+from .memory import ErrorFeedback
+from .metrics import PhaseTimer
+from .optimizer import DistributedOptimizer
+
+__version__ = "0.1.0"
+__all__ = ["Compressor", "ErrorFeedback", "DistributedOptimizer", "PhaseTimer", "available",
+           "get_compressor", "parse_spec", "register", "__version__"]

@@ -1,0 +1,146 @@
+"""Base class of every hvdcomp compressor.
+
+A compressor turns one gradient tensor into a *payload* (a list of 1-D tensors that travel) plus a
+*context* (what stays local, e.g. the shape), and back. It is a subclass of Horovod's
+``horovod.torch.compression.Compressor`` so that dense, summable compressors can be handed to a
+stock ``hvd.DistributedOptimizer(compression=...)`` unchanged; hvdcomp's own
+:class:`hvdcomp.DistributedOptimizer` calls the richer, name-aware :meth:`Compressor.encode` /
+:meth:`Compressor.decode` API and supports payloads that need an allgather.
+
+Two transport kinds exist:
+
+* ``summable = True``: payloads of different ranks can be averaged elementwise, so Horovod
+  allreduce (``op=Average``) carries them and ``decode(average of payloads)`` is the averaged
+  gradient. ``decode`` must therefore be linear in the payload.
+* ``summable = False``: payloads differ in size or meaning per rank (top-k values and indices,
+  per-rank scales); they go through an allgather and :meth:`Compressor.aggregate` combines the
+  per-rank payloads.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+try:  # Horovod is a hard runtime dependency of the optimizer, not of the compressors' maths.
+    from horovod.torch.compression import Compressor as _HorovodCompressor
+except ImportError:  # pragma: no cover - exercised only where Horovod is not installed
+    class _HorovodCompressor:  # type: ignore[no-redef]
+        """Stand-in so that compressors can be unit-tested without Horovod."""
+
+Payload = List[torch.Tensor]
+
+__all__ = ["Compressor", "Payload", "world_size"]
+
+
+def world_size() -> int:
+    """Number of ranks in Horovod's global process set, read now (never cached).
+
+    Returns 1 when Horovod is not installed or not initialised, so compressors can be used in a
+    single process.
+    """
+    try:
+        import horovod.torch as hvd
+
+        if hvd.is_initialized():
+            return hvd.size()
+    except ImportError:  # pragma: no cover
+        pass
+    return 1
+
+
+class Compressor(_HorovodCompressor):
+    """Instance-based, name-aware gradient compressor (subclass of Horovod's ``Compressor``).
+
+    Subclasses implement :meth:`encode` and :meth:`decode`; stateful ones keep their state in
+    dictionaries keyed by parameter name and extend :meth:`state_dict` / :meth:`load_state_dict`.
+
+    Class attributes:
+        name: registry name, e.g. ``"topk"``.
+        summable: ``True`` if payloads may be averaged elementwise by allreduce.
+        default_error_feedback: whether :func:`hvdcomp.get_compressor` wraps the method in
+            :class:`hvdcomp.ErrorFeedback` unless told otherwise.
+    """
+
+    name = "base"
+    summable = True
+    default_error_feedback = False
+
+    # ---- hvdcomp API -------------------------------------------------------------------------
+    def encode(self, tensor: torch.Tensor, name: str | None = None) -> Tuple[Payload, Any]:
+        """Compress ``tensor`` (any shape, floating dtype) into ``(payload, ctx)``.
+
+        Args:
+            tensor: the gradient (after any error-feedback compensation).
+            name: the parameter's name; stateful methods key their state by it.
+
+        Returns:
+            ``payload``: list of 1-D tensors that travel; ``ctx``: local data for :meth:`decode`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement encode()")
+
+    def decode(self, payload: Payload, ctx: Any) -> torch.Tensor:
+        """Rebuild a dense tensor of the original shape and dtype from one payload."""
+        raise NotImplementedError(f"{type(self).__name__} must implement decode()")
+
+    def aggregate(self, payloads: Sequence[Payload], ctx: Any) -> torch.Tensor:
+        """Average the payloads gathered from every rank (allgather path).
+
+        Args:
+            payloads: one payload per rank, in rank order.
+            ctx: this rank's context (shape and dtype agree on every rank).
+
+        Returns:
+            The mean over ranks of ``decode(payload_r)``, shape and dtype of the original tensor.
+        """
+        total = None
+        for p in payloads:
+            d = self.decode(p, ctx)
+            total = d if total is None else total.add_(d)
+        return total.div_(len(payloads))
+
+    def nominal_ratio(self, numel: int) -> float:
+        """Compression ratio in the seed study's convention (32-bit values and indices)."""
+        return 1.0
+
+    def describe(self) -> Dict[str, Any]:
+        """JSON-serialisable description (name and hyper-parameters) for results files."""
+        return {"name": self.name}
+
+    # ---- checkpointing -----------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Tensors and counters needed to resume bit-identically (empty for stateless methods)."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state:
+            raise ValueError(f"{self.name} is stateless but got state with keys {sorted(state)}")
+
+    # ---- Horovod's static API, for stock hvd.DistributedOptimizer ---------------------------
+    def compress(self, tensor: torch.Tensor):  # type: ignore[override]
+        """Horovod ``Compressor.compress``: ``tensor -> (tensor, ctx)`` for stock Horovod.
+
+        Raises:
+            TypeError: for payloads Horovod's allreduce cannot sum (sparse or per-rank scaled);
+                those need :class:`hvdcomp.DistributedOptimizer`.
+        """
+        if not self.summable:
+            raise TypeError(
+                f"hvdcomp compressor '{self.name}' produces a payload that Horovod's allreduce "
+                "cannot sum (it needs an allgather). Use hvdcomp.DistributedOptimizer(optimizer, "
+                "named_parameters=model.named_parameters(), compression=...) instead of "
+                "hvd.DistributedOptimizer.")
+        payload, ctx = self.encode(tensor, None)
+        if len(payload) != 1:
+            raise TypeError(f"hvdcomp compressor '{self.name}' sends {len(payload)} tensors; "
+                            "stock Horovod can carry one. Use hvdcomp.DistributedOptimizer.")
+        return payload[0], ctx
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:  # type: ignore[override]
+        """Horovod ``Compressor.decompress``: inverse of :meth:`compress` (after allreduce)."""
+        return self.decode([tensor], ctx)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.describe().items() if k != "name")
+        return f"{type(self).__name__}({args})"

@@ -1,0 +1,46 @@
+"""``threshold``: send every element whose magnitude is at least a fixed threshold λ.
+
+Strom, "Scalable distributed DNN training using commodity GPU cloud computing", Interspeech 2015
+(with error feedback, on by default here as in that paper). The number of elements sent varies by
+rank and step (possibly zero), so the payload goes through the allgather path.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .sparse import SparseCompressor
+from .registry import register
+
+
+@register("threshold")
+class ThresholdCompressor(SparseCompressor):
+    """Keep entries with ``|x| >= threshold``.
+
+    Args:
+        threshold: λ > 0, in the gradient's units.
+
+    Payload: ``[values (m,) float32, indices (m,) int32]`` with m varying per rank, 0 ≤ m ≤ n.
+
+    Raises:
+        ValueError: if ``threshold`` is not a positive finite number.
+    """
+
+    name = "threshold"
+    default_error_feedback = True
+
+    def __init__(self, threshold: float = 1e-3):
+        try:
+            threshold = float(threshold)
+        except (TypeError, ValueError):
+            raise ValueError(f"threshold must be a positive number, got {threshold!r}") from None
+        if not (threshold > 0 and math.isfinite(threshold)):
+            raise ValueError(f"threshold must be a positive finite number (e.g. threshold=0.001), got {threshold}")
+        self.threshold = threshold
+
+    def describe(self):
+        return {"name": self.name, "threshold": self.threshold}
+
+    def select(self, flat, name=None):
+        return torch.nonzero(flat.abs() >= self.threshold, as_tuple=True)[0]

@@ -1,0 +1,87 @@
+"""Error feedback (residual memory), composable with any compressor.
+
+Seide et al., "1-bit SGD", Interspeech 2014; Stich et al., "Sparsified SGD with Memory",
+NeurIPS 2018; Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019.
+
+Per parameter name, with residual ``e`` (zeros at first)::
+
+    p = g + e ;  payload = C(p) ;  e = p - decode(payload)
+
+so that ``sum_t sent_t + e_T == sum_t g_t`` (the residual telescopes).
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from .compressors.base import Compressor
+
+__all__ = ["ErrorFeedback"]
+
+
+class ErrorFeedback(Compressor):
+    """Wraps ``inner`` so that what it drops is added to the next gradient of the same parameter.
+
+    Args:
+        inner: any :class:`hvdcomp.Compressor`.
+
+    State: one residual per parameter name, same shape and dtype as the gradient, kept on the
+    gradient's device. :meth:`state_dict` returns ``{"residuals": {name: tensor}, "inner": ...}``.
+
+    Raises:
+        ValueError: from :meth:`encode` when no parameter name is given (residuals are per
+            parameter; pass ``named_parameters`` to :class:`hvdcomp.DistributedOptimizer`).
+    """
+
+    def __init__(self, inner: Compressor):
+        if not isinstance(inner, Compressor):
+            raise TypeError(f"ErrorFeedback wraps an hvdcomp.Compressor, got {type(inner).__name__}")
+        if isinstance(inner, ErrorFeedback):
+            raise ValueError("error feedback is already applied; do not wrap twice")
+        self.inner = inner
+        self.residuals: Dict[str, torch.Tensor] = {}
+
+    @property
+    def name(self):  # type: ignore[override]
+        return self.inner.name
+
+    @property
+    def summable(self):  # type: ignore[override]
+        return self.inner.summable
+
+    def describe(self):
+        return {**self.inner.describe(), "ef": True}
+
+    def nominal_ratio(self, numel):
+        return self.inner.nominal_ratio(numel)
+
+    def encode(self, tensor, name=None):
+        if name is None:
+            raise ValueError("error feedback keeps one residual per parameter and needs its name: "
+                             "use hvdcomp.DistributedOptimizer(..., named_parameters=model.named_parameters())")
+        e = self.residuals.get(name)
+        p = tensor if e is None else tensor + e
+        payload, ctx = self.inner.encode(p, name)
+        self.residuals[name] = p - self.inner.decode(payload, ctx)
+        return payload, ctx
+
+    def decode(self, payload, ctx):
+        return self.inner.decode(payload, ctx)
+
+    def aggregate(self, payloads, ctx):
+        return self.inner.aggregate(payloads, ctx)
+
+    def reset(self, name: str | None = None) -> None:
+        """Zero the residual of ``name`` (all residuals when ``None``)."""
+        for key, e in self.residuals.items():
+            if name is None or key == name:
+                e.zero_()
+
+    def state_dict(self):
+        return {"residuals": {k: v.detach().clone() for k, v in self.residuals.items()},
+                "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state):
+        self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
+        self.inner.load_state_dict(state.get("inner", {}))

@@ -1,0 +1,268 @@
+"""hvdcomp.DistributedOptimizer: Horovod-style data-parallel optimizer with gradient compression.
+
+One gradient's path (see the class docstring for the API):
+
+1. backward fires a post-accumulate-grad hook on the parameter (after ``backward_passes_per_step``
+   passes); the hook **compresses** it (``Compressor.encode``, error feedback included);
+2. summable payloads start a Horovod ``allreduce_async`` (``op=Average``) at once; payloads that
+   need an allgather start a variable-size allgather (mpi4py ``Allgather`` of counts, then
+   ``Iallgatherv``), in one fixed parameter order on every rank so collectives match;
+3. ``synchronize()`` (called by ``step()``) launches what backward did not reach (unused
+   parameters contribute zeros), waits for every collective (**communicate**), rebuilds the
+   averaged gradient (``decode`` / ``aggregate``: **decompress**) and writes it into ``p.grad``.
+
+Time and bytes per phase go to ``optimizer.timer`` (:class:`hvdcomp.metrics.PhaseTimer`).
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from .comm import make_allgatherer
+from .compressors import Compressor, get_compressor
+from .compressors.fp16 import FP16Compressor
+from .compressors.none import NoneCompressor
+from .metrics import PhaseTimer
+
+__all__ = ["DistributedOptimizer", "resolve_compression"]
+
+
+def resolve_compression(compression) -> Compressor:
+    """Accept an hvdcomp compressor, a spec string (``"topk:density=0.01"``) or Horovod's
+    ``hvd.Compression.none`` / ``hvd.Compression.fp16``.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if isinstance(compression, Compressor):
+        return compression
+    if isinstance(compression, str):
+        return get_compressor(compression)
+    try:
+        import horovod.torch as hvd
+
+        if compression is hvd.Compression.none:
+            return NoneCompressor()
+        if compression is hvd.Compression.fp16:
+            return FP16Compressor()
+    except ImportError:  # pragma: no cover
+        pass
+    raise TypeError(f"compression must be an hvdcomp.Compressor, a spec string such as "
+                    f"'topk:density=0.01', or hvd.Compression.none/fp16; got {compression!r}")
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods mixed into the user's optimizer class (as Horovod does)."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step,
+                 allgather, timer):
+        super(self.__class__, self).__init__(params)
+        import horovod.torch as hvd
+
+        self._hvd = hvd
+        self.compression = compression
+        self.timer = timer if timer is not None else PhaseTimer()
+        self.backward_passes_per_step = backward_passes_per_step
+        self._names = self._name_parameters(named_parameters)
+        # expected backward order: last parameters first. Fixed, identical on every rank.
+        self._order: List[torch.nn.Parameter] = [
+            p for g in reversed(self.param_groups) for p in reversed(g["params"]) if p.requires_grad]
+        self._delay: Dict[torch.Tensor, int] = {p: backward_passes_per_step for p in self._order}
+        self._encoded: Dict[torch.Tensor, tuple] = {}    # sparse payloads waiting for their turn
+        self._inflight: Dict[torch.Tensor, tuple] = {}   # launched collectives
+        self._next_gather = 0                             # index into _gather_order
+        self._gather_order = [] if compression.summable else list(self._order)
+        self._gatherer = None if compression.summable else make_allgatherer(allgather)
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._order]
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def _name_parameters(self, named_parameters) -> Dict[torch.Tensor, str]:
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        if named_parameters is None:
+            return {p: f"param.{i}" for i, p in enumerate(all_params)}
+        named = list(named_parameters)
+        if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
+            raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
+                             "usually model.named_parameters()")
+        names = [n for n, _ in named]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(f"parameter names must be unique; repeated: {dups}")
+        by_param = {p: n for n, p in named}
+        missing = [i for i, p in enumerate(all_params) if p not in by_param]
+        if missing:
+            raise ValueError(f"named_parameters does not name optimizer parameter(s) at position(s) "
+                             f"{missing[:10]}; pass model.named_parameters() of the model whose "
+                             "parameters the optimizer holds")
+        return {p: by_param[p] for p in all_params}
+
+    # ---- backward hooks --------------------------------------------------------------------------
+    def _hook(self, p: torch.Tensor) -> None:
+        if p in self._inflight or p in self._encoded or self._delay[p] <= 0:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before call to "
+                "step() or synchronize(). Increase backward_passes_per_step to accumulate "
+                "gradients locally.")
+        self._delay[p] -= 1
+        if self._delay[p] == 0:
+            self._launch(p)
+
+    def _launch(self, p: torch.Tensor) -> None:
+        """Compress p.grad and start its collective (or queue it for its turn in the gather order)."""
+        if p.grad is None:  # not used in this rank's graph: other ranks may have used it
+            p.grad = torch.zeros_like(p)
+        name = self._names[p]
+        with self.timer.phase("compress"):
+            payload, ctx = self.compression.encode(p.grad, name)
+        if self.compression.summable:
+            with self.timer.phase("communicate"):
+                handles = [self._hvd.allreduce_async(t, op=self._hvd.Average, name=f"hvdcomp.{name}.{i}")
+                           for i, t in enumerate(payload)]
+            nbytes = sum(t.numel() * t.element_size() for t in payload)
+            self._inflight[p] = ("allreduce", handles, ctx, nbytes, nbytes)
+        else:
+            self._encoded[p] = (payload, ctx)
+            self._start_gathers(flush=False)
+
+    def _start_gathers(self, flush: bool) -> None:
+        """Start allgathers in the fixed order while the next one in line is encoded."""
+        while self._next_gather < len(self._gather_order):
+            p = self._gather_order[self._next_gather]
+            if p not in self._encoded:
+                if not flush:
+                    return
+                self._launch_encode_only(p)
+            payload, ctx = self._encoded.pop(p)
+            with self.timer.phase("communicate"):
+                handle = self._gatherer.start(payload, self._names[p])
+            self._inflight[p] = ("allgather", handle, ctx, None, None)
+            self._next_gather += 1
+
+    def _launch_encode_only(self, p):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        with self.timer.phase("compress"):
+            self._encoded[p] = self.compression.encode(p.grad, self._names[p])
+
+    # ---- synchronisation ----------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish every gradient's collective and write the averaged gradients into ``p.grad``.
+
+        Parameters whose hook did not fire (unused in this step, or fewer backward passes than
+        ``backward_passes_per_step``) are sent now with their current (or zero) gradient, so all
+        ranks take part in the same collectives.
+        """
+        for p in self._order:
+            if p not in self._inflight and p not in self._encoded:
+                if self.compression.summable:
+                    self._launch(p)
+                else:
+                    self._launch_encode_only(p)
+        if not self.compression.summable:
+            self._start_gathers(flush=True)
+        for p in self._order:
+            kind, handle, ctx, sent, received = self._inflight.pop(p)
+            if kind == "allreduce":
+                with self.timer.phase("communicate"):
+                    outputs = [self._hvd.synchronize(h) for h in handle]
+                with self.timer.phase("decompress"):
+                    grad = self.compression.decode(outputs, ctx)
+            else:
+                with self.timer.phase("communicate"):
+                    gathered = self._gatherer.finish(handle)
+                sent, received = handle.bytes_sent, handle.bytes_received
+                with self.timer.phase("decompress"):
+                    grad = self.compression.aggregate(gathered, ctx)
+            with self.timer.phase("decompress"):
+                p.grad.copy_(grad)
+            self.timer.add_bytes(sent=sent, received=received, dense=p.numel() * 4)
+            self._delay[p] = self.backward_passes_per_step
+        self._next_gather = 0
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Let ``step()`` skip ``synchronize()`` (call it yourself first, e.g. to clip gradients)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        """``synchronize()`` unless inside :meth:`skip_synchronize`, then the wrapped step."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context "
+                              "after optimizer.synchronize(); this can cause training slowdown.")
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        """As the wrapped optimizer's, but refuses while collectives are in flight."""
+        if self._inflight or self._encoded:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(). This is prohibited "
+                                 "as it can cause a race condition.")
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+    def remove_hooks(self) -> None:
+        """Detach the backward hooks (the optimizer then no longer communicates)."""
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles = []
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
+                         compression="none",
+                         backward_passes_per_step: int = 1,
+                         allgather: str = "auto",
+                         timer: Optional[PhaseTimer] = None) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that gradients are compressed and averaged over all Horovod ranks.
+
+    Same family as ``horovod.torch.DistributedOptimizer``: communication starts from gradient hooks
+    during backward; ``step()`` synchronizes first (or use ``synchronize()`` +
+    ``skip_synchronize()`` to clip the averaged gradients). The returned object is an instance
+    of a subclass of ``optimizer``'s class holding the same parameter groups.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` (its state is not carried over, as in Horovod).
+        named_parameters: ``model.named_parameters()``; names key compressor state and must be
+            the same on every rank. Without it parameters are named by position.
+        compression: an :class:`hvdcomp.Compressor`, a spec such as ``"topk:density=0.01"``, or
+            ``hvd.Compression.none`` / ``hvd.Compression.fp16``.
+        backward_passes_per_step: backward passes accumulated locally before communicating.
+        allgather: transport for non-summable payloads: ``"auto"`` (mpi4py ``Allgatherv`` under
+            MPI, Horovod allgather otherwise), ``"mpi4py"`` or ``"horovod"``.
+        timer: a :class:`hvdcomp.metrics.PhaseTimer` to record into (a new one by default;
+            available as ``optimizer.timer``).
+
+    Raises:
+        ValueError: bad ``named_parameters`` or ``backward_passes_per_step < 1``.
+        TypeError: unsupported ``compression``.
+        RuntimeError: Horovod is not initialised (call ``hvd.init()`` first).
+
+    Example::
+
+        hvd.init()
+        opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                           named_parameters=model.named_parameters(),
+                                           compression="topk:density=0.01")
+    """
+    import horovod.torch as hvd
+
+    if not hvd.is_initialized():
+        raise RuntimeError("Horovod is not initialised: call hvd.init() before hvdcomp.DistributedOptimizer")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+    compression = resolve_compression(compression)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
+               allgather, timer)

@@ -1,0 +1,165 @@
+"""Multi-rank checks of hvdcomp.DistributedOptimizer, run by tests/test_mpi_optimizer.py.
+
+Usage: mpirun -np N python tests/mpi/optimizer_checks.py CHECK
+Each check raises (non-zero exit) on failure and prints "OK <check>" on rank 0.
+"""
+import math
+import sys
+
+import torch
+import horovod.torch as hvd
+
+import hvdcomp
+from hvdcomp.compressors.base import Compressor
+
+
+def small_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 * hvd.rank() + step)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def check_none_matches_horovod():
+    """hvdcomp 'none' == stock hvd.DistributedOptimizer(Compression.none) after 3 SGD steps."""
+    models = [small_model(), small_model()]
+    stock = hvd.DistributedOptimizer(torch.optim.SGD(models[0].parameters(), lr=0.1),
+                                     named_parameters=models[0].named_parameters(),
+                                     compression=hvd.Compression.none)
+    ours = hvdcomp.DistributedOptimizer(torch.optim.SGD(models[1].parameters(), lr=0.1),
+                                        named_parameters=models[1].named_parameters(),
+                                        compression="none")
+    for step in range(3):
+        x, y = batch(step)
+        for model, opt in zip(models, (stock, ours)):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-7), (n, (a - b).abs().max())
+    # and the parameters really moved and are identical across ranks
+    flat = torch.cat([p.detach().reshape(-1) for p in models[1].parameters()])
+    assert torch.equal(hvd.broadcast(flat, 0, name="bcast.check"), flat)
+
+
+def dense_reference(grads_of_rank, compressor_fn):
+    """Mean over ranks of each rank's compressed-then-decompressed gradient (independent code)."""
+    return sum(compressor_fn(g) for g in grads_of_rank) / len(grads_of_rank)
+
+
+def ref_topk(g, density):
+    flat = g.reshape(-1)
+    k = min(flat.numel(), max(1, math.ceil(density * flat.numel())))
+    order = sorted(range(flat.numel()), key=lambda i: -abs(float(flat[i])))[:k]
+    out = torch.zeros_like(flat)
+    out[order] = flat[order]
+    return out.reshape(g.shape)
+
+
+def all_grads(grad, name):
+    """Every rank's copy of ``grad`` (list indexed by rank)."""
+    gathered = hvd.allgather(grad.unsqueeze(0), name=name)
+    return list(gathered)
+
+
+def check_sparse(spec, ref_fn, zero_rank=None):
+    """The aggregated gradient equals the dense reference of what each rank sent (one step)."""
+    model = small_model()
+    opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                       named_parameters=model.named_parameters(),
+                                       compression=spec)
+    x, y = batch(0)
+    if zero_rank is not None and hvd.rank() == zero_rank:
+        x = x * 0  # the second layer's gradient still flows; first layer weight grad is 0
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    local = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.synchronize()
+    for n, p in model.named_parameters():
+        ref = dense_reference(all_grads(local[n], f"ref.{n}"), ref_fn)
+        assert torch.allclose(p.grad, ref, atol=1e-6, rtol=1e-5), (spec, n, p.grad, ref)
+    rec = opt.timer.end_step()
+    assert rec["bytes_sent"] > 0 and rec["dense_bytes"] == 4 * sum(p.numel() for p in model.parameters())
+    with opt.skip_synchronize():
+        opt.step()
+    return opt, rec
+
+
+def check_topk():
+    density = 0.2
+    opt, rec = check_sparse(f"topk:density={density},ef=false", lambda g: ref_topk(g, density))
+    # 8 bytes per kept element + one int64 count per payload tensor (2 per parameter)
+    model_sizes = [30, 5, 15, 3]
+    kept = sum(max(1, math.ceil(density * n)) for n in model_sizes)
+    assert rec["bytes_sent"] == 8 * kept + 16 * len(model_sizes), rec
+    assert rec["bytes_received"] == hvd.size() * (8 * kept + 16 * len(model_sizes)), rec
+
+
+def check_threshold_with_empty_rank():
+    """Rank 1 sends nothing for the first layer's weight (its input is zero): zero-length gather."""
+    lam = 0.05
+    check_sparse(f"threshold:threshold={lam},ef=false",
+                 lambda g: torch.where(g.abs() >= lam, g, torch.zeros_like(g)), zero_rank=1)
+
+
+def check_horovod_allgather_fallback():
+    """The same top-k result through Horovod's allgather instead of mpi4py."""
+    density = 0.2
+    model = small_model()
+    opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                       named_parameters=model.named_parameters(),
+                                       compression=f"topk:density={density},ef=false",
+                                       allgather="horovod")
+    assert opt._gatherer.kind == "horovod"
+    x, y = batch(0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    local = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.synchronize()
+    for n, p in model.named_parameters():
+        ref = dense_reference(all_grads(local[n], f"ref2.{n}"), lambda g: ref_topk(g, density))
+        assert torch.allclose(p.grad, ref, atol=1e-6), n
+
+
+def check_fp16_predivide():
+    """Two (or more) ranks of [40000.] average to exactly 40000 through fp16, under both optimizers."""
+    for use_stock in (False, True):
+        p = torch.nn.Parameter(torch.zeros(1))
+        sgd = torch.optim.SGD([p], lr=1.0)
+        if use_stock:
+            opt = hvd.DistributedOptimizer(sgd, named_parameters=[("w", p)],
+                                           compression=hvdcomp.get_compressor("fp16"))
+        else:
+            opt = hvdcomp.DistributedOptimizer(sgd, named_parameters=[("w", p)], compression="fp16")
+        (p * 40000.0).sum().backward()
+        opt.synchronize()
+        assert p.grad.item() == 40000.0, (use_stock, p.grad)
+        with opt.skip_synchronize():
+            opt.step()
+
+
+def check_sparse_refused_by_stock_horovod():
+    p = torch.nn.Parameter(torch.ones(10))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), named_parameters=[("w", p)],
+                                   compression=hvdcomp.get_compressor("topk:density=0.1,ef=false"))
+    try:
+        p.sum().backward()
+    except TypeError as exc:
+        assert "hvdcomp.DistributedOptimizer" in str(exc), exc
+    else:
+        raise AssertionError("stock Horovod accepted a sparse compressor")
+
+
+CHECKS = {f.__name__[len("check_"):]: f for f in [
+    check_none_matches_horovod, check_topk, check_threshold_with_empty_rank,
+    check_horovod_allgather_fallback, check_fp16_predivide, check_sparse_refused_by_stock_horovod]}
+
+if __name__ == "__main__":
+    hvd.init()
+    names = sys.argv[1:] or list(CHECKS)
+    for name in names:
+        CHECKS[name]()
+        if hvd.rank() == 0:
+            print(f"OK {name}", flush=True)
