@@ -31,12 +31,14 @@ class PhaseTimer:
         cuda_sync: call ``torch.cuda.synchronize()`` at phase boundaries so GPU work is charged
             to the phase that queued it (costs a device sync per phase; default: when CUDA is
             available).
+        clock: a function returning seconds (default ``time.perf_counter``).
 
     Use ``begin_step()``, ``with timer.phase(name): ...``, ``add_bytes(...)``, ``end_step()``;
     ``history`` holds one dict per finished step.
     """
 
-    def __init__(self, cuda_sync: Optional[bool] = None):
+    def __init__(self, cuda_sync: Optional[bool] = None, clock=time.perf_counter):
+        self.clock = clock
         self.cuda_sync = torch.cuda.is_available() if cuda_sync is None else cuda_sync
         self.history: List[Dict[str, Any]] = []
         self._stack: List[list] = []  # [name, start_of_current_slice]
@@ -47,7 +49,7 @@ class PhaseTimer:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.dense_bytes = 0
-        self._t0 = time.perf_counter()
+        self._t0 = self.clock()
 
     def begin_step(self) -> None:
         """Start a new step (discards a step begun but not ended)."""
@@ -58,7 +60,7 @@ class PhaseTimer:
         """Charge the enclosed wall time (minus nested phases) to ``name``."""
         if self.cuda_sync:
             torch.cuda.synchronize()
-        now = time.perf_counter()
+        now = self.clock()
         if self._stack:
             outer = self._stack[-1]
             self.seconds[outer[0]] += now - outer[1]
@@ -68,7 +70,7 @@ class PhaseTimer:
         finally:
             if self.cuda_sync:
                 torch.cuda.synchronize()
-            now = time.perf_counter()
+            now = self.clock()
             cur = self._stack.pop()
             self.seconds[cur[0]] += now - cur[1]
             if self._stack:
@@ -84,7 +86,7 @@ class PhaseTimer:
         """Close the step, append its record to ``history`` and return it."""
         rec = {p: self.seconds.get(p, 0.0) for p in PHASES}
         rec.update({k: v for k, v in self.seconds.items() if k not in rec})
-        rec["wall"] = time.perf_counter() - self._t0
+        rec["wall"] = self.clock() - self._t0
         rec["bytes_sent"] = self.bytes_sent
         rec["bytes_received"] = self.bytes_received
         rec["dense_bytes"] = self.dense_bytes

@@ -1,0 +1,38 @@
+# hvdcomp: the two commands a newcomer needs are `make run` and `make test`.
+# Both install first (idempotent: a second install takes seconds, Horovod's wheel is cached).
+
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+NP        ?= 4
+COMPRESSOR?= topk:density=0.01
+MODEL     ?= small
+EPOCHS    ?= 1
+DATA      ?= ../shared/data/tinyshakespeare/input.txt
+OUTPUT    ?= runs/$(subst :,_,$(subst =,-,$(subst $(comma),_,$(COMPRESSOR))))-np$(NP)
+comma     := ,
+
+# Open MPI settings used for every run (ranks may outnumber cores; root is allowed in containers).
+export OMPI_ALLOW_RUN_AS_ROOT=1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_mpi_yield_when_idle=1
+export OMPI_MCA_rmaps_base_oversubscribe=1
+export HOROVOD_CYCLE_TIME=5
+export OMP_NUM_THREADS=1
+
+.PHONY: install run test clean
+
+install: $(VENV)/.hvdcomp-installed
+
+$(VENV)/.hvdcomp-installed: scripts/install.sh setup.cfg pyproject.toml
+	HVDCOMP_VENV=$(abspath $(VENV)) bash scripts/install.sh
+	touch $@
+
+run: install
+	mpirun -np $(NP) --oversubscribe --bind-to none $(PY) mpi_scripts/train_lm.py \
+	  --compressor '$(COMPRESSOR)' --model $(MODEL) --epochs $(EPOCHS) --data '$(DATA)' --output '$(OUTPUT)'
+
+test: install
+	$(PY) -m pytest -v tests
+
+clean:
+	rm -rf runs .pytest_cache

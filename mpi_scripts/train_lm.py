@@ -1,0 +1,206 @@
+#!/usr/bin/env python
+"""Train the study's word-level LSTM language model with hvdcomp gradient compression.
+
+Launch with any number of ranks, e.g.::
+
+    mpirun -np 4 python mpi_scripts/train_lm.py --compressor topk:density=0.01 --epochs 1
+
+The global batch (``--batch-size`` sequences of ``--bptt`` tokens) is split evenly over the
+ranks, so 1, 2 and 4 ranks train the same model on the same data per step. Plain SGD; gradients
+are averaged by hvdcomp, then clipped to norm ``--clip``. The learning rate is divided by 4 after
+an epoch whose validation perplexity did not improve (as in PyTorch's word_language_model).
+
+Writes ``OUTPUT/results.json`` (config, per-epoch perplexities, per-phase seconds per step with
+min/mean/max over ranks, bytes per step, measured and nominal compression ratios) and prints a
+one-line summary. Rank 0 shows progress.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import platform
+import sys
+import time
+
+# mpi4py first, so MPI is initialised with MPI_THREAD_MULTIPLE before Horovod attaches to it
+try:
+    from mpi4py import MPI  # noqa: F401
+except ImportError:  # Horovod-only runs (e.g. horovodrun --gloo) use Horovod's allgather
+    pass
+import torch
+import horovod.torch as hvd
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import hvdcomp  # noqa: E402
+from hvdcomp.lm import LSTMLM, MODEL_SIZES, batchify, load_corpus, rank_columns  # noqa: E402
+from hvdcomp.lm.data import default_data_path  # noqa: E402
+from hvdcomp.metrics import PHASES, reduce_across_ranks, write_json_atomic  # noqa: E402
+
+log = logging.getLogger("train_lm")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--compressor", default="none",
+                   help=f"method spec NAME[:key=value,...]; methods: {', '.join(hvdcomp.available())}")
+    p.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="hidden 100/300/500")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=0, help="cap on optimizer steps per epoch (0: no cap)")
+    p.add_argument("--batch-size", type=int, default=256, help="global batch, sequences (split over ranks)")
+    p.add_argument("--bptt", type=int, default=35)
+    p.add_argument("--lr", type=float, default=20.0)
+    p.add_argument("--clip", type=float, default=0.25, help="gradient-norm clip after aggregation")
+    p.add_argument("--dropout", type=float, default=0.2)
+    p.add_argument("--vocab-size", type=int, default=10000)
+    p.add_argument("--eval-batch-size", type=int, default=40, help="global evaluation batch")
+    p.add_argument("--data", default=None,
+                   help="text file or PTB/WikiText directory (default: $HVDCOMP_DATA or ../shared/data "
+                        "tinyshakespeare/input.txt)")
+    p.add_argument("--output", default="runs/latest", help="directory for results.json")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--allgather", choices=["auto", "mpi4py", "horovod"], default="auto")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    for name in ("epochs", "batch_size", "bptt", "vocab_size", "eval_batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.lr <= 0 or args.clip <= 0:
+        p.error("--lr and --clip must be positive")
+    return args
+
+
+def evaluate(model, stream, eval_batch, bptt):
+    """Perplexity of ``stream``: each rank takes columns rank, rank+N, ...; sums are allreduced."""
+    model.eval()
+    data = batchify(stream, eval_batch)[:, hvd.rank()::hvd.size()]
+    total = torch.zeros(2, dtype=torch.float64)
+    if data.shape[1] > 0:
+        state = model.init_state(data.shape[1])
+        with torch.no_grad():
+            for i in range(0, data.shape[0] - 1, bptt):
+                n = min(bptt, data.shape[0] - 1 - i)
+                logits, state = model(data[i:i + n], state)
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                         data[i + 1:i + 1 + n].reshape(-1), reduction="sum")
+                total += torch.tensor([loss.item(), float(n * data.shape[1])], dtype=torch.float64)
+    total = hvd.allreduce(total, op=hvd.Sum, name="eval.sum")
+    model.train()
+    return math.exp(total[0].item() / total[1].item())
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    logging.basicConfig(level=args.log_level if rank == 0 else "WARNING",
+                        format=f"[%(asctime)s rank {rank}] %(message)s", datefmt="%H:%M:%S")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    compressor = hvdcomp.get_compressor(args.compressor)  # ValueError for a bad spec, on every rank
+
+    data_path = args.data or default_data_path()
+    corpus = load_corpus(data_path, vocab_size=args.vocab_size)
+    cols = rank_columns(args.batch_size, rank, size)
+    train = batchify(corpus.train, args.batch_size)[:, cols]
+    log.info("corpus %s: %d/%d/%d tokens, vocab %d", corpus.source, len(corpus.train),
+             len(corpus.valid), len(corpus.test), corpus.vocab_size)
+
+    torch.manual_seed(args.seed)
+    model = LSTMLM(corpus.vocab_size, MODEL_SIZES[args.model], dropout=args.dropout)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    torch.manual_seed(args.seed * 1000 + rank)  # dropout masks differ per rank
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
+                                       named_parameters=model.named_parameters(),
+                                       compression=compressor, allgather=args.allgather)
+    timer = opt.timer
+    nominal = n_params / sum(p.numel() / compressor.nominal_ratio(p.numel()) for p in model.parameters())
+    log.info("%s on %d rank(s): %s model, %d parameters, nominal ratio %.1fx, transport %s",
+             args.compressor, size, args.model, n_params, nominal,
+             "allreduce" if compressor.summable else opt._gatherer.kind + " allgather")
+
+    steps_per_epoch = len(range(0, train.shape[0] - 1, args.bptt))
+    if args.max_steps:
+        steps_per_epoch = min(steps_per_epoch, args.max_steps)
+    epochs, best_val, lr = [], float("inf"), args.lr
+    initial_val = evaluate(model, corpus.valid, args.eval_batch_size, args.bptt)
+    log.info("initial valid ppl %.2f", initial_val)
+    t_start = time.perf_counter()
+    for epoch in range(1, args.epochs + 1):
+        t_epoch, loss_sum, state = time.perf_counter(), 0.0, model.init_state(train.shape[1])
+        bar = tqdm(total=steps_per_epoch, desc=f"epoch {epoch}", disable=rank != 0 or args.no_progress,
+                   mininterval=2.0, file=sys.stderr)
+        for step in range(steps_per_epoch):
+            i = step * args.bptt
+            n = min(args.bptt, train.shape[0] - 1 - i)
+            timer.begin_step()
+            with timer.phase("compute"):
+                state = tuple(s.detach() for s in state)
+                logits, state = model(train[i:i + n], state)
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                         train[i + 1:i + 1 + n].reshape(-1))
+                opt.zero_grad()
+                loss.backward()
+            opt.synchronize()
+            with timer.phase("compute"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                with opt.skip_synchronize():
+                    opt.step()
+            timer.end_step()
+            loss_sum += loss.item()
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.close()
+        train_loss = hvd.allreduce(torch.tensor(loss_sum / steps_per_epoch), name=f"train.loss.{epoch}").item()
+        val_ppl = evaluate(model, corpus.valid, args.eval_batch_size, args.bptt)
+        epochs.append({"epoch": epoch, "train_loss": train_loss, "train_ppl": math.exp(train_loss),
+                       "val_ppl": val_ppl, "lr": lr, "steps": steps_per_epoch,
+                       "seconds": time.perf_counter() - t_epoch})
+        log.info("epoch %d: train ppl %.2f, valid ppl %.2f, %.1f s", epoch, math.exp(train_loss),
+                 val_ppl, epochs[-1]["seconds"])
+        if val_ppl < best_val:
+            best_val = val_ppl
+        else:
+            lr /= 4.0
+            for g in opt.param_groups:
+                g["lr"] = lr
+    test_ppl = evaluate(model, corpus.test, args.eval_batch_size, args.bptt)
+
+    per_step = timer.totals(skip_first=1 if len(timer.history) > 1 else 0)
+    keys = [*PHASES, "wall", "bytes_sent", "bytes_received", "dense_bytes"]
+    across = reduce_across_ranks({k: per_step.get(k, 0.0) for k in keys})
+    measured_ratio = across["dense_bytes"]["mean"] / max(1.0, across["bytes_sent"]["mean"])
+    results = {
+        "config": {**vars(args), "data": data_path, "world_size": size, "parameters": n_params,
+                   "compressor": compressor.describe(), "compressor_spec": args.compressor,
+                   "transport": "allreduce" if compressor.summable else opt._gatherer.kind + "-allgather",
+                   "env": {k: os.environ[k] for k in sorted(os.environ)
+                           if k.startswith(("OMPI_MCA_", "HOROVOD_", "OMP_NUM_THREADS"))},
+                   "torch": torch.__version__, "hvdcomp": hvdcomp.__version__, "host": platform.node()},
+        "corpus": corpus.describe(),
+        "epochs": epochs,
+        "initial_val_ppl": initial_val,
+        "test_ppl": test_ppl,
+        "best_val_ppl": best_val,
+        "seconds_total": time.perf_counter() - t_start,
+        "per_step": across,  # seconds and bytes per optimizer step, min/mean/max over ranks
+        "timed_steps": per_step["steps"],
+        "nominal_ratio": nominal,
+        "measured_ratio": measured_ratio,
+    }
+    if rank == 0:
+        path = os.path.join(args.output, "results.json")
+        write_json_atomic(path, results)
+        ph = " ".join(f"{p} {across[p]['mean']:.3f}s" for p in PHASES)
+        print(f"SUMMARY method={args.compressor} ranks={size} model={args.model} epochs={args.epochs} "
+              f"val_ppl={epochs[-1]['val_ppl']:.2f} test_ppl={test_ppl:.2f} step={across['wall']['mean']:.3f}s "
+              f"({ph}) sent={across['bytes_sent']['mean'] / 1e3:.1f}KB/step "
+              f"ratio={measured_ratio:.1f}x (nominal {nominal:.1f}x) -> {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""hvdcomp.DistributedOptimizer under real MPI ranks (mpirun -np 2 and 4, each under a timeout)."""
+import pytest
+
+from tests.mpirun import check
+
+CHECKS = ["none_matches_horovod", "topk", "threshold_with_empty_rank",
+          "horovod_allgather_fallback", "fp16_predivide", "sparse_refused_by_stock_horovod"]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_optimizer_checks(ranks):
+    out = check(ranks, ["tests/mpi/optimizer_checks.py", *CHECKS], timeout=180)
+    for name in CHECKS:
+        assert f"OK {name}" in out, out[-3000:]

@@ -1,0 +1,38 @@
+"""The main job end to end: a short LM run at 4 ranks on Tiny Shakespeare (under a timeout)."""
+import json
+import math
+import os
+
+import pytest
+
+from tests.mpirun import TINY_SHAKESPEARE, check
+
+pytestmark = pytest.mark.skipif(not os.path.isfile(TINY_SHAKESPEARE), reason="../shared/data not present")
+
+
+def kept(n, density):
+    return min(n, max(1, math.ceil(density * n)))
+
+
+def test_topk_lm_run_4_ranks(tmp_path):
+    out = check(4, ["mpi_scripts/train_lm.py", "--compressor", "topk:density=0.01", "--epochs", "2",
+                    "--max-steps", "6", "--no-progress", "--data", TINY_SHAKESPEARE,
+                    "--output", str(tmp_path)], timeout=400)
+    assert "SUMMARY method=topk:density=0.01 ranks=4" in out
+    r = json.loads((tmp_path / "results.json").read_text())
+    # perplexity falls: from ~vocab size (untrained) and from epoch to epoch
+    assert r["initial_val_ppl"] > 5000
+    assert r["epochs"][0]["val_ppl"] < 0.5 * r["initial_val_ppl"]
+    assert r["epochs"][1]["val_ppl"] < r["epochs"][0]["val_ppl"]
+    assert r["config"]["world_size"] == 4 and r["config"]["transport"] == "mpi4py-allgather"
+    # bytes per step match the tensor sizes: 8 bytes per kept element + 8-byte counts (2 per tensor)
+    h = 100
+    sizes = [10000 * h] + [4 * h * h] * 4 + [4 * h] * 4
+    sent = sum(8 * kept(n, 0.01) + 16 for n in sizes)
+    assert r["per_step"]["bytes_sent"]["min"] == r["per_step"]["bytes_sent"]["max"] == sent
+    assert r["per_step"]["bytes_received"]["mean"] == 4 * sent
+    assert r["per_step"]["dense_bytes"]["mean"] == 4 * sum(sizes)
+    for phase in ("compute", "compress", "communicate", "decompress", "wall"):
+        assert r["per_step"][phase]["min"] > 0
+    assert r["nominal_ratio"] == pytest.approx(50.0, rel=0.01)
+    assert r["measured_ratio"] == pytest.approx(4 * sum(sizes) / sent)
