@@ -37,8 +37,8 @@ class ErrorFeedback(Compressor):
     def __init__(self, inner: Compressor):
         if not isinstance(inner, Compressor):
             raise TypeError(f"ErrorFeedback wraps an hvdcomp.Compressor, got {type(inner).__name__}")
-        if isinstance(inner, ErrorFeedback):
-            raise ValueError("error feedback is already applied; do not wrap twice")
+        if isinstance(inner, ErrorFeedback) or inner.builtin_error_feedback:
+            raise ValueError(f"'{inner.name}' already applies error feedback; do not wrap it again (ef=false)")
         self.inner = inner
         self.residuals: Dict[str, torch.Tensor] = {}
 
@@ -49,6 +49,17 @@ class ErrorFeedback(Compressor):
     @property
     def summable(self):  # type: ignore[override]
         return self.inner.summable
+
+    @property
+    def allreduce_op(self):  # type: ignore[override]
+        return self.inner.allreduce_op
+
+    @property
+    def owns_momentum(self):  # type: ignore[override]
+        return self.inner.owns_momentum
+
+    def set_epoch(self, epoch):
+        self.inner.set_epoch(epoch)
 
     def describe(self):
         return {**self.inner.describe(), "ef": True}

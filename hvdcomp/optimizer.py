@@ -121,7 +121,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             payload, ctx = self.compression.encode(p.grad, name)
         if self.compression.summable:
             with self.timer.phase("communicate"):
-                handles = [self._hvd.allreduce_async(t, op=self._hvd.Average, name=f"hvdcomp.{name}.{i}")
+                op = self._hvd.Sum if self.compression.allreduce_op == "sum" else self._hvd.Average
+                handles = [self._hvd.allreduce_async(t, op=op, name=f"hvdcomp.{name}.{i}")
                            for i, t in enumerate(payload)]
             nbytes = sum(t.numel() * t.element_size() for t in payload)
             self._inflight[p] = ("allreduce", handles, ctx, nbytes, nbytes)
@@ -247,6 +248,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     Raises:
         ValueError: bad ``named_parameters`` or ``backward_passes_per_step < 1``.
         TypeError: unsupported ``compression``.
+        ValueError: a compressor that applies momentum itself (DGC) with an optimizer that also
+            applies momentum.
         RuntimeError: Horovod is not initialised (call ``hvd.init()`` first).
 
     Example::
@@ -263,6 +266,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
     compression = resolve_compression(compression)
+    if compression.owns_momentum:
+        for group in optimizer.param_groups:
+            beta = group.get("momentum", 0.0) or (group.get("betas") or (0.0,))[0]
+            if beta:
+                raise ValueError(
+                    f"'{compression.name}' applies momentum itself (momentum correction), but the "
+                    f"optimizer also applies momentum {beta}: momentum would be applied twice. Create "
+                    "the optimizer without momentum, e.g. torch.optim.SGD(params, lr=..., momentum=0).")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
                allgather, timer)

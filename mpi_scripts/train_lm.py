@@ -118,9 +118,11 @@ def main(argv=None):
                                        named_parameters=model.named_parameters(),
                                        compression=compressor, allgather=args.allgather)
     timer = opt.timer
-    nominal = n_params / sum(p.numel() / compressor.nominal_ratio(p.numel()) for p in model.parameters())
-    log.info("%s on %d rank(s): %s model, %d parameters, nominal ratio %.1fx, transport %s",
-             args.compressor, size, args.model, n_params, nominal,
+    ratios = [compressor.nominal_ratio(p.numel()) for p in model.parameters()]
+    nominal = None if None in ratios else n_params / sum(p.numel() / r for p, r in zip(model.parameters(), ratios))
+    log.info("%s on %d rank(s): %s model, %d parameters, nominal ratio %s, transport %s",
+             args.compressor, size, args.model, n_params,
+             "data-dependent" if nominal is None else f"{nominal:.1f}x",
              "allreduce" if compressor.summable else opt._gatherer.kind + " allgather")
 
     steps_per_epoch = len(range(0, train.shape[0] - 1, args.bptt))
@@ -131,6 +133,7 @@ def main(argv=None):
     log.info("initial valid ppl %.2f", initial_val)
     t_start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
+        compressor.set_epoch(epoch - 1)  # DGC's density warm-up
         t_epoch, loss_sum, state = time.perf_counter(), 0.0, model.init_state(train.shape[1])
         bar = tqdm(total=steps_per_epoch, desc=f"epoch {epoch}", disable=rank != 0 or args.no_progress,
                    mininterval=2.0, file=sys.stderr)
@@ -199,7 +202,7 @@ def main(argv=None):
         print(f"SUMMARY method={args.compressor} ranks={size} model={args.model} epochs={args.epochs} "
               f"val_ppl={epochs[-1]['val_ppl']:.2f} test_ppl={test_ppl:.2f} step={across['wall']['mean']:.3f}s "
               f"({ph}) sent={across['bytes_sent']['mean'] / 1e3:.1f}KB/step "
-              f"ratio={measured_ratio:.1f}x (nominal {nominal:.1f}x) -> {path}", flush=True)
+              f"ratio={measured_ratio:.1f}x (nominal {'n/a' if nominal is None else f'{nominal:.1f}x'}) -> {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -43,8 +43,12 @@ def _split(buf: torch.Tensor, counts: np.ndarray, dtypes, device) -> List[List[t
     for r in range(counts.shape[0]):
         payload = []
         for c, dt in zip(counts[r], dtypes):
-            nbytes = int(c) * torch.empty((), dtype=dt).element_size()
-            payload.append(buf[pos:pos + nbytes].view(dt).to(device))
+            itemsize = torch.empty((), dtype=dt).element_size()
+            piece = buf[pos:pos + int(c) * itemsize]
+            if pos % itemsize or piece.numel() == 0:  # a view needs aligned, strided storage
+                piece = piece.clone().contiguous() if piece.numel() else torch.empty(0, dtype=torch.uint8)
+            payload.append(piece.view(dt).to(device))
+            nbytes = piece.numel()
             pos += nbytes
         out.append(payload)
     return out

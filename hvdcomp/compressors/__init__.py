@@ -1,11 +1,18 @@
 """Compression methods, one per module, each registered by name (see :func:`get_compressor`)."""
 from .base import Compressor, Payload, world_size
 from .registry import available, get_compressor, parse_spec, register
-from . import none, fp16, topk, threshold  # noqa: F401  (registration side effects)
 from .none import NoneCompressor
 from .fp16 import FP16Compressor
+from .bf16 import BF16Compressor
 from .topk import TopKCompressor
+from .randomk import RandomKCompressor
 from .threshold import ThresholdCompressor
+from .dgc import DGCCompressor
+from .qsgd import QSGDCompressor
+from .terngrad import TernGradCompressor
+from .signsgd import SignSGDCompressor, ScaledSignCompressor
 
 __all__ = ["Compressor", "Payload", "world_size", "available", "get_compressor", "parse_spec",
-           "register", "NoneCompressor", "FP16Compressor", "TopKCompressor", "ThresholdCompressor"]
+           "register", "NoneCompressor", "FP16Compressor", "BF16Compressor", "TopKCompressor",
+           "RandomKCompressor", "ThresholdCompressor", "DGCCompressor", "QSGDCompressor",
+           "TernGradCompressor", "SignSGDCompressor", "ScaledSignCompressor"]

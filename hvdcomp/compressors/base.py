@@ -57,14 +57,21 @@ class Compressor(_HorovodCompressor):
 
     Class attributes:
         name: registry name, e.g. ``"topk"``.
-        summable: ``True`` if payloads may be averaged elementwise by allreduce.
+        summable: ``True`` if payloads travel by allreduce.
+        allreduce_op: ``"average"`` (``decode`` is linear, so ``decode(mean of payloads)`` is
+            the mean gradient) or ``"sum"`` (``decode`` receives the sum, e.g. sign votes).
         default_error_feedback: whether :func:`hvdcomp.get_compressor` wraps the method in
             :class:`hvdcomp.ErrorFeedback` unless told otherwise.
+        builtin_error_feedback: the method keeps its own residual (DGC); wrapping is refused.
+        owns_momentum: the method applies momentum itself; the optimizer must not (DGC).
     """
 
     name = "base"
     summable = True
+    allreduce_op = "average"
     default_error_feedback = False
+    builtin_error_feedback = False
+    owns_momentum = False
 
     # ---- hvdcomp API -------------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, name: str | None = None) -> Tuple[Payload, Any]:
@@ -99,8 +106,12 @@ class Compressor(_HorovodCompressor):
             total = d if total is None else total.add_(d)
         return total.div_(len(payloads))
 
+    def set_epoch(self, epoch: int) -> None:
+        """Called by training loops at the start of each epoch (0-based); no-op by default."""
+
     def nominal_ratio(self, numel: int) -> float:
-        """Compression ratio in the seed study's convention (32-bit values and indices)."""
+        """Compression ratio in the seed study's convention (32-bit values and indices), or
+        ``None`` where it depends on the data."""
         return 1.0
 
     def describe(self) -> Dict[str, Any]:
@@ -125,7 +136,7 @@ class Compressor(_HorovodCompressor):
             TypeError: for payloads Horovod's allreduce cannot sum (sparse or per-rank scaled);
                 those need :class:`hvdcomp.DistributedOptimizer`.
         """
-        if not self.summable:
+        if not self.summable or self.allreduce_op != "average":
             raise TypeError(
                 f"hvdcomp compressor '{self.name}' produces a payload that Horovod's allreduce "
                 "cannot sum (it needs an allgather). Use hvdcomp.DistributedOptimizer(optimizer, "

@@ -85,6 +85,8 @@ def get_compressor(spec: str, **kwargs: Any):
         raise ValueError(f"unknown compressor '{name}'; available: {', '.join(available())}")
     cls = _REGISTRY[name]
     ef = spec_kwargs.pop("ef", cls.default_error_feedback)
+    if ef is True and cls.builtin_error_feedback:
+        raise ValueError(f"'{name}' keeps its own residual (error feedback is built in); drop ef=true")
     if not isinstance(ef, bool):
         raise ValueError(f"ef must be true or false, got {ef!r}")
     params = inspect.signature(cls.__init__).parameters

@@ -42,5 +42,9 @@ class ThresholdCompressor(SparseCompressor):
     def describe(self):
         return {"name": self.name, "threshold": self.threshold}
 
+    def nominal_ratio(self, numel):
+        """None: how many elements pass the threshold depends on the data (see measured bytes)."""
+        return None
+
     def select(self, flat, name=None):
         return torch.nonzero(flat.abs() >= self.threshold, as_tuple=True)[0]

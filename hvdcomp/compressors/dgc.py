@@ -1,0 +1,157 @@
+"""``dgc``: Deep Gradient Compression.
+
+Lin, Han, Mao, Wang and Dally, "Deep Gradient Compression: Reducing the Communication Bandwidth
+for Distributed Training", ICLR 2018.
+
+Per parameter, with momentum m, velocity u and accumulation v (both zero at first)::
+
+    g = g · min(1, (C·N^-1/2) / ||g||)     # local gradient clipping (C: the global clip norm)
+    u = m·u + g                            # momentum correction
+    v = v + u                              # local accumulation
+    send v at |v| >= thr                   # thr from a ~1 % sample of |v|
+    u[sent] = 0 ; v[sent] = 0              # momentum factor masking
+
+The threshold is the smallest of the top ceil(ρ·s) magnitudes of s sampled entries; if more
+than 1.3k entries pass, the exact top-k of them is sent; if fewer than 0.8k pass, the threshold
+is lowered ×0.8 and tried again (at most 10 times). Density warms up exponentially over the
+first W epochs: ρ_e = ρ^((e+1)/(W+1)) (W = 4, ρ = 0.001: 0.251, 0.063, 0.0158, 0.0040, then ρ).
+
+DGC applies momentum itself: the optimizer must not apply momentum again (use plain SGD with
+``momentum=0``; :class:`hvdcomp.DistributedOptimizer` refuses otherwise).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict
+
+import torch
+
+from .base import world_size
+from .registry import register
+from .rng import RankGenerators
+from .sparse import SparseCompressor, index_dtype
+from .topk import check_density, num_kept
+
+
+@register("dgc")
+class DGCCompressor(SparseCompressor):
+    """Deep Gradient Compression (sparse payload ``[values float32, indices int32]``).
+
+    Args:
+        density: final ρ in (0, 1] (0.001 in the paper).
+        momentum: m in [0, 1) (0.9).
+        sample_ratio: fraction of entries sampled to estimate the threshold, in (0, 1] (0.01).
+            Tensors whose sample would have fewer than 64 entries use the exact top-k.
+        warmup_epochs: W ≥ 0 epochs of exponential density warm-up (call :meth:`set_epoch`).
+        clip_norm: C > 0 enables local clipping of each gradient to norm C·N^-1/2 (N = world
+            size, read at each step); 0 disables.
+        nesterov: Nesterov momentum (``u = m·(u+g)``, ``v += u + g``).
+        momentum_masking: zero u at sent entries (the paper's momentum factor masking).
+        seed: base seed of the per-rank sampling generator.
+
+    State per parameter name: ``u``, ``v``; plus the epoch and the generator state.
+
+    Raises:
+        ValueError: any argument out of range.
+    """
+
+    name = "dgc"
+    owns_momentum = True
+    builtin_error_feedback = True
+    min_sample = 64
+
+    def __init__(self, density: float = 0.001, momentum: float = 0.9, sample_ratio: float = 0.01,
+                 warmup_epochs: int = 0, clip_norm: float = 0.0, nesterov: bool = False,
+                 momentum_masking: bool = True, seed: int = 0):
+        self.density = check_density(density)
+        if not 0.0 <= float(momentum) < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), e.g. momentum=0.9; got {momentum}")
+        if not 0.0 < float(sample_ratio) <= 1.0:
+            raise ValueError(f"sample_ratio must be in (0, 1], e.g. sample_ratio=0.01; got {sample_ratio}")
+        if not isinstance(warmup_epochs, int) or warmup_epochs < 0:
+            raise ValueError(f"warmup_epochs must be an integer >= 0, got {warmup_epochs!r}")
+        if not float(clip_norm) >= 0:
+            raise ValueError(f"clip_norm must be >= 0 (0 disables local clipping), got {clip_norm}")
+        self.momentum, self.sample_ratio = float(momentum), float(sample_ratio)
+        self.warmup_epochs, self.clip_norm = warmup_epochs, float(clip_norm)
+        self.nesterov, self.momentum_masking = bool(nesterov), bool(momentum_masking)
+        self.epoch = 0
+        self.u: Dict[str, torch.Tensor] = {}
+        self.v: Dict[str, torch.Tensor] = {}
+        self.rng = RankGenerators(seed)
+
+    def describe(self):
+        return {"name": self.name, "density": self.density, "momentum": self.momentum,
+                "sample_ratio": self.sample_ratio, "warmup_epochs": self.warmup_epochs,
+                "clip_norm": self.clip_norm, "nesterov": self.nesterov,
+                "momentum_masking": self.momentum_masking}
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell DGC the 0-based epoch (drives the density warm-up)."""
+        self.epoch = int(epoch)
+
+    def density_at(self, epoch: int) -> float:
+        """ρ_e = ρ^((e+1)/(W+1)) during warm-up (e < W), else ρ."""
+        if epoch < self.warmup_epochs:
+            return self.density ** ((epoch + 1) / (self.warmup_epochs + 1))
+        return self.density
+
+    def nominal_ratio(self, numel):
+        return numel / max(1, num_kept(numel, self.density)) / 2.0
+
+    def threshold_select(self, mag: torch.Tensor, k: int) -> torch.Tensor:
+        """Indices (int64) of about k entries of ``mag`` (1-D, >= 0) via a sampled threshold."""
+        n = mag.numel()
+        samples = math.ceil(self.sample_ratio * n)
+        if k >= n:
+            return torch.arange(n, device=mag.device)
+        if samples < self.min_sample:
+            return torch.topk(mag, k, sorted=False).indices
+        pos = torch.randint(0, n, (samples,), generator=self.rng.get(mag.device), device=mag.device)
+        ks = max(1, math.ceil(k / n * samples))
+        thr = torch.topk(mag[pos], ks, sorted=False).values.min()
+        for _ in range(10):
+            idx = torch.nonzero(mag >= thr, as_tuple=True)[0]
+            count = idx.numel()
+            if count > 1.3 * k:
+                return idx[torch.topk(mag[idx], k, sorted=False).indices]
+            if count >= 0.8 * k:
+                return idx
+            thr = thr * 0.8
+        return idx
+
+    def encode(self, tensor, name=None):
+        if name is None:
+            raise ValueError("dgc keeps momentum per parameter and needs its name: use "
+                             "hvdcomp.DistributedOptimizer(..., named_parameters=model.named_parameters())")
+        g = tensor.reshape(-1).to(torch.float32)
+        n = g.numel()
+        if self.clip_norm > 0 and n:
+            limit = self.clip_norm / math.sqrt(world_size())
+            norm = g.norm()
+            g = g * torch.clamp(limit / torch.clamp(norm, min=1e-30), max=1.0)
+        u = self.u.setdefault(name, torch.zeros_like(g))
+        v = self.v.setdefault(name, torch.zeros_like(g))
+        if self.nesterov:
+            u.add_(g).mul_(self.momentum)
+            v.add_(u).add_(g)
+        else:
+            u.mul_(self.momentum).add_(g)
+            v.add_(u)
+        k = num_kept(n, self.density_at(self.epoch))
+        idx = self.threshold_select(v.abs(), k) if n else torch.zeros(0, dtype=torch.long, device=g.device)
+        values = v[idx].clone()
+        v[idx] = 0.0
+        if self.momentum_masking:
+            u[idx] = 0.0
+        return [values, idx.to(index_dtype(n))], (tensor.shape, tensor.dtype)
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "u": {k: t.clone() for k, t in self.u.items()},
+                "v": {k: t.clone() for k, t in self.v.items()}, "rng": self.rng.state_dict()}
+
+    def load_state_dict(self, state):
+        self.epoch = int(state.get("epoch", 0))
+        self.u = {k: t.clone() for k, t in state.get("u", {}).items()}
+        self.v = {k: t.clone() for k, t in state.get("v", {}).items()}
+        self.rng.load_state_dict(state.get("rng", {}))

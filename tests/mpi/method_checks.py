@@ -1,0 +1,115 @@
+"""Multi-rank checks of every method through hvdcomp.DistributedOptimizer.
+
+Usage: mpirun -np N python tests/mpi/method_checks.py CHECK [SPEC ...]
+"""
+import sys
+
+import torch
+import horovod.torch as hvd
+
+import hvdcomp
+from hvdcomp.compressors.base import Compressor
+
+SPECS = ["none", "fp16", "bf16", "topk:density=0.2", "randomk:density=0.2",
+         "randomk:density=0.2,ef=false", "threshold:threshold=0.05", "dgc:density=0.2",
+         "qsgd:levels=4,bucket=8", "qsgd:levels=64,bucket=16,scale=max", "terngrad", "signsgd",
+         "signsgd:vote=allgather", "efsignsgd"]
+
+
+class Recording(Compressor):
+    """Test wrapper: remembers what each parameter's payload decodes to locally (what was sent)."""
+
+    def __init__(self, inner):
+        self.inner, self.sent = inner, {}
+        self.summable, self.allreduce_op = inner.summable, inner.allreduce_op
+        self.owns_momentum, self.name = inner.owns_momentum, inner.name
+
+    def encode(self, tensor, name=None):
+        payload, ctx = self.inner.encode(tensor, name)
+        self.sent[name] = self.inner.decode([t.clone() for t in payload], ctx)
+        return payload, ctx
+
+    def decode(self, payload, ctx):
+        return self.inner.decode(payload, ctx)
+
+    def aggregate(self, payloads, ctx):
+        return self.inner.aggregate(payloads, ctx)
+
+
+def model_and_batch(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    g = torch.Generator().manual_seed(100 + hvd.rank())
+    return model, torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def check_matches_dense_reference(spec):
+    """Two steps; each time p.grad == the mean (or sign vote) of what every rank sent."""
+    model, x, y = model_and_batch()
+    comp = Recording(hvdcomp.get_compressor(spec))
+    opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                       named_parameters=model.named_parameters(), compression=comp)
+    tol = 2e-3 if spec == "fp16" else 1e-5
+    for step in range(2):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.synchronize()
+        for n, p in model.named_parameters():
+            every = hvd.allgather(comp.sent[n].unsqueeze(0), name=f"ref.{spec}.{step}.{n}")
+            if spec.startswith("signsgd"):
+                ref = torch.where(every.sum(0) >= 0, 1.0, -1.0)
+            else:
+                ref = every.mean(0)
+            assert torch.allclose(p.grad, ref, atol=tol, rtol=tol), (spec, step, n, p.grad, ref)
+        with opt.skip_synchronize():
+            opt.step()
+    # parameters stay identical across ranks
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert torch.equal(hvd.broadcast(flat, 0, name=f"same.{spec}"), flat), spec
+
+
+def check_randomk_indices_shared():
+    """Indices equal on all ranks; the global RNG state is untouched."""
+    comp = hvdcomp.get_compressor("randomk:density=0.01,ef=false")
+    before = torch.get_rng_state()
+    idx = comp.indices(100_000, "encoder.weight", 7)
+    assert torch.equal(torch.get_rng_state(), before)
+    every = hvd.allgather(idx.unsqueeze(0), name="randomk.idx")
+    assert all(torch.equal(every[r], idx) for r in range(hvd.size()))
+
+
+def check_dgc_momentum_applied_once():
+    """1 element, g = 1 for 3 steps, m = 0.9, lr = 1: parameter deltas 1.0, 1.9, 2.71."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    comp = hvdcomp.get_compressor("dgc", density=1.0, momentum=0.9, momentum_masking=False)
+    opt = hvdcomp.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), named_parameters=[("w", p)],
+                                       compression=comp)
+    deltas, last = [], 0.0
+    for _ in range(3):
+        opt.zero_grad()
+        (-p).sum().backward()                 # gradient -1, so the step adds +1 * velocity
+        opt.step()
+        deltas.append(round(p.item() - last, 6))
+        last = p.item()
+    assert deltas == [1.0, 1.9, 2.71], deltas
+    try:
+        hvdcomp.DistributedOptimizer(torch.optim.SGD([p], lr=1.0, momentum=0.9),
+                                     named_parameters=[("w", p)], compression="dgc")
+    except ValueError as exc:
+        assert "momentum would be applied twice" in str(exc), exc
+    else:
+        raise AssertionError("DGC with a momentum optimizer was accepted")
+
+
+if __name__ == "__main__":
+    hvd.init()
+    check = sys.argv[1]
+    if check == "dense_reference":
+        for spec in sys.argv[2:] or SPECS:
+            check_matches_dense_reference(spec)
+            if hvd.rank() == 0:
+                print(f"OK dense_reference {spec}", flush=True)
+    else:
+        globals()[f"check_{check}"]()
+        if hvd.rank() == 0:
+            print(f"OK {check}", flush=True)

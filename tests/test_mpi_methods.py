@@ -1,0 +1,72 @@
+"""Every method through hvdcomp.DistributedOptimizer at 2 and 4 ranks, and through the LM job."""
+import json
+import math
+import os
+
+import pytest
+
+import hvdcomp
+from tests.mpi.method_checks import SPECS
+from tests.mpirun import TINY_SHAKESPEARE, check
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_every_method_matches_dense_reference(ranks):
+    out = check(ranks, ["tests/mpi/method_checks.py", "dense_reference", *SPECS], timeout=300)
+    for spec in SPECS:
+        assert f"OK dense_reference {spec}\n" in out, out[-3000:]
+
+
+def test_randomk_indices_identical_on_4_ranks():
+    assert "OK randomk_indices_shared" in check(4, ["tests/mpi/method_checks.py", "randomk_indices_shared"], timeout=120)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_dgc_momentum_applied_once(ranks):
+    assert "OK dgc_momentum_applied_once" in check(ranks, ["tests/mpi/method_checks.py", "dgc_momentum_applied_once"], timeout=120)
+
+
+H = 100
+SIZES = [10000 * H] + [4 * H * H] * 4 + [4 * H] * 4   # small LSTM LM: embedding, 2 layers
+
+
+def expected_bytes_sent(spec):
+    """Exact bytes one rank sends per step, computed from the wire formats (None: data-dependent)."""
+    comp = hvdcomp.get_compressor(spec)
+    if spec.startswith("qsgd"):
+        return sum(comp.wire_bytes(n) + 16 for n in SIZES)          # 2 payload tensors, int64 counts
+    if spec.startswith("randomk"):
+        return sum(4 * max(1, math.ceil(0.01 * n)) for n in SIZES)  # values only, allreduce
+    if spec == "signsgd":
+        return sum(4 * n for n in SIZES)                             # int32 votes, allreduce
+    if spec == "efsignsgd":
+        return sum(4 + math.ceil(n / 8) + 16 for n in SIZES)
+    if spec == "terngrad":
+        return sum(4 + math.ceil(n / 4) + 16 for n in SIZES)
+    if spec == "bf16":
+        return sum(2 * n + 8 for n in SIZES)
+    return None
+
+
+LM_SPECS = ["fp16", "bf16", "randomk:density=0.01", "randomk:density=0.01,ef=false",
+            "threshold:threshold=0.001", "dgc:density=0.01,warmup_epochs=1", "qsgd:levels=16,bucket=512",
+            "terngrad", "signsgd", "efsignsgd"]
+
+
+@pytest.mark.skipif(not os.path.isfile(TINY_SHAKESPEARE), reason="../shared/data not present")
+@pytest.mark.parametrize("spec", LM_SPECS)
+def test_train_lm_runs_every_method_at_4_ranks(spec, tmp_path):
+    lr = "0.001" if spec == "signsgd" else "20"
+    check(4, ["mpi_scripts/train_lm.py", "--compressor", spec, "--epochs", "1", "--max-steps", "3",
+              "--lr", lr, "--no-progress", "--data", TINY_SHAKESPEARE, "--output", str(tmp_path)], timeout=300)
+    r = json.loads((tmp_path / "results.json").read_text())
+    sent = r["per_step"]["bytes_sent"]
+    assert sent["mean"] > 0 and math.isfinite(r["test_ppl"])
+    exact = expected_bytes_sent(spec)
+    if exact is not None:
+        assert sent["min"] == sent["max"] == exact, (spec, sent, exact)
+    assert r["measured_ratio"] == pytest.approx(r["per_step"]["dense_bytes"]["mean"] / sent["mean"])
+    if spec.startswith("threshold"):
+        assert r["nominal_ratio"] is None                  # data-dependent
+    else:
+        assert r["nominal_ratio"] > 1.0
