@@ -36,6 +36,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hvdcomp  # noqa: E402
 from hvdcomp.lm import LSTMLM, MODEL_SIZES, batchify, load_corpus, rank_columns  # noqa: E402
+from hvdcomp.launch import detect_launch, select_device  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
 from hvdcomp.metrics import PHASES, reduce_across_ranks, write_json_atomic  # noqa: E402
 
@@ -63,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--output", default="runs/latest", help="directory for results.json")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--allgather", choices=["auto", "mpi4py", "horovod"], default="auto")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: this rank's local GPU when CUDA is available, else CPU")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
@@ -77,8 +80,8 @@ def parse_args(argv=None):
 def evaluate(model, stream, eval_batch, bptt):
     """Perplexity of ``stream``: each rank takes columns rank, rank+N, ...; sums are allreduced."""
     model.eval()
-    data = batchify(stream, eval_batch)[:, hvd.rank()::hvd.size()]
-    total = torch.zeros(2, dtype=torch.float64)
+    data = batchify(stream, eval_batch)[:, hvd.rank()::hvd.size()].to(model.embedding.weight.device)
+    total = torch.zeros(2, dtype=torch.float64)  # on the CPU: Horovod may lack GPU operations
     if data.shape[1] > 0:
         state = model.init_state(data.shape[1])
         with torch.no_grad():
@@ -105,12 +108,13 @@ def main(argv=None):
     data_path = args.data or default_data_path()
     corpus = load_corpus(data_path, vocab_size=args.vocab_size)
     cols = rank_columns(args.batch_size, rank, size)
-    train = batchify(corpus.train, args.batch_size)[:, cols]
+    device = select_device(args.device, hvd.local_rank())
+    train = batchify(corpus.train, args.batch_size)[:, cols].to(device)
     log.info("corpus %s: %d/%d/%d tokens, vocab %d", corpus.source, len(corpus.train),
              len(corpus.valid), len(corpus.test), corpus.vocab_size)
 
     torch.manual_seed(args.seed)
-    model = LSTMLM(corpus.vocab_size, MODEL_SIZES[args.model], dropout=args.dropout)
+    model = LSTMLM(corpus.vocab_size, MODEL_SIZES[args.model], dropout=args.dropout).to(device)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     torch.manual_seed(args.seed * 1000 + rank)  # dropout masks differ per rank
     n_params = sum(p.numel() for p in model.parameters())
@@ -172,6 +176,9 @@ def main(argv=None):
             for g in opt.param_groups:
                 g["lr"] = lr
     test_ppl = evaluate(model, corpus.test, args.eval_batch_size, args.bptt)
+    launch = detect_launch()
+    me = (rank, hvd.local_rank(), os.environ.get("SLURMD_NODENAME", platform.node()), str(device))
+    everyone = hvd.allgather_object(me, name="ranks.info")
 
     per_step = timer.totals(skip_first=1 if len(timer.history) > 1 else 0)
     keys = [*PHASES, "wall", "bytes_sent", "bytes_received", "dense_bytes"]
@@ -185,6 +192,8 @@ def main(argv=None):
                            if k.startswith(("OMPI_MCA_", "HOROVOD_", "OMP_NUM_THREADS"))},
                    "torch": torch.__version__, "hvdcomp": hvdcomp.__version__, "host": platform.node()},
         "corpus": corpus.describe(),
+        "launcher": launch.launcher,
+        "ranks": [dict(zip(("rank", "local_rank", "node", "device"), r)) for r in everyone],
         "epochs": epochs,
         "initial_val_ppl": initial_val,
         "test_ppl": test_ppl,

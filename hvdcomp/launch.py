@@ -1,0 +1,82 @@
+"""What the launcher tells a process: rank, world size, local rank, and which device to use.
+
+Read from the environment (no MPI call), so it works before ``hvd.init()`` and tells why a run
+is single-process. Recognised launchers: Open MPI (``mpirun``/``horovodrun``), MPICH/Intel MPI
+(Hydra: ``PMI_RANK``…), SLURM ``srun`` (``SLURM_PROCID``…), and Horovod's Gloo launcher
+(``HOROVOD_RANK``…).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["LaunchInfo", "detect_launch", "select_device"]
+
+# (launcher, rank, size, local rank) variable names, most specific first
+_SCHEMES = [
+    ("horovod-gloo", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+]
+
+
+@dataclass
+class LaunchInfo:
+    """``launcher`` is ``"none"`` for a plain ``python`` start (rank 0 of 1)."""
+
+    launcher: str
+    rank: int
+    size: int
+    local_rank: int
+
+
+def detect_launch(environ=None) -> LaunchInfo:
+    """Rank, world size and local rank from the launcher's environment variables.
+
+    A SLURM allocation alone (``SLURM_PROCID`` without ``SLURM_STEP_ID``, i.e. the batch script
+    itself) is not a parallel launch. MPICH's ``MPI_LOCALRANKID`` may be missing; then
+    ``PMI_LOCAL_RANK`` is used, else 0.
+
+    Raises:
+        ValueError: a variable holds something other than an integer, or rank >= size.
+    """
+    env = os.environ if environ is None else environ
+    for launcher, r, s, lr in _SCHEMES:
+        if r in env and s in env:
+            if launcher == "slurm" and "SLURM_STEP_ID" not in env:
+                continue
+            try:
+                rank, size = int(env[r]), int(env[s])
+                local = int(env.get(lr, env.get("PMI_LOCAL_RANK", 0)))
+            except ValueError:
+                raise ValueError(f"launcher variables {r}={env.get(r)!r} {s}={env.get(s)!r} are not integers") from None
+            if not 0 <= rank < size:
+                raise ValueError(f"{r}={rank} is not in [0, {s}={size})")
+            return LaunchInfo(launcher, rank, size, local)
+    return LaunchInfo("none", 0, 1, 0)
+
+
+def select_device(prefer: str = "auto", local_rank: Optional[int] = None) -> torch.device:
+    """The device this rank trains on: ``cuda:<local rank mod GPU count>`` when CUDA is available
+    (``prefer="auto"`` or ``"cuda"``), else the CPU.
+
+    Raises:
+        RuntimeError: ``prefer="cuda"`` on a machine without a usable GPU.
+        ValueError: unknown ``prefer``.
+    """
+    if prefer not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {prefer!r}")
+    if prefer == "cpu" or (prefer == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but torch sees no GPU "
+                           "(check CUDA_VISIBLE_DEVICES and that a CUDA build of torch is installed)")
+    if local_rank is None:
+        local_rank = detect_launch().local_rank
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)

@@ -1,0 +1,99 @@
+"""The project's SLURM batch script, submitted for real to a local SLURM cluster (CPU mode).
+
+The cluster comes from ../shared/tools/slurm_local.sh (munge, slurmctld, 2 emulated slurmd nodes
+x 2 CPUs, Open MPI with PMIx). It is brought up once for this module and always torn down.
+Skipped, with the reason, where it cannot run (not root, no apt-get, tool missing).
+"""
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from tests.mpirun import ROOT, SHARED, TINY_SHAKESPEARE
+
+TOOL = os.path.join(SHARED, "tools", "slurm_local.sh")
+SCRIPT = os.path.join(ROOT, "slurm", "train_lm.sbatch")
+VENV = os.path.join(ROOT, ".venv")
+
+
+def _why_not():
+    if not os.path.isfile(TOOL):
+        return f"{TOOL} not found"
+    if os.geteuid() != 0:
+        return "SLURM can only be installed and started as root"
+    if shutil.which("apt-get") is None:
+        return "no apt-get to install SLURM"
+    if not os.path.isfile(TINY_SHAKESPEARE):
+        return "../shared/data not present"
+    return None
+
+
+def _tool(*args, timeout=240, env=None):
+    return subprocess.run(["bash", TOOL, *args], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, SLURM_LOCAL_NODES="2", SLURM_LOCAL_CPUS="2", **(env or {})))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = _why_not()
+    if reason:
+        pytest.skip(reason)
+    try:
+        up = _tool("up", timeout=600)
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield
+    finally:
+        _tool("down", timeout=120)
+
+
+def sbatch(tmp_path, *options, **env):
+    """Submit slurm/train_lm.sbatch with sbatch --wait (CPU mode, 2 nodes x 2 tasks)."""
+    job_env = {"HVDCOMP_VENV": VENV, "OUTPUT_ROOT": str(tmp_path / "results"), "MODEL": "small",
+               "EPOCHS": "1", "EXTRA_ARGS": "--max-steps 2", "DATA": TINY_SHAKESPEARE, **env}
+    res = _tool("run", "timeout", "420", "sbatch", "--wait", "--parsable", "--gres=none", "-N", "2",
+                "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
+                f"--output={tmp_path}/%A_%a.out", *options, SCRIPT, timeout=480, env=job_env)
+    logs = "".join(open(os.path.join(tmp_path, f)).read() for f in sorted(os.listdir(tmp_path)) if f.endswith(".out"))
+    assert res.returncode == 0, res.stdout + res.stderr + logs
+    return res.stdout.strip().split(";")[0], logs
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_batch_job_runs_4_ranks_on_2_nodes(cluster, tmp_path):
+    job, logs = sbatch(tmp_path, COMPRESSOR="topk:density=0.01")
+    r = load(tmp_path / "results" / f"{job}_0" / "results.json")
+    assert r["config"]["world_size"] == 4 and r["launcher"] == "slurm"
+    assert sorted(x["rank"] for x in r["ranks"]) == [0, 1, 2, 3]
+    assert sorted({x["node"] for x in r["ranks"]}) == ["n1", "n2"]
+    for phase in ("compute", "compress", "communicate", "decompress"):
+        assert set(r["per_step"][phase]) == {"min", "mean", "max"}     # over the 4 ranks
+    assert r["config"]["transport"] == "mpi4py-allgather" and "done:" in logs
+
+
+def test_job_array_writes_one_result_per_cell(cluster, tmp_path):
+    cells = tmp_path / "cells.txt"
+    cells.write_text("--compressor none\n--compressor topk:density=0.01\n")
+    job, _ = sbatch(tmp_path, "--array=0-1", HVDCOMP_CELLS=str(cells), HVDCOMP_LAUNCHER="mpirun")
+    methods = [load(tmp_path / "results" / f"{job}_{t}" / "results.json")["config"]["compressor_spec"]
+               for t in (0, 1)]
+    assert methods == ["none", "topk:density=0.01"]
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"HVDCOMP_VENV": "/nonexistent/venv"}, "no virtualenv at '/nonexistent/venv'"),
+    ({"DATA": "/nonexistent/corpus.txt"}, "data path '/nonexistent/corpus.txt' does not exist"),
+    ({"HVDCOMP_LAUNCHER": "ssh"}, "HVDCOMP_LAUNCHER must be srun, mpirun or horovodrun"),
+])
+def test_script_refuses_bad_set_up_clearly(tmp_path, env, message):
+    full = dict(os.environ, HVDCOMP_VENV=VENV, OUTPUT_ROOT=str(tmp_path), DATA=__file__)
+    full.update(env)
+    for k in ("SLURM_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_NTASKS"):
+        full.pop(k, None)
+    res = subprocess.run(["bash", SCRIPT], capture_output=True, text=True, timeout=60, env=full)
+    assert res.returncode == 2 and message in res.stderr, res.stderr
