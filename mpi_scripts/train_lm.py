@@ -41,6 +41,9 @@ from hvdcomp.lm.data import default_data_path  # noqa: E402
 from hvdcomp.metrics import PHASES, reduce_across_ranks, write_json_atomic  # noqa: E402
 
 log = logging.getLogger("train_lm")
+# user-facing performance settings worth recording with every result (not Open MPI's internals)
+RECORDED_ENV = ("OMPI_MCA_mpi_yield_when_idle", "OMPI_MCA_btl", "OMPI_MCA_pml", "OMPI_MCA_coll_",
+                "HOROVOD_", "OMP_NUM_THREADS")
 
 
 def parse_args(argv=None):
@@ -188,8 +191,7 @@ def main(argv=None):
         "config": {**vars(args), "data": data_path, "world_size": size, "parameters": n_params,
                    "compressor": compressor.describe(), "compressor_spec": args.compressor,
                    "transport": "allreduce" if compressor.summable else opt._gatherer.kind + "-allgather",
-                   "env": {k: os.environ[k] for k in sorted(os.environ)
-                           if k.startswith(("OMPI_MCA_", "HOROVOD_", "OMP_NUM_THREADS"))},
+                   "env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith(RECORDED_ENV)},
                    "torch": torch.__version__, "hvdcomp": hvdcomp.__version__, "host": platform.node()},
         "corpus": corpus.describe(),
         "launcher": launch.launcher,
