@@ -109,7 +109,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "step() or synchronize(). Increase backward_passes_per_step to accumulate "
                 "gradients locally.")
         self._delay[p] -= 1
-        if self._delay[p] == 0:
+        if self._delay[p] == 0 and not self.compression.batched:
             self._launch(p)
 
     def _launch(self, p: torch.Tensor) -> None:
@@ -158,6 +158,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ``backward_passes_per_step``) are sent now with their current (or zero) gradient, so all
         ranks take part in the same collectives.
         """
+        if self.compression.batched:
+            self._synchronize_batched()
+            return
         for p in self._order:
             if p not in self._inflight and p not in self._encoded:
                 if self.compression.summable:
@@ -184,6 +187,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.timer.add_bytes(sent=sent, received=received, dense=p.numel() * 4)
             self._delay[p] = self.backward_passes_per_step
         self._next_gather = 0
+        self._synchronized = True
+
+    def _allreduce_mean(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """One blocking Horovod allreduce (average), timed and counted."""
+        with self.timer.phase("communicate"):
+            out = self._hvd.allreduce(tensor, op=self._hvd.Average, name=f"hvdcomp.{name}")
+        nbytes = tensor.numel() * tensor.element_size()
+        self.timer.add_bytes(sent=nbytes, received=nbytes)
+        return out
+
+    def _synchronize_batched(self) -> None:
+        """Batched compressors (PowerSGD) reduce every gradient of the step at once."""
+        params = self._order  # expected backward order, as PyTorch DDP's rebuilt buckets hold them
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = self.compression.reduce_batch([(self._names[p], p.grad) for p in params],
+                                              self._allreduce_mean, self.timer)
+        with self.timer.phase("decompress"):
+            for p, g in zip(params, grads):
+                p.grad.copy_(g)
+        for p in self._order:
+            self.timer.add_bytes(dense=p.numel() * 4)
+            self._delay[p] = self.backward_passes_per_step
         self._synchronized = True
 
     @contextlib.contextmanager

@@ -11,8 +11,9 @@ from .dgc import DGCCompressor
 from .qsgd import QSGDCompressor
 from .terngrad import TernGradCompressor
 from .signsgd import SignSGDCompressor, ScaledSignCompressor
+from .powersgd import PowerSGDCompressor
 
 __all__ = ["Compressor", "Payload", "world_size", "available", "get_compressor", "parse_spec",
            "register", "NoneCompressor", "FP16Compressor", "BF16Compressor", "TopKCompressor",
            "RandomKCompressor", "ThresholdCompressor", "DGCCompressor", "QSGDCompressor",
-           "TernGradCompressor", "SignSGDCompressor", "ScaledSignCompressor"]
+           "TernGradCompressor", "SignSGDCompressor", "ScaledSignCompressor", "PowerSGDCompressor"]

@@ -64,6 +64,9 @@ class Compressor(_HorovodCompressor):
             :class:`hvdcomp.ErrorFeedback` unless told otherwise.
         builtin_error_feedback: the method keeps its own residual (DGC); wrapping is refused.
         owns_momentum: the method applies momentum itself; the optimizer must not (DGC).
+        batched: the method reduces all gradients of a step together through
+            ``reduce_batch(named_grads, allreduce_mean, timer)`` instead of encode/decode per
+            tensor (PowerSGD: two collectives per step).
     """
 
     name = "base"
@@ -72,6 +75,7 @@ class Compressor(_HorovodCompressor):
     default_error_feedback = False
     builtin_error_feedback = False
     owns_momentum = False
+    batched = False
 
     # ---- hvdcomp API -------------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, name: str | None = None) -> Tuple[Payload, Any]:
