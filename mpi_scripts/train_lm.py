@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hvdcomp  # noqa: E402
 from hvdcomp.lm import LSTMLM, MODEL_SIZES, batchify, load_corpus, rank_columns  # noqa: E402
 from hvdcomp.launch import detect_launch, select_device  # noqa: E402
+from hvdcomp.lowrank import ABTraining  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
 from hvdcomp.metrics import PHASES, reduce_across_ranks, write_json_atomic  # noqa: E402
 
@@ -51,6 +52,10 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--compressor", default="none",
                    help=f"method spec NAME[:key=value,...]; methods: {', '.join(hvdcomp.available())}")
+    p.add_argument("--ab-training", default=None, metavar="KEY=VALUE,...",
+                   help="AB-training instead of a compressor, e.g. 'groups=2,warmup_steps=50,"
+                        "steps_between_syncs=50,full_rank_steps=5,cutoff=0.1,ramp_steps=10' "
+                        "(see hvdcomp.lowrank.ABTraining)")
     p.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="hidden 100/300/500")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=0, help="cap on optimizer steps per epoch (0: no cap)")
@@ -77,7 +82,18 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.lr <= 0 or args.clip <= 0:
         p.error("--lr and --clip must be positive")
+    if args.ab_training is not None and args.compressor != "none":
+        p.error("--ab-training replaces gradient compression: leave --compressor at 'none'")
     return args
+
+
+def transport_of(opt, compressor) -> str:
+    """How gradients travel, for logs and results."""
+    if isinstance(opt, ABTraining):
+        return "mpi4py-allreduce (world + group sub-communicators)"
+    if compressor.summable:
+        return "allreduce"
+    return opt._gatherer.kind + "-allgather"
 
 
 def evaluate(model, stream, eval_batch, bptt):
@@ -107,6 +123,7 @@ def main(argv=None):
                         format=f"[%(asctime)s rank {rank}] %(message)s", datefmt="%H:%M:%S")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     compressor = hvdcomp.get_compressor(args.compressor)  # ValueError for a bad spec, on every rank
+    method = args.compressor if args.ab_training is None else f"ab-training:{args.ab_training}"
 
     data_path = args.data or default_data_path()
     corpus = load_corpus(data_path, vocab_size=args.vocab_size)
@@ -121,16 +138,22 @@ def main(argv=None):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     torch.manual_seed(args.seed * 1000 + rank)  # dropout masks differ per rank
     n_params = sum(p.numel() for p in model.parameters())
-    opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
-                                       named_parameters=model.named_parameters(),
-                                       compression=compressor, allgather=args.allgather)
+    if args.ab_training is not None:
+        _, ab_kwargs = hvdcomp.parse_spec("ab:" + args.ab_training)
+        ab = ABTraining(model, lambda params: torch.optim.SGD(params, lr=args.lr), base_lr=args.lr, **ab_kwargs)
+        opt = ab
+    else:
+        ab = None
+        opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
+                                           named_parameters=model.named_parameters(),
+                                           compression=compressor, allgather=args.allgather)
     timer = opt.timer
-    ratios = [compressor.nominal_ratio(p.numel()) for p in model.parameters()]
+    ratios = [None if ab else compressor.nominal_ratio(p.numel()) for p in model.parameters()]
     nominal = None if None in ratios else n_params / sum(p.numel() / r for p, r in zip(model.parameters(), ratios))
     log.info("%s on %d rank(s): %s model, %d parameters, nominal ratio %s, transport %s",
-             args.compressor, size, args.model, n_params,
+             method, size, args.model, n_params,
              "data-dependent" if nominal is None else f"{nominal:.1f}x",
-             "allreduce" if compressor.summable else opt._gatherer.kind + " allgather")
+             transport_of(opt, compressor))
 
     steps_per_epoch = len(range(0, train.shape[0] - 1, args.bptt))
     if args.max_steps:
@@ -157,7 +180,7 @@ def main(argv=None):
                 loss.backward()
             opt.synchronize()
             with timer.phase("compute"):
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                torch.nn.utils.clip_grad_norm_(ab.parameters() if ab else model.parameters(), args.clip)
                 with opt.skip_synchronize():
                     opt.step()
             timer.end_step()
@@ -176,6 +199,8 @@ def main(argv=None):
             best_val = val_ppl
         else:
             lr /= 4.0
+            if ab:
+                ab.base_lr = lr
             for g in opt.param_groups:
                 g["lr"] = lr
     test_ppl = evaluate(model, corpus.test, args.eval_batch_size, args.bptt)
@@ -189,8 +214,8 @@ def main(argv=None):
     measured_ratio = across["dense_bytes"]["mean"] / max(1.0, across["bytes_sent"]["mean"])
     results = {
         "config": {**vars(args), "data": data_path, "world_size": size, "parameters": n_params,
-                   "compressor": compressor.describe(), "compressor_spec": args.compressor,
-                   "transport": "allreduce" if compressor.summable else opt._gatherer.kind + "-allgather",
+                   "compressor": compressor.describe(), "compressor_spec": method,
+                   "transport": transport_of(opt, compressor),
                    "env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith(RECORDED_ENV)},
                    "torch": torch.__version__, "hvdcomp": hvdcomp.__version__, "host": platform.node()},
         "corpus": corpus.describe(),
@@ -206,11 +231,14 @@ def main(argv=None):
         "nominal_ratio": nominal,
         "measured_ratio": measured_ratio,
     }
+    if ab:
+        results["config"]["compressor"] = ab.describe()
+        results["ab_training"] = ab.communication_report()
     if rank == 0:
         path = os.path.join(args.output, "results.json")
         write_json_atomic(path, results)
         ph = " ".join(f"{p} {across[p]['mean']:.3f}s" for p in PHASES)
-        print(f"SUMMARY method={args.compressor} ranks={size} model={args.model} epochs={args.epochs} "
+        print(f"SUMMARY method={method} ranks={size} model={args.model} epochs={args.epochs} "
               f"val_ppl={epochs[-1]['val_ppl']:.2f} test_ppl={test_ppl:.2f} step={across['wall']['mean']:.3f}s "
               f"({ph}) sent={across['bytes_sent']['mean'] / 1e3:.1f}KB/step "
               f"ratio={measured_ratio:.1f}x (nominal {'n/a' if nominal is None else f'{nominal:.1f}x'}) -> {path}", flush=True)

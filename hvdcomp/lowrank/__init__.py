@@ -1,4 +1,5 @@
-"""Low-rank communication: PowerSGD (a compressor) and AB-training."""
+"""Low-rank communication: PowerSGD helpers and AB-training."""
+from .ab import ABTraining, factorize, kept_rank
 from .orthogonalize import orthogonalize
 
-__all__ = ["orthogonalize"]
+__all__ = ["ABTraining", "factorize", "kept_rank", "orthogonalize"]
