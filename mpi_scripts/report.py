@@ -48,6 +48,10 @@ def column_of(desc: dict) -> str:
         return f"QSGD s={desc['levels']}"
     if name == "none":
         return "none"
+    if name == "powersgd":
+        return f"PowerSGD r={desc['rank']}"
+    if name == "ab-training":
+        return f"AB-training ({desc['mode']}, cutoff {desc['cutoff']})"
     args = ",".join(f"{k}={v}" for k, v in sorted(desc.items()) if k != "name")
     return f"{name}:{args}" if args else name
 

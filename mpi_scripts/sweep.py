@@ -46,9 +46,11 @@ class Cell:
     epochs: int
     args: List[str]
 
+    label: str = ""
+
     @property
     def name(self) -> str:
-        method = re.sub(r"[^A-Za-z0-9.]+", "_", self.spec.replace("=", "-")).strip("_")
+        method = re.sub(r"[^A-Za-z0-9.]+", "_", (self.label or self.spec).replace("=", "-")).strip("_")
         return f"{self.model}-np{self.workers}-{method}"
 
 
@@ -76,8 +78,9 @@ def load_grid(path: Optional[str], overrides: argparse.Namespace) -> dict:
     if not grid["methods"]:
         raise ValueError("the grid has no methods: give a YAML file with 'methods:' or --methods")
     for m in grid["methods"]:
-        if not isinstance(m, dict) or "spec" not in m:
-            raise ValueError(f"each method must be a mapping with 'spec' (and optional 'lr'), got {m!r}")
+        if not isinstance(m, dict) or "spec" not in m or set(m) - {"spec", "lr", "args", "label"}:
+            raise ValueError(f"each method must be a mapping with 'spec' and optional 'lr', 'args' "
+                             f"(extra train_lm.py options) and 'label' (cell name), got {m!r}")
     if any(not isinstance(w, int) or w < 1 for w in grid["workers"]):
         raise ValueError(f"workers must be positive integers, got {grid['workers']}")
     return grid
@@ -88,7 +91,8 @@ def cells_of(grid: dict, max_steps: int = 0) -> List[Cell]:
     extra = [str(a) for a in grid["args"]] + ["--seed", str(grid["seed"])]
     if max_steps:
         extra += ["--max-steps", str(max_steps)]
-    return [Cell(model, w, m["spec"], float(m.get("lr", grid["lr"])), int(grid["epochs"]), extra)
+    return [Cell(model, w, m["spec"], float(m.get("lr", grid["lr"])), int(grid["epochs"]),
+                 extra + [str(a) for a in m.get("args", [])], m.get("label", ""))
             for model in grid["models"] for w in grid["workers"] for m in grid["methods"]]
 
 

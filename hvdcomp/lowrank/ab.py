@@ -160,7 +160,7 @@ class ABTraining:
 
     def describe(self) -> dict:
         """The configuration and schedule, for results files."""
-        return {"method": "ab-training", "groups": self.groups, "mode": self.mode, "cutoff": self.cutoff,
+        return {"name": "ab-training", "groups": self.groups, "mode": self.mode, "cutoff": self.cutoff,
                 "warmup_steps": self.warmup_steps, "steps_between_syncs": self.steps_between_syncs,
                 "full_rank_steps": self.full_rank_steps, "ramp_steps": self.ramp_steps,
                 "ramp_start_lr": self.ramp_start_lr, "factorized": [f.name for f in self.factorized]}
