@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["LaunchInfo", "detect_launch", "select_device"]
+__all__ = ["LaunchInfo", "detect_launch", "select_device", "abort_on_uncaught_exception"]
 
 # (launcher, rank, size, local rank) variable names, most specific first
 _SCHEMES = [
@@ -80,3 +80,37 @@ def select_device(prefer: str = "auto", local_rank: Optional[int] = None) -> tor
     index = local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def abort_on_uncaught_exception() -> None:
+    """Make an uncaught exception on any rank end the whole MPI job at once.
+
+    Without this, ranks blocked in a collective wait for the failed rank until the launcher
+    notices its exit (or forever, if the exception is raised in a thread). The hook prints the
+    traceback with the rank, then calls ``MPI.COMM_WORLD.Abort(1)`` when more than one rank runs.
+    Installs ``sys.excepthook`` and ``threading.excepthook``; idempotent.
+    """
+    import sys
+    import threading
+    import traceback
+
+    if getattr(sys.excepthook, "_hvdcomp", False):
+        return
+    info = detect_launch()
+
+    def hook(exc_type, exc, tb):
+        sys.stderr.write(f"hvdcomp: rank {info.rank} of {info.size} failed; aborting the job:\n")
+        traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
+        sys.stderr.flush()
+        if info.size > 1:
+            try:
+                from mpi4py import MPI
+
+                MPI.COMM_WORLD.Abort(1)
+            except Exception:  # noqa: BLE001 - no MPI: the launcher ends the job when we exit
+                pass
+        os._exit(1)
+
+    hook._hvdcomp = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+    threading.excepthook = lambda args: hook(args.exc_type, args.exc_value, args.exc_traceback)

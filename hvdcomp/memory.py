@@ -71,11 +71,23 @@ class ErrorFeedback(Compressor):
         if name is None:
             raise ValueError("error feedback keeps one residual per parameter and needs its name: "
                              "use hvdcomp.DistributedOptimizer(..., named_parameters=model.named_parameters())")
-        e = self.residuals.get(name)
+        e = self._get("residuals", name)
         p = tensor if e is None else tensor + e
         payload, ctx = self.inner.encode(p, name)
-        self.residuals[name] = p - self.inner.decode(payload, ctx)
+        self._put("residuals", name, p - self.inner.decode(payload, ctx))
         return payload, ctx
+
+    def begin_step(self):
+        super().begin_step()
+        self.inner.begin_step()
+
+    def commit(self):
+        super().commit()
+        self.inner.commit()
+
+    def rollback(self):
+        super().rollback()
+        self.inner.rollback()
 
     def decode(self, payload, ctx):
         return self.inner.decode(payload, ctx)

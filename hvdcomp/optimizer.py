@@ -16,6 +16,7 @@ Time and bytes per phase go to ``optimizer.timer`` (:class:`hvdcomp.metrics.Phas
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -28,6 +29,8 @@ from .compressors.none import NoneCompressor
 from .metrics import PhaseTimer
 
 __all__ = ["DistributedOptimizer", "resolve_compression"]
+
+log = logging.getLogger(__name__)
 
 
 def resolve_compression(compression) -> Compressor:
@@ -58,7 +61,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into the user's optimizer class (as Horovod does)."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step,
-                 allgather, timer):
+                 allgather, timer, nonfinite="skip", check_consistency=True):
         super(self.__class__, self).__init__(params)
         import horovod.torch as hvd
 
@@ -78,6 +81,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._gatherer = None if compression.summable else make_allgatherer(allgather)
         self._synchronized = False
         self._should_synchronize = True
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
+        self._local_bad = None      # device flag: a non-finite gradient was seen on this rank
+        self._step_open = False     # compressor state updates are staged until the step is judged
+        self._skip_next = False
+        if check_consistency and hvd.size() > 1:
+            self._check_consistency()
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._order]
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -101,6 +111,32 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                              "parameters the optimizer holds")
         return {p: by_param[p] for p in all_params}
 
+    def _signature(self) -> dict:
+        return {"compression": {"class": type(self.compression).__name__, **self.compression.describe()},
+                "backward_passes_per_step": self.backward_passes_per_step,
+                "parameters": [(self._names[p], tuple(p.shape), str(p.dtype)) for p in self._order]}
+
+    def _check_consistency(self) -> None:
+        """All ranks must agree on the compressor and the parameter list (names, shapes, order)."""
+        mine = self._signature()
+        every = self._hvd.allgather_object(mine, name="hvdcomp.consistency")
+        diffs = []
+        for rank, other in enumerate(every):
+            if other == every[0]:
+                continue
+            for key in ("compression", "backward_passes_per_step"):
+                if other[key] != every[0][key]:
+                    diffs.append(f"rank {rank} {key} {other[key]} != rank 0 {every[0][key]}")
+            a, b = every[0]["parameters"], other["parameters"]
+            if len(a) != len(b):
+                diffs.append(f"rank {rank} has {len(b)} parameters, rank 0 has {len(a)}")
+            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            if first is not None:
+                diffs.append(f"parameter #{first}: rank {rank} {b[first]} != rank 0 {a[first]}")
+        if diffs:
+            raise ValueError("ranks disagree on the training set-up (build the same model and "
+                             "compressor on every rank): " + "; ".join(diffs[:10]))
+
     # ---- backward hooks --------------------------------------------------------------------------
     def _hook(self, p: torch.Tensor) -> None:
         if p in self._inflight or p in self._encoded or self._delay[p] <= 0:
@@ -112,13 +148,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._delay[p] == 0 and not self.compression.batched:
             self._launch(p)
 
-    def _launch(self, p: torch.Tensor) -> None:
-        """Compress p.grad and start its collective (or queue it for its turn in the gather order)."""
+    def _encode(self, p: torch.Tensor):
+        """Check p.grad for non-finite values (flag only, no host sync) and compress it."""
         if p.grad is None:  # not used in this rank's graph: other ranks may have used it
             p.grad = torch.zeros_like(p)
-        name = self._names[p]
         with self.timer.phase("compress"):
-            payload, ctx = self.compression.encode(p.grad, name)
+            if self.nonfinite != "ignore":
+                if not self._step_open:
+                    self.compression.begin_step()
+                    self._step_open = True
+                bad = ~torch.isfinite(p.grad).all()
+                self._local_bad = bad if self._local_bad is None else self._local_bad | bad
+            return self.compression.encode(p.grad, self._names[p])
+
+    def _launch(self, p: torch.Tensor) -> None:
+        """Compress p.grad and start its collective (or queue it for its turn in the gather order)."""
+        name = self._names[p]
+        payload, ctx = self._encode(p)
         if self.compression.summable:
             with self.timer.phase("communicate"):
                 op = self._hvd.Sum if self.compression.allreduce_op == "sum" else self._hvd.Average
@@ -145,10 +191,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._next_gather += 1
 
     def _launch_encode_only(self, p):
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        with self.timer.phase("compress"):
-            self._encoded[p] = self.compression.encode(p.grad, self._names[p])
+        self._encoded[p] = self._encode(p)
 
     # ---- synchronisation ----------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -187,7 +230,39 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.timer.add_bytes(sent=sent, received=received, dense=p.numel() * 4)
             self._delay[p] = self.backward_passes_per_step
         self._next_gather = 0
+        self._judge_step()
         self._synchronized = True
+
+    def _judge_step(self, local_bad=None) -> bool:
+        """Agree over all ranks whether any gradient was non-finite; commit or roll back the
+        compressor's staged state. Returns True when the step is to be skipped.
+
+        Raises:
+            FloatingPointError: on every rank, with ``nonfinite="raise"``.
+        """
+        if self.nonfinite == "ignore":
+            return False
+        bad = local_bad if local_bad is not None else self._local_bad
+        flag = torch.tensor([int(bool(bad))] if bad is not None else [0], dtype=torch.int32)
+        self._local_bad = None
+        if self._hvd.size() > 1:
+            with self.timer.phase("communicate"):
+                flag = self._hvd.allgather(flag, name="hvdcomp.nonfinite")
+        ranks = [r for r, f in enumerate(flag.tolist()) if f]
+        if self._step_open:
+            (self.compression.rollback if ranks else self.compression.commit)()
+            self._step_open = False
+        if not ranks:
+            return False
+        if self.nonfinite == "raise":
+            raise FloatingPointError(f"non-finite gradient (NaN or Inf) on rank(s) {ranks}; no update "
+                                     "was applied. Lower the learning rate, check the loss, or use "
+                                     "nonfinite='skip' to skip such steps.")
+        self._skip_next = True
+        self.skipped_steps += 1
+        log.warning("hvdcomp: non-finite gradient on rank(s) %s: step skipped on every rank "
+                    "(compressor state kept as before the step)", ranks)
+        return True
 
     def _allreduce_mean(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """One blocking Horovod allreduce (average), timed and counted."""
@@ -203,6 +278,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        bad = None
+        if self.nonfinite != "ignore":
+            bad = any(not torch.isfinite(p.grad).all() for p in params)
+        if self._judge_step(bad):   # skipped: PowerSGD's state is untouched
+            for p in params:
+                self._delay[p] = self.backward_passes_per_step
+            self._synchronized = True
+            return
         grads = self.compression.reduce_batch([(self._names[p], p.grad) for p in params],
                                               self._allreduce_mean, self.timer)
         with self.timer.phase("decompress"):
@@ -230,7 +313,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "after optimizer.synchronize(); this can cause training slowdown.")
             self.synchronize()
         self._synchronized = False
+        if self._skip_next:  # a non-finite gradient somewhere: no rank updates
+            self._skip_next = False
+            return None
         return super(self.__class__, self).step(closure)
+
+    def state_dict(self):
+        """The wrapped optimizer's state plus the compressor's (residuals, momenta, Q, RNG states)
+        under ``"hvdcomp"``: tensors, numbers and strings only (loads with ``weights_only=True``)."""
+        sd = super(self.__class__, self).state_dict()
+        sd["hvdcomp"] = {"compression": self.compression.state_dict(), "skipped_steps": self.skipped_steps}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Inverse of :meth:`state_dict`."""
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("hvdcomp", None)
+        super(self.__class__, self).load_state_dict(state_dict)
+        if extra is not None:
+            self.compression.load_state_dict(extra["compression"])
+            self.skipped_steps = int(extra.get("skipped_steps", 0))
 
     def zero_grad(self, set_to_none: bool = True):
         """As the wrapped optimizer's, but refuses while collectives are in flight."""
@@ -252,7 +354,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          compression="none",
                          backward_passes_per_step: int = 1,
                          allgather: str = "auto",
-                         timer: Optional[PhaseTimer] = None) -> torch.optim.Optimizer:
+                         timer: Optional[PhaseTimer] = None,
+                         nonfinite: str = "skip",
+                         check_consistency: bool = True) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are compressed and averaged over all Horovod ranks.
 
     Same family as ``horovod.torch.DistributedOptimizer``: communication starts from gradient hooks
@@ -271,9 +375,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             MPI, Horovod allgather otherwise), ``"mpi4py"`` or ``"horovod"``.
         timer: a :class:`hvdcomp.metrics.PhaseTimer` to record into (a new one by default;
             available as ``optimizer.timer``).
+        nonfinite: what a NaN/Inf gradient on any rank does: ``"skip"`` (default: every rank
+            skips the step; error-feedback memory, momenta and step counters stay as before it),
+            ``"raise"`` (``FloatingPointError`` on every rank) or ``"ignore"`` (no check).
+        check_consistency: at construction, verify (one allgather) that every rank has the same
+            compressor and parameter list (names, shapes, dtypes, order).
 
     Raises:
-        ValueError: bad ``named_parameters`` or ``backward_passes_per_step < 1``.
+        ValueError: bad ``named_parameters``, ``backward_passes_per_step < 1``, unknown
+            ``nonfinite``, or ranks that disagree on the compressor or the parameters (raised on
+            every rank, naming the difference).
         TypeError: unsupported ``compression``.
         ValueError: a compressor that applies momentum itself (DGC) with an optimizer that also
             applies momentum.
@@ -292,6 +403,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise RuntimeError("Horovod is not initialised: call hvd.init() before hvdcomp.DistributedOptimizer")
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+    if nonfinite not in ("skip", "raise", "ignore"):
+        raise ValueError(f"nonfinite must be 'skip', 'raise' or 'ignore', got {nonfinite!r}")
     compression = resolve_compression(compression)
     if compression.owns_momentum:
         for group in optimizer.param_groups:
@@ -303,4 +416,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                     "the optimizer without momentum, e.g. torch.optim.SGD(params, lr=..., momentum=0).")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
-               allgather, timer)
+               allgather, timer, nonfinite, check_consistency)

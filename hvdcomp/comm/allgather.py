@@ -27,6 +27,35 @@ log = logging.getLogger(__name__)
 __all__ = ["Allgatherer", "MPIAllgatherer", "HorovodAllgatherer", "make_allgatherer"]
 
 COUNT_BYTES = 8  # one int64 element count per payload tensor
+MAX_COUNT = 2**31 - 1  # MPI counts and displacements are C ints
+
+
+def plan_rounds(byte_counts: Sequence[int], limit: int = MAX_COUNT) -> List[List[tuple]]:
+    """Split a variable-size allgather whose counts or displacements would overflow an ``int``.
+
+    Args:
+        byte_counts: bytes each rank contributes (any size, as Python ints).
+        limit: the largest count/displacement one MPI call may use.
+
+    Returns:
+        One list per round; each holds, per rank, ``(src_offset, count, dst_offset)``: the round
+        gathers ``count`` bytes starting at ``src_offset`` of that rank's buffer into
+        ``dst_offset`` of the full receive buffer. Within a round the counts add up to at most
+        ``limit`` (so every count and displacement of the round fits), and the rounds together
+        cover every byte exactly once. A single round when nothing overflows.
+    """
+    size = len(byte_counts)
+    per_rank = max(1, limit // max(1, size))
+    base = [0]
+    for c in byte_counts[:-1]:
+        base.append(base[-1] + int(c))
+    if sum(int(c) for c in byte_counts) <= limit:
+        return [[(0, int(c), b) for c, b in zip(byte_counts, base)]]
+    rounds = []
+    for start in range(0, max(int(c) for c in byte_counts), per_rank):
+        rounds.append([(start, max(0, min(per_rank, int(c) - start)), b + start)
+                       for c, b in zip(byte_counts, base)])
+    return rounds
 
 
 def _as_bytes(payload: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -84,11 +113,12 @@ class MPIAllgatherer(Allgatherer):
 
     kind = "mpi4py"
 
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, max_count: int = MAX_COUNT):
         from mpi4py import MPI
 
         self.MPI = MPI
         self.comm = (comm or MPI.COMM_WORLD).Dup()
+        self.max_count = max_count  # lowered only by tests, to exercise the multi-round path
 
     @property
     def size(self) -> int:
@@ -107,7 +137,19 @@ class MPIAllgatherer(Allgatherer):
         displs = np.concatenate([[0], np.cumsum(byte_counts)[:-1]])
         h.send = _as_bytes(payload).numpy()
         h.recv = np.empty(int(byte_counts.sum()), dtype=np.uint8)
-        h.request = self.comm.Iallgatherv(h.send, [h.recv, byte_counts.tolist(), displs.tolist(), MPI.BYTE])
+        rounds = plan_rounds(byte_counts.tolist(), self.max_count)
+        if len(rounds) == 1:
+            h.request = self.comm.Iallgatherv(h.send, [h.recv, byte_counts.tolist(), displs.tolist(), MPI.BYTE])
+        else:  # > 2 GiB in all: blocking rounds whose counts fit in a C int
+            for rnd in rounds:
+                counts = [c for _, c, _ in rnd]
+                tmp = np.empty(sum(counts), dtype=np.uint8)
+                offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+                src, mine, _ = rnd[self.comm.Get_rank()]
+                self.comm.Allgatherv(h.send[src:src + mine], [tmp, counts, offsets, MPI.BYTE])
+                for (_, c, dst), off in zip(rnd, offsets):
+                    h.recv[dst:dst + c] = tmp[off:off + c]
+            h.request = MPI.REQUEST_NULL
         h.counts = all_counts
         h.bytes_sent = len(payload) * COUNT_BYTES + h.send.nbytes
         h.bytes_received = all_counts.size * COUNT_BYTES + h.recv.nbytes

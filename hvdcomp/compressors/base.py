@@ -122,6 +122,37 @@ class Compressor(_HorovodCompressor):
         """JSON-serialisable description (name and hyper-parameters) for results files."""
         return {"name": self.name}
 
+    # ---- staged state: a step's updates can be committed or rolled back ----------------------
+    _pending = None  # while a step is open: {(store, name): new value}
+
+    def _get(self, store: str, name: str, default=None):
+        """Per-name state from dict attribute ``store``, seeing this step's staged updates."""
+        if self._pending is not None and (store, name) in self._pending:
+            return self._pending[(store, name)]
+        return getattr(self, store).get(name, default)
+
+    def _put(self, store: str, name: str, value) -> None:
+        """Set per-name state; staged until :meth:`commit` while a step is open. Values must be
+        new objects (never update committed tensors in place)."""
+        if self._pending is not None:
+            self._pending[(store, name)] = value
+        else:
+            getattr(self, store)[name] = value
+
+    def begin_step(self) -> None:
+        """Open a step: state updates from :meth:`encode` are staged (see :meth:`rollback`)."""
+        self._pending = {}
+
+    def commit(self) -> None:
+        """Apply the staged updates of the open step and close it."""
+        for (store, name), value in (self._pending or {}).items():
+            getattr(self, store)[name] = value
+        self._pending = None
+
+    def rollback(self) -> None:
+        """Drop the open step's staged updates (e.g. the step is skipped for a NaN gradient)."""
+        self._pending = None
+
     # ---- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """Tensors and counters needed to resume bit-identically (empty for stateless methods)."""

@@ -130,20 +130,25 @@ class DGCCompressor(SparseCompressor):
             limit = self.clip_norm / math.sqrt(world_size())
             norm = g.norm()
             g = g * torch.clamp(limit / torch.clamp(norm, min=1e-30), max=1.0)
-        u = self.u.setdefault(name, torch.zeros_like(g))
-        v = self.v.setdefault(name, torch.zeros_like(g))
+        u = self._get("u", name)
+        v = self._get("v", name)
+        u = torch.zeros_like(g) if u is None else u
+        v = torch.zeros_like(g) if v is None else v
+        # new tensors, never in place: a skipped step must leave the committed u and v untouched
         if self.nesterov:
-            u.add_(g).mul_(self.momentum)
-            v.add_(u).add_(g)
+            u = (u + g) * self.momentum
+            v = v + u + g
         else:
-            u.mul_(self.momentum).add_(g)
-            v.add_(u)
+            u = u * self.momentum + g
+            v = v + u
         k = num_kept(n, self.density_at(self.epoch))
         idx = self.threshold_select(v.abs(), k) if n else torch.zeros(0, dtype=torch.long, device=g.device)
         values = v[idx].clone()
         v[idx] = 0.0
         if self.momentum_masking:
             u[idx] = 0.0
+        self._put("u", name, u)
+        self._put("v", name, v)
         return [values, idx.to(index_dtype(n))], (tensor.shape, tensor.dtype)
 
     def state_dict(self):

@@ -18,7 +18,7 @@ class FP16Compressor(Compressor):
     ``hvd.DistributedOptimizer(compression=FP16Compressor())`` (Horovod's default ``op=Average``).
 
     Payload: one float16 tensor of ``numel`` elements (2 bytes each). Values beyond
-    N·65504 in magnitude become ±inf, as with any fp16 transport.
+    N·65504 in magnitude saturate at ±N·65504 instead of becoming ±inf (NaN stays NaN).
     """
 
     name = "fp16"
@@ -27,7 +27,8 @@ class FP16Compressor(Compressor):
 
     def encode(self, tensor, name=None):
         n = world_size()
-        wire = tensor.reshape(-1).to(torch.float32).div(n).to(self.wire_dtype)
+        limit = torch.finfo(self.wire_dtype).max
+        wire = tensor.reshape(-1).to(torch.float32).div(n).clamp(-limit, limit).to(self.wire_dtype)
         return [wire], (tensor.shape, tensor.dtype, n)
 
     def decode(self, payload, ctx):

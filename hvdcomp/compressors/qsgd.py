@@ -75,9 +75,13 @@ class QSGDCompressor(Compressor):
         v = torch.zeros(nb * d, dtype=torch.float32, device=flat.device)
         v[:n] = flat
         v = v.view(nb, d)
-        scale = v.norm(dim=1) if self.scale == "l2" else v.abs().amax(dim=1)
+        if self.scale == "l2":  # in float64, saturated at fp32's max: never inf for finite input
+            fmax = torch.finfo(torch.float32).max
+            scale = v.to(torch.float64).norm(dim=1).clamp(max=fmax).to(torch.float32)
+        else:
+            scale = v.abs().amax(dim=1)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        r = (s * v.abs() / safe[:, None]).clamp_(max=s)
+        r = (v.abs() / safe[:, None] * s).clamp_(max=s)
         low = r.floor()
         u = torch.rand(r.shape, generator=self.rng.get(flat.device), device=flat.device)
         level = (low + (u < r - low).to(torch.float32)).clamp_(max=s)
@@ -89,7 +93,7 @@ class QSGDCompressor(Compressor):
         shape, dtype, n = ctx
         level = unpack_bits(packed, self.bits, n).to(torch.float32) - self.levels
         per_elem = scale.repeat_interleave(self.bucket)[:n]
-        return (per_elem * level / self.levels).reshape(shape).to(dtype)
+        return (per_elem * (level / self.levels)).reshape(shape).to(dtype)
 
     def state_dict(self):
         return {"rng": self.rng.state_dict()}

@@ -69,8 +69,8 @@ class RandomKCompressor(Compressor):
         if name is None:
             raise ValueError("randomk seeds its indices from the parameter name: use "
                              "hvdcomp.DistributedOptimizer(..., named_parameters=model.named_parameters())")
-        step = self.steps.get(name, 0)
-        self.steps[name] = step + 1
+        step = self._get("steps", name, 0)
+        self._put("steps", name, step + 1)
         flat = tensor.reshape(-1)
         idx = self.indices(flat.numel(), name, step, flat.device)
         return [flat[idx].to(torch.float32)], (tensor.shape, tensor.dtype, idx)

@@ -95,7 +95,8 @@ class ScaledSignCompressor(Compressor):
 
     def encode(self, tensor, name=None):
         flat = tensor.reshape(-1).to(torch.float32)
-        scale = (flat.abs().sum() / max(1, flat.numel())).reshape(1)
+        # mean |p| in float64: the fp32 sum of large values can overflow although the mean cannot
+        scale = (flat.abs().to(torch.float64).sum() / max(1, flat.numel())).to(torch.float32).reshape(1)
         return [scale, pack_bits((flat >= 0).to(torch.int32), 1)], (tensor.shape, tensor.dtype)
 
     def decode(self, payload, ctx):

@@ -1,0 +1,114 @@
+"""Fault handling: non-finite gradients, disagreeing ranks, checkpoints, accumulation, huge
+messages and failing ranks (under mpirun with timeouts); launch detection; property tests over
+random shapes, dtypes and values for every registered method."""
+import math
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings, strategies as st
+
+import hvdcomp
+from hvdcomp.comm.allgather import plan_rounds
+from hvdcomp.launch import detect_launch
+from tests.mpirun import check, mpirun
+
+CHECKS = ["nonfinite_skip", "nonfinite_raise", "disagreeing_ranks", "checkpoint_bit_identical",
+          "accumulation_frozen_unused_unnamed", "allgather_in_rounds"]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_faults_under_mpirun(ranks):
+    out = check(ranks, ["tests/mpi/reliability_checks.py", *CHECKS], timeout=300)
+    for name in CHECKS:
+        assert f"OK {name}" in out, out[-3000:]
+
+
+def test_failing_rank_ends_the_job_quickly():
+    t0 = time.monotonic()
+    res = mpirun(4, ["tests/mpi/failure_checks.py"], timeout=120)
+    elapsed = time.monotonic() - t0
+    assert res.returncode != 0 and "UNREACHABLE" not in res.stdout
+    assert "rank 1 of 4 failed; aborting the job" in res.stdout and "injected failure at step 2" in res.stdout
+    assert elapsed < 60, elapsed
+
+
+# ---- huge messages: planned, not allocated ------------------------------------------------------
+@pytest.mark.parametrize("counts", [[3_000_000_000, 0, 5_000_000_000], [2**31 - 1, 1], [10, 20, 30],
+                                    [0, 0], [4_294_967_296] * 4])
+def test_allgather_rounds_fit_in_int_and_cover_every_byte(counts):
+    limit = 2**31 - 1
+    rounds = plan_rounds(counts, limit)
+    if sum(counts) <= limit:
+        assert len(rounds) == 1
+    covered = {r: 0 for r in range(len(counts))}
+    base = [sum(counts[:r]) for r in range(len(counts))]
+    for rnd in rounds:
+        assert sum(c for _, c, _ in rnd) <= limit                  # counts and displacements fit
+        for r, (src, c, dst) in enumerate(rnd):
+            assert dst == base[r] + src and c >= 0
+            if c:
+                assert src == covered[r]                           # contiguous, no gap, no overlap
+                covered[r] += c
+    assert [covered[r] for r in range(len(counts))] == counts
+
+
+# ---- launch detection -----------------------------------------------------------------------------
+@pytest.mark.parametrize("env,expected", [
+    ({}, ("none", 0, 1, 0)),
+    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, ("openmpi", 3, 8, 1)),
+    ({"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0"}, ("mpich", 2, 4, 0)),
+    ({"PMI_RANK": "2", "PMI_SIZE": "4", "PMI_LOCAL_RANK": "1"}, ("mpich", 2, 4, 1)),
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "2", "SLURM_STEP_ID": "0"}, ("slurm", 5, 6, 2)),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "6", "SLURM_LOCALID": "0"}, ("none", 0, 1, 0)),  # batch script itself
+    ({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "1"}, ("horovod-gloo", 1, 2, 1)),
+])
+def test_launch_detection(env, expected):
+    info = detect_launch(env)
+    assert (info.launcher, info.rank, info.size, info.local_rank) == expected
+
+
+@pytest.mark.parametrize("env", [{"PMI_RANK": "x", "PMI_SIZE": "4"}, {"OMPI_COMM_WORLD_RANK": "4", "OMPI_COMM_WORLD_SIZE": "4"}])
+def test_launch_detection_rejects_garbage(env):
+    with pytest.raises(ValueError):
+        detect_launch(env)
+
+
+# ---- property tests -------------------------------------------------------------------------------
+PER_TENSOR = [n for n in hvdcomp.available() if n != "powersgd"]
+SPECIAL = [0.0, -0.0, 1e-45, -1e-40, 1e38, -1e38, 3.0, float("nan"), float("inf"), float("-inf")]
+
+
+@st.composite
+def tensors(draw):
+    shape = draw(st.lists(st.integers(0, 6), min_size=0, max_size=3))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
+    n = math.prod(shape)
+    kind = draw(st.sampled_from(["normal", "special", "equal"]))
+    if kind == "normal":
+        vals = draw(st.lists(st.floats(-1e3, 1e3, width=32), min_size=n, max_size=n))
+    elif kind == "special":
+        vals = draw(st.lists(st.sampled_from(SPECIAL), min_size=n, max_size=n))
+    else:
+        vals = [draw(st.sampled_from(SPECIAL))] * n
+    return torch.tensor(vals, dtype=torch.float32).reshape(shape).to(dtype)
+
+
+@pytest.mark.parametrize("name", PER_TENSOR)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=tensors())
+@example(x=torch.full((4,), 1e38))
+@example(x=torch.tensor([-3e38, 3e38, 1e-45, 0.0]))
+@example(x=torch.full((2, 3), 7.0, dtype=torch.float16))
+@example(x=torch.tensor(2.5))
+def test_every_method_is_total(name, x):
+    """Finite input: finite output of the same shape and dtype, and never an unexpected exception.
+    Non-finite input: the output has the right shape and dtype (the optimizer skips such steps)."""
+    comp = hvdcomp.get_compressor(name)
+    payload, ctx = comp.encode(x, "p")
+    out = comp.decode(payload, ctx)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    agg = comp.aggregate([payload, payload], ctx) if not comp.summable else out
+    assert agg.shape == x.shape
+    if torch.isfinite(x).all():
+        assert torch.isfinite(out).all(), (name, x, out)
