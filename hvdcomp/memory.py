@@ -67,7 +67,7 @@ class ErrorFeedback(Compressor):
     def nominal_ratio(self, numel):
         return self.inner.nominal_ratio(numel)
 
-    def encode(self, tensor, name=None):
+    def _encode(self, tensor, name=None):
         if name is None:
             raise ValueError("error feedback keeps one residual per parameter and needs its name: "
                              "use hvdcomp.DistributedOptimizer(..., named_parameters=model.named_parameters())")

@@ -36,7 +36,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hvdcomp  # noqa: E402
 from hvdcomp.lm import LSTMLM, MODEL_SIZES, batchify, load_corpus, rank_columns  # noqa: E402
-from hvdcomp.launch import detect_launch, select_device  # noqa: E402
+from hvdcomp.launch import abort_on_uncaught_exception, detect_launch, select_device  # noqa: E402
 from hvdcomp.lowrank import ABTraining  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
 from hvdcomp.metrics import PHASES, reduce_across_ranks, write_json_atomic  # noqa: E402
@@ -118,6 +118,7 @@ def evaluate(model, stream, eval_batch, bptt):
 def main(argv=None):
     args = parse_args(argv)
     hvd.init()
+    abort_on_uncaught_exception()  # a failing rank ends the whole job instead of hanging it
     rank, size = hvd.rank(), hvd.size()
     logging.basicConfig(level=args.log_level if rank == 0 else "WARNING",
                         format=f"[%(asctime)s rank {rank}] %(message)s", datefmt="%H:%M:%S")

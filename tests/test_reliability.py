@@ -112,3 +112,20 @@ def test_every_method_is_total(name, x):
     assert agg.shape == x.shape
     if torch.isfinite(x).all():
         assert torch.isfinite(out).all(), (name, x, out)
+
+
+@pytest.mark.parametrize("name", hvdcomp.available())
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_integer_and_bool_tensors_refused_clearly(name, dtype):
+    with pytest.raises(TypeError, match="floating-point gradients"):
+        hvdcomp.get_compressor(name).encode(torch.ones(4).to(dtype), "p")
+
+
+@pytest.mark.parametrize("name", PER_TENSOR)
+def test_non_contiguous_and_zero_dim(name):
+    comp = hvdcomp.get_compressor(name)
+    x = torch.arange(12.0).reshape(3, 4).t()                 # non-contiguous view
+    payload, ctx = comp.encode(x, "nc")
+    assert comp.decode(payload, ctx).shape == (4, 3)
+    payload, ctx = comp.encode(torch.tensor(-1.5), "scalar")  # 0-d
+    assert comp.decode(payload, ctx).shape == ()

@@ -15,6 +15,7 @@ tensors on the payload's device.
 """
 from __future__ import annotations
 
+import abc
 import logging
 import os
 from typing import Any, List, Sequence
@@ -83,7 +84,7 @@ def _split(buf: torch.Tensor, counts: np.ndarray, dtypes, device) -> List[List[t
     return out
 
 
-class Allgatherer:
+class Allgatherer(abc.ABC):
     """Interface: start a variable-size allgather of one payload, finish it later.
 
     ``start(payload, name)`` returns a handle; ``finish(handle)`` returns the list (one entry per
@@ -93,11 +94,13 @@ class Allgatherer:
 
     kind = "abstract"
 
+    @abc.abstractmethod
     def start(self, payload: Sequence[torch.Tensor], name: str) -> Any:
-        raise NotImplementedError
+        """Start gathering ``payload`` (1-D tensors) from every rank; returns a handle."""
 
+    @abc.abstractmethod
     def finish(self, handle: Any) -> List[List[torch.Tensor]]:
-        raise NotImplementedError
+        """Wait for the gather; one payload per rank, in rank order."""
 
 
 class _Handle:

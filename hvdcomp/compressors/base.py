@@ -18,6 +18,7 @@ Two transport kinds exist:
 """
 from __future__ import annotations
 
+import abc
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
@@ -49,10 +50,11 @@ def world_size() -> int:
     return 1
 
 
-class Compressor(_HorovodCompressor):
+class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
     """Instance-based, name-aware gradient compressor (subclass of Horovod's ``Compressor``).
 
-    Subclasses implement :meth:`encode` and :meth:`decode`; stateful ones keep their state in
+    Subclasses implement :meth:`_encode` (called by :meth:`encode` after input checks) and
+    :meth:`decode`; stateful ones keep their state in
     dictionaries keyed by parameter name and extend :meth:`state_dict` / :meth:`load_state_dict`.
 
     Class attributes:
@@ -87,12 +89,24 @@ class Compressor(_HorovodCompressor):
 
         Returns:
             ``payload``: list of 1-D tensors that travel; ``ctx``: local data for :meth:`decode`.
-        """
-        raise NotImplementedError(f"{type(self).__name__} must implement encode()")
 
+        Raises:
+            TypeError: an integer or bool tensor (those have no gradients; send them
+                uncompressed with ``hvd.allreduce`` / ``hvd.broadcast``).
+        """
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            raise TypeError(f"'{self.name}' compresses floating-point gradients, got a {tensor.dtype} "
+                            "tensor; integer and bool tensors have no gradients: send them "
+                            "uncompressed with hvd.allreduce or hvd.broadcast")
+        return self._encode(tensor, name)
+
+    @abc.abstractmethod
+    def _encode(self, tensor: torch.Tensor, name: str | None) -> Tuple[Payload, Any]:
+        """The method itself: ``tensor`` is floating point (see :meth:`encode`)."""
+
+    @abc.abstractmethod
     def decode(self, payload: Payload, ctx: Any) -> torch.Tensor:
         """Rebuild a dense tensor of the original shape and dtype from one payload."""
-        raise NotImplementedError(f"{type(self).__name__} must implement decode()")
 
     def aggregate(self, payloads: Sequence[Payload], ctx: Any) -> torch.Tensor:
         """Average the payloads gathered from every rank (allgather path).

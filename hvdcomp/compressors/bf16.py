@@ -21,7 +21,7 @@ class BF16Compressor(Compressor):
     name = "bf16"
     summable = False
 
-    def encode(self, tensor, name=None):
+    def _encode(self, tensor, name=None):
         return [tensor.reshape(-1).to(torch.bfloat16)], (tensor.shape, tensor.dtype)
 
     def decode(self, payload, ctx):

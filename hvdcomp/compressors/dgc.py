@@ -99,6 +99,13 @@ class DGCCompressor(SparseCompressor):
     def nominal_ratio(self, numel):
         return numel / max(1, num_kept(numel, self.density)) / 2.0
 
+    def select(self, flat: torch.Tensor, name=None) -> torch.Tensor:
+        """Indices of about k = ceil(ρ_epoch·n) entries of largest magnitude of ``flat``."""
+        n = flat.numel()
+        if n == 0:
+            return torch.zeros(0, dtype=torch.long, device=flat.device)
+        return self.threshold_select(flat.abs(), num_kept(n, self.density_at(self.epoch)))
+
     def threshold_select(self, mag: torch.Tensor, k: int) -> torch.Tensor:
         """Indices (int64) of about k entries of ``mag`` (1-D, >= 0) via a sampled threshold."""
         n = mag.numel()
@@ -120,7 +127,7 @@ class DGCCompressor(SparseCompressor):
             thr = thr * 0.8
         return idx
 
-    def encode(self, tensor, name=None):
+    def _encode(self, tensor, name=None):
         if name is None:
             raise ValueError("dgc keeps momentum per parameter and needs its name: use "
                              "hvdcomp.DistributedOptimizer(..., named_parameters=model.named_parameters())")
@@ -141,8 +148,7 @@ class DGCCompressor(SparseCompressor):
         else:
             u = u * self.momentum + g
             v = v + u
-        k = num_kept(n, self.density_at(self.epoch))
-        idx = self.threshold_select(v.abs(), k) if n else torch.zeros(0, dtype=torch.long, device=g.device)
+        idx = self.select(v, name)
         values = v[idx].clone()
         v[idx] = 0.0
         if self.momentum_masking:

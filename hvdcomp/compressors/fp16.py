@@ -25,7 +25,7 @@ class FP16Compressor(Compressor):
     summable = True
     wire_dtype = torch.float16
 
-    def encode(self, tensor, name=None):
+    def _encode(self, tensor, name=None):
         n = world_size()
         limit = torch.finfo(self.wire_dtype).max
         wire = tensor.reshape(-1).to(torch.float32).div(n).clamp(-limit, limit).to(self.wire_dtype)

@@ -18,7 +18,7 @@ class NoneCompressor(Compressor):
     name = "none"
     summable = True
 
-    def encode(self, tensor, name=None):
+    def _encode(self, tensor, name=None):
         return [tensor.reshape(-1)], (tensor.shape, tensor.dtype)
 
     def decode(self, payload, ctx):

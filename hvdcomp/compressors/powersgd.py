@@ -95,7 +95,7 @@ class PowerSGDCompressor(Compressor):
         return None
 
     # A per-tensor encode/decode would need one collective per tensor; PowerSGD runs per step.
-    def encode(self, tensor, name=None):
+    def _encode(self, tensor, name=None):
         raise TypeError("powersgd reduces all gradients of a step together: use it through "
                         "hvdcomp.DistributedOptimizer, which calls reduce_batch()")
 

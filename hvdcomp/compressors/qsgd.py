@@ -68,7 +68,7 @@ class QSGDCompressor(Compressor):
     def nominal_ratio(self, numel):
         return 4 * numel / max(1, self.wire_bytes(numel))
 
-    def encode(self, tensor, name=None):
+    def _encode(self, tensor, name=None):
         flat = tensor.reshape(-1).to(torch.float32)
         n, d, s = flat.numel(), self.bucket, self.levels
         nb = math.ceil(n / d)

@@ -65,7 +65,7 @@ class RandomKCompressor(Compressor):
         idx = torch.randperm(numel, generator=gen)[:k].sort().values
         return idx.to(device) if device is not None else idx
 
-    def encode(self, tensor, name=None):
+    def _encode(self, tensor, name=None):
         if name is None:
             raise ValueError("randomk seeds its indices from the parameter name: use "
                              "hvdcomp.DistributedOptimizer(..., named_parameters=model.named_parameters())")

@@ -51,7 +51,7 @@ class SignSGDCompressor(Compressor):
     def nominal_ratio(self, numel):
         return 32.0
 
-    def encode(self, tensor, name=None):
+    def _encode(self, tensor, name=None):
         flat = tensor.reshape(-1)
         if self.summable:
             return [torch.where(flat >= 0, 1, -1).to(torch.int32)], (tensor.shape, tensor.dtype)
@@ -93,7 +93,7 @@ class ScaledSignCompressor(Compressor):
     def nominal_ratio(self, numel):
         return 4 * numel / (4 + packed_nbytes(numel, 1))
 
-    def encode(self, tensor, name=None):
+    def _encode(self, tensor, name=None):
         flat = tensor.reshape(-1).to(torch.float32)
         # mean |p| in float64: the fp32 sum of large values can overflow although the mean cannot
         scale = (flat.abs().to(torch.float64).sum() / max(1, flat.numel())).to(torch.float32).reshape(1)

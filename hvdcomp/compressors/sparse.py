@@ -1,6 +1,7 @@
 """Shared wire format of the sparsifiers: ``[values float32, indices int32/int64]``."""
 from __future__ import annotations
 
+import abc
 import math
 
 import torch
@@ -25,11 +26,11 @@ class SparseCompressor(Compressor):
 
     summable = False
 
+    @abc.abstractmethod
     def select(self, flat: torch.Tensor, name) -> torch.Tensor:
         """Indices (int64, 1-D) of ``flat`` (1-D, n elements) to send."""
-        raise NotImplementedError(f"{type(self).__name__} must implement select()")
 
-    def encode(self, tensor, name=None):
+    def _encode(self, tensor, name=None):
         flat = tensor.reshape(-1)
         idx = self.select(flat, name)
         return [flat[idx].to(torch.float32), idx.to(index_dtype(flat.numel()))], (tensor.shape, tensor.dtype)

@@ -47,7 +47,7 @@ class TernGradCompressor(Compressor):
     def nominal_ratio(self, numel):
         return 4 * numel / (4 + packed_nbytes(numel, 2))
 
-    def encode(self, tensor, name=None):
+    def _encode(self, tensor, name=None):
         g = tensor.reshape(-1).to(torch.float32)
         if self.clip_sigmas > 0 and g.numel() > 1:
             c = self.clip_sigmas * g.std()
