@@ -129,3 +129,19 @@ def test_non_contiguous_and_zero_dim(name):
     assert comp.decode(payload, ctx).shape == (4, 3)
     payload, ctx = comp.encode(torch.tensor(-1.5), "scalar")  # 0-d
     assert comp.decode(payload, ctx).shape == ()
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes=st.lists(st.lists(st.integers(1, 7), min_size=1, max_size=3), min_size=1, max_size=4),
+       rank=st.integers(1, 3), big=st.booleans())
+def test_powersgd_is_total(shapes, rank, big):
+    """PowerSGD (batched API) on random shapes: right shapes and dtypes, finite output."""
+    from hvdcomp.metrics import PhaseTimer
+
+    comp = hvdcomp.get_compressor("powersgd", rank=rank)
+    gen = torch.Generator().manual_seed(len(shapes))
+    grads = [(f"p{i}", torch.randn(s, generator=gen) * (1e30 if big else 1.0)) for i, s in enumerate(shapes)]
+    for _ in range(2):
+        out = comp.reduce_batch(grads, lambda x, n: x.clone(), PhaseTimer(cuda_sync=False))
+        for (_, g), o in zip(grads, out):
+            assert o.shape == g.shape and o.dtype == g.dtype and torch.isfinite(o).all()
