@@ -31,7 +31,18 @@ except ImportError:  # pragma: no cover - exercised only where Horovod is not in
 
 Payload = List[torch.Tensor]
 
-__all__ = ["Compressor", "Payload", "world_size"]
+__all__ = ["Compressor", "Payload", "world_size", "rank"]
+
+
+def _horovod_or(getter: str, default: int) -> int:
+    try:
+        import horovod.torch as hvd
+
+        if hvd.is_initialized():
+            return getattr(hvd, getter)()
+    except ImportError:  # pragma: no cover
+        pass
+    return default
 
 
 def world_size() -> int:
@@ -40,14 +51,12 @@ def world_size() -> int:
     Returns 1 when Horovod is not installed or not initialised, so compressors can be used in a
     single process.
     """
-    try:
-        import horovod.torch as hvd
+    return _horovod_or("size", 1)
 
-        if hvd.is_initialized():
-            return hvd.size()
-    except ImportError:  # pragma: no cover
-        pass
-    return 1
+
+def rank() -> int:
+    """This process's Horovod rank (0 when Horovod is not initialised)."""
+    return _horovod_or("rank", 0)
 
 
 class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):

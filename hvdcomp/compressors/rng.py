@@ -5,18 +5,9 @@ from typing import Dict
 
 import torch
 
+from .base import rank
+
 __all__ = ["RankGenerators"]
-
-
-def _rank() -> int:
-    try:
-        import horovod.torch as hvd
-
-        if hvd.is_initialized():
-            return hvd.rank()
-    except ImportError:  # pragma: no cover
-        pass
-    return 0
 
 
 class RankGenerators:
@@ -38,7 +29,7 @@ class RankGenerators:
         gen = self._gens.get(key)
         if gen is None:
             gen = torch.Generator(device=key)
-            gen.manual_seed(self.seed * 1_000_003 + 7919 * _rank() + 1)
+            gen.manual_seed(self.seed * 1_000_003 + 7919 * rank() + 1)
             if key in self._pending:
                 gen.set_state(self._pending.pop(key))
             self._gens[key] = gen
