@@ -78,7 +78,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._inflight: Dict[torch.Tensor, tuple] = {}   # launched collectives
         self._next_gather = 0                             # index into _gather_order
         self._gather_order = [] if compression.summable else list(self._order)
-        self._gatherer = None if compression.summable else make_allgatherer(allgather)
         self._synchronized = False
         self._should_synchronize = True
         self.nonfinite = nonfinite
@@ -86,8 +85,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._local_bad = None      # device flag: a non-finite gradient was seen on this rank
         self._step_open = False     # compressor state updates are staged until the step is judged
         self._skip_next = False
-        if check_consistency and hvd.size() > 1:
+        if check_consistency and hvd.size() > 1:  # before any collective that ranks might not share
             self._check_consistency()
+        self._gatherer = None if compression.summable else make_allgatherer(allgather)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._order]
 
     # ---- set-up --------------------------------------------------------------------------------

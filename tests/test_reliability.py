@@ -13,7 +13,7 @@ from hvdcomp.comm.allgather import plan_rounds
 from hvdcomp.launch import detect_launch
 from tests.mpirun import check, mpirun
 
-CHECKS = ["nonfinite_skip", "nonfinite_raise", "disagreeing_ranks", "checkpoint_bit_identical",
+CHECKS = ["nonfinite_skip", "nonfinite_raise", "disagreeing_ranks", "disagreeing_transport", "checkpoint_bit_identical",
           "accumulation_frozen_unused_unnamed", "allgather_in_rounds"]
 
 

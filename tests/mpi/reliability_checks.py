@@ -170,3 +170,16 @@ if __name__ == "__main__":
         MPI.COMM_WORLD.Barrier()
         if hvd.rank() == 0:
             print(f"OK {name}", flush=True)
+
+
+def check_disagreeing_transport():
+    """One rank sparse, the others dense: refused on every rank before any transport is set up."""
+    model = torch.nn.Linear(3, 3)
+    spec = "topk:density=0.5" if hvd.rank() == 0 else "none"
+    try:
+        hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(), compression=spec)
+    except ValueError as exc:
+        assert "compression" in str(exc), exc
+    else:
+        raise AssertionError("mismatched transports accepted")
