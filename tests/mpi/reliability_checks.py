@@ -163,15 +163,6 @@ def check_allgather_in_rounds():
         assert torch.equal(idx, torch.arange(m, dtype=torch.int32))
 
 
-if __name__ == "__main__":
-    hvd.init()
-    for name in sys.argv[1:]:
-        globals()[f"check_{name}"]()
-        MPI.COMM_WORLD.Barrier()
-        if hvd.rank() == 0:
-            print(f"OK {name}", flush=True)
-
-
 def check_disagreeing_transport():
     """One rank sparse, the others dense: refused on every rank before any transport is set up."""
     model = torch.nn.Linear(3, 3)
@@ -183,3 +174,12 @@ def check_disagreeing_transport():
         assert "compression" in str(exc), exc
     else:
         raise AssertionError("mismatched transports accepted")
+
+
+if __name__ == "__main__":
+    hvd.init()
+    for name in sys.argv[1:]:
+        globals()[f"check_{name}"]()
+        MPI.COMM_WORLD.Barrier()
+        if hvd.rank() == 0:
+            print(f"OK {name}", flush=True)
