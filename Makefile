@@ -19,7 +19,9 @@ export OMPI_MCA_rmaps_base_oversubscribe=1
 export HOROVOD_CYCLE_TIME=5
 export OMP_NUM_THREADS=1
 
-.PHONY: install run test clean
+STUDY_OUT ?= docs/results/study-small
+
+.PHONY: install run test study clean
 
 install: $(VENV)/.hvdcomp-installed
 
@@ -33,6 +35,13 @@ run: install
 
 test: install
 	$(PY) -m pytest -v tests
+
+# The seed study's grid (small model, 1/2/4 ranks) plus the low-rank methods, then the report.
+# Resumable: finished cells are kept. About 1.5-2 hours on 2 cores.
+study: install
+	$(PY) mpi_scripts/sweep.py mpi_scripts/grids/study_small.yaml --output '$(STUDY_OUT)' --data '$(DATA)'
+	$(PY) mpi_scripts/sweep.py mpi_scripts/grids/lowrank_small.yaml --output '$(STUDY_OUT)' --data '$(DATA)'
+	$(PY) mpi_scripts/report.py '$(STUDY_OUT)' --command 'make study'
 
 clean:
 	rm -rf runs .pytest_cache
