@@ -125,6 +125,7 @@ class MPIAllgatherer(Allgatherer):
 
     @property
     def size(self) -> int:
+        """Number of ranks in the (duplicated) communicator."""
         return self.comm.Get_size()
 
     def start(self, payload, name):

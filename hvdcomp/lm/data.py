@@ -44,6 +44,7 @@ class Corpus:
 
     @property
     def vocab_size(self) -> int:
+        """V, ``<unk>`` included."""
         return len(self.itos)
 
     def describe(self) -> Dict[str, object]:

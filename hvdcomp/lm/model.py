@@ -37,10 +37,12 @@ class LSTMLM(nn.Module):
         nn.init.uniform_(self.embedding.weight, -0.1, 0.1)
 
     def init_state(self, batch: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Zero (h, c), each (layers, batch, hidden), on the model's device and dtype."""
         w = self.embedding.weight
         z = w.new_zeros(self.layers, batch, self.hidden)
         return z, z.clone()
 
     def forward(self, tokens: torch.Tensor, state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
+        """Logits (T, B, V) for tokens (T, B) int64, and the new (h, c) state."""
         out, state = self.lstm(self.drop(self.embedding(tokens)), state)
         return self.drop(out) @ self.embedding.weight.t(), state

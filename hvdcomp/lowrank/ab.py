@@ -226,6 +226,7 @@ class ABTraining:
     # ---- the optimizer-like interface -----------------------------------------------------------
     @property
     def param_groups(self):
+        """The current phase's optimizer's parameter groups."""
         return self.optimizer.param_groups
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:
@@ -233,6 +234,7 @@ class ABTraining:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's and the factors' gradients."""
         self.model.zero_grad(set_to_none=set_to_none)
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
@@ -261,6 +263,7 @@ class ABTraining:
 
     @staticmethod
     def shape2d(f) -> Tuple[int, int]:
+        """(n, m) matrix view of a factorised weight: first dimension x the rest."""
         return f.shape[0], math.prod(f.shape[1:])
 
     @contextlib.contextmanager
