@@ -41,7 +41,8 @@ test: install
 study: install
 	$(PY) mpi_scripts/sweep.py mpi_scripts/grids/study_small.yaml --output '$(STUDY_OUT)' --data '$(DATA)'
 	$(PY) mpi_scripts/sweep.py mpi_scripts/grids/lowrank_small.yaml --output '$(STUDY_OUT)' --data '$(DATA)'
-	$(PY) mpi_scripts/report.py '$(STUDY_OUT)' --command 'make study'
+	$(PY) mpi_scripts/report.py '$(STUDY_OUT)' --command 'make study' \
+	  --grid mpi_scripts/grids/study_small.yaml mpi_scripts/grids/lowrank_small.yaml
 
 clean:
 	rm -rf runs .pytest_cache

@@ -321,7 +321,22 @@ def plots(rows, out_dir: str) -> List[str]:
     return names
 
 
-def render(rows, target_ppl=None, command: str = "", plot_names=()) -> str:
+def missing_cells(root: str, grid_paths: List[str]) -> List[str]:
+    """Names of the cells of the given grid files that have no results.json under ``root``."""
+    import argparse as _argparse
+
+    from mpi_scripts import sweep
+
+    none = _argparse.Namespace(models=None, workers=None, epochs=None, output=None, data=None, methods=None)
+    out = []
+    for path in grid_paths:
+        for cell in sweep.cells_of(sweep.load_grid(path, none)):
+            if not os.path.isfile(os.path.join(root, "cells", cell.name, "results.json")):
+                out.append(cell.name)
+    return out
+
+
+def render(rows, target_ppl=None, command: str = "", plot_names=(), missing=()) -> str:
     """The whole markdown report."""
     if not rows:
         return "# hvdcomp study report\n\nNo results.json found.\n"
@@ -347,6 +362,9 @@ def render(rows, target_ppl=None, command: str = "", plot_names=()) -> str:
         "## The study's claims against our data",
         "\n".join(f"- **{c}** — {v}. {e}." for c, v, e in check_claims(rows, target_ppl)),
     ]
+    if missing:
+        parts.append("## Cells not run yet\n\n" + ", ".join(f"`{m}`" for m in missing) +
+                     "\n\nRerun the same sweep command: finished cells are skipped, these are run.")
     if plot_names:
         parts.append("## Plots\n\n" + "\n".join(f"![{n}]({n})" for n in plot_names))
     return "\n\n".join(parts) + "\n"
@@ -359,13 +377,14 @@ def main(argv=None) -> int:
     p.add_argument("--target-ppl", type=float, help="target validation perplexity (default: baseline's final)")
     p.add_argument("--command", default="", help="the command that produced the runs, quoted in the report")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--grid", nargs="*", default=[], help="grid YAML files: list their cells that have no results")
     args = p.parse_args(argv)
     rows = load_results(args.root)
     out = args.out or args.root
     os.makedirs(out, exist_ok=True)
     names = [] if args.no_plots or not rows else plots(rows, out)
     with open(os.path.join(out, "report.md"), "w") as f:
-        f.write(render(rows, args.target_ppl, args.command, names))
+        f.write(render(rows, args.target_ppl, args.command, names, missing_cells(args.root, args.grid)))
     print(f"report: {os.path.join(out, 'report.md')} ({len(rows)} runs)")
     return 0
 

@@ -97,3 +97,12 @@ def test_two_cell_sweep_under_mpirun_and_resume(tmp_path):
     assert (tmp_path / "report.md").is_file()
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "2 cells: 0 run, 2 already done, 0 failed" in again.stderr
+
+
+def test_missing_cells_listed(fixture_dir, tmp_path):
+    grid = tmp_path / "g.yaml"
+    grid.write_text("models: [small]\nworkers: [2, 8]\nepochs: 1\nmethods:\n  - spec: none\n")
+    os.makedirs(fixture_dir / "cells" / "small-np2-none")
+    (fixture_dir / "cells" / "small-np2-none" / "results.json").write_text(
+        (fixture_dir / "none" / "results.json").read_text())
+    assert report.missing_cells(str(fixture_dir), [str(grid)]) == ["small-np8-none"]
