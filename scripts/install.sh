@@ -15,6 +15,7 @@
 #   HVDCOMP_WHEEL_CACHE  where built Horovod wheels are kept (default: ~/.cache/hvdcomp/wheels)
 #   HVDCOMP_TORCH_SPEC   pip spec for torch when none is importable (default: torch==2.13.0)
 #   HVDCOMP_BUILD_JOBS   parallel compile jobs for Horovod (default: number of cores)
+#   HOROVOD_GPU_OPERATIONS=NCCL  build Horovod with GPU collectives (GPU nodes; part of the cache key)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -71,7 +72,7 @@ if "$PY" -c "import horovod.torch, sys; import horovod; sys.exit(horovod.__versi
   log "horovod $HOROVOD_VERSION already installed"
 else
   PYTAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-  KEY="horovod-$HOROVOD_VERSION-torch-$TORCH_VERSION-$PYTAG-$(mpicc --showme:version 2>/dev/null | tr -cd '[:alnum:].' | head -c 40)"
+  KEY="horovod-$HOROVOD_VERSION-torch-$TORCH_VERSION-$PYTAG-gpu_${HOROVOD_GPU_OPERATIONS:-none}-$(mpicc --showme:version 2>/dev/null | tr -cd '[:alnum:].' | head -c 40)"
   WHEELDIR="$CACHE/$KEY"
   if ! ls "$WHEELDIR"/horovod-*.whl >/dev/null 2>&1; then
     log "building horovod $HOROVOD_VERSION against torch $TORCH_VERSION (about 9 minutes on 2 cores)"
