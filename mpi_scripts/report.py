@@ -323,6 +323,8 @@ def plots(rows, out_dir: str) -> List[str]:
 
 def missing_cells(root: str, grid_paths: List[str]) -> List[str]:
     """Names of the cells of the given grid files that have no results.json under ``root``."""
+    if not grid_paths:
+        return []
     import argparse as _argparse
 
     from mpi_scripts import sweep
@@ -390,4 +392,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     raise SystemExit(main())
