@@ -3,8 +3,14 @@
 Codes are laid out little-endian within the bit stream: code i occupies bits
 ``[i·b, (i+1)·b)``; the last byte is zero-padded. ``ceil(m·b/8)`` bytes for m codes.
 Works on CPU and CUDA tensors (pure tensor ops, no host sync).
+
+For b ≤ 8, codes are packed a group at a time: g = 8/gcd(b, 8) codes fill exactly g·b/8 bytes
+(≤ 7 bytes), assembled in one int64 per group, so the cost is O(m) with a handful of tensor ops.
+Wider codes go bit by bit (O(m·b)).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -38,6 +44,8 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """
     _check(bits)
     m = codes.numel()
+    if bits <= 8:
+        return _pack_groups(codes.reshape(-1), bits)
     shifts = torch.arange(bits, device=codes.device, dtype=torch.int32)
     stream = ((codes.reshape(-1, 1).to(torch.int32) >> shifts) & 1).reshape(-1).to(torch.uint8)
     pad = (-stream.numel()) % 8
@@ -58,7 +66,41 @@ def unpack_bits(packed: torch.Tensor, bits: int, m: int) -> torch.Tensor:
     _check(bits)
     if packed.numel() < packed_nbytes(m, bits):
         raise ValueError(f"{packed.numel()} bytes cannot hold {m} codes of {bits} bits")
+    if bits <= 8:
+        return _unpack_groups(packed.reshape(-1), bits, m)
     shifts = torch.arange(8, device=packed.device, dtype=torch.int32)
     stream = ((packed.reshape(-1, 1).to(torch.int32) >> shifts) & 1).reshape(-1)[: m * bits]
     weights = (1 << torch.arange(bits, device=packed.device, dtype=torch.int64))
     return (stream.reshape(m, bits).to(torch.int64) * weights).sum(1)
+
+
+def _group(bits: int):
+    g = 8 // math.gcd(bits, 8)          # codes per group
+    return g, g * bits // 8             # bytes per group
+
+
+def _pack_groups(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    g, nb = _group(bits)
+    m = codes.numel()
+    pad = (-m) % g
+    c = codes.to(torch.int64)
+    if pad:
+        c = torch.cat([c, c.new_zeros(pad)])
+    shifts = torch.arange(g, device=c.device, dtype=torch.int64) * bits
+    word = (c.view(-1, g) << shifts).sum(1)                                  # one int64 per group
+    byte_shifts = torch.arange(nb, device=c.device, dtype=torch.int64) * 8
+    out = ((word[:, None] >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
+    return out[: packed_nbytes(m, bits)]
+
+
+def _unpack_groups(packed: torch.Tensor, bits: int, m: int) -> torch.Tensor:
+    g, nb = _group(bits)
+    groups = (m + g - 1) // g
+    need = groups * nb
+    p = packed[: min(need, packed.numel())].to(torch.int64)
+    if p.numel() < need:
+        p = torch.cat([p, p.new_zeros(need - p.numel())])
+    byte_shifts = torch.arange(nb, device=p.device, dtype=torch.int64) * 8
+    word = (p.view(groups, nb) << byte_shifts).sum(1)
+    shifts = torch.arange(g, device=p.device, dtype=torch.int64) * bits
+    return ((word[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:m]
