@@ -24,7 +24,7 @@ class Recording(Compressor):
         self.summable, self.allreduce_op = inner.summable, inner.allreduce_op
         self.owns_momentum, self.name = inner.owns_momentum, inner.name
 
-    def encode(self, tensor, name=None):
+    def _encode(self, tensor, name=None):
         payload, ctx = self.inner.encode(tensor, name)
         self.sent[name] = self.inner.decode([t.clone() for t in payload], ctx)
         return payload, ctx
