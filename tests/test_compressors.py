@@ -1,6 +1,5 @@
 """Single-process tests of the compressors, error feedback and registry (values worked by hand
 or computed by independent reference code)."""
-import math
 
 import pytest
 import torch

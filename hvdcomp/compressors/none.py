@@ -1,7 +1,6 @@
 """``none``: the uncompressed baseline (dense fp32 allreduce)."""
 from __future__ import annotations
 
-import torch
 
 from .base import Compressor
 from .registry import register

@@ -10,7 +10,6 @@ import torch
 import horovod.torch as hvd
 
 import hvdcomp
-from hvdcomp.compressors.base import Compressor
 
 
 def small_model(seed=0):
@@ -142,7 +141,7 @@ def check_fp16_predivide():
 
 def check_sparse_refused_by_stock_horovod():
     p = torch.nn.Parameter(torch.ones(10))
-    opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), named_parameters=[("w", p)],
+    _opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), named_parameters=[("w", p)],
                                    compression=hvdcomp.get_compressor("topk:density=0.1,ef=false"))
     try:
         p.sum().backward()
