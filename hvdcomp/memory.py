@@ -58,6 +58,13 @@ class ErrorFeedback(Compressor):
     def owns_momentum(self):  # type: ignore[override]
         return self.inner.owns_momentum
 
+    @property
+    def aggregate_is_mean(self):  # type: ignore[override]
+        return self.inner.aggregate_is_mean
+
+    def expected_payload_bytes(self, numel):
+        return self.inner.expected_payload_bytes(numel)
+
     def set_epoch(self, epoch):
         self.inner.set_epoch(epoch)
 

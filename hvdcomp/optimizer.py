@@ -4,12 +4,18 @@ One gradient's path (see the class docstring for the API):
 
 1. backward fires a post-accumulate-grad hook on the parameter (after ``backward_passes_per_step``
    passes); the hook **compresses** it (``Compressor.encode``, error feedback included);
-2. summable payloads start a Horovod ``allreduce_async`` (``op=Average``) at once; payloads that
-   need an allgather start a variable-size allgather (mpi4py ``Allgather`` of counts, then
-   ``Iallgatherv``), in one fixed parameter order on every rank so collectives match;
+2. summable payloads start a Horovod ``allreduce_async`` (``op=Average``) at once (Horovod fuses
+   them into its fusion buffer). Payloads that need an allgather wait for the rest of their
+   **bucket** (consecutive gradients in backward order, ``bucket_bytes`` of dense gradient per
+   bucket); a complete bucket is packed into one buffer with a header of per-tensor counts and
+   moved by one variable-size allgather on a background thread (mpi4py), buckets in one fixed
+   order on every rank so collectives match. A gradient whose compressed payload would cost
+   more to allgather than its dense form costs to allreduce (α-β cost model, see
+   :mod:`hvdcomp.comm.costmodel`) is decoded locally and allreduced instead: same result;
 3. ``synchronize()`` (called by ``step()``) launches what backward did not reach (unused
-   parameters contribute zeros), waits for every collective (**communicate**), rebuilds the
-   averaged gradient (``decode`` / ``aggregate``: **decompress**) and writes it into ``p.grad``.
+   parameters contribute zeros), waits for every collective (**communicate**: only the time
+   the training thread waits, i.e. communication on the critical path), rebuilds the averaged
+   gradient (``decode`` / ``aggregate``: **decompress**) and writes it into ``p.grad``.
 
 Time and bytes per phase go to ``optimizer.timer`` (:class:`hvdcomp.metrics.PhaseTimer`).
 """
@@ -23,14 +29,39 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from .comm import make_allgatherer
+from .comm.costmodel import CostModel, measure_cost_model
 from .compressors import Compressor, get_compressor
 from .compressors.fp16 import FP16Compressor
 from .compressors.none import NoneCompressor
 from .metrics import PhaseTimer
 
-__all__ = ["DistributedOptimizer", "resolve_compression"]
+__all__ = ["DistributedOptimizer", "resolve_compression", "make_buckets", "DEFAULT_BUCKET_BYTES"]
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # as PyTorch DDP's bucket_cap_mb=25
 
 log = logging.getLogger(__name__)
+
+
+def make_buckets(sizes: List[int], bucket_bytes: int) -> List[List[int]]:
+    """Group consecutive items into buckets of at most ``bucket_bytes`` (bytes).
+
+    Args:
+        sizes: bytes of each item, in launch order.
+        bucket_bytes: cap per bucket; an item larger than the cap gets a bucket of its own.
+
+    Returns:
+        Lists of item positions, covering every item once, in order.
+    """
+    buckets, current, filled = [], [], 0
+    for i, nbytes in enumerate(sizes):
+        if current and filled + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
 
 
 def resolve_compression(compression) -> Compressor:
@@ -61,7 +92,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into the user's optimizer class (as Horovod does)."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step,
-                 allgather, timer, nonfinite="skip", check_consistency=True):
+                 allgather, timer, nonfinite="skip", check_consistency=True,
+                 bucket_bytes=DEFAULT_BUCKET_BYTES, cost_model="measure"):
         super(self.__class__, self).__init__(params)
         import horovod.torch as hvd
 
@@ -74,10 +106,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._order: List[torch.nn.Parameter] = [
             p for g in reversed(self.param_groups) for p in reversed(g["params"]) if p.requires_grad]
         self._delay: Dict[torch.Tensor, int] = {p: backward_passes_per_step for p in self._order}
-        self._encoded: Dict[torch.Tensor, tuple] = {}    # sparse payloads waiting for their turn
-        self._inflight: Dict[torch.Tensor, tuple] = {}   # launched collectives
-        self._next_gather = 0                             # index into _gather_order
-        self._gather_order = [] if compression.summable else list(self._order)
+        self._encoded: Dict[torch.Tensor, tuple] = {}    # payloads waiting for their bucket
+        self._inflight: Dict[torch.Tensor, tuple] = {}   # launched allreduces
+        self._bucket_handles: Dict[int, object] = {}     # launched bucket allgathers
+        self._next_bucket = 0
+        self.bucket_bytes = bucket_bytes
         self._synchronized = False
         self._should_synchronize = True
         self.nonfinite = nonfinite
@@ -88,6 +121,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if check_consistency and hvd.size() > 1:  # before any collective that ranks might not share
             self._check_consistency()
         self._gatherer = None if compression.summable else make_allgatherer(allgather)
+        self.cost_model = self._resolve_cost_model(cost_model)
+        self.routes = self._plan_routes()  # name -> "allreduce" | "allgather"
+        gathered = [p for p in self._order if self.routes[self._names[p]] == "allgather"]
+        self._buckets: List[List[torch.nn.Parameter]] = [
+            [gathered[i] for i in b]
+            for b in make_buckets([p.numel() * p.element_size() for p in gathered], bucket_bytes)]
+        self._bucket_of = {p: i for i, b in enumerate(self._buckets) for p in b}
+        if gathered:
+            log.info("hvdcomp: %d gradient(s) in %d allgather bucket(s) of <= %.1f MB (%s), %d by allreduce",
+                     len(gathered), len(self._buckets), bucket_bytes / 1e6, self._gatherer.kind,
+                     len(self._order) - len(gathered))
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._order]
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -110,6 +154,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                              f"{missing[:10]}; pass model.named_parameters() of the model whose "
                              "parameters the optimizer holds")
         return {p: by_param[p] for p in all_params}
+
+    def _resolve_cost_model(self, cost_model) -> Optional[CostModel]:
+        """The α-β model that routes non-summable payloads, or None where routing cannot apply."""
+        comp = self.compression
+        if (cost_model == "off" or comp.summable or comp.batched or not comp.aggregate_is_mean
+                or self._hvd.size() == 1
+                or all(comp.expected_payload_bytes(p.numel()) is None for p in self._order)):
+            return None
+        if isinstance(cost_model, CostModel):
+            return cost_model
+        if isinstance(cost_model, (tuple, list)):
+            return CostModel(float(cost_model[0]), float(cost_model[1]))
+        return measure_cost_model(self._gatherer.probe, self._hvd.size(), agree=self._gatherer.agree)
+
+    def _plan_routes(self) -> Dict[str, str]:
+        """Per parameter name: how its payload travels (identical on every rank)."""
+        comp, size = self.compression, self._hvd.size()
+        routes = {}
+        for p in self._order:
+            route = "allreduce" if comp.summable else "allgather"
+            sparse = None if self.cost_model is None else comp.expected_payload_bytes(p.numel())
+            if sparse is not None:
+                route = self.cost_model.choose(sparse, p.numel() * p.element_size(), size)
+            routes[self._names[p]] = route
+        return routes
 
     def _signature(self) -> dict:
         return {"compression": {"class": type(self.compression).__name__, **self.compression.describe()},
@@ -139,7 +208,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # ---- backward hooks --------------------------------------------------------------------------
     def _hook(self, p: torch.Tensor) -> None:
-        if p in self._inflight or p in self._encoded or self._delay[p] <= 0:
+        if self._delay[p] <= 0:
             raise AssertionError(
                 "Gradients were computed more than backward_passes_per_step times before call to "
                 "step() or synchronize(). Increase backward_passes_per_step to accumulate "
@@ -162,7 +231,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return self.compression.encode(p.grad, self._names[p])
 
     def _launch(self, p: torch.Tensor) -> None:
-        """Compress p.grad and start its collective (or queue it for its turn in the gather order)."""
+        """Compress p.grad and start its allreduce, or queue it for its bucket's allgather."""
         name = self._names[p]
         payload, ctx = self._encode(p)
         if self.compression.summable:
@@ -172,26 +241,48 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                            for i, t in enumerate(payload)]
             nbytes = sum(t.numel() * t.element_size() for t in payload)
             self._inflight[p] = ("allreduce", handles, ctx, nbytes, nbytes)
+        elif self.routes[name] == "allreduce":  # cheaper to average the decoded payload densely
+            with self.timer.phase("decompress"):
+                dense = self.compression.decode(payload, ctx)
+            with self.timer.phase("communicate"):
+                handle = self._hvd.allreduce_async(dense, op=self._hvd.Average, name=f"hvdcomp.{name}.dense")
+            nbytes = dense.numel() * dense.element_size()
+            self._inflight[p] = ("dense", [handle], ctx, nbytes, nbytes)
         else:
             self._encoded[p] = (payload, ctx)
-            self._start_gathers(flush=False)
+            self._start_buckets(flush=False)
 
-    def _start_gathers(self, flush: bool) -> None:
-        """Start allgathers in the fixed order while the next one in line is encoded."""
-        while self._next_gather < len(self._gather_order):
-            p = self._gather_order[self._next_gather]
-            if p not in self._encoded:
-                if not flush:
-                    return
-                self._launch_encode_only(p)
-            payload, ctx = self._encoded.pop(p)
+    def _start_buckets(self, flush: bool) -> None:
+        """Start the allgather of each complete bucket, in the fixed bucket order."""
+        while self._next_bucket < len(self._buckets):
+            bucket = self._buckets[self._next_bucket]
+            missing = [p for p in bucket if p not in self._encoded]
+            if missing and not flush:
+                return
+            for p in missing:  # flush: unused parameters (or fewer backward passes) send zeros
+                self._encoded[p] = self._encode(p)
+            tensors = [t for p in bucket for t in self._encoded[p][0]]
             with self.timer.phase("communicate"):
-                handle = self._gatherer.start(payload, self._names[p])
-            self._inflight[p] = ("allgather", handle, ctx, None, None)
-            self._next_gather += 1
+                handle = self._gatherer.start(tensors, f"bucket{self._next_bucket}")
+            self._bucket_handles[self._next_bucket] = handle
+            self._next_bucket += 1
 
-    def _launch_encode_only(self, p):
-        self._encoded[p] = self._encode(p)
+    def _finish_bucket(self, index: int) -> None:
+        """Wait for bucket ``index``, aggregate each gradient of it and write ``p.grad``."""
+        bucket = self._buckets[index]
+        handle = self._bucket_handles.pop(index)
+        with self.timer.phase("communicate"):
+            gathered = self._gatherer.finish(handle)
+        with self.timer.phase("decompress"):
+            start = 0
+            for p in bucket:
+                payload, ctx = self._encoded.pop(p)
+                stop = start + len(payload)
+                grad = self.compression.aggregate([rank_tensors[start:stop] for rank_tensors in gathered], ctx)
+                p.grad.copy_(grad)
+                start = stop
+        self.timer.add_bytes(sent=handle.bytes_sent, received=handle.bytes_received,
+                             dense=sum(p.numel() * 4 for p in bucket))
 
     # ---- synchronisation ----------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -205,31 +296,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._synchronize_batched()
             return
         for p in self._order:
-            if p not in self._inflight and p not in self._encoded:
-                if self.compression.summable:
-                    self._launch(p)
+            if self._delay[p] > 0 and p not in self._encoded and p not in self._inflight:
+                if p in self._bucket_of:
+                    self._encoded[p] = self._encode(p)
                 else:
-                    self._launch_encode_only(p)
-        if not self.compression.summable:
-            self._start_gathers(flush=True)
+                    self._launch(p)
+        self._start_buckets(flush=True)
+        for index in range(len(self._buckets)):
+            self._finish_bucket(index)
         for p in self._order:
-            kind, handle, ctx, sent, received = self._inflight.pop(p)
-            if kind == "allreduce":
-                with self.timer.phase("communicate"):
-                    outputs = [self._hvd.synchronize(h) for h in handle]
-                with self.timer.phase("decompress"):
-                    grad = self.compression.decode(outputs, ctx)
-            else:
-                with self.timer.phase("communicate"):
-                    gathered = self._gatherer.finish(handle)
-                sent, received = handle.bytes_sent, handle.bytes_received
-                with self.timer.phase("decompress"):
-                    grad = self.compression.aggregate(gathered, ctx)
+            if p in self._bucket_of:
+                self._delay[p] = self.backward_passes_per_step
+                continue
+            kind, handles, ctx, sent, received = self._inflight.pop(p)
+            with self.timer.phase("communicate"):
+                outputs = [self._hvd.synchronize(h) for h in handles]
             with self.timer.phase("decompress"):
+                grad = self.compression.decode(outputs, ctx) if kind == "allreduce" else outputs[0]
                 p.grad.copy_(grad)
             self.timer.add_bytes(sent=sent, received=received, dense=p.numel() * 4)
             self._delay[p] = self.backward_passes_per_step
-        self._next_gather = 0
+        self._next_bucket = 0
         self._judge_step()
         self._synchronized = True
 
@@ -336,7 +423,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True):
         """As the wrapped optimizer's, but refuses while collectives are in flight."""
-        if self._inflight or self._encoded:
+        if self._inflight or self._encoded or self._bucket_handles:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited "
                                  "as it can cause a race condition.")
@@ -356,7 +443,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          allgather: str = "auto",
                          timer: Optional[PhaseTimer] = None,
                          nonfinite: str = "skip",
-                         check_consistency: bool = True) -> torch.optim.Optimizer:
+                         check_consistency: bool = True,
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                         cost_model="measure") -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are compressed and averaged over all Horovod ranks.
 
     Same family as ``horovod.torch.DistributedOptimizer``: communication starts from gradient hooks
@@ -380,6 +469,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             ``"raise"`` (``FloatingPointError`` on every rank) or ``"ignore"`` (no check).
         check_consistency: at construction, verify (one allgather) that every rank has the same
             compressor and parameter list (names, shapes, dtypes, order).
+        bucket_bytes: bytes of dense gradient per allgather bucket (default 25 MiB, as DDP);
+            each bucket's payloads travel in one collective as soon as the bucket is complete.
+        cost_model: how payloads that need an allgather choose between allgather and
+            allreduce of their local decode, per gradient: ``"measure"`` (default: α and β timed
+            with a few allgathers at construction, rank 0's values used everywhere), ``"off"``
+            (always allgather), a :class:`hvdcomp.comm.costmodel.CostModel` or an
+            ``(alpha_seconds, beta_seconds_per_byte)`` pair. Only compressors whose
+            ``aggregate`` is the mean of ``decode`` are routed; the result is the same either way.
 
     Raises:
         ValueError: bad ``named_parameters``, ``backward_passes_per_step < 1``, unknown
@@ -389,6 +486,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         ValueError: a compressor that applies momentum itself (DGC) with an optimizer that also
             applies momentum.
         RuntimeError: Horovod is not initialised (call ``hvd.init()`` first).
+        ValueError: ``bucket_bytes < 1`` or an unknown ``cost_model``.
 
     Example::
 
@@ -405,6 +503,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
     if nonfinite not in ("skip", "raise", "ignore"):
         raise ValueError(f"nonfinite must be 'skip', 'raise' or 'ignore', got {nonfinite!r}")
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be a positive integer (bytes), e.g. 25 * 2**20; got {bucket_bytes!r}")
+    if not (cost_model in ("measure", "off") or isinstance(cost_model, CostModel)
+            or (isinstance(cost_model, (tuple, list)) and len(cost_model) == 2)):
+        raise ValueError("cost_model must be 'measure', 'off', a CostModel or an (alpha_seconds, "
+                         f"beta_seconds_per_byte) pair; got {cost_model!r}")
+    if isinstance(cost_model, (tuple, list)):
+        cost_model = CostModel(float(cost_model[0]), float(cost_model[1]))  # ValueError if out of range
     compression = resolve_compression(compression)
     if compression.owns_momentum:
         for group in optimizer.param_groups:
@@ -416,4 +522,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                     "the optimizer without momentum, e.g. torch.optim.SGD(params, lr=..., momentum=0).")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
-               allgather, timer, nonfinite, check_consistency)
+               allgather, timer, nonfinite, check_consistency, bucket_bytes, cost_model)

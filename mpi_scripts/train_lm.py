@@ -72,6 +72,11 @@ def parse_args(argv=None):
     p.add_argument("--output", default="runs/latest", help="directory for results.json")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--allgather", choices=["auto", "mpi4py", "horovod"], default="auto")
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="MiB of dense gradient per allgather bucket (one collective per bucket)")
+    p.add_argument("--cost-model", default="measure", metavar="measure|off|ALPHA,BETA",
+                   help="route allgather payloads by an alpha-beta model: measured at start-up, off "
+                        "(always allgather), or given as latency seconds,seconds per byte")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: this rank's local GPU when CUDA is available, else CPU")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
@@ -82,6 +87,15 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.lr <= 0 or args.clip <= 0:
         p.error("--lr and --clip must be positive")
+    if args.bucket_mb <= 0:
+        p.error("--bucket-mb must be positive")
+    if args.cost_model not in ("measure", "off"):
+        try:
+            args.cost_model = tuple(float(v) for v in args.cost_model.split(","))
+            assert len(args.cost_model) == 2 and min(args.cost_model) >= 0
+        except (ValueError, AssertionError):
+            p.error("--cost-model must be 'measure', 'off' or ALPHA,BETA (two numbers >= 0, "
+                    "seconds and seconds per byte), e.g. 5e-5,8e-10")
     if args.ab_training is not None and args.compressor != "none":
         p.error("--ab-training replaces gradient compression: leave --compressor at 'none'")
     return args
@@ -93,7 +107,12 @@ def transport_of(opt, compressor) -> str:
         return "mpi4py-allreduce (world + group sub-communicators)"
     if compressor.summable:
         return "allreduce"
-    return opt._gatherer.kind + "-allgather"
+    if compressor.batched:
+        return "allreduce (batched)"
+    routes = list(opt.routes.values())
+    dense = routes.count("allreduce")
+    text = f"{opt._gatherer.kind}-allgather ({len(opt._buckets)} bucket(s))"
+    return text + (f", {dense} of {len(routes)} tensor(s) by allreduce (cost model)" if dense else "")
 
 
 def evaluate(model, stream, eval_batch, bptt):
@@ -147,7 +166,9 @@ def main(argv=None):
         ab = None
         opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
                                            named_parameters=model.named_parameters(),
-                                           compression=compressor, allgather=args.allgather)
+                                           compression=compressor, allgather=args.allgather,
+                                           bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
+                                           cost_model=args.cost_model)
     timer = opt.timer
     ratios = [None if ab else compressor.nominal_ratio(p.numel()) for p in model.parameters()]
     nominal = None if None in ratios else n_params / sum(p.numel() / r for p, r in zip(model.parameters(), ratios))
@@ -232,6 +253,10 @@ def main(argv=None):
         "nominal_ratio": nominal,
         "measured_ratio": measured_ratio,
     }
+    model_cm = getattr(opt, "cost_model", None)
+    if model_cm is not None:
+        results["cost_model"] = {"alpha_s": model_cm.alpha, "beta_s_per_byte": model_cm.beta,
+                                 "routes": opt.routes}
     if ab:
         results["config"]["compressor"] = ab.describe()
         results["ab_training"] = ab.communication_report()

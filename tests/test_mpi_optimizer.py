@@ -4,7 +4,8 @@ import pytest
 from tests.mpirun import check
 
 CHECKS = ["none_matches_horovod", "topk", "threshold_with_empty_rank",
-          "horovod_allgather_fallback", "fp16_predivide", "sparse_refused_by_stock_horovod"]
+          "horovod_allgather_fallback", "fp16_predivide", "sparse_refused_by_stock_horovod",
+          "buckets_and_wire", "cost_model_routes"]
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

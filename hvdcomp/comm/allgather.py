@@ -2,22 +2,25 @@
 
 Two implementations share one protocol:
 
-1. counts: every rank contributes the element count of each payload tensor (int64), gathered on
-   all ranks (a rank may send zero elements);
+1. counts (the header): every rank contributes the element count of each payload tensor
+   (int64), gathered on all ranks (a rank may send zero elements);
 2. data: the payload tensors of a rank are laid end to end as raw bytes and moved with one
-   variable-size allgather; receivers cut the buffer by the counts and view each piece in its dtype.
+   variable-size allgather (no padding to the largest rank); receivers cut the buffer by the
+   counts and view each piece in its dtype.
 
-:class:`MPIAllgatherer` uses mpi4py (``Allgather`` then non-blocking ``Iallgatherv``) on a
-duplicate of ``MPI.COMM_WORLD`` so its messages never mix with Horovod's. Where MPI is not the
-launcher (``horovodrun --gloo``), :class:`HorovodAllgatherer` uses ``hvd.allgather_async``.
-Both stage CUDA tensors through host memory for the data exchange when needed and return
-tensors on the payload's device.
+The optimizer calls this once per *bucket* (the payloads of several gradients together).
+:class:`MPIAllgatherer` uses mpi4py on a duplicate of ``MPI.COMM_WORLD`` (so its messages never
+mix with Horovod's), on a background thread. Where MPI is not the launcher
+(``horovodrun --gloo``), :class:`HorovodAllgatherer` uses ``hvd.allgather_async``. CUDA payloads
+are staged through host memory with one copy per call and come back on the payload's device.
 """
 from __future__ import annotations
 
 import abc
 import logging
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, List, Sequence
 
 import numpy as np
@@ -59,26 +62,46 @@ def plan_rounds(byte_counts: Sequence[int], limit: int = MAX_COUNT) -> List[List
     return rounds
 
 
-def _as_bytes(payload: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Concatenate the payload tensors' raw bytes into one uint8 CPU tensor."""
-    parts = [t.detach().contiguous().reshape(-1).cpu().view(torch.uint8) for t in payload]
+def _stage(payload: Sequence[torch.Tensor], pinned_async: bool = True):
+    """Lay the payload tensors' raw bytes end to end in one host buffer.
+
+    Returns ``(uint8 numpy array, ready)``: for CUDA payloads the buffer is pinned host memory
+    filled by one non-blocking device-to-host copy, and ``ready`` is the CUDA event to wait on
+    before reading it (so the caller's thread never blocks on the device); otherwise ``None``.
+    One copy per call, whatever the number of tensors (a bucket is one call).
+    """
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in payload]
     if not parts:
-        return torch.empty(0, dtype=torch.uint8)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return np.empty(0, dtype=np.uint8), None
+    buf = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if buf.device.type != "cuda":
+        return buf.numpy(), None
+    if not pinned_async:
+        return buf.cpu().numpy(), None
+    host = torch.empty(buf.numel(), dtype=torch.uint8, pin_memory=True)
+    host.copy_(buf, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host.numpy(), ready
 
 
 def _split(buf: torch.Tensor, counts: np.ndarray, dtypes, device) -> List[List[torch.Tensor]]:
-    """Cut a gathered uint8 buffer into per-rank payloads using counts[rank, i] elements."""
+    """Cut a gathered uint8 buffer into per-rank payloads using counts[rank, i] elements.
+
+    The buffer moves to ``device`` once (one host-to-device copy per call); pieces are views
+    where their offset is aligned for their dtype, copies otherwise.
+    """
+    buf = buf.to(device)
     out, pos = [], 0
+    sizes = [torch.empty((), dtype=dt).element_size() for dt in dtypes]
     for r in range(counts.shape[0]):
         payload = []
-        for c, dt in zip(counts[r], dtypes):
-            itemsize = torch.empty((), dtype=dt).element_size()
-            piece = buf[pos:pos + int(c) * itemsize]
-            if pos % itemsize or piece.numel() == 0:  # a view needs aligned, strided storage
-                piece = piece.clone().contiguous() if piece.numel() else torch.empty(0, dtype=torch.uint8)
-            payload.append(piece.view(dt).to(device))
-            nbytes = piece.numel()
+        for c, dt, itemsize in zip(counts[r], dtypes, sizes):
+            nbytes = int(c) * itemsize
+            piece = buf[pos:pos + nbytes]
+            if pos % itemsize:  # a dtype view needs an aligned offset
+                piece = piece.clone()
+            payload.append(piece.view(dt))
             pos += nbytes
         out.append(payload)
     return out
@@ -89,7 +112,8 @@ class Allgatherer(abc.ABC):
 
     ``start(payload, name)`` returns a handle; ``finish(handle)`` returns the list (one entry per
     rank, rank order) of payloads. ``bytes_sent`` / ``bytes_received`` of the handle are the exact
-    numbers of bytes this rank contributed / obtained, counts exchange included.
+    numbers of bytes this rank contributed / obtained, counts exchange included. A payload is
+    any list of 1-D tensors, e.g. the concatenated payloads of a bucket of gradients.
     """
 
     kind = "abstract"
@@ -102,70 +126,139 @@ class Allgatherer(abc.ABC):
     def finish(self, handle: Any) -> List[List[torch.Tensor]]:
         """Wait for the gather; one payload per rank, in rank order."""
 
+    @abc.abstractmethod
+    def probe(self, nbytes: int) -> None:
+        """Blocking allgather of ``nbytes`` bytes per rank (for timing, e.g. the cost model)."""
+
+    @abc.abstractmethod
+    def agree(self, values: np.ndarray) -> np.ndarray:
+        """Rank 0's copy of ``values`` (float64) on every rank."""
+
+    def close(self) -> None:
+        """Release background resources (idempotent)."""
+
 
 class _Handle:
-    __slots__ = ("request", "recv", "counts", "dtypes", "device", "bytes_sent", "bytes_received", "send")
+    __slots__ = ("request", "recv", "counts", "dtypes", "device", "bytes_sent", "bytes_received",
+                 "send", "ready", "future")
 
 
 class MPIAllgatherer(Allgatherer):
-    """mpi4py path: ``Allgather`` of counts, then one ``Iallgatherv`` of bytes per payload.
+    """mpi4py path: per call, one ``Allgather`` of the per-tensor element counts (the header),
+    then one ``Allgatherv`` of all the payload bytes, on a duplicate of ``COMM_WORLD``.
 
-    Calls must be made in the same order on every rank (the optimizer launches sparse payloads in
-    a fixed parameter order). Raises ``RuntimeError`` if the MPI world does not match Horovod's.
+    With ``MPI_THREAD_MULTIPLE`` (what Horovod asks for) the exchange runs on one background
+    thread, so it proceeds while backward computes (Open MPI moves non-blocking collectives
+    only inside MPI calls, so a request left alone until ``finish`` would not overlap). The
+    thread waits by polling ``Test`` with short sleeps rather than spinning, so it does not steal
+    the cores that compute needs. Calls must be made in the same order on every rank; the
+    thread keeps that order. Without ``MPI_THREAD_MULTIPLE`` the exchange runs in ``start``.
+
+    Args:
+        comm: communicator to duplicate (``MPI.COMM_WORLD`` by default).
+        max_count: largest MPI count per call (lowered by tests to exercise the >2 GiB rounds).
+        threaded: force the background thread on/off (default: on with ``MPI_THREAD_MULTIPLE``).
+
+    Raises:
+        RuntimeError: from :meth:`finish`, if the exchange failed on the background thread.
     """
 
     kind = "mpi4py"
 
-    def __init__(self, comm=None, max_count: int = MAX_COUNT):
+    def __init__(self, comm=None, max_count: int = MAX_COUNT, threaded=None):
         from mpi4py import MPI
 
         self.MPI = MPI
         self.comm = (comm or MPI.COMM_WORLD).Dup()
-        self.max_count = max_count  # lowered only by tests, to exercise the multi-round path
+        self.max_count = max_count
+        if threaded is None:
+            threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="hvdcomp-allgather")
+                          if threaded else None)
 
     @property
     def size(self) -> int:
         """Number of ranks in the (duplicated) communicator."""
         return self.comm.Get_size()
 
+    @property
+    def threaded(self) -> bool:
+        """Whether exchanges run on the background thread."""
+        return self._executor is not None
+
+    def _wait(self, request) -> None:
+        """Complete ``request``, sleeping between tests (0.05 ms growing to 1 ms)."""
+        if self._executor is None:
+            request.Wait()
+            return
+        pause = 5e-5
+        while not request.Test():
+            time.sleep(pause)
+            pause = min(1e-3, pause * 2)
+
     def start(self, payload, name):
-        MPI = self.MPI
-        counts = np.array([t.numel() for t in payload], dtype=np.int64)
-        all_counts = np.empty((self.size, len(payload)), dtype=np.int64)
-        self.comm.Allgather(counts, all_counts)
         h = _Handle()
         h.dtypes = [t.dtype for t in payload]
         h.device = payload[0].device if payload else torch.device("cpu")
-        itemsize = np.array([torch.empty((), dtype=d).element_size() for d in h.dtypes], dtype=np.int64)
-        byte_counts = (all_counts * itemsize).sum(axis=1)
-        displs = np.concatenate([[0], np.cumsum(byte_counts)[:-1]])
-        h.send = _as_bytes(payload).numpy()
-        h.recv = np.empty(int(byte_counts.sum()), dtype=np.uint8)
-        rounds = plan_rounds(byte_counts.tolist(), self.max_count)
-        if len(rounds) == 1:
-            h.request = self.comm.Iallgatherv(h.send, [h.recv, byte_counts.tolist(), displs.tolist(), MPI.BYTE])
-        else:  # > 2 GiB in all: blocking rounds whose counts fit in a C int
-            for rnd in rounds:
-                counts = [c for _, c, _ in rnd]
-                tmp = np.empty(sum(counts), dtype=np.uint8)
-                offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
-                src, mine, _ = rnd[self.comm.Get_rank()]
-                self.comm.Allgatherv(h.send[src:src + mine], [tmp, counts, offsets, MPI.BYTE])
-                for (_, c, dst), off in zip(rnd, offsets):
-                    h.recv[dst:dst + c] = tmp[off:off + c]
-            h.request = MPI.REQUEST_NULL
-        h.counts = all_counts
+        counts = np.array([t.numel() for t in payload], dtype=np.int64)
+        h.send, h.ready = _stage(payload)
         h.bytes_sent = len(payload) * COUNT_BYTES + h.send.nbytes
-        h.bytes_received = all_counts.size * COUNT_BYTES + h.recv.nbytes
+        h.future = None
+        if self._executor is not None:
+            h.future = self._executor.submit(self._exchange, h, counts)
+        else:
+            self._exchange(h, counts)
         return h
 
+    def _exchange(self, h, counts) -> None:
+        MPI = self.MPI
+        if h.ready is not None:
+            h.ready.synchronize()
+        all_counts = np.empty((self.size, counts.size), dtype=np.int64)
+        self._wait(self.comm.Iallgather(counts, all_counts))
+        itemsize = np.array([torch.empty((), dtype=d).element_size() for d in h.dtypes], dtype=np.int64)
+        byte_counts = (all_counts * itemsize).sum(axis=1)
+        h.recv = np.empty(int(byte_counts.sum()), dtype=np.uint8)
+        rounds = plan_rounds(byte_counts.tolist(), self.max_count)
+        for rnd in rounds:  # one round unless the total overflows a C int
+            cnts = [c for _, c, _ in rnd]
+            offsets = np.concatenate([[0], np.cumsum(cnts)[:-1]]).astype(np.int64).tolist()
+            src, mine, _ = rnd[self.comm.Get_rank()]
+            single = len(rounds) == 1
+            tmp = h.recv if single else np.empty(sum(cnts), dtype=np.uint8)
+            self._wait(self.comm.Iallgatherv(h.send[src:src + mine], [tmp, cnts, offsets, MPI.BYTE]))
+            if not single:
+                for (_, c, dst), off in zip(rnd, offsets):
+                    h.recv[dst:dst + c] = tmp[off:off + c]
+        h.counts = all_counts
+        h.bytes_received = all_counts.size * COUNT_BYTES + h.recv.nbytes
+
     def finish(self, h):
-        h.request.Wait()
+        if h.future is not None:
+            try:
+                h.future.result()
+            except Exception as exc:
+                raise RuntimeError(f"hvdcomp allgather failed on the background thread: {exc!r}") from exc
         return _split(torch.from_numpy(h.recv), h.counts, h.dtypes, h.device)
+
+    def probe(self, nbytes):
+        send = np.zeros(int(nbytes), dtype=np.uint8)
+        self.comm.Allgather(send, np.empty(int(nbytes) * self.size, dtype=np.uint8))
+
+    def agree(self, values):
+        values = np.ascontiguousarray(values, dtype=np.float64)
+        self.comm.Bcast(values, root=0)
+        return values
+
+    def close(self):
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
 
 class HorovodAllgatherer(Allgatherer):
-    """Horovod path (no MPI, e.g. ``horovodrun --gloo``): ``hvd.allgather_async`` of counts and bytes."""
+    """Horovod path (no MPI, e.g. ``horovodrun --gloo``): ``hvd.allgather_async`` of counts and
+    bytes; Horovod's own background thread moves them, so this overlaps with backward too."""
 
     kind = "horovod"
 
@@ -180,7 +273,8 @@ class HorovodAllgatherer(Allgatherer):
         h = _Handle()
         h.dtypes = [t.dtype for t in payload]
         h.device = payload[0].device if payload else torch.device("cpu")
-        h.send = _as_bytes(payload)
+        send, _ = _stage(payload, pinned_async=False)  # Horovod reads it later on its own thread
+        h.send = torch.from_numpy(send)
         h.counts = hvd.allgather_async(counts, name=f"hvdcomp.counts.{name}")
         h.request = hvd.allgather_async(h.send, name=f"hvdcomp.data.{name}")
         h.bytes_sent = len(payload) * COUNT_BYTES + h.send.numel()
@@ -191,6 +285,13 @@ class HorovodAllgatherer(Allgatherer):
         buf = self.hvd.synchronize(h.request)
         h.bytes_received = counts.size * COUNT_BYTES + buf.numel()
         return _split(buf, counts, h.dtypes, h.device)
+
+    def probe(self, nbytes):
+        self.hvd.allgather(torch.zeros(int(nbytes), dtype=torch.uint8), name="hvdcomp.probe")
+
+    def agree(self, values):
+        t = torch.as_tensor(np.asarray(values, dtype=np.float64))
+        return self.hvd.broadcast(t, root_rank=0, name="hvdcomp.agree").numpy()
 
 
 def make_allgatherer(prefer: str = "auto") -> Allgatherer:

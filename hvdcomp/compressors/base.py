@@ -78,6 +78,10 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
         batched: the method reduces all gradients of a step together through
             ``reduce_batch(named_grads, allreduce_mean, timer)`` instead of encode/decode per
             tensor (PowerSGD: two collectives per step).
+        aggregate_is_mean: :meth:`aggregate` equals the mean over ranks of :meth:`decode`, so a
+            non-summable payload may also travel as its local decode through an allreduce
+            (the optimizer's cost model picks the cheaper route; the result is the same).
+            Opt-in (``False`` here): set it only where it holds.
     """
 
     name = "base"
@@ -87,6 +91,7 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
     builtin_error_feedback = False
     owns_momentum = False
     batched = False
+    aggregate_is_mean = False
 
     # ---- hvdcomp API -------------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, name: str | None = None) -> Tuple[Payload, Any]:
@@ -140,6 +145,14 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
         """Compression ratio in the seed study's convention (32-bit values and indices), or
         ``None`` where it depends on the data."""
         return 1.0
+
+    def expected_payload_bytes(self, numel: int):
+        """Bytes one rank sends for a tensor of ``numel`` float32 elements (from
+        :meth:`nominal_ratio`), or ``None`` when that depends on the data."""
+        ratio = self.nominal_ratio(numel)
+        if ratio is None or numel == 0:
+            return None
+        return int(round(4 * numel / ratio))
 
     def describe(self) -> Dict[str, Any]:
         """JSON-serialisable description (name and hyper-parameters) for results files."""

@@ -20,6 +20,7 @@ class BF16Compressor(Compressor):
 
     name = "bf16"
     summable = False
+    aggregate_is_mean = True
 
     def _encode(self, tensor, name=None):
         return [tensor.reshape(-1).to(torch.bfloat16)], (tensor.shape, tensor.dtype)

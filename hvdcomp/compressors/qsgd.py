@@ -45,6 +45,7 @@ class QSGDCompressor(Compressor):
 
     name = "qsgd"
     summable = False
+    aggregate_is_mean = True
 
     def __init__(self, levels: int = 16, bucket: int = 512, scale: str = "l2", seed: int = 0):
         if not isinstance(levels, int) or not 1 <= levels <= 32767:

@@ -68,7 +68,9 @@ def get_compressor(spec: str, **kwargs: Any):
 
     ``get_compressor("topk", density=0.01)`` and ``get_compressor("topk:density=0.01")`` are the
     same. The extra keyword ``ef`` (bool) wraps the method in :class:`hvdcomp.ErrorFeedback`; its
-    default is the method's ``default_error_feedback`` (on for top-k).
+    default is the method's ``default_error_feedback`` (on for top-k). Sparsifiers also accept
+    the wire-coding keywords ``values`` (``fp32``/``fp16``) and ``index`` (``int``/``compact``),
+    see :mod:`hvdcomp.compressors.sparse`.
 
     Raises:
         ValueError: unknown method name, unknown argument (the message lists accepted ones), or a
@@ -89,6 +91,12 @@ def get_compressor(spec: str, **kwargs: Any):
         raise ValueError(f"'{name}' keeps its own residual (error feedback is built in); drop ef=true")
     if not isinstance(ef, bool):
         raise ValueError(f"ef must be true or false, got {ef!r}")
+    from .sparse import SparseCompressor  # local import: sparse imports base
+
+    wire = {k: spec_kwargs.pop(k) for k in ("values", "index") if k in spec_kwargs}
+    if wire and not issubclass(cls, SparseCompressor):
+        raise ValueError(f"argument(s) {sorted(wire)} set the sparse wire coding; '{name}' is not "
+                         "a sparsifier (topk, threshold, dgc accept values=fp16 and index=compact)")
     params = inspect.signature(cls.__init__).parameters
     accepted = [p for p in params if p != "self"]
     unknown = [k for k in spec_kwargs if k not in accepted]
@@ -96,4 +104,6 @@ def get_compressor(spec: str, **kwargs: Any):
         raise ValueError(f"compressor '{name}' got unknown argument(s) {unknown}; "
                          f"accepted: {accepted + ['ef']}")
     comp = cls(**spec_kwargs)
+    if wire:
+        comp.set_wire(**wire)
     return ErrorFeedback(comp) if ef else comp

@@ -37,6 +37,7 @@ class SignSGDCompressor(Compressor):
     """
 
     name = "signsgd"
+    # aggregate_is_mean stays False: a majority vote, not a mean of decodes
 
     def __init__(self, vote: str = "allreduce"):
         if vote not in ("allreduce", "allgather"):
@@ -88,6 +89,7 @@ class ScaledSignCompressor(Compressor):
 
     name = "efsignsgd"
     summable = False
+    aggregate_is_mean = True
     default_error_feedback = True
 
     def nominal_ratio(self, numel):

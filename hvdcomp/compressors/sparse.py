@@ -1,4 +1,18 @@
-"""Shared wire format of the sparsifiers: ``[values float32, indices int32/int64]``."""
+"""Shared wire format of the sparsifiers: ``[values, indices]``, with optional compact coding.
+
+Default coding: values float32 and indices int32 (int64 when n >= 2^31), 8 bytes per kept
+element. Two options (spec keys, accepted by every sparsifier through
+:func:`hvdcomp.get_compressor`) shrink it:
+
+* ``values=fp16``: values travel as float16 (saturated to ±65504), 2 bytes;
+* ``index=compact``: each index travels in the fewest whole bytes that hold n-1
+  (b = 1, 2 or 3 bytes for n <= 2^8, 2^16, 2^24; a uint8 tensor of k·b bytes, little-endian).
+
+Dense fallback (always on): when the sparse payload of a tensor would be larger than
+its dense encoding (k·(value + index bytes) > n·value bytes), the payload is the *same sparse
+vector* written densely, ``[values (n,), indices (0,)]``. Decoding gives the same tensor either
+way, so error feedback and momentum masking do not notice; only the bytes change.
+"""
 from __future__ import annotations
 
 import abc
@@ -8,7 +22,11 @@ import torch
 
 from .base import Compressor
 
-__all__ = ["SparseCompressor", "index_dtype"]
+__all__ = ["SparseCompressor", "index_dtype", "compact_index_bytes"]
+
+_VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+_INDEX_CODINGS = ("int", "compact")
+FP16_MAX = 65504.0
 
 
 def index_dtype(numel: int) -> torch.dtype:
@@ -16,33 +34,133 @@ def index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
 
-class SparseCompressor(Compressor):
-    """Base of methods whose payload is ``[values (m,) float32, indices (m,) int32]``.
+def compact_index_bytes(numel: int) -> int:
+    """Fewest whole bytes holding every index 0..numel-1 (1 to 8)."""
+    return max(1, math.ceil(max(1, (numel - 1).bit_length()) / 8))
 
-    Subclasses implement :meth:`select` (which indices to send). Decoding scatter-adds values
-    into zeros; :meth:`aggregate` scatter-adds every rank's payload at once, so an index sent by
-    several ranks adds up, then divides by the world size.
+
+class SparseCompressor(Compressor):
+    """Base of methods whose payload is ``[values (m,), indices (m,)]`` (see module docstring).
+
+    Subclasses implement :meth:`select` (which indices to send); methods that build their own
+    values (DGC) call :meth:`pack`. Decoding scatter-adds values into zeros; :meth:`aggregate`
+    scatter-adds every rank's payload at once (an index sent by several ranks adds up), then
+    divides by the world size.
     """
 
     summable = False
+    aggregate_is_mean = True
+    value_coding = "fp32"
+    index_coding = "int"
 
     @abc.abstractmethod
     def select(self, flat: torch.Tensor, name) -> torch.Tensor:
         """Indices (int64, 1-D) of ``flat`` (1-D, n elements) to send."""
 
+    # ---- wire coding ---------------------------------------------------------------------------
+    def set_wire(self, values: str = "fp32", index: str = "int") -> "SparseCompressor":
+        """Choose the wire coding: ``values`` in {fp32, fp16}, ``index`` in {int, compact}.
+
+        Raises:
+            ValueError: an unknown choice (the message lists the valid ones).
+        """
+        if values not in _VALUE_DTYPES:
+            raise ValueError(f"values must be one of {sorted(_VALUE_DTYPES)}, got {values!r}")
+        if index not in _INDEX_CODINGS:
+            raise ValueError(f"index must be one of {list(_INDEX_CODINGS)}, got {index!r}")
+        self.value_coding, self.index_coding = values, index
+        return self
+
+    def wire_options(self) -> dict:
+        """The non-default wire options, for :meth:`describe` (empty with the defaults)."""
+        out = {}
+        if self.value_coding != "fp32":
+            out["values"] = self.value_coding
+        if self.index_coding != "int":
+            out["index"] = self.index_coding
+        return out
+
+    def _value_bytes(self) -> int:
+        return torch.empty((), dtype=_VALUE_DTYPES[self.value_coding]).element_size()
+
+    def _index_bytes(self, numel: int) -> int:
+        if self.index_coding == "compact":
+            return compact_index_bytes(numel)
+        return torch.empty((), dtype=index_dtype(numel)).element_size()
+
+    def payload_bytes(self, numel: int, kept: int) -> int:
+        """Bytes of one payload that keeps ``kept`` of ``numel`` elements (dense fallback included)."""
+        vb = self._value_bytes()
+        return min(kept * (vb + self._index_bytes(numel)), numel * vb)
+
+    def expected_payload_bytes(self, numel):
+        ratio = self.nominal_ratio(numel)
+        if ratio is None or numel == 0:
+            return None
+        kept = max(1, round(numel / (2.0 * ratio)))  # nominal ratio = n / (2k) (32-bit value + index)
+        return self.payload_bytes(numel, kept)
+
+    def pack(self, values: torch.Tensor, idx: torch.Tensor, numel: int) -> list:
+        """Encode kept ``values`` (m,) at ``idx`` (m,) int64 of an n-element tensor into a payload."""
+        vdt = _VALUE_DTYPES[self.value_coding]
+        if vdt == torch.float16:
+            values = values.clamp(-FP16_MAX, FP16_MAX)
+        m = idx.numel()
+        vb, ib = self._value_bytes(), self._index_bytes(numel)
+        if numel and m * (vb + ib) > numel * vb:  # dense is smaller: send the same vector densely
+            dense = torch.zeros(numel, dtype=vdt, device=values.device)
+            dense[idx] = values.to(vdt)
+            return [dense, torch.zeros(0, dtype=index_dtype(numel), device=values.device)]
+        if self.index_coding == "compact":
+            code = idx.to(torch.int64).reshape(-1, 1).view(torch.uint8)[:, :ib].reshape(-1)
+        else:
+            code = idx.to(index_dtype(numel))
+        return [values.to(vdt), code]
+
+    def unpack(self, payload, numel: int):
+        """Inverse of :meth:`pack`: ``(values float32 (m,), indices int64 (m,))``, or
+        ``(values float32 (n,), None)`` for a densely written payload."""
+        values, code = payload
+        values = values.to(torch.float32)
+        if code.numel() == 0 and values.numel() == numel and numel > 0:
+            return values, None
+        if code.dtype == torch.uint8:  # compact: b little-endian bytes per index
+            ib = compact_index_bytes(numel)
+            wide = torch.zeros(code.numel() // ib, 8, dtype=torch.uint8, device=code.device)
+            wide[:, :ib] = code.reshape(-1, ib)
+            return values, wide.view(torch.int64).reshape(-1)
+        return values, code.long()
+
+    # ---- Compressor API ------------------------------------------------------------------------
     def _encode(self, tensor, name=None):
         flat = tensor.reshape(-1)
         idx = self.select(flat, name)
-        return [flat[idx].to(torch.float32), idx.to(index_dtype(flat.numel()))], (tensor.shape, tensor.dtype)
+        return self.pack(flat[idx].to(torch.float32), idx, flat.numel()), (tensor.shape, tensor.dtype)
 
     def decode(self, payload, ctx):
-        values, idx = payload
         shape, dtype = ctx
-        out = torch.zeros(math.prod(shape), dtype=torch.float32, device=values.device)
-        out.index_add_(0, idx.long(), values)
+        n = math.prod(shape)
+        values, idx = self.unpack(payload, n)
+        if idx is None:
+            return values.reshape(shape).to(dtype)
+        out = torch.zeros(n, dtype=torch.float32, device=values.device)
+        out.index_add_(0, idx, values)
         return out.reshape(shape).to(dtype)
 
     def aggregate(self, payloads, ctx):
-        values = torch.cat([p[0] for p in payloads])
-        idx = torch.cat([p[1] for p in payloads])
-        return self.decode([values, idx], ctx).div_(len(payloads))
+        shape, dtype = ctx
+        n = math.prod(shape)
+        out, vals, idxs = None, [], []
+        for p in payloads:
+            values, idx = self.unpack(p, n)
+            if idx is None:
+                out = values.clone() if out is None else out.add_(values)
+            else:
+                vals.append(values)
+                idxs.append(idx)
+        if out is None:
+            device = payloads[0][0].device if payloads else torch.device("cpu")
+            out = torch.zeros(n, dtype=torch.float32, device=device)
+        if idxs:
+            out.index_add_(0, torch.cat(idxs), torch.cat(vals))
+        return out.div_(len(payloads)).reshape(shape).to(dtype)

@@ -33,6 +33,7 @@ class TernGradCompressor(Compressor):
 
     name = "terngrad"
     summable = False
+    aggregate_is_mean = True
 
     def __init__(self, clip_sigmas: float = 2.5, seed: int = 0):
         clip_sigmas = float(clip_sigmas)

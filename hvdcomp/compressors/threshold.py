@@ -40,7 +40,7 @@ class ThresholdCompressor(SparseCompressor):
         self.threshold = threshold
 
     def describe(self):
-        return {"name": self.name, "threshold": self.threshold}
+        return {"name": self.name, "threshold": self.threshold, **self.wire_options()}
 
     def nominal_ratio(self, numel):
         """None: how many elements pass the threshold depends on the data (see measured bytes)."""

@@ -23,6 +23,8 @@ class Recording(Compressor):
         self.inner, self.sent = inner, {}
         self.summable, self.allreduce_op = inner.summable, inner.allreduce_op
         self.owns_momentum, self.name = inner.owns_momentum, inner.name
+        self.aggregate_is_mean = inner.aggregate_is_mean
+        self.expected_payload_bytes = inner.expected_payload_bytes
 
     def _encode(self, tensor, name=None):
         payload, ctx = self.inner.encode(tensor, name)

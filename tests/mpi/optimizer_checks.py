@@ -64,12 +64,12 @@ def all_grads(grad, name):
     return list(gathered)
 
 
-def check_sparse(spec, ref_fn, zero_rank=None):
+def check_sparse(spec, ref_fn, zero_rank=None, **kwargs):
     """The aggregated gradient equals the dense reference of what each rank sent (one step)."""
     model = small_model()
     opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                        named_parameters=model.named_parameters(),
-                                       compression=spec)
+                                       compression=spec, **kwargs)
     x, y = batch(0)
     if zero_rank is not None and hvd.rank() == zero_rank:
         x = x * 0  # the second layer's gradient still flows; first layer weight grad is 0
@@ -89,12 +89,44 @@ def check_sparse(spec, ref_fn, zero_rank=None):
 
 def check_topk():
     density = 0.2
-    opt, rec = check_sparse(f"topk:density={density},ef=false", lambda g: ref_topk(g, density))
+    opt, rec = check_sparse(f"topk:density={density},ef=false", lambda g: ref_topk(g, density),
+                            cost_model="off")
     # 8 bytes per kept element + one int64 count per payload tensor (2 per parameter)
     model_sizes = [30, 5, 15, 3]
     kept = sum(max(1, math.ceil(density * n)) for n in model_sizes)
     assert rec["bytes_sent"] == 8 * kept + 16 * len(model_sizes), rec
     assert rec["bytes_received"] == hvd.size() * (8 * kept + 16 * len(model_sizes)), rec
+    assert len(opt._buckets) == 1  # 212 dense bytes fit in one default (25 MiB) bucket
+
+
+def check_buckets_and_wire():
+    """One bucket per parameter (bucket_bytes=1) and compact coding: same result as the dense
+    reference of fp16-rounded values; bytes = 2 per value + 1 per index + 16 per parameter."""
+    density = 0.2
+
+    def ref(g):
+        return ref_topk(g, density).to(torch.float16).to(torch.float32)
+
+    opt, rec = check_sparse(f"topk:density={density},ef=false,values=fp16,index=compact", ref,
+                            cost_model="off", bucket_bytes=1)
+    model_sizes = [30, 5, 15, 3]  # every n <= 256: one byte per index
+    kept = sum(max(1, math.ceil(density * n)) for n in model_sizes)
+    assert len(opt._buckets) == 4
+    assert rec["bytes_sent"] == 3 * kept + 16 * len(model_sizes), rec
+
+
+def check_cost_model_routes():
+    """Given alpha = 0, beta = 1 ns/B: allgather (p-1)·8k·beta vs allreduce 2(p-1)/p·4n·beta,
+    i.e. gather while k < n/p (hand-worked per tensor); the gradients match the reference."""
+    density, p = 0.2, hvd.size()
+    opt, _ = check_sparse(f"topk:density={density},ef=false", lambda g: ref_topk(g, density),
+                          cost_model=(0.0, 1e-9))
+    sizes = {"0.weight": 30, "0.bias": 5, "2.weight": 15, "2.bias": 3}
+    expected = {n: "allgather" if max(1, math.ceil(density * k)) < k / p else "allreduce"
+                for n, k in sizes.items()}
+    assert opt.routes == expected, (opt.routes, expected)
+    if p == 4:
+        assert opt.routes["2.bias"] == "allreduce"  # k = 1 is not < 3/4
 
 
 def check_threshold_with_empty_rank():
@@ -153,7 +185,8 @@ def check_sparse_refused_by_stock_horovod():
 
 CHECKS = {f.__name__[len("check_"):]: f for f in [
     check_none_matches_horovod, check_topk, check_threshold_with_empty_rank,
-    check_horovod_allgather_fallback, check_fp16_predivide, check_sparse_refused_by_stock_horovod]}
+    check_horovod_allgather_fallback, check_fp16_predivide, check_sparse_refused_by_stock_horovod,
+    check_buckets_and_wire, check_cost_model_routes]}
 
 if __name__ == "__main__":
     hvd.init()

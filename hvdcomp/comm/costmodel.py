@@ -1,0 +1,132 @@
+"""α-β (latency-bandwidth) cost model of the collectives, used to route each gradient.
+
+Hockney's model: sending m bytes between two ranks costs ``α + m·β`` seconds (α: latency in
+seconds, β: inverse bandwidth in seconds per byte). With the bandwidth-optimal ring algorithms
+(Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in MPICH",
+IJHPCA 2005), on p ranks:
+
+* allreduce of n bytes:          ``2(p-1)·α + 2(p-1)/p · n·β``
+* allgather of m bytes per rank: ``(p-1)·α + (p-1)·m·β``  (hvdcomp adds one counts exchange,
+  another ``(p-1)·α``, to learn the sizes)
+
+A sparse payload of m bytes per rank therefore beats allreducing the dense tensor (n bytes) only
+while ``(p-1)·m < 2(p-1)/p·n``, i.e. while ``m/n < 2/p``: for top-k with 8 bytes per kept element
+and 4 per dense element, while the density is below ``1/p``. Past that point the gradient is
+better decoded locally and averaged by allreduce (same result, see
+:attr:`hvdcomp.Compressor.aggregate_is_mean`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable, Sequence, Tuple
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CostModel", "measure_cost_model", "fit_alpha_beta"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Latency ``alpha`` (seconds per message) and inverse bandwidth ``beta`` (seconds per byte).
+
+    Raises:
+        ValueError: a negative or non-finite ``alpha`` or ``beta``.
+    """
+
+    alpha: float
+    beta: float
+
+    def __post_init__(self):
+        for key in ("alpha", "beta"):
+            v = getattr(self, key)
+            if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
+                raise ValueError(f"cost model {key} must be a finite number >= 0 (seconds"
+                                 f"{' per byte' if key == 'beta' else ''}), got {v!r}")
+
+    def allreduce(self, nbytes: float, p: int) -> float:
+        """Seconds for a ring allreduce of ``nbytes`` on ``p`` ranks (0 for one rank)."""
+        if p <= 1:
+            return 0.0
+        return 2 * (p - 1) * self.alpha + 2 * (p - 1) / p * nbytes * self.beta
+
+    def allgather(self, nbytes_per_rank: float, p: int, counts_exchange: bool = True) -> float:
+        """Seconds for a ring allgather of ``nbytes_per_rank`` from each of ``p`` ranks, plus the
+        counts exchange of hvdcomp's variable-size allgather when ``counts_exchange``."""
+        if p <= 1:
+            return 0.0
+        return (p - 1) * (self.alpha * (2 if counts_exchange else 1) + nbytes_per_rank * self.beta)
+
+    def choose(self, sparse_bytes: float, dense_bytes: float, p: int) -> str:
+        """``"allgather"`` (send the compressed payload) or ``"allreduce"`` (decode locally and
+        allreduce ``dense_bytes``), whichever the model predicts to be faster; ties (within a
+        relative 1e-6, e.g. bf16 on 4 ranks) gather."""
+        if self.allreduce(dense_bytes, p) < self.allgather(sparse_bytes, p) * (1 - 1e-6):
+            return "allreduce"
+        return "allgather"
+
+
+def fit_alpha_beta(samples: Iterable[Tuple[float, float, float]]) -> CostModel:
+    """Least-squares fit of ``seconds = a·alpha + b·beta`` (non-negative).
+
+    Args:
+        samples: ``(a, b, seconds)`` triples, where ``a`` counts latency terms and ``b`` bytes
+            terms of a measured operation (e.g. ring allgather of m bytes on p ranks:
+            ``a = p-1``, ``b = (p-1)·m``).
+
+    Returns:
+        The fitted :class:`CostModel`.
+
+    Raises:
+        ValueError: fewer than two samples.
+    """
+    rows = np.array(list(samples), dtype=np.float64)
+    if rows.ndim != 2 or rows.shape[0] < 2:
+        raise ValueError("fitting alpha and beta needs at least two measurements (a, b, seconds)")
+    A, y = rows[:, :2], rows[:, 2]
+    # relative least squares: every size counts, not only the largest messages
+    w = 1.0 / np.maximum(y, 1e-9)
+    coef, *_ = np.linalg.lstsq(A * w[:, None], y * w, rcond=None)
+    alpha, beta = (max(0.0, float(c)) for c in coef)
+    if coef[0] < 0:  # refit beta alone
+        beta = max(0.0, float(np.sum(A[:, 1] * w * y * w) / np.sum((A[:, 1] * w) ** 2)))
+    return CostModel(alpha, beta)
+
+
+def measure_cost_model(gather, size: int, sizes: Sequence[int] = (8, 65536, 262144),
+                       repeats: int = 3, agree=None) -> CostModel:
+    """Measure α and β with allgathers of a few message sizes at start-up.
+
+    Args:
+        gather: callable ``gather(nbytes)`` that allgathers ``nbytes`` bytes from every rank
+            and returns when done (blocking), on the communicator the payloads will use.
+        size: number of ranks p (>= 2).
+        sizes: bytes per rank to time (the smallest sets α, the others β).
+        repeats: timings per size; the fastest is kept.
+        agree: callable mapping this rank's ``[alpha, beta]`` (numpy float64) to the values every
+            rank will use (e.g. an allreduce-max); without it each rank keeps its own, which can
+            make ranks route differently — pass one under MPI.
+
+    Returns:
+        A :class:`CostModel` (identical on every rank when ``agree`` is given).
+    """
+    samples = []
+    for nbytes in sizes:
+        gather(nbytes)  # warm-up (connections, buffers)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            gather(nbytes)
+            best = min(best, time.perf_counter() - t0)
+        samples.append((size - 1, (size - 1) * nbytes, best))
+    model = fit_alpha_beta(samples)
+    values = np.array([model.alpha, model.beta], dtype=np.float64)
+    if agree is not None:
+        values = np.asarray(agree(values), dtype=np.float64)
+    model = CostModel(float(values[0]), float(values[1]))
+    log.info("hvdcomp cost model: alpha %.1f us, beta %.3g s/B (%.1f MB/s)", model.alpha * 1e6,
+             model.beta, 1e-6 / model.beta if model.beta else float("inf"))
+    return model

@@ -1,0 +1,133 @@
+"""Sparse wire coding (fp16 values, compact indices, dense fallback), buckets and the α-β model."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import hvdcomp
+from hvdcomp.comm.allgather import _split, _stage
+from hvdcomp.comm.costmodel import CostModel, fit_alpha_beta, measure_cost_model
+from hvdcomp.compressors.sparse import compact_index_bytes
+from hvdcomp.optimizer import make_buckets
+
+
+@pytest.mark.parametrize("n,b", [(1, 1), (256, 1), (257, 2), (65536, 2), (65537, 3), (2**24, 3),
+                                 (2**24 + 1, 4)])
+def test_compact_index_bytes(n, b):
+    assert compact_index_bytes(n) == b  # n-1 must fit in b bytes: 255, 65535, 2^24-1
+
+
+@pytest.mark.parametrize("n", [200, 70000, 17_000_000])
+def test_compact_indices_roundtrip(n):
+    comp = hvdcomp.get_compressor(f"topk:density={min(1.0, 50 / n)},ef=false,index=compact")
+    x = torch.zeros(n)
+    pos = torch.tensor([0, 7, n // 3, n - 2, n - 1])
+    x[pos] = torch.tensor([1.0, -2.0, 3.0, -4.0, 5.0]) * 100
+    payload, ctx = comp.encode(x, "w")
+    assert payload[1].dtype == torch.uint8
+    assert payload[1].numel() == payload[0].numel() * compact_index_bytes(n)
+    out = comp.decode(payload, ctx)
+    assert torch.equal(out[pos], x[pos])  # the five large entries are among the kept ones
+    assert torch.equal(out, torch.where(out != 0, x, out))
+
+
+def test_fp16_values_saturate_and_error_feedback_keeps_rounding():
+    comp = hvdcomp.get_compressor("topk:density=0.5,values=fp16")  # with error feedback
+    x = torch.tensor([1e6, 1.0 + 2**-12, 0.0, 0.0])  # k = 2: 1e6 saturates, 1+2^-12 rounds to 1
+    payload, ctx = comp.encode(x, "w")
+    assert payload[0].dtype == torch.float16
+    sent = comp.decode(payload, ctx)
+    assert sent.tolist() == [65504.0, 1.0, 0.0, 0.0]
+    comp.commit()
+    # residual = what was not sent: (1e6 - 65504, 2^-12, 0, 0), computed by hand
+    assert torch.allclose(comp.residuals["w"], torch.tensor([1e6 - 65504.0, 2**-12, 0.0, 0.0]))
+
+
+def test_dense_fallback_sends_same_vector():
+    comp = hvdcomp.get_compressor("topk:density=0.75,ef=false")  # k = 3 of 4: 24 B > 16 B dense
+    x = torch.tensor([4.0, -1.0, 0.5, -3.0])
+    payload, ctx = comp.encode(x, "w")
+    assert payload[0].tolist() == [4.0, -1.0, 0.0, -3.0] and payload[1].numel() == 0
+    assert comp.decode(payload, ctx).tolist() == [4.0, -1.0, 0.0, -3.0]
+    # aggregate of one dense and one sparse payload: mean of the two decodes
+    sparse = hvdcomp.get_compressor("topk:density=0.25,ef=false")
+    p2, _ = sparse.encode(torch.tensor([0.0, 0.0, 0.0, 8.0]), "w")
+    assert comp.aggregate([payload, p2], ctx).tolist() == [2.0, -0.5, 0.0, 2.5]
+    assert comp.payload_bytes(4, 3) == 16 and comp.payload_bytes(4, 1) == 8
+
+
+def test_wire_options_validated():
+    with pytest.raises(ValueError, match="values must be one of"):
+        hvdcomp.get_compressor("topk:values=int8")
+    with pytest.raises(ValueError, match="index must be one of"):
+        hvdcomp.get_compressor("dgc:index=zip")
+    with pytest.raises(ValueError, match="not a sparsifier"):
+        hvdcomp.get_compressor("qsgd:values=fp16")
+
+
+def test_expected_payload_bytes():
+    n = 10_000
+    assert hvdcomp.get_compressor("topk:density=0.01").expected_payload_bytes(n) == 100 * 8
+    assert hvdcomp.get_compressor("topk:density=0.01,values=fp16,index=compact").expected_payload_bytes(n) == 100 * 4
+    assert hvdcomp.get_compressor("dgc:density=0.001").expected_payload_bytes(n) == 10 * 8
+    assert hvdcomp.get_compressor("threshold").expected_payload_bytes(n) is None
+    assert hvdcomp.get_compressor("fp16").expected_payload_bytes(n) == 2 * n
+
+
+def test_make_buckets():
+    assert make_buckets([10, 10, 10, 30, 5], 25) == [[0, 1], [2], [3], [4]]
+    assert make_buckets([10, 10], 100) == [[0, 1]]
+    assert make_buckets([], 10) == []
+
+
+def test_stage_and_split_roundtrip_mixed_dtypes():
+    payload = [torch.tensor([1.5, -2.0], dtype=torch.float16), torch.tensor([3], dtype=torch.uint8),
+               torch.tensor([7, 8], dtype=torch.int32), torch.tensor([0.25])]
+    buf, ready = _stage(payload)
+    assert ready is None and buf.nbytes == 4 + 1 + 8 + 4
+    two = np.concatenate([buf, buf])  # two "ranks" with the same payload
+    counts = np.array([[2, 1, 2, 1], [2, 1, 2, 1]])
+    out = _split(torch.from_numpy(two), counts, [t.dtype for t in payload], torch.device("cpu"))
+    for rank in out:
+        for a, b in zip(rank, payload):
+            assert a.dtype == b.dtype and torch.equal(a, b)  # misaligned int32 piece copied
+
+
+def test_cost_model_closed_forms():
+    m = CostModel(alpha=1e-5, beta=1e-8)
+    assert m.allreduce(1000, 4) == pytest.approx(6e-5 + 1.5 * 1000 * 1e-8)
+    assert m.allgather(100, 4) == pytest.approx(3 * (2e-5 + 100 * 1e-8))
+    assert m.allreduce(10**9, 1) == 0.0
+    # bandwidth-bound: sparse 8k bytes vs dense 4n: gather iff k < n/p
+    bw = CostModel(0.0, 1e-9)
+    assert bw.choose(8 * 9, 4 * 100, 10) == "allgather" and bw.choose(8 * 11, 4 * 100, 10) == "allreduce"
+    with pytest.raises(ValueError, match="beta"):
+        CostModel(0.0, -1.0)
+
+
+def test_fit_alpha_beta_recovers_parameters():
+    alpha, beta = 5e-5, 2e-9
+    samples = [(p - 1, (p - 1) * m, (p - 1) * (alpha + m * beta)) for p in (2, 4) for m in (8, 1e4, 1e6)]
+    fit = fit_alpha_beta(samples)
+    assert fit.alpha == pytest.approx(alpha, rel=1e-6) and fit.beta == pytest.approx(beta, rel=1e-6)
+    with pytest.raises(ValueError, match="two"):
+        fit_alpha_beta(samples[:1])
+
+
+def test_measure_cost_model_with_a_simulated_link():
+    clock = {"t": 0.0}
+    alpha, beta, p = 1e-4, 1e-8, 4
+
+    def fake_gather(nbytes):  # a ring allgather on a perfect link, on a fake clock
+        clock["t"] += (p - 1) * (alpha + nbytes * beta)
+
+    import hvdcomp.comm.costmodel as cm
+    real = cm.time.perf_counter
+    cm.time.perf_counter = lambda: clock["t"]
+    try:
+        model = measure_cost_model(fake_gather, p, agree=lambda v: v)
+    finally:
+        cm.time.perf_counter = real
+    assert model.alpha == pytest.approx(alpha, rel=1e-6) and model.beta == pytest.approx(beta, rel=1e-6)
+    assert math.isfinite(model.allreduce(1e6, 1024))
