@@ -131,3 +131,14 @@ def test_measure_cost_model_with_a_simulated_link():
         cm.time.perf_counter = real
     assert model.alpha == pytest.approx(alpha, rel=1e-6) and model.beta == pytest.approx(beta, rel=1e-6)
     assert math.isfinite(model.allreduce(1e6, 1024))
+
+
+def test_dgc_fp16_values_keep_rounding_error_in_accumulation():
+    comp = hvdcomp.get_compressor("dgc:density=0.25,momentum=0,values=fp16,index=compact")
+    x = torch.tensor([1.0 + 2**-12, 0.5, 0.0, 0.0])  # k = 1: the first entry, sent as fp16 1.0
+    payload, ctx = comp.encode(x, "w")
+    comp.commit()
+    assert payload[0].dtype == torch.float16 and payload[1].dtype == torch.uint8
+    assert comp.decode(payload, ctx).tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert comp.v["w"].tolist() == [2**-12, 0.5, 0.0, 0.0]  # unsent and rounding error stay
+    assert comp.describe()["values"] == "fp16" and comp.describe()["index"] == "compact"

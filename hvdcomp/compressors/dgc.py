@@ -22,14 +22,14 @@ DGC applies momentum itself: the optimizer must not apply momentum again (use pl
 from __future__ import annotations
 
 import math
-from typing import Dict
 
 import torch
 
 from .base import world_size
 from .registry import register
 from .rng import RankGenerators
-from .sparse import SparseCompressor, index_dtype
+from .selection import MIN_SAMPLE, check_sample_ratio, sampled_threshold_topk
+from .sparse import SparseCompressor
 from .topk import check_density, num_kept
 
 
@@ -58,7 +58,7 @@ class DGCCompressor(SparseCompressor):
     name = "dgc"
     owns_momentum = True
     builtin_error_feedback = True
-    min_sample = 64
+    min_sample = MIN_SAMPLE
 
     def __init__(self, density: float = 0.001, momentum: float = 0.9, sample_ratio: float = 0.01,
                  warmup_epochs: int = 0, clip_norm: float = 0.0, nesterov: bool = False,
@@ -66,25 +66,23 @@ class DGCCompressor(SparseCompressor):
         self.density = check_density(density)
         if not 0.0 <= float(momentum) < 1.0:
             raise ValueError(f"momentum must be in [0, 1), e.g. momentum=0.9; got {momentum}")
-        if not 0.0 < float(sample_ratio) <= 1.0:
-            raise ValueError(f"sample_ratio must be in (0, 1], e.g. sample_ratio=0.01; got {sample_ratio}")
         if not isinstance(warmup_epochs, int) or warmup_epochs < 0:
             raise ValueError(f"warmup_epochs must be an integer >= 0, got {warmup_epochs!r}")
         if not float(clip_norm) >= 0:
             raise ValueError(f"clip_norm must be >= 0 (0 disables local clipping), got {clip_norm}")
-        self.momentum, self.sample_ratio = float(momentum), float(sample_ratio)
+        self.momentum, self.sample_ratio = float(momentum), check_sample_ratio(sample_ratio)
         self.warmup_epochs, self.clip_norm = warmup_epochs, float(clip_norm)
         self.nesterov, self.momentum_masking = bool(nesterov), bool(momentum_masking)
         self.epoch = 0
-        self.u: Dict[str, torch.Tensor] = {}
-        self.v: Dict[str, torch.Tensor] = {}
+        self.u: dict[str, torch.Tensor] = {}
+        self.v: dict[str, torch.Tensor] = {}
         self.rng = RankGenerators(seed)
 
     def describe(self):
         return {"name": self.name, "density": self.density, "momentum": self.momentum,
                 "sample_ratio": self.sample_ratio, "warmup_epochs": self.warmup_epochs,
                 "clip_norm": self.clip_norm, "nesterov": self.nesterov,
-                "momentum_masking": self.momentum_masking}
+                "momentum_masking": self.momentum_masking, **self.wire_options()}
 
     def set_epoch(self, epoch: int) -> None:
         """Tell DGC the 0-based epoch (drives the density warm-up)."""
@@ -104,28 +102,15 @@ class DGCCompressor(SparseCompressor):
         n = flat.numel()
         if n == 0:
             return torch.zeros(0, dtype=torch.long, device=flat.device)
-        return self.threshold_select(flat.abs(), num_kept(n, self.density_at(self.epoch)))
+        return sampled_threshold_topk(flat, num_kept(n, self.density_at(self.epoch)), self.sample_ratio,
+                                      self.rng, magnitudes=False,
+                                      min_sample=self.min_sample)
 
     def threshold_select(self, mag: torch.Tensor, k: int) -> torch.Tensor:
-        """Indices (int64) of about k entries of ``mag`` (1-D, >= 0) via a sampled threshold."""
-        n = mag.numel()
-        samples = math.ceil(self.sample_ratio * n)
-        if k >= n:
-            return torch.arange(n, device=mag.device)
-        if samples < self.min_sample:
-            return torch.topk(mag, k, sorted=False).indices
-        pos = torch.randint(0, n, (samples,), generator=self.rng.get(mag.device), device=mag.device)
-        ks = max(1, math.ceil(k / n * samples))
-        thr = torch.topk(mag[pos], ks, sorted=False).values.min()
-        for _ in range(10):
-            idx = torch.nonzero(mag >= thr, as_tuple=True)[0]
-            count = idx.numel()
-            if count > 1.3 * k:
-                return idx[torch.topk(mag[idx], k, sorted=False).indices]
-            if count >= 0.8 * k:
-                return idx
-            thr = thr * 0.8
-        return idx
+        """Indices (int64) of about k entries of ``mag`` (1-D, >= 0) via a sampled threshold
+        (:func:`hvdcomp.compressors.selection.sampled_threshold_topk` with this generator)."""
+        return sampled_threshold_topk(mag, k, self.sample_ratio, self.rng,
+                                      min_sample=self.min_sample)
 
     def _encode(self, tensor, name=None):
         if name is None:
@@ -149,13 +134,20 @@ class DGCCompressor(SparseCompressor):
             u = u * self.momentum + g
             v = v + u
         idx = self.select(v, name)
-        values = v[idx].clone()
-        v[idx] = 0.0
+        values = v.index_select(0, idx)
+        payload = self.pack(values, idx, n)
+        if self.value_coding == "fp32":
+            v.index_fill_(0, idx, 0.0)
+        else:  # keep the rounding error of the fp16 values in the accumulation
+            sent, sent_idx = self.unpack(payload, n)
+            if sent_idx is None:  # written densely
+                sent = sent.index_select(0, idx)
+            v.index_copy_(0, idx, values - sent)
         if self.momentum_masking:
-            u[idx] = 0.0
+            u.index_fill_(0, idx, 0.0)
         self._put("u", name, u)
         self._put("v", name, v)
-        return [values, idx.to(index_dtype(n))], (tensor.shape, tensor.dtype)
+        return payload, (tensor.shape, tensor.dtype)
 
     def state_dict(self):
         return {"epoch": self.epoch, "u": {k: t.clone() for k, t in self.u.items()},

@@ -135,7 +135,8 @@ class SparseCompressor(Compressor):
     def _encode(self, tensor, name=None):
         flat = tensor.reshape(-1)
         idx = self.select(flat, name)
-        return self.pack(flat[idx].to(torch.float32), idx, flat.numel()), (tensor.shape, tensor.dtype)
+        values = flat.index_select(0, idx).to(torch.float32)
+        return self.pack(values, idx, flat.numel()), (tensor.shape, tensor.dtype)
 
     def decode(self, payload, ctx):
         shape, dtype = ctx

@@ -3,15 +3,26 @@
 Stich, Cordonnier and Jaggi, "Sparsified SGD with Memory", NeurIPS 2018. The memory (error
 feedback) is not part of this module: :func:`hvdcomp.get_compressor` wraps top-k in
 :class:`hvdcomp.ErrorFeedback` by default (``ef=False`` turns it off).
+
+``select=sample`` replaces the exact ``torch.topk`` by DGC's sampled threshold (Lin et al.,
+ICLR 2018; :mod:`hvdcomp.compressors.selection`): O(n), about k entries (0.8k to 1.3k) instead of
+exactly k.
 """
 from __future__ import annotations
 
 import math
 
-import torch
-
-from .sparse import SparseCompressor
 from .registry import register
+from .rng import RankGenerators
+from .selection import (
+    check_sample_ratio,
+    check_select,
+    exact_topk,
+    sampled_threshold_topk,
+)
+from .sparse import SparseCompressor
+
+DEFAULT_SAMPLE_RATIO = 0.01
 
 
 def check_density(density: float) -> float:
@@ -38,30 +49,66 @@ class TopKCompressor(SparseCompressor):
 
     Args:
         density: ρ in (0, 1]; 0.01 keeps 1 % ("50x" in the seed study's convention).
+        select: how the entries are found:
+
+            * ``"exact"`` (default, the reference): ``torch.topk``, exactly k entries;
+            * ``"sample"``: DGC's sampled threshold (:func:`~hvdcomp.compressors.selection.
+              sampled_threshold_topk`), O(n): every entry whose magnitude is at least a threshold
+              estimated from a random sample, 0.8k to 1.3k of them (exactly k when more than 1.3k
+              pass or when the sample would have fewer than 64 entries).
+        sample_ratio: fraction of the entries sampled by ``select=sample``, in (0, 1] (0.01).
+        seed: base seed of the per-rank sampling generator (``select=sample``).
 
     Payload: ``[values (k,) float32, indices (k,) int32]`` (int64 when n ≥ 2^31), i.e. 8 bytes
-    per kept element. Payloads of different ranks are gathered and scatter-added into zeros
+    per kept element by default (``values=fp16`` / ``index=compact`` shrink it, see
+    :mod:`hvdcomp.compressors.sparse`). Payloads of different ranks are gathered and scatter-added into zeros
     (indices chosen by several ranks add up), then divided by the world size.
 
+    State (``select=sample`` only): the sampling generator's state, ``state_dict()["rng"]``.
+
     Raises:
-        ValueError: if ``density`` is not in (0, 1].
+        ValueError: ``density`` not in (0, 1]; ``select`` not one of exact, sample;
+            ``sample_ratio`` not in (0, 1], or set while ``select=exact`` (where it does nothing).
     """
 
     name = "topk"
     default_error_feedback = True
 
-    def __init__(self, density: float = 0.01):
+    def __init__(self, density: float = 0.01, select: str = "exact",
+                 sample_ratio: float = DEFAULT_SAMPLE_RATIO, seed: int = 0):
         self.density = check_density(density)
+        # not ``self.select``: that is the method SparseCompressor calls
+        self.select_mode = check_select(select)
+        self.sample_ratio = check_sample_ratio(sample_ratio)
+        if self.select_mode == "exact" and self.sample_ratio != DEFAULT_SAMPLE_RATIO:
+            raise ValueError(f"sample_ratio={sample_ratio} only applies to select=sample: use "
+                             f"'topk:density={self.density},select=sample,sample_ratio={sample_ratio}' "
+                             "or drop sample_ratio")
+        self.seed = int(seed)
+        self.rng = RankGenerators(self.seed)
 
     def describe(self):
-        return {"name": self.name, "density": self.density}
+        out = {"name": self.name, "density": self.density}
+        if self.select_mode != "exact":
+            out.update(select=self.select_mode, sample_ratio=self.sample_ratio)
+            if self.seed:
+                out["seed"] = self.seed
+        return {**out, **self.wire_options()}
 
     def nominal_ratio(self, numel):
         return numel / max(1, num_kept(numel, self.density)) / 2.0
 
     def select(self, flat, name=None):
-        n = flat.numel()
-        k = num_kept(n, self.density)
-        if k == n:
-            return torch.arange(n, device=flat.device)
-        return torch.topk(flat.abs(), k, sorted=False).indices
+        k = num_kept(flat.numel(), self.density)
+        if self.select_mode == "sample":
+            return sampled_threshold_topk(flat, k, self.sample_ratio, self.rng, magnitudes=False)
+        return exact_topk(flat, k, magnitudes=False)
+
+    def state_dict(self):
+        return {"rng": self.rng.state_dict()} if self.select_mode == "sample" else {}
+
+    def load_state_dict(self, state):
+        unknown = sorted(set(state) - {"rng"})
+        if unknown:
+            raise ValueError(f"topk state has only 'rng' (select=sample), got keys {unknown}")
+        self.rng.load_state_dict(state.get("rng", {}))

@@ -1,0 +1,339 @@
+#!/usr/bin/env python
+"""Kernel benchmark of the compressors: compress / decompress / aggregate time of one tensor,
+as a multiple of one streaming pass over the same tensor measured in the same run.
+
+Run from the repository root (one process, no MPI)::
+
+    .venv/bin/python benchmarks/kernels.py --output docs/results/kernels-cpu
+    .venv/bin/python benchmarks/kernels.py --sizes 1M --repeat 3 --methods "topk:density=0.01 qsgd:levels=16"
+
+For every size n (float32 elements, a ``torch.randn`` tensor from a fixed seed) it measures
+
+* ``stream``: ``out.copy_(x)``, one pass that reads 4n and writes 4n bytes: the baseline;
+
+and for every method spec (:func:`hvdcomp.get_compressor` syntax):
+
+* ``compress``: ``comp.encode(x, name)`` as users run it, i.e. with :class:`hvdcomp.ErrorFeedback`
+  when the method turns it on by default (topk, randomk), so the residual add and subtract are
+  included; for those methods ``select+pack`` is also measured: the inner method's encode alone;
+* ``decompress``: ``comp.decode(payload, ctx)`` of one payload;
+* ``aggregate``: ``comp.aggregate([payload] * W, ctx)`` for W = ``--world`` ranks (the scatter-add
+  of every rank's payload for the sparse methods);
+
+each as the median (and best) of ``--repeat`` timed calls after one warm-up call, with
+``time.perf_counter`` (and ``torch.cuda.synchronize()`` around each call on CUDA). Stateful methods
+(error feedback, DGC's momentum) keep their state from call to call, as in training.
+
+Reported: seconds, multiples of ``stream``, payload bytes and the compression ratio
+dense bytes / payload bytes (4n / bytes of the payload's tensors). ``--output DIR`` writes
+``kernels.json`` (machine, settings, every sample) and ``kernels.md`` (the table, with the issue's
+CPU targets at density 1 %: compress <= 3x stream, decompress and aggregate <= 1.5x stream).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import hvdcomp
+
+DEFAULT_METHODS = ["topk:density=0.01", "topk:density=0.01,select=sample", "topk:density=0.001",
+                   "topk:density=0.001,select=sample", "randomk:density=0.01", "dgc:density=0.01",
+                   "dgc:density=0.001", "qsgd:levels=16", "terngrad", "signsgd", "fp16"]
+DEFAULT_SIZES = [2**20, 2**24, 2**26]
+#: The issue's CPU targets for the 1 % sparsifiers, as multiples of one streaming pass.
+TARGETS = {"density": 0.01, "compress": 3.0, "decompress": 1.5, "aggregate": 1.5}
+PARAM_NAME = "bench.weight"
+
+
+def parse_size(text: str) -> int:
+    """``4096``, ``1M`` (2^20), ``16M``, ``64K``, ``1G`` or ``2**24`` -> number of elements."""
+    t = text.strip().upper()
+    m = re.fullmatch(r"2\*\*(\d+)", t)
+    if m:
+        return 2 ** int(m.group(1))
+    m = re.fullmatch(r"(\d+)([KMG]?)", t)
+    if not m:
+        raise argparse.ArgumentTypeError(f"size must be like 4096, 1M, 16M or 2**24, got {text!r}")
+    return int(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2)]
+
+
+def human_size(n: int) -> str:
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: torch.device) -> dict:
+    info = {"torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "device": device.type,
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+            "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+            "cpu_count": os.cpu_count(), "hostname": platform.node(),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    # what changes allocation and threading cost (fresh tensors > 32 MB are new mmaps on glibc)
+    info["env"] = {k: v for k, v in os.environ.items()
+                   if k.startswith("MALLOC_") or k in ("LD_PRELOAD", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    if hasattr(os, "sched_getaffinity"):
+        info["cpus_usable"] = len(os.sched_getaffinity(0))
+    if device.type == "cuda":
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+class Timer:
+    """Times one callable: one warm-up call, then ``repeat`` timed calls."""
+
+    def __init__(self, device: torch.device, repeat: int):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.repeat = repeat
+
+    def __call__(self, fn):
+        """Returns (samples in seconds, the last call's result)."""
+        out = fn()
+        samples = []
+        for _ in range(self.repeat):
+            out = None  # let the previous result go before the next call allocates its own
+            self.sync()
+            t0 = time.perf_counter()
+            out = fn()
+            self.sync()
+            samples.append(time.perf_counter() - t0)
+        return samples, out
+
+
+def stats(samples) -> dict:
+    return {"median_s": statistics.median(samples), "min_s": min(samples), "samples_s": samples}
+
+
+def measure_stream(x: torch.Tensor, timer: Timer) -> list:
+    """Samples of ``out.copy_(x)`` into a preallocated ``out`` (freed on return)."""
+    out = torch.empty_like(x)
+    samples, _ = timer(lambda: out.copy_(x))
+    return samples
+
+
+def payload_bytes(payload) -> int:
+    return sum(t.numel() * t.element_size() for t in payload)
+
+
+def is_target_row(comp) -> bool:
+    """A sparsifier at density 1 %: the rows the issue's targets are about."""
+    inner = getattr(comp, "inner", comp)
+    return getattr(inner, "density", None) == TARGETS["density"]
+
+
+def bench_method(spec: str, x: torch.Tensor, timer: Timer, world: int) -> dict:
+    comp = hvdcomp.get_compressor(spec)
+    if getattr(comp, "batched", False):
+        return {"spec": spec, "skipped": f"'{comp.name}' reduces a step's gradients together "
+                                         "(reduce_batch); it has no per-tensor encode/decode"}
+    ef = isinstance(comp, hvdcomp.ErrorFeedback)
+    row = {"spec": spec, "describe": comp.describe(), "error_feedback": ef,
+           "target_row": is_target_row(comp)}
+    if ef:  # the method alone, on a separate instance (its own state)
+        inner = hvdcomp.get_compressor(spec, ef=False)
+        samples, _ = timer(lambda: inner.encode(x, PARAM_NAME))
+        row["select_pack"] = stats(samples)
+        del inner
+    samples, (payload, ctx) = timer(lambda: comp.encode(x, PARAM_NAME))
+    row["compress"] = stats(samples)
+    row["payload_bytes"] = payload_bytes(payload)
+    row["payload"] = [{"dtype": str(t.dtype).replace("torch.", ""), "numel": t.numel()} for t in payload]
+    samples, _ = timer(lambda: comp.decode(payload, ctx))
+    row["decompress"] = stats(samples)
+    samples, _ = timer(lambda: comp.aggregate([payload] * world, ctx))
+    row["aggregate"] = stats(samples)
+    return row
+
+
+def verdict(ratio: float, limit: float) -> str:
+    return f"{'met' if ratio <= limit else 'missed'} ({ratio:.2f}x ≤ {limit:g}x)"
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available in this torch build / machine")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    timer = Timer(device, args.repeat)
+    result = {"machine": machine_info(device),
+              "settings": {"methods": args.methods, "sizes": args.sizes, "repeat": args.repeat,
+                           "warmup": 1, "world": args.world, "seed": args.seed, "dtype": "float32",
+                           "statistic": "median of repeat timed calls (min also recorded)",
+                           "targets": TARGETS},
+              "stream": {}, "rows": []}
+    for n in args.sizes:
+        gen = torch.Generator(device=device.type).manual_seed(args.seed)
+        x = torch.randn(n, generator=gen, device=device)
+        before = measure_stream(x, timer)
+        rows = []
+        for spec in args.methods:
+            try:
+                row = bench_method(spec, x, timer, args.world)
+            except (ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
+                # keep going: one broken method must not lose the others
+                row = {"spec": spec, "error": f"{type(exc).__name__}: {exc}"}
+            row["size"] = n
+            rows.append(row)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            print(f"  {spec} n={human_size(n)}: " + (row.get("error") or row.get("skipped") or
+                  f"compress {row['compress']['median_s']:.4g} s"), file=sys.stderr, flush=True)
+        after = measure_stream(x, timer)
+        del x
+        stream = stats(before + after)
+        stream["before_median_s"] = statistics.median(before)
+        stream["after_median_s"] = statistics.median(after)
+        result["stream"][str(n)] = stream
+        base = stream["median_s"]
+        for row in rows:
+            row["dense_bytes"] = 4 * n
+            row["stream_s"] = base
+            for key in ("compress", "select_pack", "decompress", "aggregate"):
+                if key in row:
+                    row[key + "_x_stream"] = row[key]["median_s"] / base
+            if "payload_bytes" in row:
+                row["compression_ratio"] = 4 * n / max(1, row["payload_bytes"])
+            if row.get("target_row") and device.type == "cpu":
+                t = {"compress": verdict(row["compress_x_stream"], TARGETS["compress"]),
+                     "decompress": verdict(row["decompress_x_stream"], TARGETS["decompress"]),
+                     "aggregate": verdict(row["aggregate_x_stream"], TARGETS["aggregate"])}
+                if "select_pack_x_stream" in row:
+                    t["select_pack"] = verdict(row["select_pack_x_stream"], TARGETS["compress"])
+                row["targets"] = t
+        result["rows"].extend(rows)
+    return result
+
+
+def fmt_x(row, key):
+    v = row.get(key + "_x_stream")
+    return "–" if v is None else f"{v:.2f}"
+
+
+def fmt_s(row, key):
+    v = row.get(key)
+    return "–" if v is None else f"{v['median_s']:.3g}"
+
+
+def target_cell(row) -> str:
+    t = row.get("targets")
+    if not t:
+        return ""
+    ok = {k: v.startswith("met") for k, v in t.items()}
+    parts = [f"compress {'met' if ok['compress'] else 'missed'}"]
+    if "select_pack" in ok:
+        parts[0] += f" (select+pack {'met' if ok['select_pack'] else 'missed'})"
+    parts.append(f"decompress {'met' if ok['decompress'] else 'missed'}")
+    parts.append(f"aggregate {'met' if ok['aggregate'] else 'missed'}")
+    return "; ".join(parts)
+
+
+def markdown(result: dict) -> str:
+    m, s = result["machine"], result["settings"]
+    lines = [
+        "# Compressor kernel benchmark",
+        "",
+        f"{m['device_name']} ({m['device']}), torch {m['torch']}, {m['threads']} threads, "
+        f"{m['cpu_count']} CPUs; {m['date']}. Float32 `torch.randn` tensors (seed {s['seed']}); "
+        f"median of {s['repeat']} timed calls after 1 warm-up. Allocator / threading environment: "
+        + (", ".join(f"`{k}={v}`" for k, v in m["env"].items()) or "defaults") + ".",
+        "",
+        ("Times are multiples (×) of `stream`, one `out.copy_(x)` over the same tensor (reads 4n, "
+        "writes 4n bytes), measured in the same run for each size. `compress` is "
+        "`encode` as users run it: **with error feedback** for the methods that turn it on by default "
+        "(topk, randomk: the residual add and subtract are included); `select+pack` is the method "
+        "alone (error feedback off). `aggregate` combines W = "
+        f"{s['world']} identical payloads (the scatter-add over ranks). Ratio = 4n / payload bytes."),
+        "",
+        (f"Targets (issue, CPU, density {TARGETS['density']:.0%}): compress ≤ {TARGETS['compress']:g}× "
+        f"stream (selection + packing), decompress and aggregate (scatter-add) ≤ "
+        f"{TARGETS['decompress']:g}× stream; the last column marks each such row met / missed."),
+        "",
+        ("| method | size | compress × | select+pack × | decompress × | aggregate × | stream s | "
+        "compress s | decompress s | aggregate s | payload bytes | ratio | target (1 %, CPU) |"),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in result["rows"]:
+        size = human_size(row["size"])
+        if "error" in row or "skipped" in row:
+            lines.append(f"| `{row['spec']}` | {size} | {row.get('error') or row.get('skipped')} |"
+                         + " |" * 10)
+            continue
+        lines.append(
+            f"| `{row['spec']}` | {size} | {fmt_x(row, 'compress')} | {fmt_x(row, 'select_pack')} | "
+            f"{fmt_x(row, 'decompress')} | {fmt_x(row, 'aggregate')} | {row['stream_s']:.3g} | "
+            f"{fmt_s(row, 'compress')} | {fmt_s(row, 'decompress')} | {fmt_s(row, 'aggregate')} | "
+            f"{row['payload_bytes']} | {row['compression_ratio']:.1f} | {target_cell(row)} |")
+    lines.append("")
+    drift = [f"{human_size(int(n))}: {v['after_median_s'] / v['before_median_s']:.2f}"
+             for n, v in result["stream"].items()]
+    lines.append("Stream re-measured after each size's methods (after / before, 1.00 = quiet machine): "
+                 + ", ".join(drift) + ".")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="compressor specs, separated by spaces (one quoted string or several "
+                        "arguments); default: " + " ".join(DEFAULT_METHODS))
+    p.add_argument("--sizes", nargs="+", type=parse_size, default=DEFAULT_SIZES,
+                   help="float32 elements per tensor: 4096, 1M, 16M, 2**24 ... (default 1M 16M 64M)")
+    p.add_argument("--repeat", type=int, default=5, help="timed calls per measurement (default 5)")
+    p.add_argument("--world", type=int, default=4, help="ranks W for aggregate (default 4)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (default: torch's default)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=None, help="directory for kernels.json and kernels.md")
+    args = p.parse_args(argv)
+    args.methods = [s for item in (args.methods or DEFAULT_METHODS) for s in item.split()]
+    if args.repeat < 1 or args.world < 1 or (args.threads is not None and args.threads < 1):
+        p.error("--repeat, --world and --threads must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    table = markdown(result)
+    print(table)
+    if args.output:
+        os.makedirs(args.output, exist_ok=True)
+        with open(os.path.join(args.output, "kernels.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(args.output, "kernels.md"), "w") as f:
+            f.write(table)
+        print(f"wrote {os.path.join(args.output, 'kernels.json')} and kernels.md", file=sys.stderr)
+    return 1 if any("error" in r for r in result["rows"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

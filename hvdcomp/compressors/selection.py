@@ -1,0 +1,189 @@
+"""Index selection for the top-k-like sparsifiers (``topk``, ``dgc``): one place for the logic.
+
+Two ways to pick about k entries of largest magnitude of a 1-D tensor of n elements:
+
+* :func:`exact_topk`: ``torch.topk`` (the reference; O(n log k), single-threaded on CPU).
+* :func:`sampled_threshold_topk`: the sampled threshold of Lin, Han, Mao, Wang and Dally, "Deep
+  Gradient Compression", ICLR 2018 (the threshold sampling hvdcomp's DGC has always used): sample
+  s = ceil(sample_ratio·n) entries uniformly (with replacement), take as threshold the smallest of
+  the top ceil(k/n·s) sampled magnitudes, and keep every entry whose magnitude is at least the
+  threshold. If more than 1.3k entries pass, the exact top-k of those candidates is kept; if fewer
+  than 0.8k pass, the threshold is lowered ×0.8 and the scan repeated (at most 10 scans). O(n).
+
+The scan (:func:`indices_at_least`) never builds a full-size temporary on CPU: it walks the tensor
+in chunks of :data:`CPU_CHUNK` elements through two cache-sized buffers (|x| compared in place,
+then a bool mask) and finds the set mask bytes eight at a time (the mask viewed as int64 words).
+On CUDA it is ``torch.nonzero(|x| >= thr)``; each scan synchronises with the host once (to learn
+the count), so a tensor costs at most ``max_tries`` synchronisations, never one per element.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "CPU_CHUNK",
+    "MIN_SAMPLE",
+    "SELECT_CHOICES",
+    "check_sample_ratio",
+    "check_select",
+    "exact_topk",
+    "indices_at_least",
+    "sampled_threshold_topk",
+]
+
+#: Valid values of the ``select`` option of :class:`hvdcomp.compressors.TopKCompressor`.
+SELECT_CHOICES = ("exact", "sample")
+#: Tensors whose sample would hold fewer entries than this use :func:`exact_topk`.
+MIN_SAMPLE = 64
+#: Elements per chunk of the CPU scan (4 MiB of float32: stays in the last-level cache).
+CPU_CHUNK = 1 << 20
+#: DGC's acceptance window [LOW·k, HIGH·k] and the factor applied to the threshold on a retry.
+LOW, HIGH, DECAY = 0.8, 1.3, 0.8
+
+
+def check_select(select) -> str:
+    """Validate a ``select`` option; raises ``ValueError`` naming the valid choices."""
+    if select not in SELECT_CHOICES:
+        raise ValueError(f"select must be one of {', '.join(SELECT_CHOICES)} (e.g. "
+                         f"'topk:density=0.01,select=sample'), got {select!r}")
+    return select
+
+
+def check_sample_ratio(sample_ratio) -> float:
+    """Validate the sampled fraction; raises ``ValueError`` unless ``0 < sample_ratio <= 1``."""
+    try:
+        value = float(sample_ratio)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"sample_ratio must be in (0, 1], e.g. sample_ratio=0.01; got {sample_ratio!r}")
+    return value
+
+
+def _empty_index(device) -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.long, device=device)
+
+
+def exact_topk(flat: torch.Tensor, k: int, *, magnitudes: bool = True) -> torch.Tensor:
+    """Indices (int64, 1-D, unordered) of the k entries of largest magnitude, by ``torch.topk``.
+
+    Args:
+        flat: 1-D tensor of n elements; magnitudes (>= 0) when ``magnitudes``, else signed values
+            whose absolute values are ranked.
+        k: how many to keep; ``k >= n`` returns ``arange(n)``, ``k <= 0`` an empty tensor.
+    """
+    n = flat.numel()
+    if k >= n:
+        return torch.arange(n, device=flat.device)
+    if k <= 0:
+        return _empty_index(flat.device)
+    return torch.topk(flat if magnitudes else flat.abs(), k, sorted=False).indices
+
+
+def _set_bytes(mask: torch.Tensor, length: int) -> torch.Tensor:
+    """Ascending int64 positions of the True entries of ``mask[:length]``.
+
+    ``mask`` is a contiguous bool buffer of at least ``length`` rounded up to a multiple of 8,
+    starting at a multiple of 8 bytes; the padding is cleared here. The words (8 bytes) holding a
+    True entry are found first, then the bytes within those words: two ``nonzero`` over n/8 + 8m
+    elements instead of one over n.
+    """
+    padded = (length + 7) // 8 * 8
+    if padded != length:
+        mask[length:padded] = False
+    words = mask[:padded].view(torch.int64)
+    hit = torch.nonzero(words).view(-1)
+    sub = torch.nonzero(words.index_select(0, hit).view(torch.uint8)).view(-1)
+    return hit.index_select(0, sub >> 3).mul_(8).add_(sub & 7)
+
+
+def indices_at_least(flat: torch.Tensor, thr: torch.Tensor, *, magnitudes: bool = True,
+                     chunk: int = CPU_CHUNK) -> torch.Tensor:
+    """Ascending int64 indices i with ``flat[i] >= thr`` (``|flat[i]| >= thr`` if not ``magnitudes``).
+
+    Equals ``torch.nonzero(mag >= thr).view(-1)`` (NaN never passes). On CPU the tensor is scanned
+    in chunks of ``chunk`` elements with two chunk-sized buffers, so no full-size temporary is
+    allocated; on other devices it is one ``nonzero`` (one host synchronisation).
+
+    Args:
+        flat: 1-D tensor of n elements.
+        thr: threshold, a 0-d tensor on ``flat``'s device (or a Python number).
+    """
+    n = flat.numel()
+    if flat.device.type != "cpu":
+        return torch.nonzero((flat if magnitudes else flat.abs()) >= thr).view(-1)
+    if n == 0:
+        return _empty_index(flat.device)
+    size = min(n, chunk)
+    buf = torch.empty(size, dtype=flat.dtype)       # |x| of the chunk, then its 1.0 / 0.0 flags
+    mask = torch.empty((size + 7) // 8 * 8, dtype=torch.bool)
+    parts = []
+    for start in range(0, n, chunk):
+        part = flat[start:start + chunk]
+        length = part.numel()
+        flags = buf[:length]
+        if not magnitudes:
+            part = torch.abs(part, out=flags)
+        # compare into the float buffer, then convert: both vectorised, unlike a bool-output compare
+        torch.ge(part, thr, out=flags)
+        mask[:length].copy_(flags)
+        found = _set_bytes(mask, length)
+        if start:
+            found += start
+        parts.append(found)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def sampled_threshold_topk(flat: torch.Tensor, k: int, sample_ratio: float,
+                           generator, *, magnitudes: bool = True,
+                           min_sample: int = MIN_SAMPLE, max_tries: int = 10) -> torch.Tensor:
+    """Indices (int64, 1-D) of about k entries of largest magnitude, by DGC's sampled threshold.
+
+    Args:
+        flat: 1-D tensor of n elements; magnitudes (>= 0) when ``magnitudes``, else signed values
+            (their magnitudes are taken chunk by chunk: no full-size ``|flat|`` is built).
+        k: target count, 0 < k <= n (``k >= n`` returns ``arange(n)``).
+        sample_ratio: fraction of entries sampled to estimate the threshold, in (0, 1].
+        generator: a ``torch.Generator`` on ``flat``'s device type, or a
+            :class:`~hvdcomp.compressors.rng.RankGenerators` (its generator for that device is
+            created only when a sample is drawn). ``ceil(sample_ratio·n)`` positions are drawn
+            from it and nothing else is, so the result is reproducible and checkpointable.
+        min_sample: below this many samples the exact top-k is used instead (no draw).
+        max_tries: scans before giving up lowering the threshold.
+
+    Returns:
+        Every index whose magnitude is at least the final threshold, in ascending order, when
+        between 0.8k and 1.3k of them pass; exactly k indices (the top k of the candidates,
+        unordered) when more pass or for small tensors; fewer than 0.8k only if ``max_tries``
+        scans all fall short (the last scan's indices; e.g. NaN in the sample).
+    """
+    n = flat.numel()
+    samples = math.ceil(sample_ratio * n)
+    if k >= n:
+        return torch.arange(n, device=flat.device)
+    if samples < min_sample or k <= 0:
+        return exact_topk(flat, k, magnitudes=magnitudes)
+    if not isinstance(generator, torch.Generator):
+        generator = generator.get(flat.device)
+    pos = torch.randint(0, n, (samples,), generator=generator, device=flat.device)
+    # index_select, not flat[pos]: the same values, several times faster for a random gather on CPU
+    sampled = flat.index_select(0, pos)
+    if not magnitudes:
+        sampled.abs_()
+    ks = max(1, math.ceil(k / n * samples))
+    thr = torch.topk(sampled, ks, sorted=False).values.min()
+    idx = _empty_index(flat.device)
+    for _ in range(max_tries):
+        idx = indices_at_least(flat, thr, magnitudes=magnitudes)
+        count = idx.numel()
+        if count > HIGH * k:
+            cand = flat.index_select(0, idx)
+            if not magnitudes:
+                cand.abs_()
+            return idx.index_select(0, torch.topk(cand, k, sorted=False).indices)
+        if count >= LOW * k:
+            return idx
+        thr = thr * DECAY
+    return idx
