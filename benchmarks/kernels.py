@@ -16,9 +16,10 @@ and for every method spec (:func:`hvdcomp.get_compressor` syntax):
 * ``compress``: ``comp.encode(x, name)`` as users run it, i.e. with :class:`hvdcomp.ErrorFeedback`
   when the method turns it on by default (topk, randomk), so the residual add and subtract are
   included; for those methods ``select+pack`` is also measured: the inner method's encode alone;
-* ``decompress``: ``comp.decode(payload, ctx)`` of one payload;
-* ``aggregate``: ``comp.aggregate([payload] * W, ctx)`` for W = ``--world`` ranks (the scatter-add
-  of every rank's payload for the sparse methods);
+* ``decompress``: ``comp.decode_into(out, payload, ctx)`` of one payload into a preallocated
+  tensor (as :class:`hvdcomp.DistributedOptimizer` writes into the parameter's ``.grad``);
+* ``aggregate``: ``comp.aggregate_into(out, [payload] * W, ctx)`` for W = ``--world`` ranks (the
+  scatter-add of every rank's payload for the sparse methods);
 
 each as the median (and best) of ``--repeat`` timed calls after one warm-up call, with
 ``time.perf_counter`` (and ``torch.cuda.synchronize()`` around each call on CUDA). Stateful methods
@@ -163,9 +164,10 @@ def bench_method(spec: str, x: torch.Tensor, timer: Timer, world: int) -> dict:
     row["compress"] = stats(samples)
     row["payload_bytes"] = payload_bytes(payload)
     row["payload"] = [{"dtype": str(t.dtype).replace("torch.", ""), "numel": t.numel()} for t in payload]
-    samples, _ = timer(lambda: comp.decode(payload, ctx))
+    out = torch.empty_like(x)  # the optimizer decodes into the parameter's .grad
+    samples, _ = timer(lambda: comp.decode_into(out, payload, ctx))
     row["decompress"] = stats(samples)
-    samples, _ = timer(lambda: comp.aggregate([payload] * world, ctx))
+    samples, _ = timer(lambda: comp.aggregate_into(out, [payload] * world, ctx))
     row["aggregate"] = stats(samples)
     return row
 

@@ -27,7 +27,8 @@ class ErrorFeedback(Compressor):
         inner: any :class:`hvdcomp.Compressor`.
 
     State: one residual per parameter name, same shape and dtype as the gradient, kept on the
-    gradient's device. :meth:`state_dict` returns ``{"residuals": {name: tensor}, "inner": ...}``.
+    gradient's device. On CPU the previous step's residual is kept as a spare buffer (about
+    twice the residual memory) so that a step allocates no full-size tensor. :meth:`state_dict` returns ``{"residuals": {name: tensor}, "inner": ...}``.
 
     Raises:
         ValueError: from :meth:`encode` when no parameter name is given (residuals are per
@@ -41,6 +42,7 @@ class ErrorFeedback(Compressor):
             raise ValueError(f"'{inner.name}' already applies error feedback; do not wrap it again (ef=false)")
         self.inner = inner
         self.residuals: Dict[str, torch.Tensor] = {}
+        self._spares: Dict[str, torch.Tensor] = {}  # CPU: memory of the previous residual, reused
 
     @property
     def name(self):  # type: ignore[override]
@@ -79,28 +81,58 @@ class ErrorFeedback(Compressor):
             raise ValueError("error feedback keeps one residual per parameter and needs its name: "
                              "use hvdcomp.DistributedOptimizer(..., named_parameters=model.named_parameters())")
         e = self._get("residuals", name)
-        p = tensor if e is None else tensor + e
+        spare = self._spares.pop(name, None)
+        if e is None:
+            p = tensor.detach().clone()
+        elif spare is not None and spare.shape == e.shape and spare.dtype == e.dtype and spare.device == e.device:
+            p = torch.add(tensor, e, out=spare)  # no allocation: the previous step's residual memory
+        else:
+            p = tensor + e
         payload, ctx = self.inner.encode(p, name)
-        self._put("residuals", name, p - self.inner.decode(payload, ctx))
+        residual = self.inner.residual_(p, payload, ctx)  # p is ours: may be reused in place
+        self._put("residuals", name, residual)
+        if self._pending is None and e is not None:
+            self._keep_spare(name, e)
         return payload, ctx
+
+    def _keep_spare(self, name: str, tensor) -> None:
+        """Keep a no-longer-needed residual's memory for the next step (CPU only: CUDA's caching
+        allocator already reuses memory, and large fresh CPU tensors page-fault on first use)."""
+        if tensor is not None and tensor.device.type == "cpu":
+            self._spares[name] = tensor
+
+    def _staged_residuals(self):
+        return [(name, value) for (store, name), value in (self._pending or {}).items() if store == "residuals"]
 
     def begin_step(self):
         super().begin_step()
         self.inner.begin_step()
 
     def commit(self):
+        replaced = [(name, self.residuals.get(name)) for name, _ in self._staged_residuals()]
         super().commit()
         self.inner.commit()
+        for name, old in replaced:
+            self._keep_spare(name, old)
 
     def rollback(self):
+        dropped = self._staged_residuals()
         super().rollback()
         self.inner.rollback()
+        for name, value in dropped:
+            self._keep_spare(name, value)
 
     def decode(self, payload, ctx):
         return self.inner.decode(payload, ctx)
 
     def aggregate(self, payloads, ctx):
         return self.inner.aggregate(payloads, ctx)
+
+    def decode_into(self, out, payload, ctx):
+        return self.inner.decode_into(out, payload, ctx)
+
+    def aggregate_into(self, out, payloads, ctx):
+        return self.inner.aggregate_into(out, payloads, ctx)
 
     def reset(self, name: str | None = None) -> None:
         """Zero the residual of ``name`` (all residuals when ``None``)."""
@@ -114,4 +146,5 @@ class ErrorFeedback(Compressor):
 
     def load_state_dict(self, state):
         self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
+        self._spares = {}
         self.inner.load_state_dict(state.get("inner", {}))

@@ -278,8 +278,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in bucket:
                 payload, ctx = self._encoded.pop(p)
                 stop = start + len(payload)
-                grad = self.compression.aggregate([rank_tensors[start:stop] for rank_tensors in gathered], ctx)
-                p.grad.copy_(grad)
+                self.compression.aggregate_into(p.grad, [rank_tensors[start:stop] for rank_tensors in gathered], ctx)
                 start = stop
         self.timer.add_bytes(sent=handle.bytes_sent, received=handle.bytes_received,
                              dense=sum(p.numel() * 4 for p in bucket))
@@ -312,8 +311,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             with self.timer.phase("communicate"):
                 outputs = [self._hvd.synchronize(h) for h in handles]
             with self.timer.phase("decompress"):
-                grad = self.compression.decode(outputs, ctx) if kind == "allreduce" else outputs[0]
-                p.grad.copy_(grad)
+                if kind == "allreduce":
+                    self.compression.decode_into(p.grad, outputs, ctx)
+                else:
+                    p.grad.copy_(outputs[0])
             self.timer.add_bytes(sent=sent, received=received, dense=p.numel() * 4)
             self._delay[p] = self.backward_passes_per_step
         self._next_bucket = 0

@@ -138,6 +138,24 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
             total = d if total is None else total.add_(d)
         return total.div_(len(payloads))
 
+    def decode_into(self, out: torch.Tensor, payload: Payload, ctx: Any) -> torch.Tensor:
+        """:meth:`decode` written into ``out`` (shape and dtype of the original tensor, e.g. the
+        parameter's ``.grad``); methods that can avoid the temporary override this. Returns ``out``."""
+        return out.copy_(self.decode(payload, ctx))
+
+    def aggregate_into(self, out: torch.Tensor, payloads: Sequence[Payload], ctx: Any) -> torch.Tensor:
+        """:meth:`aggregate` written into ``out`` (see :meth:`decode_into`). Returns ``out``."""
+        return out.copy_(self.aggregate(payloads, ctx))
+
+    def residual_(self, p: torch.Tensor, payload: Payload, ctx: Any) -> torch.Tensor:
+        """What error feedback keeps: ``p - decode(payload)``.
+
+        ``p`` is a tensor the caller owns and will not read again; methods whose payload never
+        shares memory with their input may compute the result in ``p``'s memory (sparsifiers
+        do, saving two full-size temporaries). This default returns a new tensor.
+        """
+        return p - self.decode(payload, ctx)
+
     def set_epoch(self, epoch: int) -> None:
         """Called by training loops at the start of each epoch (0-based); no-op by default."""
 

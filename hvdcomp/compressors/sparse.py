@@ -140,28 +140,52 @@ class SparseCompressor(Compressor):
 
     def decode(self, payload, ctx):
         shape, dtype = ctx
-        n = math.prod(shape)
-        values, idx = self.unpack(payload, n)
-        if idx is None:
-            return values.reshape(shape).to(dtype)
-        out = torch.zeros(n, dtype=torch.float32, device=values.device)
-        out.index_add_(0, idx, values)
-        return out.reshape(shape).to(dtype)
+        out = torch.empty(shape, dtype=torch.float32, device=payload[0].device)
+        return self.aggregate_into(out, [payload], ctx).to(dtype)
 
     def aggregate(self, payloads, ctx):
         shape, dtype = ctx
-        n = math.prod(shape)
-        out, vals, idxs = None, [], []
+        device = payloads[0][0].device if payloads else torch.device("cpu")
+        out = torch.empty(shape, dtype=torch.float32, device=device)
+        return self.aggregate_into(out, payloads, ctx).to(dtype)
+
+    def decode_into(self, out, payload, ctx):
+        return self.aggregate_into(out, [payload], ctx)
+
+    def aggregate_into(self, out, payloads, ctx):
+        """Scatter-add every rank's payload into ``out`` (zeroed first), divide by their number.
+
+        Writes in place (no full-size temporary) when ``out`` is contiguous float32.
+        """
+        if out.dtype != torch.float32 or not out.is_contiguous():
+            return super().aggregate_into(out, payloads, ctx)
+        flat = out.view(-1)
+        n = flat.numel()
+        flat.zero_()
+        vals, idxs = [], []
         for p in payloads:
             values, idx = self.unpack(p, n)
             if idx is None:
-                out = values.clone() if out is None else out.add_(values)
+                flat.add_(values)
             else:
                 vals.append(values)
                 idxs.append(idx)
-        if out is None:
-            device = payloads[0][0].device if payloads else torch.device("cpu")
-            out = torch.zeros(n, dtype=torch.float32, device=device)
         if idxs:
-            out.index_add_(0, torch.cat(idxs), torch.cat(vals))
-        return out.div_(len(payloads)).reshape(shape).to(dtype)
+            flat.index_add_(0, torch.cat(idxs) if len(idxs) > 1 else idxs[0],
+                            torch.cat(vals) if len(vals) > 1 else vals[0])
+        if len(payloads) > 1:
+            flat.div_(len(payloads))
+        return out
+
+    def residual_(self, p, payload, ctx):
+        """``p - decode(payload)`` in ``p``'s memory (contiguous float32 ``p``): the sent values
+        are subtracted at their indices. Payload values are always new tensors, never views of ``p``."""
+        if p.dtype != torch.float32 or not p.is_contiguous():
+            return super().residual_(p, payload, ctx)
+        flat = p.view(-1)
+        values, idx = self.unpack(payload, flat.numel())
+        if idx is None:
+            flat.sub_(values)
+        else:
+            flat.index_add_(0, idx, values, alpha=-1)
+        return p
