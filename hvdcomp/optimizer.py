@@ -120,7 +120,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._skip_next = False
         if check_consistency and hvd.size() > 1:  # before any collective that ranks might not share
             self._check_consistency()
-        self._gatherer = None if compression.summable else make_allgatherer(allgather)
+        # also carries the per-step non-finite flags (mpi4py: no Horovod cycle-time wait)
+        self._gatherer = make_allgatherer(allgather) if hvd.size() > 1 or not compression.summable else None
         self.cost_model = self._resolve_cost_model(cost_model)
         self.routes = self._plan_routes()  # name -> "allreduce" | "allgather"
         gathered = [p for p in self._order if self.routes[self._names[p]] == "allgather"]
@@ -333,10 +334,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         bad = local_bad if local_bad is not None else self._local_bad
         flag = torch.tensor([int(bool(bad))] if bad is not None else [0], dtype=torch.int32)
         self._local_bad = None
+        flags = [int(flag.item())]
         if self._hvd.size() > 1:
             with self.timer.phase("communicate"):
-                flag = self._hvd.allgather(flag, name="hvdcomp.nonfinite")
-        ranks = [r for r, f in enumerate(flag.tolist()) if f]
+                flags = self._gatherer.allgather_int(flags[0])
+        ranks = [r for r, f in enumerate(flags) if f]
         if self._step_open:
             (self.compression.rollback if ranks else self.compression.commit)()
             self._step_open = False

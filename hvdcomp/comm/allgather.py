@@ -134,6 +134,10 @@ class Allgatherer(abc.ABC):
     def agree(self, values: np.ndarray) -> np.ndarray:
         """Rank 0's copy of ``values`` (float64) on every rank."""
 
+    @abc.abstractmethod
+    def allgather_int(self, value: int) -> List[int]:
+        """Every rank's ``value`` (blocking), in rank order."""
+
     def close(self) -> None:
         """Release background resources (idempotent)."""
 
@@ -250,6 +254,11 @@ class MPIAllgatherer(Allgatherer):
         self.comm.Bcast(values, root=0)
         return values
 
+    def allgather_int(self, value):
+        out = np.empty(self.size, dtype=np.int64)
+        self.comm.Allgather(np.array([value], dtype=np.int64), out)
+        return out.tolist()
+
     def close(self):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
@@ -288,6 +297,9 @@ class HorovodAllgatherer(Allgatherer):
 
     def probe(self, nbytes):
         self.hvd.allgather(torch.zeros(int(nbytes), dtype=torch.uint8), name="hvdcomp.probe")
+
+    def allgather_int(self, value):
+        return self.hvd.allgather(torch.tensor([value], dtype=torch.int64), name="hvdcomp.ints").tolist()
 
     def agree(self, values):
         t = torch.as_tensor(np.asarray(values, dtype=np.float64))

@@ -1,0 +1,511 @@
+#!/usr/bin/env python
+"""End-to-end step-time benchmark of ONE data-parallel contender on the study's LSTM language model.
+
+Launch under ``mpirun`` (one process per rank), e.g.::
+
+    mpirun -np 4 python benchmarks/e2e_lm.py --contender hvdcomp:topk:density=0.01 \\
+        --model medium --steps 10 --warmup 3 --output cell.json
+
+Contenders (all train the same model on the same data, global batch, learning rate and seed):
+
+* ``hvdcomp:<spec>``  - :func:`hvdcomp.DistributedOptimizer` with compressor ``<spec>``
+  (e.g. ``hvdcomp:topk:density=0.01``, ``hvdcomp:powersgd:rank=2``);
+* ``horovod:none`` / ``horovod:fp16`` - stock ``hvd.DistributedOptimizer`` with
+  ``hvd.Compression.none`` / ``hvd.Compression.fp16``;
+* ``ddp:none`` / ``ddp:fp16`` / ``ddp:powersgd`` - PyTorch ``DistributedDataParallel`` on the gloo
+  backend, without a communication hook, with ``fp16_compress_hook``, or with ``powerSGD_hook``
+  (rank 2, ``start_powerSGD_iter=2``, warm start, error feedback). DDP runs do not initialise
+  Horovod; the process group is set up from Open MPI's environment (see ``--master-addr``).
+
+The training step is train_lm's: forward, backward, synchronize, clip the averaged gradient to
+norm ``--clip``, SGD step (no momentum: DGC applies momentum itself). ``--warmup`` untimed steps
+are followed by ``--steps`` timed ones; each rank times every step with ``time.perf_counter``
+(no barrier in the loop). Validation perplexity is measured every ``--eval-every`` steps (and at the
+end) outside the timed region. After training, ``--compute-ref-steps`` steps of the same
+forward/backward/clip/SGD step on a communication-free copy of the model give each rank's pure
+compute time, so ``comm_critical_seconds = median step - median compute-only step`` estimates
+the communication (plus compression) on the critical path for every contender alike.
+
+Rank 0 writes ``--output`` (JSON). All times are seconds, all sizes bytes. Per-step statistics
+take the maximum over ranks of each step first, then the median / mean over the timed steps.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import faulthandler
+import logging
+import math
+import os
+import platform
+import signal
+import socket
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+from mpi4py import MPI  # first: MPI is initialised with MPI_THREAD_MULTIPLE before Horovod attaches
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import hvdcomp  # noqa: E402
+from hvdcomp.launch import abort_on_uncaught_exception  # noqa: E402
+from hvdcomp.lm import LSTMLM, MODEL_SIZES, batchify, load_corpus, rank_columns  # noqa: E402
+from hvdcomp.lm.data import default_data_path  # noqa: E402
+from hvdcomp.metrics import PHASES, PhaseTimer, write_json_atomic  # noqa: E402
+from mpi_scripts.train_lm import evaluate as hvd_evaluate  # noqa: E402
+
+log = logging.getLogger("e2e_lm")
+
+PEERS = ("horovod:none", "horovod:fp16", "ddp:none", "ddp:fp16", "ddp:powersgd")
+#: environment recorded with every result (user-facing settings, not Open MPI's internals)
+RECORDED_ENV_PREFIXES = ("OMPI_MCA_", "OMPI_ALLOW_RUN_AS_ROOT", "HOROVOD_", "OMP_NUM_THREADS",
+                         "MASTER_ADDR", "MASTER_PORT", "GLOO_", "TORCH_DISTRIBUTED_", "NETEM_")
+#: OMPI_MCA_* variables that Open MPI itself sets for every launched process (not settings)
+OMPI_INTERNAL = ("OMPI_MCA_orte_", "OMPI_MCA_ess", "OMPI_MCA_pmix", "OMPI_MCA_initial_wdir",
+                 "OMPI_MCA_mpi_oversubscribe", "OMPI_MCA_shmem_RUNTIME_QUERY_hint", "OMPI_MCA_ras_",
+                 "OMPI_MCA_plm", "OMPI_MCA_routed", "OMPI_MCA_btl_base_", "OMPI_MCA_state_",
+                 "OMPI_MCA_rmaps_", "OMPI_MCA_hwloc_", "OMPI_MCA_ras", "OMPI_MCA_grpcomm",
+                 "OMPI_MCA_errmgr", "OMPI_MCA_odls", "OMPI_MCA_iof", "OMPI_MCA_filem",
+                 "OMPI_MCA_dfs", "OMPI_MCA_schizo", "OMPI_MCA_rtc", "OMPI_MCA_oob_base_")
+
+
+# ---- command line ----------------------------------------------------------------------------------
+def parse_contender(text: str) -> Tuple[str, str]:
+    """``"hvdcomp:topk:density=0.01"`` -> ``("hvdcomp", "topk:density=0.01")``; peers likewise.
+
+    Raises:
+        ValueError: an unknown family or peer variant, or a bad hvdcomp spec.
+    """
+    family, _, variant = text.partition(":")
+    if family == "hvdcomp":
+        hvdcomp.get_compressor(variant)  # validates the spec (ValueError names the problem)
+        return family, variant
+    if text in PEERS:
+        return family, variant
+    raise ValueError(f"unknown contender {text!r}: use hvdcomp:<spec> or one of {', '.join(PEERS)}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--contender", required=True,
+                   help="hvdcomp:<spec> | horovod:none | horovod:fp16 | ddp:none | ddp:fp16 | ddp:powersgd")
+    p.add_argument("--model", choices=sorted(MODEL_SIZES), default="medium")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before the timed ones")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="validation perplexity every E optimizer steps (counting warm-up; also at step 0); "
+                        "0: only at the end")
+    p.add_argument("--compute-ref-steps", type=int, default=3,
+                   help="communication-free steps timed after training (0: skip the compute reference)")
+    p.add_argument("--batch-size", type=int, default=256, help="global batch, sequences (split over ranks)")
+    p.add_argument("--bptt", type=int, default=35)
+    p.add_argument("--lr", type=float, default=20.0)
+    p.add_argument("--clip", type=float, default=0.25)
+    p.add_argument("--dropout", type=float, default=0.2)
+    p.add_argument("--vocab-size", type=int, default=10000)
+    p.add_argument("--eval-batch-size", type=int, default=40, help="global evaluation batch")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--data", default=None, help="corpus (default: ../shared/data/tinyshakespeare/input.txt)")
+    p.add_argument("--master-addr", default=None,
+                   help="DDP rendezvous host (default: $MASTER_ADDR, else 127.0.0.1 when all ranks share "
+                        "a hostname, else the address rank 0's hostname resolves to)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="DDP rendezvous port (default: $MASTER_PORT, else a free port picked by rank 0 "
+                        "and sent to the others over MPI)")
+    p.add_argument("--dist-timeout", type=float, default=600.0, help="torch.distributed timeout, seconds")
+    p.add_argument("--output", required=True, help="results JSON (written by rank 0)")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    try:
+        args.family, args.variant = parse_contender(args.contender)
+    except ValueError as e:
+        p.error(str(e))
+    if args.steps < 1 or args.warmup < 0 or args.eval_every < 0 or args.compute_ref_steps < 0:
+        p.error("need --steps >= 1 and --warmup, --eval-every, --compute-ref-steps >= 0")
+    return args
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+def recorded_env() -> Dict[str, str]:
+    """The performance-relevant environment of this process."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith(RECORDED_ENV_PREFIXES) and not k.startswith(OMPI_INTERNAL)}
+
+
+def stats(values: List[float]) -> Dict[str, float]:
+    """median / mean / min / max of a non-empty list."""
+    return {"median": statistics.median(values), "mean": statistics.fmean(values),
+            "min": min(values), "max": max(values)}
+
+
+def across_ranks(per_rank: List[List[float]]) -> Dict[str, object]:
+    """Per-step max and mean over ranks, then statistics over steps (``per_step`` = the maxima)."""
+    worst = [max(col) for col in zip(*per_rank)]
+    mean = [statistics.fmean(col) for col in zip(*per_rank)]
+    return {**stats(worst), "median_of_rank_mean": statistics.median(mean),
+            "per_step": worst, "per_rank_median": [statistics.median(r) for r in per_rank]}
+
+
+def master_address(comm, given: Optional[str]) -> str:
+    """Rendezvous host for torch.distributed (collective over ``comm``)."""
+    if given or os.environ.get("MASTER_ADDR"):
+        return given or os.environ["MASTER_ADDR"]
+    hosts = comm.allgather(socket.gethostname())
+    if len(set(hosts)) == 1:
+        return "127.0.0.1"
+    return comm.bcast(socket.gethostbyname(hosts[0]) if comm.rank == 0 else None, root=0)
+
+
+def init_gloo(comm, args) -> str:
+    """``torch.distributed`` on gloo with rank/size from MPI; returns ``host:port`` of the store."""
+    import torch.distributed as dist
+
+    addr = master_address(comm, args.master_addr)
+    port = args.master_port or int(os.environ.get("MASTER_PORT", "0"))
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    store = None
+    if comm.rank == 0:  # port 0: the store binds a free port, which the other ranks learn over MPI
+        store = dist.TCPStore(addr, port, comm.size, is_master=True, timeout=timeout, wait_for_workers=False)
+        port = store.port
+    port = comm.bcast(port, root=0)
+    if comm.rank != 0:
+        store = dist.TCPStore(addr, port, comm.size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=comm.size, timeout=timeout)
+    return f"{addr}:{port}"
+
+
+def evaluate_gloo(model, stream, eval_batch, bptt, rank, size):
+    """Perplexity as :func:`mpi_scripts.train_lm.evaluate`, with the sums reduced over gloo (DDP runs)."""
+    import torch.distributed as dist
+
+    model.eval()
+    data = batchify(stream, eval_batch)[:, rank::size]
+    total = torch.zeros(2, dtype=torch.float64)
+    if data.shape[1] > 0:
+        state = model.init_state(data.shape[1])
+        with torch.no_grad():
+            for i in range(0, data.shape[0] - 1, bptt):
+                n = min(bptt, data.shape[0] - 1 - i)
+                logits, state = model(data[i:i + n], state)
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                         data[i + 1:i + 1 + n].reshape(-1), reduction="sum")
+                total += torch.tensor([loss.item(), float(n * data.shape[1])], dtype=torch.float64)
+    dist.all_reduce(total)
+    model.train()
+    return math.exp(total[0].item() / total[1].item())
+
+
+def ddp_powersgd_payload(model, rank: int = 2, min_compression_rate: float = 2.0) -> int:
+    """Bytes one rank sends per step with DDP's ``powerSGD_hook`` after its start iteration (fp32):
+    ``4·(n+m)·r`` per compressed matrix, ``4·numel`` per 1-D or not-worth-compressing tensor
+    (the hook's ``_should_compress`` rule). An estimate of the payload, not a measurement."""
+    total = 0
+    for p in model.parameters():
+        if p.dim() <= 1:
+            total += 4 * p.numel()
+            continue
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        r = min(n, m, rank)
+        total += 4 * ((n + m) * r if n * m >= (n + m) * r * min_compression_rate else n * m)
+    return total
+
+
+# ---- the contenders ----------------------------------------------------------------------------
+class Setup:
+    """What a contender's step needs: the module to call, the optimizer, how to evaluate."""
+
+    def __init__(self, args, raw: LSTMLM, comm):
+        self.args, self.raw, self.comm = args, raw, comm
+        self.module = raw            # what forward is called on (DDP wrapper for DDP)
+        self.opt = None
+        self.timer: Optional[PhaseTimer] = None   # hvdcomp's phase timer
+        self.sync: Optional[Callable[[], None]] = None  # explicit synchronize (Horovod family)
+        self.skip_sync = contextlib.nullcontext
+        self.notes: Dict[str, object] = {}
+        self.payload_bytes_est: Optional[int] = None
+        self.evaluate: Callable = None
+        self.info: Dict[str, object] = {}
+
+
+def build(args, raw: LSTMLM, comm) -> Setup:
+    """Create the contender's optimizer / DDP wrapper around ``raw`` (parameters synchronised)."""
+    s = Setup(args, raw, comm)
+    n_params = sum(p.numel() for p in raw.parameters())
+    sgd = torch.optim.SGD(raw.parameters(), lr=args.lr, momentum=0.0)
+    if args.family in ("hvdcomp", "horovod"):
+        import horovod.torch as hvd
+
+        hvd.broadcast_parameters(raw.state_dict(), root_rank=0)
+        if args.family == "hvdcomp":
+            compressor = hvdcomp.get_compressor(args.variant)
+            compressor.set_epoch(0)  # DGC's density warm-up, as train_lm's first epoch
+            s.opt = hvdcomp.DistributedOptimizer(sgd, named_parameters=raw.named_parameters(),
+                                                 compression=compressor)
+            s.timer = s.opt.timer
+            s.info["compressor"] = compressor.describe()
+            s.info["transport"] = ("allreduce" if compressor.summable
+                                   else s.opt._gatherer.kind + "-allgather")
+        else:
+            compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.variant]
+            s.opt = hvd.DistributedOptimizer(sgd, named_parameters=raw.named_parameters(),
+                                             compression=compression)
+            s.payload_bytes_est = n_params * (2 if args.variant == "fp16" else 4)
+            s.info["transport"] = "horovod-allreduce"
+        s.sync, s.skip_sync = s.opt.synchronize, s.opt.skip_synchronize
+        s.evaluate = lambda model, stream: hvd_evaluate(model, stream, args.eval_batch_size, args.bptt)
+        s.info["horovod_controller"] = "mpi" if hvd.mpi_enabled() else "gloo"
+    else:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        s.info["rendezvous"] = init_gloo(comm, args)
+        s.module = DDP(raw)  # broadcasts rank 0's parameters
+        if args.variant == "fp16":
+            s.module.register_comm_hook(state=None, hook=default_hooks.fp16_compress_hook)
+            s.payload_bytes_est = 2 * n_params
+        elif args.variant == "powersgd":
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                                start_powerSGD_iter=2, use_error_feedback=True,
+                                                warm_start=True, random_seed=args.seed)
+            s.module.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            s.payload_bytes_est = ddp_powersgd_payload(raw)
+            s.notes["payload_bytes_est"] = "steady state (after start_powerSGD_iter=2); before it 4 B/parameter"
+        else:
+            s.payload_bytes_est = 4 * n_params
+        s.opt = sgd
+        s.info["transport"] = "gloo-allreduce (DDP buckets)"
+        s.evaluate = lambda model, stream: evaluate_gloo(model, stream, args.eval_batch_size, args.bptt,
+                                                         comm.rank, comm.size)
+    return s
+
+
+def train_step(s: Setup, x, y, state, clip: float):
+    """One optimizer step; returns ``(loss, state, parts)`` with ``parts`` in seconds:
+    ``fwd_bwd`` (forward+backward; includes DDP's in-backward communication), ``sync``
+    (explicit synchronize: Horovod/hvdcomp), ``update`` (clip + SGD) and ``wall`` (the whole step)."""
+    timer = s.timer
+    compute = timer.phase("compute") if timer else contextlib.nullcontext()
+    t0 = time.perf_counter()
+    if timer:
+        timer.begin_step()
+    with compute:
+        state = tuple(h.detach() for h in state)
+        logits, state = s.module(x, state)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        s.opt.zero_grad()
+        loss.backward()
+    t1 = time.perf_counter()
+    if s.sync:
+        s.sync()
+    t2 = time.perf_counter()
+    with timer.phase("compute") if timer else contextlib.nullcontext():
+        torch.nn.utils.clip_grad_norm_(s.raw.parameters(), clip)
+        with s.skip_sync():
+            s.opt.step()
+    rec = timer.end_step() if timer else None
+    t3 = time.perf_counter()
+    parts = {"fwd_bwd": t1 - t0, "sync": t2 - t1, "update": t3 - t2, "wall": t3 - t0}
+    if rec is not None:
+        parts.update({f"phase_{k}": rec.get(k, 0.0) for k in PHASES})
+        parts.update({k: float(rec[k]) for k in ("bytes_sent", "bytes_received", "dense_bytes")})
+    return loss, state, parts
+
+
+def nic_tx_bytes() -> Optional[int]:
+    """Bytes transmitted so far by this network namespace's interfaces other than ``lo`` (the
+    emulated host's link under netem), from /sys/class/net; None where unreadable."""
+    total, found = 0, False
+    try:
+        for dev in os.listdir("/sys/class/net"):
+            if dev == "lo":
+                continue
+            with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as f:
+                total += int(f.read())
+                found = True
+    except OSError:
+        return None
+    return total if found else None
+
+
+def compute_reference(args, raw: LSTMLM, train, start_chunk: int, n_chunks: int) -> List[float]:
+    """Seconds per communication-free step (same forward/backward/clip/SGD) on a copy of ``raw``."""
+    ref = LSTMLM(raw.embedding.num_embeddings, raw.hidden, raw.layers, dropout=args.dropout)
+    ref.load_state_dict(raw.state_dict())
+    opt = torch.optim.SGD(ref.parameters(), lr=args.lr)
+    state, times = ref.init_state(train.shape[1]), []
+    for k in range(args.compute_ref_steps):
+        i = ((start_chunk + k) % n_chunks) * args.bptt
+        t0 = time.perf_counter()
+        state = tuple(h.detach() for h in state)
+        logits, state = ref(train[i:i + args.bptt], state)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 train[i + 1:i + 1 + args.bptt].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), args.clip)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+# ---- main --------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    comm = MPI.COMM_WORLD
+    rank, size = comm.rank, comm.size
+    abort_on_uncaught_exception()  # a failing rank ends the whole job instead of hanging it
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: stacks of a stuck rank
+    logging.basicConfig(level=args.log_level if rank == 0 else "WARNING",
+                        format=f"[%(asctime)s rank {rank}] %(message)s", datefmt="%H:%M:%S")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.family in ("hvdcomp", "horovod"):
+        import horovod.torch as hvd
+
+        hvd.init()
+        if hvd.size() != size or hvd.rank() != rank:
+            raise RuntimeError(f"Horovod rank {hvd.rank()}/{hvd.size()} != MPI rank {rank}/{size}")
+    if args.batch_size % size:
+        log.warning("global batch %d is not divisible by %d ranks: ranks get unequal shares",
+                    args.batch_size, size)
+
+    data_path = args.data or default_data_path()
+    corpus = load_corpus(data_path, vocab_size=args.vocab_size)
+    train = batchify(corpus.train, args.batch_size)[:, rank_columns(args.batch_size, rank, size)]
+    n_chunks = (train.shape[0] - 1) // args.bptt  # full bptt chunks only: every step costs the same
+    torch.manual_seed(args.seed)
+    raw = LSTMLM(corpus.vocab_size, MODEL_SIZES[args.model], dropout=args.dropout)
+    n_params = sum(p.numel() for p in raw.parameters())
+    t_setup = time.perf_counter()
+    s = build(args, raw, comm)
+    setup_seconds = time.perf_counter() - t_setup
+    torch.manual_seed(args.seed * 1000 + rank)  # dropout masks differ per rank
+    log.info("%s on %d rank(s): %s model, %d parameters, %d sequences x %d tokens per rank, "
+             "%d chunks per epoch, %d warm-up + %d timed steps", args.contender, size, args.model,
+             n_params, train.shape[1], args.bptt, n_chunks, args.warmup, args.steps)
+
+    curve: List[Tuple[int, float]] = []
+    eval_seconds = 0.0
+
+    def evaluate(step: int) -> None:
+        nonlocal eval_seconds
+        t = time.perf_counter()
+        ppl = s.evaluate(raw, corpus.valid)
+        eval_seconds += time.perf_counter() - t
+        curve.append((step, ppl))
+        log.info("step %d: valid ppl %.2f", step, ppl)
+
+    if args.eval_every:
+        evaluate(0)
+    total = args.warmup + args.steps
+    state = raw.init_state(train.shape[1])
+    timed: List[Dict[str, float]] = []
+    losses: List[float] = []
+    t_train = time.perf_counter()
+    for step in range(total):
+        chunk = step % n_chunks
+        if chunk == 0:
+            state = raw.init_state(train.shape[1])  # a new pass over the data
+        i = chunk * args.bptt
+        tx0 = nic_tx_bytes()
+        loss, state, parts = train_step(s, train[i:i + args.bptt], train[i + 1:i + 1 + args.bptt], state,
+                                        args.clip)
+        tx1 = nic_tx_bytes()
+        if tx0 is not None and tx1 is not None:  # frames on the wire incl. TCP/IP headers
+            parts["nic_tx_bytes"] = float(tx1 - tx0)
+        losses.append(loss.item())
+        if step >= args.warmup:
+            timed.append(parts)
+        log.info("step %d%s: loss %.3f, %.3f s (fwd+bwd %.3f, sync %.3f, update %.3f)", step + 1,
+                 " (warm-up)" if step < args.warmup else "", losses[-1], parts["wall"], parts["fwd_bwd"],
+                 parts["sync"], parts["update"])
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < total:
+            evaluate(step + 1)
+    train_seconds = time.perf_counter() - t_train
+    evaluate(total)
+    ref_times = compute_reference(args, raw, train, total, n_chunks) if args.compute_ref_steps else []
+
+    # ---- gather and summarise (mpi4py: works for every contender) ----
+    mine = {"parts": timed, "ref": ref_times, "host": socket.gethostname(),
+            "processor": MPI.Get_processor_name(), "env": recorded_env(), "losses": losses}
+    everyone = comm.gather(mine, root=0)
+    if rank == 0:
+        keys = sorted(timed[0])
+        per_key = {k: across_ranks([[row[k] for row in r["parts"]] for r in everyone]) for k in keys}
+        step_stats = per_key.pop("wall")
+        bytes_keys = [k for k in ("bytes_sent", "bytes_received", "dense_bytes") if k in per_key]
+        byte_stats = {k: per_key.pop(k) for k in bytes_keys}
+        phase_stats = {k[len("phase_"):]: per_key.pop(k) for k in list(per_key) if k.startswith("phase_")}
+        ref_stats = across_ranks([r["ref"] for r in everyone]) if ref_times else None
+        critical = step_stats["median"] - ref_stats["median"] if ref_stats else None
+        comm_wait = (phase_stats["communicate"]["median"] if phase_stats
+                     else per_key["sync"]["median"] if args.family == "horovod" else None)
+        envs = [r["env"] for r in everyone]
+        import horovod
+
+        results = {
+            "status": "ok",
+            "contender": args.contender,
+            "family": args.family,
+            "variant": args.variant,
+            "config": {**{k: v for k, v in vars(args).items() if k not in ("family", "variant")},
+                       "data": data_path, "world_size": size, "parameters": n_params,
+                       "sequences_per_rank": train.shape[1], "chunks_per_epoch": n_chunks},
+            "info": s.info,
+            "notes": s.notes,
+            "corpus": corpus.describe(),
+            "versions": {"torch": torch.__version__, "horovod": horovod.__version__,
+                         "hvdcomp": hvdcomp.__version__, "mpi4py": __import__("mpi4py").__version__,
+                         "mpi": MPI.Get_library_version().splitlines()[0].strip().rstrip("\x00"),
+                         "python": platform.python_version()},
+            "world_size": size,
+            "hostnames": [r["host"] for r in everyone],
+            "processor_names": [r["processor"] for r in everyone],
+            "env": envs[0],
+            "env_same_on_all_ranks": all(e == envs[0] for e in envs),
+            "env_by_rank": envs if any(e != envs[0] for e in envs) else None,
+            "timing": {
+                "units": "seconds per optimizer step; per step the max over ranks, then over timed steps",
+                "warmup_steps": args.warmup,
+                "timed_steps": len(timed),
+                "step": step_stats,
+                "parts": per_key,        # fwd_bwd, sync, update
+                "phases": phase_stats,   # hvdcomp's PhaseTimer (exclusive phases), hvdcomp only
+                "compute_reference": ref_stats,
+                "comm_critical_seconds": critical,
+                "comm_wait_seconds": comm_wait,
+                "setup_seconds": setup_seconds,
+                "train_seconds": train_seconds,
+                "eval_seconds": eval_seconds,
+            },
+            "bytes": {
+                "units": "bytes per optimizer step per rank (payload this rank contributes)",
+                "measured": byte_stats or None,
+                "payload_per_step_est": s.payload_bytes_est,
+                "dense_fp32_per_step": 4 * n_params,
+            },
+            "val_ppl_curve": curve,
+            "final_val_ppl": curve[-1][1],
+            "train_loss_rank0": losses,
+        }
+        write_json_atomic(args.output, results)
+        ph = " ".join(f"{k} {v['median']:.3f}" for k, v in phase_stats.items())
+        print(f"SUMMARY contender={args.contender} ranks={size} model={args.model} "
+              f"step_median={step_stats['median']:.3f}s step_mean={step_stats['mean']:.3f}s "
+              f"compute_ref={ref_stats['median'] if ref_stats else float('nan'):.3f}s "
+              f"comm_critical={critical if critical is not None else float('nan'):.3f}s "
+              f"{'(' + ph + ') ' if ph else ''}val_ppl={curve[-1][1]:.2f} -> {args.output}", flush=True)
+    if args.family == "ddp":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
