@@ -21,7 +21,7 @@ export OMP_NUM_THREADS=1
 
 STUDY_OUT ?= docs/results/study-small
 
-.PHONY: install run test study clean
+.PHONY: install run test study speed clean
 
 install: $(VENV)/.hvdcomp-installed
 
@@ -43,6 +43,10 @@ study: install
 	$(PY) mpi_scripts/sweep.py mpi_scripts/grids/lowrank_small.yaml --output '$(STUDY_OUT)' --data '$(DATA)'
 	$(PY) mpi_scripts/report.py '$(STUDY_OUT)' --command 'make study' \
 	  --grid mpi_scripts/grids/study_small.yaml mpi_scripts/grids/lowrank_small.yaml
+
+# The speed benchmarks (root: network namespaces; about 1.5 hours on 2 cores), then the report.
+speed: install
+	bash benchmarks/run_speed.sh docs/results/speed
 
 clean:
 	rm -rf runs .pytest_cache

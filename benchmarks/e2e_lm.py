@@ -145,10 +145,16 @@ def stats(values: List[float]) -> Dict[str, float]:
 
 
 def across_ranks(per_rank: List[List[float]]) -> Dict[str, object]:
-    """Per-step max and mean over ranks, then statistics over steps (``per_step`` = the maxima)."""
+    """Per-step max and mean over ranks, then statistics over steps (``per_step`` = the maxima).
+
+    ``median_of_rank_min``: per step the smallest value over ranks, median over steps; for a
+    communication wait that is the rank that arrived last, i.e. the transfer itself without the
+    other ranks' compute skew."""
     worst = [max(col) for col in zip(*per_rank)]
     mean = [statistics.fmean(col) for col in zip(*per_rank)]
+    least = [min(col) for col in zip(*per_rank)]
     return {**stats(worst), "median_of_rank_mean": statistics.median(mean),
+            "median_of_rank_min": statistics.median(least),
             "per_step": worst, "per_rank_median": [statistics.median(r) for r in per_rank]}
 
 

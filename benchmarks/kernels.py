@@ -315,6 +315,9 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None, help="directory for kernels.json and kernels.md")
+    p.add_argument("--profile", nargs="*", default=[], metavar="SPEC",
+                   help="also profile these specs (torch.profiler, largest size): compress and "
+                        "decompress ops by self CPU time, written to OUTPUT/profile.md")
     args = p.parse_args(argv)
     args.methods = [s for item in (args.methods or DEFAULT_METHODS) for s in item.split()]
     if args.repeat < 1 or args.world < 1 or (args.threads is not None and args.threads < 1):
@@ -322,11 +325,42 @@ def parse_args(argv=None):
     return args
 
 
+def profile(specs, size: int, device: torch.device, world: int, seed: int) -> str:
+    """Markdown: per spec, torch.profiler's operator table (self CPU time) of 3 compress calls
+    (after one warm-up) and 3 decode_into + aggregate_into calls, on one tensor of ``size``."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(size, generator=g).to(device)
+    out = torch.empty_like(x)
+    lines = [f"# Operator profiles at {human_size(size)} float32 elements ({device})", ""]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for spec in specs:
+        comp = hvdcomp.get_compressor(spec)
+        payload, ctx = comp.encode(x, PARAM_NAME)
+        for what, fn in (("compress", lambda: comp.encode(x, PARAM_NAME)),
+                         ("decode_into + aggregate_into", lambda: (comp.decode_into(out, payload, ctx),
+                                                                   comp.aggregate_into(out, [payload] * world, ctx)))):
+            with torch_profile(activities=activities) as prof:
+                for _ in range(3):
+                    fn()
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+            lines += [f"## `{spec}`: {what} (3 calls)", "", "```", table.rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     result = run(args)
     table = markdown(result)
     print(table)
+    if args.profile:
+        text = profile(args.profile, max(args.sizes), torch.device(args.device), args.world, args.seed)
+        print(text)
+        if args.output:
+            os.makedirs(args.output, exist_ok=True)
+            with open(os.path.join(args.output, "profile.md"), "w") as f:
+                f.write(text)
     if args.output:
         os.makedirs(args.output, exist_ok=True)
         with open(os.path.join(args.output, "kernels.json"), "w") as f:

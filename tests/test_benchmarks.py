@@ -35,3 +35,50 @@ def test_kernels_benchmark_smoke(tmp_path):
     for spec in specs:
         assert f"`{spec}`" in table
     assert "≤ 3× stream" in table and table in proc.stdout
+
+
+def _e2e_cell(contender, family, step, compute, wait=None, wait_last=None, curve=None):
+    timing = {"step": {"median": step}, "compute_reference": {"median": compute},
+              "comm_critical_seconds": step - compute, "parts": {}, "phases": {}}
+    if family == "hvdcomp":
+        timing["phases"]["communicate"] = {"median": wait, "median_of_rank_min": wait_last}
+    elif family == "horovod":
+        timing["parts"]["sync"] = {"median": wait, "median_of_rank_min": wait_last}
+    return {"status": "ok", "bench": "e2e", "contender": contender, "family": family, "world_size": 4,
+            "hostnames": ["h1", "h2", "h3", "h4"], "env": {"HOROVOD_CYCLE_TIME": "20"},
+            "config": {"parameters": 1000}, "timing": timing,
+            "bytes": {"measured": None, "payload_per_step_est": 100},
+            "val_ppl_curve": curve or [[0, 100.0], [5, 50.0]]}
+
+
+def test_speed_report_verdicts_from_hand_made_cells(tmp_path):
+    """Targets computed from known numbers: Horovod none waits 2.0 s (last rank 1.0 s) at 100 Mbit/s,
+    top-k 0.05 s (0.04 s): 40x and 25x, met; top-k's step 3.3 s at 100 Mbit/s vs 3.0 s unlimited:
+    1.10x, met; steps to the target ppl 50 (what `none` reached at step 10 of 15): top-k 15."""
+    cells = tmp_path / "e2e" / "cells"
+    curve_none = [[0, 100.0], [5, 70.0], [10, 50.0], [15, 40.0]]
+    curve_topk = [[0, 100.0], [5, 80.0], [10, 60.0], [15, 45.0]]
+    spec = {("none", "hvdcomp:none"): _e2e_cell("hvdcomp:none", "hvdcomp", 2.9, 2.8, 0.1, 0.05, curve_none),
+            ("none", "hvdcomp:topk:density=0.01"): _e2e_cell("hvdcomp:topk:density=0.01", "hvdcomp", 3.0,
+                                                             2.8, 0.05, 0.04, curve_topk),
+            ("none", "horovod:none"): _e2e_cell("horovod:none", "horovod", 3.0, 2.8, 0.2, 0.1),
+            ("100mbit", "hvdcomp:topk:density=0.01"): _e2e_cell("hvdcomp:topk:density=0.01", "hvdcomp",
+                                                                3.3, 2.8, 0.05, 0.04),
+            ("100mbit", "horovod:none"): _e2e_cell("horovod:none", "horovod", 5.0, 2.8, 2.0, 1.0)}
+    for (rate, contender), cell in spec.items():
+        os.makedirs(cells / rate, exist_ok=True)
+        (cells / rate / (contender.replace(":", "_").replace("=", "-") + ".json")).write_text(json.dumps(cell))
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "report_speed.py"), "--e2e",
+                           str(tmp_path / "e2e"), "--comm", str(tmp_path / "none"), "--output", str(out)],
+                          check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    report = (out / "report.md").read_text()
+    assert "1.000 s vs 0.040 s = 25.0x | met" in report      # last-arriving rank
+    assert "2.000 s vs 0.050 s = 40.0x | met" in report      # slowest rank
+    assert "3.30 / 3.00 s = 1.10x | met" in report
+    summary = json.loads((out / "summary.json").read_text())
+    ttt = summary["e2e"]["time_to_target"]
+    assert ttt["target"] == 50.0 and ttt["target_step"] == 10
+    assert ttt["rows"]["hvdcomp:topk:density=0.01"]["steps"] == 15
+    assert ttt["rows"]["hvdcomp:topk:density=0.01"]["100mbit"] == 15 * 3.3

@@ -153,7 +153,8 @@ class SparseCompressor(Compressor):
         return self.aggregate_into(out, [payload], ctx)
 
     def aggregate_into(self, out, payloads, ctx):
-        """Scatter-add every rank's payload into ``out`` (zeroed first), divide by their number.
+        """Scatter-add every rank's payload, scaled by 1/(number of payloads), into ``out``
+        (zeroed first): one write pass over ``out`` plus work proportional to the kept entries.
 
         Writes in place (no full-size temporary) when ``out`` is contiguous float32.
         """
@@ -161,20 +162,19 @@ class SparseCompressor(Compressor):
             return super().aggregate_into(out, payloads, ctx)
         flat = out.view(-1)
         n = flat.numel()
+        scale = 1.0 / max(1, len(payloads))
         flat.zero_()
         vals, idxs = [], []
         for p in payloads:
             values, idx = self.unpack(p, n)
             if idx is None:
-                flat.add_(values)
+                flat.add_(values, alpha=scale)
             else:
                 vals.append(values)
                 idxs.append(idx)
         if idxs:
             flat.index_add_(0, torch.cat(idxs) if len(idxs) > 1 else idxs[0],
-                            torch.cat(vals) if len(vals) > 1 else vals[0])
-        if len(payloads) > 1:
-            flat.div_(len(payloads))
+                            torch.cat(vals) if len(vals) > 1 else vals[0], alpha=scale)
         return out
 
     def residual_(self, p, payload, ctx):

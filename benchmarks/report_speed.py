@@ -1,0 +1,529 @@
+#!/usr/bin/env python
+"""Speed report: kernel ratios, end-to-end steps on rate-limited links, α-β cost-model fit.
+
+Reads what the benchmarks wrote and writes ``OUTPUT/report.md`` plus PNG plots and
+``OUTPUT/summary.json``::
+
+    .venv/bin/python benchmarks/report_speed.py --e2e runs/netem-e2e --comm runs/netem-comm \\
+        --kernels docs/results/speed/kernels-cpu --output docs/results/speed
+
+Inputs (any may be missing; its section then says so):
+
+* ``--e2e DIR``: ``DIR/cells/<rate>/<contender>.json`` from ``benchmarks/netem_e2e.py`` (4 ranks,
+  one per emulated host). Step time = per step the slowest rank, median over timed steps.
+* ``--comm DIR``: ``DIR/cells/<rate>/comm-np<p>.json`` from ``netem_e2e.py --bench comm``
+  (``benchmarks/comm_lm.py``): raw collectives over message sizes and hvdcomp's synchronize per
+  method, at 2 and 4 ranks.
+* ``--kernels DIR``: ``kernels.json`` / ``kernels.md`` from ``benchmarks/kernels.py``.
+
+Cost model (see :mod:`hvdcomp.comm.costmodel`): per link rate, ring formulas are fitted to the
+measured collectives at 2 and 4 ranks together (allgather: ``(p-1)·α + (p-1)·m·β``; allreduce:
+``2(p-1)·α + 2(p-1)/p·n·β``), each method's communication is predicted from its measured bytes per
+rank, checked against its measured communication time, and extrapolated to 8…1024 ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import logging
+import math
+import os
+import sys
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from hvdcomp.comm.costmodel import CostModel, fit_alpha_beta  # noqa: E402
+
+log = logging.getLogger("report_speed")
+
+RATES = ["none", "1gbit", "100mbit", "10mbit"]
+RATE_LABEL = {"none": "unlimited", "1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s", "10mbit": "10 Mbit/s"}
+BASELINE = "horovod:none"
+PEERS = ["horovod:none", "horovod:fp16", "ddp:none", "ddp:fp16", "ddp:powersgd"]
+TARGET_METHODS = ["hvdcomp:topk:density=0.01", "hvdcomp:dgc:density=0.01"]
+EXTRAPOLATE = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+#: which collective carries each method's payload (for the cost model)
+ALLREDUCE_METHODS = ("none", "fp16", "powersgd")
+
+
+def read_json(path: str) -> Optional[dict]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def slug_rate(path: str) -> str:
+    return os.path.basename(os.path.dirname(path))
+
+
+# ---- end-to-end ----------------------------------------------------------------------------------
+def load_e2e(directory: str) -> Dict[str, Dict[str, dict]]:
+    """{contender: {rate: cell}} (failed cells included, with status 'failed')."""
+    out: Dict[str, Dict[str, dict]] = {}
+    for path in sorted(glob.glob(os.path.join(directory, "cells", "*", "*.json"))):
+        cell = read_json(path)
+        if not cell or cell.get("bench", "e2e") != "e2e" or "contender" not in cell:
+            continue
+        out.setdefault(cell["contender"], {})[slug_rate(path)] = cell
+    return out
+
+
+def ok(cell: Optional[dict]) -> bool:
+    return bool(cell) and cell.get("status") == "ok"
+
+
+def step_s(cell) -> Optional[float]:
+    return cell["timing"]["step"]["median"] if ok(cell) else None
+
+
+def compute_s(cell) -> Optional[float]:
+    ref = cell["timing"].get("compute_reference") if ok(cell) else None
+    return ref["median"] if ref else None
+
+
+def comm_wait_s(cell, last_rank: bool = False) -> Optional[float]:
+    """Instrumented communication on the critical path: hvdcomp's 'communicate' phase (time the
+    training thread waits), stock Horovod's synchronize(); None for DDP (not instrumented).
+
+    Default: per step the slowest rank's wait (includes waiting for other ranks' compute, which
+    with 4 ranks on 2 cores is large). ``last_rank``: per step the smallest wait over ranks, i.e.
+    the rank that arrived last and waited only for the transfer."""
+    if not ok(cell):
+        return None
+    t = cell["timing"]
+    rec = (t.get("phases") or {}).get("communicate") if cell.get("family") == "hvdcomp" else None
+    if rec is None and cell.get("family") == "horovod":
+        rec = t.get("parts", {}).get("sync")
+    if rec is None:
+        return None
+    if last_rank:
+        return rec.get("median_of_rank_min")
+    return rec["median"]
+
+
+def phase_s(cell, phase: str) -> Optional[float]:
+    """hvdcomp's PhaseTimer phase (median over steps of the slowest rank); None for peers."""
+    rec = ((cell or {}).get("timing", {}).get("phases") or {}).get(phase) if ok(cell) else None
+    return rec["median"] if rec else None
+
+
+def comm_est_s(cell) -> Optional[float]:
+    """Step minus the communication-free compute step (every contender alike)."""
+    return cell["timing"].get("comm_critical_seconds") if ok(cell) else None
+
+
+def bytes_sent(cell) -> Optional[float]:
+    if not ok(cell):
+        return None
+    measured = (cell.get("bytes") or {}).get("measured") or {}
+    if "bytes_sent" in measured:
+        return measured["bytes_sent"]["median"]
+    return (cell.get("bytes") or {}).get("payload_per_step_est")
+
+
+def nic_tx(cell) -> Optional[float]:
+    if not ok(cell):
+        return None
+    part = cell["timing"].get("parts", {}).get("nic_tx_bytes")
+    return part["median"] if part else None
+
+
+def fmt(v, spec=".2f", none="–"):
+    return none if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def label(contender: str) -> str:
+    return contender.replace("hvdcomp:", "hvdcomp ").replace("horovod:", "Horovod ").replace("ddp:", "DDP ")
+
+
+def failure(cell) -> str:
+    err = cell.get("error") or []
+    text = err[-1] if isinstance(err, list) and err else cell.get("reason", "failed")
+    return str(text)[:160].replace("|", "/")
+
+
+def time_to_target(e2e, rates) -> dict:
+    """Steps to reach the target validation perplexity (from the unlimited-link runs, which
+    evaluate every few steps) times each rate's median step time."""
+    base = e2e.get("hvdcomp:none", {}).get("none")
+    if not ok(base) or len(base.get("val_ppl_curve", [])) < 3:
+        return {"target": None}
+    curve = base["val_ppl_curve"]
+    # the target: what uncompressed training reaches two thirds into the run
+    step_t, target = curve[max(1, (2 * (len(curve) - 1)) // 3)]
+    out = {"target": target, "target_step": step_t, "rows": {}}
+    for c, cells in e2e.items():
+        cell = cells.get("none")
+        if not ok(cell):
+            continue
+        reached = next((s for s, p in cell["val_ppl_curve"] if s > 0 and p <= target), None)
+        row = {"steps": reached, "final_ppl": cell["val_ppl_curve"][-1][1],
+               "last_step": cell["val_ppl_curve"][-1][0]}
+        for r in rates:
+            st = step_s(cells.get(r))
+            row[r] = None if reached is None or st is None else reached * st
+        out["rows"][c] = row
+    return out
+
+
+def e2e_section(e2e, figdir) -> (List[str], dict):
+    lines, summary = [], {}
+    if not e2e:
+        return ["No end-to-end results found (run `benchmarks/netem_e2e.py`)."], summary
+    rates = [r for r in RATES if any(r in cells for cells in e2e.values())]
+    contenders = list(e2e)
+    any_cell = next(c for cells in e2e.values() for c in cells.values() if ok(c))
+    env = any_cell.get("env", {})
+    lines += [f"Medium LSTM ({any_cell['config']['parameters']:,} parameters, "
+              f"{4 * any_cell['config']['parameters'] / 1e6:.1f} MB of fp32 gradient), "
+              f"{any_cell['world_size']} ranks on {any_cell['world_size']} emulated hosts "
+              f"({', '.join(sorted(set(any_cell['hostnames'])))}), Open MPI over TCP, links shaped with "
+              "`tc tbf` at both ends (full duplex per host). Same settings for every contender: "
+              + ", ".join(f"`{k}={v}`" for k, v in sorted(env.items())) + ".", ""]
+    # step time table
+    lines += ["### Seconds per step (median of timed steps; per step the slowest rank)", "",
+              "| contender | " + " | ".join(RATE_LABEL[r] for r in rates) + " | speed-up vs Horovod none at "
+              + ", ".join(RATE_LABEL[r] for r in rates if r != "none") + " |",
+              "|---|" + "---|" * len(rates) + "---|"]
+    for c in contenders:
+        cells = e2e[c]
+        vals = []
+        for r in rates:
+            cell = cells.get(r)
+            if cell is None:
+                vals.append("not run")
+            elif not ok(cell):
+                vals.append("failed")
+            else:
+                vals.append(fmt(step_s(cell)))
+        speed = []
+        for r in rates:
+            if r == "none":
+                continue
+            b, s = step_s(e2e.get(BASELINE, {}).get(r)), step_s(cells.get(r))
+            speed.append(fmt(b / s if b and s else None, ".2f") + ("x" if b and s else ""))
+        lines.append(f"| {label(c)} | " + " | ".join(vals) + " | " + ", ".join(speed) + " |")
+    fails = [(c, r, cell) for c, cells in e2e.items() for r, cell in cells.items() if not ok(cell)]
+    if fails:
+        lines += ["", "Failed cells (error as recorded):", ""]
+        lines += [f"- {label(c)} at {RATE_LABEL.get(r, r)}: `{failure(cell)}`" for c, r, cell in fails]
+    # breakdown table
+    lines += ["", "### Where the time goes", "",
+              "compute = the same step on a communication-free copy of the model (median of 3, after "
+              "training, all 4 ranks computing at once on 2 cores, so it can exceed a real step in which "
+              "ranks take turns); comm (est.) = step − compute, for every contender alike; wait max / "
+              "wait last = time the training thread waited for communication (hvdcomp's `communicate` "
+              "phase; stock Horovod's `synchronize()`), per step on the slowest rank (includes waiting "
+              "for other ranks' compute) / on the rank that arrived last (the transfer itself); DDP "
+              "overlaps inside backward and is not instrumented. NIC tx = bytes the host's link "
+              "transmitted during the step (frames incl. TCP/IP headers, all traffic of that rank).",
+              "compress / decompress: hvdcomp's phases (slowest rank, median).",
+              "", "| contender | rate | step s | compute s | comm est. s | wait max s | wait last s | "
+              "compress s | decompress s | sent B/step/rank | NIC tx B/step/rank |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in contenders:
+        for r in rates:
+            cell = e2e[c].get(r)
+            if not ok(cell):
+                continue
+            lines.append(f"| {label(c)} | {RATE_LABEL[r]} | {fmt(step_s(cell))} | {fmt(compute_s(cell))} | "
+                         f"{fmt(comm_est_s(cell), '.3f')} | {fmt(comm_wait_s(cell), '.3f')} | "
+                         f"{fmt(comm_wait_s(cell, last_rank=True), '.3f')} | {fmt(phase_s(cell, 'compress'), '.3f')} | "
+                         f"{fmt(phase_s(cell, 'decompress'), '.3f')} | "
+                         f"{fmt(bytes_sent(cell), ',.0f')} | {fmt(nic_tx(cell), ',.0f')} |")
+    summary["step_s"] = {c: {r: step_s(cells.get(r)) for r in rates} for c, cells in e2e.items()}
+    summary["comm_wait_s"] = {c: {r: comm_wait_s(cells.get(r)) for r in rates} for c, cells in e2e.items()}
+    summary["comm_wait_last_rank_s"] = {c: {r: comm_wait_s(cells.get(r), True) for r in rates}
+                                        for c, cells in e2e.items()}
+    summary["comm_est_s"] = {c: {r: comm_est_s(cells.get(r)) for r in rates} for c, cells in e2e.items()}
+    # time to target
+    ttt = time_to_target(e2e, rates)
+    summary["time_to_target"] = ttt
+    lines += ["", "### Time to a target validation perplexity", ""]
+    if ttt.get("target") is None:
+        lines.append("Not available: the unlimited-link runs did not evaluate during training.")
+    else:
+        lines += [f"Target: validation perplexity {ttt['target']:.1f}, what uncompressed hvdcomp (`none`) "
+                  f"reached after {ttt['target_step']} steps on the unlimited link. Steps to target are "
+                  "taken from the unlimited-link runs (validation every few steps; the optimisation "
+                  "does not depend on the link), times each rate's median step time (evaluation "
+                  "excluded).", "",
+                  "| contender | steps to target | final ppl (step) | " + " | ".join(
+                      f"s to target, {RATE_LABEL[r]}" for r in rates) + " |",
+                  "|---|---|---|" + "---|" * len(rates)]
+        for c, row in ttt["rows"].items():
+            steps = row["steps"] if row["steps"] is not None else f"not within {row['last_step']}"
+            lines.append(f"| {label(c)} | {steps} | {row['final_ppl']:.1f} ({row['last_step']}) | "
+                         + " | ".join(fmt(row[r], ".0f") for r in rates) + " |")
+    # plots
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 5))
+        xs = list(range(len(rates)))
+        for c in contenders:
+            ys = [step_s(e2e[c].get(r)) for r in rates]
+            pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+            if pts:
+                style = "-o" if c.startswith("hvdcomp") else "--s"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label(c))
+        ax.set_xticks(xs, [RATE_LABEL[r] for r in rates])
+        ax.set_yscale("log")
+        ax.set_ylabel("seconds per step (median)")
+        ax.set_title("Medium LSTM, 4 ranks on 4 emulated hosts")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(os.path.join(figdir, "step_time_vs_bandwidth.png"), dpi=110)
+        plt.close(fig)
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for c in contenders:
+            cell = e2e[c].get("none")
+            if ok(cell) and len(cell.get("val_ppl_curve", [])) > 1:
+                curve = cell["val_ppl_curve"]
+                ax.plot([s for s, _ in curve], [p for _, p in curve], "-o", ms=3, label=label(c))
+        ax.set_yscale("log")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("validation perplexity")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(os.path.join(figdir, "val_ppl_unlimited.png"), dpi=110)
+        plt.close(fig)
+        lines += ["", "![step time](step_time_vs_bandwidth.png)", "", "![validation](val_ppl_unlimited.png)"]
+    except ImportError:
+        lines += ["", "(matplotlib missing: no plots)"]
+    return lines, summary
+
+
+def targets_section(e2e) -> List[str]:
+    """The issue's targets, each met or missed with the numbers."""
+    lines = ["| target | method | measured | verdict |", "|---|---|---|---|"]
+
+    def cell(c, r):
+        return e2e.get(c, {}).get(r)
+
+    for m in TARGET_METHODS:
+        for r in ("1gbit", "100mbit", "10mbit"):
+            for last, how in ((True, "wait of the last-arriving rank"), (False, "wait of the slowest rank")):
+                mine, base = comm_wait_s(cell(m, r), last), comm_wait_s(cell(BASELINE, r), last)
+                if mine is not None and base is not None:
+                    ratio = base / max(mine, 1e-9)
+                    lines.append(f"| comm on the critical path ≥ 20x lower than Horovod none ({RATE_LABEL[r]}; "
+                                 f"{how}) | {label(m)} | {base:.3f} s vs {mine:.3f} s = {ratio:.1f}x | "
+                                 f"{'met' if ratio >= 20 else 'missed'} |")
+        a, b = step_s(cell(m, "100mbit")), step_s(cell(m, "none"))
+        if a and b:
+            lines.append(f"| step at 100 Mbit/s ≤ 1.1x same method unlimited | {label(m)} | {a:.2f} / {b:.2f} s "
+                         f"= {a / b:.2f}x | {'met' if a / b <= 1.1 else 'missed'} |")
+        a, b = step_s(cell(m, "10mbit")), step_s(cell(BASELINE, "10mbit"))
+        if a and b:
+            lines.append(f"| ≥ 5x faster than Horovod none at 10 Mbit/s | {label(m)} | {b:.2f} / {a:.2f} s = "
+                         f"{b / a:.1f}x | {'met' if b / a >= 5 else 'missed'} |")
+        peers = [(p, step_s(cell(p, "100mbit"))) for p in PEERS]
+        peers = [(p, s) for p, s in peers if s]
+        a = step_s(cell(m, "100mbit"))
+        if a and peers:
+            best, bs = min(peers, key=lambda t: t[1])
+            lines.append(f"| faster than the best peer at 100 Mbit/s | {label(m)} | {a:.2f} s vs {label(best)} "
+                         f"{bs:.2f} s | {'met' if a < bs else 'missed'} |")
+    for m in [c for c in e2e if c.startswith("hvdcomp:") and c != "hvdcomp:none"]:
+        a, b = step_s(cell(m, "none")), step_s(cell(BASELINE, "none"))
+        if a and b:
+            lines.append(f"| unlimited: compressed step ≤ 1.2x uncompressed (Horovod none) | {label(m)} | "
+                         f"{a:.2f} / {b:.2f} s = {a / b:.2f}x | {'met' if a / b <= 1.2 else 'missed'} |")
+    return lines
+
+
+# ---- cost model ----------------------------------------------------------------------------------
+def load_comm(directory: str) -> Dict[str, Dict[int, dict]]:
+    out: Dict[str, Dict[int, dict]] = {}
+    for path in sorted(glob.glob(os.path.join(directory, "cells", "*", "comm-np*.json"))):
+        cell = read_json(path)
+        if ok(cell):
+            out.setdefault(slug_rate(path), {})[int(cell["world_size"])] = cell
+    return out
+
+
+def ring_terms(kind: str, p: int, nbytes: float, calls: int = 1):
+    """(latency terms, byte terms) of a ring collective."""
+    if kind == "allgather":
+        return calls * (p - 1), (p - 1) * nbytes
+    return calls * 2 * (p - 1), 2 * (p - 1) / p * nbytes
+
+
+def fit_rate(cells: Dict[int, dict]) -> Dict[str, dict]:
+    """Per collective: joint ring fit over 2 and 4 ranks and its worst relative error."""
+    fits = {}
+    for name, kind in (("mpi-allgatherv", "allgather"), ("hvd-allreduce", "allreduce"),
+                       ("mpi-allreduce", "allreduce")):
+        samples = []
+        for p, cell in cells.items():
+            for row in cell.get("collectives", {}).get(name, []):
+                a, b = ring_terms(kind, p, row["bytes"])
+                samples.append((a, b, row["seconds"], p, row["bytes"]))
+        if len(samples) < 2:
+            continue
+        model = fit_alpha_beta([s[:3] for s in samples])
+        errs = [abs(model.alpha * a + model.beta * b - t) / t for a, b, t, _, _ in samples]
+        big = [abs(model.alpha * a + model.beta * b - t) / t for a, b, t, _, n in samples if n >= 65536]
+        fits[name] = {"alpha_s": model.alpha, "beta_s_per_byte": model.beta, "kind": kind,
+                      "max_rel_error": max(errs), "max_rel_error_64KiB_up": max(big) if big else None,
+                      "points": len(samples)}
+    return fits
+
+
+def method_kind(spec: str) -> (str, int):
+    name = spec.split(":")[0]
+    if name in ALLREDUCE_METHODS:
+        return "allreduce", 2 if name == "powersgd" else 1
+    return "allgather", 2  # counts exchange + data
+
+
+def predict(fits, spec, p, nbytes) -> Optional[float]:
+    kind, calls = method_kind(spec)
+    fit = fits.get("hvd-allreduce" if kind == "allreduce" else "mpi-allgatherv")
+    if not fit:
+        return None
+    a, b = ring_terms(kind, p, nbytes, calls)
+    return CostModel(fit["alpha_s"], fit["beta_s_per_byte"]).alpha * a + fit["beta_s_per_byte"] * b
+
+
+def cost_section(comm, figdir) -> (List[str], dict):
+    if not comm:
+        return ["No communication benchmark found (run `benchmarks/netem_e2e.py --bench comm`)."], {}
+    lines, summary = [], {}
+    for rate in [r for r in RATES if r in comm]:
+        cells = comm[rate]
+        fits = fit_rate(cells)
+        summary[rate] = {"fits": fits}
+        lines += [f"### {RATE_LABEL[rate]}", "", "Fitted on " + ", ".join(f"{p} ranks" for p in sorted(cells))
+                  + " together (ring formulas):", "",
+                  "| collective | α (µs) | β (ns/B) = bandwidth | worst rel. error (all sizes / ≥ 64 KiB) |",
+                  "|---|---|---|---|"]
+        for name, f in fits.items():
+            bw = 8 / f["beta_s_per_byte"] / 1e6 if f["beta_s_per_byte"] else float("inf")
+            lines.append(f"| {name} | {f['alpha_s'] * 1e6:.0f} | {f['beta_s_per_byte'] * 1e9:.2f} = {bw:.0f} Mbit/s | "
+                         f"{f['max_rel_error']:.0%} / {fmt(f['max_rel_error_64KiB_up'], '.0%')} |")
+        # check: predicted vs measured communication per method
+        lines += ["", "Each method's communication per step (hvdcomp `synchronize()` on fixed gradients, "
+                  "no compute; the `communicate` phase), measured vs predicted from its measured bytes:", "",
+                  "| method | ranks | bytes sent/rank | measured s | predicted s | error |", "|---|---|---|---|---|---|"]
+        specs = sorted({s for c in cells.values() for s in c.get("methods", {})})
+        checks = []
+        for spec in specs:
+            for p in sorted(cells):
+                rec = cells[p]["methods"].get(spec)
+                if not rec or "communicate" not in rec:
+                    continue
+                nb = rec["bytes_sent"]["median"]
+                meas = rec["communicate"]["median"]
+                pred = predict(fits, spec, p, nb)
+                err = None if pred is None else (pred - meas) / meas
+                checks.append({"method": spec, "ranks": p, "bytes": nb, "measured_s": meas, "predicted_s": pred})
+                lines.append(f"| {spec} | {p} | {nb:,.0f} | {meas:.3f} | {fmt(pred, '.3f')} | "
+                             f"{fmt(err, '+.0%')} |")
+        summary[rate]["checks"] = checks
+        # extrapolation at constant bytes per rank
+        nbytes = {spec: cells[max(cells)]["methods"][spec]["bytes_sent"]["median"]
+                  for spec in specs if "bytes_sent" in cells[max(cells)]["methods"].get(spec, {})}
+        table = {spec: {p: predict(fits, spec, p, nb) for p in EXTRAPOLATE} for spec, nb in nbytes.items()}
+        summary[rate]["extrapolation"] = table
+        lines += ["", "Predicted communication seconds per step at more ranks (same bytes per rank; ring "
+                  "collectives):", "", "| method | " + " | ".join(str(p) for p in EXTRAPOLATE) + " |",
+                  "|---|" + "---|" * len(EXTRAPOLATE)]
+        for spec, row in table.items():
+            lines.append(f"| {spec} | " + " | ".join(fmt(row[p], '.3g') for p in EXTRAPOLATE) + " |")
+        # crossovers: first p where an allgather method costs more than an allreduce method
+        cross = []
+        gathers = [s for s in table if method_kind(s)[0] == "allgather"]
+        reduces = [s for s in table if method_kind(s)[0] == "allreduce"]
+        for g in gathers:
+            for r in reduces:
+                p_star = next((p for p in range(2, 65537) if (predict(fits, g, p, nbytes[g]) or 0)
+                               > (predict(fits, r, p, nbytes[r]) or float("inf"))), None)
+                cross.append((g, r, p_star))
+        summary[rate]["crossovers"] = cross
+        lines += ["", "Crossover: smallest rank count at which the allgather-based method's predicted "
+                  "communication exceeds the allreduce-compatible method's:", "",
+                  "| allgather method | allreduce method | crossover (ranks) |", "|---|---|---|"]
+        lines += [f"| {g} | {r} | {p_star if p_star else '> 65536'} |" for g, r, p_star in cross]
+        lines.append("")
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(figsize=(7, 4.5))
+            for spec, row in table.items():
+                ps = [p for p in EXTRAPOLATE if row[p] is not None]
+                ax.plot(ps, [row[p] for p in ps], "-" if method_kind(spec)[0] == "allgather" else "--",
+                        label=spec)
+            for c in checks:
+                ax.plot([c["ranks"]], [c["measured_s"]], "k.", ms=6)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("ranks")
+            ax.set_ylabel("communication seconds per step")
+            ax.set_title(f"α-β model at {RATE_LABEL[rate]} (dots: measured)")
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            name = f"cost_model_{rate}.png"
+            fig.savefig(os.path.join(figdir, name), dpi=110)
+            plt.close(fig)
+            lines += [f"![cost model {rate}]({name})", ""]
+        except ImportError:
+            pass
+    return lines, summary
+
+
+def kernels_section(directory: Optional[str]) -> List[str]:
+    if not directory:
+        return ["No kernel benchmark given."]
+    out = []
+    for sub in sorted(glob.glob(os.path.join(directory, "**", "kernels.md"), recursive=True)) or []:
+        with open(sub) as f:
+            text = f.read()
+        rel = os.path.relpath(sub, ROOT)
+        out += [f"From `{rel}`:", "", text.replace("\n# ", "\n#### ").replace("\n## ", "\n#### "), ""]
+    return out or [f"No kernels.md under {directory}."]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--e2e", default="runs/netem-e2e")
+    p.add_argument("--comm", default="runs/netem-comm")
+    p.add_argument("--kernels", default=None, help="directory holding kernels.md files (searched recursively)")
+    p.add_argument("--output", default="docs/results/speed")
+    p.add_argument("--preamble", default=None, help="markdown file put at the top (commands, notes)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(message)s")
+    os.makedirs(args.output, exist_ok=True)
+    e2e = load_e2e(args.e2e)
+    comm = load_comm(args.comm)
+    e2e_lines, e2e_summary = e2e_section(e2e, args.output)
+    cost_lines, cost_summary = cost_section(comm, args.output)
+    lines = ["# hvdcomp speed report", ""]
+    if args.preamble:
+        with open(args.preamble) as f:
+            lines += [f.read().rstrip(), ""]
+    lines += ["## Targets", ""] + (targets_section(e2e) if e2e else ["No end-to-end results."]) + [""]
+    lines += ["## End-to-end on rate-limited links", ""] + e2e_lines + [""]
+    lines += ["## α-β cost model: fit, check and extrapolation", ""] + cost_lines + [""]
+    lines += ["## Kernel benchmark", ""] + kernels_section(args.kernels)
+    with open(os.path.join(args.output, "report.md"), "w") as f:
+        f.write("\n".join(lines).rstrip() + "\n")
+    with open(os.path.join(args.output, "summary.json"), "w") as f:
+        json.dump({"e2e": e2e_summary, "cost_model": cost_summary}, f, indent=1, default=str)
+    log.info("wrote %s", os.path.join(args.output, "report.md"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

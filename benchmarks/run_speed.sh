@@ -1,0 +1,28 @@
+#!/bin/bash
+# The speed study behind docs/results/speed/report.md, exactly as run (root; about 1.5 h on 2 cores).
+# Sequential on purpose: keep the machine otherwise quiet while it runs. Resumable (finished cells
+# are kept). Writes OUT/netem-e2e, OUT/netem-comm, OUT/kernels-cpu and OUT/report.md + plots.
+#   bash benchmarks/run_speed.sh [OUT]      (default runs/speed; `make speed` uses docs/results/speed)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-runs/speed}
+PY=.venv/bin/python
+C="hvdcomp:none hvdcomp:fp16 hvdcomp:topk:density=0.01 hvdcomp:topk:density=0.001 hvdcomp:dgc:density=0.01
+   hvdcomp:dgc:density=0.001 hvdcomp:qsgd hvdcomp:powersgd:rank=2 hvdcomp:topk:density=0.01,select=sample,index=compact
+   horovod:none horovod:fp16 ddp:none ddp:fp16 ddp:powersgd"
+status=0
+# 1. unlimited links: 30 steps each, validation every 5 (steps to the target perplexity)
+$PY benchmarks/netem_e2e.py --output "$OUT/netem-e2e" --model medium --rates none \
+  --steps 27 --warmup 3 --eval-every 5 --contenders $C || status=1
+# 2. rate-limited links: step time only
+$PY benchmarks/netem_e2e.py --output "$OUT/netem-e2e" --model medium --rates 1gbit 100mbit 10mbit \
+  --steps 5 --warmup 2 --steps-slow 3 --warmup-slow 1 --contenders $C || status=1
+# 3. communication only, 2 and 4 ranks: data for the alpha-beta fit
+$PY benchmarks/netem_e2e.py --bench comm --output "$OUT/netem-comm" --model medium --np 2 4 \
+  --rates 1gbit 100mbit --comm-reps 5 --comm-budget 8 --comm-budget-slow 8 \
+  --methods none fp16 topk:density=0.01 topk:density=0.001 dgc:density=0.01 qsgd powersgd:rank=2 || status=1
+# 4. kernels (one process), then the report
+$PY benchmarks/kernels.py --output "$OUT/kernels-cpu" || status=1
+$PY benchmarks/report_speed.py --e2e "$OUT/netem-e2e" --comm "$OUT/netem-comm" --kernels "$OUT/kernels-cpu" \
+  --output "$OUT" --preamble benchmarks/speed_preamble.md
+exit $status
