@@ -62,6 +62,8 @@ def test_indices_at_least_equals_nonzero(n, chunk):
         ref = torch.nonzero(x.abs() >= t).view(-1)    # NaN never passes
         assert torch.equal(selection.indices_at_least(x, t, magnitudes=False, chunk=chunk), ref)
         assert torch.equal(selection.indices_at_least(x.abs(), t, chunk=chunk), ref)
+        # the device (CUDA) path, run on the CPU
+        assert torch.equal(selection.indices_at_least(x, t, magnitudes=False, chunked=False), ref)
 
 
 # ---- sampled threshold --------------------------------------------------------------------------

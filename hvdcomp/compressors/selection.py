@@ -100,7 +100,7 @@ def _set_bytes(mask: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def indices_at_least(flat: torch.Tensor, thr: torch.Tensor, *, magnitudes: bool = True,
-                     chunk: int = CPU_CHUNK) -> torch.Tensor:
+                     chunk: int = CPU_CHUNK, chunked=None) -> torch.Tensor:
     """Ascending int64 indices i with ``flat[i] >= thr`` (``|flat[i]| >= thr`` if not ``magnitudes``).
 
     Equals ``torch.nonzero(mag >= thr).view(-1)`` (NaN never passes). On CPU the tensor is scanned
@@ -110,9 +110,13 @@ def indices_at_least(flat: torch.Tensor, thr: torch.Tensor, *, magnitudes: bool 
     Args:
         flat: 1-D tensor of n elements.
         thr: threshold, a 0-d tensor on ``flat``'s device (or a Python number).
+        chunked: force the chunked CPU scan (True) or the one-``nonzero`` device path (False);
+            default: chunked on CPU only (tests run the device path on CPU with False).
     """
     n = flat.numel()
-    if flat.device.type != "cpu":
+    if chunked is None:
+        chunked = flat.device.type == "cpu"
+    if not chunked:
         return torch.nonzero((flat if magnitudes else flat.abs()) >= thr).view(-1)
     if n == 0:
         return _empty_index(flat.device)
