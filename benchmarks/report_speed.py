@@ -19,7 +19,9 @@ Inputs (any may be missing; its section then says so):
 Cost model (see :mod:`hvdcomp.comm.costmodel`): per link rate, ring formulas are fitted to the
 measured collectives at 2 and 4 ranks together (allgather: ``(p-1)·α + (p-1)·m·β``; allreduce:
 ``2(p-1)·α + 2(p-1)/p·n·β``), each method's communication is predicted from its measured bytes per
-rank, checked against its measured communication time, and extrapolated to 8…1024 ranks.
+rank, checked against its measured communication time, and extrapolated to 8…1024 ranks
+(allreduce methods with the mpi4py Allreduce fit: Horovod's cycle time is a per-collective
+constant, not a per-hop latency).
 """
 from __future__ import annotations
 
@@ -70,6 +72,15 @@ def load_e2e(directory: str) -> Dict[str, Dict[str, dict]]:
             continue
         out.setdefault(cell["contender"], {})[slug_rate(path)] = cell
     return out
+
+
+def order(e2e) -> List[str]:
+    """hvdcomp methods first (none, fp16, then by name), then the peers."""
+    def key(c):
+        family = 0 if c.startswith("hvdcomp:") else 1
+        first = {"hvdcomp:none": 0, "hvdcomp:fp16": 1}.get(c, 2)
+        return family, first, c
+    return sorted(e2e, key=key)
 
 
 def ok(cell: Optional[dict]) -> bool:
@@ -155,12 +166,13 @@ def time_to_target(e2e, rates) -> dict:
     curve = base["val_ppl_curve"]
     # the target: what uncompressed training reaches two thirds into the run
     step_t, target = curve[max(1, (2 * (len(curve) - 1)) // 3)]
-    out = {"target": target, "target_step": step_t, "rows": {}}
+    out = {"target": target, "target_step": step_t, "rows": {}, "slack": 0.01}
     for c, cells in e2e.items():
         cell = cells.get("none")
         if not ok(cell):
             continue
-        reached = next((s for s, p in cell["val_ppl_curve"] if s > 0 and p <= target), None)
+        # 1 % slack: runs with identical maths (none under hvdcomp, Horovod, DDP) differ in rounding
+        reached = next((s for s, p in cell["val_ppl_curve"] if s > 0 and p <= target * 1.01), None)
         row = {"steps": reached, "final_ppl": cell["val_ppl_curve"][-1][1],
                "last_step": cell["val_ppl_curve"][-1][0]}
         for r in rates:
@@ -175,7 +187,7 @@ def e2e_section(e2e, figdir) -> (List[str], dict):
     if not e2e:
         return ["No end-to-end results found (run `benchmarks/netem_e2e.py`)."], summary
     rates = [r for r in RATES if any(r in cells for cells in e2e.values())]
-    contenders = list(e2e)
+    contenders = order(e2e)
     any_cell = next(c for cells in e2e.values() for c in cells.values() if ok(c))
     env = any_cell.get("env", {})
     lines += [f"Medium LSTM ({any_cell['config']['parameters']:,} parameters, "
@@ -183,7 +195,9 @@ def e2e_section(e2e, figdir) -> (List[str], dict):
               f"{any_cell['world_size']} ranks on {any_cell['world_size']} emulated hosts "
               f"({', '.join(sorted(set(any_cell['hostnames'])))}), Open MPI over TCP, links shaped with "
               "`tc tbf` at both ends (full duplex per host). Same settings for every contender: "
-              + ", ".join(f"`{k}={v}`" for k, v in sorted(env.items())) + ".", ""]
+              + ", ".join(f"`{k}={v}`" for k, v in sorted(env.items()) if k.startswith(("OMPI_MCA", "HOROVOD",
+                                                                                     "OMP_")))
+              + " (all recorded per rank in each cell's JSON).", ""]
     # step time table
     lines += ["### Seconds per step (median of timed steps; per step the slowest rank)", "",
               "| contender | " + " | ".join(RATE_LABEL[r] for r in rates) + " | speed-up vs Horovod none at "
@@ -247,8 +261,9 @@ def e2e_section(e2e, figdir) -> (List[str], dict):
     if ttt.get("target") is None:
         lines.append("Not available: the unlimited-link runs did not evaluate during training.")
     else:
-        lines += [f"Target: validation perplexity {ttt['target']:.1f}, what uncompressed hvdcomp (`none`) "
-                  f"reached after {ttt['target_step']} steps on the unlimited link. Steps to target are "
+        lines += [f"Target: validation perplexity {ttt['target']:.1f} (+1 % slack for rounding), what "
+                  f"uncompressed hvdcomp (`none`) reached after {ttt['target_step']} steps on the unlimited "
+                  "link. Steps to target are "
                   "taken from the unlimited-link runs (validation every few steps; the optimisation "
                   "does not depend on the link), times each rate's median step time (evaluation "
                   "excluded).", "",
@@ -332,10 +347,13 @@ def targets_section(e2e) -> List[str]:
             best, bs = min(peers, key=lambda t: t[1])
             lines.append(f"| faster than the best peer at 100 Mbit/s | {label(m)} | {a:.2f} s vs {label(best)} "
                          f"{bs:.2f} s | {'met' if a < bs else 'missed'} |")
-    for m in [c for c in e2e if c.startswith("hvdcomp:") and c != "hvdcomp:none"]:
-        a, b = step_s(cell(m, "none")), step_s(cell(BASELINE, "none"))
-        if a and b:
-            lines.append(f"| unlimited: compressed step ≤ 1.2x uncompressed (Horovod none) | {label(m)} | "
+    bases = [(b, step_s(cell(b, "none"))) for b in ("hvdcomp:none", BASELINE)]
+    bases = [(b, s) for b, s in bases if s]
+    for m in [c for c in order(e2e) if c.startswith("hvdcomp:") and c != "hvdcomp:none"]:
+        a = step_s(cell(m, "none"))
+        if a and bases:
+            base, b = min(bases, key=lambda t: t[1])  # the faster uncompressed step: the stricter test
+            lines.append(f"| unlimited: compressed step ≤ 1.2x the uncompressed step ({label(base)}) | {label(m)} | "
                          f"{a:.2f} / {b:.2f} s = {a / b:.2f}x | {'met' if a / b <= 1.2 else 'missed'} |")
     return lines
 
@@ -387,7 +405,9 @@ def method_kind(spec: str) -> (str, int):
 
 def predict(fits, spec, p, nbytes) -> Optional[float]:
     kind, calls = method_kind(spec)
-    fit = fits.get("hvd-allreduce" if kind == "allreduce" else "mpi-allgatherv")
+    # allreduce: the MPI fit (Horovod's adds its cycle time once per collective, which a per-hop
+    # ring latency would wrongly multiply by 2(p-1) when extrapolating)
+    fit = (fits.get("mpi-allreduce") or fits.get("hvd-allreduce")) if kind == "allreduce" else fits.get("mpi-allgatherv")
     if not fit:
         return None
     a, b = ring_terms(kind, p, nbytes, calls)

@@ -90,11 +90,34 @@ class QSGDCompressor(Compressor):
         return [scale, pack_bits(codes, self.bits)], (tensor.shape, tensor.dtype, n)
 
     def decode(self, payload, ctx):
-        scale, packed = payload
+        shape, dtype, _ = ctx
+        out = torch.empty(shape, dtype=torch.float32, device=payload[0].device)
+        return self.aggregate_into(out, [payload], ctx).to(dtype)
+
+    def aggregate(self, payloads, ctx):
+        shape, dtype, _ = ctx
+        device = payloads[0][0].device if payloads else torch.device("cpu")
+        out = torch.empty(shape, dtype=torch.float32, device=device)
+        return self.aggregate_into(out, payloads, ctx).to(dtype)
+
+    def decode_into(self, out, payload, ctx):
+        return self.aggregate_into(out, [payload], ctx)
+
+    def aggregate_into(self, out, payloads, ctx):
+        """Mean over ranks of ``scale·(code - s)/s``, accumulated per bucket (scales broadcast over
+        the bucket's d elements, no per-element scale tensor)."""
         shape, dtype, n = ctx
-        level = unpack_bits(packed, self.bits, n).to(torch.float32) - self.levels
-        per_elem = scale.repeat_interleave(self.bucket)[:n]
-        return (per_elem * (level / self.levels)).reshape(shape).to(dtype)
+        d, s = self.bucket, self.levels
+        nb = math.ceil(n / d)
+        device = payloads[0][0].device if payloads else out.device
+        acc = torch.zeros(nb, d, dtype=torch.float32, device=device)
+        level = torch.empty(nb * d, dtype=torch.float32, device=device)
+        level[n:] = float(s)  # padding decodes to level 0
+        for scale, packed in payloads:
+            level[:n].copy_(unpack_bits(packed, self.bits, n))
+            level.sub_(s)
+            acc.addcmul_(level.view(nb, d), (scale / (s * len(payloads))).unsqueeze(1))
+        return out.copy_(acc.view(-1)[:n].view(shape))
 
     def state_dict(self):
         return {"rng": self.rng.state_dict()}
