@@ -69,30 +69,39 @@ class CostModel:
         return "allgather"
 
 
-def fit_alpha_beta(samples: Iterable[Tuple[float, float, float]]) -> CostModel:
-    """Least-squares fit of ``seconds = a·alpha + b·beta`` (non-negative).
+def fit_alpha_beta(samples: Iterable[Tuple[float, float, float]], small_bytes: float = 4096) -> CostModel:
+    """Fit ``seconds = a·alpha + b·beta`` (both >= 0) in two stages that stay meaningful when
+    small messages travel faster than the link's sustained rate (e.g. a token-bucket burst):
+    alpha from the small messages (at most ``small_bytes`` per message, or else the smallest),
+    beta by least squares on the others (absolute error: the large messages decide the
+    bandwidth), alternating a few times so that each accounts for the other's term.
 
     Args:
         samples: ``(a, b, seconds)`` triples, where ``a`` counts latency terms and ``b`` bytes
             terms of a measured operation (e.g. ring allgather of m bytes on p ranks:
             ``a = p-1``, ``b = (p-1)·m``).
+        small_bytes: largest bytes per message (``b/a``) counted as latency-bound.
 
     Returns:
         The fitted :class:`CostModel`.
 
     Raises:
-        ValueError: fewer than two samples.
+        ValueError: fewer than two samples, or all of the same size.
     """
     rows = np.array(list(samples), dtype=np.float64)
     if rows.ndim != 2 or rows.shape[0] < 2:
         raise ValueError("fitting alpha and beta needs at least two measurements (a, b, seconds)")
-    A, y = rows[:, :2], rows[:, 2]
-    # relative least squares: every size counts, not only the largest messages
-    w = 1.0 / np.maximum(y, 1e-9)
-    coef, *_ = np.linalg.lstsq(A * w[:, None], y * w, rcond=None)
-    alpha, beta = (max(0.0, float(c)) for c in coef)
-    if coef[0] < 0:  # refit beta alone
-        beta = max(0.0, float(np.sum(A[:, 1] * w * y * w) / np.sum((A[:, 1] * w) ** 2)))
+    a, b, t = rows[:, 0], rows[:, 1], rows[:, 2]
+    per_msg = b / np.maximum(a, 1e-12)
+    small = per_msg <= max(small_bytes, per_msg.min())
+    large = ~small
+    if not large.any():
+        raise ValueError("fitting beta needs measurements with more than "
+                         f"{small_bytes:g} bytes per message")
+    alpha, beta = 0.0, 0.0
+    for _ in range(20):
+        beta = max(0.0, float(np.sum(b[large] * (t[large] - a[large] * alpha)) / np.sum(b[large] ** 2)))
+        alpha = max(0.0, float(np.median((t[small] - b[small] * beta) / np.maximum(a[small], 1e-12))))
     return CostModel(alpha, beta)
 
 
