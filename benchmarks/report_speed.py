@@ -275,7 +275,8 @@ def e2e_section(e2e, figdir) -> (List[str], dict):
                   "| contender | steps to target | final ppl (step) | " + " | ".join(
                       f"s to target, {RATE_LABEL[r]}" for r in rates) + " |",
                   "|---|---|---|" + "---|" * len(rates)]
-        for c, row in ttt["rows"].items():
+        for c in [c for c in order(e2e) if c in ttt["rows"]]:
+            row = ttt["rows"][c]
             steps = row["steps"] if row["steps"] is not None else f"not within {row['last_step']}"
             lines.append(f"| {label(c)} | {steps} | {row['final_ppl']:.1f} ({row['last_step']}) | "
                          + " | ".join(fmt(row[r], ".0f") for r in rates) + " |")
