@@ -54,7 +54,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import hvdcomp  # noqa: E402
 from hvdcomp.launch import abort_on_uncaught_exception  # noqa: E402
-from hvdcomp.lm import LSTMLM, MODEL_SIZES, batchify, load_corpus, rank_columns  # noqa: E402
+from hvdcomp.lm import LSTMLM, MODEL_SIZES, batchify, load_corpus, loss_sums, rank_columns  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
 from hvdcomp.metrics import PHASES, PhaseTimer, write_json_atomic  # noqa: E402
 from mpi_scripts.train_lm import evaluate as hvd_evaluate  # noqa: E402
@@ -190,20 +190,8 @@ def evaluate_gloo(model, stream, eval_batch, bptt, rank, size):
     """Perplexity as :func:`mpi_scripts.train_lm.evaluate`, with the sums reduced over gloo (DDP runs)."""
     import torch.distributed as dist
 
-    model.eval()
-    data = batchify(stream, eval_batch)[:, rank::size]
-    total = torch.zeros(2, dtype=torch.float64)
-    if data.shape[1] > 0:
-        state = model.init_state(data.shape[1])
-        with torch.no_grad():
-            for i in range(0, data.shape[0] - 1, bptt):
-                n = min(bptt, data.shape[0] - 1 - i)
-                logits, state = model(data[i:i + n], state)
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                         data[i + 1:i + 1 + n].reshape(-1), reduction="sum")
-                total += torch.tensor([loss.item(), float(n * data.shape[1])], dtype=torch.float64)
+    total = loss_sums(model, stream, eval_batch, bptt, rank, size)
     dist.all_reduce(total)
-    model.train()
     return math.exp(total[0].item() / total[1].item())
 
 

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hvdcomp  # noqa: E402
-from hvdcomp.lm import LSTMLM, MODEL_SIZES, batchify, load_corpus, rank_columns  # noqa: E402
+from hvdcomp.lm import LSTMLM, MODEL_SIZES, batchify, load_corpus, loss_sums, rank_columns  # noqa: E402
 from hvdcomp.launch import abort_on_uncaught_exception, detect_launch, select_device  # noqa: E402
 from hvdcomp.lowrank import ABTraining  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
@@ -117,20 +117,8 @@ def transport_of(opt, compressor) -> str:
 
 def evaluate(model, stream, eval_batch, bptt):
     """Perplexity of ``stream``: each rank takes columns rank, rank+N, ...; sums are allreduced."""
-    model.eval()
-    data = batchify(stream, eval_batch)[:, hvd.rank()::hvd.size()].to(model.embedding.weight.device)
-    total = torch.zeros(2, dtype=torch.float64)  # on the CPU: Horovod may lack GPU operations
-    if data.shape[1] > 0:
-        state = model.init_state(data.shape[1])
-        with torch.no_grad():
-            for i in range(0, data.shape[0] - 1, bptt):
-                n = min(bptt, data.shape[0] - 1 - i)
-                logits, state = model(data[i:i + n], state)
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                         data[i + 1:i + 1 + n].reshape(-1), reduction="sum")
-                total += torch.tensor([loss.item(), float(n * data.shape[1])], dtype=torch.float64)
+    total = loss_sums(model, stream, eval_batch, bptt, hvd.rank(), hvd.size())
     total = hvd.allreduce(total, op=hvd.Sum, name="eval.sum")
-    model.train()
     return math.exp(total[0].item() / total[1].item())
 
 

@@ -2,8 +2,9 @@
 (hvdcomp) and DDP's fp16 hook, 2 timed steps each. Checks that the cells finish, that every rank
 saw the same settings, that the namespaces are gone afterwards, and that top-k's bytes on the
 link match its payload: an allgather must transmit at least (p-1)·m bytes per rank (m = the
-payload this rank contributes), and TCP/IP headers, acknowledgements and the per-step flags
-add only a few per cent."""
+payload this rank contributes); TCP/IP headers, acknowledgements and the per-step flags add
+a few per cent on a quiet machine (2.3 % in docs/results/speed), the bound here allows 30 % for
+retransmissions on a loaded one."""
 import json
 import os
 import shutil
@@ -28,7 +29,7 @@ def test_netem_harness_small(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "netem_e2e.py"), "--output", str(out),
            "--model", "small", "--rates", "100mbit", "--steps", "2", "--warmup", "1",
            "--compute-ref-steps", "1", "--netem-prefix", PREFIX, "--netem", NETEM, "--python", sys.executable,
-           "--contenders", "hvdcomp:topk:density=0.01", "ddp:fp16", "--timeout", "300"]
+           "--contenders", "hvdcomp:topk:density=0.01", "ddp:fp16", "--timeout", "600"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert PREFIX not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -43,4 +44,4 @@ def test_netem_harness_small(tmp_path):
     assert sent == 93072  # 11,616 kept of 1,161,600 elements x 8 B + 9 tensors x 16 B of counts
     lower = 3 * sent
     for tx in topk["timing"]["parts"]["nic_tx_bytes"]["per_rank_median"]:
-        assert lower <= tx <= 1.15 * lower, (tx, lower)
+        assert lower <= tx <= 1.3 * lower, (tx, lower)  # the report: +2.3 % on a quiet machine

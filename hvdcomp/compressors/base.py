@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - exercised only where Horovod is not in
 
 Payload = List[torch.Tensor]
 
-__all__ = ["Compressor", "Payload", "world_size", "rank"]
+__all__ = ["Compressor", "AggregateInto", "Payload", "world_size", "rank"]
 
 
 def _horovod_or(getter: str, default: int) -> int:
@@ -244,3 +244,22 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.describe().items() if k != "name")
         return f"{type(self).__name__}({args})"
+
+
+class AggregateInto:
+    """Mixin for methods whose kernel is :meth:`Compressor.aggregate_into` (writing into a given
+    tensor): ``decode``, ``aggregate`` and ``decode_into`` follow from it. The context must start
+    with ``(shape, dtype, ...)``; the accumulation is in float32, then cast to ``dtype``."""
+
+    def decode(self, payload, ctx):
+        return self.aggregate([payload], ctx)
+
+    def aggregate(self, payloads, ctx):
+        shape, dtype = ctx[0], ctx[1]
+        device = payloads[0][0].device if payloads else torch.device("cpu")
+        out = torch.empty(shape, dtype=torch.float32, device=device)
+        return self.aggregate_into(out, payloads, ctx).to(dtype)
+
+    def decode_into(self, out, payload, ctx):
+        return self.aggregate_into(out, [payload], ctx)
+

@@ -19,14 +19,14 @@ import math
 
 import torch
 
-from .base import Compressor
+from .base import AggregateInto, Compressor
 from .bitpack import bits_for_levels, pack_bits, packed_nbytes, unpack_bits
 from .registry import register
 from .rng import RankGenerators
 
 
 @register("qsgd")
-class QSGDCompressor(Compressor):
+class QSGDCompressor(AggregateInto, Compressor):
     """QSGD with ``levels`` = s quantization levels per sign and buckets of ``bucket`` elements.
 
     Args:
@@ -88,20 +88,6 @@ class QSGDCompressor(Compressor):
         level = (low + (u < r - low).to(torch.float32)).clamp_(max=s)
         codes = (torch.where(v < 0, -level, level) + s).reshape(-1)[:n].to(torch.int32)
         return [scale, pack_bits(codes, self.bits)], (tensor.shape, tensor.dtype, n)
-
-    def decode(self, payload, ctx):
-        shape, dtype, _ = ctx
-        out = torch.empty(shape, dtype=torch.float32, device=payload[0].device)
-        return self.aggregate_into(out, [payload], ctx).to(dtype)
-
-    def aggregate(self, payloads, ctx):
-        shape, dtype, _ = ctx
-        device = payloads[0][0].device if payloads else torch.device("cpu")
-        out = torch.empty(shape, dtype=torch.float32, device=device)
-        return self.aggregate_into(out, payloads, ctx).to(dtype)
-
-    def decode_into(self, out, payload, ctx):
-        return self.aggregate_into(out, [payload], ctx)
 
     def aggregate_into(self, out, payloads, ctx):
         """Mean over ranks of ``scale·(code - s)/s``, accumulated per bucket (scales broadcast over

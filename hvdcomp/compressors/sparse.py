@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from .base import Compressor
+from .base import AggregateInto, Compressor
 
 __all__ = ["SparseCompressor", "index_dtype", "compact_index_bytes"]
 
@@ -39,7 +39,7 @@ def compact_index_bytes(numel: int) -> int:
     return max(1, math.ceil(max(1, (numel - 1).bit_length()) / 8))
 
 
-class SparseCompressor(Compressor):
+class SparseCompressor(AggregateInto, Compressor):
     """Base of methods whose payload is ``[values (m,), indices (m,)]`` (see module docstring).
 
     Subclasses implement :meth:`select` (which indices to send); methods that build their own
@@ -137,20 +137,6 @@ class SparseCompressor(Compressor):
         idx = self.select(flat, name)
         values = flat.index_select(0, idx).to(torch.float32)
         return self.pack(values, idx, flat.numel()), (tensor.shape, tensor.dtype)
-
-    def decode(self, payload, ctx):
-        shape, dtype = ctx
-        out = torch.empty(shape, dtype=torch.float32, device=payload[0].device)
-        return self.aggregate_into(out, [payload], ctx).to(dtype)
-
-    def aggregate(self, payloads, ctx):
-        shape, dtype = ctx
-        device = payloads[0][0].device if payloads else torch.device("cpu")
-        out = torch.empty(shape, dtype=torch.float32, device=device)
-        return self.aggregate_into(out, payloads, ctx).to(dtype)
-
-    def decode_into(self, out, payload, ctx):
-        return self.aggregate_into(out, [payload], ctx)
 
     def aggregate_into(self, out, payloads, ctx):
         """Scatter-add every rank's payload, scaled by 1/(number of payloads), into ``out``
