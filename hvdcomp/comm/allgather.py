@@ -246,20 +246,24 @@ class MPIAllgatherer(Allgatherer):
         return _split(torch.from_numpy(h.recv), h.counts, h.dtypes, h.device)
 
     def probe(self, nbytes):
+        """Blocking ``Allgather`` of ``nbytes`` zero bytes per rank (cost-model timing)."""
         send = np.zeros(int(nbytes), dtype=np.uint8)
         self.comm.Allgather(send, np.empty(int(nbytes) * self.size, dtype=np.uint8))
 
     def agree(self, values):
+        """Rank 0's ``values`` (float64) on every rank, by ``Bcast``."""
         values = np.ascontiguousarray(values, dtype=np.float64)
         self.comm.Bcast(values, root=0)
         return values
 
     def allgather_int(self, value):
+        """Every rank's ``value`` (one int64 ``Allgather``), in rank order."""
         out = np.empty(self.size, dtype=np.int64)
         self.comm.Allgather(np.array([value], dtype=np.int64), out)
         return out.tolist()
 
     def close(self):
+        """Stop the background thread (waits for queued exchanges)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -296,12 +300,15 @@ class HorovodAllgatherer(Allgatherer):
         return _split(buf, counts, h.dtypes, h.device)
 
     def probe(self, nbytes):
+        """Blocking ``hvd.allgather`` of ``nbytes`` zero bytes per rank."""
         self.hvd.allgather(torch.zeros(int(nbytes), dtype=torch.uint8), name="hvdcomp.probe")
 
     def allgather_int(self, value):
+        """Every rank's ``value`` by ``hvd.allgather``, in rank order."""
         return self.hvd.allgather(torch.tensor([value], dtype=torch.int64), name="hvdcomp.ints").tolist()
 
     def agree(self, values):
+        """Rank 0's ``values`` on every rank, by ``hvd.broadcast``."""
         t = torch.as_tensor(np.asarray(values, dtype=np.float64))
         return self.hvd.broadcast(t, root_rank=0, name="hvdcomp.agree").numpy()
 

@@ -252,14 +252,17 @@ class AggregateInto:
     with ``(shape, dtype, ...)``; the accumulation is in float32, then cast to ``dtype``."""
 
     def decode(self, payload, ctx):
+        """One payload's dense tensor: :meth:`aggregate` of a single payload."""
         return self.aggregate([payload], ctx)
 
     def aggregate(self, payloads, ctx):
+        """Mean over ``payloads`` into a new float32 tensor of the context's shape, cast to its dtype."""
         shape, dtype = ctx[0], ctx[1]
         device = payloads[0][0].device if payloads else torch.device("cpu")
         out = torch.empty(shape, dtype=torch.float32, device=device)
         return self.aggregate_into(out, payloads, ctx).to(dtype)
 
     def decode_into(self, out, payload, ctx):
+        """:meth:`decode` written into ``out``; returns ``out``."""
         return self.aggregate_into(out, [payload], ctx)
 

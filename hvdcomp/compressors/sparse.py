@@ -94,6 +94,8 @@ class SparseCompressor(AggregateInto, Compressor):
         return min(kept * (vb + self._index_bytes(numel)), numel * vb)
 
     def expected_payload_bytes(self, numel):
+        """Bytes of one payload of a tensor of ``numel`` elements with this wire coding (kept
+        count from :meth:`nominal_ratio`), or ``None`` when that depends on the data."""
         ratio = self.nominal_ratio(numel)
         if ratio is None or numel == 0:
             return None
