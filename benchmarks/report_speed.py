@@ -36,7 +36,7 @@ from typing import Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from hvdcomp.comm.costmodel import CostModel, fit_alpha_beta  # noqa: E402
+from hvdcomp.comm.costmodel import CostModel, fit_alpha_beta, ring_terms  # noqa: E402
 
 log = logging.getLogger("report_speed")
 
@@ -187,6 +187,15 @@ def time_to_target(e2e, rates) -> dict:
     return out
 
 
+def save_log_plot(plt, fig, ax, path: str) -> None:
+    """Log y axis, legend, write ``path`` (PNG) and close the figure."""
+    ax.set_yscale("log")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def e2e_section(e2e, figdir) -> (List[str], dict):
     lines, summary = [], {}
     if not e2e:
@@ -296,26 +305,18 @@ def e2e_section(e2e, figdir) -> (List[str], dict):
                 style = "-o" if c.startswith("hvdcomp") else "--s"
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label(c))
         ax.set_xticks(xs, [RATE_LABEL[r] for r in rates])
-        ax.set_yscale("log")
         ax.set_ylabel("seconds per step (median)")
         ax.set_title("Medium LSTM, 4 ranks on 4 emulated hosts")
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        fig.savefig(os.path.join(figdir, "step_time_vs_bandwidth.png"), dpi=110)
-        plt.close(fig)
+        save_log_plot(plt, fig, ax, os.path.join(figdir, "step_time_vs_bandwidth.png"))
         fig, ax = plt.subplots(figsize=(8, 5))
         for c in contenders:
             cell = e2e[c].get("none")
             if ok(cell) and len(cell.get("val_ppl_curve", [])) > 1:
                 curve = cell["val_ppl_curve"]
                 ax.plot([s for s, _ in curve], [p for _, p in curve], "-o", ms=3, label=label(c))
-        ax.set_yscale("log")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("validation perplexity")
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        fig.savefig(os.path.join(figdir, "val_ppl_unlimited.png"), dpi=110)
-        plt.close(fig)
+        save_log_plot(plt, fig, ax, os.path.join(figdir, "val_ppl_unlimited.png"))
         lines += ["", "![step time](step_time_vs_bandwidth.png)", "", "![validation](val_ppl_unlimited.png)"]
     except ImportError:
         lines += ["", "(matplotlib missing: no plots)"]
@@ -374,13 +375,6 @@ def load_comm(directory: str) -> Dict[str, Dict[int, dict]]:
     return out
 
 
-def ring_terms(kind: str, p: int, nbytes: float, calls: int = 1):
-    """(latency terms, byte terms) of a ring collective."""
-    if kind == "allgather":
-        return calls * (p - 1), (p - 1) * nbytes
-    return calls * 2 * (p - 1), 2 * (p - 1) / p * nbytes
-
-
 def fit_rate(cells: Dict[int, dict]) -> Dict[str, dict]:
     """Per collective: joint ring fit over 2 and 4 ranks and its worst relative error."""
     fits = {}
@@ -417,8 +411,7 @@ def predict(fits, spec, p, nbytes) -> Optional[float]:
     fit = (fits.get("mpi-allreduce") or fits.get("hvd-allreduce")) if kind == "allreduce" else fits.get("mpi-allgatherv")
     if not fit:
         return None
-    a, b = ring_terms(kind, p, nbytes, calls)
-    t = CostModel(fit["alpha_s"], fit["beta_s_per_byte"]).alpha * a + fit["beta_s_per_byte"] * b
+    t = CostModel(fit["alpha_s"], fit["beta_s_per_byte"]).seconds(kind, p, nbytes, calls)
     hvd = fits.get("hvd-allreduce")
     if kind == "allreduce" and hvd and hvd.get("small_message_s"):
         t += calls * hvd["small_message_s"]  # Horovod's per-collective cycle wait

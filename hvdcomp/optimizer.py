@@ -129,6 +129,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             [gathered[i] for i in b]
             for b in make_buckets([p.numel() * p.element_size() for p in gathered], bucket_bytes)]
         self._bucket_of = {p: i for i, b in enumerate(self._buckets) for p in b}
+        self._bucket_dense = [sum(p.numel() * 4 for p in b) for b in self._buckets]
+        self._waiting = [len(b) for b in self._buckets]  # gradients each bucket still waits for
         if gathered:
             log.info("hvdcomp: %d gradient(s) in %d allgather bucket(s) of <= %.1f MB (%s), %d by allreduce",
                      len(gathered), len(self._buckets), bucket_bytes / 1e6, self._gatherer.kind,
@@ -251,17 +253,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._inflight[p] = ("dense", [handle], ctx, nbytes, nbytes)
         else:
             self._encoded[p] = (payload, ctx)
+            self._waiting[self._bucket_of[p]] -= 1
             self._start_buckets(flush=False)
 
     def _start_buckets(self, flush: bool) -> None:
         """Start the allgather of each complete bucket, in the fixed bucket order."""
         while self._next_bucket < len(self._buckets):
             bucket = self._buckets[self._next_bucket]
-            missing = [p for p in bucket if p not in self._encoded]
-            if missing and not flush:
+            if self._waiting[self._next_bucket] and not flush:
                 return
-            for p in missing:  # flush: unused parameters (or fewer backward passes) send zeros
-                self._encoded[p] = self._encode(p)
+            for p in bucket:  # flush: unused parameters (or fewer backward passes) send zeros
+                if p not in self._encoded:
+                    self._encoded[p] = self._encode(p)
             tensors = [t for p in bucket for t in self._encoded[p][0]]
             with self.timer.phase("communicate"):
                 handle = self._gatherer.start(tensors, f"bucket{self._next_bucket}")
@@ -282,7 +285,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self.compression.aggregate_into(p.grad, [rank_tensors[start:stop] for rank_tensors in gathered], ctx)
                 start = stop
         self.timer.add_bytes(sent=handle.bytes_sent, received=handle.bytes_received,
-                             dense=sum(p.numel() * 4 for p in bucket))
+                             dense=self._bucket_dense[index])
+        self._waiting[index] = len(bucket)
 
     # ---- synchronisation ----------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -295,12 +299,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self.compression.batched:
             self._synchronize_batched()
             return
-        for p in self._order:
-            if self._delay[p] > 0 and p not in self._encoded and p not in self._inflight:
-                if p in self._bucket_of:
-                    self._encoded[p] = self._encode(p)
-                else:
-                    self._launch(p)
+        for p in self._order:  # allreduces backward did not start; buckets are flushed below
+            if p not in self._bucket_of and p not in self._inflight:
+                self._launch(p)
         self._start_buckets(flush=True)
         for index in range(len(self._buckets)):
             self._finish_bucket(index)
@@ -332,9 +333,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self.nonfinite == "ignore":
             return False
         bad = local_bad if local_bad is not None else self._local_bad
-        flag = torch.tensor([int(bool(bad))] if bad is not None else [0], dtype=torch.int32)
         self._local_bad = None
-        flags = [int(flag.item())]
+        flags = [int(bool(bad)) if bad is not None else 0]
         if self._hvd.size() > 1:
             with self.timer.phase("communicate"):
                 flags = self._gatherer.allgather_int(flags[0])

@@ -26,7 +26,29 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CostModel", "measure_cost_model", "fit_alpha_beta"]
+__all__ = ["CostModel", "measure_cost_model", "fit_alpha_beta", "ring_terms"]
+
+
+def ring_terms(kind: str, p: int, nbytes: float) -> Tuple[float, float]:
+    """``(latency terms, byte terms)`` of one ring collective on ``p`` ranks: its time is
+    ``latency_terms·α + byte_terms·β``.
+
+    Args:
+        kind: ``"allreduce"`` (``nbytes`` = the tensor) or ``"allgather"`` (``nbytes`` = one
+            rank's contribution).
+        p: number of ranks; one rank costs nothing.
+        nbytes: bytes.
+
+    Raises:
+        ValueError: unknown ``kind``.
+    """
+    if kind not in ("allreduce", "allgather"):
+        raise ValueError(f"kind must be 'allreduce' or 'allgather', got {kind!r}")
+    if p <= 1:
+        return 0.0, 0.0
+    if kind == "allgather":
+        return p - 1, (p - 1) * nbytes
+    return 2 * (p - 1), 2 * (p - 1) / p * nbytes
 
 
 @dataclass(frozen=True)
@@ -47,18 +69,20 @@ class CostModel:
                 raise ValueError(f"cost model {key} must be a finite number >= 0 (seconds"
                                  f"{' per byte' if key == 'beta' else ''}), got {v!r}")
 
+    def seconds(self, kind: str, p: int, nbytes: float, calls: int = 1) -> float:
+        """Seconds for ``calls`` ring collectives of ``kind`` (see :func:`ring_terms`) moving
+        ``nbytes`` in all (latency paid per call)."""
+        a, b = ring_terms(kind, p, nbytes)
+        return calls * a * self.alpha + b * self.beta
+
     def allreduce(self, nbytes: float, p: int) -> float:
         """Seconds for a ring allreduce of ``nbytes`` on ``p`` ranks (0 for one rank)."""
-        if p <= 1:
-            return 0.0
-        return 2 * (p - 1) * self.alpha + 2 * (p - 1) / p * nbytes * self.beta
+        return self.seconds("allreduce", p, nbytes)
 
     def allgather(self, nbytes_per_rank: float, p: int, counts_exchange: bool = True) -> float:
         """Seconds for a ring allgather of ``nbytes_per_rank`` from each of ``p`` ranks, plus the
         counts exchange of hvdcomp's variable-size allgather when ``counts_exchange``."""
-        if p <= 1:
-            return 0.0
-        return (p - 1) * (self.alpha * (2 if counts_exchange else 1) + nbytes_per_rank * self.beta)
+        return self.seconds("allgather", p, nbytes_per_rank, calls=2 if counts_exchange else 1)
 
     def choose(self, sparse_bytes: float, dense_bytes: float, p: int) -> str:
         """``"allgather"`` (send the compressed payload) or ``"allreduce"`` (decode locally and
@@ -130,7 +154,7 @@ def measure_cost_model(gather, size: int, sizes: Sequence[int] = (8, 65536, 2621
             t0 = time.perf_counter()
             gather(nbytes)
             best = min(best, time.perf_counter() - t0)
-        samples.append((size - 1, (size - 1) * nbytes, best))
+        samples.append((*ring_terms("allgather", size, nbytes), best))
     model = fit_alpha_beta(samples)
     values = np.array([model.alpha, model.beta], dtype=np.float64)
     if agree is not None:
