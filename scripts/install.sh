@@ -4,7 +4,8 @@
 # On a fresh Debian machine as root: installs Open MPI from Debian packages, makes a virtualenv
 # (.venv by default), installs torch 2.13.0, numpy, mpi4py, pytest and the project, then builds
 # Horovod 0.28.1 from its PyPI sdist with PyTorch + MPI + Gloo and caches the built wheel, so a
-# second install skips the ~9 minute build.
+# second install skips the ~9 minute build. Finally compiles hvdcomp's native CPU kernels (C with
+# OpenMP, a couple of seconds; optional: without a compiler the torch kernels are used).
 #
 # On an HPC login node without root: apt is skipped (the MPI already loaded with `module load`
 # is used), and a torch that is already importable (e.g. a CUDA build) is kept.
@@ -16,6 +17,7 @@
 #   HVDCOMP_TORCH_SPEC   pip spec for torch when none is importable (default: torch==2.13.0)
 #   HVDCOMP_BUILD_JOBS   parallel compile jobs for Horovod (default: number of cores)
 #   HOROVOD_GPU_OPERATIONS=NCCL  build Horovod with GPU collectives (GPU nodes; part of the cache key)
+#   CC                   C compiler for the native kernels (default: cc; needs OpenMP, e.g. gcc)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -97,7 +99,14 @@ else
   "${PIP[@]}" cloudpickle psutil pyyaml cffi
 fi
 
-# --- 4. check --------------------------------------------------------------------------------
+# --- 4. native CPU kernels (C + OpenMP, about 2 s; hvdcomp/native) ---------------------------
+# Without a C compiler hvdcomp still works, with its torch kernels (slower on CPU).
+log "building the native CPU kernels (hvdcomp/native, \$CC or cc)"
+if ! "$PY" -m hvdcomp.native --build --check; then
+  echo "[install] warning: native kernels not built; hvdcomp falls back to its torch kernels" >&2
+fi
+
+# --- 5. check --------------------------------------------------------------------------------
 log "horovodrun --check-build:"
 "$VENV/bin/horovodrun" --check-build | tee "$VENV/.horovod-check-build.txt"
 grep -q '\[X\] PyTorch' "$VENV/.horovod-check-build.txt" && grep -q '\[X\] MPI' "$VENV/.horovod-check-build.txt" || {

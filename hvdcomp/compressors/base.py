@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - exercised only where Horovod is not in
 
 Payload = List[torch.Tensor]
 
-__all__ = ["Compressor", "AggregateInto", "Payload", "world_size", "rank"]
+__all__ = ["Compressor", "AggregateInto", "Payload", "world_size", "rank", "float32_flat", "write_back"]
 
 
 def _horovod_or(getter: str, default: int) -> int:
@@ -57,6 +57,21 @@ def world_size() -> int:
 def rank() -> int:
     """This process's Horovod rank (0 when Horovod is not initialised)."""
     return _horovod_or("rank", 0)
+
+
+def float32_flat(out: torch.Tensor) -> torch.Tensor:
+    """``out`` as a 1-D contiguous float32 tensor for a kernel to write: a view of ``out`` when it
+    is contiguous float32 (the usual ``.grad``), else a new tensor (see :func:`write_back`)."""
+    if out.dtype == torch.float32 and out.is_contiguous():
+        return out.view(-1)
+    return torch.empty(out.numel(), dtype=torch.float32, device=out.device)
+
+
+def write_back(out: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """Copy ``flat`` (from :func:`float32_flat`) into ``out`` unless it is ``out``'s memory; returns ``out``."""
+    if out.numel() and flat.data_ptr() != out.data_ptr():
+        out.copy_(flat.view(out.shape))
+    return out
 
 
 class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):

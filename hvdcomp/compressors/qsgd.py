@@ -10,8 +10,16 @@ For a bucket v of d elements and s levels::
     Q(v)_i  = scale · sign(v_i) · level_i / s        (unbiased: E[Q(v)] = v)
 
 Levels in [−s, s] travel as unsigned codes ``level + s`` packed at ``ceil(log2(2s+1))`` bits
-(s = 64 → 8 bits, 16 → 6, 4 → 4), plus one fp32 scale per bucket. An all-zero bucket decodes to
-exact zeros. Scales differ per rank, so payloads go through the allgather path.
+(s = 127 and 64 → 8 bits: plain bytes, one per element; 16 → 6; 4 → 4), plus one fp32 scale per
+bucket. An all-zero bucket decodes to exact zeros. Scales differ per rank, so payloads go through
+the allgather path.
+
+Kernels: on CPU the native kernels (:mod:`hvdcomp.native`) encode in one pass over the input
+(scales of a block of buckets computed while it is in cache, then rounding and packing) and decode
+or aggregate W payloads writing each output element once (unpack and scale multiply fused); the
+uniforms come from a counter-based generator keyed by one draw of the per-rank generator. On CUDA
+(or with the native kernels off) the same computation runs as vectorised torch ops with
+``torch.rand`` from the per-rank generator.
 """
 from __future__ import annotations
 
@@ -19,10 +27,13 @@ import math
 
 import torch
 
-from .base import AggregateInto, Compressor
-from .bitpack import bits_for_levels, pack_bits, packed_nbytes, unpack_bits
+from .. import native
+from .base import AggregateInto, Compressor, float32_flat, write_back
+from .bitpack import bits_for_levels, pack_bits, packed_nbytes, unpack_bits, unpack_codes
 from .registry import register
 from .rng import RankGenerators
+
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 @register("qsgd")
@@ -30,14 +41,17 @@ class QSGDCompressor(AggregateInto, Compressor):
     """QSGD with ``levels`` = s quantization levels per sign and buckets of ``bucket`` elements.
 
     Args:
-        levels: s ≥ 1 (s ≤ 32767). The study used 64 / 16 / 4 ("7/5/3-bit").
+        levels: s ≥ 1 (s ≤ 32767). The study used 64 / 16 / 4 ("7/5/3-bit"); s ≤ 127 keeps codes
+            within a byte (s = 127: 255 levels, 8 bits).
         bucket: d ≥ 1 elements per bucket (512 in the paper for 4/8 bit).
         scale: ``"l2"`` (the paper's 2-norm; variance ≤ min(d/s², √d/s)·‖v‖²) or ``"max"``
             (max-abs: lower variance, no sparsity bound).
         seed: base seed of the per-rank generator used for stochastic rounding.
 
     Payload: ``[scales (ceil(n/d),) float32, codes (ceil(n·b/8),) uint8]`` with b =
-    ``ceil(log2(2s+1))`` bits per element.
+    ``ceil(log2(2s+1))`` bits per element (for b = 8 the codes are the bytes themselves).
+
+    State: the per-rank generator, ``state_dict()["rng"]``.
 
     Raises:
         ValueError: levels < 1 or > 32767, bucket < 1, unknown scale.
@@ -70,40 +84,69 @@ class QSGDCompressor(AggregateInto, Compressor):
         return 4 * numel / max(1, self.wire_bytes(numel))
 
     def _encode(self, tensor, name=None):
-        flat = tensor.reshape(-1).to(torch.float32)
+        flat = tensor.reshape(-1).to(torch.float32).contiguous()
+        n = flat.numel()
+        ctx = (tensor.shape, tensor.dtype, n)
+        if self.bits <= 8 and native.usable(flat):
+            scales = torch.empty(math.ceil(n / self.bucket), dtype=torch.float32)
+            packed = torch.empty(packed_nbytes(n, self.bits), dtype=torch.uint8)
+            if n:
+                native.qsgd_encode(flat, self.bucket, self.levels, self.scale == "max", self.bits,
+                                   self.rng.key(), scales, packed)
+            return [scales, packed], ctx
+        return self._encode_torch(flat), ctx
+
+    def _encode_torch(self, flat: torch.Tensor):
+        """Vectorised torch encode (CUDA; CPU without native kernels)."""
         n, d, s = flat.numel(), self.bucket, self.levels
         nb = math.ceil(n / d)
-        v = torch.zeros(nb * d, dtype=torch.float32, device=flat.device)
-        v[:n] = flat
+        if n % d:
+            v = torch.zeros(nb * d, dtype=torch.float32, device=flat.device)
+            v[:n] = flat
+        else:
+            v = flat
         v = v.view(nb, d)
         if self.scale == "l2":  # in float64, saturated at fp32's max: never inf for finite input
-            fmax = torch.finfo(torch.float32).max
-            scale = v.to(torch.float64).norm(dim=1).clamp(max=fmax).to(torch.float32)
+            scale = v.to(torch.float64).norm(dim=1).clamp(max=FP32_MAX).to(torch.float32)
         else:
             scale = v.abs().amax(dim=1)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        r = (v.abs() / safe[:, None] * s).clamp_(max=s)
+        r = v.abs().div_(safe[:, None]).mul_(s).clamp_(max=s).nan_to_num_(nan=float(s))
         low = r.floor()
         u = torch.rand(r.shape, generator=self.rng.get(flat.device), device=flat.device)
-        level = (low + (u < r - low).to(torch.float32)).clamp_(max=s)
-        codes = (torch.where(v < 0, -level, level) + s).reshape(-1)[:n].to(torch.int32)
-        return [scale, pack_bits(codes, self.bits)], (tensor.shape, tensor.dtype, n)
+        level = low.add_(u.lt_(r.sub_(low)))              # floor(r) + [u < r - floor(r)]
+        codes = level.copysign_(v).add_(s).reshape(-1)[:n]
+        return [scale, pack_bits(codes.to(torch.uint8 if self.bits <= 8 else torch.int32), self.bits)]
 
     def aggregate_into(self, out, payloads, ctx):
-        """Mean over ranks of ``scale·(code - s)/s``, accumulated per bucket (scales broadcast over
-        the bucket's d elements, no per-element scale tensor)."""
+        """Mean over ranks of ``scale·(code - s)/s``, written into ``out``: one pass over ``out`` per
+        payload at most (native: one pass in all), the scales broadcast over their buckets."""
         shape, dtype, n = ctx
-        d, s = self.bucket, self.levels
-        nb = math.ceil(n / d)
-        device = payloads[0][0].device if payloads else out.device
-        acc = torch.zeros(nb, d, dtype=torch.float32, device=device)
-        level = torch.empty(nb * d, dtype=torch.float32, device=device)
-        level[n:] = float(s)  # padding decodes to level 0
-        for scale, packed in payloads:
-            level[:n].copy_(unpack_bits(packed, self.bits, n))
-            level.sub_(s)
-            acc.addcmul_(level.view(nb, d), (scale / (s * len(payloads))).unsqueeze(1))
-        return out.copy_(acc.view(-1)[:n].view(shape))
+        flat = float32_flat(out)
+        if not payloads or n == 0:
+            flat.zero_()
+        elif self.bits <= 8 and native.usable(flat, *[t for p in payloads for t in p]):
+            native.qsgd_aggregate(flat, [p[0].contiguous() for p in payloads],
+                                  [p[1].contiguous() for p in payloads], self.bucket, self.levels, self.bits)
+        else:
+            self._aggregate_torch(flat, payloads, n)
+        return write_back(out, flat)
+
+    def _aggregate_torch(self, flat, payloads, n):
+        d, s, world = self.bucket, self.levels, len(payloads)
+        full = n // d * d
+        level = torch.empty(n, dtype=torch.float32, device=flat.device)  # reused for every payload
+        for w, (scale, packed) in enumerate(payloads):
+            codes = unpack_codes(packed, self.bits, n) if self.bits <= 8 else unpack_bits(packed, self.bits, n)
+            level.copy_(codes).sub_(s)
+            factor = (scale / (s * world)).to(flat.device)
+            for lo, hi, f in ((0, full, factor[: full // d, None]), (full, n, factor[full // d:, None])):
+                if hi > lo:
+                    lv, ov = level[lo:hi].view(-1, min(d, hi - lo)), flat[lo:hi].view(-1, min(d, hi - lo))
+                    if w == 0:
+                        torch.mul(lv, f, out=ov)
+                    else:
+                        ov.addcmul_(lv, f)
 
     def state_dict(self):
         return {"rng": self.rng.state_dict()}

@@ -35,6 +35,13 @@ class RankGenerators:
             self._gens[key] = gen
         return gen
 
+    def key(self, device="cpu") -> int:
+        """A 63-bit key for a counter-based generator (the native kernels' SplitMix64), drawn from
+        this rank's generator for ``device``: one draw per call, so the key sequence is as
+        reproducible and checkpointable as the generator itself."""
+        gen = self.get(device)
+        return int(torch.randint(0, 2**63 - 1, (1,), generator=gen, device=gen.device).item())
+
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {**self._pending, **{k: g.get_state() for k, g in self._gens.items()}}
 

@@ -1,4 +1,4 @@
-"""``signsgd``: signSGD with majority vote.
+"""``signsgd``: signSGD with majority vote; ``efsignsgd``: scaled signs with error feedback.
 
 Bernstein, Wang, Azizzadenesheli and Anandkumar, "signSGD: Compressed Optimisation for
 Non-Convex Problems", ICML 2018; Bernstein, Zhao, Azizzadenesheli and Anandkumar, "signSGD with
@@ -7,13 +7,18 @@ Majority Vote is Communication Efficient and Fault Tolerant", ICLR 2019.
 Each rank sends sign(g) ∈ {−1, +1} (sign(0) = +1); the aggregate is sign(Σ_ranks sign(g_r)), again
 with sign(0) = +1 — the elementwise majority, ties going to +1. The optimizer then steps by
 ``lr · vote``.
+
+Kernels: on CPU the native kernels (:mod:`hvdcomp.native`) compute signs (and EF-signSGD's Σ|p|)
+in one pass, and decode / aggregate W payloads writing each output element once; elsewhere
+vectorised torch ops (:mod:`hvdcomp.compressors.bitpack` for the 1-bit packing).
 """
 from __future__ import annotations
 
 import torch
 
-from .base import Compressor
-from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .. import native
+from .base import AggregateInto, Compressor, float32_flat, write_back
+from .bitpack import pack_bits, packed_nbytes, unpack_codes
 from .registry import register
 
 
@@ -22,8 +27,20 @@ def _sign(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x >= 0, 1.0, -1.0).to(torch.float32)
 
 
+def _sign_bits(flat: torch.Tensor, abs_sum: bool = False):
+    """1-bit payload [x >= 0] of the 1-D ``flat`` and, with ``abs_sum``, Σ|x| as a 0-d float64
+    tensor (native, for contiguous float32 CPU input: one pass for both)."""
+    n = flat.numel()
+    if flat.dtype == torch.float32 and flat.is_contiguous() and native.usable(flat):
+        packed = torch.empty(packed_nbytes(n, 1), dtype=torch.uint8)
+        total = native.sign_bits(flat, packed, abs_sum)
+        return packed, (torch.tensor(total, dtype=torch.float64) if abs_sum else None)
+    packed = pack_bits(flat >= 0, 1)
+    return packed, (flat.abs().sum(dtype=torch.float64) if abs_sum else None)
+
+
 @register("signsgd")
-class SignSGDCompressor(Compressor):
+class SignSGDCompressor(AggregateInto, Compressor):
     """Majority-vote signSGD.
 
     Args:
@@ -31,6 +48,9 @@ class SignSGDCompressor(Compressor):
             smallest integer allreduce type, so 4 bytes per element travel); ``"allgather"``:
             signs packed at 1 bit per element, gathered, and summed locally (n/8 bytes sent,
             N·n/8 received). Both give the same result.
+
+    Payload: ``[votes (n,) int32]`` (allreduce; after it, the summed votes) or
+    ``[signs (ceil(n/8),) uint8]`` (allgather, bit i = [g_i >= 0]).
 
     Raises:
         ValueError: unknown ``vote``.
@@ -54,29 +74,37 @@ class SignSGDCompressor(Compressor):
 
     def _encode(self, tensor, name=None):
         flat = tensor.reshape(-1)
-        if self.summable:
-            return [torch.where(flat >= 0, 1, -1).to(torch.int32)], (tensor.shape, tensor.dtype)
-        return [pack_bits((flat >= 0).to(torch.int32), 1)], (tensor.shape, tensor.dtype)
+        ctx = (tensor.shape, tensor.dtype)
+        if not self.summable:
+            return [_sign_bits(flat)[0]], ctx
+        if flat.dtype == torch.float32 and flat.is_contiguous() and native.usable(flat):
+            votes = torch.empty(flat.numel(), dtype=torch.int32)
+            native.sign_votes(flat, votes)
+            return [votes], ctx
+        return [torch.where(flat >= 0, 1, -1).to(torch.int32)], ctx
 
-    def _votes(self, payload, ctx):
-        shape, _ = ctx
-        if self.summable:
-            return payload[0]
-        return unpack_bits(payload[0], 1, torch.Size(shape).numel()) * 2 - 1
-
-    def decode(self, payload, ctx):
-        """Sign of the vote(s) in ``payload`` (the summed votes after an allreduce)."""
-        shape, dtype = ctx
-        return _sign(self._votes(payload, ctx)).reshape(shape).to(dtype)
-
-    def aggregate(self, payloads, ctx):
-        shape, dtype = ctx
-        total = sum(self._votes(p, ctx) for p in payloads)
-        return _sign(total).reshape(shape).to(dtype)
+    def aggregate_into(self, out, payloads, ctx):
+        """Majority of the payloads' votes (one payload: the sign of its, possibly summed, votes)."""
+        flat = float32_flat(out)
+        n = flat.numel()
+        if not payloads:
+            flat.fill_(1.0)  # no votes: sign(0) = +1
+        elif native.usable(flat, *[p[0] for p in payloads]):
+            if self.summable:
+                native.majority(flat, votes=[p[0].to(torch.int32).contiguous() for p in payloads])
+            else:
+                native.majority(flat, bits=[p[0].contiguous() for p in payloads])
+        else:
+            if self.summable:
+                total = sum(p[0] for p in payloads)
+            else:
+                total = sum(unpack_codes(p[0], 1, n).to(torch.int32) * 2 - 1 for p in payloads)
+            flat.copy_(_sign(total).reshape(-1))
+        return write_back(out, flat)
 
 
 @register("efsignsgd")
-class ScaledSignCompressor(Compressor):
+class ScaledSignCompressor(AggregateInto, Compressor):
     """EF-signSGD: ``(‖p‖₁/n)·sign(p)`` with error feedback (on by default).
 
     Karimireddy, Rebjock, Stich and Jaggi, "Error Feedback Fixes SignSGD and other Gradient
@@ -96,13 +124,37 @@ class ScaledSignCompressor(Compressor):
         return 4 * numel / (4 + packed_nbytes(numel, 1))
 
     def _encode(self, tensor, name=None):
-        flat = tensor.reshape(-1).to(torch.float32)
+        flat = tensor.reshape(-1).to(torch.float32).contiguous()
         # mean |p| in float64: the fp32 sum of large values can overflow although the mean cannot
-        scale = (flat.abs().to(torch.float64).sum() / max(1, flat.numel())).to(torch.float32).reshape(1)
-        return [scale, pack_bits((flat >= 0).to(torch.int32), 1)], (tensor.shape, tensor.dtype)
+        packed, total = _sign_bits(flat, abs_sum=True)
+        scale = (total / max(1, flat.numel())).to(torch.float32).reshape(1)
+        return [scale, packed], (tensor.shape, tensor.dtype)
 
-    def decode(self, payload, ctx):
+    def aggregate_into(self, out, payloads, ctx):
+        """Mean over ranks of ``scale_r·sign_r`` (each scale divided by the rank count first, so
+        the sum cannot overflow), written into ``out``."""
+        flat = float32_flat(out)
+        n, world = flat.numel(), len(payloads)
+        if not payloads:
+            flat.zero_()
+            return write_back(out, flat)
+        factors = torch.cat([p[0].reshape(1).to(torch.float32) for p in payloads]).div_(world)
+        if native.usable(flat, factors, *[p[1] for p in payloads]):
+            native.scaled_sign_aggregate(flat, factors, [p[1].contiguous() for p in payloads])
+        else:
+            for w, (_, packed) in enumerate(payloads):
+                sign = unpack_codes(packed, 1, n).to(torch.float32).mul_(2).sub_(1)
+                f = factors[w].to(flat.device)
+                if w == 0:
+                    torch.mul(sign, f, out=flat)
+                else:
+                    flat.addcmul_(sign, f)
+        return write_back(out, flat)
+
+    def residual_(self, p, payload, ctx):
+        """``p - scale·sign`` in ``p``'s memory (contiguous float32 CPU ``p``, native kernels)."""
         scale, packed = payload
-        shape, dtype = ctx
-        n = torch.Size(shape).numel()
-        return (scale * (unpack_bits(packed, 1, n) * 2 - 1).to(torch.float32)).reshape(shape).to(dtype)
+        if p.dtype != torch.float32 or not p.is_contiguous() or not native.usable(p, scale, packed):
+            return super().residual_(p, payload, ctx)
+        native.scaled_sign_aggregate(p.view(-1), scale.reshape(1).to(torch.float32), [packed], decrement=True)
+        return p

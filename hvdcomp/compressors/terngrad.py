@@ -6,19 +6,28 @@ Distributed Deep Learning", NeurIPS 2017.
 ``g = clamp(g, ±2.5·std(g))``; ``s = max|g|``; ``b_i ~ Bernoulli(|g_i|/s)``;
 ``out = s·sign(g)·b`` ∈ {−s, 0, s} (unbiased for the clipped gradient). Codes ``sign·b + 1`` travel
 at 2 bits per element with one fp32 scale; scales differ per rank, so the allgather path is used.
+
+Kernels: on CPU the native kernels (:mod:`hvdcomp.native`) take two passes over the input (moments
+and max|g| in float64, then clipping, rounding and packing, with counter-based uniforms keyed by
+one draw of the per-rank generator), and decode / aggregate W payloads writing each output element
+once. On CUDA (or with the native kernels off) vectorised torch ops with ``torch.rand``.
 """
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
-from .base import Compressor
-from .bitpack import pack_bits, packed_nbytes, unpack_bits
+from .. import native
+from .base import AggregateInto, Compressor, float32_flat, write_back
+from .bitpack import pack_bits, packed_nbytes, unpack_codes
 from .registry import register
 from .rng import RankGenerators
 
 
 @register("terngrad")
-class TernGradCompressor(Compressor):
+class TernGradCompressor(AggregateInto, Compressor):
     """Ternary {−s, 0, s} quantization with 2.5σ clipping.
 
     Args:
@@ -26,6 +35,8 @@ class TernGradCompressor(Compressor):
         seed: base seed of the per-rank generator.
 
     Payload: ``[scale (1,) float32, codes (ceil(n/4),) uint8]`` (2 bits per element).
+
+    State: the per-rank generator, ``state_dict()["rng"]``.
 
     Raises:
         ValueError: negative ``clip_sigmas``.
@@ -49,21 +60,62 @@ class TernGradCompressor(Compressor):
         return 4 * numel / (4 + packed_nbytes(numel, 2))
 
     def _encode(self, tensor, name=None):
-        g = tensor.reshape(-1).to(torch.float32)
+        g = tensor.reshape(-1).to(torch.float32).contiguous()
+        ctx = (tensor.shape, tensor.dtype, g.numel())
+        if native.usable(g):
+            return self._encode_native(g), ctx
+        return self._encode_torch(g), ctx
+
+    def _encode_native(self, g):
+        n = g.numel()
+        packed = torch.empty(packed_nbytes(n, 2), dtype=torch.uint8)
+        if n == 0:
+            return [torch.zeros(1), packed]
+        s1, s2, maxabs, _ = native.moments(g)
+        f32 = np.float32
+        clip, s = f32(np.inf), f32(maxabs)
+        if self.clip_sigmas > 0 and n > 1:
+            # unbiased variance from shifted sums (float64), then std and c in float32 as torch
+            var = (s2 - s1 * s1 / n) / (n - 1)
+            std = f32(math.sqrt(max(0.0, var))) if var == var else f32(np.nan)
+            with np.errstate(over="ignore", invalid="ignore"):
+                clip = f32(self.clip_sigmas) * std
+            # max|clamp(g, ±c)| = min(max|g|, c); NaN in either gives NaN, as torch does
+            s = f32(np.nan) if (np.isnan(clip) or np.isnan(s)) else min(s, clip)
+        native.terngrad_encode(g, float(clip), float(s), self.rng.key(), packed)
+        return [torch.tensor([float(s)], dtype=torch.float32), packed]
+
+    def _encode_torch(self, g):
+        """Vectorised torch encode (CUDA; CPU without native kernels)."""
         if self.clip_sigmas > 0 and g.numel() > 1:
             c = self.clip_sigmas * g.std()
             g = torch.maximum(torch.minimum(g, c), -c)
         s = g.abs().max() if g.numel() else g.new_zeros(())
         safe = torch.where(s > 0, s, torch.ones_like(s))
         u = torch.rand(g.shape, generator=self.rng.get(g.device), device=g.device)
-        keep = (u < g.abs() / safe) & (s > 0)
-        codes = (torch.sign(g) * keep + 1).to(torch.int32)
-        return [s.reshape(1), pack_bits(codes, 2)], (tensor.shape, tensor.dtype, g.numel())
+        keep = u.lt_(g.abs().div_(safe)).mul_(s > 0)
+        codes = keep.mul_(torch.sign(g)).add_(1).nan_to_num_(nan=1.0).to(torch.uint8)
+        return [s.reshape(1), pack_bits(codes, 2)]
 
-    def decode(self, payload, ctx):
-        s, packed = payload
+    def aggregate_into(self, out, payloads, ctx):
+        """Mean over ranks of ``s·(code - 1)``, written into ``out`` (native: in one pass)."""
         shape, dtype, n = ctx
-        return ((unpack_bits(packed, 2, n) - 1).to(torch.float32) * s).reshape(shape).to(dtype)
+        flat = float32_flat(out)
+        world = len(payloads)
+        if not payloads or n == 0:
+            flat.zero_()
+        elif native.usable(flat, *[t for p in payloads for t in p]):
+            factors = torch.cat([p[0].reshape(1).to(torch.float32) for p in payloads]).div_(world)
+            native.terngrad_aggregate(flat, factors, [p[1].contiguous() for p in payloads])
+        else:
+            for w, (s, packed) in enumerate(payloads):
+                codes = unpack_codes(packed, 2, n)
+                f = (s.to(torch.float32) / world).to(flat.device)
+                if w == 0:
+                    flat.copy_(codes).sub_(1).mul_(f)
+                else:
+                    flat.addcmul_(codes.to(torch.float32).sub_(1), f)
+        return write_back(out, flat)
 
     def state_dict(self):
         return {"rng": self.rng.state_dict()}

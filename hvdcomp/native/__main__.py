@@ -1,0 +1,5 @@
+import sys
+
+from . import _main
+
+sys.exit(_main())

@@ -1,0 +1,200 @@
+/* Native CPU kernels of the stochastic quantizers: QSGD (Alistarh et al., NeurIPS 2017) and
+ * TernGrad (Wen et al., NeurIPS 2017). Python wrappers and the exact semantics: qsgd.py,
+ * terngrad.py and native/__init__.py. All inputs are contiguous float32; codes are packed at
+ * `bits` bits in the little-endian bit stream of bitpack.py (8-bit codes are plain bytes). */
+#include <stdlib.h>
+
+#include "common.h"
+
+/* ---- QSGD -------------------------------------------------------------------------------------- */
+
+/* codes of one bucket segment: level = floor(r) + [u < r - floor(r)], r = min(s·|x|/scale, s);
+ * code = s + sign(x)·level. NaN magnitudes give r = s (the scale is NaN then, so is the decode). */
+static inline void qsgd_codes(const float *x, const float *u, int64_t m, float safe, float sf,
+                              int32_t s, uint8_t *codes) {
+    for (int64_t t = 0; t < m; t++) {
+        float r = fabsf(x[t]) / safe * sf;
+        r = r < sf ? r : sf;
+        int32_t low = (int32_t)r;
+        int32_t level = low + (u[t] < r - (float)low);
+        codes[t] = (uint8_t)(x[t] < 0.0f ? s - level : s + level);
+    }
+}
+
+static inline float qsgd_scale(const float *x, int64_t m, int32_t use_max) {
+    if (use_max) return hvd_max_abs(x, m);
+    double norm = sqrt(hvd_sum_sq_f64(x, m));           /* float64: never inf for finite input */
+    return norm > (double)FLT_MAX ? FLT_MAX : (float)norm; /* NaN stays NaN */
+}
+
+/* Blocks of whole buckets, a multiple of 8 buckets each, so that a block starts at a multiple of
+ * 8 elements (a whole packed group) and its scales are computed while its data is in cache. */
+static int64_t qsgd_block_buckets(int64_t d) {
+    int64_t bb = (HVD_CHUNK + d - 1) / d;
+    return (bb + 7) / 8 * 8;
+}
+
+HVD_EXPORT int hvd_qsgd_encode(const float *x, int64_t n, int64_t d, int32_t s, int32_t use_max,
+                               int32_t bits, uint64_t key, float *scales, uint8_t *packed,
+                               int32_t nthreads) {
+    if (n <= 0) return 0;
+    if (bits < 1 || bits > 8 || d < 1 || s < 1 || 2 * (int64_t)s >= (1 << bits)) return -1;
+    const int64_t nb = (n + d - 1) / d, bb = qsgd_block_buckets(d), nblocks = (nb + bb - 1) / bb;
+    const float sf = (float)s;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        uint8_t codes[HVD_CHUNK];
+        float u[HVD_CHUNK];
+        const int64_t b0 = blk * bb, b1 = hvd_min64(nb, b0 + bb);
+        for (int64_t j = b0; j < b1; j++) {
+            const int64_t start = j * d;
+            scales[j] = qsgd_scale(x + start, hvd_min64(n, start + d) - start, use_max);
+        }
+        const int64_t e1 = hvd_min64(n, b1 * d);
+        int64_t j = b0;
+        for (int64_t c0 = b0 * d; c0 < e1; c0 += HVD_CHUNK) {
+            const int64_t c1 = hvd_min64(e1, c0 + HVD_CHUNK);
+            hvd_uniforms(key, c0, c1 - c0, u);
+            for (int64_t i = c0; i < c1;) {
+                while ((j + 1) * d <= i) j++;
+                const int64_t stop = hvd_min64(c1, (j + 1) * d);
+                const float sc = scales[j], safe = sc > 0.0f ? sc : 1.0f;
+                qsgd_codes(x + i, u + (i - c0), stop - i, safe, sf, s, codes + (i - c0));
+                i = stop;
+            }
+            hvd_pack(codes, c1 - c0, bits, packed + c0 / 8 * bits);
+        }
+    }
+    return 0;
+}
+
+/* out = Σ_w scale_w[bucket]/(s·W) · (code_w - s), one write of each output element; W >= 1. */
+HVD_EXPORT int hvd_qsgd_aggregate(int32_t W, const float *const *scales,
+                                  const uint8_t *const *packed, int64_t n, int64_t d, int32_t s,
+                                  int32_t bits, float *out, int32_t nthreads) {
+    if (n <= 0) return 0;
+    if (W < 1 || bits < 1 || bits > 8 || d < 1 || s < 1) return -1;
+    const int64_t nchunks = (n + HVD_CHUNK - 1) / HVD_CHUNK;
+    const float denom = (float)((int64_t)s * W);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t c = 0; c < nchunks; c++) {
+        uint8_t codes[HVD_CHUNK];
+        const int64_t c0 = c * HVD_CHUNK, c1 = hvd_min64(n, c0 + HVD_CHUNK);
+        float *o = out + c0;
+        for (int32_t w = 0; w < W; w++) {
+            hvd_unpack(packed[w] + c0 / 8 * bits, c1 - c0, bits, codes);
+            for (int64_t i = c0; i < c1;) {
+                const int64_t j = i / d, stop = hvd_min64(c1, (j + 1) * d);
+                const float f = scales[w][j] / denom;
+                const uint8_t *cc = codes + (i - c0);
+                float *oo = o + (i - c0);
+                const int64_t m = stop - i;
+                if (w == 0)
+                    for (int64_t t = 0; t < m; t++) oo[t] = 0.0f + f * (float)((int32_t)cc[t] - s);
+                else
+                    for (int64_t t = 0; t < m; t++) oo[t] += f * (float)((int32_t)cc[t] - s);
+                i = stop;
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- TernGrad ------------------------------------------------------------------------------------ */
+
+#define HVD_MOMENT_CHUNK 65536
+
+/* out[0] = Σ(x - K), out[1] = Σ(x - K)², out[2] = max|x| (NaN if any NaN), with K = x[0] when
+ * finite (shifted sums: exact zero variance for equal values), all in float64, summed in a fixed
+ * order (independent of the thread count). out[3] = K. Returns -1 if out of memory. */
+HVD_EXPORT int hvd_moments(const float *x, int64_t n, int32_t nthreads, double *out) {
+    out[0] = out[1] = out[2] = out[3] = 0.0;
+    if (n <= 0) return 0;
+    const double K = isfinite(x[0]) ? (double)x[0] : 0.0;
+    const int64_t nchunks = (n + HVD_MOMENT_CHUNK - 1) / HVD_MOMENT_CHUNK;
+    double *part = (double *)malloc((size_t)nchunks * 3 * sizeof(double));
+    if (!part) return -1;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t c = 0; c < nchunks; c++) {
+        const int64_t c0 = c * HVD_MOMENT_CHUNK, c1 = hvd_min64(n, c0 + HVD_MOMENT_CHUNK);
+        double s1[8] = {0, 0, 0, 0, 0, 0, 0, 0}, s2[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t i = c0;
+        for (; i + 8 <= c1; i += 8)
+            for (int k = 0; k < 8; k++) {
+                double v = (double)x[i + k] - K;
+                s1[k] += v;
+                s2[k] += v * v;
+            }
+        for (; i < c1; i++) {
+            double v = (double)x[i] - K;
+            s1[0] += v;
+            s2[0] += v * v;
+        }
+        double a = 0, b = 0;
+        for (int k = 0; k < 8; k++) { a += s1[k]; b += s2[k]; }
+        part[3 * c] = a;
+        part[3 * c + 1] = b;
+        part[3 * c + 2] = (double)hvd_max_abs(x + c0, c1 - c0);
+    }
+    double a = 0, b = 0, mx = 0;
+    int nan = 0;
+    for (int64_t c = 0; c < nchunks; c++) {
+        a += part[3 * c];
+        b += part[3 * c + 1];
+        nan |= isnan(part[3 * c + 2]);
+        mx = part[3 * c + 2] > mx ? part[3 * c + 2] : mx;
+    }
+    free(part);
+    out[0] = a;
+    out[1] = b;
+    out[2] = nan ? NAN : mx;
+    out[3] = K;
+    return 0;
+}
+
+/* code = 1 + sign(g)·[u < |g|/s] with g = clamp(x, -c, c) (c = +inf: no clipping), 0 where s is
+ * not > 0; packed at 2 bits. */
+HVD_EXPORT void hvd_terngrad_encode(const float *x, int64_t n, float c, float s, uint64_t key,
+                                    uint8_t *packed, int32_t nthreads) {
+    if (n <= 0) return;
+    const int64_t nchunks = (n + HVD_CHUNK - 1) / HVD_CHUNK;
+    const float safe = s > 0.0f ? s : 1.0f;
+    const int on = s > 0.0f;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t ch = 0; ch < nchunks; ch++) {
+        uint8_t codes[HVD_CHUNK];
+        float u[HVD_CHUNK];
+        const int64_t c0 = ch * HVD_CHUNK, c1 = hvd_min64(n, c0 + HVD_CHUNK), m = c1 - c0;
+        hvd_uniforms(key, c0, m, u);
+        const float *xx = x + c0;
+        for (int64_t t = 0; t < m; t++) {
+            float g = xx[t];
+            g = g > c ? c : g;
+            g = g < -c ? -c : g;
+            const int keep = on & (u[t] < fabsf(g) / safe);
+            codes[t] = (uint8_t)(1 + keep * ((g > 0.0f) - (g < 0.0f)));
+        }
+        hvd_pack(codes, m, 2, packed + c0 / 4);
+    }
+}
+
+/* out = Σ_w f_w · (code_w - 1) for 2-bit codes (f_w = scale_w / W, given). */
+HVD_EXPORT void hvd_terngrad_aggregate(int32_t W, const float *f, const uint8_t *const *packed,
+                                       int64_t n, float *out, int32_t nthreads) {
+    if (n <= 0) return;
+    const int64_t nchunks = (n + HVD_CHUNK - 1) / HVD_CHUNK;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t ch = 0; ch < nchunks; ch++) {
+        uint8_t codes[HVD_CHUNK];
+        const int64_t c0 = ch * HVD_CHUNK, c1 = hvd_min64(n, c0 + HVD_CHUNK), m = c1 - c0;
+        float *o = out + c0;
+        for (int32_t w = 0; w < W; w++) {
+            hvd_unpack(packed[w] + c0 / 4, m, 2, codes);
+            const float fw = f[w];
+            if (w == 0)
+                for (int64_t t = 0; t < m; t++) o[t] = 0.0f + fw * (float)((int32_t)codes[t] - 1);
+            else
+                for (int64_t t = 0; t < m; t++) o[t] += fw * (float)((int32_t)codes[t] - 1);
+        }
+    }
+}
