@@ -33,6 +33,10 @@ from .sparse import SparseCompressor
 from .topk import check_density, num_kept
 
 
+def _fits(buf, like: torch.Tensor) -> bool:
+    return buf is not None and buf.shape == like.shape and buf.dtype == like.dtype and buf.device == like.device
+
+
 @register("dgc")
 class DGCCompressor(SparseCompressor):
     """Deep Gradient Compression (sparse payload ``[values float32, indices int32]``).
@@ -76,6 +80,7 @@ class DGCCompressor(SparseCompressor):
         self.epoch = 0
         self.u: dict[str, torch.Tensor] = {}
         self.v: dict[str, torch.Tensor] = {}
+        self._spares: dict[str, tuple] = {}  # CPU: memory of replaced (u, v), reused next step
         self.rng = RankGenerators(seed)
 
     def describe(self):
@@ -122,17 +127,20 @@ class DGCCompressor(SparseCompressor):
             limit = self.clip_norm / math.sqrt(world_size())
             norm = g.norm()
             g = g * torch.clamp(limit / torch.clamp(norm, min=1e-30), max=1.0)
-        u = self._get("u", name)
-        v = self._get("v", name)
-        u = torch.zeros_like(g) if u is None else u
-        v = torch.zeros_like(g) if v is None else v
-        # new tensors, never in place: a skipped step must leave the committed u and v untouched
+        u_old, v_old = self._get("u", name), self._get("v", name)
+        u_old = torch.zeros_like(g) if u_old is None else u_old
+        v_old = torch.zeros_like(g) if v_old is None else v_old
+        # new tensors, never in place: a skipped step must leave the committed u and v untouched;
+        # on CPU they reuse the memory of the (u, v) replaced at the previous step (no page faults)
+        u, v = self._spares.pop(name, (None, None))
+        u = u if _fits(u, g) else torch.empty_like(g)
+        v = v if _fits(v, g) else torch.empty_like(g)
         if self.nesterov:
-            u = (u + g) * self.momentum
-            v = v + u + g
+            torch.add(u_old, g, out=u).mul_(self.momentum)
+            torch.add(v_old, u, out=v).add_(g)
         else:
-            u = u * self.momentum + g
-            v = v + u
+            torch.add(g, u_old, alpha=self.momentum, out=u)    # u = m·u + g
+            torch.add(v_old, u, out=v)                         # v = v + u
         idx = self.select(v, name)
         values = v.index_select(0, idx)
         payload = self.pack(values, idx, n)
@@ -147,13 +155,37 @@ class DGCCompressor(SparseCompressor):
             u.index_fill_(0, idx, 0.0)
         self._put("u", name, u)
         self._put("v", name, v)
+        if self._pending is None:
+            self._recycle(name, u_old, v_old)
         return payload, (tensor.shape, tensor.dtype)
+
+    def _recycle(self, name, u, v) -> None:
+        """Keep replaced (u, v) memory for the next step (CPU only: CUDA's caching allocator
+        already reuses memory, and large fresh CPU tensors page-fault on first use)."""
+        if u is not None and v is not None and u.device.type == "cpu":
+            self._spares[name] = (u, v)
+
+    def commit(self):
+        names = [name for (store, name) in (self._pending or {}) if store == "u"]
+        replaced = [(name, self.u.get(name), self.v.get(name)) for name in names]
+        super().commit()
+        for name, u, v in replaced:
+            self._recycle(name, u, v)
+
+    def rollback(self):
+        pending = self._pending or {}
+        dropped = [(name, pending.get(("u", name)), pending.get(("v", name)))
+                   for (store, name) in pending if store == "u"]
+        super().rollback()
+        for name, u, v in dropped:
+            self._recycle(name, u, v)
 
     def state_dict(self):
         return {"epoch": self.epoch, "u": {k: t.clone() for k, t in self.u.items()},
                 "v": {k: t.clone() for k, t in self.v.items()}, "rng": self.rng.state_dict()}
 
     def load_state_dict(self, state):
+        self._spares = {}
         self.epoch = int(state.get("epoch", 0))
         self.u = {k: t.clone() for k, t in state.get("u", {}).items()}
         self.v = {k: t.clone() for k, t in state.get("v", {}).items()}

@@ -5,15 +5,21 @@ Wangni et al., "Gradient Sparsification for Communication-Efficient Distributed 
 NeurIPS 2018. Every rank draws the same k indices from a dedicated ``torch.Generator`` seeded from
 (seed, parameter name, step), so only the values travel and Horovod allreduce averages them. The
 global RNG is never touched.
+
+The k indices are a uniformly random k-subset: the first k distinct values of a stream of uniform
+draws in [0, n) (sequential sampling without replacement), found with a bitmap by the native
+kernels or by sorting with torch (the same set either way, so ranks agree whichever they use);
+O(k log k) instead of the O(n) of a full permutation. When k > n/8, repeats would be frequent
+and a permutation's first k entries are used instead.
 """
 from __future__ import annotations
 
-import math
 import zlib
 
 import torch
 
-from .base import Compressor
+from .. import native
+from .base import AggregateInto, Compressor, float32_flat, write_back
 from .registry import register
 from .topk import check_density, num_kept
 
@@ -25,8 +31,25 @@ def shared_seed(seed: int, name: str, step: int) -> int:
     return ((seed * 1_000_003 + zlib.crc32(name.encode())) * 1_000_003 + step) & _MASK63
 
 
+def _first_distinct(draw, k: int) -> torch.Tensor:
+    """Torch version of :func:`hvdcomp.native.first_distinct` (same result): ascending indices of
+    the first k distinct values of the concatenated draws."""
+    if k <= 0:
+        return torch.zeros(0, dtype=torch.int64)
+    streams = []
+    while True:
+        streams.append(draw())
+        stream = torch.cat(streams)
+        ordered, order = torch.sort(stream, stable=True)
+        first = torch.ones(stream.numel(), dtype=torch.bool)
+        first[1:] = ordered[1:] != ordered[:-1]
+        pos = order[first]                      # where each distinct value first appears
+        if pos.numel() >= k:
+            return stream[pos.sort().values[:k]].sort().values
+
+
 @register("randomk")
-class RandomKCompressor(Compressor):
+class RandomKCompressor(AggregateInto, Compressor):
     """Keep k = max(1, ceil(ρ·n)) uniformly random entries, the same on every rank.
 
     Args:
@@ -59,10 +82,18 @@ class RandomKCompressor(Compressor):
         return numel / max(1, num_kept(numel, self.density)) / 2.0
 
     def indices(self, numel: int, name: str, step: int, device=None) -> torch.Tensor:
-        """The k shared indices (int64, sorted) for this parameter and step."""
+        """The k shared indices (int64, ascending) for this parameter and step (module docstring)."""
         k = num_kept(numel, self.density)
         gen = torch.Generator().manual_seed(shared_seed(self.seed, name, step))
-        idx = torch.randperm(numel, generator=gen)[:k].sort().values
+        if 8 * k > numel:
+            idx = torch.randperm(numel, generator=gen)[:k].sort().values
+        else:
+            batch = k + k * k // numel + k // 16 + 64          # usually enough distinct draws at once
+
+            def draw():
+                return torch.randint(0, numel, (batch,), generator=gen)
+
+            idx = native.first_distinct(draw, numel, k) if native.enabled() else _first_distinct(draw, k)
         return idx.to(device) if device is not None else idx
 
     def _encode(self, tensor, name=None):
@@ -73,16 +104,29 @@ class RandomKCompressor(Compressor):
         self._put("steps", name, step + 1)
         flat = tensor.reshape(-1)
         idx = self.indices(flat.numel(), name, step, flat.device)
-        return [flat[idx].to(torch.float32)], (tensor.shape, tensor.dtype, idx)
+        return [flat.index_select(0, idx).to(torch.float32)], (tensor.shape, tensor.dtype, idx)
 
-    def decode(self, payload, ctx):
+    def aggregate_into(self, out, payloads, ctx):
+        """Mean of the payloads' values scattered at the shared indices into ``out`` (zeroed):
+        one write pass over ``out`` (native on CPU: chunk by chunk) plus O(k)."""
         shape, dtype, idx = ctx
-        out = torch.zeros(math.prod(shape), dtype=torch.float32, device=payload[0].device)
-        out[idx] = payload[0]
-        return out.reshape(shape).to(dtype)
+        flat = float32_flat(out)
+        values = payloads[0][0].to(torch.float32) if len(payloads) == 1 else \
+            torch.stack([p[0].to(torch.float32) for p in payloads]).mean(0)
+        if not (native.usable(flat, values, idx) and native.sparse_aggregate(flat, [idx], [values.contiguous()], 1.0)):
+            flat.zero_()
+            flat[idx.to(flat.device)] = values.to(flat.device)
+        return write_back(out, flat)
 
     def state_dict(self):
         return {"steps": dict(self.steps)}
+
+    def residual_(self, p, payload, ctx):
+        """``p - decode(payload)`` in ``p``'s memory: the sent values subtracted at the indices."""
+        if p.dtype != torch.float32 or not p.is_contiguous():
+            return super().residual_(p, payload, ctx)
+        p.view(-1).index_add_(0, ctx[2].to(p.device), payload[0].to(p.dtype), alpha=-1)
+        return p
 
     def load_state_dict(self, state):
         self.steps = dict(state.get("steps", {}))

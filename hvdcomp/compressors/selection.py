@@ -2,7 +2,14 @@
 
 Two ways to pick about k entries of largest magnitude of a 1-D tensor of n elements:
 
-* :func:`exact_topk`: ``torch.topk`` (the reference; O(n log k), single-threaded on CPU).
+* :func:`exact_topk`: exactly the k largest magnitudes. On CPU with the native kernels and n ≥
+  :data:`EXACT_MIN_NUMEL`, by a threshold: the magnitude at a rank slightly above k/n of an evenly
+  spaced sample of ~1 % of the entries is a threshold that ≥ k entries pass (else it is lowered),
+  one fused scan collects those candidates (about 1.25k, ascending, with their values), and a
+  linear-time selection (``torch.kthvalue``) among them finds the k-th largest magnitude t: the
+  result is every candidate above t plus the first candidates equal to t (ties broken by lower
+  index), i.e. the same set as ``torch.topk``, O(n). Otherwise ``torch.topk`` (the reference;
+  O(n log k), single-threaded on CPU). Either way the indices come out in ascending order.
 * :func:`sampled_threshold_topk`: the sampled threshold of Lin, Han, Mao, Wang and Dally, "Deep
   Gradient Compression", ICLR 2018 (the threshold sampling hvdcomp's DGC has always used): sample
   s = ceil(sample_ratio·n) entries uniformly (with replacement), take as threshold the smallest of
@@ -10,11 +17,16 @@ Two ways to pick about k entries of largest magnitude of a 1-D tensor of n eleme
   threshold. If more than 1.3k entries pass, the exact top-k of those candidates is kept; if fewer
   than 0.8k pass, the threshold is lowered ×0.8 and the scan repeated (at most 10 scans). O(n).
 
-The scan (:func:`indices_at_least`) never builds a full-size temporary on CPU: it walks the tensor
-in chunks of :data:`CPU_CHUNK` elements through two cache-sized buffers (|x| compared in place,
-then a bool mask) and finds the set mask bytes eight at a time (the mask viewed as int64 words).
-On CUDA it is ``torch.nonzero(|x| >= thr)``; each scan synchronises with the host once (to learn
-the count), so a tensor costs at most ``max_tries`` synchronisations, never one per element.
+The scan (:func:`indices_at_least`) never builds a full-size temporary on CPU. With the native
+kernels (:mod:`hvdcomp.native`) it is a fused threshold-and-compact: a counting pass and a writing
+pass over fixed parts of the tensor (both multi-threaded, ascending output). Without them it walks
+the tensor in chunks of :data:`CPU_CHUNK` elements through two cache-sized buffers (|x| compared
+in place, then a bool mask) and finds the set mask bytes eight at a time (the mask viewed as int64
+words). On CUDA it is ``torch.nonzero(|x| >= thr)``; each scan synchronises with the host once (to
+learn the count), so a tensor costs at most ``max_tries`` synchronisations, never one per element.
+
+NaN never passes a threshold: with NaN in the tensor the threshold paths ignore those entries
+(``torch.topk`` would rank them first); the optimizer skips steps with non-finite gradients.
 """
 from __future__ import annotations
 
@@ -22,8 +34,11 @@ import math
 
 import torch
 
+from .. import native
+
 __all__ = [
     "CPU_CHUNK",
+    "EXACT_MIN_NUMEL",
     "MIN_SAMPLE",
     "SELECT_CHOICES",
     "check_sample_ratio",
@@ -39,6 +54,11 @@ SELECT_CHOICES = ("exact", "sample")
 MIN_SAMPLE = 64
 #: Elements per chunk of the CPU scan (4 MiB of float32: stays in the last-level cache).
 CPU_CHUNK = 1 << 20
+#: Smallest tensor for which :func:`exact_topk` uses the threshold path (below: ``torch.topk``).
+EXACT_MIN_NUMEL = 1 << 15
+#: Evenly spaced entries sampled by the threshold path of :func:`exact_topk`: this fraction of n,
+#: at least EXACT_MIN_SAMPLE.
+EXACT_SAMPLE_RATIO, EXACT_MIN_SAMPLE = 0.01, 4096
 #: DGC's acceptance window [LOW·k, HIGH·k] and the factor applied to the threshold on a retry.
 LOW, HIGH, DECAY = 0.8, 1.3, 0.8
 
@@ -67,7 +87,7 @@ def _empty_index(device) -> torch.Tensor:
 
 
 def exact_topk(flat: torch.Tensor, k: int, *, magnitudes: bool = True) -> torch.Tensor:
-    """Indices (int64, 1-D, unordered) of the k entries of largest magnitude, by ``torch.topk``.
+    """Indices (int64, 1-D, ascending) of the k entries of largest magnitude (see module docstring).
 
     Args:
         flat: 1-D tensor of n elements; magnitudes (>= 0) when ``magnitudes``, else signed values
@@ -79,7 +99,49 @@ def exact_topk(flat: torch.Tensor, k: int, *, magnitudes: bool = True) -> torch.
         return torch.arange(n, device=flat.device)
     if k <= 0:
         return _empty_index(flat.device)
-    return torch.topk(flat if magnitudes else flat.abs(), k, sorted=False).indices
+    if n >= EXACT_MIN_NUMEL and _native_scan(flat):
+        idx = _exact_topk_threshold(flat, k, magnitudes)
+        if idx is not None:
+            return idx
+    top = torch.topk(flat if magnitudes else flat.abs(), k, sorted=False).indices
+    return torch.sort(top).values
+
+
+def _native_scan(flat: torch.Tensor) -> bool:
+    return flat.dtype == torch.float32 and flat.is_contiguous() and native.usable(flat)
+
+
+def _exact_topk_threshold(flat: torch.Tensor, k: int, magnitudes: bool):
+    """The threshold path of :func:`exact_topk` (native CPU scan); None if it cannot find k
+    candidates (NaN in the sample or the data), then the caller uses ``torch.topk``."""
+    n = flat.numel()
+    s = min(n, max(EXACT_MIN_SAMPLE, math.ceil(EXACT_SAMPLE_RATIO * n)))
+    sample = flat.index_select(0, torch.arange(s, dtype=torch.int64).mul_(n).div_(s, rounding_mode="floor"))
+    if not magnitudes:
+        sample.abs_()
+    # rank of the threshold in the sample: k/n·s plus 3 binomial sigmas (fewer than k pass ~0.1 %
+    # of the time; then the rank is doubled)
+    expect = k / n * s
+    rank = min(s, math.ceil(expect + 3.0 * math.sqrt(expect) + 8))
+    while True:
+        thr = float(torch.topk(sample, rank, sorted=False).values.min())  # rank-th largest sampled
+        if thr != thr:
+            return None
+        idx, vals = native.select_at_least(flat, thr, not magnitudes, values=True)
+        total = idx.numel()
+        if total >= k:
+            break
+        if rank == s:
+            return None
+        rank = min(s, 2 * rank)
+    if total == k:
+        return idx
+    mag = vals if magnitudes else vals.abs_()
+    t = torch.kthvalue(mag, total - k + 1).values          # the k-th largest magnitude
+    keep = mag > t
+    ties = torch.nonzero(mag == t).view(-1)[: k - int(keep.sum())]
+    keep[ties] = True
+    return idx[keep]
 
 
 def _set_bytes(mask: torch.Tensor, length: int) -> torch.Tensor:
@@ -110,6 +172,9 @@ def indices_at_least(flat: torch.Tensor, thr: torch.Tensor, *, magnitudes: bool 
     Args:
         flat: 1-D tensor of n elements.
         thr: threshold, a 0-d tensor on ``flat``'s device (or a Python number).
+        chunk: elements per chunk of the torch CPU scan; the native fused scan (used by default on
+            CPU for contiguous float32 input) has its own fixed parts, so giving another value
+            than :data:`CPU_CHUNK` selects the torch scan (tests compare the two).
         chunked: force the chunked CPU scan (True) or the one-``nonzero`` device path (False);
             default: chunked on CPU only (tests run the device path on CPU with False).
     """
@@ -120,6 +185,8 @@ def indices_at_least(flat: torch.Tensor, thr: torch.Tensor, *, magnitudes: bool 
         return torch.nonzero((flat if magnitudes else flat.abs()) >= thr).view(-1)
     if n == 0:
         return _empty_index(flat.device)
+    if chunk == CPU_CHUNK and _native_scan(flat):
+        return native.select_at_least(flat, float(thr), not magnitudes)
     size = min(n, chunk)
     buf = torch.empty(size, dtype=flat.dtype)       # |x| of the chunk, then its 1.0 / 0.0 flags
     mask = torch.empty((size + 7) // 8 * 8, dtype=torch.bool)
@@ -160,7 +227,7 @@ def sampled_threshold_topk(flat: torch.Tensor, k: int, sample_ratio: float,
     Returns:
         Every index whose magnitude is at least the final threshold, in ascending order, when
         between 0.8k and 1.3k of them pass; exactly k indices (the top k of the candidates,
-        unordered) when more pass or for small tensors; fewer than 0.8k only if ``max_tries``
+        ascending) when more pass or for small tensors; fewer than 0.8k only if ``max_tries``
         scans all fall short (the last scan's indices; e.g. NaN in the sample).
     """
     n = flat.numel()
@@ -186,7 +253,9 @@ def sampled_threshold_topk(flat: torch.Tensor, k: int, sample_ratio: float,
             cand = flat.index_select(0, idx)
             if not magnitudes:
                 cand.abs_()
-            return idx.index_select(0, torch.topk(cand, k, sorted=False).indices)
+            keep = torch.zeros(count, dtype=torch.bool, device=idx.device)
+            keep[torch.topk(cand, k, sorted=False).indices] = True
+            return idx[keep]                              # ascending, like every other result
         if count >= LOW * k:
             return idx
         thr = thr * DECAY

@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from .. import native
 from .base import AggregateInto, Compressor
 
 __all__ = ["SparseCompressor", "index_dtype", "compact_index_bytes"]
@@ -144,17 +145,25 @@ class SparseCompressor(AggregateInto, Compressor):
         """Scatter-add every rank's payload, scaled by 1/(number of payloads), into ``out``
         (zeroed first): one write pass over ``out`` plus work proportional to the kept entries.
 
-        Writes in place (no full-size temporary) when ``out`` is contiguous float32.
+        Writes in place (no full-size temporary) when ``out`` is contiguous float32. On CPU the
+        native kernel does it chunk by chunk (each chunk zeroed, then every payload's entries in it
+        added, in payload order): every element of ``out`` is written once, while it is in cache.
+        It needs ascending indices, which every hvdcomp sparsifier sends; other payloads take the
+        ``index_add_`` path.
         """
         if out.dtype != torch.float32 or not out.is_contiguous():
             return super().aggregate_into(out, payloads, ctx)
         flat = out.view(-1)
         n = flat.numel()
         scale = 1.0 / max(1, len(payloads))
+        unpacked = [self.unpack(p, n) for p in payloads]
+        if native.usable(flat, *[t for p in payloads for t in p]) and native.sparse_aggregate(
+                flat, [i if i is None else i.contiguous() for _, i in unpacked],
+                [v.contiguous() for v, _ in unpacked], scale):
+            return out
         flat.zero_()
         vals, idxs = [], []
-        for p in payloads:
-            values, idx = self.unpack(p, n)
+        for values, idx in unpacked:
             if idx is None:
                 flat.add_(values, alpha=scale)
             else:

@@ -10,8 +10,9 @@ import math
 
 import torch
 
-from .sparse import SparseCompressor
 from .registry import register
+from .selection import indices_at_least
+from .sparse import SparseCompressor
 
 
 @register("threshold")
@@ -47,4 +48,5 @@ class ThresholdCompressor(SparseCompressor):
         return None
 
     def select(self, flat, name=None):
-        return torch.nonzero(flat.abs() >= self.threshold, as_tuple=True)[0]
+        """Ascending indices with ``|flat| >= threshold`` (one fused scan on CPU)."""
+        return indices_at_least(flat, torch.tensor(self.threshold, dtype=flat.dtype), magnitudes=False)
