@@ -22,8 +22,8 @@ $PY benchmarks/netem_e2e.py --bench comm --output "$OUT/netem-comm" --model medi
   --rates 1gbit 100mbit --comm-reps 5 --comm-budget 8 --comm-budget-slow 8 \
   --methods none fp16 topk:density=0.01 topk:density=0.001 dgc:density=0.01 qsgd powersgd:rank=2 || status=1
 # 4. kernels (one process), then the report
-$PY benchmarks/kernels.py --output "$OUT/kernels-cpu" \
-  --profile "topk:density=0.01" "topk:density=0.01,select=sample" "dgc:density=0.01" || status=1
+$PY benchmarks/kernels.py --output "$OUT/kernels-cpu" --sizes 4M 16M --threads 2 --repeat 5 --compare \
+  --profile "qsgd:levels=16" "topk:density=0.01" "dgc:density=0.01" || status=1
 $PY benchmarks/report_speed.py --e2e "$OUT/netem-e2e" --comm "$OUT/netem-comm" --kernels "$OUT/kernels-cpu" \
   --output "$OUT" --preamble benchmarks/speed_preamble.md
 exit $status

@@ -82,3 +82,28 @@ def test_speed_report_verdicts_from_hand_made_cells(tmp_path):
     assert ttt["target"] == 50.0 and ttt["target_step"] == 10
     assert ttt["rows"]["hvdcomp:topk:density=0.01"]["steps"] == 15
     assert ttt["rows"]["hvdcomp:topk:density=0.01"]["100mbit"] == 15 * 3.3
+
+
+def test_kernels_benchmark_compare_and_quantizer_verdicts(tmp_path):
+    """--compare times the plain reference beside each method; quantizer rows get verdicts."""
+    specs = ["qsgd:levels=127", "efsignsgd", "dgc:density=0.01", "topk:density=0.01"]
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "kernels.py"), "--sizes", "8192",
+         "--repeat", "1", "--threads", "1", "--compare", "--methods", " ".join(specs),
+         "--output", str(tmp_path)],
+        check=False, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "kernels.json").read_text())
+    assert result["settings"]["compare"] and "native" in result["machine"]["kernels"]
+    rows = {r["spec"]: r for r in result["rows"]}
+    for spec in specs:
+        ref = rows[spec]["reference"]
+        for key in ("compress", "decompress", "aggregate"):
+            assert ref[key]["median_s"] > 0 and ref[key + "_x_stream"] > 0
+        assert set(rows[spec]["verdicts"]) == ({"compress", "decompress", "aggregate"}
+                                               if spec.startswith(("qsgd", "efsignsgd"))
+                                               else {"select_pack", "decompress", "aggregate"})
+    assert rows["qsgd:levels=127"]["reference"]["payload"][1]["dtype"] == "int8"
+    assert rows["dgc:density=0.01"]["select_pack"]["median_s"] > 0
+    table = (tmp_path / "kernels.md").read_text()
+    assert "ref compress ×" in table and "≤ 8×" in table

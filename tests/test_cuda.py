@@ -42,3 +42,50 @@ def test_stage_and_split_on_cuda():
     back = _split(torch.from_numpy(buf.copy()), counts, [t.dtype for t in payload], payload[0].device)
     for a, b in zip(back[0], payload):
         assert a.device.type == "cuda" and torch.equal(a, b)
+
+
+# ---- issue 16's kernels: the CUDA path is the torch kernels; the CPU reference is native ----------
+DECODE_SPECS = ["qsgd:levels=127", "qsgd:levels=16,bucket=100", "qsgd:levels=4,scale=max", "terngrad",
+                "efsignsgd", "signsgd", "signsgd:vote=allgather", "topk:density=0.01",
+                "topk:density=0.01,select=sample", "dgc:density=0.01", "randomk:density=0.01"]
+
+
+@pytest.mark.parametrize("spec", DECODE_SPECS)
+def test_cuda_aggregate_of_cpu_payloads_equals_cpu(spec):
+    """The same payloads (encoded on the CPU) aggregated on CUDA (torch kernels) and on the CPU
+    (native kernels where available): the same numbers."""
+    n = 3 * 8192 + 17
+    g = torch.Generator().manual_seed(1)
+    comp = hvdcomp.get_compressor(spec)
+    payloads, ctx = [], None
+    for r in range(3):
+        payload, ctx = comp.encode(torch.randn(n, generator=g), f"w{r}" if spec.startswith("dgc") else "w")
+        payloads.append([t.clone() for t in payload])
+    cpu = comp.aggregate_into(torch.empty(n), payloads, ctx)
+    cuda_ctx = ctx
+    if spec.startswith("randomk"):                  # its context holds the shared indices
+        cuda_ctx = (ctx[0], ctx[1], ctx[2].cuda())
+    gpu = comp.aggregate_into(torch.empty(n, device="cuda"), [[t.cuda() for t in p] for p in payloads], cuda_ctx)
+    assert torch.allclose(gpu.cpu(), cpu, rtol=1e-5, atol=1e-6), spec
+
+
+@pytest.mark.parametrize("spec", ["qsgd:levels=16,bucket=64", "qsgd:levels=127,bucket=64", "terngrad"])
+def test_cuda_quantizers_unbiased(spec):
+    v = torch.randn(256, generator=torch.Generator().manual_seed(2)).cuda()
+    comp = hvdcomp.get_compressor(spec)
+    outs = torch.stack([comp.decode(*comp.encode(v, "w")) for _ in range(2000)]).double()
+    target = v.double()
+    if spec == "terngrad":
+        c = 2.5 * v.std()
+        target = v.clamp(-c, c).double()
+    se = outs.std(0) / 2000 ** 0.5 + 1e-12
+    assert ((outs.mean(0) - target).abs() <= 3.5 * se + 1e-9).float().mean() >= 0.97
+
+
+def test_cuda_exact_topk_is_the_topk_set():
+    from hvdcomp.compressors import selection
+
+    x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(3)).cuda()
+    idx = selection.exact_topk(x, 655, magnitudes=False)
+    assert idx.device.type == "cuda" and idx.numel() == 655 and bool((idx[1:] > idx[:-1]).all())
+    assert set(idx.tolist()) == set(torch.topk(x.abs(), 655).indices.tolist())
