@@ -85,7 +85,9 @@ class RandomKCompressor(AggregateInto, Compressor):
         """The k shared indices (int64, ascending) for this parameter and step (module docstring)."""
         k = num_kept(numel, self.density)
         gen = torch.Generator().manual_seed(shared_seed(self.seed, name, step))
-        if 8 * k > numel:
+        if k == 0:
+            idx = torch.zeros(0, dtype=torch.int64)
+        elif 8 * k > numel:
             idx = torch.randperm(numel, generator=gen)[:k].sort().values
         else:
             batch = k + k * k // numel + k // 16 + 64          # usually enough distinct draws at once

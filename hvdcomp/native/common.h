@@ -28,12 +28,14 @@
 
 static inline int64_t hvd_min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* ---- counter-based random numbers -------------------------------------------------------------
- * Output j of SplitMix64 (Steele, Lea and Flood, "Fast splittable pseudorandom number generators",
- * OOPSLA 2014) started at `key`: mix(key + (j+1)·φ). Any output can be computed directly from
- * (key, j), so threads need no shared state and the result does not depend on the thread count.
- * One 64-bit output gives the 24-bit uniforms of two consecutive elements: element i uses output
- * i >> 1, bits 40..63 for even i and bits 16..39 for odd i. */
+/* ---- random numbers for stochastic rounding -----------------------------------------------------
+ * Counter-based at the granularity of a work unit: the uniforms of elements [i0, i0 + m) come from
+ * four xoshiro128++ streams (Blackman and Vigna, "Scrambled linear pseudorandom number generators",
+ * ACM TOMS 2021; the upper 24 of its 32 output bits are used) whose states are seeded with SplitMix64 (Steele, Lea and Flood, OOPSLA 2014) from (key, i0). Work units
+ * depend on the tensor's shape and the method's settings only, never on the thread count, so the
+ * result is reproducible. Element i0 + t takes stream t % 4, step t / 4; 24-bit uniforms on the grid
+ * k·2^-24 (the resolution of torch.rand in float32). The four streams advance in lock step, which
+ * compilers vectorise. */
 static inline uint64_t hvd_mix64(uint64_t z) {
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
@@ -44,22 +46,57 @@ static inline uint64_t hvd_splitmix(uint64_t key, uint64_t j) {
     return hvd_mix64(key + (j + 1) * 0x9E3779B97F4A7C15ULL);
 }
 
-/* u[t] = uniform in [0, 1) on the grid k·2^-24 for elements i0 .. i0+m-1. */
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
+
+/* u[t] = uniform in [0, 1) for elements i0 .. i0+m-1 of a work unit starting at i0. */
 static inline void hvd_uniforms(uint64_t key, int64_t i0, int64_t m, float *u) {
+    uint32_t st[4][4];  /* st[word][lane] */
+    for (int l = 0; l < 4; l++) {
+        const uint64_t a = hvd_splitmix(key, ((uint64_t)i0 << 3) | (uint64_t)(2 * l));
+        const uint64_t b = hvd_splitmix(key, ((uint64_t)i0 << 3) | (uint64_t)(2 * l + 1));
+        st[0][l] = (uint32_t)a;
+        st[1][l] = (uint32_t)(a >> 32);
+        st[2][l] = (uint32_t)b;
+        st[3][l] = (uint32_t)(b >> 32) | 1u;  /* never the all-zero state */
+    }
     int64_t t = 0;
-    if (m <= 0) return;
-    if (i0 & 1) {
-        uint64_t h = hvd_splitmix(key, (uint64_t)(i0 >> 1));
-        u[t++] = (float)((h >> 16) & 0xFFFFFF) * 0x1p-24f;
+#ifdef __SSE2__
+    __m128i s0 = _mm_loadu_si128((const __m128i *)st[0]), s1 = _mm_loadu_si128((const __m128i *)st[1]);
+    __m128i s2 = _mm_loadu_si128((const __m128i *)st[2]), s3 = _mm_loadu_si128((const __m128i *)st[3]);
+    const __m128 scale = _mm_set1_ps(0x1p-24f);
+    for (; t + 4 <= m; t += 4) {
+        const __m128i sum = _mm_add_epi32(s0, s3);
+        const __m128i out = _mm_add_epi32(_mm_or_si128(_mm_slli_epi32(sum, 7), _mm_srli_epi32(sum, 25)), s0);
+        _mm_storeu_ps(u + t, _mm_mul_ps(_mm_cvtepi32_ps(_mm_srli_epi32(out, 8)), scale));
+        const __m128i sh = _mm_slli_epi32(s1, 9);
+        s2 = _mm_xor_si128(s2, s0);
+        s3 = _mm_xor_si128(s3, s1);
+        s1 = _mm_xor_si128(s1, s2);
+        s0 = _mm_xor_si128(s0, s3);
+        s2 = _mm_xor_si128(s2, sh);
+        s3 = _mm_or_si128(_mm_slli_epi32(s3, 11), _mm_srli_epi32(s3, 21));
     }
-    for (; t + 1 < m; t += 2) {
-        uint64_t h = hvd_splitmix(key, (uint64_t)((i0 + t) >> 1));
-        u[t] = (float)(h >> 40) * 0x1p-24f;
-        u[t + 1] = (float)((h >> 16) & 0xFFFFFF) * 0x1p-24f;
-    }
-    if (t < m) {
-        uint64_t h = hvd_splitmix(key, (uint64_t)((i0 + t) >> 1));
-        u[t] = (float)(h >> 40) * 0x1p-24f;
+    _mm_storeu_si128((__m128i *)st[0], s0);
+    _mm_storeu_si128((__m128i *)st[1], s1);
+    _mm_storeu_si128((__m128i *)st[2], s2);
+    _mm_storeu_si128((__m128i *)st[3], s3);
+#endif
+    for (; t < m; t += 4) {  /* the same streams without SSE2, and the last < 4 elements */
+        for (int l = 0; l < 4 && t + l < m; l++) {
+            const uint32_t sum = st[0][l] + st[3][l];
+            u[t + l] = (float)((((sum << 7) | (sum >> 25)) + st[0][l]) >> 8) * 0x1p-24f;
+        }
+        for (int l = 0; l < 4; l++) {
+            const uint32_t sh = st[1][l] << 9;
+            st[2][l] ^= st[0][l];
+            st[3][l] ^= st[1][l];
+            st[1][l] ^= st[2][l];
+            st[0][l] ^= st[3][l];
+            st[2][l] ^= sh;
+            st[3][l] = (st[3][l] << 11) | (st[3][l] >> 21);
+        }
     }
 }
 
@@ -149,24 +186,30 @@ static inline double hvd_sum_sq_f64(const float *a, int64_t m) {
 
 /* max |a[i]|, NaN if any element is NaN (as torch.amax). */
 static inline float hvd_max_abs(const float *a, int64_t m) {
-    float mx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float best = 0.0f;
     int nan = 0;
     int64_t i = 0;
-    for (; i + 8 <= m; i += 8)
-        for (int k = 0; k < 8; k++) {
-            float v = fabsf(a[i + k]);
-            nan |= v != v;
-            mx[k] = v > mx[k] ? v : mx[k];
-        }
-    for (; i < m; i++) {
-        float v = fabsf(a[i]);
-        nan |= v != v;
-        mx[0] = v > mx[0] ? v : mx[0];
+#ifdef __SSE2__
+    const __m128 abs_mask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+    __m128 mx0 = _mm_setzero_ps(), mx1 = mx0, un = mx0;
+    for (; i + 8 <= m; i += 8) {
+        const __m128 v0 = _mm_and_ps(_mm_loadu_ps(a + i), abs_mask);
+        const __m128 v1 = _mm_and_ps(_mm_loadu_ps(a + i + 4), abs_mask);
+        mx0 = _mm_max_ps(mx0, v0);
+        mx1 = _mm_max_ps(mx1, v1);
+        un = _mm_or_ps(un, _mm_or_ps(_mm_cmpunord_ps(v0, v0), _mm_cmpunord_ps(v1, v1)));
     }
-    if (nan) return NAN;
-    float r = mx[0];
-    for (int k = 1; k < 8; k++) r = mx[k] > r ? mx[k] : r;
-    return r;
+    float r[4];
+    _mm_storeu_ps(r, _mm_max_ps(mx0, mx1));
+    nan = _mm_movemask_ps(un) != 0;
+    for (int k = 0; k < 4; k++) best = r[k] > best ? r[k] : best;
+#endif
+    for (; i < m; i++) {
+        const float v = fabsf(a[i]);
+        nan |= v != v;
+        best = v > best ? v : best;
+    }
+    return nan ? NAN : best;
 }
 
 #endif

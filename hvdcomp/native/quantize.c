@@ -117,24 +117,49 @@ HVD_EXPORT int hvd_moments(const float *x, int64_t n, int32_t nthreads, double *
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t c = 0; c < nchunks; c++) {
         const int64_t c0 = c * HVD_MOMENT_CHUNK, c1 = hvd_min64(n, c0 + HVD_MOMENT_CHUNK);
-        double s1[8] = {0, 0, 0, 0, 0, 0, 0, 0}, s2[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t i = c0;
-        for (; i + 8 <= c1; i += 8)
-            for (int k = 0; k < 8; k++) {
-                double v = (double)x[i + k] - K;
-                s1[k] += v;
-                s2[k] += v * v;
-            }
-        for (; i < c1; i++) {
-            double v = (double)x[i] - K;
-            s1[0] += v;
-            s2[0] += v * v;
-        }
         double a = 0, b = 0;
-        for (int k = 0; k < 8; k++) { a += s1[k]; b += s2[k]; }
+        float mx = 0.0f;
+        int nan = 0;
+        int64_t i = c0;
+#ifdef __SSE2__
+        /* sums in float64, max|x| and NaN in the same pass */
+        const __m128d k2 = _mm_set1_pd(K);
+        const __m128 abs_mask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+        __m128d s1a = _mm_setzero_pd(), s1b = s1a, s2a = s1a, s2b = s1a;
+        __m128 mx4 = _mm_setzero_ps(), un = mx4;
+        for (; i + 4 <= c1; i += 4) {
+            const __m128 v = _mm_loadu_ps(x + i);
+            const __m128d lo = _mm_sub_pd(_mm_cvtps_pd(v), k2);
+            const __m128d hi = _mm_sub_pd(_mm_cvtps_pd(_mm_movehl_ps(v, v)), k2);
+            s1a = _mm_add_pd(s1a, lo);
+            s1b = _mm_add_pd(s1b, hi);
+            s2a = _mm_add_pd(s2a, _mm_mul_pd(lo, lo));
+            s2b = _mm_add_pd(s2b, _mm_mul_pd(hi, hi));
+            const __m128 av = _mm_and_ps(v, abs_mask);
+            mx4 = _mm_max_ps(mx4, av);
+            un = _mm_or_ps(un, _mm_cmpunord_ps(av, av));
+        }
+        double r1[2], r2[2];
+        float r4[4];
+        _mm_storeu_pd(r1, _mm_add_pd(s1a, s1b));
+        _mm_storeu_pd(r2, _mm_add_pd(s2a, s2b));
+        _mm_storeu_ps(r4, mx4);
+        a = r1[0] + r1[1];
+        b = r2[0] + r2[1];
+        for (int k = 0; k < 4; k++) mx = r4[k] > mx ? r4[k] : mx;
+        nan = _mm_movemask_ps(un) != 0;
+#endif
+        for (; i < c1; i++) {
+            const double v = (double)x[i] - K;
+            const float av = fabsf(x[i]);
+            a += v;
+            b += v * v;
+            nan |= av != av;
+            mx = av > mx ? av : mx;
+        }
         part[3 * c] = a;
         part[3 * c + 1] = b;
-        part[3 * c + 2] = (double)hvd_max_abs(x + c0, c1 - c0);
+        part[3 * c + 2] = nan ? NAN : (double)mx;
     }
     double a = 0, b = 0, mx = 0;
     int nan = 0;
