@@ -249,7 +249,8 @@ def run(args) -> dict:
     result = {"machine": {**machine_info(device), "kernels": hvdcomp.native.status()},
               "settings": {"methods": args.methods, "sizes": args.sizes, "repeat": args.repeat,
                            "warmup": 1, "world": args.world, "seed": args.seed, "dtype": "float32",
-                           "statistic": "median of repeat timed calls (min also recorded)",
+                           "statistic": f"{args.statistic} of repeat timed calls (median and min recorded)",
+                           "baseline": "stream measured just before each method (row stream_s)",
                            "targets": TARGETS, "quantizer_targets": QUANTIZER_TARGETS,
                            "compare": args.compare},
               "stream": {}, "rows": []}
@@ -259,12 +260,14 @@ def run(args) -> dict:
         before = measure_stream(x, timer)
         rows = []
         for spec in args.methods:
+            local = stats(measure_stream(x, timer))  # the row's own baseline, just before it
             try:
                 row = bench_method(spec, x, timer, args.world, args.compare)
             except (ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
                 # keep going: one broken method must not lose the others
                 row = {"spec": spec, "error": f"{type(exc).__name__}: {exc}"}
             row["size"] = n
+            row["stream"] = local
             rows.append(row)
             gc.collect()
             if device.type == "cuda":
@@ -277,19 +280,20 @@ def run(args) -> dict:
         stream["before_median_s"] = statistics.median(before)
         stream["after_median_s"] = statistics.median(after)
         result["stream"][str(n)] = stream
-        base = stream["median_s"]
+        stat = args.statistic + "_s"
         for row in rows:
+            base = row["stream"][stat]
             row["dense_bytes"] = 4 * n
             row["stream_s"] = base
             for key in ("compress", "select_pack", "decompress", "aggregate"):
                 if key in row:
-                    row[key + "_x_stream"] = row[key]["median_s"] / base
+                    row[key + "_x_stream"] = row[key][stat] / base
             if "payload_bytes" in row:
                 row["compression_ratio"] = 4 * n / max(1, row["payload_bytes"])
             ref = row.get("reference")
             if ref and "compress" in ref:
                 for key in ("compress", "decompress", "aggregate"):
-                    ref[key + "_x_stream"] = ref[key]["median_s"] / base
+                    ref[key + "_x_stream"] = ref[key][stat] / base
             if device.type == "cpu" and "compress" in row:
                 row["verdicts"] = row_verdicts(row)
                 if row.get("target_row"):  # the sparsifier rows' verdicts, as earlier versions wrote them
@@ -307,9 +311,9 @@ def fmt_x(row, key):
     return "–" if v is None else f"{v:.2f}"
 
 
-def fmt_s(row, key):
+def fmt_s(row, key, stat="median"):
     v = row.get(key)
-    return "–" if v is None else f"{v['median_s']:.3g}"
+    return "–" if v is None else f"{v[stat + '_s']:.3g}"
 
 
 def target_cell(row) -> str:
@@ -346,16 +350,19 @@ def compare_table(result: dict) -> list:
 
 def markdown(result: dict) -> str:
     m, s = result["machine"], result["settings"]
+    stat = s.get("statistic", "median").split(" of ")[0]
     lines = [
         "# Compressor kernel benchmark",
         "",
         f"{m['device_name']} ({m['device']}), torch {m['torch']}, {m['threads']} threads, "
         f"{m['cpu_count']} CPUs; {m['date']}. Float32 `torch.randn` tensors (seed {s['seed']}); "
-        f"median of {s['repeat']} timed calls after 1 warm-up. Allocator / threading environment: "
+        f"{s.get('statistic', 'median').split(' of ')[0]} of {s['repeat']} timed calls after 1 warm-up. "
+        "Allocator / threading environment: "
         + (", ".join(f"`{k}={v}`" for k, v in m["env"].items()) or "defaults") + ".",
         "",
         ("Times are multiples (×) of `stream`, one `out.copy_(x)` over the same tensor (reads 4n, "
-        "writes 4n bytes), measured in the same run for each size. `compress` is "
+        "writes 4n bytes), measured in the same process just before each row (column `stream s`), so "
+        "that load from other work shifts both alike. `compress` is "
         "`encode` as users run it: **with error feedback** for the methods that turn it on by default "
         "(topk, randomk, efsignsgd: the residual add and subtract are included); `select+pack` is the "
         "method alone (error feedback off); for DGC, its threshold selection and packing without the "
@@ -383,13 +390,20 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| `{row['spec']}` | {size} | {fmt_x(row, 'compress')} | {fmt_x(row, 'select_pack')} | "
             f"{fmt_x(row, 'decompress')} | {fmt_x(row, 'aggregate')} | {row['stream_s']:.3g} | "
-            f"{fmt_s(row, 'compress')} | {fmt_s(row, 'decompress')} | {fmt_s(row, 'aggregate')} | "
+            f"{fmt_s(row, 'compress', stat)} | {fmt_s(row, 'decompress', stat)} | {fmt_s(row, 'aggregate', stat)} | "
             f"{row['payload_bytes']} | {row['compression_ratio']:.1f} | {target_cell(row)} |")
     lines.append("")
     drift = [f"{human_size(int(n))}: {v['after_median_s'] / v['before_median_s']:.2f}"
              for n, v in result["stream"].items()]
     lines.append("Stream re-measured after each size's methods (after / before, 1.00 = quiet machine): "
                  + ", ".join(drift) + ".")
+    spread = []
+    for n in result["stream"]:
+        per_row = [r["stream_s"] for r in result["rows"] if str(r["size"]) == n and "stream_s" in r]
+        if per_row:
+            spread.append(f"{human_size(int(n))}: {min(per_row) * 1e3:.3g}–{max(per_row) * 1e3:.3g} ms")
+    if spread:
+        lines.append("Per-row stream (the load of other work moves it): " + ", ".join(spread) + ".")
     if s.get("compare"):
         lines += [""] + compare_table(result)
     return "\n".join(lines).rstrip() + "\n"
@@ -409,6 +423,8 @@ def parse_args(argv=None):
                    help="torch.set_num_threads (default: torch's default)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--statistic", choices=["median", "min"], default="median",
+                   help="statistic of the repeated calls used for the ratios (default median)")
     p.add_argument("--compare", action="store_true",
                    help="also time the plain reference implementation of each method "
                         "(benchmarks/reference.py) beside hvdcomp's, in the same run")
