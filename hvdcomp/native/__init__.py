@@ -55,7 +55,7 @@ import torch
 __all__ = ["available", "usable", "set_enabled", "enabled", "build", "library_path", "status",
            "qsgd_encode", "qsgd_aggregate", "moments", "terngrad_encode", "terngrad_aggregate",
            "sign_bits", "sign_votes", "scaled_sign_aggregate", "majority", "count_at_least",
-           "compact_at_least", "select_at_least", "sparse_aggregate", "first_distinct"]
+           "compact_at_least", "select_at_least", "keep_top", "sparse_aggregate", "first_distinct"]
 
 log = logging.getLogger("hvdcomp.native")
 
@@ -140,6 +140,7 @@ _SIGNATURES = {
     "hvd_sparse_aggregate": (_i32, [_i32, _p, _p, _p, _f32, _i64, _p, _i32]),
     "hvd_select_begin": (_p, [_p, _i64, _f32, _i32, _i32, _i32, _p]),
     "hvd_select_finish": (None, [_p, _p, _p]),
+    "hvd_keep_top": (_i64, [_p, _p, _i64, _f32, _i64, _i32, _p]),
     "hvd_mark_distinct": (_i64, [_p, _i64, _i64, _p, _i64, _i64]),
     "hvd_bitmap_indices": (_i64, [_p, _i64, _p]),
 }
@@ -343,6 +344,17 @@ def select_at_least(flat: torch.Tensor, thr: float, absval: bool, values: bool =
     vals = torch.empty(total.value, dtype=torch.float32) if values else None
     lib.hvd_select_finish(handle, _ptr(idx), _ptr(vals) if values else None)
     return (idx, vals) if values else idx
+
+
+def keep_top(values: torch.Tensor, idx: torch.Tensor, t: float, k: int, absval: bool) -> torch.Tensor:
+    """From candidates (float32 ``values`` at ascending int64 ``idx``) and t, the k-th largest
+    magnitude among them: the k indices of largest magnitude, ties at t to the lowest indices,
+    ascending (see sparse.c)."""
+    _check(values, torch.float32, "keep_top values")
+    _check(idx, torch.int64, "keep_top indices")
+    out = torch.empty(k, dtype=torch.int64)
+    got = _load().hvd_keep_top(_ptr(values), _ptr(idx), idx.numel(), t, k, int(absval), _ptr(out))
+    return out[:got]
 
 
 def sparse_aggregate(out: torch.Tensor, indices: Sequence[Optional[torch.Tensor]],

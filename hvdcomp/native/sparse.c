@@ -21,11 +21,16 @@ static inline uint64_t mask64(const float *x, int64_t len, float thr, int32_t ab
 #ifdef __SSE2__
     if (len >= 64) {
         const __m128 t = _mm_set1_ps(thr);
-        const __m128 abs_mask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
-        for (int q = 0; q < 16; q++) {
-            __m128 v = _mm_loadu_ps(x + 4 * q);
-            if (absval) v = _mm_and_ps(v, abs_mask);
-            bits |= (uint64_t)_mm_movemask_ps(_mm_cmpge_ps(v, t)) << (4 * q);
+        const __m128 keep = absval ? _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff))
+                                   : _mm_castsi128_ps(_mm_set1_epi32(-1));
+        for (int q = 0; q < 4; q++) {  /* 16 compares packed to 16 bytes, one movemask */
+            const float *p = x + 16 * q;
+            const __m128i c0 = _mm_castps_si128(_mm_cmpge_ps(_mm_and_ps(_mm_loadu_ps(p), keep), t));
+            const __m128i c1 = _mm_castps_si128(_mm_cmpge_ps(_mm_and_ps(_mm_loadu_ps(p + 4), keep), t));
+            const __m128i c2 = _mm_castps_si128(_mm_cmpge_ps(_mm_and_ps(_mm_loadu_ps(p + 8), keep), t));
+            const __m128i c3 = _mm_castps_si128(_mm_cmpge_ps(_mm_and_ps(_mm_loadu_ps(p + 12), keep), t));
+            const __m128i b = _mm_packs_epi16(_mm_packs_epi32(c0, c1), _mm_packs_epi32(c2, c3));
+            bits |= (uint64_t)(uint32_t)_mm_movemask_epi8(b) << (16 * q);
         }
         return bits;
     }
@@ -251,5 +256,21 @@ HVD_EXPORT int64_t hvd_bitmap_indices(const uint64_t *bitmap, int64_t n, int64_t
     const int64_t words = (n + 63) / 64;
     for (int64_t w = 0; w < words; w++)
         for (uint64_t x = bitmap[w]; x; x &= x - 1) idx[o++] = w * 64 + __builtin_ctzll(x);
+    return o;
+}
+
+/* The k entries of largest magnitude among m candidates (ascending indices idx, values v, |v| if
+ * absval), given t = the k-th largest magnitude: every candidate above t, then the first ones equal
+ * to t until k are taken; written to out in ascending order. Returns how many were written (k
+ * unless fewer than k candidates are >= t). */
+HVD_EXPORT int64_t hvd_keep_top(const float *v, const int64_t *idx, int64_t m, float t, int64_t k,
+                                int32_t absval, int64_t *out) {
+    int64_t above = 0;
+    for (int64_t i = 0; i < m; i++) above += (absval ? fabsf(v[i]) : v[i]) > t;
+    int64_t ties = k - above, o = 0;
+    for (int64_t i = 0; i < m && o < k; i++) {
+        const float a = absval ? fabsf(v[i]) : v[i];
+        if (a > t || (a == t && ties-- > 0)) out[o++] = idx[i];
+    }
     return o;
 }
