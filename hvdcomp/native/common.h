@@ -144,8 +144,50 @@ static inline void hvd_pack(const uint8_t *codes, int64_t m, int bits, uint8_t *
     }
 }
 
+#ifdef __SSE2__
+/* 16 codes of 1, 2 or 4 bits (2, 4 or 8 input bytes) per step, with byte shifts and masks. */
+static inline int64_t hvd_unpack_sse2(const uint8_t *in, int64_t m, int bits, uint8_t *codes) {
+    int64_t t = 0;
+    if (bits == 4) {
+        const __m128i lo4 = _mm_set1_epi8(0x0F);
+        for (; t + 16 <= m; t += 16) {
+            const __m128i v = _mm_loadl_epi64((const __m128i *)(in + t / 2));
+            const __m128i lo = _mm_and_si128(v, lo4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), lo4);
+            _mm_storeu_si128((__m128i *)(codes + t), _mm_unpacklo_epi8(lo, hi));
+        }
+    } else if (bits == 2) {
+        const __m128i lo2 = _mm_set1_epi8(0x03);
+        for (; t + 16 <= m; t += 16) {
+            int32_t word;
+            memcpy(&word, in + t / 4, 4);
+            const __m128i v = _mm_cvtsi32_si128(word);
+            const __m128i c0 = _mm_and_si128(v, lo2), c1 = _mm_and_si128(_mm_srli_epi16(v, 2), lo2);
+            const __m128i c2 = _mm_and_si128(_mm_srli_epi16(v, 4), lo2), c3 = _mm_and_si128(_mm_srli_epi16(v, 6), lo2);
+            _mm_storeu_si128((__m128i *)(codes + t),
+                             _mm_unpacklo_epi16(_mm_unpacklo_epi8(c0, c1), _mm_unpacklo_epi8(c2, c3)));
+        }
+    } else if (bits == 1) {
+        const __m128i bit = _mm_set_epi8((char)128, 64, 32, 16, 8, 4, 2, 1, (char)128, 64, 32, 16, 8, 4, 2, 1);
+        const __m128i one = _mm_set1_epi8(1);
+        for (; t + 16 <= m; t += 16) {
+            const __m128i v = _mm_unpacklo_epi64(_mm_set1_epi8((char)in[t / 8]), _mm_set1_epi8((char)in[t / 8 + 1]));
+            _mm_storeu_si128((__m128i *)(codes + t), _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(v, bit), bit), one));
+        }
+    }
+    return t;
+}
+#endif
+
 /* Unpack m codes from ceil(m·bits/8) bytes at in (reads no byte beyond those). */
 static inline void hvd_unpack(const uint8_t *in, int64_t m, int bits, uint8_t *codes) {
+#ifdef __SSE2__
+    if (bits == 1 || bits == 2 || bits == 4) {
+        const int64_t done = hvd_unpack_sse2(in, m, bits, codes);  /* a multiple of 16 codes */
+        in += done * bits / 8;
+        codes += done;
+        m -= done;
+    }
+#endif
     int64_t groups = m / 8;
     switch (bits) {
     case 1: HVD_UNPACK_GROUPS(1) break;
