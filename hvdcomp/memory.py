@@ -20,14 +20,24 @@ from .compressors.base import Compressor
 __all__ = ["ErrorFeedback"]
 
 
+class _Upcast(tuple):
+    """Context of a low-precision gradient compressed in float32: (inner context, its dtype)."""
+
+
+def _unwrap(ctx):
+    """(inner context, dtype to cast decodes back to or None)."""
+    return (ctx[0], ctx[1]) if isinstance(ctx, _Upcast) else (ctx, None)
+
+
 class ErrorFeedback(Compressor):
     """Wraps ``inner`` so that what it drops is added to the next gradient of the same parameter.
 
     Args:
         inner: any :class:`hvdcomp.Compressor`.
 
-    State: one residual per parameter name, same shape and dtype as the gradient, kept on the
-    gradient's device. On CPU the previous step's residual is kept as a spare buffer (about
+    State: one residual per parameter name, same shape as the gradient, in float32 for fp16 and
+    bf16 gradients (a low-precision residual would lose what it exists to keep; float64 stays
+    float64), on the gradient's device. The inner method then compresses ``g + e`` in that dtype. On CPU the previous step's residual is kept as a spare buffer (about
     twice the residual memory) so that a step allocates no full-size tensor. :meth:`state_dict` returns ``{"residuals": {name: tensor}, "inner": ...}``.
 
     Raises:
@@ -64,6 +74,25 @@ class ErrorFeedback(Compressor):
     def aggregate_is_mean(self):  # type: ignore[override]
         return self.inner.aggregate_is_mean
 
+    @property
+    def wire_prescaled(self):  # type: ignore[override]
+        return self.inner.wire_prescaled
+
+    has_scaled_state = True  # the residual
+
+    def rescale_state(self, factor):
+        """Multiply the residuals (gradient units) and the inner method's state by ``factor``."""
+        for e in self.residuals.values():
+            e.mul_(factor)
+        self.inner.rescale_state(factor)
+
+    def shared_state(self):
+        """Residuals are per rank; only the inner method's shared state."""
+        return {"inner": self.inner.shared_state()}
+
+    def load_shared_state(self, shared):
+        self.inner.load_shared_state(shared.get("inner", {}))
+
     def expected_payload_bytes(self, numel):
         return self.inner.expected_payload_bytes(numel)
 
@@ -83,16 +112,18 @@ class ErrorFeedback(Compressor):
         e = self._get("residuals", name)
         spare = self._spares.pop(name, None)
         if e is None:
-            p = tensor.detach().clone()
+            p = tensor.detach().to(torch.promote_types(tensor.dtype, torch.float32), copy=True)
         elif spare is not None and spare.shape == e.shape and spare.dtype == e.dtype and spare.device == e.device:
             p = torch.add(tensor, e, out=spare)  # no allocation: the previous step's residual memory
         else:
-            p = tensor + e
+            p = tensor + e  # promotes fp16/bf16 gradients to e's float32
         payload, ctx = self.inner.encode(p, name)
         residual = self.inner.residual_(p, payload, ctx)  # p is ours: may be reused in place
         self._put("residuals", name, residual)
         if self._pending is None and e is not None:
             self._keep_spare(name, e)
+        if p.dtype != tensor.dtype:  # decode returns the gradient's own dtype
+            ctx = _Upcast((ctx, tensor.dtype))
         return payload, ctx
 
     def _keep_spare(self, name: str, tensor) -> None:
@@ -123,16 +154,20 @@ class ErrorFeedback(Compressor):
             self._keep_spare(name, value)
 
     def decode(self, payload, ctx):
-        return self.inner.decode(payload, ctx)
+        ctx, dtype = _unwrap(ctx)
+        out = self.inner.decode(payload, ctx)
+        return out if dtype is None else out.to(dtype)
 
     def aggregate(self, payloads, ctx):
-        return self.inner.aggregate(payloads, ctx)
+        ctx, dtype = _unwrap(ctx)
+        out = self.inner.aggregate(payloads, ctx)
+        return out if dtype is None else out.to(dtype)
 
     def decode_into(self, out, payload, ctx):
-        return self.inner.decode_into(out, payload, ctx)
+        return self.inner.decode_into(out, payload, _unwrap(ctx)[0])
 
     def aggregate_into(self, out, payloads, ctx):
-        return self.inner.aggregate_into(out, payloads, ctx)
+        return self.inner.aggregate_into(out, payloads, _unwrap(ctx)[0])
 
     def reset(self, name: str | None = None) -> None:
         """Zero the residual of ``name`` (all residuals when ``None``)."""

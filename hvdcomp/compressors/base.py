@@ -82,6 +82,13 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
             non-summable payload may also travel as its local decode through an allreduce
             (the optimizer's cost model picks the cheaper route; the result is the same).
             Opt-in (``False`` here): set it only where it holds.
+        wire_prescaled: float16 payloads are already scaled into range by the method (fp16
+            divides by the world size); otherwise the optimizer pre-divides float16 payloads by
+            the world size before Horovod sums them, so the sum cannot overflow.
+        has_scaled_state: the method keeps state in gradient units (residuals, momenta), which
+            :meth:`rescale_state` multiplies when the gradients' scale changes (AMP loss scale).
+        shared_state_keys: keys of :meth:`state_dict` whose values are identical on every rank
+            (step counters, shared factors, shared generators): :meth:`shared_state`.
     """
 
     name = "base"
@@ -92,6 +99,9 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
     owns_momentum = False
     batched = False
     aggregate_is_mean = False
+    wire_prescaled = False
+    has_scaled_state = False
+    shared_state_keys: Tuple[str, ...] = ()
 
     # ---- hvdcomp API -------------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, name: str | None = None) -> Tuple[Payload, Any]:
@@ -176,8 +186,29 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
         """JSON-serialisable description (name and hyper-parameters) for results files."""
         return {"name": self.name}
 
+    # ---- state that follows the training loop --------------------------------------------------
+    def rescale_state(self, factor: float) -> None:
+        """Multiply state kept in gradient units by ``factor`` (e.g. ``S_new / S_old`` when an
+        AMP loss scale changes); no-op for methods without such state. Applies to committed
+        state; call it between steps."""
+
+    def shared_state(self) -> Dict[str, Any]:
+        """The part of :meth:`state_dict` that is identical on every rank (``shared_state_keys``),
+        e.g. to broadcast it from the rank that restored a checkpoint."""
+        state = self.state_dict()
+        return {k: state[k] for k in self.shared_state_keys if k in state}
+
+    def load_shared_state(self, shared: Dict[str, Any]) -> None:
+        """Replace the shared part of the state by ``shared`` (from :meth:`shared_state` on
+        another rank), keeping this rank's own part."""
+        if shared:
+            state = self.state_dict()
+            state.update(shared)
+            self.load_state_dict(state)
+
     # ---- staged state: a step's updates can be committed or rolled back ----------------------
     _pending = None  # while a step is open: {(store, name): new value}
+    _generator_snapshot = None  # while a step is open: generator states at its start
 
     def _get(self, store: str, name: str, default=None):
         """Per-name state from dict attribute ``store``, seeing this step's staged updates."""
@@ -193,19 +224,38 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
         else:
             getattr(self, store)[name] = value
 
+    def _generators(self) -> Dict[str, Any]:
+        """Random generators among this compressor's attributes (per-rank or shared)."""
+        from .rng import RankGenerators  # local import: rng imports base
+
+        return {k: v for k, v in vars(self).items() if isinstance(v, (RankGenerators, torch.Generator))}
+
     def begin_step(self) -> None:
-        """Open a step: state updates from :meth:`encode` are staged (see :meth:`rollback`)."""
+        """Open a step: state updates from :meth:`encode` are staged and generator states
+        remembered (see :meth:`rollback`)."""
         self._pending = {}
+        self._generator_snapshot = {
+            k: (g.get_state() if isinstance(g, torch.Generator) else g.state_dict())
+            for k, g in self._generators().items()}
 
     def commit(self) -> None:
         """Apply the staged updates of the open step and close it."""
         for (store, name), value in (self._pending or {}).items():
             getattr(self, store)[name] = value
         self._pending = None
+        self._generator_snapshot = None
 
     def rollback(self) -> None:
-        """Drop the open step's staged updates (e.g. the step is skipped for a NaN gradient)."""
+        """Drop the open step's staged updates and rewind its generators, so that a skipped or
+        discarded step leaves no trace."""
+        for key, state in (self._generator_snapshot or {}).items():
+            gen = getattr(self, key)
+            if isinstance(gen, torch.Generator):
+                gen.set_state(state)
+            else:
+                gen.load_state_dict(state)
         self._pending = None
+        self._generator_snapshot = None
 
     # ---- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

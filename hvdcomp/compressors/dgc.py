@@ -58,6 +58,8 @@ class DGCCompressor(SparseCompressor):
     name = "dgc"
     owns_momentum = True
     builtin_error_feedback = True
+    has_scaled_state = True
+    shared_state_keys = ("epoch",)
     min_sample = MIN_SAMPLE
 
     def __init__(self, density: float = 0.001, momentum: float = 0.9, sample_ratio: float = 0.01,
@@ -148,6 +150,12 @@ class DGCCompressor(SparseCompressor):
         self._put("u", name, u)
         self._put("v", name, v)
         return payload, (tensor.shape, tensor.dtype)
+
+    def rescale_state(self, factor):
+        """Multiply the momenta u and v (gradient units) by ``factor``."""
+        for store in (self.u, self.v):
+            for t in store.values():
+                t.mul_(factor)
 
     def state_dict(self):
         return {"epoch": self.epoch, "u": {k: t.clone() for k, t in self.u.items()},

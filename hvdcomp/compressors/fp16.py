@@ -23,6 +23,7 @@ class FP16Compressor(Compressor):
 
     name = "fp16"
     summable = True
+    wire_prescaled = True
     wire_dtype = torch.float16
 
     def _encode(self, tensor, name=None):

@@ -55,6 +55,8 @@ class PowerSGDCompressor(Compressor):
     summable = True
     batched = True
     builtin_error_feedback = True
+    has_scaled_state = True                     # the error (residual)
+    shared_state_keys = ("step", "q", "rng")    # identical on every rank after each allreduce
 
     def __init__(self, rank: int = 2, start_step: int = 0, min_compression_rate: float = 1.0,
                  seed: int = 0, epsilon: float = 0.0):
@@ -69,7 +71,7 @@ class PowerSGDCompressor(Compressor):
         self.rank, self.start_step = rank, start_step
         self.min_compression_rate, self.epsilon = float(min_compression_rate), float(epsilon)
         self.seed = int(seed)
-        self.step = 0
+        self.counters: Dict[str, int] = {"step": 0}
         self.q: Dict[str, torch.Tensor] = {}
         self.p: Dict[str, torch.Tensor] = {}  # last orthonormal P per tensor (n × r), for inspection
         self.error: Dict[str, torch.Tensor] = {}
@@ -114,8 +116,9 @@ class PowerSGDCompressor(Compressor):
         Returns:
             The averaged (low-rank approximated) gradients, shapes and dtypes as given.
         """
-        if self.step < self.start_step:
-            self.step += 1
+        step = self._get("counters", "step", 0)
+        self._put("counters", "step", step + 1)
+        if step < self.start_step:
             flat = torch.cat([g.reshape(-1).to(torch.float32) for _, g in named_grads])
             return self._split(allreduce_mean(flat, "powersgd.dense"), named_grads)
         with timer.phase("compress"):
@@ -127,13 +130,13 @@ class PowerSGDCompressor(Compressor):
                 n, m = self.matrix_shape(g.shape)
                 r = min(self.rank, n, m)
                 mat = g.reshape(n, m).to(torch.float32)
-                if name in self.error:
-                    mat = mat + self.error[name]
-                q = self.q.get(name)
-                if q is None:
-                    q = torch.randn(m, r, generator=self._gen).to(mat.device)
+                error = self._get("error", name)
+                if error is not None:
+                    mat = mat + error
+                q = self._get("q", name)
+                # a new tensor: the committed Q stays as it was if this step is rolled back
+                q = torch.randn(m, r, generator=self._gen).to(mat.device) if q is None else q.clone()
                 orthogonalize(q, self.epsilon)
-                self.q[name] = q
                 comp.append((i, name, mat))
                 ps.append(mat @ q)
             first = torch.cat([p.reshape(-1) for p in ps] +
@@ -161,13 +164,22 @@ class PowerSGDCompressor(Compressor):
             for (i, name, mat), p, q in zip(comp, ps, qs):
                 q = second[pos:pos + q.numel()].view_as(q)
                 pos += q.numel()
-                self.q[name] = q.clone()
+                self._put("q", name, q.clone())
                 approx = p @ q.t()
-                self.error[name] = mat - approx
+                self._put("error", name, mat - approx)
                 g = named_grads[i][1]
                 out[i] = approx.reshape(g.shape).to(g.dtype)
-        self.step += 1
         return out
+
+    @property
+    def step(self) -> int:
+        """Steps reduced so far (committed)."""
+        return self.counters["step"]
+
+    def rescale_state(self, factor):
+        """Multiply the error (gradient units) by ``factor``; Q is a direction, kept."""
+        for e in self.error.values():
+            e.mul_(factor)
 
     @staticmethod
     def _split(flat, named_grads):
@@ -182,7 +194,7 @@ class PowerSGDCompressor(Compressor):
                 "error": {k: v.clone() for k, v in self.error.items()}, "rng": self._gen.get_state()}
 
     def load_state_dict(self, state):
-        self.step = int(state.get("step", 0))
+        self.counters = {"step": int(state.get("step", 0))}
         self.q = {k: v.clone() for k, v in state.get("q", {}).items()}
         self.error = {k: v.clone() for k, v in state.get("error", {}).items()}
         if "rng" in state:
