@@ -35,7 +35,7 @@ def find_grad_scaler(optimizer) -> Optional["torch.amp.GradScaler"]:
     once (milliseconds to a few hundred ms in very large programs)."""
     key = id(optimizer)
     for obj in gc.get_objects():
-        if isinstance(obj, torch.amp.GradScaler):
+        if issubclass(type(obj), torch.amp.GradScaler):  # type(): never touches proxy objects
             states = getattr(obj, "_per_optimizer_states", None)
             if obj.is_enabled() and isinstance(states, dict) and key in states:
                 return obj

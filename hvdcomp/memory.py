@@ -80,6 +80,10 @@ class ErrorFeedback(Compressor):
 
     has_scaled_state = True  # the residual
 
+    def bind_group(self, size):
+        super().bind_group(size)
+        self.inner.bind_group(size)
+
     def rescale_state(self, factor):
         """Multiply the residuals (gradient units) and the inner method's state by ``factor``."""
         for e in self.residuals.values():

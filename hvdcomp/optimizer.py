@@ -114,6 +114,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.bucket_bytes = s["bucket_bytes"]
         self.nonfinite = s["nonfinite"]
         self.group = Group(s["process_set"])
+        compression.bind_group(self.group.size)
         self._prefix = f"hvdcomp.{next(_ids)}"
         self._names = self._name_parameters(named_parameters)
         # expected backward order: last parameters first. Fixed, identical on every rank.
@@ -121,6 +122,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p for g in reversed(self.param_groups) for p in reversed(g["params"]) if p.requires_grad]
         self._delay: Dict[torch.Tensor, int] = {p: self.backward_passes_per_step for p in self._order}
         self._hooks_fired = 0             # since the last synchronize: a backward is in progress
+        self._sparse: List[tuple] = []  # (parameter, its sparse gradient) of this step
         self._guard = NonFiniteGuard(self.nonfinite)
         self._loss_scale = LossScaleTracker(s["grad_scaler"])
         # the step in progress ("round"): staged compressor state, collectives in flight
@@ -139,7 +141,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._gatherer = None
         self.cost_model = None
         self.transport = TransportPlan({self._names[p]: "local" for p in self._order})
-        if not self.group.included:      # as Horovod: processes outside the set train locally
+        # as Horovod: processes outside the set train locally, and a job of one rank without
+        # compression leaves the gradients exactly as backward made them
+        self._passthrough = not self.group.included or (
+            self.group.size == 1 and type(compression) is NoneCompressor)
+        if self._passthrough:
             return
         if s["check_consistency"] and self.group.size > 1:  # before any collective ranks might not share
             self._check_consistency(s)
@@ -148,7 +154,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._gatherer = make_allgatherer(s["allgather"], self.group)
         self.cost_model = self._resolve_cost_model(s["cost_model"])
         names = [self._names[p] for p in self._order]
-        groups = None if s["groups"] is None else split_groups(names, s["groups"])
+        groups = s["groups"]
+        if isinstance(groups, list):  # parameters -> names (frozen ones dropped, as Horovod)
+            if any(p not in self._names for g in groups for p in g):
+                raise ValueError("groups lists a tensor that is not among the optimizer's parameters")
+            groups = [[self._names[p] for p in g if p in self._delay] for g in groups]
+        groups = None if groups is None else split_groups(names, groups)
         self.transport = plan_transport(
             [(self._names[p], p.numel(), p.element_size()) for p in self._order], compression,
             self.cost_model, self.group.size, self.bucket_bytes, groups,
@@ -204,7 +215,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "bucket_bytes": self.bucket_bytes, "allgather": s["allgather"],
                 "cost_model": (cost.alpha, cost.beta) if isinstance(cost, CostModel) else cost,
                 "groups": s["groups"] if not isinstance(s["groups"], list)
-                else [[self._names[p] for p in g] for g in s["groups"]],
+                else [[self._names.get(p) for p in g] for g in s["groups"]],
                 "environment": {k: os.environ.get(k) for k in OPTIMIZER_ENV},
                 "optimizer_index": self._prefix,
                 "parameters": [(self._names[p], tuple(p.shape), str(p.dtype)) for p in self._order]}
@@ -313,6 +324,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         elif p.grad.is_sparse:
+            self._sparse.append((p, p.grad))
             p.grad = p.grad.to_dense()
         return p.grad
 
@@ -430,7 +442,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ranks take part in the same collectives. Calling it again before ``step()`` (with no
         backward in between) does nothing: a gradient is compressed once per step.
         """
-        if not self.group.included:
+        if self._passthrough:
             self._synced = True
             return
         if self._synced:
@@ -451,11 +463,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._end_synchronize()
 
     def _end_synchronize(self) -> None:
-        """Reset the accumulation counters and agree on the step with every rank."""
+        """Reset the accumulation counters, agree on the step with every rank, and give sparse
+        gradients back their layout (as Horovod's ``sparse_as_dense``: the optimizer sees the
+        gradient layout it would see without Horovod)."""
         for p in self._order:
             self._delay[p] = self.backward_passes_per_step
         self._hooks_fired = 0
         self._synced = True
+        self._agree_step()
+        self._restore_sparse(self._sparse)
+        self._sparse = []
+
+    @staticmethod
+    def _restore_sparse(pairs) -> None:
+        """Write the averaged dense gradient back into the original sparse one, as Horovod does."""
+        for p, sparse in pairs:
+            p.grad = sparse.zero_().add_(p.grad.to_sparse())
+
+    def _agree_step(self) -> None:
+        """The per-step agreement (:mod:`hvdcomp.guard`); a non-finite step is skipped here."""
         if self.nonfinite == "ignore":
             return
         if self.group.size > 1:
@@ -491,8 +517,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._open_round()
         for p in params:
             self._guard.observe(self._gradient(p))
+        sparse, self._sparse = self._sparse, []
         self._end_synchronize()
         if self._skip:  # PowerSGD's state is untouched
+            self._restore_sparse(sparse)
             return
         grads = self.compression.reduce_batch([(self._names[p], p.grad) for p in params],
                                               self._allreduce_mean, self.timer)
@@ -504,6 +532,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     p.grad.mul_(scale)
         for p in params:
             self.timer.add_bytes(dense=p.numel() * 4)
+        self._restore_sparse(sparse)
 
     @contextlib.contextmanager
     def skip_synchronize(self):

@@ -99,6 +99,9 @@ def _split(buf: torch.Tensor, counts: np.ndarray, dtypes, device) -> List[List[t
         for c, dt, itemsize in zip(counts[r], dtypes, sizes):
             nbytes = int(c) * itemsize
             piece = buf[pos:pos + nbytes]
+            if nbytes == 0:  # an empty slice may have a stride a dtype view refuses
+                payload.append(torch.empty(0, dtype=dt, device=buf.device))
+                continue
             if pos % itemsize:  # a dtype view needs an aligned offset
                 piece = piece.clone()
             payload.append(piece.view(dt))

@@ -186,6 +186,19 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
         """JSON-serialisable description (name and hyper-parameters) for results files."""
         return {"name": self.name}
 
+    # ---- the ranks payloads are averaged over -------------------------------------------------
+    _group_size = None  # set by the optimizer (a process set may be smaller than the world)
+
+    def bind_group(self, size: int) -> None:
+        """Average over ``size`` ranks (set by :class:`hvdcomp.DistributedOptimizer` from its
+        process set); unbound compressors use Horovod's world size."""
+        self._group_size = int(size)
+
+    def group_size(self) -> int:
+        """Number of ranks whose payloads are averaged: the bound group's, else
+        :func:`world_size`."""
+        return self._group_size if self._group_size is not None else world_size()
+
     # ---- state that follows the training loop --------------------------------------------------
     def rescale_state(self, factor: float) -> None:
         """Multiply state kept in gradient units by ``factor`` (e.g. ``S_new / S_old`` when an

@@ -25,7 +25,6 @@ import math
 
 import torch
 
-from .base import world_size
 from .registry import register
 from .rng import RankGenerators
 from .selection import MIN_SAMPLE, check_sample_ratio, sampled_threshold_topk
@@ -121,7 +120,7 @@ class DGCCompressor(SparseCompressor):
         g = tensor.reshape(-1).to(torch.float32)
         n = g.numel()
         if self.clip_norm > 0 and n:
-            limit = self.clip_norm / math.sqrt(world_size())
+            limit = self.clip_norm / math.sqrt(self.group_size())
             norm = g.norm()
             g = g * torch.clamp(limit / torch.clamp(norm, min=1e-30), max=1.0)
         u = self._get("u", name)

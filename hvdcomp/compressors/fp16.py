@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor, world_size
+from .base import Compressor
 from .registry import register
 
 
@@ -27,7 +27,7 @@ class FP16Compressor(Compressor):
     wire_dtype = torch.float16
 
     def _encode(self, tensor, name=None):
-        n = world_size()
+        n = self.group_size()
         limit = torch.finfo(self.wire_dtype).max
         wire = tensor.reshape(-1).to(torch.float32).div(n).clamp(-limit, limit).to(self.wire_dtype)
         return [wire], (tensor.shape, tensor.dtype, n)
