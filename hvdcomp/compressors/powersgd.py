@@ -17,6 +17,18 @@ any with (n + m)·r·min_compression_rate ≥ n·m — travel uncompressed (exac
 The initial Q of every tensor comes from one generator seeded identically on all ranks, drawn in
 parameter order, the same way PyTorch's DDP ``powerSGD_hook`` draws them, so both give the same
 results on the same gradients and seed.
+
+Robustness (no collapse). The warm start makes Q sticky: an all-zero gradient (a frozen layer,
+a parameter unused in a step, which the optimizer sends as zeros) gives P = 0 and then
+Q = Mᵀ·P = 0, and without care every later step would compute P = M·0 = 0 and send nothing, for
+ever. So before each step, every column of the kept Q that is zero or not finite (after an
+all-zero gradient, or from a restored or broadcast state) is drawn afresh from the shared
+generator, and Q is orthogonalised again; a column Gram–Schmidt leaves at exactly zero (linearly
+dependent on the previous ones) is redrawn the same way. Q is identical on every rank (it is the
+output of an allreduce, or restored identically), so every rank makes the same decision and draws
+the same numbers: no extra collective. The next non-zero gradient is then compressed as well as by
+a fresh compressor. Orthogonalisation is scale-safe (:func:`hvdcomp.lowrank.orthogonalize`), so
+gradients of norm 1e-23 or 1e30 (float32) are approximated as well as gradients of norm 1.
 """
 from __future__ import annotations
 
@@ -129,10 +141,7 @@ class PowerSGDCompressor(Compressor):
                 mat = g.reshape(n, m).to(torch.float32)
                 if name in self.error:
                     mat = mat + self.error[name]
-                q = self.q.get(name)
-                if q is None:
-                    q = torch.randn(m, r, generator=self._gen).to(mat.device)
-                orthogonalize(q, self.epsilon)
+                q = self._warm_start(self.q.get(name), m, r, mat.device)
                 self.q[name] = q
                 comp.append((i, name, mat))
                 ps.append(mat @ q)
@@ -168,6 +177,30 @@ class PowerSGDCompressor(Compressor):
                 out[i] = approx.reshape(g.shape).to(g.dtype)
         self.step += 1
         return out
+
+    def _draw(self, m: int, columns: int, device) -> torch.Tensor:
+        """``columns`` fresh m-vectors (float32) from the generator shared by all ranks."""
+        return torch.randn(m, columns, generator=self._gen).to(device)
+
+    def _warm_start(self, q, m: int, r: int, device) -> torch.Tensor:
+        """The orthonormal Q (m × r, float32) to multiply this step's matrix by.
+
+        ``q`` is last step's agreed Q (or ``None``). A missing Q, or one of the wrong shape, is
+        drawn afresh; columns that are zero or not finite, and columns that orthogonalisation
+        leaves at zero, are redrawn (see the module docstring). Deterministic given ``q`` and the
+        generator state, so identical on every rank.
+        """
+        if q is None or tuple(q.shape) != (m, r):
+            q = self._draw(m, r, device)
+        for _ in range(3):  # a redrawn random column is dependent with probability 0
+            dead = ~torch.isfinite(q).all(0) | (q == 0).all(0)
+            if dead.any():
+                q = q.clone()
+                q[:, dead] = self._draw(m, int(dead.sum()), device)
+            orthogonalize(q, self.epsilon)
+            if not (q == 0).all(0).any():
+                break
+        return q
 
     @staticmethod
     def _split(flat, named_grads):
