@@ -43,6 +43,27 @@ def test_all_zero_gradient_does_not_stop_updates():
     assert comp.error["w"].double().norm() < 1e-4 * G.norm()      # nothing left behind in the residual
 
 
+@pytest.mark.parametrize("rank", [2, 3])
+def test_rank_above_the_gradients_rank_still_recovers_it(rank):
+    """G has rank 1 < r. With one Gram–Schmidt pass, P's second column was rounding noise not
+    orthogonal to the first, P·Pᵀ was no projection, and rank 2 sent up to 2·G (relative error
+    0.01 to 1 depending on the seed); re-orthogonalising recovers G on every seed."""
+    for seed in range(12):
+        comp = hvdcomp.get_compressor("powersgd", rank=rank, seed=seed)
+        assert rel_err(single(comp, G), G) < 1e-5, seed
+        const = torch.full((16, 12), 0.7)
+        assert rel_err(single(comp, const, name="c"), const) < 1e-5, seed
+
+
+def test_orthogonalize_dependent_columns_stays_orthonormal():
+    u = torch.randn(40, 1, generator=torch.Generator().manual_seed(5))
+    for second in (3.0 * u, 3.0 * u + 1e-7 * torch.randn(40, 1)):
+        q = orthogonalize(torch.cat([u, second], 1))
+        norms = q.norm(dim=0)
+        assert abs(float(q[:, 0] @ q[:, 1])) < 1e-5                  # orthogonal, or the second is 0
+        assert abs(norms[0] - 1) < 1e-6 and (norms[1] == 0 or abs(norms[1] - 1) < 1e-6)
+
+
 @pytest.mark.parametrize("zero_steps", [1, 3])
 @pytest.mark.parametrize("rank", [1, 2, 3])
 def test_zero_steps_on_every_rank_then_recovery(zero_steps, rank):

@@ -10,6 +10,10 @@ def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
     """Orthonormalise the columns of ``matrix`` (n × r, r ≤ n, floating) in place and return it.
 
     Gram–Schmidt for r ≤ 2 or half precision, Householder QR otherwise (faster for larger r).
+    Gram–Schmidt projects each column against the finished ones twice: once is not enough when a
+    column is (nearly) a combination of them, e.g. P = M·Q for a gradient M of rank 1 < r. The
+    remainder is then rounding noise that is not orthogonal to them, and P·Pᵀ stops being a
+    projection (PowerSGD at r = 2 sent up to twice a rank-1 gradient).
 
     Scale-safe: each Gram–Schmidt column is divided by its largest magnitude before its norm is
     taken, so columns of any finite magnitude (1e-30 or 1e30 in float32, whose squares under- or
@@ -29,6 +33,9 @@ def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
         tiny = torch.finfo(matrix.dtype).tiny
         for i in range(r):
             col = matrix[:, i:i + 1]
+            if i:  # project out the finished columns again ("twice is enough", see above)
+                done = matrix[:, :i]
+                col -= done @ (done.t() @ col)
             largest = col.abs().amax().clamp_min(tiny)
             if epsilon:
                 col /= largest * (col / largest).norm() + epsilon
