@@ -102,3 +102,23 @@ def test_randomk_aggregate_is_k_over_n_times_the_mean(dtype, magnitude):
     samples = torch.stack([sim.step(grads, "w").double() for _ in range(400)])   # a new step: new indices
     expected = torch.stack(grads).double().mean(0) * (4 / 40)                     # k = 4 of n = 40
     assert within_standard_errors(samples, expected) >= 0.95
+
+
+def test_default_aggregate_accumulates_float16_decodes_in_float32():
+    """Compressor.aggregate summed float16 decodes in float16: two ranks of 4e4 overflowed to inf
+    (TernGrad, EF-signSGD use it)."""
+    x = torch.full((6,), 4e4, dtype=torch.float16)
+    for spec in ("terngrad", "efsignsgd:ef=false"):
+        sim = SimulatedRanks(lambda: hvdcomp.get_compressor(spec), 2)
+        out = sim.step([x, x])
+        assert out.dtype == torch.float16 and out.tolist() == [4e4] * 6, spec
+
+
+def test_powersgd_output_saturates_for_float16_gradients():
+    """With the error added, P·Qᵀ can exceed a float16 gradient's range: it was cast to inf."""
+    sim = SimulatedRanks(lambda: hvdcomp.get_compressor("powersgd", rank=1), 2)
+    g = torch.full((16, 12), 6e4, dtype=torch.float16)
+    g[0, 0] = -6e4                                  # not rank 1: the error term is not zero
+    for _ in range(3):
+        outs = sim.reduce_batch([[("w", g)]] * 2)
+        assert outs[0][0].dtype == torch.float16 and torch.isfinite(outs[0][0]).all()

@@ -183,13 +183,19 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
             ctx: this rank's context (shape and dtype agree on every rank).
 
         Returns:
-            The mean over ranks of ``decode(payload_r)``, shape and dtype of the original tensor.
+            The mean over ranks of ``decode(payload_r)``, shape and dtype of the original tensor,
+            accumulated in float32 (or float64) and cast back saturating: summing float16
+            decodes in float16 overflowed (two ranks of 4e4) and rounded at every addition.
         """
         total = None
         for p in payloads:
             d = self.decode(p, ctx)
-            total = d if total is None else total.add_(d)
-        return total.div_(len(payloads))
+            if total is None:
+                dtype = d.dtype
+                total = d.to(torch.promote_types(d.dtype, torch.float32), copy=True)
+            else:
+                total.add_(d)
+        return cast_saturating(total.div_(len(payloads)), dtype)
 
     def decode_into(self, out: torch.Tensor, payload: Payload, ctx: Any) -> torch.Tensor:
         """:meth:`decode` written into ``out`` (shape and dtype of the original tensor, e.g. the

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..lowrank.orthogonalize import orthogonalize
-from .base import Compressor
+from .base import Compressor, cast_saturating
 from .registry import register
 
 
@@ -160,7 +160,7 @@ class PowerSGDCompressor(Compressor):
             ps = reduced
             for i in plain:
                 numel = named_grads[i][1].numel()
-                out[i] = first[pos:pos + numel].view_as(named_grads[i][1]).to(named_grads[i][1].dtype)
+                out[i] = cast_saturating(first[pos:pos + numel].view_as(named_grads[i][1]), named_grads[i][1].dtype)
                 pos += numel
             second = torch.cat([q.reshape(-1) for q in qs]) if qs else first.new_zeros(0)
         if qs:
@@ -174,7 +174,8 @@ class PowerSGDCompressor(Compressor):
                 approx = p @ q.t()
                 self.error[name] = mat - approx
                 g = named_grads[i][1]
-                out[i] = approx.reshape(g.shape).to(g.dtype)
+                # saturating: with the error added, g + e (and so P·Qᵀ) can exceed a float16 g's range
+                out[i] = cast_saturating(approx.reshape(g.shape), g.dtype)
         self.step += 1
         return out
 
@@ -206,7 +207,7 @@ class PowerSGDCompressor(Compressor):
     def _split(flat, named_grads):
         out, pos = [], 0
         for _, g in named_grads:
-            out.append(flat[pos:pos + g.numel()].view_as(g).to(g.dtype))
+            out.append(cast_saturating(flat[pos:pos + g.numel()].view_as(g), g.dtype))
             pos += g.numel()
         return out
 
