@@ -43,13 +43,13 @@ def test_all_zero_gradient_does_not_stop_updates():
     assert comp.error["w"].double().norm() < 1e-4 * G.norm()      # nothing left behind in the residual
 
 
-@pytest.mark.parametrize("rank", [2, 3])
-def test_rank_above_the_gradients_rank_still_recovers_it(rank):
+@pytest.mark.parametrize("matrix_rank", [2, 3])
+def test_rank_above_the_gradients_rank_still_recovers_it(matrix_rank):
     """G has rank 1 < r. With one Gram–Schmidt pass, P's second column was rounding noise not
     orthogonal to the first, P·Pᵀ was no projection, and rank 2 sent up to 2·G (relative error
     0.01 to 1 depending on the seed); re-orthogonalising recovers G on every seed."""
     for seed in range(12):
-        comp = hvdcomp.get_compressor("powersgd", rank=rank, seed=seed)
+        comp = hvdcomp.get_compressor("powersgd", rank=matrix_rank, seed=seed)
         assert rel_err(single(comp, G), G) < 1e-5, seed
         const = torch.full((16, 12), 0.7)
         assert rel_err(single(comp, const, name="c"), const) < 1e-5, seed
@@ -65,16 +65,16 @@ def test_orthogonalize_dependent_columns_stays_orthonormal():
 
 
 @pytest.mark.parametrize("zero_steps", [1, 3])
-@pytest.mark.parametrize("rank", [1, 2, 3])
-def test_zero_steps_on_every_rank_then_recovery(zero_steps, rank):
+@pytest.mark.parametrize("matrix_rank", [1, 2, 3])
+def test_zero_steps_on_every_rank_then_recovery(zero_steps, matrix_rank):
     """4 simulated ranks in lock-step: a layer without gradient for some steps (the optimizer
-    sends zeros), then gradients whose average has rank r; every step after that recovers the
+    sends zeros), then gradients whose average has matrix rank r; every step after that recovers the
     average to float32 rounding (as a fresh compressor does), identically on every rank."""
-    gen = torch.Generator().manual_seed(rank)
-    low = torch.randn(10, rank, generator=gen) @ torch.randn(rank, 7, generator=gen)
+    gen = torch.Generator().manual_seed(matrix_rank)
+    low = torch.randn(10, matrix_rank, generator=gen) @ torch.randn(matrix_rank, 7, generator=gen)
     grads = [(1 + i / 4) * low for i in range(4)]
     mean = sum(g.double() for g in grads) / 4
-    sim = SimulatedRanks(lambda: hvdcomp.get_compressor("powersgd", rank=rank), 4)
+    sim = SimulatedRanks(lambda: hvdcomp.get_compressor("powersgd", rank=matrix_rank), 4)
     for _ in range(zero_steps):
         outs = sim.reduce_batch([[("w", torch.zeros(10, 7))]] * 4)
         assert all(torch.equal(o[0], torch.zeros(10, 7)) for o in outs)
@@ -128,14 +128,14 @@ def test_tiny_and_huge_gradients_as_accurate_as_normal(scale):
     assert rel_err(out, G.double() * scale) < 1e-5
 
 
-@pytest.mark.parametrize("rank", [1, 2, 4])
-def test_relative_error_does_not_depend_on_scale(rank):
+@pytest.mark.parametrize("matrix_rank", [1, 2, 4])
+def test_relative_error_does_not_depend_on_scale(matrix_rank):
     """A full-rank matrix (the approximation error is large and deterministic given Q): the
     relative error at 1e-25 and 1e30 equals the one at 1 (the same seed draws the same Q)."""
     m = torch.randn(20, 12, generator=torch.Generator().manual_seed(7))
     errs = {}
     for scale in (1.0, 1e-25, 1e30):
-        comp = hvdcomp.get_compressor("powersgd", rank=rank)
+        comp = hvdcomp.get_compressor("powersgd", rank=matrix_rank)
         outs = [single(comp, m * scale) for _ in range(2)]
         errs[scale] = [rel_err(o, m.double() * scale) for o in outs]
     assert errs[1.0][1] > 0.2   # a real approximation, not a trivial case

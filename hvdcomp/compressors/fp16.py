@@ -39,14 +39,19 @@ Guarantee (``headroom`` h = 3, per element i, per step, against the exact mean m
 M = the largest |x| over ranks and elements of the previous step, and this step's values
 at most 2^h·M):
 
-* probe steps: float32 averaging, |error_i| ≤ (N + 1)·2^-24·mean_r|x_r,i|;
+* probe steps: float32 averaging, |error_i| ≤ (N + 2)·2^-24·mean_r|x_r,i|;
 * scaled steps: for elements with mean_r|x_r,i| ≥ ρ_N·M, ρ_N = 2^(h − 13 − ⌊log2(65504/N)⌋),
   |error_i| ≤ (N + 2)·2^-11·mean_r|x_r,i| (one rounding at the cast, N − 1 additions, one at
   the 1/N; for N equal per-rank values the first-order bound is (N + 5)·2^-12·|m_i|, and the
   measured worst case about half of that: 0.8 % at N = 64, 12 % at N = 1024 — float16 addition
   itself, whatever the scale). ρ_N = 6e-8 at N = 2, 1.9e-6 at N = 64, 3.1e-5 at N = 1024.
   Smaller elements keep an absolute error of at most (N + 2)·2^-25/s;
-* static: the same relative bound for |x| ≥ 2^-14·N, saturation at |mean| > 65504·(1 − 2^-11).
+* static: the same relative bound for |x| ≥ 2^-14·N; a rank's |x| above N·C_N ≥ 65504·(1 − 2^-10)
+  saturates.
+
+The lagged, agreed power-of-two scale is the dynamic loss scaling of mixed-precision training
+(Micikevicius et al., "Mixed Precision Training", ICLR 2018) applied per tensor to the allreduce,
+with the overflow check replaced by an exponent histogram that keeps the scale agreed.
 
 Trade-offs: a tensor's first non-zero step costs 4 bytes per element instead of 2; every scaled
 payload carries 25 extra float16 (50 bytes); a gradient that grows by more than 2^h = 8 times in
