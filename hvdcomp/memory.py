@@ -22,14 +22,14 @@ import torch
 
 from .compressors.base import Compressor, cast_saturating
 
+__all__ = ["ErrorFeedback"]
+
 _HALF = (torch.float16, torch.bfloat16)
 
 
 class _Context(NamedTuple):
     inner: Any            # the inner method's context
     dtype: torch.dtype    # the gradient's dtype (decoded outputs are cast back to it)
-
-__all__ = ["ErrorFeedback"]
 
 
 class ErrorFeedback(Compressor):
@@ -39,8 +39,10 @@ class ErrorFeedback(Compressor):
         inner: any :class:`hvdcomp.Compressor`.
 
     State: one residual per parameter name, same shape as the gradient, float32 for float16 and
-    bfloat16 gradients and the gradient's dtype otherwise, kept on the gradient's device. On CPU the previous step's residual is kept as a spare buffer (about
-    twice the residual memory) so that a step allocates no full-size tensor. :meth:`state_dict` returns ``{"residuals": {name: tensor}, "inner": ...}``.
+    bfloat16 gradients and the gradient's dtype otherwise, kept on the gradient's device. On CPU
+    the previous step's residual is kept as a spare buffer (about twice the residual memory) so
+    that a step allocates no full-size tensor. :meth:`state_dict` returns
+    ``{"residuals": {name: tensor}, "inner": ...}``.
 
     Raises:
         ValueError: from :meth:`encode` when no parameter name is given (residuals are per

@@ -124,7 +124,8 @@ class SimulatedRanks:
                     "simulated ranks disagree on the aggregate"
         return first
 
-    def reduce_batch(self, named_grads_per_rank: Sequence[Sequence[Tuple[str, torch.Tensor]]]) -> List[List[torch.Tensor]]:
+    def reduce_batch(self, named_grads_per_rank: Sequence[Sequence[Tuple[str, torch.Tensor]]]
+                     ) -> List[List[torch.Tensor]]:
         """A batched compressor's step (PowerSGD): every rank's ``reduce_batch`` in lock-step.
 
         Returns every rank's list of averaged gradients.

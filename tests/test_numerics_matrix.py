@@ -34,7 +34,7 @@ import torch
 
 import hvdcomp
 from hvdcomp.compressors.dgc import DGCCompressor
-from hvdcomp.compressors.fp16 import FP16Compressor, PROBE
+from hvdcomp.compressors.fp16 import PROBE
 from hvdcomp.compressors.powersgd import PowerSGDCompressor
 from hvdcomp.compressors.topk import num_kept
 from hvdcomp.memory import ErrorFeedback
@@ -190,23 +190,35 @@ def contraction_formula(name):
 ROWS = [
     Row("none", "none", "off", fp32_sum, "(N+2)·2⁻²⁴ (float32 sum and 1/N)", "elementwise"),
     Row("none", "none:ef=true", "on", fp32_sum, "(N+2)·2⁻²⁴", "elementwise", steps=2),
-    Row("fp16", "fp16", "off", bound_fp16, "probe step (float32): (N+2)·2⁻²⁴; scaled steps: (N+2)·2⁻¹¹ + √n·(N+2)·2⁻²⁵/(s·S)", "elementwise", steps=2),
+    Row("fp16", "fp16", "off", bound_fp16,
+        "probe step (float32): (N+2)·2⁻²⁴; scaled steps: (N+2)·2⁻¹¹ + √n·(N+2)·2⁻²⁵/(s·S)",
+        "elementwise", steps=2),
     Row("fp16", "fp16:ef=true", "on", bound_fp16, "as fp16 without EF, on g + e", "elementwise", steps=2),
     Row("bf16", "bf16", "off", lambda c: 2.0**-8 + fp32_sum(c), "2⁻⁸ + (N+2)·2⁻²⁴", "elementwise"),
-    Row("bf16", "bf16:ef=true", "on", lambda c: 2.0**-8 + fp32_sum(c), "2⁻⁸ + (N+2)·2⁻²⁴", "elementwise", steps=2),
-    Row("topk", "topk:density=0.1,ef=false", "off", bound_contraction, contraction_formula("ρ = 0.1"), "elementwise"),
-    Row("topk", "topk:density=0.1", "on", bound_contraction, contraction_formula("ρ = 0.1"), "elementwise", steps=2),
+    Row("bf16", "bf16:ef=true", "on", lambda c: 2.0**-8 + fp32_sum(c),
+        "2⁻⁸ + (N+2)·2⁻²⁴", "elementwise", steps=2),
+    Row("topk", "topk:density=0.1,ef=false", "off",
+        bound_contraction, contraction_formula("ρ = 0.1"), "elementwise"),
+    Row("topk", "topk:density=0.1", "on", bound_contraction,
+        contraction_formula("ρ = 0.1"), "elementwise", steps=2),
     Row("randomk", "randomk:density=0.1,ef=false", "off", lambda c: 1.0 + fp32_sum(c),
         "1 + (N+2)·2⁻²⁴ (the mean minus its part on the k shared indices)", "elementwise"),
-    Row("randomk", "randomk:density=0.1", "on", lambda c: 1.0 + fp32_sum(c), "1 + (N+2)·2⁻²⁴", "elementwise", steps=2),
-    Row("threshold", "threshold:ef=false", "off", bound_threshold, "min(1, λ√n/S) + (N+2)·2⁻²⁴ (λ = 10⁻³)", "elementwise"),
-    Row("threshold", "threshold", "on", bound_threshold, "min(1, λ√n/S) + (N+2)·2⁻²⁴", "elementwise", steps=2),
-    Row("dgc", "dgc:density=0.1", "built in", bound_contraction, contraction_formula("ρ = 0.1, on the velocity v"), "elementwise", steps=2),
+    Row("randomk", "randomk:density=0.1", "on", lambda c: 1.0 + fp32_sum(c),
+        "1 + (N+2)·2⁻²⁴", "elementwise", steps=2),
+    Row("threshold", "threshold:ef=false", "off", bound_threshold,
+        "min(1, λ√n/S) + (N+2)·2⁻²⁴ (λ = 10⁻³)", "elementwise"),
+    Row("threshold", "threshold", "on", bound_threshold,
+        "min(1, λ√n/S) + (N+2)·2⁻²⁴", "elementwise", steps=2),
+    Row("dgc", "dgc:density=0.1", "built in", bound_contraction,
+        contraction_formula("ρ = 0.1, on the velocity v"), "elementwise", steps=2),
     Row("qsgd", "qsgd", "off", bound_qsgd, "√min(d, n)/s + (N+2)·2⁻²⁴ (s = 16, d = 512)", "elementwise"),
     Row("qsgd", "qsgd:ef=true", "on", bound_qsgd, "√min(d, n)/s + (N+2)·2⁻²⁴", "elementwise", steps=2),
-    Row("terngrad", "terngrad", "off", bound_terngrad, "mean_r(‖p_r‖ + max|p_r|·√nnz(p_r))/S + (N+2)·2⁻²⁴", "elementwise"),
-    Row("terngrad", "terngrad:ef=true", "on", bound_terngrad, "as without EF, on g + e", "elementwise", steps=2),
-    Row("signsgd", "signsgd", "off", lambda c: 0.0, "0: equals the float64 majority vote (fraction of elements differing)", "sign(0) = +1"),
+    Row("terngrad", "terngrad", "off", bound_terngrad,
+        "mean_r(‖p_r‖ + max|p_r|·√nnz(p_r))/S + (N+2)·2⁻²⁴", "elementwise"),
+    Row("terngrad", "terngrad:ef=true", "on", bound_terngrad,
+        "as without EF, on g + e", "elementwise", steps=2),
+    Row("signsgd", "signsgd", "off", lambda c: 0.0,
+        "0: equals the float64 majority vote (fraction of elements differing)", "sign(0) = +1"),
     Row("signsgd", "signsgd:ef=true", "on", lambda c: 0.0, "0", "sign(0) = +1", steps=2),
     Row("efsignsgd", "efsignsgd:ef=false", "off", bound_efsign, "√(1 − 1/n) + (N+2)·2⁻²⁴", "all-zero tensor"),
     Row("efsignsgd", "efsignsgd", "on", bound_efsign, "√(1 − 1/n) + (N+2)·2⁻²⁴", "all-zero tensor", steps=2),

@@ -66,7 +66,8 @@ def test_cast_saturating():
     out = cast_saturating(x, torch.float16)
     assert out.dtype == torch.float16 and out[:3].tolist() == [65504.0, -65504.0, 3.0] and torch.isnan(out[3])
     assert cast_saturating(x, torch.float64).tolist()[:3] == [1e5, -1e5, 3.0]           # widening: unchanged
-    assert cast_saturating(torch.tensor([1e39], dtype=torch.float64), torch.bfloat16).item() == torch.finfo(torch.bfloat16).max
+    wide = torch.tensor([1e39], dtype=torch.float64)
+    assert cast_saturating(wide, torch.bfloat16).item() == torch.finfo(torch.bfloat16).max
     out = torch.empty(2, dtype=torch.float16)
     copy_saturating_(out, torch.tensor([7e4, -2.0]))
     assert out.tolist() == [65504.0, -2.0]
