@@ -8,25 +8,28 @@ Per parameter name, with residual ``e`` (zeros at first)::
     p = g + e ;  payload = C(p) ;  e = p - decode(payload)
 
 so that ``sum_t sent_t + e_T == sum_t g_t`` (the residual telescopes).
+
+float16 and bfloat16 gradients are upcast to float32 before ``p = g + e``: the residual of a
+half-precision gradient is kept in float32 (a float16 residual would itself round away what the
+compressor dropped), the inner method compresses the float32 ``p``, and decoded gradients are
+cast back to the gradient's dtype (saturating at its largest finite value).
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict, NamedTuple
 
 import torch
 
-from .compressors.base import Compressor
+from .compressors.base import Compressor, cast_saturating
 
 __all__ = ["ErrorFeedback"]
 
-
-class _Upcast(tuple):
-    """Context of a low-precision gradient compressed in float32: (inner context, its dtype)."""
+_HALF = (torch.float16, torch.bfloat16)
 
 
-def _unwrap(ctx):
-    """(inner context, dtype to cast decodes back to or None)."""
-    return (ctx[0], ctx[1]) if isinstance(ctx, _Upcast) else (ctx, None)
+class _Context(NamedTuple):
+    inner: Any            # the inner method's context
+    dtype: torch.dtype    # the gradient's dtype (decoded outputs are cast back to it)
 
 
 class ErrorFeedback(Compressor):
@@ -35,10 +38,11 @@ class ErrorFeedback(Compressor):
     Args:
         inner: any :class:`hvdcomp.Compressor`.
 
-    State: one residual per parameter name, same shape as the gradient, in float32 for fp16 and
-    bf16 gradients (a low-precision residual would lose what it exists to keep; float64 stays
-    float64), on the gradient's device. The inner method then compresses ``g + e`` in that dtype. On CPU the previous step's residual is kept as a spare buffer (about
-    twice the residual memory) so that a step allocates no full-size tensor. :meth:`state_dict` returns ``{"residuals": {name: tensor}, "inner": ...}``.
+    State: one residual per parameter name, same shape as the gradient, float32 for float16 and
+    bfloat16 gradients and the gradient's dtype otherwise, kept on the gradient's device. On CPU
+    the previous step's residual is kept as a spare buffer (about twice the residual memory) so
+    that a step allocates no full-size tensor. :meth:`state_dict` returns
+    ``{"residuals": {name: tensor}, "inner": ...}``.
 
     Raises:
         ValueError: from :meth:`encode` when no parameter name is given (residuals are per
@@ -73,10 +77,6 @@ class ErrorFeedback(Compressor):
     @property
     def aggregate_is_mean(self):  # type: ignore[override]
         return self.inner.aggregate_is_mean
-
-    @property
-    def wire_prescaled(self):  # type: ignore[override]
-        return self.inner.wire_prescaled
 
     has_scaled_state = True  # the residual
 
@@ -113,22 +113,23 @@ class ErrorFeedback(Compressor):
         if name is None:
             raise ValueError("error feedback keeps one residual per parameter and needs its name: "
                              "use hvdcomp.DistributedOptimizer(..., named_parameters=model.named_parameters())")
+        dtype = tensor.dtype
+        if dtype in _HALF:
+            tensor = tensor.to(torch.float32)
         e = self._get("residuals", name)
         spare = self._spares.pop(name, None)
-        if e is None:
-            p = tensor.detach().to(torch.promote_types(tensor.dtype, torch.float32), copy=True)
+        if e is None:  # a half-precision gradient was already copied by the cast
+            p = tensor.detach().clone() if tensor.dtype == dtype else tensor
         elif spare is not None and spare.shape == e.shape and spare.dtype == e.dtype and spare.device == e.device:
             p = torch.add(tensor, e, out=spare)  # no allocation: the previous step's residual memory
         else:
-            p = tensor + e  # promotes fp16/bf16 gradients to e's float32
+            p = tensor + e
         payload, ctx = self.inner.encode(p, name)
         residual = self.inner.residual_(p, payload, ctx)  # p is ours: may be reused in place
         self._put("residuals", name, residual)
         if self._pending is None and e is not None:
             self._keep_spare(name, e)
-        if p.dtype != tensor.dtype:  # decode returns the gradient's own dtype
-            ctx = _Upcast((ctx, tensor.dtype))
-        return payload, ctx
+        return payload, _Context(ctx, dtype)
 
     def _keep_spare(self, name: str, tensor) -> None:
         """Keep a no-longer-needed residual's memory for the next step (CPU only: CUDA's caching
@@ -158,20 +159,16 @@ class ErrorFeedback(Compressor):
             self._keep_spare(name, value)
 
     def decode(self, payload, ctx):
-        ctx, dtype = _unwrap(ctx)
-        out = self.inner.decode(payload, ctx)
-        return out if dtype is None else out.to(dtype)
+        return cast_saturating(self.inner.decode(payload, ctx.inner), ctx.dtype)
 
     def aggregate(self, payloads, ctx):
-        ctx, dtype = _unwrap(ctx)
-        out = self.inner.aggregate(payloads, ctx)
-        return out if dtype is None else out.to(dtype)
+        return cast_saturating(self.inner.aggregate(payloads, ctx.inner), ctx.dtype)
 
     def decode_into(self, out, payload, ctx):
-        return self.inner.decode_into(out, payload, _unwrap(ctx)[0])
+        return self.inner.decode_into(out, payload, ctx.inner)
 
     def aggregate_into(self, out, payloads, ctx):
-        return self.inner.aggregate_into(out, payloads, _unwrap(ctx)[0])
+        return self.inner.aggregate_into(out, payloads, ctx.inner)
 
     def reset(self, name: str | None = None) -> None:
         """Zero the residual of ``name`` (all residuals when ``None``)."""

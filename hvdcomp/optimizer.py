@@ -336,20 +336,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._guard.observe(grad)
             return self.compression.encode(grad, self._names[p])
 
-    def _allreduce_args(self, payload) -> tuple:
-        """(op, prescale, postscale) for Horovod's allreduce of a summable payload.
-
-        ``op`` and ``gradient_predivide_factor`` as Horovod applies them. An fp16 payload that the
-        compressor did not scale into range itself is pre-divided by the group size (as Horovod's
-        ``gradient_predivide_factor``), so the sum of the ranks' values cannot overflow.
-        """
+    def _allreduce_args(self) -> tuple:
+        """(op, prescale, postscale) for Horovod's allreduce of a summable payload: ``op`` and
+        ``gradient_predivide_factor`` as Horovod applies them."""
         hvd = self._hvd
         if self.op is hvd.Sum or self.compression.allreduce_op == "sum":
             return hvd.Sum, 1.0, 1.0
         f = self.gradient_predivide_factor
-        if (f == 1.0 and not self.compression.wire_prescaled
-                and any(t.dtype == torch.float16 for t in payload)):
-            f = float(self.group.size)
         return hvd.Average, 1.0 / f, f
 
     def _launch(self, p: torch.Tensor) -> None:
@@ -357,7 +350,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         name, route = self._names[p], self._route[p]
         payload, ctx = self._encode(p)
         if route == "allreduce":
-            op, pre, post = self._allreduce_args(payload)
+            op, pre, post = self._allreduce_args()
             with self.timer.phase("communicate"):
                 # Horovod's allreduce has no bfloat16: such payloads travel as float32
                 handles = [self.group.allreduce_async(

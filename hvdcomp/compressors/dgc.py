@@ -121,8 +121,11 @@ class DGCCompressor(SparseCompressor):
         n = g.numel()
         if self.clip_norm > 0 and n:
             limit = self.clip_norm / math.sqrt(self.group_size())
-            norm = g.norm()
-            g = g * torch.clamp(limit / torch.clamp(norm, min=1e-30), max=1.0)
+            # the norm in float64: a float32 norm overflows to inf for |g| ~ 1e20 (and the
+            # gradient was then zeroed instead of clipped), or underflows to 0 for |g| ~ 1e-20
+            norm = torch.linalg.vector_norm(g, dtype=torch.float64)
+            factor = torch.clamp(limit / torch.clamp(norm, min=1e-300), max=1.0)
+            g = g * factor.to(torch.float32)
         u = self._get("u", name)
         v = self._get("v", name)
         u = torch.zeros_like(g) if u is None else u

@@ -17,6 +17,18 @@ any with (n + m)·r·min_compression_rate ≥ n·m — travel uncompressed (exac
 The initial Q of every tensor comes from one generator seeded identically on all ranks, drawn in
 parameter order, the same way PyTorch's DDP ``powerSGD_hook`` draws them, so both give the same
 results on the same gradients and seed.
+
+Robustness (no collapse). The warm start makes Q sticky: an all-zero gradient (a frozen layer,
+a parameter unused in a step, which the optimizer sends as zeros) gives P = 0 and then
+Q = Mᵀ·P = 0, and without care every later step would compute P = M·0 = 0 and send nothing, for
+ever. So before each step, every column of the kept Q that is zero or not finite (after an
+all-zero gradient, or from a restored or broadcast state) is drawn afresh from the shared
+generator, and Q is orthogonalised again; a column Gram–Schmidt leaves at exactly zero (linearly
+dependent on the previous ones) is redrawn the same way. Q is identical on every rank (it is the
+output of an allreduce, or restored identically), so every rank makes the same decision and draws
+the same numbers: no extra collective. The next non-zero gradient is then compressed as well as by
+a fresh compressor. Orthogonalisation is scale-safe (:func:`hvdcomp.lowrank.orthogonalize`), so
+gradients of norm 1e-23 or 1e30 (float32) are approximated as well as gradients of norm 1.
 """
 from __future__ import annotations
 
@@ -26,7 +38,7 @@ import numpy as np
 import torch
 
 from ..lowrank.orthogonalize import orthogonalize
-from .base import Compressor
+from .base import Compressor, cast_saturating
 from .registry import register
 
 
@@ -134,9 +146,8 @@ class PowerSGDCompressor(Compressor):
                 if error is not None:
                     mat = mat + error
                 q = self._get("q", name)
-                # a new tensor: the committed Q stays as it was if this step is rolled back
-                q = torch.randn(m, r, generator=self._gen).to(mat.device) if q is None else q.clone()
-                orthogonalize(q, self.epsilon)
+                # a copy: the committed Q stays as it was if this step is rolled back
+                q = self._warm_start(None if q is None else q.clone(), m, r, mat.device)
                 comp.append((i, name, mat))
                 ps.append(mat @ q)
             first = torch.cat([p.reshape(-1) for p in ps] +
@@ -154,7 +165,7 @@ class PowerSGDCompressor(Compressor):
             ps = reduced
             for i in plain:
                 numel = named_grads[i][1].numel()
-                out[i] = first[pos:pos + numel].view_as(named_grads[i][1]).to(named_grads[i][1].dtype)
+                out[i] = cast_saturating(first[pos:pos + numel].view_as(named_grads[i][1]), named_grads[i][1].dtype)
                 pos += numel
             second = torch.cat([q.reshape(-1) for q in qs]) if qs else first.new_zeros(0)
         if qs:
@@ -168,7 +179,8 @@ class PowerSGDCompressor(Compressor):
                 approx = p @ q.t()
                 self._put("error", name, mat - approx)
                 g = named_grads[i][1]
-                out[i] = approx.reshape(g.shape).to(g.dtype)
+                # saturating: with the error added, g + e (and so P·Qᵀ) can exceed a float16 g's range
+                out[i] = cast_saturating(approx.reshape(g.shape), g.dtype)
         return out
 
     @property
@@ -181,11 +193,35 @@ class PowerSGDCompressor(Compressor):
         for e in self.error.values():
             e.mul_(factor)
 
+    def _draw(self, m: int, columns: int, device) -> torch.Tensor:
+        """``columns`` fresh m-vectors (float32) from the generator shared by all ranks."""
+        return torch.randn(m, columns, generator=self._gen).to(device)
+
+    def _warm_start(self, q, m: int, r: int, device) -> torch.Tensor:
+        """The orthonormal Q (m × r, float32) to multiply this step's matrix by.
+
+        ``q`` is last step's agreed Q (or ``None``). A missing Q, or one of the wrong shape, is
+        drawn afresh; columns that are zero or not finite, and columns that orthogonalisation
+        leaves at zero, are redrawn (see the module docstring). Deterministic given ``q`` and the
+        generator state, so identical on every rank.
+        """
+        if q is None or tuple(q.shape) != (m, r):
+            q = self._draw(m, r, device)
+        for _ in range(3):  # a redrawn random column is dependent with probability 0
+            dead = ~torch.isfinite(q).all(0) | (q == 0).all(0)
+            if dead.any():
+                q = q.clone()
+                q[:, dead] = self._draw(m, int(dead.sum()), device)
+            orthogonalize(q, self.epsilon)
+            if not (q == 0).all(0).any():
+                break
+        return q
+
     @staticmethod
     def _split(flat, named_grads):
         out, pos = [], 0
         for _, g in named_grads:
-            out.append(flat[pos:pos + g.numel()].view_as(g).to(g.dtype))
+            out.append(cast_saturating(flat[pos:pos + g.numel()].view_as(g), g.dtype))
             pos += g.numel()
         return out
 

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .base import AggregateInto, Compressor
+from .base import AggregateInto, Compressor, copy_saturating_
 from .bitpack import bits_for_levels, pack_bits, packed_nbytes, unpack_bits
 from .registry import register
 from .rng import RankGenerators
@@ -103,7 +103,9 @@ class QSGDCompressor(AggregateInto, Compressor):
             level[:n].copy_(unpack_bits(packed, self.bits, n))
             level.sub_(s)
             acc.addcmul_(level.view(nb, d), (scale / (s * len(payloads))).unsqueeze(1))
-        return out.copy_(acc.view(-1)[:n].view(shape))
+        # saturating: a level rounded up can exceed a float16 gradient's range (s = 16, 512 values
+        # of 6e4: scale/s = 8.5e4)
+        return copy_saturating_(out, acc.view(-1)[:n].view(shape))
 
     def state_dict(self):
         return {"rng": self.rng.state_dict()}

@@ -3,7 +3,7 @@
 Wen, Xu, Yan, Wu, Wang, Chen and Li, "TernGrad: Ternary Gradients to Reduce Communication in
 Distributed Deep Learning", NeurIPS 2017.
 
-``g = clamp(g, ±2.5·std(g))``; ``s = max|g|``; ``b_i ~ Bernoulli(|g_i|/s)``;
+``g = clamp(g, ±2.5·max(std(g), |mean(g)|))``; ``s = max|g|``; ``b_i ~ Bernoulli(|g_i|/s)``;
 ``out = s·sign(g)·b`` ∈ {−s, 0, s} (unbiased for the clipped gradient). Codes ``sign·b + 1`` travel
 at 2 bits per element with one fp32 scale; scales differ per rank, so the allgather path is used.
 """
@@ -22,7 +22,10 @@ class TernGradCompressor(Compressor):
     """Ternary {−s, 0, s} quantization with 2.5σ clipping.
 
     Args:
-        clip_sigmas: clip at this many standard deviations (2.5 in the paper; 0 disables).
+        clip_sigmas: clip at this many standard deviations (2.5 in the paper; 0 disables), but
+            never below ``clip_sigmas·|mean(g)|``: the paper's 2.5σ assumes zero-centred
+            gradients, and for a constant (or nearly constant) tensor σ is 0 or float rounding
+            noise, which clipped every value to about 0 (``[0.7] * 8`` decoded to ±1.6e-7).
         seed: base seed of the per-rank generator.
 
     Payload: ``[scale (1,) float32, codes (ceil(n/4),) uint8]`` (2 bits per element).
@@ -51,7 +54,7 @@ class TernGradCompressor(Compressor):
     def _encode(self, tensor, name=None):
         g = tensor.reshape(-1).to(torch.float32)
         if self.clip_sigmas > 0 and g.numel() > 1:
-            c = self.clip_sigmas * g.std()
+            c = self.clip_sigmas * torch.maximum(g.std(), g.mean().abs())
             g = torch.maximum(torch.minimum(g, c), -c)
         s = g.abs().max() if g.numel() else g.new_zeros(())
         safe = torch.where(s > 0, s, torch.ones_like(s))

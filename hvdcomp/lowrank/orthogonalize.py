@@ -1,4 +1,4 @@
-"""Column orthonormalisation used by PowerSGD."""
+"""Column orthonormalisation used by PowerSGD (Vogels et al., NeurIPS 2019)."""
 from __future__ import annotations
 
 import torch
@@ -7,10 +7,21 @@ __all__ = ["orthogonalize"]
 
 
 def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
-    """Orthonormalise the columns of ``matrix`` (n × r, r ≤ n) in place and return it.
+    """Orthonormalise the columns of ``matrix`` (n × r, r ≤ n, floating) in place and return it.
 
     Gram–Schmidt for r ≤ 2 or half precision, Householder QR otherwise (faster for larger r).
-    A zero column stays zero (its norm is clamped by ``epsilon`` or a tiny floor), never NaN.
+    Gram–Schmidt projects each column against the finished ones twice: once is not enough when a
+    column is (nearly) a combination of them, e.g. P = M·Q for a gradient M of rank 1 < r. The
+    remainder is then rounding noise that is not orthogonal to them, and P·Pᵀ stops being a
+    projection (PowerSGD at r = 2 sent up to twice a rank-1 gradient).
+
+    Scale-safe: each Gram–Schmidt column is divided by its largest magnitude before its norm is
+    taken, so columns of any finite magnitude (1e-30 or 1e30 in float32, whose squares under- or
+    overflow) come out orthonormal; QR (LAPACK) scales internally. A zero column stays zero under
+    Gram–Schmidt (never NaN); QR returns some orthonormal column in its place. With
+    ``epsilon > 0`` a column is divided by ``‖column‖ + epsilon`` (PyTorch DDP's
+    ``orthogonalization_epsilon``), which is not scale-invariant: columns of norm far below
+    ``epsilon`` shrink towards zero.
 
     Raises:
         ValueError: not a 2-D matrix with at most as many columns as rows.
@@ -22,7 +33,15 @@ def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
         tiny = torch.finfo(matrix.dtype).tiny
         for i in range(r):
             col = matrix[:, i:i + 1]
-            col /= (col.norm() + epsilon) if epsilon else col.norm().clamp_min(tiny)
+            if i:  # project out the finished columns again ("twice is enough", see above)
+                done = matrix[:, :i]
+                col -= done @ (done.t() @ col)
+            largest = col.abs().amax().clamp_min(tiny)
+            if epsilon:
+                col /= largest * (col / largest).norm() + epsilon
+            else:
+                col /= largest                      # entries in [-1, 1]: the norm cannot under/overflow
+                col /= col.norm().clamp_min(tiny)
             if i + 1 < r:
                 rest = matrix[:, i + 1:]
                 rest -= (col * rest).sum(0, keepdim=True) * col

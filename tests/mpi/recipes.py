@@ -21,7 +21,6 @@ Horovod's tensor fusion cannot change the order of a sum.
 """
 import contextlib
 import io
-import math
 import sys
 import warnings
 
