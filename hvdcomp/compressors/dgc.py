@@ -43,7 +43,7 @@ class DGCCompressor(SparseCompressor):
             Tensors whose sample would have fewer than 64 entries use the exact top-k.
         warmup_epochs: W ≥ 0 epochs of exponential density warm-up (call :meth:`set_epoch`).
         clip_norm: C > 0 enables local clipping of each gradient to norm C·N^-1/2 (N = world
-            size, read at each step); 0 disables.
+            size: the optimizer's group size, or Horovod's world size for an unbound compressor); 0 disables.
         nesterov: Nesterov momentum (``u = m·(u+g)``, ``v += u + g``).
         momentum_masking: zero u at sent entries (the paper's momentum factor masking).
         seed: base seed of the per-rank sampling generator.
