@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import torch
 
@@ -48,22 +48,32 @@ class NonFiniteGuard:
         if mode not in NONFINITE_MODES:
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}; got {mode!r}")
         self.mode = mode
-        self._flag: Optional[torch.Tensor] = None
+        self._flags: List[torch.Tensor] = []  # per observe() and device: > 0 if non-finite
 
-    def observe(self, tensor: torch.Tensor) -> None:
-        """Fold ``tensor``'s finiteness into this step's flag (a device bool, no host sync)."""
-        if self.mode == "ignore":
+    def observe(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Fold the finiteness of ``tensors`` (dense or sparse, any devices) into this step's flag:
+        one fused check per device (``torch._amp_foreach_non_finite_check_and_unscale_`` with a
+        scale of 1, the kernel ``GradScaler`` runs on the same gradients), no host sync."""
+        if self.mode == "ignore" or not tensors:
             return
-        bad = ~torch.isfinite(tensor).all()
-        self._flag = bad if self._flag is None else self._flag | bad
+        by_device: Dict[torch.device, List[torch.Tensor]] = {}
+        for t in tensors:
+            t = t.coalesce().values() if t.is_sparse else t
+            if t.is_floating_point() and t.numel():
+                by_device.setdefault(t.device, []).append(t)
+        for device, group in by_device.items():
+            found = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                group, found, torch.ones((), dtype=torch.float32, device=device))
+            self._flags.append(found)
 
     def reset(self) -> None:
-        """Forget this step's flag (the step was discarded)."""
-        self._flag = None
+        """Forget this step's flags (the step was discarded)."""
+        self._flags = []
 
     def local_bad(self) -> bool:
-        """Whether this rank saw a non-finite value this step (one host read)."""
-        return bool(self._flag) if self._flag is not None else False
+        """Whether this rank saw a non-finite value this step (one host read per device)."""
+        return any(bool(f) for f in self._flags)
 
     def agree(self, exchange: Callable[[Sequence[int]], List[List[int]]], loaded: bool,
               backward_passes: int) -> StepVerdict:
@@ -80,7 +90,7 @@ class NonFiniteGuard:
                 ranks loaded a checkpoint mid-training (on every rank, naming them).
         """
         mine = [int(self.local_bad()), int(loaded), int(backward_passes)]
-        self._flag = None
+        self._flags = []
         every = exchange(mine)
         passes = sorted({row[2] for row in every})
         if len(passes) > 1:

@@ -52,6 +52,7 @@ class PhaseTimer:
         if use_events:
             self._event_factory = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
         self.history: List[Dict[str, Any]] = []
+        self._phases: Dict[str, "_Phase"] = {}
         self._stack: List[list] = []  # [name, start_of_current_slice]
         self._marks: List[tuple] = []  # events mode: (event, phase charged for the slice ending here)
         self._begin_step_values()
@@ -91,24 +92,30 @@ class PhaseTimer:
         """Start a new step (discards a step begun but not ended)."""
         self._begin_step_values()
 
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        """Charge the enclosed wall time (minus nested phases) to ``name``."""
+    def phase(self, name: str) -> "_Phase":
+        """Charge the enclosed wall time (minus nested phases) to ``name``: ``with timer.phase(name):``.
+
+        The context object is cached per name (a few hundred hooks call this every step)."""
+        ctx = self._phases.get(name)
+        if ctx is None:
+            ctx = self._phases[name] = _Phase(self, name)
+        return ctx
+
+    def _enter(self, name: str) -> None:
         if self.cuda_sync:
             torch.cuda.synchronize()
         now = self.clock()
         self._boundary(now)
         self._stack.append([name, now])
-        try:
-            yield
-        finally:
-            if self.cuda_sync:
-                torch.cuda.synchronize()
-            now = self.clock()
-            self._boundary(now)
-            self._stack.pop()
-            if self._stack:
-                self._stack[-1][1] = now
+
+    def _exit(self) -> None:
+        if self.cuda_sync:
+            torch.cuda.synchronize()
+        now = self.clock()
+        self._boundary(now)
+        self._stack.pop()
+        if self._stack:
+            self._stack[-1][1] = now
 
     def _resolve_events(self) -> None:
         """Events mode: charge the device time between consecutive boundaries (one sync)."""
@@ -148,6 +155,23 @@ class PhaseTimer:
         out = {k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys}
         out["steps"] = len(rows)
         return out
+
+
+class _Phase:
+    """``with timer.phase(name):`` without a generator (re-entrant: nesting is kept by the timer)."""
+
+    __slots__ = ("timer", "name")
+
+    def __init__(self, timer: PhaseTimer, name: str):
+        self.timer, self.name = timer, name
+
+    def __enter__(self):
+        self.timer._enter(self.name)
+        return self
+
+    def __exit__(self, *exc):
+        self.timer._exit()
+        return False
 
 
 def reduce_across_ranks(values: Dict[str, float]) -> Dict[str, Dict[str, float]]:

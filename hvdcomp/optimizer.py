@@ -120,7 +120,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # expected backward order: last parameters first. Fixed, identical on every rank.
         self._order: List[torch.nn.Parameter] = [
             p for g in reversed(self.param_groups) for p in reversed(g["params"]) if p.requires_grad]
-        self._delay: Dict[torch.Tensor, int] = {p: self.backward_passes_per_step for p in self._order}
+        # per-parameter state of the hot path, by position in _order (no tensor hashing per hook)
+        self._pos: Dict[int, int] = {id(p): i for i, p in enumerate(self._order)}
+        self._pname: List[str] = [self._names[p] for p in self._order]
+        self._delay: List[int] = [self.backward_passes_per_step] * len(self._order)
         self._hooks_fired = 0             # since the last synchronize: a backward is in progress
         self._sparse: List[tuple] = []  # (parameter, its sparse gradient) of this step
         self._guard = NonFiniteGuard(self.nonfinite)
@@ -129,8 +132,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._round_open = False          # compressor state of this step is staged
         self._synced = False              # synchronize() done; the update is not applied yet
         self._skip = False                # the ranks agreed to skip this step (non-finite)
-        self._inflight: Dict[torch.Tensor, tuple] = {}   # launched allreduces
-        self._encoded: Dict[torch.Tensor, tuple] = {}    # payloads waiting for their bucket
+        self._inflight: Dict[int, tuple] = {}   # position -> launched allreduce
+        self._encoded: Dict[int, tuple] = {}    # position -> payload waiting for its bucket
         self._bucket_handles: Dict[int, object] = {}     # launched bucket allgathers
         self._next_bucket = 0
         self._should_synchronize = True
@@ -158,18 +161,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(groups, list):  # parameters -> names (frozen ones dropped, as Horovod)
             if any(p not in self._names for g in groups for p in g):
                 raise ValueError("groups lists a tensor that is not among the optimizer's parameters")
-            groups = [[self._names[p] for p in g if p in self._delay] for g in groups]
+            groups = [[self._names[p] for p in g if id(p) in self._pos] for g in groups]
         groups = None if groups is None else split_groups(names, groups)
         self.transport = plan_transport(
             [(self._names[p], p.numel(), p.element_size()) for p in self._order], compression,
             self.cost_model, self.group.size, self.bucket_bytes, groups,
             self._gatherer.kind if self._gatherer is not None else "none", self.group.ranks)
-        by_name = {n: p for p, n in self._names.items()}
-        self._buckets: List[List[torch.nn.Parameter]] = [[by_name[n] for n in b] for b in self.transport.buckets]
-        self._bucket_of = {p: i for i, b in enumerate(self._buckets) for p in b}
-        self._bucket_dense = [sum(p.numel() * 4 for p in b) for b in self._buckets]
+        at = {n: i for i, n in enumerate(self._pname)}
+        self._buckets: List[List[int]] = [[at[n] for n in b] for b in self.transport.buckets]
+        self._bucket_of: List[int] = [-1] * len(self._order)
+        for b, members in enumerate(self._buckets):
+            for i in members:
+                self._bucket_of[i] = b
+        self._bucket_dense = [sum(self._order[i].numel() * 4 for i in b) for b in self._buckets]
         self._waiting = [len(b) for b in self._buckets]  # gradients each bucket still waits for
-        self._route = {p: self.transport.routes[self._names[p]] for p in self._order}
+        self._route: List[str] = [self.transport.routes[n] for n in self._pname]
+        self._dense_bytes = [p.numel() * 4 for p in self._order]  # the fp32 equivalent
+        self._grad_bytes = [p.numel() * p.element_size() for p in self._order]
         log.info("hvdcomp: %s", self.transport)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._order]
 
@@ -308,15 +316,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _hook(self, p: torch.Tensor) -> None:
         if self._synced:  # a new backward after synchronize() without step(): that update is dropped
             self._discard_round()
-        if self._delay[p] <= 0:
+        i = self._pos[id(p)]
+        if self._delay[i] <= 0:
             raise AssertionError(
                 "Gradients were computed more than backward_passes_per_step times before call to "
                 "step() or synchronize(). Increase backward_passes_per_step to accumulate "
                 "gradients locally.")
-        self._delay[p] -= 1
+        self._delay[i] -= 1
         self._hooks_fired += 1
-        if self._delay[p] == 0 and self._route[p] != "batched":
-            self._launch(p)
+        if self._delay[i] == 0 and self._route[i] != "batched":
+            self._launch(i)
 
     def _gradient(self, p: torch.Tensor) -> torch.Tensor:
         """``p.grad`` ready to compress: zeros for a parameter this rank did not use (other ranks
@@ -328,13 +337,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.grad = p.grad.to_dense()
         return p.grad
 
-    def _encode(self, p: torch.Tensor):
-        """Check p.grad for non-finite values (flag only, no host sync) and compress it."""
+    def _encode(self, i: int):
+        """Compress the gradient of parameter ``i`` (its finiteness is checked once per step,
+        see :meth:`synchronize`)."""
         self._open_round()
-        grad = self._gradient(p)
-        with self.timer.phase("compress"):
-            self._guard.observe(grad)
-            return self.compression.encode(grad, self._names[p])
+        return self.compression.encode(self._gradient(self._order[i]), self._pname[i])
 
     def _allreduce_args(self) -> tuple:
         """(op, prescale, postscale) for Horovod's allreduce of a summable payload: ``op`` and
@@ -345,32 +352,43 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         f = self.gradient_predivide_factor
         return hvd.Average, 1.0 / f, f
 
-    def _launch(self, p: torch.Tensor) -> None:
-        """Compress p.grad and start its allreduce, or queue it for its bucket's allgather."""
-        name, route = self._names[p], self._route[p]
-        payload, ctx = self._encode(p)
-        if route == "allreduce":
-            op, pre, post = self._allreduce_args()
-            with self.timer.phase("communicate"):
+    def _launch(self, i: int) -> None:
+        """Compress parameter ``i``'s gradient and start its allreduce, or queue it for its
+        bucket's allgather. Timed as ``compress`` (queueing an asynchronous collective included)."""
+        p, name, route = self._order[i], self._pname[i], self._route[i]
+        with self.timer.phase("compress"):
+            payload, ctx = self._encode(i)
+            if route == "allreduce":
+                op, pre, post = self._allreduce_args()
+                if self._in_place(p, payload):  # as stock Horovod: no copy, no decode
+                    handles = [self.group.allreduce_async_(payload[0], f"{self._prefix}.{name}.0", op, pre, post)]
+                    self._inflight[i] = ("in-place", handles, ctx, self._grad_bytes[i], None)
+                    return
                 # Horovod's allreduce has no bfloat16: such payloads travel as float32
-                handles = [self.group.allreduce_async(
-                    t if t.dtype in HOROVOD_ALLREDUCE_DTYPES else t.float(), f"{self._prefix}.{name}.{i}",
-                    op, pre, post) for i, t in enumerate(payload)]
-            nbytes = sum(t.numel() * (t.element_size() if t.dtype in HOROVOD_ALLREDUCE_DTYPES else 4)
-                         for t in payload)
-            self._inflight[p] = ("allreduce", handles, ctx, nbytes, [t.dtype for t in payload])
-        elif route == "decoded-allreduce":  # cheaper to average the decoded payload densely
+                wire = [t if t.dtype in HOROVOD_ALLREDUCE_DTYPES else t.float() for t in payload]
+                handles = [self.group.allreduce_async(t, f"{self._prefix}.{name}.{k}", op, pre, post)
+                           for k, t in enumerate(wire)]
+                nbytes = sum(t.numel() * t.element_size() for t in wire)
+                self._inflight[i] = ("allreduce", handles, ctx, nbytes, [t.dtype for t in payload])
+                return
+        if route == "decoded-allreduce":  # cheaper to average the decoded payload densely
             with self.timer.phase("decompress"):
                 dense = self.compression.decode_into(
                     torch.empty(p.shape, dtype=torch.float32, device=p.device), payload, ctx)
             op = self._hvd.Sum if self.op is self._hvd.Sum else self._hvd.Average
             with self.timer.phase("communicate"):
                 handle = self.group.allreduce_async(dense, f"{self._prefix}.{name}.dense", op)
-            self._inflight[p] = ("dense", [handle], ctx, dense.numel() * 4, None)
+            self._inflight[i] = ("dense", [handle], ctx, dense.numel() * 4, None)
         else:
-            self._encoded[p] = (payload, ctx)
-            self._waiting[self._bucket_of[p]] -= 1
+            self._encoded[i] = (payload, ctx)
+            self._waiting[self._bucket_of[i]] -= 1
             self._start_buckets(flush=False)
+
+    def _in_place(self, p: torch.Tensor, payload) -> bool:
+        """Whether ``payload`` is ``p.grad`` itself (``none`` on a float32/float64 gradient)."""
+        return (self.compression.payload_is_gradient and len(payload) == 1
+                and payload[0].dtype in HOROVOD_ALLREDUCE_DTYPES and p.grad.is_contiguous()
+                and payload[0].data_ptr() == p.grad.data_ptr() and payload[0].numel() == p.grad.numel())
 
     def _start_buckets(self, flush: bool) -> None:
         """Start the allgather of each complete bucket, in the fixed bucket order."""
@@ -378,10 +396,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             bucket = self._buckets[self._next_bucket]
             if self._waiting[self._next_bucket] and not flush:
                 return
-            for p in bucket:  # flush: unused parameters (or fewer backward passes) send zeros
-                if p not in self._encoded:
-                    self._encoded[p] = self._encode(p)
-            tensors = [t for p in bucket for t in self._encoded[p][0]]
+            for i in bucket:  # flush: unused parameters (or fewer backward passes) send zeros
+                if i not in self._encoded:
+                    with self.timer.phase("compress"):
+                        self._encoded[i] = self._encode(i)
+            tensors = [t for i in bucket for t in self._encoded[i][0]]
             with self.timer.phase("communicate"):
                 handle = self._gatherer.start(tensors, f"{self._prefix}.bucket{self._next_bucket}")
             self._bucket_handles[self._next_bucket] = handle
@@ -400,31 +419,43 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         scale = self._result_scale()
         with self.timer.phase("decompress"):
             start = 0
-            for p in bucket:
-                payload, ctx = self._encoded.pop(p)
+            for i in bucket:
+                payload, ctx = self._encoded.pop(i)
                 stop = start + len(payload)
-                self.compression.aggregate_into(p.grad, [rank_tensors[start:stop] for rank_tensors in gathered], ctx)
+                grad = self._order[i].grad
+                self.compression.aggregate_into(grad, [rank_tensors[start:stop] for rank_tensors in gathered], ctx)
                 if scale != 1.0:
-                    p.grad.mul_(scale)
+                    grad.mul_(scale)
                 start = stop
         self.timer.add_bytes(sent=handle.bytes_sent, received=handle.bytes_received,
                              dense=self._bucket_dense[index])
         self._waiting[index] = len(bucket)
 
-    def _finish_allreduce(self, p: torch.Tensor) -> None:
-        """Wait for p's allreduce(s) and write the averaged gradient into ``p.grad``."""
-        kind, handles, ctx, nbytes, dtypes = self._inflight.pop(p)
+    def _finish_allreduces(self, positions: List[int]) -> None:
+        """Wait for the allreduces of ``positions`` (one ``communicate`` slice), then write each
+        averaged gradient into its ``.grad`` (one ``decompress`` slice)."""
+        done, nbytes, dense = [], 0, 0
         with self.timer.phase("communicate"):
-            outputs = [self.group.synchronize(h) for h in handles]
-        with self.timer.phase("decompress"):
-            if kind == "allreduce":
-                outputs = [o if o.dtype == dt else o.to(dt) for o, dt in zip(outputs, dtypes)]
-                self.compression.decode_into(p.grad, outputs, ctx)
-                if self.compression.allreduce_op == "sum" and self.op is self._hvd.Sum:
-                    p.grad.mul_(self._result_scale())
-            else:
-                p.grad.copy_(outputs[0])
-        self.timer.add_bytes(sent=nbytes, received=nbytes, dense=p.numel() * 4)
+            for i in positions:
+                kind, handles, ctx, sent, dtypes = self._inflight.pop(i)
+                outputs = [self.group.synchronize(h) for h in handles]
+                nbytes += sent
+                dense += self._dense_bytes[i]
+                if kind != "in-place":  # an in-place result is in .grad already
+                    done.append((i, kind, outputs, ctx, dtypes))
+        if done:
+            sum_votes = self.compression.allreduce_op == "sum" and self.op is self._hvd.Sum
+            with self.timer.phase("decompress"):
+                for i, kind, outputs, ctx, dtypes in done:
+                    grad = self._order[i].grad
+                    if kind == "allreduce":
+                        outputs = [o if o.dtype == dt else o.to(dt) for o, dt in zip(outputs, dtypes)]
+                        self.compression.decode_into(grad, outputs, ctx)
+                        if sum_votes:
+                            grad.mul_(self._result_scale())
+                    else:
+                        grad.copy_(outputs[0])
+        self.timer.add_bytes(sent=nbytes, received=nbytes, dense=dense)
 
     # ---- synchronisation ----------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -443,15 +474,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self.compression.batched:
             self._synchronize_batched()
             return
-        for p in self._order:  # allreduces backward did not start; buckets are flushed below
-            if p not in self._bucket_of and p not in self._inflight:
-                self._launch(p)
+        # every local gradient's finiteness, in one fused check: the inputs are intact until the
+        # collectives finish, except those reduced in place, checked on their (identical) results
+        in_place = [i for i, work in self._inflight.items() if work[0] == "in-place"]
+        skip = set(in_place)
+        self._guard.observe([p.grad for i, p in enumerate(self._order) if p.grad is not None and i not in skip])
+        for i in range(len(self._order)):  # allreduces backward did not start; buckets are flushed below
+            if self._bucket_of[i] < 0 and i not in self._inflight:
+                self._launch(i)
         self._start_buckets(flush=True)
         for index in range(len(self._buckets)):
             self._finish_bucket(index)
-        for p in self._order:
-            if p not in self._bucket_of:
-                self._finish_allreduce(p)
+        self._finish_allreduces([i for i in range(len(self._order)) if self._bucket_of[i] < 0])
+        self._guard.observe([self._order[i].grad for i in in_place])
         self._next_bucket = 0
         self._end_synchronize()
 
@@ -459,8 +494,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Reset the accumulation counters, agree on the step with every rank, and give sparse
         gradients back their layout (as Horovod's ``sparse_as_dense``: the optimizer sees the
         gradient layout it would see without Horovod)."""
-        for p in self._order:
-            self._delay[p] = self.backward_passes_per_step
+        self._delay = [self.backward_passes_per_step] * len(self._order)
         self._hooks_fired = 0
         self._synced = True
         self._agree_step()
@@ -508,8 +542,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Batched compressors (PowerSGD) reduce every gradient of the step at once."""
         params = self._order  # expected backward order, as PyTorch DDP's rebuilt buckets hold them
         self._open_round()
-        for p in params:
-            self._guard.observe(self._gradient(p))
+        self._guard.observe([self._gradient(p) for p in params])
         sparse, self._sparse = self._sparse, []
         self._end_synchronize()
         if self._skip:  # PowerSGD's state is untouched
@@ -571,8 +604,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(passes, int) or passes < 1:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
         self.backward_passes_per_step = passes
-        for p in self._delay:
-            self._delay[p] = passes
+        self._delay = [passes] * len(self._order)
 
     def state_dict(self):
         """The wrapped optimizer's state plus the compressor's (residuals, momenta, Q, RNG states)

@@ -67,6 +67,13 @@ class Group:
         return self.hvd.allreduce_async(tensor, name=name, op=op, prescale_factor=prescale,
                                         postscale_factor=postscale, process_set=self.process_set)
 
+    def allreduce_async_(self, tensor: torch.Tensor, name: str, op, prescale: float = 1.0,
+                         postscale: float = 1.0):
+        """:meth:`allreduce_async` in place: the result overwrites ``tensor`` (as stock Horovod
+        reduces gradients)."""
+        return self.hvd.allreduce_async_(tensor, name=name, op=op, prescale_factor=prescale,
+                                         postscale_factor=postscale, process_set=self.process_set)
+
     def synchronize(self, handle) -> torch.Tensor:
         """Wait for a handle from :meth:`allreduce_async`; returns the reduced tensor."""
         return self.hvd.synchronize(handle)

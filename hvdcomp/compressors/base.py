@@ -135,6 +135,9 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
             non-summable payload may also travel as its local decode through an allreduce
             (the optimizer's cost model picks the cheaper route; the result is the same).
             Opt-in (``False`` here): set it only where it holds.
+        payload_is_gradient: the payload may be the gradient itself (one tensor viewing its
+            memory) and ``decode`` the identity (``none``): the optimizer then reduces the
+            gradient in place, as stock Horovod does, without a copy.
         has_scaled_state: the method keeps state in gradient units (residuals, momenta), which
             :meth:`rescale_state` multiplies when the gradients' scale changes (AMP loss scale).
         shared_state_keys: keys of :meth:`state_dict` whose values are identical on every rank
@@ -150,6 +153,7 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
     batched = False
     aggregate_is_mean = False
     has_scaled_state = False
+    payload_is_gradient = False
     shared_state_keys: Tuple[str, ...] = ()
 
     # ---- hvdcomp API -------------------------------------------------------------------------
