@@ -52,7 +52,7 @@ from .compressors.none import NoneCompressor
 from .guard import NONFINITE_MODES, NonFiniteGuard
 from .launch import check_launch
 from .metrics import PhaseTimer
-from .plan import TransportPlan, make_buckets, plan_transport, split_groups
+from .plan import TransportPlan, make_buckets, make_units, plan_transport, split_groups
 
 __all__ = ["DistributedOptimizer", "resolve_compression", "make_buckets", "DEFAULT_BUCKET_BYTES",
            "OPTIMIZER_ENV"]
@@ -122,8 +122,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p for g in reversed(self.param_groups) for p in reversed(g["params"]) if p.requires_grad]
         # per-parameter state of the hot path, by position in _order (no tensor hashing per hook)
         self._pos: Dict[int, int] = {id(p): i for i, p in enumerate(self._order)}
-        self._pname: List[str] = [self._names[p] for p in self._order]
         self._delay: List[int] = [self.backward_passes_per_step] * len(self._order)
+        self.granularity = s["granularity"]
         self._hooks_fired = 0             # since the last synchronize: a backward is in progress
         self._sparse: List[tuple] = []  # (parameter, its sparse gradient) of this step
         self._guard = NonFiniteGuard(self.nonfinite)
@@ -132,8 +132,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._round_open = False          # compressor state of this step is staged
         self._synced = False              # synchronize() done; the update is not applied yet
         self._skip = False                # the ranks agreed to skip this step (non-finite)
-        self._inflight: Dict[int, tuple] = {}   # position -> launched allreduce
-        self._encoded: Dict[int, tuple] = {}    # position -> payload waiting for its bucket
+        self._inflight: Dict[int, tuple] = {}   # unit -> launched allreduce
+        self._encoded: Dict[int, tuple] = {}    # unit -> payload waiting for its allgather bucket
         self._bucket_handles: Dict[int, object] = {}     # launched bucket allgathers
         self._next_bucket = 0
         self._should_synchronize = True
@@ -163,21 +163,37 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError("groups lists a tensor that is not among the optimizer's parameters")
             groups = [[self._names[p] for p in g if id(p) in self._pos] for g in groups]
         groups = None if groups is None else split_groups(names, groups)
-        self.transport = plan_transport(
-            [(self._names[p], p.numel(), p.element_size()) for p in self._order], compression,
-            self.cost_model, self.group.size, self.bucket_bytes, groups,
-            self._gatherer.kind if self._gatherer is not None else "none", self.group.ranks)
-        at = {n: i for i, n in enumerate(self._pname)}
-        self._buckets: List[List[int]] = [[at[n] for n in b] for b in self.transport.buckets]
-        self._bucket_of: List[int] = [-1] * len(self._order)
-        for b, members in enumerate(self._buckets):
+        # compression units: a gradient each, or flattened buckets of gradients
+        units = make_units([(names[i], p.numel(), p.element_size(), f"{p.dtype}/{p.device}")
+                            for i, p in enumerate(self._order)],
+                           self.granularity, self.bucket_bytes, groups)
+        self._unit_name: List[str] = [name for name, _ in units]
+        self._members: List[List[int]] = [members for _, members in units]
+        self._unit_of: List[int] = [0] * len(self._order)
+        for u, members in enumerate(self._members):
             for i in members:
-                self._bucket_of[i] = b
-        self._bucket_dense = [sum(self._order[i].numel() * 4 for i in b) for b in self._buckets]
-        self._waiting = [len(b) for b in self._buckets]  # gradients each bucket still waits for
-        self._route: List[str] = [self.transport.routes[n] for n in self._pname]
-        self._dense_bytes = [p.numel() * 4 for p in self._order]  # the fp32 equivalent
-        self._grad_bytes = [p.numel() * p.element_size() for p in self._order]
+                self._unit_of[i] = u
+        self._flat: List[Optional[torch.Tensor]] = [None] * len(units)  # buffers of multi-gradient units
+        self._unit_wait = [len(m) for m in self._members]   # gradients each unit still waits for
+        numel = [sum(self._order[i].numel() for i in m) for m in self._members]
+        esize = [self._order[m[0]].element_size() for m in self._members]
+        self.transport = plan_transport(
+            list(zip(self._unit_name, numel, esize)), compression, self.cost_model, self.group.size,
+            self.bucket_bytes, groups if self.granularity == "tensor" else None,
+            self._gatherer.kind if self._gatherer is not None else "none", self.group.ranks)
+        self.transport.units = {self._unit_name[u]: [names[i] for i in m]
+                                for u, m in enumerate(self._members) if len(m) > 1}
+        at = {n: u for u, n in enumerate(self._unit_name)}
+        self._buckets: List[List[int]] = [[at[n] for n in b] for b in self.transport.buckets]
+        self._bucket_of: List[int] = [-1] * len(units)
+        for b, members in enumerate(self._buckets):
+            for u in members:
+                self._bucket_of[u] = b
+        self._dense_bytes = [n * 4 for n in numel]  # the fp32 equivalent
+        self._grad_bytes = [n * e for n, e in zip(numel, esize)]
+        self._bucket_dense = [sum(self._dense_bytes[u] for u in b) for b in self._buckets]
+        self._waiting = [len(b) for b in self._buckets]  # units each allgather bucket still waits for
+        self._route: List[str] = [self.transport.routes[n] for n in self._unit_name]
         log.info("hvdcomp: %s", self.transport)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._order]
 
@@ -221,6 +237,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "op": str(self.op), "gradient_predivide_factor": self.gradient_predivide_factor,
                 "sparse_as_dense": self.sparse_as_dense, "nonfinite": self.nonfinite,
                 "bucket_bytes": self.bucket_bytes, "allgather": s["allgather"],
+                "granularity": self.granularity,
                 "cost_model": (cost.alpha, cost.beta) if isinstance(cost, CostModel) else cost,
                 "groups": s["groups"] if not isinstance(s["groups"], list)
                 else [[self._names.get(p) for p in g] for g in s["groups"]],
@@ -324,8 +341,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "gradients locally.")
         self._delay[i] -= 1
         self._hooks_fired += 1
-        if self._delay[i] == 0 and self._route[i] != "batched":
-            self._launch(i)
+        if self._delay[i] == 0:
+            u = self._unit_of[i]
+            self._unit_wait[u] -= 1
+            if self._unit_wait[u] == 0 and self._route[u] != "batched":
+                self._launch(u)
 
     def _gradient(self, p: torch.Tensor) -> torch.Tensor:
         """``p.grad`` ready to compress: zeros for a parameter this rank did not use (other ranks
@@ -337,11 +357,39 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.grad = p.grad.to_dense()
         return p.grad
 
-    def _encode(self, i: int):
-        """Compress the gradient of parameter ``i`` (its finiteness is checked once per step,
-        see :meth:`synchronize`)."""
+    def _unit_tensor(self, u: int) -> torch.Tensor:
+        """What unit ``u`` compresses, and where its result is written: the gradient itself, or
+        (a unit of several gradients) a flat buffer they are copied into, in launch order."""
+        members = self._members[u]
+        if len(members) == 1:
+            return self._gradient(self._order[members[0]])
+        grads = [self._gradient(self._order[i]).reshape(-1) for i in members]
+        flat = self._flat[u]
+        if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
+            flat = self._flat[u] = torch.empty(self._dense_bytes[u] // 4, dtype=grads[0].dtype,
+                                               device=grads[0].device)
+        return torch.cat(grads, out=flat)
+
+    def _write_back(self, u: int) -> None:
+        """Copy a multi-gradient unit's result from its flat buffer into the members' ``.grad``."""
+        members = self._members[u]
+        if len(members) > 1:
+            start = 0
+            flat = self._flat[u]
+            for i in members:
+                grad = self._order[i].grad
+                grad.copy_(flat[start:start + grad.numel()].view(grad.shape))
+                start += grad.numel()
+
+    def _target(self, u: int) -> torch.Tensor:
+        """Where unit ``u``'s averaged result goes (see :meth:`_unit_tensor`)."""
+        members = self._members[u]
+        return self._order[members[0]].grad if len(members) == 1 else self._flat[u]
+
+    def _encode(self, u: int):
+        """Compress unit ``u`` (finiteness is checked once per step, see :meth:`synchronize`)."""
         self._open_round()
-        return self.compression.encode(self._gradient(self._order[i]), self._pname[i])
+        return self.compression.encode(self._unit_tensor(u), self._unit_name[u])
 
     def _allreduce_args(self) -> tuple:
         """(op, prescale, postscale) for Horovod's allreduce of a summable payload: ``op`` and
@@ -352,43 +400,44 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         f = self.gradient_predivide_factor
         return hvd.Average, 1.0 / f, f
 
-    def _launch(self, i: int) -> None:
-        """Compress parameter ``i``'s gradient and start its allreduce, or queue it for its
-        bucket's allgather. Timed as ``compress`` (queueing an asynchronous collective included)."""
-        p, name, route = self._order[i], self._pname[i], self._route[i]
+    def _launch(self, u: int) -> None:
+        """Compress unit ``u`` and start its allreduce, or queue it for its allgather bucket.
+        Timed as ``compress`` (queueing an asynchronous collective included)."""
+        name, route = self._unit_name[u], self._route[u]
         with self.timer.phase("compress"):
-            payload, ctx = self._encode(i)
+            payload, ctx = self._encode(u)
             if route == "allreduce":
                 op, pre, post = self._allreduce_args()
-                if self._in_place(p, payload):  # as stock Horovod: no copy, no decode
+                if self._in_place(self._target(u), payload):  # as stock Horovod: no copy, no decode
                     handles = [self.group.allreduce_async_(payload[0], f"{self._prefix}.{name}.0", op, pre, post)]
-                    self._inflight[i] = ("in-place", handles, ctx, self._grad_bytes[i], None)
+                    self._inflight[u] = ("in-place", handles, ctx, self._grad_bytes[u], None)
                     return
                 # Horovod's allreduce has no bfloat16: such payloads travel as float32
                 wire = [t if t.dtype in HOROVOD_ALLREDUCE_DTYPES else t.float() for t in payload]
                 handles = [self.group.allreduce_async(t, f"{self._prefix}.{name}.{k}", op, pre, post)
                            for k, t in enumerate(wire)]
                 nbytes = sum(t.numel() * t.element_size() for t in wire)
-                self._inflight[i] = ("allreduce", handles, ctx, nbytes, [t.dtype for t in payload])
+                self._inflight[u] = ("allreduce", handles, ctx, nbytes, [t.dtype for t in payload])
                 return
         if route == "decoded-allreduce":  # cheaper to average the decoded payload densely
+            target = self._target(u)
             with self.timer.phase("decompress"):
                 dense = self.compression.decode_into(
-                    torch.empty(p.shape, dtype=torch.float32, device=p.device), payload, ctx)
+                    torch.empty(target.shape, dtype=torch.float32, device=target.device), payload, ctx)
             op = self._hvd.Sum if self.op is self._hvd.Sum else self._hvd.Average
             with self.timer.phase("communicate"):
                 handle = self.group.allreduce_async(dense, f"{self._prefix}.{name}.dense", op)
-            self._inflight[i] = ("dense", [handle], ctx, dense.numel() * 4, None)
+            self._inflight[u] = ("dense", [handle], ctx, dense.numel() * 4, None)
         else:
-            self._encoded[i] = (payload, ctx)
-            self._waiting[self._bucket_of[i]] -= 1
+            self._encoded[u] = (payload, ctx)
+            self._waiting[self._bucket_of[u]] -= 1
             self._start_buckets(flush=False)
 
-    def _in_place(self, p: torch.Tensor, payload) -> bool:
-        """Whether ``payload`` is ``p.grad`` itself (``none`` on a float32/float64 gradient)."""
+    def _in_place(self, target: torch.Tensor, payload) -> bool:
+        """Whether ``payload`` is ``target`` itself (``none`` on a float32/float64 gradient)."""
         return (self.compression.payload_is_gradient and len(payload) == 1
-                and payload[0].dtype in HOROVOD_ALLREDUCE_DTYPES and p.grad.is_contiguous()
-                and payload[0].data_ptr() == p.grad.data_ptr() and payload[0].numel() == p.grad.numel())
+                and payload[0].dtype in HOROVOD_ALLREDUCE_DTYPES and target.is_contiguous()
+                and payload[0].data_ptr() == target.data_ptr() and payload[0].numel() == target.numel())
 
     def _start_buckets(self, flush: bool) -> None:
         """Start the allgather of each complete bucket, in the fixed bucket order."""
@@ -396,11 +445,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             bucket = self._buckets[self._next_bucket]
             if self._waiting[self._next_bucket] and not flush:
                 return
-            for i in bucket:  # flush: unused parameters (or fewer backward passes) send zeros
-                if i not in self._encoded:
+            for u in bucket:  # flush: unused parameters (or fewer backward passes) send zeros
+                if u not in self._encoded:
                     with self.timer.phase("compress"):
-                        self._encoded[i] = self._encode(i)
-            tensors = [t for i in bucket for t in self._encoded[i][0]]
+                        self._encoded[u] = self._encode(u)
+            tensors = [t for u in bucket for t in self._encoded[u][0]]
             with self.timer.phase("communicate"):
                 handle = self._gatherer.start(tensors, f"{self._prefix}.bucket{self._next_bucket}")
             self._bucket_handles[self._next_bucket] = handle
@@ -419,42 +468,42 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         scale = self._result_scale()
         with self.timer.phase("decompress"):
             start = 0
-            for i in bucket:
-                payload, ctx = self._encoded.pop(i)
+            for u in bucket:
+                payload, ctx = self._encoded.pop(u)
                 stop = start + len(payload)
-                grad = self._order[i].grad
-                self.compression.aggregate_into(grad, [rank_tensors[start:stop] for rank_tensors in gathered], ctx)
+                target = self._target(u)
+                self.compression.aggregate_into(target, [rank_tensors[start:stop] for rank_tensors in gathered], ctx)
                 if scale != 1.0:
-                    grad.mul_(scale)
+                    target.mul_(scale)
+                self._write_back(u)
                 start = stop
         self.timer.add_bytes(sent=handle.bytes_sent, received=handle.bytes_received,
                              dense=self._bucket_dense[index])
         self._waiting[index] = len(bucket)
 
-    def _finish_allreduces(self, positions: List[int]) -> None:
-        """Wait for the allreduces of ``positions`` (one ``communicate`` slice), then write each
-        averaged gradient into its ``.grad`` (one ``decompress`` slice)."""
+    def _finish_allreduces(self, units: List[int]) -> None:
+        """Wait for the allreduces of ``units`` (one ``communicate`` slice), then write each
+        averaged result (one ``decompress`` slice)."""
         done, nbytes, dense = [], 0, 0
         with self.timer.phase("communicate"):
-            for i in positions:
-                kind, handles, ctx, sent, dtypes = self._inflight.pop(i)
+            for u in units:
+                kind, handles, ctx, sent, dtypes = self._inflight.pop(u)
                 outputs = [self.group.synchronize(h) for h in handles]
                 nbytes += sent
-                dense += self._dense_bytes[i]
-                if kind != "in-place":  # an in-place result is in .grad already
-                    done.append((i, kind, outputs, ctx, dtypes))
-        if done:
-            sum_votes = self.compression.allreduce_op == "sum" and self.op is self._hvd.Sum
-            with self.timer.phase("decompress"):
-                for i, kind, outputs, ctx, dtypes in done:
-                    grad = self._order[i].grad
-                    if kind == "allreduce":
-                        outputs = [o if o.dtype == dt else o.to(dt) for o, dt in zip(outputs, dtypes)]
-                        self.compression.decode_into(grad, outputs, ctx)
-                        if sum_votes:
-                            grad.mul_(self._result_scale())
-                    else:
-                        grad.copy_(outputs[0])
+                dense += self._dense_bytes[u]
+                done.append((u, kind, outputs, ctx, dtypes))
+        sum_votes = self.compression.allreduce_op == "sum" and self.op is self._hvd.Sum
+        with self.timer.phase("decompress"):
+            for u, kind, outputs, ctx, dtypes in done:
+                target = self._target(u)
+                if kind == "allreduce":
+                    outputs = [o if o.dtype == dt else o.to(dt) for o, dt in zip(outputs, dtypes)]
+                    self.compression.decode_into(target, outputs, ctx)
+                    if sum_votes:
+                        target.mul_(self._result_scale())
+                elif kind == "dense":
+                    target.copy_(outputs[0])
+                self._write_back(u)  # (an in-place result is in its target already)
         self.timer.add_bytes(sent=nbytes, received=nbytes, dense=dense)
 
     # ---- synchronisation ----------------------------------------------------------------------
@@ -476,16 +525,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         # every local gradient's finiteness, in one fused check: the inputs are intact until the
         # collectives finish, except those reduced in place, checked on their (identical) results
-        in_place = [i for i, work in self._inflight.items() if work[0] == "in-place"]
+        # gradients reduced in place in .grad (none, granularity "tensor") are checked after
+        in_place = [self._members[u][0] for u, work in self._inflight.items()
+                    if work[0] == "in-place" and len(self._members[u]) == 1]
         skip = set(in_place)
         self._guard.observe([p.grad for i, p in enumerate(self._order) if p.grad is not None and i not in skip])
-        for i in range(len(self._order)):  # allreduces backward did not start; buckets are flushed below
-            if self._bucket_of[i] < 0 and i not in self._inflight:
-                self._launch(i)
+        units = range(len(self._members))
+        for u in units:  # allreduces backward did not start; allgather buckets are flushed below
+            if self._bucket_of[u] < 0 and u not in self._inflight:
+                self._launch(u)
         self._start_buckets(flush=True)
         for index in range(len(self._buckets)):
             self._finish_bucket(index)
-        self._finish_allreduces([i for i in range(len(self._order)) if self._bucket_of[i] < 0])
+        self._finish_allreduces([u for u in units if self._bucket_of[u] < 0])
         self._guard.observe([self._order[i].grad for i in in_place])
         self._next_bucket = 0
         self._end_synchronize()
@@ -495,6 +547,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         gradients back their layout (as Horovod's ``sparse_as_dense``: the optimizer sees the
         gradient layout it would see without Horovod)."""
         self._delay = [self.backward_passes_per_step] * len(self._order)
+        self._unit_wait = [len(m) for m in self._members]
         self._hooks_fired = 0
         self._synced = True
         self._agree_step()
@@ -605,6 +658,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
         self.backward_passes_per_step = passes
         self._delay = [passes] * len(self._order)
+        self._unit_wait = [len(m) for m in getattr(self, "_members", [])]
 
     def state_dict(self):
         """The wrapped optimizer's state plus the compressor's (residuals, momenta, Q, RNG states)
@@ -625,6 +679,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._inflight, self._encoded, self._bucket_handles = {}, {}, {}
         self._next_bucket, self._hooks_fired = 0, 0
         self._waiting = [len(b) for b in getattr(self, "_buckets", [])]
+        self._unit_wait = [len(m) for m in getattr(self, "_members", [])]
         self._discard_round()
         self.set_backward_passes_per_step(self.backward_passes_per_step)
         super(self.__class__, self).load_state_dict(state_dict)
@@ -673,7 +728,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          check_consistency: bool = True,
                          bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                          cost_model="measure",
-                         grad_scaler=None) -> torch.optim.Optimizer:
+                         grad_scaler=None,
+                         granularity: str = "tensor") -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are compressed and averaged over Horovod ranks.
 
     Takes ``hvd.DistributedOptimizer``'s arguments, in its order, plus hvdcomp's own (keyword
@@ -725,12 +781,21 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         grad_scaler: the ``torch.amp.GradScaler`` of an AMP loop, so that compressor state kept
             in gradient units follows loss-scale changes; found automatically when omitted (see
             :mod:`hvdcomp.amp`).
+        granularity: what the compressor sees as one tensor: ``"tensor"`` (default: each
+            gradient, as the methods' papers do) or ``"bucket"`` (as PyTorch DDP's comm hooks:
+            consecutive gradients of one dtype, up to ``bucket_bytes`` or one Horovod ``group``,
+            are copied into one flat buffer and compressed together; state such as error-feedback
+            residuals is kept per bucket, named ``bucket<k>``). ``"bucket"`` removes the fixed
+            cost per tensor on models with many small tensors, and changes what a method selects:
+            top-k keeps the largest entries of the bucket, not of each layer; QSGD, signSGD and
+            the casts are unchanged up to their scales. Refused for PowerSGD (it needs each
+            gradient's matrix shape).
 
     Raises:
         ValueError: bad ``named_parameters``, ``backward_passes_per_step < 1``, unknown
             ``nonfinite``, ``op`` not Average/Sum, ``gradient_predivide_factor`` with
-            ``op != Average``, bad ``groups``, ``bucket_bytes < 1``, an unknown ``cost_model``,
-            a compressor already used by another optimizer, a compressor that applies momentum
+            ``op != Average``, bad ``groups``, ``bucket_bytes < 1``, an unknown ``cost_model``
+            or ``granularity`` (or ``"bucket"`` with PowerSGD), a compressor already used by another optimizer, a compressor that applies momentum
             (DGC) with an optimizer that also does, or ranks that disagree on any setting
             (raised on every rank, naming the difference).
         TypeError: unsupported ``compression`` or ``grad_scaler``.
@@ -774,6 +839,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if isinstance(groups, list):
         if any(not isinstance(p, torch.Tensor) for g in groups for p in g):
             raise ValueError("groups must consist of torch.Tensor (lists of the model's parameters)")
+    if granularity not in ("tensor", "bucket"):
+        raise ValueError(f"granularity must be 'tensor' or 'bucket', got {granularity!r}")
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive integer (bytes), e.g. 25 * 2**20; got {bucket_bytes!r}")
     if not (cost_model in ("measure", "off") or isinstance(cost_model, CostModel)
@@ -783,6 +850,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if isinstance(cost_model, (tuple, list)):
         cost_model = CostModel(float(cost_model[0]), float(cost_model[1]))  # ValueError if out of range
     compression = resolve_compression(compression)
+    if granularity == "bucket" and compression.batched:
+        raise ValueError(f"granularity='bucket' flattens gradients, but '{compression.name}' needs "
+                         "each gradient's matrix shape: use granularity='tensor'")
     owner = _owners.get(compression)
     if owner is not None and owner() is not None:
         raise ValueError(f"this '{compression.name}' compressor already serves another "
@@ -806,7 +876,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                     gradient_predivide_factor=gradient_predivide_factor, groups=groups,
                     sparse_as_dense=bool(sparse_as_dense), process_set=process_set, allgather=allgather,
                     timer=timer, nonfinite=nonfinite, check_consistency=check_consistency,
-                    bucket_bytes=bucket_bytes, cost_model=cost_model, grad_scaler=grad_scaler)
+                    bucket_bytes=bucket_bytes, cost_model=cost_model, grad_scaler=grad_scaler,
+                    granularity=granularity)
     opt = cls(optimizer.param_groups, named_parameters, compression, settings)
     _owners[compression] = weakref.ref(opt)
     return opt

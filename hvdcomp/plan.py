@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["make_buckets", "split_groups", "TransportPlan", "plan_transport", "ROUTES"]
+__all__ = ["make_buckets", "make_units", "split_groups", "TransportPlan", "plan_transport", "ROUTES"]
 
 ROUTES = ("allreduce", "allgather", "decoded-allreduce", "batched")
 
@@ -42,6 +42,51 @@ def make_buckets(sizes: List[int], bucket_bytes: int) -> List[List[int]]:
     if current:
         buckets.append(current)
     return buckets
+
+
+def make_units(params: Sequence[Tuple[str, int, int, str]], granularity: str, bucket_bytes: int,
+               groups: Optional[List[List[str]]] = None) -> List[Tuple[str, List[int]]]:
+    """What the compressor sees as one tensor: a *unit* per gradient, or per bucket of gradients.
+
+    Args:
+        params: ``(name, numel, element_size in bytes, layout key)`` per parameter, in launch
+            order; the layout key (dtype and device) must match within a bucket.
+        granularity: ``"tensor"`` (one unit per parameter) or ``"bucket"`` (consecutive
+            gradients of one layout flattened together, at most ``bucket_bytes`` each, or one
+            unit per group of ``groups`` split by layout).
+        bucket_bytes: cap on a bucket unit's gradient bytes (a larger gradient is alone).
+        groups: explicit groups of names (Horovod's ``groups``), used as bucket units.
+
+    Returns:
+        ``(unit name, member positions)`` covering every parameter once, in launch order; a
+        bucket unit is named ``bucket<k>``.
+
+    Raises:
+        ValueError: unknown ``granularity``.
+    """
+    if granularity == "tensor":
+        return [(name, [i]) for i, (name, _, _, _) in enumerate(params)]
+    if granularity != "bucket":
+        raise ValueError(f"granularity must be 'tensor' or 'bucket', got {granularity!r}")
+    if groups is not None:
+        at = {name: i for i, (name, _, _, _) in enumerate(params)}
+        runs = [[at[n] for n in g] for g in groups]
+    else:
+        runs, start = [], 0
+        for i in range(1, len(params) + 1):
+            if i == len(params) or params[i][3] != params[start][3]:
+                positions = list(range(start, i))
+                sizes = [params[k][1] * params[k][2] for k in positions]
+                runs += [[positions[k] for k in b] for b in make_buckets(sizes, bucket_bytes)]
+                start = i
+    units = []
+    for run in runs:  # a group spanning layouts is split by layout
+        by_key: Dict[str, List[int]] = {}
+        for i in run:
+            by_key.setdefault(params[i][3], []).append(i)
+        units += list(by_key.values())
+    units.sort(key=lambda members: members[0])
+    return [(f"bucket{k}", members) for k, members in enumerate(units)]
 
 
 def split_groups(names: Sequence[str], groups) -> List[List[str]]:
@@ -85,16 +130,19 @@ class TransportPlan:
     """How every gradient of an optimizer travels (see the module docstring for the routes).
 
     Attributes:
-        routes: parameter name -> route.
-        buckets: allgather buckets, each a list of names in launch order.
+        routes: compression unit (a parameter, or a flattened bucket ``bucket<k>`` with
+            ``granularity="bucket"``) -> route.
+        buckets: allgather buckets, each a list of unit names in launch order.
         allgather: the allgather transport (``"mpi4py"``, ``"horovod"`` or ``"none"``).
         ranks: global ranks of the group the gradients are averaged over.
+        units: unit name -> names of the parameters it holds (only where a unit holds several).
     """
 
     routes: Dict[str, str]
     buckets: List[List[str]] = field(default_factory=list)
     allgather: str = "none"
     ranks: List[int] = field(default_factory=list)
+    units: Dict[str, List[str]] = field(default_factory=dict)
 
     def count(self, route: str) -> int:
         """Number of gradients on ``route``."""
@@ -104,7 +152,7 @@ class TransportPlan:
         """JSON-able summary: counts per route, bucket sizes, transport, group ranks."""
         return {"routes": {r: self.count(r) for r in ROUTES if self.count(r)},
                 "buckets": [len(b) for b in self.buckets], "allgather": self.allgather,
-                "ranks": self.ranks}
+                "ranks": self.ranks, "units": {u: len(m) for u, m in self.units.items()}}
 
     def __str__(self) -> str:
         """One line for logs and results, e.g. ``mpi4py-allgather (2 bucket(s))``."""

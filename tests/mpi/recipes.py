@@ -51,12 +51,13 @@ class Reference:
 
     def __init__(self, opt, named_parameters, compression, backward_passes_per_step=1, op=None,
                  gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False, process_set=None,
-                 grad_scaler=None, cost_model=None, **_):
+                 grad_scaler=None, cost_model=None, granularity="tensor", **_):
         self.opt = opt
         self.comp = hvdcomp.get_compressor(compression) if isinstance(compression, str) else compression
         self.names = {p: n for n, p in named_parameters}
         self.order = [p for g in reversed(opt.param_groups) for p in reversed(g["params"]) if p.requires_grad]
         self.bpps = backward_passes_per_step
+        self.granularity = granularity
         self.op = hvd.Average if op is None else op
         self.predivide = gradient_predivide_factor
         self.ps = process_set or hvd.global_process_set
@@ -121,23 +122,33 @@ class Reference:
                 for p, g in zip(self.order, self.comp.reduce_batch(named, mean, hvdcomp.PhaseTimer(cuda_sync=False))):
                     p.grad.copy_(g * (n if self.op is hvd.Sum else 1))
         else:
-            encoded = {id(p): self.comp.encode(p.grad, self.names[p]) for p in order}
-            for p in self.order:  # blocking collectives: the same order on every rank
-                payload, ctx = encoded[id(p)]
-                name = "ref." + self.names[p]
+            if self.granularity == "bucket":  # the whole (small) model is one flat bucket
+                units = [("bucket0", self.order, torch.cat([p.grad.reshape(-1) for p in self.order]))]
+            else:
+                units = [(self.names[p], [p], p.grad) for p in order]
+            encoded = {name: self.comp.encode(t, name) for name, _, t in units}
+            position = {id(p): k for k, p in enumerate(self.order)}
+            for name, members, t in sorted(units, key=lambda u: position[id(u[1][0])]):
+                payload, ctx = encoded[name]  # blocking collectives: the same order on every rank
+                name = "ref." + name
                 if self.comp.summable:
                     op = hvd.Sum if (self.op is hvd.Sum or self.comp.allreduce_op == "sum") else hvd.Average
                     f = self.predivide if op is hvd.Average else 1.0
-                    out = [hvd.allreduce(t, op=op, name=f"{name}.{i}", prescale_factor=1 / f,
+                    out = [hvd.allreduce(x, op=op, name=f"{name}.{i}", prescale_factor=1 / f,
                                          postscale_factor=f, process_set=self.ps)
-                           for i, t in enumerate(payload)]
-                    self.comp.decode_into(p.grad, out, ctx)
+                           for i, x in enumerate(payload)]
+                    self.comp.decode_into(t, out, ctx)
                     if self.comp.allreduce_op == "sum" and self.op is hvd.Sum:
-                        p.grad.mul_(n)
+                        t.mul_(n)
                 else:
-                    self.comp.aggregate_into(p.grad, self._gather(payload, name), ctx)
+                    self.comp.aggregate_into(t, self._gather(payload, name), ctx)
                     if self.op is hvd.Sum:
-                        p.grad.mul_(n)
+                        t.mul_(n)
+                start = 0
+                for p in members:  # a flat bucket's result goes back into each gradient
+                    if p.grad.data_ptr() != t.data_ptr():
+                        p.grad.copy_(t[start:start + p.numel()].view_as(p.grad))
+                    start += p.numel()
         flags = self._gather(bool(bad), "ref.bad")
         if any(flags):
             self.comp.rollback()
@@ -229,6 +240,19 @@ def recipe_plain(make, set_to_none=True):
             opt.zero_grad()
         else:
             opt.zero_grad(set_to_none=False)
+        loss_of(model, step).backward()
+        opt.step()
+    return params(model)
+
+
+def recipe_bucket_granularity(make):
+    """The plain loop with granularity="bucket" (hvdcomp only: the model's gradients are one flat
+    bucket, compressed as one tensor); stock Horovod runs the plain loop."""
+    model = mlp()
+    kw = {} if make is stock else {"granularity": "bucket"}
+    opt = make(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), **kw)
+    for step in range(STEPS):
+        opt.zero_grad()
         loss_of(model, step).backward()
         opt.step()
     return params(model)
@@ -440,7 +464,7 @@ def recipe_resume_adam(make):
 
 
 RECIPES = {f.__name__[len("recipe_"):]: f for f in [
-    recipe_plain, recipe_zero_grad_keep, recipe_clip, recipe_clip_without_skip_synchronize,
+    recipe_plain, recipe_bucket_granularity, recipe_zero_grad_keep, recipe_clip, recipe_clip_without_skip_synchronize,
     recipe_amp, recipe_accumulation, recipe_set_backward_passes_per_step, recipe_discard,
     recipe_gan, recipe_gan_prefixed, recipe_sparse_embedding, recipe_unused_parameter, recipe_op_sum,
     recipe_predivide_and_groups, recipe_process_set, recipe_resume, recipe_resume_adam]}
@@ -472,6 +496,13 @@ def run(recipe):
     for spec in SPECS:
         if recipe == "op_sum" and spec.startswith(("signsgd", "efsignsgd")):
             continue  # a sign vote times the world size is a legal but useless update; skip
+        if recipe == "bucket_granularity" and spec.startswith("powersgd"):
+            try:
+                fn(ours(spec))
+            except ValueError as exc:
+                assert "granularity='bucket'" in str(exc), exc
+                continue
+            raise AssertionError("powersgd accepted granularity='bucket'")
         got, want = fn(ours(spec)), fn(reference(spec))
         assert same(got, want), (f"{recipe} with {spec}: differs from the reference, max |diff| "
                                  f"{max((a - b).abs().max().item() for a, b in zip(got, want))}")
