@@ -194,6 +194,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bucket_dense = [sum(self._dense_bytes[u] for u in b) for b in self._buckets]
         self._waiting = [len(b) for b in self._buckets]  # units each allgather bucket still waits for
         self._route: List[str] = [self.transport.routes[n] for n in self._unit_name]
+        self._wire_name = [f"{self._prefix}.{n}" for n in self._unit_name]  # Horovod tensor names
+        self._reduce_args = self._allreduce_args()
+        self._direct = type(compression) is NoneCompressor and self.granularity == "tensor"
         log.info("hvdcomp: %s", self.transport)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._order]
 
@@ -403,18 +406,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _launch(self, u: int) -> None:
         """Compress unit ``u`` and start its allreduce, or queue it for its allgather bucket.
         Timed as ``compress`` (queueing an asynchronous collective included)."""
-        name, route = self._unit_name[u], self._route[u]
+        route, wire_name = self._route[u], self._wire_name[u]
         with self.timer.phase("compress"):
+            if self._direct:  # none on one gradient: Horovod's own path, nothing to encode
+                grad = self._unit_tensor(u)
+                if grad.dtype in HOROVOD_ALLREDUCE_DTYPES and grad.is_contiguous():
+                    self._open_round()
+                    handles = [self.group.allreduce_async_(grad, wire_name + ".0", *self._reduce_args)]
+                    self._inflight[u] = ("in-place", handles, None, self._grad_bytes[u], None)
+                    return
             payload, ctx = self._encode(u)
             if route == "allreduce":
-                op, pre, post = self._allreduce_args()
+                op, pre, post = self._reduce_args
                 if self._in_place(self._target(u), payload):  # as stock Horovod: no copy, no decode
-                    handles = [self.group.allreduce_async_(payload[0], f"{self._prefix}.{name}.0", op, pre, post)]
+                    handles = [self.group.allreduce_async_(payload[0], wire_name + ".0", op, pre, post)]
                     self._inflight[u] = ("in-place", handles, ctx, self._grad_bytes[u], None)
                     return
                 # Horovod's allreduce has no bfloat16: such payloads travel as float32
                 wire = [t if t.dtype in HOROVOD_ALLREDUCE_DTYPES else t.float() for t in payload]
-                handles = [self.group.allreduce_async(t, f"{self._prefix}.{name}.{k}", op, pre, post)
+                handles = [self.group.allreduce_async(t, f"{wire_name}.{k}", op, pre, post)
                            for k, t in enumerate(wire)]
                 nbytes = sum(t.numel() * t.element_size() for t in wire)
                 self._inflight[u] = ("allreduce", handles, ctx, nbytes, [t.dtype for t in payload])
@@ -426,7 +436,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     torch.empty(target.shape, dtype=torch.float32, device=target.device), payload, ctx)
             op = self._hvd.Sum if self.op is self._hvd.Sum else self._hvd.Average
             with self.timer.phase("communicate"):
-                handle = self.group.allreduce_async(dense, f"{self._prefix}.{name}.dense", op)
+                handle = self.group.allreduce_async(dense, wire_name + ".dense", op)
             self._inflight[u] = ("dense", [handle], ctx, dense.numel() * 4, None)
         else:
             self._encoded[u] = (payload, ctx)
