@@ -87,7 +87,9 @@ def test_zero_steps_on_every_rank_then_recovery(zero_steps, matrix_rank):
 @pytest.mark.parametrize("bad", ["zeros", "nan", "one_zero_column", "wrong_shape"])
 def test_restored_degenerate_state_is_repaired(bad):
     comp = hvdcomp.get_compressor("powersgd", rank=2)
-    q = torch.randn(8, 2)
+    # a fixed Q: one power iteration per step from a random start converges within two steps
+    # to 1e-4 for all but about 1 in 3000 starts (seed 1030 of the global generator is one)
+    q = torch.randn(8, 2, generator=torch.Generator().manual_seed(0))
     if bad == "zeros":
         q.zero_()
     elif bad == "nan":
