@@ -221,21 +221,30 @@ def main(argv=None):
                                "parameters": sum(q.numel() for q in runs[args.contenders[0]][0].parameters()),
                                "contenders": rows}
         if comm.Get_rank() == 0:
-            print(f"\n### {model_name}: {tensors} tensors, {comm.Get_size()} ranks\n")
-            print("| contender | step (ms) | overhead (ms) | µs / tensor | step / Horovod | overhead / Horovod |")
-            print("|---|---:|---:|---:|---:|---:|")
-            for c, row in rows.items():
-                print(f"| {c} | {1e3 * row['median_step_s']:.1f} | {1e3 * row['overhead_s']:.1f} | "
-                      f"{1e6 * row['overhead_per_tensor_s']:.0f} | {row.get('step_vs_horovod', float('nan')):.2f} | "
-                      f"{row.get('overhead_vs_horovod', float('nan')):.2f} |", flush=True)
+            print("\n".join(table(model_name, results[model_name], comm.Get_size())), flush=True)
     if comm.Get_rank() == 0 and args.output:
         os.makedirs(args.output, exist_ok=True)
         info = {"settings": vars(args), "ranks": comm.Get_size(), "host": platform.node(),
                 "torch": torch.__version__, "hvdcomp": hvdcomp.__version__,
                 "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_ENV)},
-                "models": results}
+                "load_average": os.getloadavg(), "models": results}
         with open(os.path.join(args.output, "overhead.json"), "w") as f:
             json.dump(info, f, indent=2)
+
+
+def table(model: str, result: dict, ranks: int) -> List[str]:
+    """Markdown table of one model's contenders (ratios against stock Horovod in the same run)."""
+    lines = [f"### {model}: {result['tensors']} tensors, {ranks} ranks", "",
+             "| contender | step (ms) | overhead (ms) | µs / tensor | step / Horovod | overhead / Horovod |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for c, row in result["contenders"].items():
+        ratio = row.get("overhead_vs_horovod")
+        ref = result["contenders"].get("horovod:none", {}).get("overhead_s", 0.0)
+        shown = f"{ratio:.2f}" if ratio is not None and ref > 0 else "–"
+        lines.append(f"| {c} | {1e3 * row['median_step_s']:.1f} | {1e3 * row['overhead_s']:.1f} | "
+                     f"{1e6 * row['overhead_per_tensor_s']:.0f} | {row.get('step_vs_horovod', float('nan')):.2f} | "
+                     f"{shown} |")
+    return lines + [""]
 
 
 if __name__ == "__main__":
