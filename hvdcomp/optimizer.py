@@ -410,7 +410,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         with self.timer.phase("compress"):
             if self._direct:  # none on one gradient: Horovod's own path, nothing to encode
                 grad = self._unit_tensor(u)
-                if grad.dtype in HOROVOD_ALLREDUCE_DTYPES and grad.is_contiguous():
+                if grad.dtype in (torch.float32, torch.float64) and grad.is_contiguous():  # (none sends
+                    # half-precision gradients as float32: their sums would overflow in fp16)
                     self._open_round()
                     handles = [self.group.allreduce_async_(grad, wire_name + ".0", *self._reduce_args)]
                     self._inflight[u] = ("in-place", handles, None, self._grad_bytes[u], None)
