@@ -21,7 +21,7 @@ export OMP_NUM_THREADS=1
 
 STUDY_OUT ?= docs/results/study-small
 
-.PHONY: install run test study speed clean
+.PHONY: install run test study speed numerics clean
 
 install: $(VENV)/.hvdcomp-installed
 
@@ -50,3 +50,9 @@ speed: install
 
 clean:
 	rm -rf runs .pytest_cache
+
+# The extreme-input matrix (tests/test_numerics_matrix.py, ~1 minute on 2 cores), rendered into docs/numerics.md.
+numerics: install
+	mkdir -p runs
+	HVDCOMP_NUMERICS_JSON=$(abspath runs/numerics.json) $(PY) -m pytest -q tests/test_numerics_matrix.py
+	$(PY) scripts/numerics_table.py runs/numerics.json docs/numerics.md

@@ -243,8 +243,7 @@ def build(args, raw: LSTMLM, comm) -> Setup:
                                                  compression=compressor)
             s.timer = s.opt.timer
             s.info["compressor"] = compressor.describe()
-            s.info["transport"] = ("allreduce" if compressor.summable
-                                   else s.opt._gatherer.kind + "-allgather")
+            s.info["transport"] = str(s.opt.transport)
         else:
             compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.variant]
             s.opt = hvd.DistributedOptimizer(sgd, named_parameters=raw.named_parameters(),

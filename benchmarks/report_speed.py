@@ -529,11 +529,51 @@ def kernels_section(directory: Optional[str]) -> List[str]:
     return out or [f"No kernels.md under {directory}."]
 
 
+# issue 17's targets for the many-tensor stack (ratios to stock Horovod measured in the same run)
+OVERHEAD_TARGETS = [("hvdcomp:none", "step_vs_horovod", 1.05, "step ≤ 1.05× stock Horovod"),
+                    ("hvdcomp:topk:density=0.01", "overhead_vs_horovod", 2.0, "overhead ≤ 2× stock Horovod's"),
+                    ("hvdcomp:powersgd:rank=2", "overhead_vs_horovod", 2.0, "overhead ≤ 2× stock Horovod's")]
+
+
+def overhead_section(directory: Optional[str]) -> List[str]:
+    """Per-tensor overhead: benchmarks/overhead.py's tables (one run per world size) and the
+    stack's targets, met or missed with the measured ratio."""
+    if not directory:
+        return ["No overhead results (run benchmarks/overhead.py)."]
+    runs = sorted(glob.glob(os.path.join(directory, "**", "overhead.json"), recursive=True))
+    if not runs:
+        return [f"No overhead.json under {directory}."]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from overhead import table  # the same rendering as the benchmark prints
+
+    lines = ["`overhead = median step − median step of the same model without communication` (the "
+             "`local` row), per model and world size; every ratio is against stock Horovod measured "
+             "in the same run (contenders interleaved in rounds). `@bucket` is "
+             "`granularity=\"bucket\"`.", ""]
+    targets = ["| ranks | contender | target | measured | verdict |", "|---:|---|---|---:|---|"]
+    for path in runs:
+        run = read_json(path)
+        lines.append(f"Run `{os.path.relpath(path, directory)}`: {run['ranks']} ranks, load average "
+                     f"{', '.join(f'{x:.1f}' for x in run.get('load_average', []))} at the end.")
+        lines.append("")
+        for model, result in run["models"].items():
+            lines += table(model, result, run["ranks"])
+        stack = run["models"].get("stack", {}).get("contenders", {})
+        for contender, key, limit, text in OVERHEAD_TARGETS:
+            for name in (contender, contender + "@bucket"):
+                if name in stack and key in stack[name]:
+                    value = stack[name][key]
+                    targets.append(f"| {run['ranks']} | {name} | {text} | {value:.2f} | "
+                                   f"{'met' if value <= limit else 'missed'} |")
+    return ["Targets on the 400-tensor stack:", ""] + targets + [""] + lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--e2e", default="runs/netem-e2e")
     p.add_argument("--comm", default="runs/netem-comm")
     p.add_argument("--kernels", default=None, help="directory holding kernels.md files (searched recursively)")
+    p.add_argument("--overhead", default=None, help="directory holding overhead.json files (searched recursively)")
     p.add_argument("--output", default="docs/results/speed")
     p.add_argument("--preamble", default=None, help="markdown file put at the top (commands, notes)")
     args = p.parse_args(argv)
@@ -550,7 +590,8 @@ def main(argv=None) -> int:
     lines += ["## Targets", ""] + (targets_section(e2e) if e2e else ["No end-to-end results."]) + [""]
     lines += ["## End-to-end on rate-limited links", ""] + e2e_lines + [""]
     lines += ["## α-β cost model: fit, check and extrapolation", ""] + cost_lines + [""]
-    lines += ["## Kernel benchmark", ""] + kernels_section(args.kernels)
+    lines += ["## Kernel benchmark", ""] + kernels_section(args.kernels) + [""]
+    lines += ["## Per-tensor overhead", ""] + overhead_section(args.overhead)
     with open(os.path.join(args.output, "report.md"), "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
     with open(os.path.join(args.output, "summary.json"), "w") as f:

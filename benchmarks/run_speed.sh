@@ -1,7 +1,7 @@
 #!/bin/bash
 # The speed study behind docs/results/speed/report.md, exactly as run (root; about 1.5 h on 2 cores).
 # Sequential on purpose: keep the machine otherwise quiet while it runs. Resumable (finished cells
-# are kept). Writes OUT/netem-e2e, OUT/netem-comm, OUT/kernels-cpu and OUT/report.md + plots.
+# are kept). Writes OUT/netem-e2e, OUT/netem-comm, OUT/kernels-cpu, OUT/overhead and OUT/report.md + plots.
 #   bash benchmarks/run_speed.sh [OUT]      (default runs/speed; `make speed` uses docs/results/speed)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +24,15 @@ $PY benchmarks/netem_e2e.py --bench comm --output "$OUT/netem-comm" --model medi
 # 4. kernels (one process), then the report
 $PY benchmarks/kernels.py --output "$OUT/kernels-cpu" --sizes 4M 16M --threads 2 --repeat 5 --compare \
   --profile "qsgd:levels=16" "topk:density=0.01" "dgc:density=0.01" || status=1
+# 5. per-tensor overhead on models with many tensors, 2 and 4 ranks on this machine's loopback
+for np in 2 4; do
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 \
+  HOROVOD_CYCLE_TIME=1 OMP_NUM_THREADS=1 timeout 3600 mpirun -np $np --oversubscribe --bind-to none \
+    $PY benchmarks/overhead.py --output "$OUT/overhead/np$np" \
+    --contenders local horovod:none hvdcomp:none hvdcomp:none@bucket hvdcomp:fp16 hvdcomp:fp16@bucket \
+                 hvdcomp:topk:density=0.01 hvdcomp:topk:density=0.01@bucket hvdcomp:powersgd:rank=2 \
+                 hvdcomp:qsgd:levels=16 hvdcomp:qsgd:levels=16@bucket || status=1
+done
 $PY benchmarks/report_speed.py --e2e "$OUT/netem-e2e" --comm "$OUT/netem-comm" --kernels "$OUT/kernels-cpu" \
-  --output "$OUT" --preamble benchmarks/speed_preamble.md
+  --overhead "$OUT/overhead" --output "$OUT" --preamble benchmarks/speed_preamble.md
 exit $status

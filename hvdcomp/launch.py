@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["LaunchInfo", "detect_launch", "select_device", "abort_on_uncaught_exception"]
+__all__ = ["LaunchInfo", "detect_launch", "check_launch", "select_device", "abort_on_uncaught_exception"]
 
 # (launcher, rank, size, local rank) variable names, most specific first
 _SCHEMES = [
@@ -58,6 +58,43 @@ def detect_launch(environ=None) -> LaunchInfo:
                 raise ValueError(f"{r}={rank} is not in [0, {s}={size})")
             return LaunchInfo(launcher, rank, size, local)
     return LaunchInfo("none", 0, 1, 0)
+
+
+_LAUNCH_FIXES = {
+    "slurm": "srun started the tasks without wiring them into one MPI job: use `srun --mpi=pmix` "
+             "(Open MPI built with PMIx; `srun --mpi=list` shows the plugins your site has) or run "
+             "`mpirun` inside the allocation",
+    "openmpi": "mpirun started the processes but Horovod did not join them: check that Horovod was "
+               "built with MPI (`horovodrun --check-build`) and that HOROVOD_CONTROLLER is not set "
+               "to gloo without horovodrun",
+    "mpich": "the MPI launcher (Hydra/PMI) differs from the MPI library Horovod loads: launch with "
+             "the mpirun of the MPI that Horovod and mpi4py were built against",
+    "horovod-gloo": "horovodrun started the processes but Horovod initialised alone: do not set "
+                    "HOROVOD_CONTROLLER/HOROVOD_CPU_OPERATIONS by hand under horovodrun",
+}
+
+
+def check_launch(horovod_size: int, environ=None) -> None:
+    """Refuse to train N independent copies: the launcher started several tasks, Horovod sees one.
+
+    Args:
+        horovod_size: ``hvd.size()`` after ``hvd.init()``.
+        environ: the environment to read (``os.environ`` by default).
+
+    Raises:
+        RuntimeError: the launcher's variables (SLURM, Open MPI, PMI, Horovod Gloo; see
+            :func:`detect_launch`) give a job of N > 1 tasks but Horovod has one rank; the
+            message names the launcher, the variable and the likely fix.
+    """
+    env = os.environ if environ is None else environ
+    info = detect_launch(env)
+    size = info.size
+    if info.launcher == "slurm":  # the step's own task count (SLURM_NTASKS may be the allocation's)
+        size = int(env.get("SLURM_STEP_NUM_TASKS", size))
+    if size > 1 and horovod_size == 1:
+        raise RuntimeError(f"the launcher ({info.launcher}) started {size} tasks but Horovod sees 1 "
+                           f"rank, so each task would train its own copy of the model: "
+                           f"{_LAUNCH_FIXES[info.launcher]}")
 
 
 def select_device(prefer: str = "auto", local_rank: Optional[int] = None) -> torch.device:

@@ -8,16 +8,28 @@ Per parameter name, with residual ``e`` (zeros at first)::
     p = g + e ;  payload = C(p) ;  e = p - decode(payload)
 
 so that ``sum_t sent_t + e_T == sum_t g_t`` (the residual telescopes).
+
+float16 and bfloat16 gradients are upcast to float32 before ``p = g + e``: the residual of a
+half-precision gradient is kept in float32 (a float16 residual would itself round away what the
+compressor dropped), the inner method compresses the float32 ``p``, and decoded gradients are
+cast back to the gradient's dtype (saturating at its largest finite value).
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict, NamedTuple
 
 import torch
 
-from .compressors.base import Compressor
+from .compressors.base import Compressor, cast_saturating
 
 __all__ = ["ErrorFeedback"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class _Context(NamedTuple):
+    inner: Any            # the inner method's context
+    dtype: torch.dtype    # the gradient's dtype (decoded outputs are cast back to it)
 
 
 class ErrorFeedback(Compressor):
@@ -26,9 +38,11 @@ class ErrorFeedback(Compressor):
     Args:
         inner: any :class:`hvdcomp.Compressor`.
 
-    State: one residual per parameter name, same shape and dtype as the gradient, kept on the
-    gradient's device. On CPU the previous step's residual is kept as a spare buffer (about
-    twice the residual memory) so that a step allocates no full-size tensor. :meth:`state_dict` returns ``{"residuals": {name: tensor}, "inner": ...}``.
+    State: one residual per parameter name, same shape as the gradient, float32 for float16 and
+    bfloat16 gradients and the gradient's dtype otherwise, kept on the gradient's device. On CPU
+    the previous step's residual is kept as a spare buffer (about twice the residual memory) so
+    that a step allocates no full-size tensor. :meth:`state_dict` returns
+    ``{"residuals": {name: tensor}, "inner": ...}``.
 
     Raises:
         ValueError: from :meth:`encode` when no parameter name is given (residuals are per
@@ -64,6 +78,25 @@ class ErrorFeedback(Compressor):
     def aggregate_is_mean(self):  # type: ignore[override]
         return self.inner.aggregate_is_mean
 
+    has_scaled_state = True  # the residual
+
+    def bind_group(self, size):
+        super().bind_group(size)
+        self.inner.bind_group(size)
+
+    def rescale_state(self, factor):
+        """Multiply the residuals (gradient units) and the inner method's state by ``factor``."""
+        for e in self.residuals.values():
+            e.mul_(factor)
+        self.inner.rescale_state(factor)
+
+    def shared_state(self):
+        """Residuals are per rank; only the inner method's shared state."""
+        return {"inner": self.inner.shared_state()}
+
+    def load_shared_state(self, shared):
+        self.inner.load_shared_state(shared.get("inner", {}))
+
     def expected_payload_bytes(self, numel):
         return self.inner.expected_payload_bytes(numel)
 
@@ -80,10 +113,13 @@ class ErrorFeedback(Compressor):
         if name is None:
             raise ValueError("error feedback keeps one residual per parameter and needs its name: "
                              "use hvdcomp.DistributedOptimizer(..., named_parameters=model.named_parameters())")
+        dtype = tensor.dtype
+        if dtype in _HALF:
+            tensor = tensor.to(torch.float32)
         e = self._get("residuals", name)
         spare = self._spares.pop(name, None)
-        if e is None:
-            p = tensor.detach().clone()
+        if e is None:  # a half-precision gradient was already copied by the cast
+            p = tensor.detach().clone() if tensor.dtype == dtype else tensor
         elif spare is not None and spare.shape == e.shape and spare.dtype == e.dtype and spare.device == e.device:
             p = torch.add(tensor, e, out=spare)  # no allocation: the previous step's residual memory
         else:
@@ -93,7 +129,7 @@ class ErrorFeedback(Compressor):
         self._put("residuals", name, residual)
         if self._pending is None and e is not None:
             self._keep_spare(name, e)
-        return payload, ctx
+        return payload, _Context(ctx, dtype)
 
     def _keep_spare(self, name: str, tensor) -> None:
         """Keep a no-longer-needed residual's memory for the next step (CPU only: CUDA's caching
@@ -123,16 +159,16 @@ class ErrorFeedback(Compressor):
             self._keep_spare(name, value)
 
     def decode(self, payload, ctx):
-        return self.inner.decode(payload, ctx)
+        return cast_saturating(self.inner.decode(payload, ctx.inner), ctx.dtype)
 
     def aggregate(self, payloads, ctx):
-        return self.inner.aggregate(payloads, ctx)
+        return cast_saturating(self.inner.aggregate(payloads, ctx.inner), ctx.dtype)
 
     def decode_into(self, out, payload, ctx):
-        return self.inner.decode_into(out, payload, ctx)
+        return self.inner.decode_into(out, payload, ctx.inner)
 
     def aggregate_into(self, out, payloads, ctx):
-        return self.inner.aggregate_into(out, payloads, ctx)
+        return self.inner.aggregate_into(out, payloads, ctx.inner)
 
     def reset(self, name: str | None = None) -> None:
         """Zero the residual of ``name`` (all residuals when ``None``)."""

@@ -28,21 +28,39 @@ class PhaseTimer:
     """Accumulates exclusive seconds per phase and bytes per step.
 
     Args:
-        cuda_sync: call ``torch.cuda.synchronize()`` at phase boundaries so GPU work is charged
-            to the phase that queued it (costs a device sync per phase; default: when CUDA is
-            available).
+        cuda_sync: how GPU work is charged to phases. ``None`` (default): with CUDA available,
+            *events*: a CUDA event is recorded at each phase boundary (no host sync) and the
+            device time between consecutive events is charged to the phase active in between,
+            resolved once in :meth:`end_step` (one sync per step, where the step ends anyway);
+            without CUDA, the host clock. ``True``: ``torch.cuda.synchronize()`` at every
+            boundary (exact attribution, but it serialises what the optimizer overlaps).
+            ``False``: the host clock only.
         clock: a function returning seconds (default ``time.perf_counter``).
+        event_factory: makes the boundary events in events mode (default
+            ``torch.cuda.Event(enable_timing=True)``; tests pass a fake). Each needs
+            ``record()``, ``synchronize()`` and ``elapsed_time(later) -> milliseconds``.
 
     Use ``begin_step()``, ``with timer.phase(name): ...``, ``add_bytes(...)``, ``end_step()``;
     ``history`` holds one dict per finished step.
     """
 
-    def __init__(self, cuda_sync: Optional[bool] = None, clock=time.perf_counter):
+    def __init__(self, cuda_sync: Optional[bool] = None, clock=time.perf_counter, event_factory=None):
         self.clock = clock
-        self.cuda_sync = torch.cuda.is_available() if cuda_sync is None else cuda_sync
+        self.cuda_sync = bool(cuda_sync)
+        use_events = event_factory is not None or (cuda_sync is None and torch.cuda.is_available())
+        self._event_factory = None
+        if use_events:
+            self._event_factory = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
         self.history: List[Dict[str, Any]] = []
+        self._phases: Dict[str, "_Phase"] = {}
         self._stack: List[list] = []  # [name, start_of_current_slice]
+        self._marks: List[tuple] = []  # events mode: (event, phase charged for the slice ending here)
         self._begin_step_values()
+
+    @property
+    def uses_events(self) -> bool:
+        """Whether GPU phases are timed with events (see the class docstring)."""
+        return self._event_factory is not None
 
     def _begin_step_values(self):
         self.seconds: Dict[str, float] = defaultdict(float)
@@ -50,31 +68,63 @@ class PhaseTimer:
         self.bytes_received = 0
         self.dense_bytes = 0
         self._t0 = self.clock()
+        if self._event_factory is not None:
+            self._marks = [(self._record(), None)]
+
+    def _record(self):
+        event = self._event_factory()
+        event.record()
+        return event
+
+    def _boundary(self, now: float) -> None:
+        """Close the slice of the phase on top of the stack at ``now``."""
+        if not self._stack:
+            if self._event_factory is not None:
+                self._marks.append((self._record(), None))
+            return
+        top = self._stack[-1]
+        if self._event_factory is not None:
+            self._marks.append((self._record(), top[0]))
+        else:
+            self.seconds[top[0]] += now - top[1]
 
     def begin_step(self) -> None:
         """Start a new step (discards a step begun but not ended)."""
         self._begin_step_values()
 
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        """Charge the enclosed wall time (minus nested phases) to ``name``."""
+    def phase(self, name: str) -> "_Phase":
+        """Charge the enclosed wall time (minus nested phases) to ``name``: ``with timer.phase(name):``.
+
+        The context object is cached per name (a few hundred hooks call this every step)."""
+        ctx = self._phases.get(name)
+        if ctx is None:
+            ctx = self._phases[name] = _Phase(self, name)
+        return ctx
+
+    def _enter(self, name: str) -> None:
         if self.cuda_sync:
             torch.cuda.synchronize()
         now = self.clock()
-        if self._stack:
-            outer = self._stack[-1]
-            self.seconds[outer[0]] += now - outer[1]
+        self._boundary(now)
         self._stack.append([name, now])
-        try:
-            yield
-        finally:
-            if self.cuda_sync:
-                torch.cuda.synchronize()
-            now = self.clock()
-            cur = self._stack.pop()
-            self.seconds[cur[0]] += now - cur[1]
-            if self._stack:
-                self._stack[-1][1] = now
+
+    def _exit(self) -> None:
+        if self.cuda_sync:
+            torch.cuda.synchronize()
+        now = self.clock()
+        self._boundary(now)
+        self._stack.pop()
+        if self._stack:
+            self._stack[-1][1] = now
+
+    def _resolve_events(self) -> None:
+        """Events mode: charge the device time between consecutive boundaries (one sync)."""
+        last = self._record()
+        self._marks.append((last, self._stack[-1][0] if self._stack else None))
+        last.synchronize()
+        for (start, _), (end, phase) in zip(self._marks, self._marks[1:]):
+            if phase is not None:
+                self.seconds[phase] += start.elapsed_time(end) / 1000.0
 
     def add_bytes(self, sent: int = 0, received: int = 0, dense: int = 0) -> None:
         """Record bytes this rank put on / took off the wire, and the dense fp32 equivalent."""
@@ -84,6 +134,8 @@ class PhaseTimer:
 
     def end_step(self) -> Dict[str, Any]:
         """Close the step, append its record to ``history`` and return it."""
+        if self._event_factory is not None:
+            self._resolve_events()
         rec = {p: self.seconds.get(p, 0.0) for p in PHASES}
         rec.update({k: v for k, v in self.seconds.items() if k not in rec})
         rec["wall"] = self.clock() - self._t0
@@ -103,6 +155,23 @@ class PhaseTimer:
         out = {k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys}
         out["steps"] = len(rows)
         return out
+
+
+class _Phase:
+    """``with timer.phase(name):`` without a generator (re-entrant: nesting is kept by the timer)."""
+
+    __slots__ = ("timer", "name")
+
+    def __init__(self, timer: PhaseTimer, name: str):
+        self.timer, self.name = timer, name
+
+    def __enter__(self):
+        self.timer._enter(self.name)
+        return self
+
+    def __exit__(self, *exc):
+        self.timer._exit()
+        return False
 
 
 def reduce_across_ranks(values: Dict[str, float]) -> Dict[str, Dict[str, float]]:

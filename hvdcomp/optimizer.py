@@ -1,67 +1,68 @@
-"""hvdcomp.DistributedOptimizer: Horovod-style data-parallel optimizer with gradient compression.
+"""hvdcomp.DistributedOptimizer: Horovod's ``DistributedOptimizer`` with gradient compression.
 
-One gradient's path (see the class docstring for the API):
+A drop-in for ``hvd.DistributedOptimizer``: same arguments (``named_parameters``, ``compression``,
+``backward_passes_per_step``, ``op``, ``gradient_predivide_factor``, ``groups``,
+``sparse_as_dense``, ``process_set``), same methods (``synchronize``, ``skip_synchronize``,
+``step``, ``zero_grad``, ``set_backward_passes_per_step``, ``state_dict``), same recipes (AMP,
+clipping, accumulation, resume with ``hvd.broadcast_optimizer_state``, several optimizers).
+
+One gradient's path:
 
 1. backward fires a post-accumulate-grad hook on the parameter (after ``backward_passes_per_step``
-   passes); the hook **compresses** it (``Compressor.encode``, error feedback included);
-2. summable payloads start a Horovod ``allreduce_async`` (``op=Average``) at once (Horovod fuses
-   them into its fusion buffer). Payloads that need an allgather wait for the rest of their
-   **bucket** (consecutive gradients in backward order, ``bucket_bytes`` of dense gradient per
-   bucket); a complete bucket is packed into one buffer with a header of per-tensor counts and
-   moved by one variable-size allgather on a background thread (mpi4py), buckets in one fixed
-   order on every rank so collectives match. A gradient whose compressed payload would cost
-   more to allgather than its dense form costs to allreduce (α-β cost model, see
-   :mod:`hvdcomp.comm.costmodel`) is decoded locally and allreduced instead: same result;
-3. ``synchronize()`` (called by ``step()``) launches what backward did not reach (unused
-   parameters contribute zeros), waits for every collective (**communicate**: only the time
-   the training thread waits, i.e. communication on the critical path), rebuilds the averaged
-   gradient (``decode`` / ``aggregate``: **decompress**) and writes it into ``p.grad``.
+   passes); the hook **compresses** it (``Compressor.encode``, error feedback included) — once
+   per synchronized step, whatever the recipe;
+2. its payload travels on the route planned at construction (:mod:`hvdcomp.plan`): Horovod
+   ``allreduce_async`` for summable payloads; a bucketed variable-size allgather for the others
+   (:mod:`hvdcomp.comm.allgather`); or a local decode allreduced densely where the α-β cost model
+   says that is cheaper (same result);
+3. ``synchronize()`` (called by ``step()``) sends what backward did not reach (unused parameters
+   send zeros), waits, rebuilds the averaged gradient (``decode`` / ``aggregate``) into
+   ``p.grad``, and agrees with every rank on the step (:mod:`hvdcomp.guard`: non-finite
+   gradients, restored state, accumulation settings).
+
+Compressor state (residuals, momenta, counters, generators) follows what is *applied*: a step's
+updates are staged when it is compressed, committed when ``step()`` applies the update, and
+dropped when the synchronized gradient is discarded (``zero_grad()`` or a new backward before
+``step()``, a skipped non-finite step, a ``GradScaler`` overflow). With a ``GradScaler`` the state
+follows loss-scale changes (:mod:`hvdcomp.amp`).
 
 Time and bytes per phase go to ``optimizer.timer`` (:class:`hvdcomp.metrics.PhaseTimer`).
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
+import itertools
 import logging
+import os
 import warnings
+import weakref
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from .amp import LossScaleTracker
 from .comm import make_allgatherer
 from .comm.costmodel import CostModel, measure_cost_model
+from .comm.group import HOROVOD_ALLREDUCE_DTYPES, Group
 from .compressors import Compressor, get_compressor
 from .compressors.fp16 import FP16Compressor
 from .compressors.none import NoneCompressor
+from .guard import NONFINITE_MODES, NonFiniteGuard
+from .launch import check_launch
 from .metrics import PhaseTimer
+from .plan import TransportPlan, make_buckets, make_units, plan_transport, split_groups
 
-__all__ = ["DistributedOptimizer", "resolve_compression", "make_buckets", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["DistributedOptimizer", "resolve_compression", "make_buckets", "DEFAULT_BUCKET_BYTES",
+           "OPTIMIZER_ENV"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # as PyTorch DDP's bucket_cap_mb=25
+OPTIMIZER_ENV = ("HVDCOMP_ALLGATHER",)  # environment overrides that must agree across ranks
 
 log = logging.getLogger(__name__)
 
-
-def make_buckets(sizes: List[int], bucket_bytes: int) -> List[List[int]]:
-    """Group consecutive items into buckets of at most ``bucket_bytes`` (bytes).
-
-    Args:
-        sizes: bytes of each item, in launch order.
-        bucket_bytes: cap per bucket; an item larger than the cap gets a bucket of its own.
-
-    Returns:
-        Lists of item positions, covering every item once, in order.
-    """
-    buckets, current, filled = [], [], 0
-    for i, nbytes in enumerate(sizes):
-        if current and filled + nbytes > bucket_bytes:
-            buckets.append(current)
-            current, filled = [], 0
-        current.append(i)
-        filled += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
+_ids = itertools.count()  # creation order of optimizers: identical on every rank, names collectives
 
 
 def resolve_compression(compression) -> Compressor:
@@ -88,53 +89,115 @@ def resolve_compression(compression) -> Compressor:
                     f"'topk:density=0.01', or hvd.Compression.none/fp16; got {compression!r}")
 
 
+def _digest(obj) -> str:
+    """A stable hash of a state dict (tensors, numbers, strings)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return hashlib.sha256(buf.getvalue()).hexdigest()
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into the user's optimizer class (as Horovod does)."""
 
-    def __init__(self, params, named_parameters, compression, backward_passes_per_step,
-                 allgather, timer, nonfinite="skip", check_consistency=True,
-                 bucket_bytes=DEFAULT_BUCKET_BYTES, cost_model="measure"):
+    def __init__(self, params, named_parameters, compression, settings):
         super(self.__class__, self).__init__(params)
         import horovod.torch as hvd
 
+        s = settings
         self._hvd = hvd
         self.compression = compression
-        self.timer = timer if timer is not None else PhaseTimer()
-        self.backward_passes_per_step = backward_passes_per_step
+        self.timer = s["timer"] if s["timer"] is not None else PhaseTimer()
+        self.backward_passes_per_step = s["backward_passes_per_step"]
+        self.op = s["op"]
+        self.gradient_predivide_factor = s["gradient_predivide_factor"]
+        self.sparse_as_dense = s["sparse_as_dense"]
+        self.bucket_bytes = s["bucket_bytes"]
+        self.nonfinite = s["nonfinite"]
+        self.group = Group(s["process_set"])
+        compression.bind_group(self.group.size)
+        self._prefix = f"hvdcomp.{next(_ids)}"
         self._names = self._name_parameters(named_parameters)
         # expected backward order: last parameters first. Fixed, identical on every rank.
         self._order: List[torch.nn.Parameter] = [
             p for g in reversed(self.param_groups) for p in reversed(g["params"]) if p.requires_grad]
-        self._delay: Dict[torch.Tensor, int] = {p: backward_passes_per_step for p in self._order}
-        self._encoded: Dict[torch.Tensor, tuple] = {}    # payloads waiting for their bucket
-        self._inflight: Dict[torch.Tensor, tuple] = {}   # launched allreduces
+        # per-parameter state of the hot path, by position in _order (no tensor hashing per hook)
+        self._pos: Dict[int, int] = {id(p): i for i, p in enumerate(self._order)}
+        self._delay: List[int] = [self.backward_passes_per_step] * len(self._order)
+        self.granularity = s["granularity"]
+        self._hooks_fired = 0             # since the last synchronize: a backward is in progress
+        self._sparse: List[tuple] = []  # (parameter, its sparse gradient) of this step
+        self._guard = NonFiniteGuard(self.nonfinite)
+        self._loss_scale = LossScaleTracker(s["grad_scaler"])
+        # the step in progress ("round"): staged compressor state, collectives in flight
+        self._round_open = False          # compressor state of this step is staged
+        self._synced = False              # synchronize() done; the update is not applied yet
+        self._skip = False                # the ranks agreed to skip this step (non-finite)
+        self._inflight: Dict[int, tuple] = {}   # unit -> launched allreduce
+        self._encoded: Dict[int, tuple] = {}    # unit -> payload waiting for its allgather bucket
         self._bucket_handles: Dict[int, object] = {}     # launched bucket allgathers
         self._next_bucket = 0
-        self.bucket_bytes = bucket_bytes
-        self._synchronized = False
         self._should_synchronize = True
-        self.nonfinite = nonfinite
+        self._state_agreed = False        # compressor state agreed across ranks (first step)
+        self._loaded = False              # load_state_dict() ran before the first step
+        self._loaded_since_step = False   # ... or since the previous step
         self.skipped_steps = 0
-        self._local_bad = None      # device flag: a non-finite gradient was seen on this rank
-        self._step_open = False     # compressor state updates are staged until the step is judged
-        self._skip_next = False
-        if check_consistency and hvd.size() > 1:  # before any collective that ranks might not share
-            self._check_consistency()
-        # also carries the per-step non-finite flags (mpi4py: no Horovod cycle-time wait)
-        self._gatherer = make_allgatherer(allgather) if hvd.size() > 1 or not compression.summable else None
-        self.cost_model = self._resolve_cost_model(cost_model)
-        self.routes = self._plan_routes()  # name -> "allreduce" | "allgather"
-        gathered = [p for p in self._order if self.routes[self._names[p]] == "allgather"]
-        self._buckets: List[List[torch.nn.Parameter]] = [
-            [gathered[i] for i in b]
-            for b in make_buckets([p.numel() * p.element_size() for p in gathered], bucket_bytes)]
-        self._bucket_of = {p: i for i, b in enumerate(self._buckets) for p in b}
-        self._bucket_dense = [sum(p.numel() * 4 for p in b) for b in self._buckets]
-        self._waiting = [len(b) for b in self._buckets]  # gradients each bucket still waits for
-        if gathered:
-            log.info("hvdcomp: %d gradient(s) in %d allgather bucket(s) of <= %.1f MB (%s), %d by allreduce",
-                     len(gathered), len(self._buckets), bucket_bytes / 1e6, self._gatherer.kind,
-                     len(self._order) - len(gathered))
+        self._gatherer = None
+        self.cost_model = None
+        self.transport = TransportPlan({self._names[p]: "local" for p in self._order})
+        # as Horovod: processes outside the set train locally, and a job of one rank without
+        # compression leaves the gradients exactly as backward made them
+        self._passthrough = not self.group.included or (
+            self.group.size == 1 and type(compression) is NoneCompressor)
+        if self._passthrough:
+            return
+        if s["check_consistency"] and self.group.size > 1:  # before any collective ranks might not share
+            self._check_consistency(s)
+        # the gatherer also carries the per-step agreement (mpi4py: no Horovod cycle-time wait)
+        if self.group.size > 1 or not (compression.summable or compression.batched):
+            self._gatherer = make_allgatherer(s["allgather"], self.group)
+        self.cost_model = self._resolve_cost_model(s["cost_model"])
+        names = [self._names[p] for p in self._order]
+        groups = s["groups"]
+        if isinstance(groups, list):  # parameters -> names (frozen ones dropped, as Horovod)
+            if any(p not in self._names for g in groups for p in g):
+                raise ValueError("groups lists a tensor that is not among the optimizer's parameters")
+            groups = [[self._names[p] for p in g if id(p) in self._pos] for g in groups]
+        groups = None if groups is None else split_groups(names, groups)
+        # compression units: a gradient each, or flattened buckets of gradients
+        units = make_units([(names[i], p.numel(), p.element_size(), f"{p.dtype}/{p.device}")
+                            for i, p in enumerate(self._order)],
+                           self.granularity, self.bucket_bytes, groups)
+        self._unit_name: List[str] = [name for name, _ in units]
+        self._members: List[List[int]] = [members for _, members in units]
+        self._unit_of: List[int] = [0] * len(self._order)
+        for u, members in enumerate(self._members):
+            for i in members:
+                self._unit_of[i] = u
+        self._flat: List[Optional[torch.Tensor]] = [None] * len(units)  # buffers of multi-gradient units
+        self._unit_wait = [len(m) for m in self._members]   # gradients each unit still waits for
+        numel = [sum(self._order[i].numel() for i in m) for m in self._members]
+        esize = [self._order[m[0]].element_size() for m in self._members]
+        self.transport = plan_transport(
+            list(zip(self._unit_name, numel, esize)), compression, self.cost_model, self.group.size,
+            self.bucket_bytes, groups if self.granularity == "tensor" else None,
+            self._gatherer.kind if self._gatherer is not None else "none", self.group.ranks)
+        self.transport.units = {self._unit_name[u]: [names[i] for i in m]
+                                for u, m in enumerate(self._members) if len(m) > 1}
+        at = {n: u for u, n in enumerate(self._unit_name)}
+        self._buckets: List[List[int]] = [[at[n] for n in b] for b in self.transport.buckets]
+        self._bucket_of: List[int] = [-1] * len(units)
+        for b, members in enumerate(self._buckets):
+            for u in members:
+                self._bucket_of[u] = b
+        self._dense_bytes = [n * 4 for n in numel]  # the fp32 equivalent
+        self._grad_bytes = [n * e for n, e in zip(numel, esize)]
+        self._bucket_dense = [sum(self._dense_bytes[u] for u in b) for b in self._buckets]
+        self._waiting = [len(b) for b in self._buckets]  # units each allgather bucket still waits for
+        self._route: List[str] = [self.transport.routes[n] for n in self._unit_name]
+        self._wire_name = [f"{self._prefix}.{n}" for n in self._unit_name]  # Horovod tensor names
+        self._reduce_args = self._allreduce_args()
+        self._direct = type(compression) is NoneCompressor and self.granularity == "tensor"
+        log.info("hvdcomp: %s", self.transport)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._order]
 
     # ---- set-up --------------------------------------------------------------------------------
@@ -162,42 +225,42 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The α-β model that routes non-summable payloads, or None where routing cannot apply."""
         comp = self.compression
         if (cost_model == "off" or comp.summable or comp.batched or not comp.aggregate_is_mean
-                or self._hvd.size() == 1
+                or self.group.size == 1
                 or all(comp.expected_payload_bytes(p.numel()) is None for p in self._order)):
             return None
         if isinstance(cost_model, CostModel):
             return cost_model
-        if isinstance(cost_model, (tuple, list)):
-            return CostModel(float(cost_model[0]), float(cost_model[1]))
-        return measure_cost_model(self._gatherer.probe, self._hvd.size(), agree=self._gatherer.agree)
+        return measure_cost_model(self._gatherer.probe, self.group.size, agree=self._gatherer.agree)
 
-    def _plan_routes(self) -> Dict[str, str]:
-        """Per parameter name: how its payload travels (identical on every rank)."""
-        comp, size = self.compression, self._hvd.size()
-        routes = {}
-        for p in self._order:
-            route = "allreduce" if comp.summable else "allgather"
-            sparse = None if self.cost_model is None else comp.expected_payload_bytes(p.numel())
-            if sparse is not None:
-                route = self.cost_model.choose(sparse, p.numel() * p.element_size(), size)
-            routes[self._names[p]] = route
-        return routes
-
-    def _signature(self) -> dict:
+    def _signature(self, s) -> dict:
+        """Everything that must be identical on every rank (compared at construction)."""
+        cost = s["cost_model"]
         return {"compression": {"class": type(self.compression).__name__, **self.compression.describe()},
                 "backward_passes_per_step": self.backward_passes_per_step,
+                "op": str(self.op), "gradient_predivide_factor": self.gradient_predivide_factor,
+                "sparse_as_dense": self.sparse_as_dense, "nonfinite": self.nonfinite,
+                "bucket_bytes": self.bucket_bytes, "allgather": s["allgather"],
+                "granularity": self.granularity,
+                "cost_model": (cost.alpha, cost.beta) if isinstance(cost, CostModel) else cost,
+                "groups": s["groups"] if not isinstance(s["groups"], list)
+                else [[self._names.get(p) for p in g] for g in s["groups"]],
+                "environment": {k: os.environ.get(k) for k in OPTIMIZER_ENV},
+                "optimizer_index": self._prefix,
                 "parameters": [(self._names[p], tuple(p.shape), str(p.dtype)) for p in self._order]}
 
-    def _check_consistency(self) -> None:
-        """All ranks must agree on the compressor and the parameter list (names, shapes, order)."""
-        mine = self._signature()
-        every = self._hvd.allgather_object(mine, name="hvdcomp.consistency")
+    def _check_consistency(self, s) -> None:
+        """All ranks must agree on every setting and the parameter list (names, shapes, order).
+
+        Raises:
+            ValueError: on every rank, naming the first differences.
+        """
+        every = self.group.allgather_object(self._signature(s), name=f"{self._prefix}.consistency")
         diffs = []
         for rank, other in enumerate(every):
             if other == every[0]:
                 continue
-            for key in ("compression", "backward_passes_per_step"):
-                if other[key] != every[0][key]:
+            for key in other:
+                if key != "parameters" and other[key] != every[0][key]:
                     diffs.append(f"rank {rank} {key} {other[key]} != rank 0 {every[0][key]}")
             a, b = every[0]["parameters"], other["parameters"]
             if len(a) != len(b):
@@ -206,55 +269,186 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if first is not None:
                 diffs.append(f"parameter #{first}: rank {rank} {b[first]} != rank 0 {a[first]}")
         if diffs:
-            raise ValueError("ranks disagree on the training set-up (build the same model and "
-                             "compressor on every rank): " + "; ".join(diffs[:10]))
+            raise ValueError("ranks disagree on the training set-up (build the same model, "
+                             "compressor and optimizer settings on every rank, in the same order): "
+                             + "; ".join(diffs[:10]))
+
+    def _agree_state(self) -> None:
+        """At the first step: make compressor state that must be identical on every rank so.
+
+        Horovod's resume recipe loads a checkpoint on rank 0 only, then broadcasts parameters and
+        optimizer state. Compressor state has two parts (:meth:`hvdcomp.Compressor.shared_state`):
+        the shared part (step counters, PowerSGD's Q, warm-up epoch) is broadcast here from the
+        first rank that loaded; the per-rank part (residuals, momenta, per-rank generators) stays
+        as each rank has it: restored where a rank loaded its own, fresh (zero) elsewhere.
+
+        Raises:
+            RuntimeError: ranks that loaded checkpoints whose shared state differs, or fresh ranks
+                whose shared state differs (compressors built with different seeds).
+        """
+        self._state_agreed = True
+        self._loaded_since_step = False
+        if self.group.size == 1:
+            return
+        shared = self.compression.shared_state()
+        every = self.group.allgather_object((self._loaded, _digest(shared)), name=f"{self._prefix}.state")
+        loaders = [r for r, (loaded, _) in enumerate(every) if loaded]
+        pool = loaders or list(range(len(every)))
+        if len({every[r][1] for r in pool}) > 1:
+            raise RuntimeError(f"compressor state that must be identical on every rank (step counters, "
+                               f"shared factors) differs between ranks {pool}: load the same checkpoint "
+                               "everywhere, or on rank 0 only (it is then broadcast at the first step)")
+        if loaders and len(loaders) < len(every):
+            root = loaders[0]
+            state = self.group.broadcast_object((shared, self.skipped_steps) if self.group.rank == root else None,
+                                                root, name=f"{self._prefix}.shared")
+            if not self._loaded:
+                self.compression.load_shared_state(state[0])
+                self.skipped_steps = state[1]
+            log.info("hvdcomp: compressor state shared from rank %d (per-rank state kept where "
+                     "loaded, fresh elsewhere)", root)
+
+    # ---- the step in progress ------------------------------------------------------------------
+    def _open_round(self) -> None:
+        """First compression of a step: agree on state (once), follow the loss scale, stage."""
+        if self._round_open:
+            return
+        if not self._state_agreed:
+            self._agree_state()
+        factor = self._loss_scale.factor()
+        if factor is not None:
+            self.compression.rescale_state(factor)
+        self.compression.begin_step()
+        self._round_open = True
+
+    def _discard_round(self) -> None:
+        """The synchronized (or partly compressed) gradient will not be applied: drop its
+        staged compressor state, so it leaves no trace."""
+        if self._inflight or self._encoded or self._bucket_handles:
+            raise AssertionError("a step was discarded while collectives were in flight; call "
+                                 "optimizer.synchronize() first")
+        if self._round_open:
+            self.compression.rollback()
+        self._round_open = self._synced = self._skip = False
+        self._guard.reset()
 
     # ---- backward hooks --------------------------------------------------------------------------
     def _hook(self, p: torch.Tensor) -> None:
-        if self._delay[p] <= 0:
+        if self._synced:  # a new backward after synchronize() without step(): that update is dropped
+            self._discard_round()
+        i = self._pos[id(p)]
+        if self._delay[i] <= 0:
             raise AssertionError(
                 "Gradients were computed more than backward_passes_per_step times before call to "
                 "step() or synchronize(). Increase backward_passes_per_step to accumulate "
                 "gradients locally.")
-        self._delay[p] -= 1
-        if self._delay[p] == 0 and not self.compression.batched:
-            self._launch(p)
+        self._delay[i] -= 1
+        self._hooks_fired += 1
+        if self._delay[i] == 0:
+            u = self._unit_of[i]
+            self._unit_wait[u] -= 1
+            if self._unit_wait[u] == 0 and self._route[u] != "batched":
+                self._launch(u)
 
-    def _encode(self, p: torch.Tensor):
-        """Check p.grad for non-finite values (flag only, no host sync) and compress it."""
-        if p.grad is None:  # not used in this rank's graph: other ranks may have used it
+    def _gradient(self, p: torch.Tensor) -> torch.Tensor:
+        """``p.grad`` ready to compress: zeros for a parameter this rank did not use (other ranks
+        may have), a sparse gradient made dense (Horovod's ``sparse_as_dense`` semantics)."""
+        if p.grad is None:
             p.grad = torch.zeros_like(p)
-        with self.timer.phase("compress"):
-            if self.nonfinite != "ignore":
-                if not self._step_open:
-                    self.compression.begin_step()
-                    self._step_open = True
-                bad = ~torch.isfinite(p.grad).all()
-                self._local_bad = bad if self._local_bad is None else self._local_bad | bad
-            return self.compression.encode(p.grad, self._names[p])
+        elif p.grad.is_sparse:
+            self._sparse.append((p, p.grad))
+            p.grad = p.grad.to_dense()
+        return p.grad
 
-    def _launch(self, p: torch.Tensor) -> None:
-        """Compress p.grad and start its allreduce, or queue it for its bucket's allgather."""
-        name = self._names[p]
-        payload, ctx = self._encode(p)
-        if self.compression.summable:
-            with self.timer.phase("communicate"):
-                op = self._hvd.Sum if self.compression.allreduce_op == "sum" else self._hvd.Average
-                handles = [self._hvd.allreduce_async(t, op=op, name=f"hvdcomp.{name}.{i}")
-                           for i, t in enumerate(payload)]
-            nbytes = sum(t.numel() * t.element_size() for t in payload)
-            self._inflight[p] = ("allreduce", handles, ctx, nbytes, nbytes)
-        elif self.routes[name] == "allreduce":  # cheaper to average the decoded payload densely
+    def _unit_tensor(self, u: int) -> torch.Tensor:
+        """What unit ``u`` compresses, and where its result is written: the gradient itself, or
+        (a unit of several gradients) a flat buffer they are copied into, in launch order."""
+        members = self._members[u]
+        if len(members) == 1:
+            return self._gradient(self._order[members[0]])
+        grads = [self._gradient(self._order[i]).reshape(-1) for i in members]
+        flat = self._flat[u]
+        if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
+            flat = self._flat[u] = torch.empty(self._dense_bytes[u] // 4, dtype=grads[0].dtype,
+                                               device=grads[0].device)
+        return torch.cat(grads, out=flat)
+
+    def _write_back(self, u: int) -> None:
+        """Copy a multi-gradient unit's result from its flat buffer into the members' ``.grad``."""
+        members = self._members[u]
+        if len(members) > 1:
+            start = 0
+            flat = self._flat[u]
+            for i in members:
+                grad = self._order[i].grad
+                grad.copy_(flat[start:start + grad.numel()].view(grad.shape))
+                start += grad.numel()
+
+    def _target(self, u: int) -> torch.Tensor:
+        """Where unit ``u``'s averaged result goes (see :meth:`_unit_tensor`)."""
+        members = self._members[u]
+        return self._order[members[0]].grad if len(members) == 1 else self._flat[u]
+
+    def _encode(self, u: int):
+        """Compress unit ``u`` (finiteness is checked once per step, see :meth:`synchronize`)."""
+        self._open_round()
+        return self.compression.encode(self._unit_tensor(u), self._unit_name[u])
+
+    def _allreduce_args(self) -> tuple:
+        """(op, prescale, postscale) for Horovod's allreduce of a summable payload: ``op`` and
+        ``gradient_predivide_factor`` as Horovod applies them."""
+        hvd = self._hvd
+        if self.op is hvd.Sum or self.compression.allreduce_op == "sum":
+            return hvd.Sum, 1.0, 1.0
+        f = self.gradient_predivide_factor
+        return hvd.Average, 1.0 / f, f
+
+    def _launch(self, u: int) -> None:
+        """Compress unit ``u`` and start its allreduce, or queue it for its allgather bucket.
+        Timed as ``compress`` (queueing an asynchronous collective included)."""
+        route, wire_name = self._route[u], self._wire_name[u]
+        with self.timer.phase("compress"):
+            if self._direct:  # none on one gradient: Horovod's own path, nothing to encode
+                grad = self._unit_tensor(u)
+                if grad.dtype in (torch.float32, torch.float64) and grad.is_contiguous():  # (none sends
+                    # half-precision gradients as float32: their sums would overflow in fp16)
+                    self._open_round()
+                    handles = [self.group.allreduce_async_(grad, wire_name + ".0", *self._reduce_args)]
+                    self._inflight[u] = ("in-place", handles, None, self._grad_bytes[u], None)
+                    return
+            payload, ctx = self._encode(u)
+            if route == "allreduce":
+                op, pre, post = self._reduce_args
+                if self._in_place(self._target(u), payload):  # as stock Horovod: no copy, no decode
+                    handles = [self.group.allreduce_async_(payload[0], wire_name + ".0", op, pre, post)]
+                    self._inflight[u] = ("in-place", handles, ctx, self._grad_bytes[u], None)
+                    return
+                # Horovod's allreduce has no bfloat16: such payloads travel as float32
+                wire = [t if t.dtype in HOROVOD_ALLREDUCE_DTYPES else t.float() for t in payload]
+                handles = [self.group.allreduce_async(t, f"{wire_name}.{k}", op, pre, post)
+                           for k, t in enumerate(wire)]
+                nbytes = sum(t.numel() * t.element_size() for t in wire)
+                self._inflight[u] = ("allreduce", handles, ctx, nbytes, [t.dtype for t in payload])
+                return
+        if route == "decoded-allreduce":  # cheaper to average the decoded payload densely
+            target = self._target(u)
             with self.timer.phase("decompress"):
-                dense = self.compression.decode(payload, ctx)
+                dense = self.compression.decode_into(
+                    torch.empty(target.shape, dtype=torch.float32, device=target.device), payload, ctx)
+            op = self._hvd.Sum if self.op is self._hvd.Sum else self._hvd.Average
             with self.timer.phase("communicate"):
-                handle = self._hvd.allreduce_async(dense, op=self._hvd.Average, name=f"hvdcomp.{name}.dense")
-            nbytes = dense.numel() * dense.element_size()
-            self._inflight[p] = ("dense", [handle], ctx, nbytes, nbytes)
+                handle = self.group.allreduce_async(dense, wire_name + ".dense", op)
+            self._inflight[u] = ("dense", [handle], ctx, dense.numel() * 4, None)
         else:
-            self._encoded[p] = (payload, ctx)
-            self._waiting[self._bucket_of[p]] -= 1
+            self._encoded[u] = (payload, ctx)
+            self._waiting[self._bucket_of[u]] -= 1
             self._start_buckets(flush=False)
+
+    def _in_place(self, target: torch.Tensor, payload) -> bool:
+        """Whether ``payload`` is ``target`` itself (``none`` on a float32/float64 gradient)."""
+        return (self.compression.payload_is_gradient and len(payload) == 1
+                and payload[0].dtype in HOROVOD_ALLREDUCE_DTYPES and target.is_contiguous()
+                and payload[0].data_ptr() == target.data_ptr() and payload[0].numel() == target.numel())
 
     def _start_buckets(self, flush: bool) -> None:
         """Start the allgather of each complete bucket, in the fixed bucket order."""
@@ -262,14 +456,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             bucket = self._buckets[self._next_bucket]
             if self._waiting[self._next_bucket] and not flush:
                 return
-            for p in bucket:  # flush: unused parameters (or fewer backward passes) send zeros
-                if p not in self._encoded:
-                    self._encoded[p] = self._encode(p)
-            tensors = [t for p in bucket for t in self._encoded[p][0]]
+            for u in bucket:  # flush: unused parameters (or fewer backward passes) send zeros
+                if u not in self._encoded:
+                    with self.timer.phase("compress"):
+                        self._encoded[u] = self._encode(u)
+            tensors = [t for u in bucket for t in self._encoded[u][0]]
             with self.timer.phase("communicate"):
-                handle = self._gatherer.start(tensors, f"bucket{self._next_bucket}")
+                handle = self._gatherer.start(tensors, f"{self._prefix}.bucket{self._next_bucket}")
             self._bucket_handles[self._next_bucket] = handle
             self._next_bucket += 1
+
+    def _result_scale(self) -> float:
+        """Factor from the mean the aggregation computes to what ``op`` asks for (Sum: × size)."""
+        return float(self.group.size) if self.op is self._hvd.Sum else 1.0
 
     def _finish_bucket(self, index: int) -> None:
         """Wait for bucket ``index``, aggregate each gradient of it and write ``p.grad``."""
@@ -277,16 +476,46 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         handle = self._bucket_handles.pop(index)
         with self.timer.phase("communicate"):
             gathered = self._gatherer.finish(handle)
+        scale = self._result_scale()
         with self.timer.phase("decompress"):
             start = 0
-            for p in bucket:
-                payload, ctx = self._encoded.pop(p)
+            for u in bucket:
+                payload, ctx = self._encoded.pop(u)
                 stop = start + len(payload)
-                self.compression.aggregate_into(p.grad, [rank_tensors[start:stop] for rank_tensors in gathered], ctx)
+                target = self._target(u)
+                self.compression.aggregate_into(target, [rank_tensors[start:stop] for rank_tensors in gathered], ctx)
+                if scale != 1.0:
+                    target.mul_(scale)
+                self._write_back(u)
                 start = stop
         self.timer.add_bytes(sent=handle.bytes_sent, received=handle.bytes_received,
                              dense=self._bucket_dense[index])
         self._waiting[index] = len(bucket)
+
+    def _finish_allreduces(self, units: List[int]) -> None:
+        """Wait for the allreduces of ``units`` (one ``communicate`` slice), then write each
+        averaged result (one ``decompress`` slice)."""
+        done, nbytes, dense = [], 0, 0
+        with self.timer.phase("communicate"):
+            for u in units:
+                kind, handles, ctx, sent, dtypes = self._inflight.pop(u)
+                outputs = [self.group.synchronize(h) for h in handles]
+                nbytes += sent
+                dense += self._dense_bytes[u]
+                done.append((u, kind, outputs, ctx, dtypes))
+        sum_votes = self.compression.allreduce_op == "sum" and self.op is self._hvd.Sum
+        with self.timer.phase("decompress"):
+            for u, kind, outputs, ctx, dtypes in done:
+                target = self._target(u)
+                if kind == "allreduce":
+                    outputs = [o if o.dtype == dt else o.to(dt) for o, dt in zip(outputs, dtypes)]
+                    self.compression.decode_into(target, outputs, ctx)
+                    if sum_votes:
+                        target.mul_(self._result_scale())
+                elif kind == "dense":
+                    target.copy_(outputs[0])
+                self._write_back(u)  # (an in-place result is in its target already)
+        self.timer.add_bytes(sent=nbytes, received=nbytes, dense=dense)
 
     # ---- synchronisation ----------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -294,70 +523,81 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         Parameters whose hook did not fire (unused in this step, or fewer backward passes than
         ``backward_passes_per_step``) are sent now with their current (or zero) gradient, so all
-        ranks take part in the same collectives.
+        ranks take part in the same collectives. Calling it again before ``step()`` (with no
+        backward in between) does nothing: a gradient is compressed once per step.
         """
+        if self._passthrough:
+            self._synced = True
+            return
+        if self._synced:
+            return
         if self.compression.batched:
             self._synchronize_batched()
             return
-        for p in self._order:  # allreduces backward did not start; buckets are flushed below
-            if p not in self._bucket_of and p not in self._inflight:
-                self._launch(p)
+        # every local gradient's finiteness, in one fused check: the inputs are intact until the
+        # collectives finish, except those reduced in place, checked on their (identical) results
+        # gradients reduced in place in .grad (none, granularity "tensor") are checked after
+        in_place = [self._members[u][0] for u, work in self._inflight.items()
+                    if work[0] == "in-place" and len(self._members[u]) == 1]
+        skip = set(in_place)
+        self._guard.observe([p.grad for i, p in enumerate(self._order) if p.grad is not None and i not in skip])
+        units = range(len(self._members))
+        for u in units:  # allreduces backward did not start; allgather buckets are flushed below
+            if self._bucket_of[u] < 0 and u not in self._inflight:
+                self._launch(u)
         self._start_buckets(flush=True)
         for index in range(len(self._buckets)):
             self._finish_bucket(index)
-        for p in self._order:
-            if p in self._bucket_of:
-                self._delay[p] = self.backward_passes_per_step
-                continue
-            kind, handles, ctx, sent, received = self._inflight.pop(p)
-            with self.timer.phase("communicate"):
-                outputs = [self._hvd.synchronize(h) for h in handles]
-            with self.timer.phase("decompress"):
-                if kind == "allreduce":
-                    self.compression.decode_into(p.grad, outputs, ctx)
-                else:
-                    p.grad.copy_(outputs[0])
-            self.timer.add_bytes(sent=sent, received=received, dense=p.numel() * 4)
-            self._delay[p] = self.backward_passes_per_step
+        self._finish_allreduces([u for u in units if self._bucket_of[u] < 0])
+        self._guard.observe([self._order[i].grad for i in in_place])
         self._next_bucket = 0
-        self._judge_step()
-        self._synchronized = True
+        self._end_synchronize()
 
-    def _judge_step(self, local_bad=None) -> bool:
-        """Agree over all ranks whether any gradient was non-finite; commit or roll back the
-        compressor's staged state. Returns True when the step is to be skipped.
+    def _end_synchronize(self) -> None:
+        """Reset the accumulation counters, agree on the step with every rank, and give sparse
+        gradients back their layout (as Horovod's ``sparse_as_dense``: the optimizer sees the
+        gradient layout it would see without Horovod)."""
+        self._delay = [self.backward_passes_per_step] * len(self._order)
+        self._unit_wait = [len(m) for m in self._members]
+        self._hooks_fired = 0
+        self._synced = True
+        self._agree_step()
+        self._restore_sparse(self._sparse)
+        self._sparse = []
 
-        Raises:
-            FloatingPointError: on every rank, with ``nonfinite="raise"``.
-        """
+    @staticmethod
+    def _restore_sparse(pairs) -> None:
+        """Write the averaged dense gradient back into the original sparse one, as Horovod does."""
+        for p, sparse in pairs:
+            p.grad = sparse.zero_().add_(p.grad.to_sparse())
+
+    def _agree_step(self) -> None:
+        """The per-step agreement (:mod:`hvdcomp.guard`); a non-finite step is skipped here."""
         if self.nonfinite == "ignore":
-            return False
-        bad = local_bad if local_bad is not None else self._local_bad
-        self._local_bad = None
-        flags = [int(bool(bad)) if bad is not None else 0]
-        if self._hvd.size() > 1:
+            return
+        if self.group.size > 1:
             with self.timer.phase("communicate"):
-                flags = self._gatherer.allgather_int(flags[0])
-        ranks = [r for r, f in enumerate(flags) if f]
-        if self._step_open:
-            (self.compression.rollback if ranks else self.compression.commit)()
-            self._step_open = False
-        if not ranks:
-            return False
-        if self.nonfinite == "raise":
-            raise FloatingPointError(f"non-finite gradient (NaN or Inf) on rank(s) {ranks}; no update "
-                                     "was applied. Lower the learning rate, check the loss, or use "
-                                     "nonfinite='skip' to skip such steps.")
-        self._skip_next = True
-        self.skipped_steps += 1
-        log.warning("hvdcomp: non-finite gradient on rank(s) %s: step skipped on every rank "
-                    "(compressor state kept as before the step)", ranks)
-        return True
+                verdict = self._guard.agree(self._gatherer.allgather_ints, self._loaded_since_step,
+                                            self.backward_passes_per_step)
+        else:
+            verdict = self._guard.agree(lambda v: [list(v)], self._loaded_since_step,
+                                        self.backward_passes_per_step)
+        self._loaded_since_step = False
+        if verdict.skip:
+            if self._round_open:
+                self.compression.rollback()
+            self._round_open = False
+            self._skip = True
+            self.skipped_steps += 1
+            # as an allreduced Inf would: every gradient reads non-finite, so a GradScaler sees the
+            # overflow (and lowers its scale) even where a compressor saturated the values
+            for p in self._order:
+                p.grad.fill_(float("nan"))
 
     def _allreduce_mean(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        """One blocking Horovod allreduce (average), timed and counted."""
+        """One blocking Horovod allreduce (average) within the group, timed and counted."""
         with self.timer.phase("communicate"):
-            out = self._hvd.allreduce(tensor, op=self._hvd.Average, name=f"hvdcomp.{name}")
+            out = self.group.allreduce(tensor, f"{self._prefix}.{name}", self._hvd.Average)
         nbytes = tensor.numel() * tensor.element_size()
         self.timer.add_bytes(sent=nbytes, received=nbytes)
         return out
@@ -365,26 +605,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _synchronize_batched(self) -> None:
         """Batched compressors (PowerSGD) reduce every gradient of the step at once."""
         params = self._order  # expected backward order, as PyTorch DDP's rebuilt buckets hold them
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        bad = None
-        if self.nonfinite != "ignore":
-            bad = any(not torch.isfinite(p.grad).all() for p in params)
-        if self._judge_step(bad):   # skipped: PowerSGD's state is untouched
-            for p in params:
-                self._delay[p] = self.backward_passes_per_step
-            self._synchronized = True
+        self._open_round()
+        self._guard.observe([self._gradient(p) for p in params])
+        sparse, self._sparse = self._sparse, []
+        self._end_synchronize()
+        if self._skip:  # PowerSGD's state is untouched
+            self._restore_sparse(sparse)
             return
         grads = self.compression.reduce_batch([(self._names[p], p.grad) for p in params],
                                               self._allreduce_mean, self.timer)
+        scale = self._result_scale()
         with self.timer.phase("decompress"):
             for p, g in zip(params, grads):
                 p.grad.copy_(g)
-        for p in self._order:
+                if scale != 1.0:
+                    p.grad.mul_(scale)
+        for p in params:
             self.timer.add_bytes(dense=p.numel() * 4)
-            self._delay[p] = self.backward_passes_per_step
-        self._synchronized = True
+        self._restore_sparse(sparse)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -396,100 +634,184 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
-        """``synchronize()`` unless inside :meth:`skip_synchronize`, then the wrapped step."""
+        """``synchronize()`` unless inside :meth:`skip_synchronize` (or already synchronized),
+        then the wrapped optimizer's step, and the compressor state of this step is committed.
+
+        After a skipped (non-finite) step nothing is updated and ``None`` is returned.
+        """
         if self._should_synchronize:
-            if self._synchronized:
+            if self._synced:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context "
-                              "after optimizer.synchronize(); this can cause training slowdown.")
-            self.synchronize()
-        self._synchronized = False
-        if self._skip_next:  # a non-finite gradient somewhere: no rank updates
-            self._skip_next = False
+                              "after optimizer.synchronize(); the synchronized gradients are applied "
+                              "as they are (not compressed and sent again).")
+            else:
+                self.synchronize()
+        self._synced = False
+        if self._skip:  # a non-finite gradient somewhere: no rank updates
+            self._skip = False
             return None
-        return super(self.__class__, self).step(closure)
+        result = super(self.__class__, self).step(closure)
+        if self._round_open:
+            if self.compression.has_scaled_state:
+                self._loss_scale.discover(self)
+            self.compression.commit()
+            self._round_open = False
+        return result
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change ``backward_passes_per_step`` (as Horovod's: accumulation counters restart).
+
+        Raises:
+            ValueError: ``passes`` is not an integer >= 1. Ranks that set different values fail
+                at the next step, on every rank, naming the values.
+        """
+        if not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
+        self.backward_passes_per_step = passes
+        self._delay = [passes] * len(self._order)
+        self._unit_wait = [len(m) for m in getattr(self, "_members", [])]
 
     def state_dict(self):
         """The wrapped optimizer's state plus the compressor's (residuals, momenta, Q, RNG states)
-        under ``"hvdcomp"``: tensors, numbers and strings only (loads with ``weights_only=True``)."""
+        under ``"hvdcomp"``: tensors, numbers and strings only (loads with ``weights_only=True``).
+
+        Saved on every rank (``torch.save(opt.state_dict(), f"ckpt.{hvd.rank()}.pt")``) and loaded
+        by each rank from its own file, it resumes bit-identically; saved on rank 0 only and
+        restored with Horovod's broadcast recipe, the shared part of the compressor state is
+        broadcast at the first step and other ranks' per-rank state starts fresh."""
         sd = super(self.__class__, self).state_dict()
         sd["hvdcomp"] = {"compression": self.compression.state_dict(), "skipped_steps": self.skipped_steps}
         return sd
 
     def load_state_dict(self, state_dict):
-        """Inverse of :meth:`state_dict`."""
+        """Inverse of :meth:`state_dict`; like Horovod's, it also drops a step in progress."""
         state_dict = dict(state_dict)
         extra = state_dict.pop("hvdcomp", None)
+        self._inflight, self._encoded, self._bucket_handles = {}, {}, {}
+        self._next_bucket, self._hooks_fired = 0, 0
+        self._waiting = [len(b) for b in getattr(self, "_buckets", [])]
+        self._unit_wait = [len(m) for m in getattr(self, "_members", [])]
+        self._discard_round()
+        self.set_backward_passes_per_step(self.backward_passes_per_step)
         super(self.__class__, self).load_state_dict(state_dict)
         if extra is not None:
             self.compression.load_state_dict(extra["compression"])
             self.skipped_steps = int(extra.get("skipped_steps", 0))
+            self._loaded = True
+            self._loaded_since_step = self._state_agreed
 
     def zero_grad(self, set_to_none: bool = True):
-        """As the wrapped optimizer's, but refuses while collectives are in flight."""
-        if self._inflight or self._encoded or self._bucket_handles:
+        """As the wrapped optimizer's, but refuses while a backward's gradients are pending (as
+        Horovod does); after ``synchronize()`` without ``step()`` the synchronized update is
+        discarded, leaving no trace in compressor state."""
+        if self._hooks_fired or self._inflight or self._encoded or self._bucket_handles:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited "
                                  "as it can cause a race condition.")
+        if self._synced or self._round_open:
+            self._discard_round()
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     def remove_hooks(self) -> None:
         """Detach the backward hooks (the optimizer then no longer communicates)."""
-        for h in self._hook_handles:
+        for h in getattr(self, "_hook_handles", []):
             h.remove()
         self._hook_handles = []
+
+
+_owners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # compressor -> optimizer using it
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
                          compression="none",
                          backward_passes_per_step: int = 1,
+                         op=None,
+                         gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0,
+                         groups=None,
+                         sparse_as_dense: bool = False,
+                         process_set=None,
+                         *,
                          allgather: str = "auto",
                          timer: Optional[PhaseTimer] = None,
                          nonfinite: str = "skip",
                          check_consistency: bool = True,
                          bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                         cost_model="measure") -> torch.optim.Optimizer:
-    """Wrap ``optimizer`` so that gradients are compressed and averaged over all Horovod ranks.
+                         cost_model="measure",
+                         grad_scaler=None,
+                         granularity: str = "tensor") -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that gradients are compressed and averaged over Horovod ranks.
 
-    Same family as ``horovod.torch.DistributedOptimizer``: communication starts from gradient hooks
-    during backward; ``step()`` synchronizes first (or use ``synchronize()`` +
-    ``skip_synchronize()`` to clip the averaged gradients). The returned object is an instance
-    of a subclass of ``optimizer``'s class holding the same parameter groups.
+    Takes ``hvd.DistributedOptimizer``'s arguments, in its order, plus hvdcomp's own (keyword
+    only); the returned object is an instance of a subclass of ``optimizer``'s class holding the
+    same parameter groups. Communication starts from gradient hooks during backward; ``step()``
+    synchronizes first (or use ``synchronize()`` + ``skip_synchronize()`` to clip or unscale the
+    averaged gradients).
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` (its state is not carried over, as in Horovod).
         named_parameters: ``model.named_parameters()``; names key compressor state and must be
-            the same on every rank. Without it parameters are named by position.
+            the same on every rank. Two optimizers may use the same names (e.g. a GAN's G and D).
+            Without it parameters are named by position.
         compression: an :class:`hvdcomp.Compressor`, a spec such as ``"topk:density=0.01"``, or
-            ``hvd.Compression.none`` / ``hvd.Compression.fp16``.
+            ``hvd.Compression.none`` / ``hvd.Compression.fp16``. One compressor per optimizer.
         backward_passes_per_step: backward passes accumulated locally before communicating.
+        op: ``hvd.Average`` (default) or ``hvd.Sum`` (the sum over ranks, for every method).
+            ``hvd.Adasum`` is refused (Horovod's Adasum optimizer combines parameter deltas,
+            which a gradient compressor does not carry).
+        gradient_predivide_factor: as Horovod: summable payloads are divided by it before the
+            allreduce and multiplied by it / size after (``op=Average`` only). Allgathered
+            payloads are averaged in float32 locally, where it changes nothing.
+        num_groups: deprecated Horovod alias of ``groups`` (an int).
+        groups: as Horovod: an int k (gradients in k groups) or a list of lists of parameters
+            fused together; for allgathered payloads each group is one bucket (``bucket_bytes``
+            is then not used). Results do not depend on it.
+        sparse_as_dense: accepted for compatibility; sparse gradients (``Embedding(sparse=True)``)
+            are always made dense before compression, as Horovod does with ``True``.
+        process_set: a Horovod ``ProcessSet``: gradients are averaged over its ranks only, and
+            every collective of the optimizer and its compressor stays inside it; processes
+            outside it train locally (as Horovod).
         allgather: transport for non-summable payloads: ``"auto"`` (mpi4py ``Allgatherv`` under
             MPI, Horovod allgather otherwise), ``"mpi4py"`` or ``"horovod"``.
         timer: a :class:`hvdcomp.metrics.PhaseTimer` to record into (a new one by default;
             available as ``optimizer.timer``).
         nonfinite: what a NaN/Inf gradient on any rank does: ``"skip"`` (default: every rank
-            skips the step; error-feedback memory, momenta and step counters stay as before it),
-            ``"raise"`` (``FloatingPointError`` on every rank) or ``"ignore"`` (no check).
+            skips the step; compressor state stays as before it; every ``.grad`` reads NaN so a
+            ``GradScaler`` sees the overflow), ``"raise"`` (``FloatingPointError`` on every rank)
+            or ``"ignore"`` (no check and no per-step agreement).
         check_consistency: at construction, verify (one allgather) that every rank has the same
-            compressor and parameter list (names, shapes, dtypes, order).
-        bucket_bytes: bytes of dense gradient per allgather bucket (default 25 MiB, as DDP);
-            each bucket's payloads travel in one collective as soon as the bucket is complete.
+            settings and parameter list (names, shapes, dtypes, order).
+        bucket_bytes: bytes of dense gradient per allgather bucket (default 25 MiB, as DDP).
         cost_model: how payloads that need an allgather choose between allgather and
             allreduce of their local decode, per gradient: ``"measure"`` (default: α and β timed
-            with a few allgathers at construction, rank 0's values used everywhere), ``"off"``
-            (always allgather), a :class:`hvdcomp.comm.costmodel.CostModel` or an
-            ``(alpha_seconds, beta_seconds_per_byte)`` pair. Only compressors whose
-            ``aggregate`` is the mean of ``decode`` are routed; the result is the same either way.
+            with a few allgathers at construction), ``"off"`` (always allgather), a
+            :class:`hvdcomp.comm.costmodel.CostModel` or an ``(alpha_seconds,
+            beta_seconds_per_byte)`` pair. Only compressors whose ``aggregate`` is the mean of
+            ``decode`` are routed; the result is the same either way.
+        grad_scaler: the ``torch.amp.GradScaler`` of an AMP loop, so that compressor state kept
+            in gradient units follows loss-scale changes; found automatically when omitted (see
+            :mod:`hvdcomp.amp`).
+        granularity: what the compressor sees as one tensor: ``"tensor"`` (default: each
+            gradient, as the methods' papers do) or ``"bucket"`` (as PyTorch DDP's comm hooks:
+            consecutive gradients of one dtype, up to ``bucket_bytes`` or one Horovod ``group``,
+            are copied into one flat buffer and compressed together; state such as error-feedback
+            residuals is kept per bucket, named ``bucket<k>``). ``"bucket"`` removes the fixed
+            cost per tensor on models with many small tensors, and changes what a method selects:
+            top-k keeps the largest entries of the bucket, not of each layer; QSGD, signSGD and
+            the casts are unchanged up to their scales. Refused for PowerSGD (it needs each
+            gradient's matrix shape).
 
     Raises:
         ValueError: bad ``named_parameters``, ``backward_passes_per_step < 1``, unknown
-            ``nonfinite``, or ranks that disagree on the compressor or the parameters (raised on
-            every rank, naming the difference).
-        TypeError: unsupported ``compression``.
-        ValueError: a compressor that applies momentum itself (DGC) with an optimizer that also
-            applies momentum.
-        RuntimeError: Horovod is not initialised (call ``hvd.init()`` first).
-        ValueError: ``bucket_bytes < 1`` or an unknown ``cost_model``.
+            ``nonfinite``, ``op`` not Average/Sum, ``gradient_predivide_factor`` with
+            ``op != Average``, bad ``groups``, ``bucket_bytes < 1``, an unknown ``cost_model``
+            or ``granularity`` (or ``"bucket"`` with PowerSGD), a compressor already used by another optimizer, a compressor that applies momentum
+            (DGC) with an optimizer that also does, or ranks that disagree on any setting
+            (raised on every rank, naming the difference).
+        TypeError: unsupported ``compression`` or ``grad_scaler``.
+        RuntimeError: Horovod is not initialised, or the launcher started several tasks but
+            Horovod sees one (see :func:`hvdcomp.launch.check_launch`).
 
     Example::
 
@@ -499,13 +821,37 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                                            compression="topk:density=0.01")
     """
     import horovod.torch as hvd
+    from horovod.torch.optimizer import _DistributedOptimizer as _HorovodOptimizer
 
     if not hvd.is_initialized():
         raise RuntimeError("Horovod is not initialised: call hvd.init() before hvdcomp.DistributedOptimizer")
+    check_launch(hvd.size())
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
-    if nonfinite not in ("skip", "raise", "ignore"):
+    if nonfinite not in NONFINITE_MODES:
         raise ValueError(f"nonfinite must be 'skip', 'raise' or 'ignore', got {nonfinite!r}")
+    op = hvd.Average if op is None else op
+    if op is hvd.Adasum:
+        raise ValueError("op=hvd.Adasum is not supported by hvdcomp: Horovod's Adasum optimizer "
+                         "combines parameter deltas, which a gradient compressor does not carry. "
+                         "Use op=hvd.Average (or hvd.Sum), or stock hvd.DistributedOptimizer for Adasum.")
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
+    gradient_predivide_factor = float(gradient_predivide_factor)
+    if gradient_predivide_factor != 1.0 and op is not hvd.Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average (as in Horovod)")
+    if not gradient_predivide_factor > 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+    if num_groups:
+        warnings.warn("num_groups has been replaced by groups (as in Horovod)", DeprecationWarning)
+        groups = num_groups if groups is None else groups
+    if groups is not None and not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
+        raise ValueError("groups should be a positive integer or a list of lists of torch.Tensor")
+    if isinstance(groups, list):
+        if any(not isinstance(p, torch.Tensor) for g in groups for p in g):
+            raise ValueError("groups must consist of torch.Tensor (lists of the model's parameters)")
+    if granularity not in ("tensor", "bucket"):
+        raise ValueError(f"granularity must be 'tensor' or 'bucket', got {granularity!r}")
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive integer (bytes), e.g. 25 * 2**20; got {bucket_bytes!r}")
     if not (cost_model in ("measure", "off") or isinstance(cost_model, CostModel)
@@ -515,6 +861,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if isinstance(cost_model, (tuple, list)):
         cost_model = CostModel(float(cost_model[0]), float(cost_model[1]))  # ValueError if out of range
     compression = resolve_compression(compression)
+    if granularity == "bucket" and compression.batched:
+        raise ValueError(f"granularity='bucket' flattens gradients, but '{compression.name}' needs "
+                         "each gradient's matrix shape: use granularity='tensor'")
+    owner = _owners.get(compression)
+    if owner is not None and owner() is not None:
+        raise ValueError(f"this '{compression.name}' compressor already serves another "
+                         "DistributedOptimizer; its state is keyed by parameter name, so give each "
+                         "optimizer its own (e.g. pass the spec string, or a new get_compressor(...))")
     if compression.owns_momentum:
         for group in optimizer.param_groups:
             beta = group.get("momentum", 0.0) or (group.get("betas") or (0.0,))[0]
@@ -524,5 +878,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                     f"optimizer also applies momentum {beta}: momentum would be applied twice. Create "
                     "the optimizer without momentum, e.g. torch.optim.SGD(params, lr=..., momentum=0).")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
-    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
-               allgather, timer, nonfinite, check_consistency, bucket_bytes, cost_model)
+    # hvd.broadcast_optimizer_state() initialises the state of a fresh optimizer with a *local* step
+    # of the wrapped optimizer only when it recognises a Horovod DistributedOptimizer by its module;
+    # otherwise it calls step() on the fresh ranks only, and a synchronising step on a subset of the
+    # ranks deadlocks. hvdcomp's optimizer is of that family, so it says so.
+    cls.__module__ = _HorovodOptimizer.__module__
+    settings = dict(backward_passes_per_step=backward_passes_per_step, op=op,
+                    gradient_predivide_factor=gradient_predivide_factor, groups=groups,
+                    sparse_as_dense=bool(sparse_as_dense), process_set=process_set, allgather=allgather,
+                    timer=timer, nonfinite=nonfinite, check_consistency=check_consistency,
+                    bucket_bytes=bucket_bytes, cost_model=cost_model, grad_scaler=grad_scaler,
+                    granularity=granularity)
+    opt = cls(optimizer.param_groups, named_parameters, compression, settings)
+    _owners[compression] = weakref.ref(opt)
+    return opt

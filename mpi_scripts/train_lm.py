@@ -105,14 +105,7 @@ def transport_of(opt, compressor) -> str:
     """How gradients travel, for logs and results."""
     if isinstance(opt, ABTraining):
         return "mpi4py-allreduce (world + group sub-communicators)"
-    if compressor.summable:
-        return "allreduce"
-    if compressor.batched:
-        return "allreduce (batched)"
-    routes = list(opt.routes.values())
-    dense = routes.count("allreduce")
-    text = f"{opt._gatherer.kind}-allgather ({len(opt._buckets)} bucket(s))"
-    return text + (f", {dense} of {len(routes)} tensor(s) by allreduce (cost model)" if dense else "")
+    return str(opt.transport)
 
 
 def evaluate(model, stream, eval_batch, bptt):
@@ -244,7 +237,7 @@ def main(argv=None):
     model_cm = getattr(opt, "cost_model", None)
     if model_cm is not None:
         results["cost_model"] = {"alpha_s": model_cm.alpha, "beta_s_per_byte": model_cm.beta,
-                                 "routes": opt.routes}
+                                 "routes": opt.transport.routes}
     if ab:
         results["config"]["compressor"] = ab.describe()
         results["ab_training"] = ab.communication_report()

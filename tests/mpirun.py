@@ -31,7 +31,7 @@ def mpirun(np_: int, args, timeout: float = 300, env=None) -> subprocess.Complet
     """
     if shutil.which("mpirun") is None:
         raise AssertionError("mpirun not found: run `make install` first")
-    full_env = dict(os.environ, **MPI_ENV, **(env or {}))
+    full_env = {**os.environ, **MPI_ENV, **(env or {})}  # later entries override
     full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
     cmd = ["mpirun", "-np", str(np_), "--oversubscribe", "--bind-to", "none",
            sys.executable, *map(str, args)]

@@ -107,3 +107,34 @@ def test_kernels_benchmark_compare_and_quantizer_verdicts(tmp_path):
     assert rows["dgc:density=0.01"]["select_pack"]["median_s"] > 0
     table = (tmp_path / "kernels.md").read_text()
     assert "ref compress ×" in table and "≤ 8×" in table
+
+
+def test_overhead_benchmark_smoke_and_report(tmp_path):
+    """benchmarks/overhead.py at 2 ranks on tiny settings: every contender has a median step and
+    the ratios to stock Horovod; the speed report renders its section and the stack's targets."""
+    import json
+    import os
+    import sys
+
+    from mpirun import check
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "overhead" / "np2"
+    check(2, [os.path.join(root, "benchmarks", "overhead.py"), "--models", "stack", "--stack-blocks", "4",
+              "--steps", "1", "--rounds", "2", "--warmup", "1", "--output", str(out),
+              "--contenders", "local", "horovod:none", "hvdcomp:none", "hvdcomp:topk:density=0.01@bucket"],
+          timeout=300)
+    run = json.loads((out / "overhead.json").read_text())
+    rows = run["models"]["stack"]["contenders"]
+    assert run["ranks"] == 2 and run["models"]["stack"]["tensors"] == 8
+    assert rows["horovod:none"]["step_vs_horovod"] == 1.0
+    for name, row in rows.items():
+        assert len(row["samples_s"]) == 2 and row["median_step_s"] > 0, name
+        assert abs(row["overhead_s"] - (row["median_step_s"] - rows["local"]["median_step_s"])) < 1e-12
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    import report_speed
+
+    lines = report_speed.overhead_section(str(tmp_path / "overhead"))
+    text = "\n".join(lines)
+    assert "| 2 | hvdcomp:none | step ≤ 1.05× stock Horovod |" in text
+    assert "### stack: 8 tensors, 2 ranks" in text

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import hvdcomp
-from hvdcomp.compressors import fp16 as fp16_module
 from hvdcomp.compressors.topk import num_kept
 
 
@@ -58,11 +57,11 @@ def test_topk_aggregate_adds_duplicates_and_divides():
 
 
 # ---- fp16 --------------------------------------------------------------------------------------
-def test_fp16_divides_by_world_size_before_cast(monkeypatch):
-    monkeypatch.setattr(fp16_module, "world_size", lambda: 2)
+def test_fp16_divides_by_world_size_before_cast():
     comp = hvdcomp.get_compressor("fp16")
     x = torch.tensor([40000.0])
-    (wire,), ctx = comp.encode(x)
+    with hvdcomp.compressors.simulated_world(2, 0):
+        (wire,), ctx = comp.encode(x)
     assert wire.dtype == torch.float16 and wire.item() == 20000.0
     summed = wire + wire                      # what an fp16 allreduce-sum of two ranks holds
     assert torch.isfinite(summed).all()

@@ -89,3 +89,22 @@ def test_cuda_exact_topk_is_the_topk_set():
     idx = selection.exact_topk(x, 655, magnitudes=False)
     assert idx.device.type == "cuda" and idx.numel() == 655 and bool((idx[1:] > idx[:-1]).all())
     assert set(idx.tolist()) == set(torch.topk(x.abs(), 655).indices.tolist())
+
+
+def _horovod_gpu():
+    import horovod.torch as hvd
+    return hvd.cuda_built() or hvd.nccl_built()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _horovod_gpu(),
+                    reason="needs a GPU and Horovod built with GPU operations (HOROVOD_GPU_OPERATIONS=NCCL)")
+@pytest.mark.parametrize("spec", ["none", "topk:density=0.3", "dgc:density=0.3", "powersgd:rank=1"])
+def test_optimizer_end_to_end_on_cuda_matches_cpu(spec):
+    """2 ranks on the GPU(s) train 3 steps; parameters match the same run on the CPU, and the
+    phase timer used CUDA events (no synchronisation inside the gradient hooks)."""
+    import os
+
+    from mpirun import check
+
+    out = check(2, [os.path.join(os.path.dirname(__file__), "mpi", "cuda_checks.py"), spec], timeout=600)
+    assert "OK cuda" in out, out[-3000:]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hvdcomp
-from hvdcomp.compressors import bitpack, dgc as dgc_module
+from hvdcomp.compressors import bitpack
 from hvdcomp.compressors.randomk import shared_seed
 from hvdcomp.compressors.topk import num_kept
 
@@ -211,10 +211,10 @@ def test_dgc_sampled_threshold_close_to_k():
     assert mag[mask].min() >= mag[~mask].max()
 
 
-def test_dgc_local_clipping_scales_by_world_size(monkeypatch):
-    monkeypatch.setattr(dgc_module, "world_size", lambda: 4)
+def test_dgc_local_clipping_scales_by_world_size():
     comp = hvdcomp.get_compressor("dgc", density=1.0, momentum=0.0, clip_norm=1.0)
-    _, out = roundtrip(comp, torch.tensor([3.0, 4.0]), "p")  # norm 5 -> clipped to 1/sqrt(4)
+    with hvdcomp.compressors.simulated_world(4, 0):
+        _, out = roundtrip(comp, torch.tensor([3.0, 4.0]), "p")  # norm 5 -> clipped to 1/sqrt(4)
     assert torch.allclose(out, torch.tensor([0.3, 0.4]))
 
 

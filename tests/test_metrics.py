@@ -34,3 +34,43 @@ def test_write_json_atomic(tmp_path):
     write_json_atomic(str(path), {"a": 1})
     assert json.loads(path.read_text()) == {"a": 1}
     assert [p.name for p in path.parent.iterdir()] == ["r.json"]
+
+
+class _FakeEvent:
+    """Stands in for torch.cuda.Event: records the fake device clock when record() is called."""
+
+    device_clock = [0.0]  # milliseconds
+
+    def record(self):
+        self.t = self.device_clock[0]
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, later):
+        return later.t - self.t
+
+
+def test_event_timing_charges_device_time_between_boundaries_without_syncs():
+    """Events mode: each slice between phase boundaries is charged the device time between the
+    events recorded at its ends (here 2 + 5 ms compute around a 3 ms compress, then 4 ms
+    communicate); host-clock slices are not used for phases, only for the wall time."""
+    dev = _FakeEvent.device_clock
+    dev[0] = 0.0
+    t = PhaseTimer(event_factory=_FakeEvent, clock=lambda: 0.0)
+    assert t.uses_events and not t.cuda_sync
+    with t.phase("compute"):          # device at 0
+        dev[0] = 2.0
+        with t.phase("compress"):     # 2
+            dev[0] = 5.0
+        dev[0] = 10.0                 # compress ended at 5; compute runs 5..10
+    dev[0] = 11.0                     # outside any phase: not charged
+    with t.phase("communicate"):      # 11
+        dev[0] = 15.0
+    rec = t.end_step()
+    assert abs(rec["compute"] - 0.007) < 1e-12 and abs(rec["compress"] - 0.003) < 1e-12
+    assert abs(rec["communicate"] - 0.004) < 1e-12 and rec["decompress"] == 0.0
+    # the next step starts from a fresh start event
+    with t.phase("compute"):
+        dev[0] = 16.5
+    assert abs(t.end_step()["compute"] - 0.0015) < 1e-12

@@ -21,6 +21,11 @@ def test_randomk_indices_identical_on_4_ranks():
     assert "OK randomk_indices_shared" in check(4, ["tests/mpi/method_checks.py", "randomk_indices_shared"], timeout=120)
 
 
+def test_fp16_agreed_scale_through_horovod_at_4_ranks():
+    """float32 probe then float16 payloads under one allreduce name; the issue's small values."""
+    assert "OK fp16_agreed_scale" in check(4, ["tests/mpi/method_checks.py", "fp16_agreed_scale"], timeout=120)
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_dgc_momentum_applied_once(ranks):
     assert "OK dgc_momentum_applied_once" in check(ranks, ["tests/mpi/method_checks.py", "dgc_momentum_applied_once"], timeout=120)

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import hvdcomp
 from hvdcomp.comm.allgather import plan_rounds
-from hvdcomp.launch import detect_launch
+from hvdcomp.launch import check_launch, detect_launch
 from tests.mpirun import check, mpirun
 
 CHECKS = ["nonfinite_skip", "nonfinite_raise", "disagreeing_ranks", "disagreeing_transport", "checkpoint_bit_identical",
@@ -72,6 +72,29 @@ def test_launch_detection(env, expected):
 def test_launch_detection_rejects_garbage(env):
     with pytest.raises(ValueError):
         detect_launch(env)
+
+
+@pytest.mark.parametrize("env,fix", [
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4"}, "srun --mpi=pmix"),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, "horovodrun --check-build"),
+    ({"PMI_RANK": "0", "PMI_SIZE": "3"}, "the mpirun of the MPI"),
+    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}, "HOROVOD_CONTROLLER"),
+])
+def test_launch_check_refuses_independent_copies(env, fix):
+    """The launcher started N > 1 tasks but Horovod sees one rank: a clear error naming the fix."""
+    with pytest.raises(RuntimeError, match="would train its own copy") as err:
+        check_launch(1, env)
+    assert fix in str(err.value)
+
+
+@pytest.mark.parametrize("env,size", [
+    ({}, 1),                                                                        # plain python
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0"}, 1),          # the batch script
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "1", "SLURM_STEP_NUM_TASKS": "1"}, 1),  # srun -n 1
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4"}, 4),               # wired correctly
+])
+def test_launch_check_accepts_consistent_jobs(env, size):
+    check_launch(size, env)
 
 
 # ---- property tests -------------------------------------------------------------------------------

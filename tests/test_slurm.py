@@ -97,3 +97,23 @@ def test_script_refuses_bad_set_up_clearly(tmp_path, env, message):
         full.pop(k, None)
     res = subprocess.run(["bash", SCRIPT], capture_output=True, text=True, timeout=60, env=full)
     assert res.returncode == 2 and message in res.stderr, res.stderr
+
+
+def test_srun_step_asks_for_the_jobs_cpus_per_task(tmp_path):
+    """From Slurm 22.05 a step does not inherit the job's --cpus-per-task: the script passes it to
+    srun itself. A stand-in ``srun`` on PATH records the arguments it is given."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "srun").write_text('#!/bin/sh\necho "$@" > "$SRUN_ARGS"\nmkdir -p "$(dirname "$OUT")"; '
+                               'echo {} > "$OUT"\n')
+    (shim / "srun").chmod(0o755)
+    out_root = tmp_path / "results"
+    full = dict(os.environ, HVDCOMP_VENV=VENV, OUTPUT_ROOT=str(out_root), DATA=__file__,
+                PATH=f"{shim}:{os.environ['PATH']}", SRUN_ARGS=str(tmp_path / "args"),
+                SLURM_JOB_ID="77", SLURM_NTASKS="4", SLURM_CPUS_PER_TASK="6",
+                OUT=str(out_root / "77_0" / "results.json"))
+    full.pop("SLURM_ARRAY_TASK_ID", None)
+    res = subprocess.run(["bash", SCRIPT], capture_output=True, text=True, timeout=60, env=full)
+    assert res.returncode == 0, res.stdout + res.stderr
+    args = (tmp_path / "args").read_text().split()
+    assert args[:3] == ["--mpi=pmix", "--kill-on-bad-exit=1", "--cpus-per-task=6"], args

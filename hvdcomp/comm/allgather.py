@@ -99,6 +99,9 @@ def _split(buf: torch.Tensor, counts: np.ndarray, dtypes, device) -> List[List[t
         for c, dt, itemsize in zip(counts[r], dtypes, sizes):
             nbytes = int(c) * itemsize
             piece = buf[pos:pos + nbytes]
+            if nbytes == 0:  # an empty slice may have a stride a dtype view refuses
+                payload.append(torch.empty(0, dtype=dt, device=buf.device))
+                continue
             if pos % itemsize:  # a dtype view needs an aligned offset
                 piece = piece.clone()
             payload.append(piece.view(dt))
@@ -135,8 +138,9 @@ class Allgatherer(abc.ABC):
         """Rank 0's copy of ``values`` (float64) on every rank."""
 
     @abc.abstractmethod
-    def allgather_int(self, value: int) -> List[int]:
-        """Every rank's ``value`` (blocking), in rank order."""
+    def allgather_ints(self, values: Sequence[int]) -> List[List[int]]:
+        """Every rank's ``values`` (a few int64, the same count on every rank; blocking), in
+        rank order."""
 
     def close(self) -> None:
         """Release background resources (idempotent)."""
@@ -158,13 +162,19 @@ class MPIAllgatherer(Allgatherer):
     the cores that compute needs. Calls must be made in the same order on every rank; the
     thread keeps that order. Without ``MPI_THREAD_MULTIPLE`` the exchange runs in ``start``.
 
+    A failure on the background thread (an MPI error, memory exhausted) would leave the other
+    ranks waiting forever in the collective, so it prints the traceback and aborts the whole job
+    (``MPI_Abort``): every rank ends within seconds.
+
     Args:
-        comm: communicator to duplicate (``MPI.COMM_WORLD`` by default).
+        comm: communicator to duplicate (``MPI.COMM_WORLD`` by default; a process set's
+            communicator for training inside a sub-group).
         max_count: largest MPI count per call (lowered by tests to exercise the >2 GiB rounds).
         threaded: force the background thread on/off (default: on with ``MPI_THREAD_MULTIPLE``).
 
     Raises:
-        RuntimeError: from :meth:`finish`, if the exchange failed on the background thread.
+        RuntimeError: from :meth:`finish`, if the exchange failed on the background thread and
+            the job was not aborted (inline exchanges raise directly).
     """
 
     kind = "mpi4py"
@@ -209,10 +219,25 @@ class MPIAllgatherer(Allgatherer):
         h.bytes_sent = len(payload) * COUNT_BYTES + h.send.nbytes
         h.future = None
         if self._executor is not None:
-            h.future = self._executor.submit(self._exchange, h, counts)
+            h.future = self._executor.submit(self._exchange_or_abort, h, counts)
         else:
             self._exchange(h, counts)
         return h
+
+    def _exchange_or_abort(self, h, counts) -> None:
+        """:meth:`_exchange` on the background thread: a failure aborts the job (see class doc)."""
+        try:
+            self._exchange(h, counts)
+        except BaseException:
+            import sys
+            import traceback
+
+            sys.stderr.write(f"hvdcomp: the allgather thread failed on rank {self.comm.Get_rank()} "
+                             f"of {self.size}; aborting the job so that no rank waits forever:\n")
+            traceback.print_exc(file=sys.stderr)
+            sys.stderr.flush()
+            self.comm.Abort(1)
+            raise
 
     def _exchange(self, h, counts) -> None:
         MPI = self.MPI
@@ -256,10 +281,11 @@ class MPIAllgatherer(Allgatherer):
         self.comm.Bcast(values, root=0)
         return values
 
-    def allgather_int(self, value):
-        """Every rank's ``value`` (one int64 ``Allgather``), in rank order."""
-        out = np.empty(self.size, dtype=np.int64)
-        self.comm.Allgather(np.array([value], dtype=np.int64), out)
+    def allgather_ints(self, values):
+        """Every rank's ``values`` (one int64 ``Allgather``), in rank order."""
+        mine = np.asarray(values, dtype=np.int64)
+        out = np.empty((self.size, mine.size), dtype=np.int64)
+        self.comm.Allgather(mine, out)
         return out.tolist()
 
     def close(self):
@@ -275,10 +301,11 @@ class HorovodAllgatherer(Allgatherer):
 
     kind = "horovod"
 
-    def __init__(self):
+    def __init__(self, process_set=None):
         import horovod.torch as hvd
 
         self.hvd = hvd
+        self.process_set = hvd.global_process_set if process_set is None else process_set
 
     def start(self, payload, name):
         hvd = self.hvd
@@ -288,8 +315,8 @@ class HorovodAllgatherer(Allgatherer):
         h.device = payload[0].device if payload else torch.device("cpu")
         send, _ = _stage(payload, pinned_async=False)  # Horovod reads it later on its own thread
         h.send = torch.from_numpy(send)
-        h.counts = hvd.allgather_async(counts, name=f"hvdcomp.counts.{name}")
-        h.request = hvd.allgather_async(h.send, name=f"hvdcomp.data.{name}")
+        h.counts = hvd.allgather_async(counts, name=f"hvdcomp.counts.{name}", process_set=self.process_set)
+        h.request = hvd.allgather_async(h.send, name=f"hvdcomp.data.{name}", process_set=self.process_set)
         h.bytes_sent = len(payload) * COUNT_BYTES + h.send.numel()
         return h
 
@@ -301,24 +328,30 @@ class HorovodAllgatherer(Allgatherer):
 
     def probe(self, nbytes):
         """Blocking ``hvd.allgather`` of ``nbytes`` zero bytes per rank."""
-        self.hvd.allgather(torch.zeros(int(nbytes), dtype=torch.uint8), name="hvdcomp.probe")
+        self.hvd.allgather(torch.zeros(int(nbytes), dtype=torch.uint8), name="hvdcomp.probe",
+                           process_set=self.process_set)
 
-    def allgather_int(self, value):
-        """Every rank's ``value`` by ``hvd.allgather``, in rank order."""
-        return self.hvd.allgather(torch.tensor([value], dtype=torch.int64), name="hvdcomp.ints").tolist()
+    def allgather_ints(self, values):
+        """Every rank's ``values`` by ``hvd.allgather``, in rank order."""
+        mine = torch.tensor([list(values)], dtype=torch.int64)
+        return self.hvd.allgather(mine, name="hvdcomp.ints", process_set=self.process_set).tolist()
 
     def agree(self, values):
         """Rank 0's ``values`` on every rank, by ``hvd.broadcast``."""
         t = torch.as_tensor(np.asarray(values, dtype=np.float64))
-        return self.hvd.broadcast(t, root_rank=0, name="hvdcomp.agree").numpy()
+        root = self.process_set.ranks[0] if self.process_set.ranks else 0
+        return self.hvd.broadcast(t, root_rank=root, name="hvdcomp.agree",
+                                  process_set=self.process_set).numpy()
 
 
-def make_allgatherer(prefer: str = "auto") -> Allgatherer:
+def make_allgatherer(prefer: str = "auto", group=None) -> Allgatherer:
     """Pick the allgather transport.
 
     Args:
         prefer: ``"auto"`` (mpi4py when Horovod runs on MPI, else Horovod allgather),
             ``"mpi4py"`` or ``"horovod"``. Overridable with ``HVDCOMP_ALLGATHER``.
+        group: a :class:`hvdcomp.comm.group.Group` (the global process set when None); the
+            transport's collectives stay inside it. Collective over the group's members.
 
     Raises:
         RuntimeError: ``"mpi4py"`` was asked for but Horovod is not running on MPI (e.g. started
@@ -327,17 +360,22 @@ def make_allgatherer(prefer: str = "auto") -> Allgatherer:
     """
     import horovod.torch as hvd
 
+    from .group import Group
+
+    group = Group() if group is None else group
     prefer = os.environ.get("HVDCOMP_ALLGATHER", prefer)
     if prefer not in ("auto", "mpi4py", "horovod"):
         raise ValueError(f"allgather transport must be auto, mpi4py or horovod, got {prefer!r}")
     if prefer == "horovod":
-        return HorovodAllgatherer()
+        return HorovodAllgatherer(group.process_set)
     if hvd.mpi_enabled():
         try:
-            gatherer = MPIAllgatherer()
-            if gatherer.size == hvd.size():
-                return gatherer
-            reason = f"MPI world size {gatherer.size} != Horovod size {hvd.size()}"
+            from mpi4py import MPI
+
+            if MPI.COMM_WORLD.Get_size() != hvd.size():
+                reason = f"MPI world size {MPI.COMM_WORLD.Get_size()} != Horovod size {hvd.size()}"
+            else:
+                return MPIAllgatherer(comm=group.mpi_comm())
         except ImportError as exc:
             reason = f"mpi4py is not importable ({exc})"
     else:
@@ -346,4 +384,4 @@ def make_allgatherer(prefer: str = "auto") -> Allgatherer:
         raise RuntimeError(f"the mpi4py allgather path is unusable: {reason}. Launch with mpirun or "
                            "horovodrun --mpi, or use transport 'horovod'.")
     log.info("hvdcomp: sparse payloads use Horovod allgather: %s", reason)
-    return HorovodAllgatherer()
+    return HorovodAllgatherer(group.process_set)

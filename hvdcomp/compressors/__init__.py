@@ -1,5 +1,5 @@
 """Compression methods, one per module, each registered by name (see :func:`get_compressor`)."""
-from .base import Compressor, Payload, world_size
+from .base import Compressor, Payload, rank, simulated_world, world_size
 from .registry import available, get_compressor, parse_spec, register
 from .none import NoneCompressor
 from .fp16 import FP16Compressor
@@ -13,7 +13,7 @@ from .terngrad import TernGradCompressor
 from .signsgd import SignSGDCompressor, ScaledSignCompressor
 from .powersgd import PowerSGDCompressor
 
-__all__ = ["Compressor", "Payload", "world_size", "available", "get_compressor", "parse_spec",
+__all__ = ["Compressor", "Payload", "world_size", "rank", "simulated_world", "available", "get_compressor", "parse_spec",
            "register", "NoneCompressor", "FP16Compressor", "BF16Compressor", "TopKCompressor",
            "RandomKCompressor", "ThresholdCompressor", "DGCCompressor", "QSGDCompressor",
            "TernGradCompressor", "SignSGDCompressor", "ScaledSignCompressor", "PowerSGDCompressor"]

@@ -19,7 +19,8 @@ Two transport kinds exist:
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, List, Sequence, Tuple
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,7 +32,32 @@ except ImportError:  # pragma: no cover - exercised only where Horovod is not in
 
 Payload = List[torch.Tensor]
 
-__all__ = ["Compressor", "AggregateInto", "Payload", "world_size", "rank", "float32_flat", "write_back"]
+__all__ = ["Compressor", "AggregateInto", "Payload", "world_size", "rank", "simulated_world",
+           "cast_saturating", "copy_saturating_", "float32_flat", "write_back"]
+
+#: (world size, rank) set by :func:`simulated_world`; consulted before Horovod.
+_simulated: Optional[Tuple[int, int]] = None
+
+
+@contextlib.contextmanager
+def simulated_world(size: int, rank: int) -> Iterator[None]:
+    """Make :func:`world_size` and :func:`rank` return ``size`` and ``rank`` inside the block.
+
+    For simulating N ranks in one process (the numerics tests build one compressor instance per
+    simulated rank and encode/decode each under its own ``simulated_world``). Blocks nest; the
+    previous values come back on exit. Process-wide, not per thread: simulate one rank at a time.
+
+    Raises:
+        ValueError: ``size < 1`` or ``rank`` outside ``[0, size)``.
+    """
+    global _simulated
+    if not (isinstance(size, int) and isinstance(rank, int) and size >= 1 and 0 <= rank < size):
+        raise ValueError(f"simulated_world needs an integer size >= 1 and 0 <= rank < size, got ({size!r}, {rank!r})")
+    previous, _simulated = _simulated, (size, rank)
+    try:
+        yield
+    finally:
+        _simulated = previous
 
 
 def _horovod_or(getter: str, default: int) -> int:
@@ -49,14 +75,41 @@ def world_size() -> int:
     """Number of ranks in Horovod's global process set, read now (never cached).
 
     Returns 1 when Horovod is not installed or not initialised, so compressors can be used in a
-    single process.
+    single process; inside :func:`simulated_world`, the simulated size.
     """
+    if _simulated is not None:
+        return _simulated[0]
     return _horovod_or("size", 1)
 
 
 def rank() -> int:
-    """This process's Horovod rank (0 when Horovod is not initialised)."""
+    """This process's Horovod rank (0 when Horovod is not initialised; the simulated rank inside
+    :func:`simulated_world`)."""
+    if _simulated is not None:
+        return _simulated[1]
     return _horovod_or("rank", 0)
+
+
+def cast_saturating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)``, clamped to ``dtype``'s finite range first when ``dtype`` is a narrower
+    floating type (float32 → float16: 1e5 becomes 65504, not inf). NaN stays NaN.
+
+    A decoded gradient can exceed its own dtype's range although every input was finite (QSGD's
+    level rounding, error feedback adding a float32 residual to a float16 gradient); saturating
+    keeps such outputs finite.
+    """
+    if (dtype.is_floating_point and tensor.is_floating_point() and dtype != tensor.dtype
+            and torch.finfo(dtype).max < torch.finfo(tensor.dtype).max):
+        limit = torch.finfo(dtype).max
+        tensor = tensor.clamp(-limit, limit)
+    return tensor.to(dtype)
+
+
+def copy_saturating_(out: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``out.copy_(src)`` with :func:`cast_saturating` to ``out``'s dtype. Returns ``out``."""
+    if out.dtype != src.dtype:
+        src = cast_saturating(src, out.dtype)
+    return out.copy_(src)
 
 
 def float32_flat(out: torch.Tensor) -> torch.Tensor:
@@ -70,7 +123,7 @@ def float32_flat(out: torch.Tensor) -> torch.Tensor:
 def write_back(out: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     """Copy ``flat`` (from :func:`float32_flat`) into ``out`` unless it is ``out``'s memory; returns ``out``."""
     if out.numel() and flat.data_ptr() != out.data_ptr():
-        out.copy_(flat.view(out.shape))
+        copy_saturating_(out, flat.view(out.shape))
     return out
 
 
@@ -97,6 +150,13 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
             non-summable payload may also travel as its local decode through an allreduce
             (the optimizer's cost model picks the cheaper route; the result is the same).
             Opt-in (``False`` here): set it only where it holds.
+        payload_is_gradient: the payload may be the gradient itself (one tensor viewing its
+            memory) and ``decode`` the identity (``none``): the optimizer then reduces the
+            gradient in place, as stock Horovod does, without a copy.
+        has_scaled_state: the method keeps state in gradient units (residuals, momenta), which
+            :meth:`rescale_state` multiplies when the gradients' scale changes (AMP loss scale).
+        shared_state_keys: keys of :meth:`state_dict` whose values are identical on every rank
+            (step counters, shared factors, shared generators): :meth:`shared_state`.
     """
 
     name = "base"
@@ -107,6 +167,9 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
     owns_momentum = False
     batched = False
     aggregate_is_mean = False
+    has_scaled_state = False
+    payload_is_gradient = False
+    shared_state_keys: Tuple[str, ...] = ()
 
     # ---- hvdcomp API -------------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, name: str | None = None) -> Tuple[Payload, Any]:
@@ -145,22 +208,29 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
             ctx: this rank's context (shape and dtype agree on every rank).
 
         Returns:
-            The mean over ranks of ``decode(payload_r)``, shape and dtype of the original tensor.
+            The mean over ranks of ``decode(payload_r)``, shape and dtype of the original tensor,
+            accumulated in float32 (or float64) and cast back saturating: summing float16
+            decodes in float16 overflowed (two ranks of 4e4) and rounded at every addition.
         """
         total = None
         for p in payloads:
             d = self.decode(p, ctx)
-            total = d if total is None else total.add_(d)
-        return total.div_(len(payloads))
+            if total is None:
+                dtype = d.dtype
+                total = d.to(torch.promote_types(d.dtype, torch.float32), copy=True)
+            else:
+                total.add_(d)
+        return cast_saturating(total.div_(len(payloads)), dtype)
 
     def decode_into(self, out: torch.Tensor, payload: Payload, ctx: Any) -> torch.Tensor:
         """:meth:`decode` written into ``out`` (shape and dtype of the original tensor, e.g. the
-        parameter's ``.grad``); methods that can avoid the temporary override this. Returns ``out``."""
-        return out.copy_(self.decode(payload, ctx))
+        parameter's ``.grad``; saturated to its range, see :func:`cast_saturating`); methods that
+        can avoid the temporary override this. Returns ``out``."""
+        return copy_saturating_(out, self.decode(payload, ctx))
 
     def aggregate_into(self, out: torch.Tensor, payloads: Sequence[Payload], ctx: Any) -> torch.Tensor:
         """:meth:`aggregate` written into ``out`` (see :meth:`decode_into`). Returns ``out``."""
-        return out.copy_(self.aggregate(payloads, ctx))
+        return copy_saturating_(out, self.aggregate(payloads, ctx))
 
     def residual_(self, p: torch.Tensor, payload: Payload, ctx: Any) -> torch.Tensor:
         """What error feedback keeps: ``p - decode(payload)``.
@@ -191,8 +261,42 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
         """JSON-serialisable description (name and hyper-parameters) for results files."""
         return {"name": self.name}
 
+    # ---- the ranks payloads are averaged over -------------------------------------------------
+    _group_size = None  # set by the optimizer (a process set may be smaller than the world)
+
+    def bind_group(self, size: int) -> None:
+        """Average over ``size`` ranks (set by :class:`hvdcomp.DistributedOptimizer` from its
+        process set); unbound compressors use Horovod's world size."""
+        self._group_size = int(size)
+
+    def group_size(self) -> int:
+        """Number of ranks whose payloads are averaged: the bound group's, else
+        :func:`world_size`."""
+        return self._group_size if self._group_size is not None else world_size()
+
+    # ---- state that follows the training loop --------------------------------------------------
+    def rescale_state(self, factor: float) -> None:
+        """Multiply state kept in gradient units by ``factor`` (e.g. ``S_new / S_old`` when an
+        AMP loss scale changes); no-op for methods without such state. Applies to committed
+        state; call it between steps."""
+
+    def shared_state(self) -> Dict[str, Any]:
+        """The part of :meth:`state_dict` that is identical on every rank (``shared_state_keys``),
+        e.g. to broadcast it from the rank that restored a checkpoint."""
+        state = self.state_dict()
+        return {k: state[k] for k in self.shared_state_keys if k in state}
+
+    def load_shared_state(self, shared: Dict[str, Any]) -> None:
+        """Replace the shared part of the state by ``shared`` (from :meth:`shared_state` on
+        another rank), keeping this rank's own part."""
+        if shared:
+            state = self.state_dict()
+            state.update(shared)
+            self.load_state_dict(state)
+
     # ---- staged state: a step's updates can be committed or rolled back ----------------------
     _pending = None  # while a step is open: {(store, name): new value}
+    _generator_snapshot = None  # while a step is open: generator states at its start
 
     def _get(self, store: str, name: str, default=None):
         """Per-name state from dict attribute ``store``, seeing this step's staged updates."""
@@ -208,19 +312,38 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
         else:
             getattr(self, store)[name] = value
 
+    def _generators(self) -> Dict[str, Any]:
+        """Random generators among this compressor's attributes (per-rank or shared)."""
+        from .rng import RankGenerators  # local import: rng imports base
+
+        return {k: v for k, v in vars(self).items() if isinstance(v, (RankGenerators, torch.Generator))}
+
     def begin_step(self) -> None:
-        """Open a step: state updates from :meth:`encode` are staged (see :meth:`rollback`)."""
+        """Open a step: state updates from :meth:`encode` are staged and generator states
+        remembered (see :meth:`rollback`)."""
         self._pending = {}
+        self._generator_snapshot = {
+            k: (g.get_state() if isinstance(g, torch.Generator) else g.state_dict())
+            for k, g in self._generators().items()}
 
     def commit(self) -> None:
         """Apply the staged updates of the open step and close it."""
         for (store, name), value in (self._pending or {}).items():
             getattr(self, store)[name] = value
         self._pending = None
+        self._generator_snapshot = None
 
     def rollback(self) -> None:
-        """Drop the open step's staged updates (e.g. the step is skipped for a NaN gradient)."""
+        """Drop the open step's staged updates and rewind its generators, so that a skipped or
+        discarded step leaves no trace."""
+        for key, state in (self._generator_snapshot or {}).items():
+            gen = getattr(self, key)
+            if isinstance(gen, torch.Generator):
+                gen.set_state(state)
+            else:
+                gen.load_state_dict(state)
         self._pending = None
+        self._generator_snapshot = None
 
     # ---- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -271,11 +394,12 @@ class AggregateInto:
         return self.aggregate([payload], ctx)
 
     def aggregate(self, payloads, ctx):
-        """Mean over ``payloads`` into a new float32 tensor of the context's shape, cast to its dtype."""
+        """Mean over ``payloads`` into a new float32 tensor of the context's shape, cast (saturating)
+        to its dtype."""
         shape, dtype = ctx[0], ctx[1]
         device = payloads[0][0].device if payloads else torch.device("cpu")
         out = torch.empty(shape, dtype=torch.float32, device=device)
-        return self.aggregate_into(out, payloads, ctx).to(dtype)
+        return cast_saturating(self.aggregate_into(out, payloads, ctx), dtype)
 
     def decode_into(self, out, payload, ctx):
         """:meth:`decode` written into ``out``; returns ``out``."""

@@ -25,7 +25,6 @@ import math
 
 import torch
 
-from .base import world_size
 from .registry import register
 from .rng import RankGenerators
 from .selection import MIN_SAMPLE, check_sample_ratio, sampled_threshold_topk
@@ -48,7 +47,7 @@ class DGCCompressor(SparseCompressor):
             Tensors whose sample would have fewer than 64 entries use the exact top-k.
         warmup_epochs: W ≥ 0 epochs of exponential density warm-up (call :meth:`set_epoch`).
         clip_norm: C > 0 enables local clipping of each gradient to norm C·N^-1/2 (N = world
-            size, read at each step); 0 disables.
+            size: the optimizer's group size, or Horovod's world size for an unbound compressor); 0 disables.
         nesterov: Nesterov momentum (``u = m·(u+g)``, ``v += u + g``).
         momentum_masking: zero u at sent entries (the paper's momentum factor masking).
         seed: base seed of the per-rank sampling generator.
@@ -62,6 +61,8 @@ class DGCCompressor(SparseCompressor):
     name = "dgc"
     owns_momentum = True
     builtin_error_feedback = True
+    has_scaled_state = True
+    shared_state_keys = ("epoch",)
     min_sample = MIN_SAMPLE
 
     def __init__(self, density: float = 0.001, momentum: float = 0.9, sample_ratio: float = 0.01,
@@ -124,9 +125,12 @@ class DGCCompressor(SparseCompressor):
         g = tensor.reshape(-1).to(torch.float32)
         n = g.numel()
         if self.clip_norm > 0 and n:
-            limit = self.clip_norm / math.sqrt(world_size())
-            norm = g.norm()
-            g = g * torch.clamp(limit / torch.clamp(norm, min=1e-30), max=1.0)
+            limit = self.clip_norm / math.sqrt(self.group_size())
+            # the norm in float64: a float32 norm overflows to inf for |g| ~ 1e20 (and the
+            # gradient was then zeroed instead of clipped), or underflows to 0 for |g| ~ 1e-20
+            norm = torch.linalg.vector_norm(g, dtype=torch.float64)
+            factor = torch.clamp(limit / torch.clamp(norm, min=1e-300), max=1.0)
+            g = g * factor.to(torch.float32)
         u_old, v_old = self._get("u", name), self._get("v", name)
         u_old = torch.zeros_like(g) if u_old is None else u_old
         v_old = torch.zeros_like(g) if v_old is None else v_old
@@ -179,6 +183,12 @@ class DGCCompressor(SparseCompressor):
         super().rollback()
         for name, u, v in dropped:
             self._recycle(name, u, v)
+
+    def rescale_state(self, factor):
+        """Multiply the momenta u and v (gradient units) by ``factor``."""
+        for store in (self.u, self.v):
+            for t in store.values():
+                t.mul_(factor)
 
     def state_dict(self):
         return {"epoch": self.epoch, "u": {k: t.clone() for k, t in self.u.items()},

@@ -17,6 +17,18 @@ any with (n + m)·r·min_compression_rate ≥ n·m — travel uncompressed (exac
 The initial Q of every tensor comes from one generator seeded identically on all ranks, drawn in
 parameter order, the same way PyTorch's DDP ``powerSGD_hook`` draws them, so both give the same
 results on the same gradients and seed.
+
+Robustness (no collapse). The warm start makes Q sticky: an all-zero gradient (a frozen layer,
+a parameter unused in a step, which the optimizer sends as zeros) gives P = 0 and then
+Q = Mᵀ·P = 0, and without care every later step would compute P = M·0 = 0 and send nothing, for
+ever. So before each step, every column of the kept Q that is zero or not finite (after an
+all-zero gradient, or from a restored or broadcast state) is drawn afresh from the shared
+generator, and Q is orthogonalised again; a column Gram–Schmidt leaves at exactly zero (linearly
+dependent on the previous ones) is redrawn the same way. Q is identical on every rank (it is the
+output of an allreduce, or restored identically), so every rank makes the same decision and draws
+the same numbers: no extra collective. The next non-zero gradient is then compressed as well as by
+a fresh compressor. Orthogonalisation is scale-safe (:func:`hvdcomp.lowrank.orthogonalize`), so
+gradients of norm 1e-23 or 1e30 (float32) are approximated as well as gradients of norm 1.
 """
 from __future__ import annotations
 
@@ -26,7 +38,7 @@ import numpy as np
 import torch
 
 from ..lowrank.orthogonalize import orthogonalize
-from .base import Compressor
+from .base import Compressor, cast_saturating
 from .registry import register
 
 
@@ -55,6 +67,8 @@ class PowerSGDCompressor(Compressor):
     summable = True
     batched = True
     builtin_error_feedback = True
+    has_scaled_state = True                     # the error (residual)
+    shared_state_keys = ("step", "q", "rng")    # identical on every rank after each allreduce
 
     def __init__(self, rank: int = 2, start_step: int = 0, min_compression_rate: float = 1.0,
                  seed: int = 0, epsilon: float = 0.0):
@@ -69,10 +83,11 @@ class PowerSGDCompressor(Compressor):
         self.rank, self.start_step = rank, start_step
         self.min_compression_rate, self.epsilon = float(min_compression_rate), float(epsilon)
         self.seed = int(seed)
-        self.step = 0
+        self.counters: Dict[str, int] = {"step": 0}
         self.q: Dict[str, torch.Tensor] = {}
         self.p: Dict[str, torch.Tensor] = {}  # last orthonormal P per tensor (n × r), for inspection
         self.error: Dict[str, torch.Tensor] = {}
+        self._layouts: Dict[tuple, Tuple[int, int, bool]] = {}
         self._gen = torch.Generator().manual_seed(int(np.random.RandomState(self.seed).randint(1_000_000_000)))
 
     def describe(self):
@@ -114,66 +129,121 @@ class PowerSGDCompressor(Compressor):
         Returns:
             The averaged (low-rank approximated) gradients, shapes and dtypes as given.
         """
-        if self.step < self.start_step:
-            self.step += 1
+        step = self._get("counters", "step", 0)
+        self._put("counters", "step", step + 1)
+        if step < self.start_step:
             flat = torch.cat([g.reshape(-1).to(torch.float32) for _, g in named_grads])
             return self._split(allreduce_mean(flat, "powersgd.dense"), named_grads)
         with timer.phase("compress"):
-            comp, plain, ps = [], [], []
+            comp: Dict[tuple, List[int]] = {}  # (n, m, r, device) -> positions: one batch each
+            plain = []
             for i, (name, g) in enumerate(named_grads):
-                if not self.compressible(g.shape):
+                n, m, compress = self._layout(name, g.shape)
+                if not compress:
                     plain.append(i)
                     continue
-                n, m = self.matrix_shape(g.shape)
-                r = min(self.rank, n, m)
-                mat = g.reshape(n, m).to(torch.float32)
-                if name in self.error:
-                    mat = mat + self.error[name]
-                q = self.q.get(name)
-                if q is None:
-                    q = torch.randn(m, r, generator=self._gen).to(mat.device)
-                orthogonalize(q, self.epsilon)
-                self.q[name] = q
-                comp.append((i, name, mat))
-                ps.append(mat @ q)
-            first = torch.cat([p.reshape(-1) for p in ps] +
+                comp.setdefault((n, m, min(self.rank, n, m), g.device), []).append(i)
+            qs = self._warm_starts(named_grads, comp)
+            batches = []  # (key, positions, M (B, n, m), P (B, n, r))
+            for key, idx in comp.items():
+                n, m, r, device = key
+                mats = torch.stack([named_grads[i][1].reshape(n, m) for i in idx]).to(torch.float32)
+                errors = [self._get("error", named_grads[i][0]) for i in idx]
+                if any(e is not None for e in errors):
+                    mats = mats + torch.stack([torch.zeros(n, m, device=device) if e is None else e
+                                               for e in errors])
+                batches.append((key, idx, mats, torch.bmm(mats, qs[key])))
+            first = torch.cat([b[3].reshape(-1) for b in batches] +
                               [named_grads[i][1].reshape(-1).to(torch.float32) for i in plain])
         first = allreduce_mean(first, "powersgd.p")
         with timer.phase("compress"):
             out: List[torch.Tensor] = [None] * len(named_grads)  # type: ignore[list-item]
-            pos, qs, reduced = 0, [], []
-            for (i, name, mat), p_local in zip(comp, ps):
-                p = first[pos:pos + p_local.numel()].view_as(p_local)
+            pos, reduced = 0, []
+            for key, idx, mats, p_local in batches:
+                p = orthogonalize(first[pos:pos + p_local.numel()].view_as(p_local), self.epsilon)
                 pos += p.numel()
-                reduced.append(orthogonalize(p, self.epsilon))
-                self.p[name] = p
-                qs.append(mat.t() @ p)
-            ps = reduced
+                for b, i in enumerate(idx):
+                    self.p[named_grads[i][0]] = p[b]
+                reduced.append(torch.bmm(mats.transpose(1, 2), p))
             for i in plain:
                 numel = named_grads[i][1].numel()
-                out[i] = first[pos:pos + numel].view_as(named_grads[i][1]).to(named_grads[i][1].dtype)
+                out[i] = cast_saturating(first[pos:pos + numel].view_as(named_grads[i][1]), named_grads[i][1].dtype)
                 pos += numel
-            second = torch.cat([q.reshape(-1) for q in qs]) if qs else first.new_zeros(0)
-        if qs:
+            second = torch.cat([q.reshape(-1) for q in reduced]) if reduced else first.new_zeros(0)
+        if reduced:
             second = allreduce_mean(second, "powersgd.q")
         with timer.phase("decompress"):
             pos = 0
-            for (i, name, mat), p, q in zip(comp, ps, qs):
-                q = second[pos:pos + q.numel()].view_as(q)
+            for (key, idx, mats, _), q_local in zip(batches, reduced):
+                q = second[pos:pos + q_local.numel()].view_as(q_local).clone()
                 pos += q.numel()
-                self.q[name] = q.clone()
-                approx = p @ q.t()
-                self.error[name] = mat - approx
-                g = named_grads[i][1]
-                out[i] = approx.reshape(g.shape).to(g.dtype)
-        self.step += 1
+                p = torch.stack([self.p[named_grads[i][0]] for i in idx])
+                approx = torch.bmm(p, q.transpose(1, 2))
+                error = mats - approx
+                for b, i in enumerate(idx):
+                    name, g = named_grads[i]
+                    self._put("q", name, q[b])
+                    self._put("error", name, error[b])
+                    # saturating: with the error added, g + e (and so P·Qᵀ) can exceed a float16 g's range
+                    out[i] = cast_saturating(approx[b].reshape(g.shape), g.dtype)
         return out
+
+    def _layout(self, name: str, shape) -> Tuple[int, int, bool]:
+        """(n, m, compressible) of a gradient, cached per name and shape."""
+        key = (name, tuple(shape))
+        hit = self._layouts.get(key)
+        if hit is None:
+            n, m = self.matrix_shape(shape)
+            hit = self._layouts[key] = (n, m, self.compressible(shape))
+        return hit
+
+    def _warm_starts(self, named_grads, batches) -> Dict[tuple, torch.Tensor]:
+        """Per batch of equal shapes, the orthonormal Qs (B × m × r, float32) to multiply by.
+
+        A name's Q is last step's agreed Q (copied: the committed one stays as it was if the step
+        is rolled back), or fresh columns from the shared generator, drawn in ``named_grads``
+        order. Columns that are zero or not finite, and columns that orthogonalisation leaves at
+        zero, are redrawn (see the module docstring). Deterministic given the Qs and the
+        generator state, so identical on every rank.
+        """
+        out = {}
+        for key, idx in sorted(batches.items(), key=lambda kv: kv[1][0]):
+            n, m, r, device = key
+            qs = []
+            for i in idx:
+                q = self._get("q", named_grads[i][0])
+                qs.append(self._draw(m, r, device) if q is None or tuple(q.shape) != (m, r) else q)
+            q = torch.stack(qs)  # a new tensor
+            for _ in range(3):  # a redrawn random column is dependent with probability 0
+                dead = ~torch.isfinite(q).all(1) | (q == 0).all(1)   # (B, r)
+                if dead.any():
+                    for b, col in dead.nonzero().tolist():
+                        q[b, :, col] = self._draw(m, 1, device)[:, 0]
+                orthogonalize(q, self.epsilon)
+                if not (q == 0).all(1).any():
+                    break
+            out[key] = q
+        return out
+
+    @property
+    def step(self) -> int:
+        """Steps reduced so far (committed)."""
+        return self.counters["step"]
+
+    def rescale_state(self, factor):
+        """Multiply the error (gradient units) by ``factor``; Q is a direction, kept."""
+        for e in self.error.values():
+            e.mul_(factor)
+
+    def _draw(self, m: int, columns: int, device) -> torch.Tensor:
+        """``columns`` fresh m-vectors (float32) from the generator shared by all ranks."""
+        return torch.randn(m, columns, generator=self._gen).to(device)
 
     @staticmethod
     def _split(flat, named_grads):
         out, pos = [], 0
         for _, g in named_grads:
-            out.append(flat[pos:pos + g.numel()].view_as(g).to(g.dtype))
+            out.append(cast_saturating(flat[pos:pos + g.numel()].view_as(g), g.dtype))
             pos += g.numel()
         return out
 
@@ -182,7 +252,7 @@ class PowerSGDCompressor(Compressor):
                 "error": {k: v.clone() for k, v in self.error.items()}, "rng": self._gen.get_state()}
 
     def load_state_dict(self, state):
-        self.step = int(state.get("step", 0))
+        self.counters = {"step": int(state.get("step", 0))}
         self.q = {k: v.clone() for k, v in state.get("q", {}).items()}
         self.error = {k: v.clone() for k, v in state.get("error", {}).items()}
         if "rng" in state:

@@ -69,6 +69,7 @@ class RandomKCompressor(AggregateInto, Compressor):
     name = "randomk"
     summable = True
     default_error_feedback = True
+    shared_state_keys = ("steps",)  # the indices derive from (seed, name, step) on every rank
 
     def __init__(self, density: float = 0.01, seed: int = 0):
         self.density = check_density(density)

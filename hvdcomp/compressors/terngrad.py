@@ -3,7 +3,7 @@
 Wen, Xu, Yan, Wu, Wang, Chen and Li, "TernGrad: Ternary Gradients to Reduce Communication in
 Distributed Deep Learning", NeurIPS 2017.
 
-``g = clamp(g, ±2.5·std(g))``; ``s = max|g|``; ``b_i ~ Bernoulli(|g_i|/s)``;
+``g = clamp(g, ±2.5·max(std(g), |mean(g)|))``; ``s = max|g|``; ``b_i ~ Bernoulli(|g_i|/s)``;
 ``out = s·sign(g)·b`` ∈ {−s, 0, s} (unbiased for the clipped gradient). Codes ``sign·b + 1`` travel
 at 2 bits per element with one fp32 scale; scales differ per rank, so the allgather path is used.
 
@@ -31,7 +31,10 @@ class TernGradCompressor(AggregateInto, Compressor):
     """Ternary {−s, 0, s} quantization with 2.5σ clipping.
 
     Args:
-        clip_sigmas: clip at this many standard deviations (2.5 in the paper; 0 disables).
+        clip_sigmas: clip at this many standard deviations (2.5 in the paper; 0 disables), but
+            never below ``clip_sigmas·|mean(g)|``: the paper's 2.5σ assumes zero-centred
+            gradients, and for a constant (or nearly constant) tensor σ is 0 or float rounding
+            noise, which clipped every value to about 0 (``[0.7] * 8`` decoded to ±1.6e-7).
         seed: base seed of the per-rank generator.
 
     Payload: ``[scale (1,) float32, codes (ceil(n/4),) uint8]`` (2 bits per element).
@@ -71,15 +74,16 @@ class TernGradCompressor(AggregateInto, Compressor):
         packed = torch.empty(packed_nbytes(n, 2), dtype=torch.uint8)
         if n == 0:
             return [torch.zeros(1), packed]
-        s1, s2, maxabs, _ = native.moments(g)
+        s1, s2, maxabs, shift = native.moments(g)
         f32 = np.float32
         clip, s = f32(np.inf), f32(maxabs)
         if self.clip_sigmas > 0 and n > 1:
-            # unbiased variance from shifted sums (float64), then std and c in float32 as torch
+            # unbiased variance from shifted sums (float64), then std, |mean| and c in float32 as torch
             var = (s2 - s1 * s1 / n) / (n - 1)
             std = f32(math.sqrt(max(0.0, var))) if var == var else f32(np.nan)
             with np.errstate(over="ignore", invalid="ignore"):
-                clip = f32(self.clip_sigmas) * std
+                mean = f32(abs(shift + s1 / n))
+                clip = f32(self.clip_sigmas) * np.maximum(std, mean)
             # max|clamp(g, ±c)| = min(max|g|, c); NaN in either gives NaN, as torch does
             s = f32(np.nan) if (np.isnan(clip) or np.isnan(s)) else min(s, clip)
         native.terngrad_encode(g, float(clip), float(s), self.rng.key(), packed)
@@ -88,7 +92,7 @@ class TernGradCompressor(AggregateInto, Compressor):
     def _encode_torch(self, g):
         """Vectorised torch encode (CUDA; CPU without native kernels)."""
         if self.clip_sigmas > 0 and g.numel() > 1:
-            c = self.clip_sigmas * g.std()
+            c = self.clip_sigmas * torch.maximum(g.std(), g.mean().abs())
             g = torch.maximum(torch.minimum(g, c), -c)
         s = g.abs().max() if g.numel() else g.new_zeros(())
         safe = torch.where(s > 0, s, torch.ones_like(s))

@@ -49,15 +49,36 @@ def kept_rank(singular_values: torch.Tensor, cutoff: float) -> int:
 
 
 def factorize(w: torch.Tensor, rank: Optional[int] = None, cutoff: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Split a matrix W (n × m, float) into A (n × k) and B (k × m) with A·B ≈ W.
+    """Split a matrix W (n × m, floating, any dtype) into A (n × k) and B (k × m), A·B ≈ W.
 
-    ``A = U_k·√Σ_k``, ``B = √Σ_k·V_kᵀ`` from the SVD; k = ``rank`` if given, else
-    :func:`kept_rank` of the singular values with ``cutoff``.
+    ``A = U_k·√Σ_k``, ``B = √Σ_k·V_kᵀ`` from the SVD (computed in float32; LAPACK scales
+    internally, so W of norm 1e-30 or 1e30 factorises as accurately as W of norm 1);
+    k = ``rank`` if given, else :func:`kept_rank` of the singular values with ``cutoff``.
+    A and B have W's dtype.
+
+    Numerically zero singular values (σ_i ≤ n_max·eps·σ_1, every one of them when W = 0, or
+    when ``rank`` exceeds W's rank) would give a zero column of A *and* a zero row of B, and then
+    neither factor's gradient (∂A = ∂W·Bᵀ, ∂B = Aᵀ·∂W) could ever move that direction while
+    factorised. Such directions get ``A_i = U_i·√σ_1`` (``U_i`` if W = 0) and ``B_i = 0``: A·B is
+    unchanged (to within those negligible σ_i) and B's gradient along U_i is not zero.
+
+    Raises:
+        ValueError: W is not 2-D or has non-finite entries.
     """
-    u, s, vh = torch.linalg.svd(w.detach().to(torch.float32), full_matrices=False)
+    if w.dim() != 2:
+        raise ValueError(f"factorize expects a 2-D matrix, got shape {tuple(w.shape)}")
+    w32 = w.detach().to(torch.float32)
+    if not torch.isfinite(w32).all():
+        raise ValueError("factorize: W has non-finite entries (training has diverged); "
+                         "resume from a checkpoint or lower the learning rate")
+    u, s, vh = torch.linalg.svd(w32, full_matrices=False)
     k = kept_rank(s, cutoff) if rank is None else int(rank)
+    top = s[0] if s.numel() else s.new_zeros(())
+    dead = s[:k] <= top * (max(w.shape) * torch.finfo(torch.float32).eps)
     root = s[:k].sqrt()
-    return (u[:, :k] * root).to(w.dtype), (root[:, None] * vh[:k]).to(w.dtype)
+    a_root = torch.where(dead, top.sqrt() if top > 0 else torch.ones_like(top), root)
+    b_root = torch.where(dead, torch.zeros_like(root), root)
+    return (u[:, :k] * a_root).to(w.dtype), (b_root[:, None] * vh[:k]).to(w.dtype)
 
 
 class _Factorized:

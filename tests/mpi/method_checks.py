@@ -2,6 +2,7 @@
 
 Usage: mpirun -np N python tests/mpi/method_checks.py CHECK [SPEC ...]
 """
+import math
 import sys
 
 import torch
@@ -101,6 +102,34 @@ def check_dgc_momentum_applied_once():
         assert "momentum would be applied twice" in str(exc), exc
     else:
         raise AssertionError("DGC with a momentum optimizer was accepted")
+
+
+def check_fp16_agreed_scale():
+    """The issue's input through Horovod: every rank sends [1e-6, 3e-6, 1e-4]·(1 + rank/8). The
+    first step travels in float32 (exact), later ones in float16 with the agreed scale (within
+    (N+2)·2^-11 of the mean); every rank records the same exponent."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    comp = hvdcomp.get_compressor("fp16")
+    opt = hvdcomp.DistributedOptimizer(torch.optim.SGD([p], lr=0.0), named_parameters=[("w", p)],
+                                       compression=comp)
+    base = torch.tensor([1e-6, 3e-6, 1e-4])
+    x = base * (1 + hvd.rank() / 8)
+    mean = base.double() * (1 + (hvd.size() - 1) / 16)
+    sent = []
+    for step in range(3):
+        opt.timer.begin_step()
+        opt.zero_grad()
+        (p * x).sum().backward()
+        opt.synchronize()
+        rel = ((p.grad.double() - mean) / mean).abs().max().item()
+        assert rel < (1e-6 if step == 0 else (hvd.size() + 2) * 2.0**-11), (step, p.grad, rel)
+        with opt.skip_synchronize():
+            opt.step()
+        sent.append(opt.timer.end_step()["bytes_sent"])
+    assert sent == [4 * (3 + 277), 2 * (3 + 25), 2 * (3 + 25)], sent
+    every = hvd.allgather(torch.tensor([comp.exponents["w"]]), name="fp16.exponent")
+    expected = math.floor(math.log2(1e-4 * (1 + (hvd.size() - 1) / 8)))
+    assert (every == expected).all(), (every, expected)
 
 
 if __name__ == "__main__":

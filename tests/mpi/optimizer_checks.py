@@ -96,7 +96,7 @@ def check_topk():
     kept = sum(max(1, math.ceil(density * n)) for n in model_sizes)
     assert rec["bytes_sent"] == 8 * kept + 16 * len(model_sizes), rec
     assert rec["bytes_received"] == hvd.size() * (8 * kept + 16 * len(model_sizes)), rec
-    assert len(opt._buckets) == 1  # 212 dense bytes fit in one default (25 MiB) bucket
+    assert len(opt.transport.buckets) == 1  # 212 dense bytes fit in one default (25 MiB) bucket
 
 
 def check_buckets_and_wire():
@@ -111,7 +111,7 @@ def check_buckets_and_wire():
                             cost_model="off", bucket_bytes=1)
     model_sizes = [30, 5, 15, 3]  # every n <= 256: one byte per index
     kept = sum(max(1, math.ceil(density * n)) for n in model_sizes)
-    assert len(opt._buckets) == 4
+    assert len(opt.transport.buckets) == 4
     assert rec["bytes_sent"] == 3 * kept + 16 * len(model_sizes), rec
 
 
@@ -146,11 +146,11 @@ def check_cost_model_routes():
     opt, _ = check_sparse(f"topk:density={density},ef=false", lambda g: ref_topk(g, density),
                           cost_model=(0.0, 1e-9))
     sizes = {"0.weight": 30, "0.bias": 5, "2.weight": 15, "2.bias": 3}
-    expected = {n: "allgather" if max(1, math.ceil(density * k)) < k / p else "allreduce"
+    expected = {n: "allgather" if max(1, math.ceil(density * k)) < k / p else "decoded-allreduce"
                 for n, k in sizes.items()}
-    assert opt.routes == expected, (opt.routes, expected)
+    assert opt.transport.routes == expected, (opt.transport.routes, expected)
     if p == 4:
-        assert opt.routes["2.bias"] == "allreduce"  # k = 1 is not < 3/4
+        assert opt.transport.routes["2.bias"] == "decoded-allreduce"  # k = 1 is not < 3/4
 
 
 def check_threshold_with_empty_rank():
@@ -168,7 +168,7 @@ def check_horovod_allgather_fallback():
                                        named_parameters=model.named_parameters(),
                                        compression=f"topk:density={density},ef=false",
                                        allgather="horovod")
-    assert opt._gatherer.kind == "horovod"
+    assert opt.transport.allgather == "horovod"
     x, y = batch(0)
     torch.nn.functional.mse_loss(model(x), y).backward()
     local = {n: p.grad.clone() for n, p in model.named_parameters()}

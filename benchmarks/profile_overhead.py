@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""Where the per-tensor time of one contender goes: cProfile of rank 0 over a few steps of the
+many-tensor stack (benchmarks/overhead.py's ``stack`` model), under ``mpirun``::
+
+    mpirun -np 2 python benchmarks/profile_overhead.py hvdcomp:none --steps 5
+
+Prints the total profiled seconds per step and per tensor, and the functions with the most
+internal time. cProfile (the standard library's deterministic profiler) is used for exact call
+counts per step; it inflates Python-heavy code, so compare profiles with each other, not with
+unprofiled step times. ``hvdcomp`` is imported from ``PYTHONPATH`` when set there (profile an
+older checkout side by side), else from this repository.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+
+from mpi4py import MPI  # noqa: F401  (first: MPI_THREAD_MULTIPLE before Horovod)
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+try:
+    import hvdcomp  # noqa: F401
+except ImportError:  # pragma: no cover - run from a checkout without installing
+    sys.path.append(os.path.dirname(HERE))
+import hvdcomp  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("contender", help="horovod:none or hvdcomp:<spec>[@bucket]")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--blocks", type=int, default=200)
+    p.add_argument("--top", type=int, default=15)
+    args = p.parse_args(argv)
+    import horovod.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(args.blocks)
+                                  for m in (torch.nn.Linear(64, 64), torch.nn.Tanh())])
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if args.contender == "horovod:none":
+        opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+    else:
+        spec, _, granularity = args.contender[len("hvdcomp:"):].partition("@")
+        kw = {"granularity": granularity} if granularity else {}
+        opt = hvdcomp.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
+                                            compression=spec, cost_model="off", **kw)
+    gen = torch.Generator().manual_seed(hvd.rank())
+
+    def step():
+        opt.zero_grad()
+        model(torch.randn(32, 64, generator=gen)).pow(2).mean().backward()
+        opt.step()
+
+    for _ in range(args.warmup):
+        step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.steps):
+        step()
+    prof.disable()
+    if hvd.rank() == 0:
+        buf = io.StringIO()
+        stats = pstats.Stats(prof, stream=buf)
+        tensors = 2 * args.blocks
+        print(f"{args.contender} (hvdcomp from {os.path.dirname(os.path.dirname(hvdcomp.__file__))}): "
+              f"{stats.total_tt / args.steps * 1e3:.1f} ms profiled per step, "
+              f"{stats.total_tt / args.steps / tensors * 1e6:.0f} µs per tensor ({tensors} tensors)")
+        stats.sort_stats("tottime").print_stats(args.top)
+        print("\n".join(line for line in buf.getvalue().splitlines() if line.strip()))
+
+
+if __name__ == "__main__":
+    main()

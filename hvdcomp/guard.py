@@ -1,0 +1,116 @@
+"""Per-step agreement between ranks: non-finite gradients, restored state, accumulation settings.
+
+Once per synchronized step every rank contributes a few integers (one small allgather): whether
+any of its gradients held NaN/Inf, whether ``load_state_dict`` ran on it since the previous step,
+and its ``backward_passes_per_step``. Every rank then takes the same decision, so no rank can
+update while another skips, and a setting that must agree cannot silently diverge.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Sequence
+
+import torch
+
+__all__ = ["NONFINITE_MODES", "StepVerdict", "NonFiniteGuard"]
+
+NONFINITE_MODES = ("skip", "raise", "ignore")
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepVerdict:
+    """What the ranks agreed for one step.
+
+    Attributes:
+        skip: some rank had a non-finite gradient and ``nonfinite="skip"``: no rank updates.
+        bad_ranks: ranks (in the group) that had a non-finite gradient.
+    """
+
+    skip: bool
+    bad_ranks: List[int]
+
+
+class NonFiniteGuard:
+    """Detects NaN/Inf gradients without a host sync per tensor and agrees on them once a step.
+
+    Args:
+        mode: ``"skip"`` (every rank skips the step), ``"raise"`` (``FloatingPointError`` on
+            every rank) or ``"ignore"`` (no check: no flag is computed).
+
+    Raises:
+        ValueError: unknown ``mode``.
+    """
+
+    def __init__(self, mode: str = "skip"):
+        if mode not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}; got {mode!r}")
+        self.mode = mode
+        self._flags: List[torch.Tensor] = []  # per observe() and device: > 0 if non-finite
+
+    def observe(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Fold the finiteness of ``tensors`` (dense or sparse, any devices) into this step's flag:
+        one fused check per device (``torch._amp_foreach_non_finite_check_and_unscale_`` with a
+        scale of 1, the kernel ``GradScaler`` runs on the same gradients), no host sync."""
+        if self.mode == "ignore" or not tensors:
+            return
+        by_device: Dict[torch.device, List[torch.Tensor]] = {}
+        for t in tensors:
+            t = t.coalesce().values() if t.is_sparse else t
+            if t.is_floating_point() and t.numel():
+                by_device.setdefault(t.device, []).append(t)
+        for device, group in by_device.items():
+            found = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                group, found, torch.ones((), dtype=torch.float32, device=device))
+            self._flags.append(found)
+
+    def reset(self) -> None:
+        """Forget this step's flags (the step was discarded)."""
+        self._flags = []
+
+    def local_bad(self) -> bool:
+        """Whether this rank saw a non-finite value this step (one host read per device)."""
+        return any(bool(f) for f in self._flags)
+
+    def agree(self, exchange: Callable[[Sequence[int]], List[List[int]]], loaded: bool,
+              backward_passes: int) -> StepVerdict:
+        """Exchange this rank's flags and decide the step on every rank alike.
+
+        Args:
+            exchange: ``f(ints) -> [ints of rank 0, ints of rank 1, ...]`` (a small allgather).
+            loaded: this rank ran ``load_state_dict`` since the previous step.
+            backward_passes: this rank's ``backward_passes_per_step``.
+
+        Raises:
+            FloatingPointError: a non-finite gradient with ``mode="raise"`` (on every rank).
+            RuntimeError: ranks disagree on ``backward_passes_per_step``, or some (not all)
+                ranks loaded a checkpoint mid-training (on every rank, naming them).
+        """
+        mine = [int(self.local_bad()), int(loaded), int(backward_passes)]
+        self._flags = []
+        every = exchange(mine)
+        passes = sorted({row[2] for row in every})
+        if len(passes) > 1:
+            raise RuntimeError(f"ranks disagree on backward_passes_per_step ({[row[2] for row in every]} "
+                               "by rank): call set_backward_passes_per_step() with the same value on "
+                               "every rank")
+        loaders = [r for r, row in enumerate(every) if row[1]]
+        if loaders and len(loaders) < len(every):
+            raise RuntimeError(
+                f"load_state_dict() ran on rank(s) {loaders} only, after training had started: "
+                "compressor state (step counters, shared low-rank factors) now differs between "
+                "ranks. Load the checkpoint on every rank, or on rank 0 before the first step "
+                "followed by hvd.broadcast_parameters and hvd.broadcast_optimizer_state (hvdcomp "
+                "then shares the state at the first step).")
+        bad = [r for r, row in enumerate(every) if row[0]]
+        if bad and self.mode == "raise":
+            raise FloatingPointError(f"non-finite gradient (NaN or Inf) on rank(s) {bad}; no update "
+                                     "was applied. Lower the learning rate, check the loss, or use "
+                                     "nonfinite='skip' to skip such steps.")
+        if bad:
+            log.warning("hvdcomp: non-finite gradient on rank(s) %s: step skipped on every rank "
+                        "(compressor state kept as before the step)", bad)
+        return StepVerdict(skip=bool(bad), bad_ranks=bad)

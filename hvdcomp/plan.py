@@ -1,0 +1,208 @@
+"""Transport planning: how each gradient travels, decided once at construction, the same on every rank.
+
+Pure functions of the parameter shapes, the compressor, the cost model and the settings: no
+communication, so every rank computes the same plan.
+
+Routes (per parameter name):
+
+* ``"allreduce"``: the compressed payload is summable; Horovod ``allreduce_async`` averages it.
+* ``"allgather"``: the payload differs per rank (sparse indices, per-rank scales); it waits for
+  its **bucket** and travels in one variable-size allgather per bucket.
+* ``"decoded-allreduce"``: the payload needs an allgather, but the α-β cost model predicts that
+  averaging its local decode densely is cheaper (same result): decoded, then allreduced in fp32.
+* ``"batched"``: the compressor reduces all gradients of a step together (PowerSGD).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["make_buckets", "make_units", "split_groups", "TransportPlan", "plan_transport", "ROUTES"]
+
+ROUTES = ("allreduce", "allgather", "decoded-allreduce", "batched")
+
+
+def make_buckets(sizes: List[int], bucket_bytes: int) -> List[List[int]]:
+    """Group consecutive items into buckets of at most ``bucket_bytes`` (bytes).
+
+    Args:
+        sizes: bytes of each item, in launch order.
+        bucket_bytes: cap per bucket; an item larger than the cap gets a bucket of its own.
+
+    Returns:
+        Lists of item positions, covering every item once, in order.
+    """
+    buckets, current, filled = [], [], 0
+    for i, nbytes in enumerate(sizes):
+        if current and filled + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def make_units(params: Sequence[Tuple[str, int, int, str]], granularity: str, bucket_bytes: int,
+               groups: Optional[List[List[str]]] = None) -> List[Tuple[str, List[int]]]:
+    """What the compressor sees as one tensor: a *unit* per gradient, or per bucket of gradients.
+
+    Args:
+        params: ``(name, numel, element_size in bytes, layout key)`` per parameter, in launch
+            order; the layout key (dtype and device) must match within a bucket.
+        granularity: ``"tensor"`` (one unit per parameter) or ``"bucket"`` (consecutive
+            gradients of one layout flattened together, at most ``bucket_bytes`` each, or one
+            unit per group of ``groups`` split by layout).
+        bucket_bytes: cap on a bucket unit's gradient bytes (a larger gradient is alone).
+        groups: explicit groups of names (Horovod's ``groups``), used as bucket units.
+
+    Returns:
+        ``(unit name, member positions)`` covering every parameter once, in launch order; a
+        bucket unit is named ``bucket<k>``.
+
+    Raises:
+        ValueError: unknown ``granularity``.
+    """
+    if granularity == "tensor":
+        return [(name, [i]) for i, (name, _, _, _) in enumerate(params)]
+    if granularity != "bucket":
+        raise ValueError(f"granularity must be 'tensor' or 'bucket', got {granularity!r}")
+    if groups is not None:
+        at = {name: i for i, (name, _, _, _) in enumerate(params)}
+        runs = [[at[n] for n in g] for g in groups]
+    else:
+        runs, start = [], 0
+        for i in range(1, len(params) + 1):
+            if i == len(params) or params[i][3] != params[start][3]:
+                positions = list(range(start, i))
+                sizes = [params[k][1] * params[k][2] for k in positions]
+                runs += [[positions[k] for k in b] for b in make_buckets(sizes, bucket_bytes)]
+                start = i
+    units = []
+    for run in runs:  # a group spanning layouts is split by layout
+        by_key: Dict[str, List[int]] = {}
+        for i in run:
+            by_key.setdefault(params[i][3], []).append(i)
+        units += list(by_key.values())
+    units.sort(key=lambda members: members[0])
+    return [(f"bucket{k}", members) for k, members in enumerate(units)]
+
+
+def split_groups(names: Sequence[str], groups) -> List[List[str]]:
+    """Horovod's ``groups`` argument as lists of names, in ``names`` order.
+
+    Args:
+        names: every parameter name, in launch order.
+        groups: an int k > 0 (``names`` split into k consecutive groups of near-equal length, as
+            Horovod's ``split_list``) or a list of lists of names (a name listed in none forms a
+            group of its own, as in Horovod).
+
+    Returns:
+        Groups covering every name once; empty groups are dropped.
+
+    Raises:
+        ValueError: a name listed twice or unknown, or k < 1.
+    """
+    if isinstance(groups, int):
+        if groups < 1:
+            raise ValueError(f"groups must be a positive integer or a list of lists of parameters; got {groups}")
+        k, m = divmod(len(names), groups)
+        parts = [list(names[i * k + min(i, m):(i + 1) * k + min(i + 1, m)]) for i in range(groups)]
+        return [p for p in parts if p]
+    position = {n: i for i, n in enumerate(names)}
+    seen, out = set(), []
+    for group in groups:
+        for n in group:
+            if n in seen:
+                raise ValueError(f"a parameter can only appear once in groups; '{n}' appears twice")
+            if n not in position:
+                raise ValueError(f"groups lists '{n}', which the optimizer does not update")
+            seen.add(n)
+        if group:
+            out.append(sorted(group, key=position.__getitem__))
+    out += [[n] for n in names if n not in seen]
+    return sorted(out, key=lambda g: position[g[0]])
+
+
+@dataclass
+class TransportPlan:
+    """How every gradient of an optimizer travels (see the module docstring for the routes).
+
+    Attributes:
+        routes: compression unit (a parameter, or a flattened bucket ``bucket<k>`` with
+            ``granularity="bucket"``) -> route.
+        buckets: allgather buckets, each a list of unit names in launch order.
+        allgather: the allgather transport (``"mpi4py"``, ``"horovod"`` or ``"none"``).
+        ranks: global ranks of the group the gradients are averaged over.
+        units: unit name -> names of the parameters it holds (only where a unit holds several).
+    """
+
+    routes: Dict[str, str]
+    buckets: List[List[str]] = field(default_factory=list)
+    allgather: str = "none"
+    ranks: List[int] = field(default_factory=list)
+    units: Dict[str, List[str]] = field(default_factory=dict)
+
+    def count(self, route: str) -> int:
+        """Number of gradients on ``route``."""
+        return sum(1 for r in self.routes.values() if r == route)
+
+    def describe(self) -> dict:
+        """JSON-able summary: counts per route, bucket sizes, transport, group ranks."""
+        return {"routes": {r: self.count(r) for r in ROUTES if self.count(r)},
+                "buckets": [len(b) for b in self.buckets], "allgather": self.allgather,
+                "ranks": self.ranks, "units": {u: len(m) for u, m in self.units.items()}}
+
+    def __str__(self) -> str:
+        """One line for logs and results, e.g. ``mpi4py-allgather (2 bucket(s))``."""
+        total = len(self.routes)
+        if self.count("batched"):
+            return "allreduce (batched)"
+        if not self.buckets and self.count("allreduce") == total:
+            return "allreduce"
+        text = f"{self.allgather}-allgather ({len(self.buckets)} bucket(s))"
+        dense = self.count("decoded-allreduce")
+        return text + (f", {dense} of {total} tensor(s) by allreduce (cost model)" if dense else "")
+
+
+def plan_transport(params: Sequence[Tuple[str, int, int]], compression, cost_model, size: int,
+                   bucket_bytes: int, groups: Optional[List[List[str]]] = None,
+                   allgather: str = "none", ranks: Optional[List[int]] = None) -> TransportPlan:
+    """Route every parameter and bucket the allgathered ones.
+
+    Args:
+        params: ``(name, numel, element_size in bytes)`` per parameter, in launch order (the
+            expected backward order).
+        compression: the optimizer's :class:`hvdcomp.Compressor`.
+        cost_model: a :class:`hvdcomp.comm.costmodel.CostModel`, or None (no routing).
+        size: number of ranks averaged over.
+        bucket_bytes: dense bytes per allgather bucket.
+        groups: explicit groups of names (Horovod's ``groups``): each group's allgathered
+            members form one bucket, whatever ``bucket_bytes`` says.
+        allgather: name of the allgather transport, for :meth:`TransportPlan.describe`.
+        ranks: global ranks of the group.
+
+    Returns:
+        The :class:`TransportPlan`.
+    """
+    routes: Dict[str, str] = {}
+    for name, numel, _ in params:
+        if compression.batched:
+            route = "batched"
+        elif compression.summable:
+            route = "allreduce"
+        else:
+            route = "allgather"
+            payload = None if cost_model is None else compression.expected_payload_bytes(numel)
+            if payload is not None and cost_model.choose(payload, numel * 4, size) == "allreduce":
+                route = "decoded-allreduce"  # decoded in fp32, so the dense side is 4 bytes each
+        routes[name] = route
+    gathered = [(n, numel * esize) for n, numel, esize in params if routes[n] == "allgather"]
+    if groups is not None:
+        member = {n for n, _ in gathered}
+        buckets = [[n for n in g if n in member] for g in groups]
+        buckets = [b for b in buckets if b]
+    else:
+        buckets = [[gathered[i][0] for i in b] for b in make_buckets([s for _, s in gathered], bucket_bytes)]
+    return TransportPlan(routes, buckets, allgather if buckets else "none", list(ranks or []))

@@ -1,0 +1,166 @@
+"""Simulate N Horovod ranks in one process (test helper).
+
+Each simulated rank has its own compressor instance, built and used inside
+``hvdcomp.compressors.simulated_world(N, rank)`` so that ``world_size()`` / ``rank()`` (and every
+per-rank random generator) see that rank. Payloads are combined the way the transports combine
+them:
+
+* summable payloads: :func:`horovod_allreduce`, a model of Horovod's CPU (MPI) allreduce: a sum
+  in rank order in the payload's dtype (float16: each pairwise addition in float32, rounded back
+  to float16, as Horovod's float16 MPI op does; Open MPI's ring allreduce adds the ranks one
+  after another), then for ``op=Average`` a multiplication by float32(1/N) rounded back to the
+  payload dtype (Horovod's post-scale);
+* other payloads: every rank's payload goes to :meth:`Compressor.aggregate` (the allgather path);
+* PowerSGD (``reduce_batch``): the N instances run in lock-step in N threads; their
+  ``allreduce_mean`` calls meet at a barrier, where :func:`horovod_allreduce` averages them.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from hvdcomp.compressors import simulated_world
+from hvdcomp.metrics import PhaseTimer
+
+__all__ = ["horovod_allreduce", "SimulatedRanks", "fp16_sequential_sum"]
+
+
+def fp16_sequential_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Σ in rank order, each addition in float32 rounded to float16 (Horovod's float16 MPI op)."""
+    acc = tensors[0].clone()
+    for t in tensors[1:]:
+        acc = (acc.to(torch.float32) + t.to(torch.float32)).to(torch.float16)
+    return acc
+
+
+def horovod_allreduce(tensors: Sequence[torch.Tensor], op: str = "average") -> torch.Tensor:
+    """What Horovod's CPU allreduce returns on every rank for these per-rank tensors.
+
+    Args:
+        tensors: one tensor per rank (same shape and dtype).
+        op: ``"average"`` (sum, then times 1/N in float32, or float64 for float64 payloads,
+            rounded back to the dtype) or ``"sum"``.
+    """
+    if op not in ("average", "sum"):
+        raise ValueError(f"op must be 'average' or 'sum', got {op!r}")
+    dtype = tensors[0].dtype
+    if dtype == torch.float16:
+        acc = fp16_sequential_sum(tensors)
+    else:
+        acc = tensors[0].clone()
+        for t in tensors[1:]:
+            acc = acc + t
+    if op == "sum":
+        return acc
+    n = len(tensors)
+    if dtype == torch.float64:
+        return acc * (1.0 / n)
+    if not dtype.is_floating_point:
+        raise TypeError(f"op=average of {dtype} payloads is not modelled")
+    factor = torch.tensor(1.0 / n, dtype=torch.float32)
+    return (acc.to(torch.float32) * factor).to(dtype)
+
+
+class SimulatedRanks:
+    """``world`` compressor instances from ``make()``, stepping together.
+
+    Args:
+        make: builds one compressor (called once per simulated rank, inside its
+            ``simulated_world``).
+        world: N, the simulated world size.
+    """
+
+    def __init__(self, make: Callable[[], object], world: int):
+        self.world = world
+        self.comps = []
+        for r in range(world):
+            with simulated_world(world, r):
+                self.comps.append(make())
+
+    def encode(self, grads: Sequence[torch.Tensor], name: str = "w") -> List[Tuple[list, object]]:
+        """Every rank's ``encode(grads[r], name)``; payload tensors are cloned (a transport copies)."""
+        out = []
+        for r, (comp, g) in enumerate(zip(self.comps, grads)):
+            with simulated_world(self.world, r):
+                payload, ctx = comp.encode(g, name)
+            out.append(([t.clone() for t in payload], ctx))
+        return out
+
+    def combine(self, encoded, ranks: Optional[Sequence[int]] = None) -> List[Optional[torch.Tensor]]:
+        """The gradient each rank ends the step with (``None`` for ranks not in ``ranks``).
+
+        Summable payloads are reduced once by :func:`horovod_allreduce` and decoded on every
+        rank (decoding may record state, e.g. fp16's agreed exponent). Other payloads are
+        aggregated on ``ranks`` only (default: the first and the last rank; aggregation records
+        nothing, and every rank holds the same payloads).
+        """
+        comp0 = self.comps[0]
+        if comp0.summable:
+            reduced = [horovod_allreduce([enc[0][i] for enc in encoded], comp0.allreduce_op)
+                       for i in range(len(encoded[0][0]))]
+            outs = []
+            for r, comp in enumerate(self.comps):
+                with simulated_world(self.world, r):
+                    outs.append(comp.decode([t.clone() for t in reduced], encoded[r][1]))
+            return outs
+        payloads = [enc[0] for enc in encoded]
+        ranks = sorted({0, self.world - 1}) if ranks is None else ranks
+        outs: List[Optional[torch.Tensor]] = [None] * self.world
+        for r in ranks:
+            with simulated_world(self.world, r):
+                outs[r] = self.comps[r].aggregate(payloads, encoded[r][1])
+        return outs
+
+    def step(self, grads: Sequence[torch.Tensor], name: str = "w") -> torch.Tensor:
+        """Encode every rank's gradient and combine; returns rank 0's result (checks that every
+        rank that computed one got the same, bit for bit)."""
+        outs = self.combine(self.encode(grads, name))
+        first = outs[0]
+        for o in outs[1:]:
+            if o is not None:
+                assert torch.equal(o, first) or (torch.isnan(o).any() and torch.isnan(first).any()), \
+                    "simulated ranks disagree on the aggregate"
+        return first
+
+    def reduce_batch(self, named_grads_per_rank: Sequence[Sequence[Tuple[str, torch.Tensor]]]
+                     ) -> List[List[torch.Tensor]]:
+        """A batched compressor's step (PowerSGD): every rank's ``reduce_batch`` in lock-step.
+
+        Returns every rank's list of averaged gradients.
+        """
+        n = self.world
+        barrier = threading.Barrier(n)
+        contributions: List[Optional[torch.Tensor]] = [None] * n
+        shared = {}
+        results: List[Optional[list]] = [None] * n
+        errors: List[BaseException] = []
+
+        def allreduce_mean_for(r):
+            def allreduce_mean(flat, name):
+                contributions[r] = flat.clone()
+                if barrier.wait() == 0:
+                    shared["out"] = horovod_allreduce(contributions, "average")
+                barrier.wait()
+                out = shared["out"].clone()
+                barrier.wait()  # everyone has its copy before the next round overwrites it
+                return out
+            return allreduce_mean
+
+        def run(r):
+            try:
+                results[r] = self.comps[r].reduce_batch(list(named_grads_per_rank[r]), allreduce_mean_for(r),
+                                                        PhaseTimer(cuda_sync=False))
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(exc)
+                barrier.abort()
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results  # type: ignore[return-value]
