@@ -36,9 +36,9 @@ class RankGenerators:
         return gen
 
     def key(self, device="cpu") -> int:
-        """A 63-bit key for a counter-based generator (the native kernels' SplitMix64), drawn from
-        this rank's generator for ``device``: one draw per call, so the key sequence is as
-        reproducible and checkpointable as the generator itself."""
+        """A 63-bit key that seeds the native kernels' xoshiro128++ streams, drawn from this rank's
+        generator for ``device``: one draw per call, so the key sequence is as reproducible and
+        checkpointable as the generator itself."""
         gen = self.get(device)
         return int(torch.randint(0, 2**63 - 1, (1,), generator=gen, device=gen.device).item())
 

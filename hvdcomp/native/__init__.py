@@ -18,8 +18,9 @@ What is here (``hvdcomp/native/*.c``; each function documents its exact semantic
   tensor: ascending indices, values gathered on the way), and the scatter-add of W sparse or dense
   payloads chunk by chunk (each output element written once).
 
-Random numbers for stochastic rounding are counter-based: element i uses output ``i >> 1`` of
-SplitMix64 started at a 64-bit key (24 bits per element), and the key is drawn from the method's
+Random numbers for stochastic rounding come from four xoshiro128++ streams per work unit (SSE2
+lanes, 24 bits per element), seeded with SplitMix64 from a 64-bit key and the unit's first element
+(``common.h``), and the key is drawn from the method's
 per-rank ``torch.Generator`` (:meth:`hvdcomp.compressors.rng.RankGenerators.key`), so one call
 costs one draw of that generator: the generator state stays the only state, checkpointable as
 before, and results do not depend on the number of threads.
