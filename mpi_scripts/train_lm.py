@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hvdcomp  # noqa: E402
+import hvdcomp.native  # noqa: E402
 from hvdcomp.lm import LSTMLM, MODEL_SIZES, batchify, load_corpus, loss_sums, rank_columns  # noqa: E402
 from hvdcomp.launch import abort_on_uncaught_exception, detect_launch, select_device  # noqa: E402
 from hvdcomp.lowrank import ABTraining  # noqa: E402
@@ -220,7 +221,8 @@ def main(argv=None):
                    "compressor": compressor.describe(), "compressor_spec": method,
                    "transport": transport_of(opt, compressor),
                    "env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith(RECORDED_ENV)},
-                   "torch": torch.__version__, "hvdcomp": hvdcomp.__version__, "host": platform.node()},
+                   "torch": torch.__version__, "hvdcomp": hvdcomp.__version__, "host": platform.node(),
+                   "kernels": hvdcomp.native.status()},
         "corpus": corpus.describe(),
         "launcher": launch.launcher,
         "ranks": [dict(zip(("rank", "local_rank", "node", "device"), r)) for r in everyone],
