@@ -405,17 +405,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _launch(self, u: int) -> None:
         """Compress unit ``u`` and start its allreduce, or queue it for its allgather bucket.
-        Timed as ``compress`` (queueing an asynchronous collective included)."""
+        Timed as ``compress`` (queueing an asynchronous collective included), except ``none``'s
+        direct path, which like stock Horovod's hook counts as compute."""
         route, wire_name = self._route[u], self._wire_name[u]
+        if self._direct:  # none on one gradient: Horovod's own path, nothing to encode, and (as for
+            # stock Horovod) queueing the allreduce is charged to compute: no timer entry per tensor
+            grad = self._unit_tensor(u)
+            if grad.dtype in (torch.float32, torch.float64) and grad.is_contiguous():  # (none sends
+                # half-precision gradients as float32: their sums would overflow in fp16)
+                self._open_round()
+                handles = [self.group.allreduce_async_(grad, wire_name + ".0", *self._reduce_args)]
+                self._inflight[u] = ("in-place", handles, None, self._grad_bytes[u], None)
+                return
         with self.timer.phase("compress"):
-            if self._direct:  # none on one gradient: Horovod's own path, nothing to encode
-                grad = self._unit_tensor(u)
-                if grad.dtype in (torch.float32, torch.float64) and grad.is_contiguous():  # (none sends
-                    # half-precision gradients as float32: their sums would overflow in fp16)
-                    self._open_round()
-                    handles = [self.group.allreduce_async_(grad, wire_name + ".0", *self._reduce_args)]
-                    self._inflight[u] = ("in-place", handles, None, self._grad_bytes[u], None)
-                    return
             payload, ctx = self._encode(u)
             if route == "allreduce":
                 op, pre, post = self._reduce_args

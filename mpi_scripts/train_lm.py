@@ -75,6 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--allgather", choices=["auto", "mpi4py", "horovod"], default="auto")
     p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="MiB of dense gradient per allgather bucket (one collective per bucket)")
+    p.add_argument("--granularity", choices=["tensor", "bucket"], default="tensor",
+                   help="compress each gradient (tensor) or each bucket of --bucket-mb flattened "
+                        "into one buffer (bucket; README, 'Granularity')")
     p.add_argument("--cost-model", default="measure", metavar="measure|off|ALPHA,BETA",
                    help="route allgather payloads by an alpha-beta model: measured at start-up, off "
                         "(always allgather), or given as latency seconds,seconds per byte")
@@ -150,7 +153,7 @@ def main(argv=None):
                                            named_parameters=model.named_parameters(),
                                            compression=compressor, allgather=args.allgather,
                                            bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
-                                           cost_model=args.cost_model)
+                                           cost_model=args.cost_model, granularity=args.granularity)
     timer = opt.timer
     ratios = [None if ab else compressor.nominal_ratio(p.numel()) for p in model.parameters()]
     nominal = None if None in ratios else n_params / sum(p.numel() / r for p, r in zip(model.parameters(), ratios))
