@@ -44,7 +44,7 @@ study: install
 	$(PY) mpi_scripts/report.py '$(STUDY_OUT)' --command 'make study' \
 	  --grid mpi_scripts/grids/study_small.yaml mpi_scripts/grids/lowrank_small.yaml
 
-# The speed benchmarks (root: network namespaces; about 1.5 hours on 2 cores), then the report.
+# The speed benchmarks (root: network namespaces; about 1.7 hours on 2 cores), then the report.
 speed: install
 	bash benchmarks/run_speed.sh docs/results/speed
 

@@ -1,10 +1,23 @@
 #!/usr/bin/env python
-"""End-to-end step-time benchmark of ONE data-parallel contender on the study's LSTM language model.
+"""End-to-end step-time benchmark of ONE data-parallel contender on the study's LSTM language model
+or on a transformer encoder.
 
 Launch under ``mpirun`` (one process per rank), e.g.::
 
     mpirun -np 4 python benchmarks/e2e_lm.py --contender hvdcomp:topk:density=0.01 \\
         --model medium --steps 10 --warmup 3 --output cell.json
+
+Models (``--model``):
+
+* ``small`` / ``medium`` / ``large``: the study's LSTM language model (:class:`hvdcomp.lm.LSTMLM`)
+  on a corpus (``--data``, default Tiny Shakespeare), truncated BPTT of ``--bptt`` tokens with the
+  hidden state carried from step to step, global batch ``--batch-size`` (default 256) sequences;
+* ``transformer``: ``bench_models.Transformer`` (``torch.nn.TransformerEncoder``, 12 layers,
+  d_model 128: 146 gradient tensors, 1,718,760 parameters) on **synthetic data**
+  (``bench_models.synthetic_batch``: standard-normal inputs of 32 positions × 128 features, uniform
+  targets over 1000 classes, drawn per rank and step from a generator seeded by ``--seed``, rank and
+  step), global batch ``--batch-size`` (default 64) samples. There is no validation set: no
+  perplexity is measured (``--eval-every`` must be 0), the run measures time per step only.
 
 Contenders (all train the same model on the same data, global batch, learning rate and seed):
 
@@ -12,6 +25,8 @@ Contenders (all train the same model on the same data, global batch, learning ra
   (e.g. ``hvdcomp:topk:density=0.01``, ``hvdcomp:powersgd:rank=2``);
 * ``horovod:none`` / ``horovod:fp16`` - stock ``hvd.DistributedOptimizer`` with
   ``hvd.Compression.none`` / ``hvd.Compression.fp16``;
+* ``horovod-ring:none`` / ``horovod-ring:fp16`` - the same, launched with Open MPI's ring allreduce
+  (``peers.RING_ALLREDUCE_ENV``); the worker refuses to start unless every rank has those settings;
 * ``ddp:none`` / ``ddp:fp16`` / ``ddp:powersgd`` - PyTorch ``DistributedDataParallel`` on the gloo
   backend, without a communication hook, with ``fp16_compress_hook``, or with ``powerSGD_hook``
   (rank 2, ``start_powerSGD_iter=2``, warm start, error feedback). DDP runs do not initialise
@@ -59,9 +74,16 @@ from hvdcomp.lm.data import default_data_path  # noqa: E402
 from hvdcomp.metrics import PHASES, PhaseTimer, write_json_atomic  # noqa: E402
 from mpi_scripts.train_lm import evaluate as hvd_evaluate  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_models  # noqa: E402
+import peers  # noqa: E402
+
 log = logging.getLogger("e2e_lm")
 
-PEERS = ("horovod:none", "horovod:fp16", "ddp:none", "ddp:fp16", "ddp:powersgd")
+MODELS = sorted(MODEL_SIZES) + ["transformer"]
+#: per-model defaults of the options whose default depends on the model
+MODEL_DEFAULTS = {"transformer": {"batch_size": 64, "lr": 0.1}}
+LM_DEFAULTS = {"batch_size": 256, "lr": 20.0}
 #: environment recorded with every result (user-facing settings, not Open MPI's internals)
 RECORDED_ENV_PREFIXES = ("OMPI_MCA_", "OMPI_ALLOW_RUN_AS_ROOT", "HOROVOD_", "OMP_NUM_THREADS",
                          "MASTER_ADDR", "MASTER_PORT", "GLOO_", "TORCH_DISTRIBUTED_", "NETEM_")
@@ -76,26 +98,38 @@ OMPI_INTERNAL = ("OMPI_MCA_orte_", "OMPI_MCA_ess", "OMPI_MCA_pmix", "OMPI_MCA_in
 
 # ---- command line ----------------------------------------------------------------------------------
 def parse_contender(text: str) -> Tuple[str, str]:
-    """``"hvdcomp:topk:density=0.01"`` -> ``("hvdcomp", "topk:density=0.01")``; peers likewise.
+    """``"hvdcomp:topk:density=0.01"`` -> ``("hvdcomp", "topk:density=0.01")``; peers likewise, the
+    family being the code path (``"horovod-ring:fp16"`` -> ``("horovod", "fp16")``).
 
     Raises:
         ValueError: an unknown family or peer variant, or a bad hvdcomp spec.
     """
-    family, _, variant = text.partition(":")
+    _, variant = peers.split(text)
+    family = peers.code_path(text)
     if family == "hvdcomp":
         hvdcomp.get_compressor(variant)  # validates the spec (ValueError names the problem)
-        return family, variant
-    if text in PEERS:
-        return family, variant
-    raise ValueError(f"unknown contender {text!r}: use hvdcomp:<spec> or one of {', '.join(PEERS)}")
+    return family, variant
+
+
+def check_launch_env(contender: str, env=None) -> None:
+    """Refuse to run a contender whose own launch settings (:func:`peers.launch_env`) are missing.
+
+    Raises:
+        RuntimeError: naming the missing variables and how to pass them.
+    """
+    missing = peers.missing_launch_env(contender, os.environ if env is None else env)
+    if missing:
+        raise RuntimeError(f"{contender} needs {' '.join(f'{k}={v}' for k, v in missing.items())} on every rank: "
+                           f"launch it through benchmarks/netem_e2e.py, or add "
+                           f"{' '.join(f'-x {k}={v}' for k, v in missing.items())} to mpirun")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--contender", required=True,
-                   help="hvdcomp:<spec> | horovod:none | horovod:fp16 | ddp:none | ddp:fp16 | ddp:powersgd")
-    p.add_argument("--model", choices=sorted(MODEL_SIZES), default="medium")
+    p.add_argument("--contender", required=True, help="hvdcomp:<spec> | " + " | ".join(peers.PEERS))
+    p.add_argument("--model", choices=MODELS, default="medium",
+                   help="LSTM size on the corpus, or transformer (synthetic data)")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before the timed ones")
     p.add_argument("--eval-every", type=int, default=0,
@@ -103,11 +137,12 @@ def parse_args(argv=None):
                         "0: only at the end")
     p.add_argument("--compute-ref-steps", type=int, default=3,
                    help="communication-free steps timed after training (0: skip the compute reference)")
-    p.add_argument("--batch-size", type=int, default=256, help="global batch, sequences (split over ranks)")
-    p.add_argument("--bptt", type=int, default=35)
-    p.add_argument("--lr", type=float, default=20.0)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="global batch, sequences (split over ranks); default 256 (LSTM), 64 (transformer)")
+    p.add_argument("--bptt", type=int, default=35, help="tokens per step (LSTM)")
+    p.add_argument("--lr", type=float, default=None, help="SGD learning rate; default 20 (LSTM), 0.1 (transformer)")
     p.add_argument("--clip", type=float, default=0.25)
-    p.add_argument("--dropout", type=float, default=0.2)
+    p.add_argument("--dropout", type=float, default=0.2, help="LSTM dropout (the transformer has none)")
     p.add_argument("--vocab-size", type=int, default=10000)
     p.add_argument("--eval-batch-size", type=int, default=40, help="global evaluation batch")
     p.add_argument("--seed", type=int, default=1)
@@ -126,6 +161,12 @@ def parse_args(argv=None):
         args.family, args.variant = parse_contender(args.contender)
     except ValueError as e:
         p.error(str(e))
+    for k, v in MODEL_DEFAULTS.get(args.model, LM_DEFAULTS).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.model == "transformer" and (args.eval_every or args.data):
+        p.error("--model transformer trains on synthetic data and has no validation set: "
+                "use --eval-every 0 and no --data")
     if args.steps < 1 or args.warmup < 0 or args.eval_every < 0 or args.compute_ref_steps < 0:
         p.error("need --steps >= 1 and --warmup, --eval-every, --compute-ref-steps >= 0")
     return args
@@ -210,11 +251,96 @@ def ddp_powersgd_payload(model, rank: int = 2, min_compression_rate: float = 2.0
     return total
 
 
+# ---- the workloads: model, data, loss ------------------------------------------------------------
+class LMWorkload:
+    """The study's LSTM language model on a corpus: each rank trains on its columns of the global
+    batch, ``bptt`` tokens per step, hidden state carried across steps (reset at each new pass)."""
+
+    has_validation = True
+
+    def __init__(self, args, rank: int, size: int):
+        self.args = args
+        self.data_path = args.data or default_data_path()
+        self.corpus = load_corpus(self.data_path, vocab_size=args.vocab_size)
+        self.train = batchify(self.corpus.train, args.batch_size)[:, rank_columns(args.batch_size, rank, size)]
+        self.n_chunks = (self.train.shape[0] - 1) // args.bptt  # full chunks only: every step costs the same
+        self.per_rank = self.train.shape[1]
+        self.validation = self.corpus.valid
+
+    def make_model(self) -> LSTMLM:
+        """A fresh model (weights from the global RNG)."""
+        return LSTMLM(self.corpus.vocab_size, MODEL_SIZES[self.args.model], dropout=self.args.dropout)
+
+    def init_state(self, model):
+        return model.init_state(self.per_rank)
+
+    def new_pass(self, step: int) -> bool:
+        """Does ``step`` start a new pass over the data (state reset)?"""
+        return step % self.n_chunks == 0
+
+    def batch(self, step: int):
+        """(input tokens, target tokens), each (bptt, sequences per rank)."""
+        i = (step % self.n_chunks) * self.args.bptt
+        return self.train[i:i + self.args.bptt], self.train[i + 1:i + 1 + self.args.bptt]
+
+    def loss(self, module, x, y, state):
+        """(mean cross-entropy per token, new hidden state)."""
+        state = tuple(h.detach() for h in state)
+        logits, state = module(x, state)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)), state
+
+    def describe(self) -> Dict[str, object]:
+        return {"model_description": f"{self.args.model} LSTM language model", "data": self.data_path,
+                "corpus": self.corpus.describe(), "sequences_per_rank": self.per_rank,
+                "chunks_per_epoch": self.n_chunks}
+
+
+class SyntheticWorkload:
+    """A ``bench_models`` model on synthetic data (no validation set): each rank draws its share of
+    the global batch per step from a generator seeded by (seed, rank, step)."""
+
+    has_validation = False
+    validation = None
+
+    def __init__(self, args, rank: int, size: int):
+        self.args, self.rank, self.name = args, rank, args.model
+        self.per_rank = len(range(args.batch_size)[rank_columns(args.batch_size, rank, size)])
+
+    def make_model(self) -> torch.nn.Module:
+        return bench_models.make_model(self.name)
+
+    def init_state(self, model):
+        return None
+
+    def new_pass(self, step: int) -> bool:
+        return False
+
+    def batch(self, step: int):
+        gen = torch.Generator().manual_seed((self.args.seed * 100003 + self.rank) * 1000003 + step)
+        return bench_models.synthetic_batch(self.name, gen, self.per_rank)
+
+    def loss(self, module, x, y, state):
+        return bench_models.loss(self.name, module, x, y), None
+
+    def describe(self) -> Dict[str, object]:
+        t = bench_models.TRANSFORMER
+        return {"model_description": f"transformer encoder ({t['layers']} layers, d_model {t['d_model']}, "
+                                     f"{t['nhead']} heads, feed-forward {t['dim_feedforward']}) + linear head, "
+                                     f"synthetic data ({t['seq']} positions x {t['d_model']} features, "
+                                     f"{t['classes']} classes)",
+                "data": "synthetic", "corpus": None, "sequences_per_rank": self.per_rank,
+                "sequence_length": t["seq"]}
+
+
+def make_workload(args, rank: int, size: int):
+    return SyntheticWorkload(args, rank, size) if args.model == "transformer" else LMWorkload(args, rank, size)
+
+
 # ---- the contenders ----------------------------------------------------------------------------
 class Setup:
     """What a contender's step needs: the module to call, the optimizer, how to evaluate."""
 
-    def __init__(self, args, raw: LSTMLM, comm):
+    def __init__(self, args, raw: torch.nn.Module, comm):
         self.args, self.raw, self.comm = args, raw, comm
         self.module = raw            # what forward is called on (DDP wrapper for DDP)
         self.opt = None
@@ -227,7 +353,7 @@ class Setup:
         self.info: Dict[str, object] = {}
 
 
-def build(args, raw: LSTMLM, comm) -> Setup:
+def build(args, raw: torch.nn.Module, comm) -> Setup:
     """Create the contender's optimizer / DDP wrapper around ``raw`` (parameters synchronised)."""
     s = Setup(args, raw, comm)
     n_params = sum(p.numel() for p in raw.parameters())
@@ -278,8 +404,8 @@ def build(args, raw: LSTMLM, comm) -> Setup:
     return s
 
 
-def train_step(s: Setup, x, y, state, clip: float):
-    """One optimizer step; returns ``(loss, state, parts)`` with ``parts`` in seconds:
+def train_step(s: Setup, w, x, y, state, clip: float):
+    """One optimizer step of workload ``w``; returns ``(loss, state, parts)`` with ``parts`` in seconds:
     ``fwd_bwd`` (forward+backward; includes DDP's in-backward communication), ``sync``
     (explicit synchronize: Horovod/hvdcomp), ``update`` (clip + SGD) and ``wall`` (the whole step)."""
     timer = s.timer
@@ -288,9 +414,7 @@ def train_step(s: Setup, x, y, state, clip: float):
     if timer:
         timer.begin_step()
     with compute:
-        state = tuple(h.detach() for h in state)
-        logits, state = s.module(x, state)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss, state = w.loss(s.module, x, y, state)
         s.opt.zero_grad()
         loss.backward()
     t1 = time.perf_counter()
@@ -326,19 +450,16 @@ def nic_tx_bytes() -> Optional[int]:
     return total if found else None
 
 
-def compute_reference(args, raw: LSTMLM, train, start_chunk: int, n_chunks: int) -> List[float]:
+def compute_reference(args, w, raw: torch.nn.Module, start_step: int) -> List[float]:
     """Seconds per communication-free step (same forward/backward/clip/SGD) on a copy of ``raw``."""
-    ref = LSTMLM(raw.embedding.num_embeddings, raw.hidden, raw.layers, dropout=args.dropout)
+    ref = w.make_model()
     ref.load_state_dict(raw.state_dict())
     opt = torch.optim.SGD(ref.parameters(), lr=args.lr)
-    state, times = ref.init_state(train.shape[1]), []
+    state, times = w.init_state(ref), []
     for k in range(args.compute_ref_steps):
-        i = ((start_chunk + k) % n_chunks) * args.bptt
+        x, y = w.batch(start_step + k)
         t0 = time.perf_counter()
-        state = tuple(h.detach() for h in state)
-        logits, state = ref(train[i:i + args.bptt], state)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 train[i + 1:i + 1 + args.bptt].reshape(-1))
+        loss, state = w.loss(ref, x, y, state)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), args.clip)
@@ -357,6 +478,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level if rank == 0 else "WARNING",
                         format=f"[%(asctime)s rank {rank}] %(message)s", datefmt="%H:%M:%S")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    check_launch_env(args.contender)
     if args.family in ("hvdcomp", "horovod"):
         import horovod.torch as hvd
 
@@ -367,20 +489,18 @@ def main(argv=None) -> int:
         log.warning("global batch %d is not divisible by %d ranks: ranks get unequal shares",
                     args.batch_size, size)
 
-    data_path = args.data or default_data_path()
-    corpus = load_corpus(data_path, vocab_size=args.vocab_size)
-    train = batchify(corpus.train, args.batch_size)[:, rank_columns(args.batch_size, rank, size)]
-    n_chunks = (train.shape[0] - 1) // args.bptt  # full bptt chunks only: every step costs the same
+    w = make_workload(args, rank, size)
     torch.manual_seed(args.seed)
-    raw = LSTMLM(corpus.vocab_size, MODEL_SIZES[args.model], dropout=args.dropout)
+    raw = w.make_model()
     n_params = sum(p.numel() for p in raw.parameters())
+    n_tensors = sum(1 for p in raw.parameters() if p.requires_grad)
     t_setup = time.perf_counter()
     s = build(args, raw, comm)
     setup_seconds = time.perf_counter() - t_setup
     torch.manual_seed(args.seed * 1000 + rank)  # dropout masks differ per rank
-    log.info("%s on %d rank(s): %s model, %d parameters, %d sequences x %d tokens per rank, "
-             "%d chunks per epoch, %d warm-up + %d timed steps", args.contender, size, args.model,
-             n_params, train.shape[1], args.bptt, n_chunks, args.warmup, args.steps)
+    log.info("%s on %d rank(s): %s, %d parameters in %d tensors, %d sequences per rank, "
+             "%d warm-up + %d timed steps", args.contender, size, w.describe()["model_description"],
+             n_params, n_tensors, w.per_rank, args.warmup, args.steps)
 
     curve: List[Tuple[int, float]] = []
     eval_seconds = 0.0
@@ -388,7 +508,7 @@ def main(argv=None) -> int:
     def evaluate(step: int) -> None:
         nonlocal eval_seconds
         t = time.perf_counter()
-        ppl = s.evaluate(raw, corpus.valid)
+        ppl = s.evaluate(raw, w.validation)
         eval_seconds += time.perf_counter() - t
         curve.append((step, ppl))
         log.info("step %d: valid ppl %.2f", step, ppl)
@@ -396,18 +516,16 @@ def main(argv=None) -> int:
     if args.eval_every:
         evaluate(0)
     total = args.warmup + args.steps
-    state = raw.init_state(train.shape[1])
+    state = w.init_state(raw)
     timed: List[Dict[str, float]] = []
     losses: List[float] = []
     t_train = time.perf_counter()
     for step in range(total):
-        chunk = step % n_chunks
-        if chunk == 0:
-            state = raw.init_state(train.shape[1])  # a new pass over the data
-        i = chunk * args.bptt
+        if w.new_pass(step):
+            state = w.init_state(raw)  # a new pass over the data
+        x, y = w.batch(step)
         tx0 = nic_tx_bytes()
-        loss, state, parts = train_step(s, train[i:i + args.bptt], train[i + 1:i + 1 + args.bptt], state,
-                                        args.clip)
+        loss, state, parts = train_step(s, w, x, y, state, args.clip)
         tx1 = nic_tx_bytes()
         if tx0 is not None and tx1 is not None:  # frames on the wire incl. TCP/IP headers
             parts["nic_tx_bytes"] = float(tx1 - tx0)
@@ -420,8 +538,9 @@ def main(argv=None) -> int:
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < total:
             evaluate(step + 1)
     train_seconds = time.perf_counter() - t_train
-    evaluate(total)
-    ref_times = compute_reference(args, raw, train, total, n_chunks) if args.compute_ref_steps else []
+    if w.has_validation:
+        evaluate(total)
+    ref_times = compute_reference(args, w, raw, total) if args.compute_ref_steps else []
 
     # ---- gather and summarise (mpi4py: works for every contender) ----
     mine = {"parts": timed, "ref": ref_times, "host": socket.gethostname(),
@@ -447,11 +566,12 @@ def main(argv=None) -> int:
             "family": args.family,
             "variant": args.variant,
             "config": {**{k: v for k, v in vars(args).items() if k not in ("family", "variant")},
-                       "data": data_path, "world_size": size, "parameters": n_params,
-                       "sequences_per_rank": train.shape[1], "chunks_per_epoch": n_chunks},
+                       "world_size": size, "parameters": n_params, "tensors": n_tensors,
+                       **{k: v for k, v in w.describe().items() if k != "corpus"}},
+            "launch_env": peers.launch_env(args.contender),
             "info": s.info,
             "notes": s.notes,
-            "corpus": corpus.describe(),
+            "corpus": w.describe()["corpus"],
             "versions": {"torch": torch.__version__, "horovod": horovod.__version__,
                          "hvdcomp": hvdcomp.__version__, "mpi4py": __import__("mpi4py").__version__,
                          "mpi": MPI.Get_library_version().splitlines()[0].strip().rstrip("\x00"),
@@ -483,7 +603,7 @@ def main(argv=None) -> int:
                 "dense_fp32_per_step": 4 * n_params,
             },
             "val_ppl_curve": curve,
-            "final_val_ppl": curve[-1][1],
+            "final_val_ppl": curve[-1][1] if curve else None,
             "train_loss_rank0": losses,
         }
         write_json_atomic(args.output, results)
@@ -492,7 +612,8 @@ def main(argv=None) -> int:
               f"step_median={step_stats['median']:.3f}s step_mean={step_stats['mean']:.3f}s "
               f"compute_ref={ref_stats['median'] if ref_stats else float('nan'):.3f}s "
               f"comm_critical={critical if critical is not None else float('nan'):.3f}s "
-              f"{'(' + ph + ') ' if ph else ''}val_ppl={curve[-1][1]:.2f} -> {args.output}", flush=True)
+              f"{'(' + ph + ') ' if ph else ''}val_ppl={curve[-1][1] if curve else float('nan'):.2f} "
+              f"-> {args.output}", flush=True)
     if args.family == "ddp":
         import torch.distributed as dist
 

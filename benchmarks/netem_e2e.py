@@ -16,7 +16,10 @@ Benches (``--bench``):
 
 Every cell runs under a timeout (``--timeout`` seconds, default estimated from the model, link
 rate and step counts; passed to netem_mpi.sh as NETEM_TIMEOUT too) and gets the same environment
-(``CELL_ENV`` plus ``--env``; exported to every rank with ``mpirun -x``). A failed or timed-out cell
+(``CELL_ENV`` plus ``--env``; exported to every rank with ``mpirun -x``). A contender's own settings
+(:func:`peers.launch_env`, e.g. Open MPI's ring allreduce for ``horovod-ring:*``) go to its
+``mpirun`` only, as ``-x KEY=VALUE``; the driver checks afterwards that every rank saw them and
+that no other contender did (``driver.env_check``). A failed or timed-out cell
 still gets a JSON: ``status: "failed"``, the error lines and the tail of its output (the whole
 output is in the ``.log`` next to it). Finished cells (ok or failed) are skipped when the driver is
 run again, unless ``--force`` (rerun all) or ``--retry-failed``. ``OUTPUT/run.json`` holds the
@@ -42,6 +45,8 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
+import peers
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 DEFAULT_NETEM = os.path.normpath(os.path.join(ROOT, "..", "shared", "tools", "netem_mpi.sh"))
@@ -51,7 +56,8 @@ log = logging.getLogger("netem_e2e")
 DEFAULT_CONTENDERS = [
     "hvdcomp:none", "hvdcomp:fp16", "hvdcomp:topk:density=0.01", "hvdcomp:topk:density=0.001",
     "hvdcomp:dgc:density=0.01", "hvdcomp:dgc:density=0.001", "hvdcomp:qsgd", "hvdcomp:powersgd:rank=2",
-    "horovod:none", "horovod:fp16", "ddp:none", "ddp:fp16", "ddp:powersgd",
+    "horovod:none", "horovod:fp16", "horovod-ring:none", "horovod-ring:fp16", "ddp:none", "ddp:fp16",
+    "ddp:powersgd",
 ]
 DEFAULT_RATES = ["none", "1gbit", "100mbit", "10mbit"]
 #: the same for every contender (ranks outnumber cores: yield instead of busy-polling)
@@ -64,8 +70,11 @@ CELL_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 #: rough seconds of forward+backward+update per step on this 2-core machine (4 ranks), for timeouts
-COMPUTE_SECONDS = {"small": 2.0, "medium": 5.0, "large": 12.0}
+COMPUTE_SECONDS = {"small": 2.0, "medium": 5.0, "large": 12.0, "transformer": 3.0}
+#: LSTM hidden size per --model (the LSTM sizes; see hvdcomp.lm.MODEL_SIZES)
 HIDDEN = {"small": 100, "medium": 300, "large": 500}
+#: --model choices: the LSTM sizes, and bench_models' transformer encoder (synthetic data)
+MODELS = sorted(HIDDEN) + ["transformer"]
 
 
 class Interrupted(Exception):
@@ -93,7 +102,12 @@ def slug(contender: str) -> str:
 
 
 def model_parameters(model: str, vocab: int = 10000, layers: int = 2) -> int:
-    """Parameters of LSTMLM (tied embedding, 2 layers): V·H + L·(8H² + 8H)."""
+    """Parameters of the worker's model: LSTMLM (tied embedding, 2 layers): V·H + L·(8H² + 8H);
+    the transformer: counted on ``bench_models.Transformer`` itself (imports torch)."""
+    if model == "transformer":
+        import bench_models
+
+        return sum(p.numel() for p in bench_models.make_model(model).parameters())
     h = HIDDEN[model]
     return vocab * h + layers * (8 * h * h + 8 * h)
 
@@ -272,8 +286,16 @@ class Driver:
         evals = 1 + (steps // a.eval_every + 1 if a.eval_every else 0)
         return 240 + 3 * (steps * (compute + dense) + a.compute_ref_steps * compute + evals * compute)
 
+    def contender_env(self, cell: dict) -> Dict[str, str]:
+        """This cell's own environment on top of CELL_ENV (:func:`peers.launch_env`; none for comm)."""
+        return {} if cell["contender"] == "comm" else peers.launch_env(cell["contender"])
+
     def mpirun_command(self, cell: dict, out_json: str) -> List[str]:
+        """``netem_mpi.sh mpirun`` for one cell: CELL_ENV exported by name (``-x KEY``, values from the
+        launch environment), the contender's own settings by value (``-x KEY=VALUE``, visible in
+        the command and in run.json)."""
         xs = [t for k in sorted(self.cell_env) for t in ("-x", k)]
+        xs += [t for k, v in sorted(self.contender_env(cell).items()) for t in ("-x", f"{k}={v}")]
         return ["bash", self.args.netem, "mpirun", "-n", str(cell["np"]), *xs,
                 *shlex.split(self.args.mpirun_args), "--", self.args.python, *cell["args"], "--output", out_json]
 
@@ -337,7 +359,8 @@ class Driver:
                 reason = "exit status 0 but no results JSON"
             else:
                 reason = f"exit status {run['returncode']}"
-            res = {"status": "failed", "contender": cell["contender"], "bench": a.bench, "reason": reason,
+            res = {"status": "failed", "contender": cell["contender"], "bench": a.bench, "model": a.model,
+                   "reason": reason,
                    "error": error_lines(output), "output_tail": output[-a.tail_chars:]}
             attempts.append({**run, "status": "failed", "reason": reason, "error": res["error"][-3:]})
             self.kill_leftovers()
@@ -350,7 +373,7 @@ class Driver:
                          "elapsed_s": elapsed, "attempts": attempts, "log": os.path.abspath(log_path),
                          "rate": cell["rate"], "np": cell["np"]}
         if res["status"] == "ok":
-            res["driver"]["env_check"] = self.check_env(res)
+            res["driver"]["env_check"] = self.check_env(res, cell)
         write_json(out_json, res)
         entry = {"status": res["status"], "rate": cell["rate"], "np": cell["np"], "contender": cell["contender"],
                  "json": os.path.relpath(out_json, a.output), "elapsed_s": round(elapsed, 1),
@@ -359,9 +382,11 @@ class Driver:
         if res["status"] == "ok" and a.bench == "e2e":
             entry["step_median_s"] = res["timing"]["step"]["median"]
             entry["comm_critical_s"] = res["timing"]["comm_critical_seconds"]
+            ppl = res.get("final_val_ppl")
             log.info("cell %s/%s ok in %.0f s: %.3f s/step (median), compute-only %.3f s, val ppl %.1f",
                      cell["rate"], cell["name"], elapsed, entry["step_median_s"],
-                     (res["timing"]["compute_reference"] or {}).get("median", float("nan")), res["final_val_ppl"])
+                     (res["timing"]["compute_reference"] or {}).get("median", float("nan")),
+                     float("nan") if ppl is None else ppl)
         elif res["status"] == "ok":
             log.info("cell %s/%s ok in %.0f s", cell["rate"], cell["name"], elapsed)
         else:
@@ -370,16 +395,19 @@ class Driver:
                       " | ".join(res["error"][-3:]) or "(no error line; see the log)")
         return entry
 
-    def check_env(self, res: dict) -> dict:
-        """Did CELL_ENV reach every rank (the worker records each rank's environment)?"""
+    def check_env(self, res: dict, cell: dict) -> dict:
+        """Did CELL_ENV and the contender's own settings reach every rank, and did no rank get
+        another contender's settings (the worker records each rank's environment)?"""
         env = res.get("env", {})
-        missing = {k: v for k, v in self.cell_env.items()
-                   if k != "PYTHONUNBUFFERED" and env.get(k) != v}
-        ok = not missing and res.get("env_same_on_all_ranks", False)
+        want = {**self.cell_env, **self.contender_env(cell)}
+        missing = {k: v for k, v in want.items() if k != "PYTHONUNBUFFERED" and env.get(k) != v}
+        foreign = {} if cell["contender"] == "comm" else {
+            k: env[k] for k in peers.foreign_env_keys(cell["contender"]) if k in env and k not in want}
+        ok = not missing and not foreign and res.get("env_same_on_all_ranks", False)
         if not ok:
-            log.warning("environment check failed: missing/different %s, same on all ranks: %s",
-                        missing, res.get("env_same_on_all_ranks"))
-        return {"ok": ok, "missing_or_different": missing,
+            log.warning("environment check failed: missing/different %s, another contender's %s, same on "
+                        "all ranks: %s", missing, foreign, res.get("env_same_on_all_ranks"))
+        return {"ok": ok, "missing_or_different": missing, "foreign": foreign,
                 "same_on_all_ranks": res.get("env_same_on_all_ranks")}
 
     def save_run(self, finished: bool = False) -> None:
@@ -441,7 +469,8 @@ def parse_args(argv=None):
     p.add_argument("--methods", nargs="+", default=None,
                    help="comm bench: hvdcomp specs (default: the hvdcomp contenders' specs)")
     p.add_argument("--np", nargs="+", type=int, default=None, help="ranks (default 4; comm: 2 4)")
-    p.add_argument("--model", default="medium", choices=sorted(HIDDEN))
+    p.add_argument("--model", default="medium", choices=MODELS,
+                   help="LSTM size (corpus), or transformer (bench_models' encoder, synthetic data)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per e2e cell")
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps per e2e cell")
     p.add_argument("--steps-slow", type=int, default=4, help="timed steps at --slow-rates")
@@ -493,9 +522,15 @@ def parse_args(argv=None):
     if not os.path.exists(args.netem):
         p.error(f"--netem {args.netem} does not exist")
     for c in args.contenders:
-        family = c.split(":", 1)[0]
-        if family not in ("hvdcomp", "horovod", "ddp"):
-            p.error(f"unknown contender {c!r}")
+        try:
+            peers.split(c)
+        except ValueError as e:
+            p.error(str(e))
+        clash = sorted(set(kv.split("=", 1)[0] for kv in args.env) & set(peers.launch_env(c)))
+        if clash:
+            p.error(f"--env sets {clash}, which contender {c} sets for itself: drop them from --env")
+    if args.model == "transformer" and (args.eval_every or args.data):
+        p.error("--model transformer trains on synthetic data (no validation): use --eval-every 0, no --data")
     return args
 
 

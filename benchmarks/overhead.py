@@ -5,15 +5,9 @@ Launch under ``mpirun`` (one process per rank), e.g.::
 
     mpirun -np 2 python benchmarks/overhead.py --models stack transformer resnet --output DIR
 
-Models (``--models``), each built identically on every rank:
-
-* ``stack``: ``--stack-blocks`` (200) blocks of ``Linear(64, 64)`` + ``Tanh``: 400 tensors,
-  832k parameters, batch 32 of 64 features;
-* ``transformer``: ``torch.nn.TransformerEncoder`` (d_model 128, 4 heads, feed-forward 256,
-  12 layers) + a linear head: 146 tensors, batch 16 × sequence 32;
-* ``resnet``: a ResNet-34-style CNN for 32×32 images (basic blocks [3, 4, 6, 3], widths 16–128,
-  batch norm): 110 tensors, batch 16;
-* ``lstm``: the study's small LSTM language model (9 tensors), batch 20 × bptt 35.
+Models (``--models``): ``stack`` (400 tensors), ``transformer`` (146), ``resnet`` (110) and ``lstm``
+(9), with their synthetic data, as defined in ``bench_models.py``; each built identically on
+every rank, each rank drawing its own data (generator seeded by rank and step).
 
 Contenders (``--contenders``): ``local`` (the wrapped optimizer alone, no communication: the
 compute-only reference), ``horovod:none`` (stock ``hvd.DistributedOptimizer``), and
@@ -46,107 +40,24 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import hvdcomp  # noqa: E402
-from hvdcomp.lm import LSTMLM, MODEL_SIZES  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_models  # noqa: E402
 
 RECORDED_ENV = ("OMPI_MCA_", "HOROVOD_", "OMP_NUM_THREADS")
 
 
-# ---- models ----------------------------------------------------------------------------------
-class Stack(torch.nn.Module):
-    def __init__(self, blocks: int = 200, width: int = 64):
-        super().__init__()
-        self.layers = torch.nn.Sequential(*[m for _ in range(blocks)
-                                            for m in (torch.nn.Linear(width, width), torch.nn.Tanh())])
-
-    def forward(self, x):
-        return self.layers(x)
-
-
-class Transformer(torch.nn.Module):
-    def __init__(self, d_model: int = 128, layers: int = 12, vocab: int = 1000):
-        super().__init__()
-        layer = torch.nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=256, dropout=0.0,
-                                                 batch_first=True)
-        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(d_model, vocab)
-
-    def forward(self, x):
-        return self.head(self.encoder(x))
-
-
-class Block(torch.nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int):
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = torch.nn.BatchNorm2d(cout)
-        self.conv2 = torch.nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = torch.nn.BatchNorm2d(cout)
-        self.down = None
-        if stride != 1 or cin != cout:
-            self.down = torch.nn.Sequential(torch.nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                            torch.nn.BatchNorm2d(cout))
-
-    def forward(self, x):
-        out = torch.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return torch.relu(out + (x if self.down is None else self.down(x)))
-
-
-class ResNet(torch.nn.Module):
-    def __init__(self, blocks=(3, 4, 6, 3), widths=(16, 32, 64, 128), classes: int = 10):
-        super().__init__()
-        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, widths[0], 3, 1, 1, bias=False),
-                                        torch.nn.BatchNorm2d(widths[0]), torch.nn.ReLU())
-        layers, cin = [], widths[0]
-        for i, (n, w) in enumerate(zip(blocks, widths)):
-            for j in range(n):
-                layers.append(Block(cin, w, 2 if (j == 0 and i > 0) else 1))
-                cin = w
-        self.layers = torch.nn.Sequential(*layers)
-        self.fc = torch.nn.Linear(cin, classes)
-
-    def forward(self, x):
-        return self.fc(self.layers(self.stem(x)).mean((2, 3)))
-
-
+# ---- models (defined in bench_models.py, shared with e2e_lm.py) ------------------------------
 def build(name: str, args) -> Tuple[torch.nn.Module, Callable[[torch.nn.Module, int], torch.Tensor]]:
     """(model, loss(model, step)) with rank-dependent data drawn from a fixed generator."""
     torch.manual_seed(0)
     rank = MPI.COMM_WORLD.Get_rank()
+    model = bench_models.make_model(name, stack_blocks=args.stack_blocks)
 
-    def gen(step):
-        return torch.Generator().manual_seed(1000 * rank + step)
-
-    if name == "stack":
-        model = Stack(args.stack_blocks)
-        return model, lambda m, s: m(torch.randn(32, 64, generator=gen(s))).pow(2).mean()
-    if name == "transformer":
-        model = Transformer()
-
-        def loss(m, s):
-            g = gen(s)
-            logits = m(torch.randn(16, 32, 128, generator=g))
-            return torch.nn.functional.cross_entropy(logits.reshape(-1, 1000),
-                                                     torch.randint(1000, (16 * 32,), generator=g))
-        return model, loss
-    if name == "resnet":
-        model = ResNet()
-
-        def loss(m, s):
-            g = gen(s)
-            return torch.nn.functional.cross_entropy(m(torch.randn(16, 3, 32, 32, generator=g)),
-                                                     torch.randint(10, (16,), generator=g))
-        return model, loss
-    if name == "lstm":
-        model = LSTMLM(10000, MODEL_SIZES["small"])
-
-        def loss(m, s):
-            g = gen(s)
-            tokens = torch.randint(10000, (36, 20), generator=g)
-            out, _ = m(tokens[:-1])
-            return torch.nn.functional.cross_entropy(out.reshape(-1, 10000), tokens[1:].reshape(-1))
-        return model, loss
-    raise ValueError(f"unknown model {name!r}")
+    def loss(m, step):
+        gen = torch.Generator().manual_seed(1000 * rank + step)
+        return bench_models.loss(name, m, *bench_models.synthetic_batch(name, gen))
+    return model, loss
 
 
 # ---- contenders ------------------------------------------------------------------------------
@@ -176,7 +87,7 @@ def step_once(opt, model, loss_fn, step) -> float:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", default=["stack", "transformer", "resnet", "lstm"])
+    p.add_argument("--models", nargs="+", default=list(bench_models.MODELS), choices=bench_models.MODELS)
     p.add_argument("--contenders", nargs="+",
                    default=["local", "horovod:none", "hvdcomp:none", "hvdcomp:topk:density=0.01",
                             "hvdcomp:powersgd:rank=2", "hvdcomp:qsgd:levels=16", "hvdcomp:fp16"])

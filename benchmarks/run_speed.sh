@@ -1,22 +1,38 @@
 #!/bin/bash
-# The speed study behind docs/results/speed/report.md, exactly as run (root; about 1.5 h on 2 cores).
+# The speed study behind docs/results/speed/report.md, exactly as run (root; about 1.7 h on 2 cores).
 # Sequential on purpose: keep the machine otherwise quiet while it runs. Resumable (finished cells
-# are kept). Writes OUT/netem-e2e, OUT/netem-comm, OUT/kernels-cpu, OUT/overhead and OUT/report.md + plots.
-#   bash benchmarks/run_speed.sh [OUT]      (default runs/speed; `make speed` uses docs/results/speed)
+# are kept). Writes OUT/netem-e2e, OUT/netem-e2e-transformer, OUT/netem-comm, OUT/kernels-cpu,
+# OUT/overhead and OUT/report.md + plots.
+#   bash benchmarks/run_speed.sh [OUT] [all|transformer]
+#     OUT          default runs/speed; `make speed` uses docs/results/speed
+#     transformer  only step 2b (issue 17's transformer target at 4 ranks, 100 Mbit/s; ~10 min), then
+#                  the report, whose "Transformer encoder (issue 17)" table gives the verdicts
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/speed}
+WHAT=${2:-all}
 PY=.venv/bin/python
 C="hvdcomp:none hvdcomp:fp16 hvdcomp:topk:density=0.01 hvdcomp:topk:density=0.001 hvdcomp:dgc:density=0.01
    hvdcomp:dgc:density=0.001 hvdcomp:qsgd hvdcomp:powersgd:rank=2 hvdcomp:topk:density=0.01,select=sample,index=compact
-   horovod:none horovod:fp16 ddp:none ddp:fp16 ddp:powersgd"
+   horovod:none horovod:fp16 horovod-ring:none horovod-ring:fp16 ddp:none ddp:fp16 ddp:powersgd"
+# the transformer target's contenders: the two methods, every stock Horovod configuration, DDP fp16
+# (hvdcomp none for context)
+T="hvdcomp:topk:density=0.01 hvdcomp:powersgd:rank=2 hvdcomp:none
+   horovod:none horovod:fp16 horovod-ring:none horovod-ring:fp16 ddp:fp16"
+case "$WHAT" in all|transformer) ;; *) echo "usage: $0 [OUT] [all|transformer]" >&2; exit 2 ;; esac
 status=0
+if [ "$WHAT" = all ]; then
 # 1. unlimited links: 30 steps each, validation every 5 (steps to the target perplexity)
 $PY benchmarks/netem_e2e.py --output "$OUT/netem-e2e" --model medium --rates none \
   --steps 27 --warmup 3 --eval-every 5 --contenders $C || status=1
 # 2. rate-limited links: step time only
 $PY benchmarks/netem_e2e.py --output "$OUT/netem-e2e" --model medium --rates 1gbit 100mbit 10mbit \
   --steps 5 --warmup 2 --steps-slow 3 --warmup-slow 1 --contenders $C || status=1
+fi
+# 2b. transformer encoder (146 tensors, synthetic data), 4 ranks at 100 Mbit/s: 3 warm-up + 10 timed steps
+$PY benchmarks/netem_e2e.py --output "$OUT/netem-e2e-transformer" --model transformer --rates 100mbit \
+  --steps 10 --warmup 3 --contenders $T || status=1
+if [ "$WHAT" = all ]; then
 # 3. communication only, 2 and 4 ranks: data for the alpha-beta fit
 $PY benchmarks/netem_e2e.py --bench comm --output "$OUT/netem-comm" --model medium --np 2 4 \
   --rates 1gbit 100mbit --comm-reps 5 --comm-budget 8 --comm-budget-slow 8 \
@@ -33,6 +49,8 @@ for np in 2 4; do
                  hvdcomp:topk:density=0.01 hvdcomp:topk:density=0.01@bucket hvdcomp:powersgd:rank=2 \
                  hvdcomp:qsgd:levels=16 hvdcomp:qsgd:levels=16@bucket || status=1
 done
-$PY benchmarks/report_speed.py --e2e "$OUT/netem-e2e" --comm "$OUT/netem-comm" --kernels "$OUT/kernels-cpu" \
-  --overhead "$OUT/overhead" --output "$OUT" --preamble benchmarks/speed_preamble.md
+fi
+$PY benchmarks/report_speed.py --e2e "$OUT/netem-e2e" --e2e-transformer "$OUT/netem-e2e-transformer" \
+  --comm "$OUT/netem-comm" --kernels "$OUT/kernels-cpu" --overhead "$OUT/overhead" --output "$OUT" \
+  --preamble benchmarks/speed_preamble.md
 exit $status
