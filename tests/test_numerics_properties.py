@@ -148,9 +148,7 @@ def test_dgc_velocity_identity(steps):
         flat = g.reshape(-1).to(torch.float32)
         u = comp.u.get("w", torch.zeros_like(flat))
         v = comp.v.get("w", torch.zeros_like(flat))
-        # the momentum update with DGC's own rounding (one fused m·u + g, as torch.add(alpha=)
-        # computes it): the property is that masking splits v exactly, not how u is rounded
-        before = v + torch.add(flat, u, alpha=comp.momentum)
+        before = v + (u * comp.momentum + flat)
         payload, ctx = comp.encode(g, "w")
         sent = comp.decode(payload, (flat.shape, torch.float32))
         assert torch.equal(sent + comp.v["w"], before)

@@ -143,7 +143,7 @@ class DGCCompressor(SparseCompressor):
             torch.add(u_old, g, out=u).mul_(self.momentum)
             torch.add(v_old, u, out=v).add_(g)
         else:
-            torch.add(g, u_old, alpha=self.momentum, out=u)    # u = m·u + g
+            torch.mul(u_old, self.momentum, out=u).add_(g)    # u = m·u + g, rounded as two ops
             torch.add(v_old, u, out=v)                         # v = v + u
         idx = self.select(v, name)
         values = v.index_select(0, idx)
