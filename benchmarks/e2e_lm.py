@@ -107,7 +107,7 @@ def parse_contender(text: str) -> Tuple[str, str]:
     _, variant = peers.split(text)
     family = peers.code_path(text)
     if family == "hvdcomp":
-        hvdcomp.get_compressor(variant)  # validates the spec (ValueError names the problem)
+        hvdcomp.get_compressor(peers.hvdcomp_options(variant)[0])  # validates (ValueError names the problem)
     return family, variant
 
 
@@ -363,10 +363,11 @@ def build(args, raw: torch.nn.Module, comm) -> Setup:
 
         hvd.broadcast_parameters(raw.state_dict(), root_rank=0)
         if args.family == "hvdcomp":
-            compressor = hvdcomp.get_compressor(args.variant)
+            spec, options = peers.hvdcomp_options(args.variant)  # <spec>[@bucket]
+            compressor = hvdcomp.get_compressor(spec)
             compressor.set_epoch(0)  # DGC's density warm-up, as train_lm's first epoch
             s.opt = hvdcomp.DistributedOptimizer(sgd, named_parameters=raw.named_parameters(),
-                                                 compression=compressor)
+                                                 compression=compressor, **options)
             s.timer = s.opt.timer
             s.info["compressor"] = compressor.describe()
             s.info["transport"] = str(s.opt.transport)

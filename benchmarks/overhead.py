@@ -43,6 +43,7 @@ import hvdcomp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_models  # noqa: E402
+import peers  # noqa: E402
 
 RECORDED_ENV = ("OMPI_MCA_", "HOROVOD_", "OMP_NUM_THREADS")
 
@@ -70,10 +71,9 @@ def make_optimizer(contender: str, model: torch.nn.Module):
     if contender == "horovod:none":
         return hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
     if contender.startswith("hvdcomp:"):
-        spec, _, granularity = contender[len("hvdcomp:"):].partition("@")
-        kw = {"granularity": granularity} if granularity else {}
+        spec, options = peers.hvdcomp_options(contender[len("hvdcomp:"):])
         return hvdcomp.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
-                                            compression=spec, cost_model="off", **kw)
+                                            compression=spec, cost_model="off", **options)
     raise ValueError(f"unknown contender {contender!r}")
 
 

@@ -63,6 +63,20 @@ def split(contender: str) -> Tuple[str, str]:
     return family, variant
 
 
+def hvdcomp_options(variant: str) -> Tuple[str, Dict[str, str]]:
+    """An hvdcomp contender's variant -> (compressor spec, extra DistributedOptimizer keywords):
+    ``"topk:density=0.01@bucket"`` -> ``("topk:density=0.01", {"granularity": "bucket"})``
+    (``@tensor`` or nothing: the default granularity).
+
+    Raises:
+        ValueError: a suffix other than ``@tensor`` / ``@bucket``.
+    """
+    spec, at, granularity = variant.partition("@")
+    if at and granularity not in ("tensor", "bucket"):
+        raise ValueError(f"unknown granularity {granularity!r} in {variant!r}: use <spec>@bucket or <spec>@tensor")
+    return spec, ({"granularity": granularity} if at else {})
+
+
 def code_path(contender: str) -> str:
     """Which training path the worker runs: ``"hvdcomp"``, ``"horovod"`` or ``"ddp"``."""
     return FAMILIES[split(contender)[0]][0]

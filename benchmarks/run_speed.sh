@@ -15,9 +15,9 @@ PY=.venv/bin/python
 C="hvdcomp:none hvdcomp:fp16 hvdcomp:topk:density=0.01 hvdcomp:topk:density=0.001 hvdcomp:dgc:density=0.01
    hvdcomp:dgc:density=0.001 hvdcomp:qsgd hvdcomp:powersgd:rank=2 hvdcomp:topk:density=0.01,select=sample,index=compact
    horovod:none horovod:fp16 horovod-ring:none horovod-ring:fp16 ddp:none ddp:fp16 ddp:powersgd"
-# the transformer target's contenders: the two methods, every stock Horovod configuration, DDP fp16
-# (hvdcomp none for context)
-T="hvdcomp:topk:density=0.01 hvdcomp:powersgd:rank=2 hvdcomp:none
+# the transformer target's contenders: the two methods (top-k also per bucket: 146 small tensors),
+# every stock Horovod configuration, DDP fp16 (hvdcomp none for context)
+T="hvdcomp:topk:density=0.01 hvdcomp:topk:density=0.01@bucket hvdcomp:powersgd:rank=2 hvdcomp:none
    horovod:none horovod:fp16 horovod-ring:none horovod-ring:fp16 ddp:fp16"
 case "$WHAT" in all|transformer) ;; *) echo "usage: $0 [OUT] [all|transformer]" >&2; exit 2 ;; esac
 status=0
