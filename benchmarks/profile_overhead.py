@@ -30,6 +30,10 @@ except ImportError:  # pragma: no cover - run from a checkout without installing
     sys.path.append(os.path.dirname(HERE))
 import hvdcomp  # noqa: E402
 
+sys.path.insert(0, HERE)
+import bench_models  # noqa: E402
+import peers  # noqa: E402
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -43,21 +47,20 @@ def main(argv=None):
 
     hvd.init()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[m for _ in range(args.blocks)
-                                  for m in (torch.nn.Linear(64, 64), torch.nn.Tanh())])
+    model = bench_models.make_model("stack", stack_blocks=args.blocks)
     sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
     if args.contender == "horovod:none":
         opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
     else:
-        spec, _, granularity = args.contender[len("hvdcomp:"):].partition("@")
-        kw = {"granularity": granularity} if granularity else {}
+        spec, options = peers.hvdcomp_options(args.contender[len("hvdcomp:"):])
         opt = hvdcomp.DistributedOptimizer(sgd, named_parameters=model.named_parameters(),
-                                            compression=spec, cost_model="off", **kw)
+                                            compression=spec, cost_model="off", **options)
     gen = torch.Generator().manual_seed(hvd.rank())
 
     def step():
         opt.zero_grad()
-        model(torch.randn(32, 64, generator=gen)).pow(2).mean().backward()
+        x, y = bench_models.synthetic_batch("stack", gen)
+        bench_models.loss("stack", model, x, y).backward()
         opt.step()
 
     for _ in range(args.warmup):

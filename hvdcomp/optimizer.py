@@ -508,14 +508,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sum_votes = self.compression.allreduce_op == "sum" and self.op is self._hvd.Sum
         with self.timer.phase("decompress"):
             for u, kind, outputs, ctx, dtypes in done:
-                target = self._target(u)
                 if kind == "allreduce":
+                    target = self._target(u)
                     outputs = [o if o.dtype == dt else o.to(dt) for o, dt in zip(outputs, dtypes)]
                     self.compression.decode_into(target, outputs, ctx)
                     if sum_votes:
                         target.mul_(self._result_scale())
                 elif kind == "dense":
-                    target.copy_(outputs[0])
+                    self._target(u).copy_(outputs[0])
                 self._write_back(u)  # (an in-place result is in its target already)
         self.timer.add_bytes(sent=nbytes, received=nbytes, dense=dense)
 
