@@ -197,7 +197,8 @@ def set_enabled(on: bool) -> bool:
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """Native kernels are on and every tensor is on the CPU."""
+    """Native kernels are on (``HVDCOMP_NATIVE``, :func:`set_enabled`), the library loads, and
+    every tensor in ``tensors`` is on the CPU; compressors fall back to torch kernels otherwise."""
     return _enabled and all(t.device.type == "cpu" for t in tensors) and available()
 
 
@@ -260,12 +261,26 @@ def moments(flat: torch.Tensor):
 
 
 def terngrad_encode(flat: torch.Tensor, clip: float, scale: float, key: int, packed: torch.Tensor) -> None:
+    """TernGrad codes (Wen et al., NeurIPS 2017) of ``flat`` (n,) float32 into ``packed``
+    (ceil(n/4),) uint8 at 2 bits: ``1 + sign(g)·[u < |g|/scale]`` with ``g = clamp(x, ±clip)``
+    (``clip`` = inf: none), 1 everywhere when ``scale`` is not > 0; ``u`` uniform from the
+    xoshiro128++ streams seeded by ``key``.
+
+    Raises:
+        ValueError: ``flat`` not a contiguous CPU float32 tensor.
+    """
     _check(flat, torch.float32, "terngrad_encode input")
     _load().hvd_terngrad_encode(_ptr(flat), flat.numel(), clip, scale, key & (2**64 - 1),
                                 _ptr(packed), _threads())
 
 
 def terngrad_aggregate(out: torch.Tensor, factors: torch.Tensor, packed: Sequence[torch.Tensor]) -> None:
+    """``out`` (n,) float32 = Σ_w factors[w]·(code_w - 1) over W payloads of 2-bit codes
+    (``packed[w]`` (ceil(n/4),) uint8; ``factors`` (W,) float32, scale_w / W), each element written once.
+
+    Raises:
+        ValueError: ``out`` or ``factors`` not a contiguous CPU float32 tensor.
+    """
     _check(out, torch.float32, "terngrad_aggregate output")
     _check(factors, torch.float32, "terngrad factors")
     _load().hvd_terngrad_aggregate(len(packed), _ptr(factors), _ptrs(packed), out.numel(), _ptr(out),
@@ -284,6 +299,12 @@ def sign_bits(flat: torch.Tensor, packed: torch.Tensor, abs_sum: bool = False):
 
 
 def sign_votes(flat: torch.Tensor, votes: torch.Tensor) -> None:
+    """signSGD votes (Bernstein et al., ICML 2018): ``votes`` (n,) int32 = +1 where ``flat`` (n,)
+    float32 >= 0 (sign(0) = +1), else -1.
+
+    Raises:
+        ValueError: ``flat`` not contiguous CPU float32, or ``votes`` not contiguous CPU int32.
+    """
     _check(flat, torch.float32, "sign_votes input")
     _check(votes, torch.int32, "sign votes")
     _load().hvd_sign_votes(_ptr(flat), flat.numel(), _ptr(votes), _threads())
