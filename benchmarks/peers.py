@@ -65,16 +65,19 @@ def split(contender: str) -> Tuple[str, str]:
 
 def hvdcomp_options(variant: str) -> Tuple[str, Dict[str, str]]:
     """An hvdcomp contender's variant -> (compressor spec, extra DistributedOptimizer keywords):
-    ``"topk:density=0.01@bucket"`` -> ``("topk:density=0.01", {"granularity": "bucket"})``
-    (``@tensor`` or nothing: the default granularity).
+    ``"topk:density=0.01@bucket"`` -> ``("topk:density=0.01", {"granularity": "bucket"})``;
+    ``@unfused`` -> ``{"fuse_tensors": False}`` (per tensor, one call and one payload per
+    gradient); ``@tensor`` or nothing: the defaults (per tensor, fused where the method can).
 
     Raises:
-        ValueError: a suffix other than ``@tensor`` / ``@bucket``.
+        ValueError: a suffix other than ``@tensor`` / ``@bucket`` / ``@unfused``.
     """
-    spec, at, granularity = variant.partition("@")
-    if at and granularity not in ("tensor", "bucket"):
-        raise ValueError(f"unknown granularity {granularity!r} in {variant!r}: use <spec>@bucket or <spec>@tensor")
-    return spec, ({"granularity": granularity} if at else {})
+    spec, at, variant_name = variant.partition("@")
+    options = {"tensor": {}, "bucket": {"granularity": "bucket"}, "unfused": {"fuse_tensors": False}}
+    if at and variant_name not in options:
+        raise ValueError(f"unknown variant {variant_name!r} in {variant!r}: use <spec>@bucket, "
+                         "<spec>@unfused or <spec>@tensor")
+    return spec, dict(options[variant_name]) if at else {}
 
 
 def code_path(contender: str) -> str:

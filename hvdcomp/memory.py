@@ -80,6 +80,10 @@ class ErrorFeedback(Compressor):
 
     has_scaled_state = True  # the residual
 
+    @property
+    def segmentable(self):  # type: ignore[override]
+        return self.inner.segmentable
+
     def bind_group(self, size):
         super().bind_group(size)
         self.inner.bind_group(size)
@@ -129,6 +133,25 @@ class ErrorFeedback(Compressor):
         self._put("residuals", name, residual)
         if self._pending is None and e is not None:
             self._keep_spare(name, e)
+        return payload, _Context(ctx, dtype)
+
+    def _encode_segments(self, flat, segments):
+        """Several gradients in one call: ``p = g + e`` per segment on the flat buffer, the inner
+        method on the segments, and each segment's residual kept under its name (a view of this
+        step's compensated buffer, in the gradient's shape)."""
+        dtype = flat.dtype
+        if dtype in _HALF:
+            flat = flat.to(torch.float32)
+        residuals = [self._get("residuals", name) for name in segments.names]
+        if all(e is None for e in residuals):
+            p = flat.clone() if flat.dtype == dtype else flat
+        else:
+            p = flat + torch.cat([torch.zeros(n, dtype=flat.dtype, device=flat.device) if e is None
+                                  else e.reshape(-1) for e, n in zip(residuals, segments.sizes)])
+        payload, ctx = self.inner.encode(p, None, segments)
+        kept = self.inner.residual_(p, payload, ctx)
+        for name, shape, view in zip(segments.names, segments.shapes, segments.split(kept)):
+            self._put("residuals", name, view.view(shape))
         return payload, _Context(ctx, dtype)
 
     def _keep_spare(self, name: str, tensor) -> None:

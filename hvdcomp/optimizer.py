@@ -52,7 +52,8 @@ from .compressors.none import NoneCompressor
 from .guard import NONFINITE_MODES, NonFiniteGuard
 from .launch import check_launch
 from .metrics import PhaseTimer
-from .plan import TransportPlan, make_buckets, make_units, plan_transport, split_groups
+from .compressors.segments import Segments
+from .plan import TransportPlan, fuse_units, make_buckets, make_units, plan_transport, split_groups
 
 __all__ = ["DistributedOptimizer", "resolve_compression", "make_buckets", "DEFAULT_BUCKET_BYTES",
            "OPTIMIZER_ENV"]
@@ -163,10 +164,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError("groups lists a tensor that is not among the optimizer's parameters")
             groups = [[self._names[p] for p in g if id(p) in self._pos] for g in groups]
         groups = None if groups is None else split_groups(names, groups)
-        # compression units: a gradient each, or flattened buckets of gradients
-        units = make_units([(names[i], p.numel(), p.element_size(), f"{p.dtype}/{p.device}")
-                            for i, p in enumerate(self._order)],
-                           self.granularity, self.bucket_bytes, groups)
+        # compression units: a gradient each, flattened buckets of gradients (granularity "bucket"),
+        # or gradients compressed per tensor in one call per bucket (fused, :func:`fuse_units`)
+        params = [(names[i], p.numel(), p.element_size(), f"{p.dtype}/{p.device}")
+                  for i, p in enumerate(self._order)]
+        gatherer = self._gatherer.kind if self._gatherer is not None else "none"
+        fuse = (s["fuse_tensors"] and self.granularity == "tensor" and compression.segmentable
+                and type(compression) is not NoneCompressor)
+        if fuse:  # routes and allgather buckets per gradient, then the fused units within them
+            self.transport = plan_transport([p[:3] for p in params], compression, self.cost_model,
+                                            self.group.size, self.bucket_bytes, groups, gatherer,
+                                            self.group.ranks)
+            units = fuse_units(params, self.transport, self.bucket_bytes, groups)
+        else:
+            units = make_units(params, self.granularity, self.bucket_bytes, groups)
         self._unit_name: List[str] = [name for name, _ in units]
         self._members: List[List[int]] = [members for _, members in units]
         self._unit_of: List[int] = [0] * len(self._order)
@@ -177,14 +188,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._unit_wait = [len(m) for m in self._members]   # gradients each unit still waits for
         numel = [sum(self._order[i].numel() for i in m) for m in self._members]
         esize = [self._order[m[0]].element_size() for m in self._members]
-        self.transport = plan_transport(
-            list(zip(self._unit_name, numel, esize)), compression, self.cost_model, self.group.size,
-            self.bucket_bytes, groups if self.granularity == "tensor" else None,
-            self._gatherer.kind if self._gatherer is not None else "none", self.group.ranks)
+        if fuse:
+            at = {names[i]: u for u, m in enumerate(self._members) for i in m}
+            self._segments = [None if len(m) == 1 else
+                              Segments([names[i] for i in m], [self._order[i].shape for i in m])
+                              for m in self._members]
+            self._route: List[str] = [self.transport.routes[names[m[0]]] for m in self._members]
+        else:
+            self.transport = plan_transport(
+                list(zip(self._unit_name, numel, esize)), compression, self.cost_model, self.group.size,
+                self.bucket_bytes, groups if self.granularity == "tensor" else None, gatherer, self.group.ranks)
+            at = {n: u for u, n in enumerate(self._unit_name)}
+            self._segments = [None] * len(units)
+            self._route = [self.transport.routes[n] for n in self._unit_name]
         self.transport.units = {self._unit_name[u]: [names[i] for i in m]
                                 for u, m in enumerate(self._members) if len(m) > 1}
-        at = {n: u for u, n in enumerate(self._unit_name)}
-        self._buckets: List[List[int]] = [[at[n] for n in b] for b in self.transport.buckets]
+        self._buckets: List[List[int]] = [list(dict.fromkeys(at[n] for n in b)) for b in self.transport.buckets]
         self._bucket_of: List[int] = [-1] * len(units)
         for b, members in enumerate(self._buckets):
             for u in members:
@@ -193,7 +212,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._grad_bytes = [n * e for n, e in zip(numel, esize)]
         self._bucket_dense = [sum(self._dense_bytes[u] for u in b) for b in self._buckets]
         self._waiting = [len(b) for b in self._buckets]  # units each allgather bucket still waits for
-        self._route: List[str] = [self.transport.routes[n] for n in self._unit_name]
         self._wire_name = [f"{self._prefix}.{n}" for n in self._unit_name]  # Horovod tensor names
         self._reduce_args = self._allreduce_args()
         self._direct = type(compression) is NoneCompressor and self.granularity == "tensor"
@@ -240,7 +258,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "op": str(self.op), "gradient_predivide_factor": self.gradient_predivide_factor,
                 "sparse_as_dense": self.sparse_as_dense, "nonfinite": self.nonfinite,
                 "bucket_bytes": self.bucket_bytes, "allgather": s["allgather"],
-                "granularity": self.granularity,
+                "granularity": self.granularity, "fuse_tensors": s["fuse_tensors"],
                 "cost_model": (cost.alpha, cost.beta) if isinstance(cost, CostModel) else cost,
                 "groups": s["groups"] if not isinstance(s["groups"], list)
                 else [[self._names.get(p) for p in g] for g in s["groups"]],
@@ -392,7 +410,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _encode(self, u: int):
         """Compress unit ``u`` (finiteness is checked once per step, see :meth:`synchronize`)."""
         self._open_round()
-        return self.compression.encode(self._unit_tensor(u), self._unit_name[u])
+        return self.compression.encode(self._unit_tensor(u), self._unit_name[u], self._segments[u])
 
     def _allreduce_args(self) -> tuple:
         """(op, prescale, postscale) for Horovod's allreduce of a summable payload: ``op`` and
@@ -742,7 +760,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                          cost_model="measure",
                          grad_scaler=None,
-                         granularity: str = "tensor") -> torch.optim.Optimizer:
+                         granularity: str = "tensor",
+                         fuse_tensors: bool = True) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are compressed and averaged over Horovod ranks.
 
     Takes ``hvd.DistributedOptimizer``'s arguments, in its order, plus hvdcomp's own (keyword
@@ -803,6 +822,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             top-k keeps the largest entries of the bucket, not of each layer; QSGD, signSGD and
             the casts are unchanged up to their scales. Refused for PowerSGD (it needs each
             gradient's matrix shape).
+        fuse_tensors: with ``granularity="tensor"`` and a method that can (``segmentable``: top-k
+            with ``select=exact``, fp16, bf16, threshold, and these with error feedback), the
+            gradients of one bucket (one allgather bucket, or up to ``bucket_bytes`` of
+            consecutive allreduced gradients) are copied into one flat buffer and compressed in
+            one vectorised call, each gradient still by its own rules (its own top-k, fp16
+            scale, residual): the same results as one call per gradient, without the fixed
+            cost per gradient, and one payload per bucket on the wire. ``False``: one call and
+            one payload per gradient, each sent as soon as backward produced it.
 
     Raises:
         ValueError: bad ``named_parameters``, ``backward_passes_per_step < 1``, unknown
@@ -890,7 +917,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                     sparse_as_dense=bool(sparse_as_dense), process_set=process_set, allgather=allgather,
                     timer=timer, nonfinite=nonfinite, check_consistency=check_consistency,
                     bucket_bytes=bucket_bytes, cost_model=cost_model, grad_scaler=grad_scaler,
-                    granularity=granularity)
+                    granularity=granularity, fuse_tensors=bool(fuse_tensors))
     opt = cls(optimizer.param_groups, named_parameters, compression, settings)
     _owners[compression] = weakref.ref(opt)
     return opt

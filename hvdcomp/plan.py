@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["make_buckets", "make_units", "split_groups", "TransportPlan", "plan_transport", "ROUTES"]
+__all__ = ["make_buckets", "make_units", "fuse_units", "split_groups", "TransportPlan", "plan_transport",
+           "ROUTES"]
 
 ROUTES = ("allreduce", "allgather", "decoded-allreduce", "batched")
 
@@ -89,6 +90,58 @@ def make_units(params: Sequence[Tuple[str, int, int, str]], granularity: str, bu
     return [(f"bucket{k}", members) for k, members in enumerate(units)]
 
 
+def fuse_units(params: Sequence[Tuple[str, int, int, str]], plan: "TransportPlan", bucket_bytes: int,
+               groups: Optional[List[List[str]]] = None) -> List[Tuple[str, List[int]]]:
+    """Gradients compressed together in one call (a segmentable compressor, ``granularity="tensor"``).
+
+    Each gradient keeps its own compression (per-tensor semantics, see
+    :mod:`hvdcomp.compressors.segments`); what is fused is the work: one flat buffer and one call
+    per *fused unit*. A fused unit holds gradients of one route and one layout key: those of one
+    allgather bucket of ``plan``; for the other routes, consecutive gradients of at most
+    ``bucket_bytes`` (within one of Horovod's ``groups`` where given).
+
+    Args:
+        params: ``(name, numel, element_size in bytes, layout key)`` per parameter, in launch order.
+        plan: the per-gradient :class:`TransportPlan` (routes and allgather buckets by name).
+        bucket_bytes: cap on a fused unit's gradient bytes (a larger gradient is alone).
+        groups: Horovod's ``groups`` as lists of names, or None.
+
+    Returns:
+        ``(unit name, member positions)`` covering every parameter once, sorted by first member;
+        a unit of one gradient has the gradient's name, others ``fused<k>``.
+    """
+    in_group = {n: g for g, members in enumerate(groups or []) for n in members}
+    in_bucket = {n: b for b, members in enumerate(plan.buckets) for n in members}
+    keys = []
+    for name, _, _, layout in params:
+        route = plan.routes[name]
+        where = ("bucket", in_bucket[name]) if route == "allgather" else ("group", in_group.get(name))
+        keys.append((route, layout, where))
+    units: List[List[int]] = []
+    runs: Dict[tuple, List[int]] = {}
+    for i, key in enumerate(keys):  # allgather buckets: one unit per bucket and layout
+        if key[0] == "allgather":
+            runs.setdefault(key, []).append(i)
+    units += list(runs.values())
+    start = 0
+    for i in range(1, len(params) + 1):  # other routes: consecutive runs of one key, capped
+        if i == len(params) or keys[i] != keys[start]:
+            if keys[start][0] != "allgather":
+                positions = list(range(start, i))
+                sizes = [params[k][1] * params[k][2] for k in positions]
+                units += [[positions[k] for k in b] for b in make_buckets(sizes, bucket_bytes)]
+            start = i
+    units.sort(key=lambda members: members[0])
+    out, fused = [], 0
+    for members in units:
+        if len(members) == 1:
+            out.append((params[members[0]][0], members))
+        else:
+            out.append((f"fused{fused}", members))
+            fused += 1
+    return out
+
+
 def split_groups(names: Sequence[str], groups) -> List[List[str]]:
     """Horovod's ``groups`` argument as lists of names, in ``names`` order.
 
@@ -135,7 +188,9 @@ class TransportPlan:
         buckets: allgather buckets, each a list of unit names in launch order.
         allgather: the allgather transport (``"mpi4py"``, ``"horovod"`` or ``"none"``).
         ranks: global ranks of the group the gradients are averaged over.
-        units: unit name -> names of the parameters it holds (only where a unit holds several).
+        units: unit name -> names of the parameters it holds (only where a unit holds several):
+            a flattened bucket ``bucket<k>`` (``granularity="bucket"``), or gradients compressed
+            per tensor in one call, ``fused<k>`` (:func:`fuse_units`).
     """
 
     routes: Dict[str, str]

@@ -48,8 +48,8 @@ def expected_bytes_sent(spec):
         return sum(4 + math.ceil(n / 8) + 16 for n in SIZES)
     if spec == "terngrad":
         return sum(4 + math.ceil(n / 4) + 16 for n in SIZES)
-    if spec == "bf16":
-        return sum(2 * n + 8 for n in SIZES)
+    if spec == "bf16":  # a cast: the bucket's gradients (all 9 here) are one payload (fuse_tensors)
+        return 2 * sum(SIZES) + 8
     if spec == "powersgd:rank=2":   # embedding 10000x100 and LSTM 400x100 matrices at r = 2; biases dense
         return 4 * (2 * (10000 + 100) + 4 * 2 * (400 + 100) + 4 * 400)
     return None

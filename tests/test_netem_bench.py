@@ -41,7 +41,7 @@ def test_netem_harness_small(tmp_path):
         assert sorted(set(cell["hostnames"])) == ["h1", "h2", "h3", "h4"]
         assert cell["timing"]["step"]["median"] > 0
     sent = topk["bytes"]["measured"]["bytes_sent"]["median"]
-    assert sent == 93072  # 11,616 kept of 1,161,600 elements x 8 B + 9 tensors x 16 B of counts
+    assert sent == 92944  # 11,616 kept of 1,161,600 elements x 8 B + one fused payload's 16 B of counts
     lower = 3 * sent
     for tx in topk["timing"]["parts"]["nic_tx_bytes"]["per_rank_median"]:
         assert lower <= tx <= 1.3 * lower, (tx, lower)  # the report: +2.3 % on a quiet machine

@@ -157,6 +157,12 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
             :meth:`rescale_state` multiplies when the gradients' scale changes (AMP loss scale).
         shared_state_keys: keys of :meth:`state_dict` whose values are identical on every rank
             (step counters, shared factors, shared generators): :meth:`shared_state`.
+        segmentable: :meth:`encode` accepts ``segments`` (:mod:`hvdcomp.compressors.segments`):
+            several gradients in one flat buffer, compressed in one vectorised call with the
+            result per-tensor calls would give. The optimizer then compresses each bucket of
+            gradients in one call (``granularity="tensor"``).
+        elementwise: each output element depends on its input element only (casts, a fixed
+            threshold): segments need nothing special, so such methods are segmentable as is.
     """
 
     name = "base"
@@ -170,14 +176,23 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
     has_scaled_state = False
     payload_is_gradient = False
     shared_state_keys: Tuple[str, ...] = ()
+    elementwise = False
+
+    @property
+    def segmentable(self) -> bool:
+        return self.elementwise
 
     # ---- hvdcomp API -------------------------------------------------------------------------
-    def encode(self, tensor: torch.Tensor, name: str | None = None) -> Tuple[Payload, Any]:
+    def encode(self, tensor: torch.Tensor, name: str | None = None, segments=None) -> Tuple[Payload, Any]:
         """Compress ``tensor`` (any shape, floating dtype) into ``(payload, ctx)``.
 
         Args:
             tensor: the gradient (after any error-feedback compensation).
             name: the parameter's name; stateful methods key their state by it.
+            segments: a :class:`~hvdcomp.compressors.segments.Segments`: ``tensor`` is 1-D and
+                holds several gradients back to back, each compressed as :meth:`encode` would
+                compress it alone under its own name (``name`` is then ignored); decoding gives
+                the flat buffer of the decoded gradients. Only where :attr:`segmentable`.
 
         Returns:
             ``payload``: list of 1-D tensors that travel; ``ctx``: local data for :meth:`decode`.
@@ -185,12 +200,27 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
         Raises:
             TypeError: an integer or bool tensor (those have no gradients; send them
                 uncompressed with ``hvd.allreduce`` / ``hvd.broadcast``).
+            ValueError: ``segments`` given to a method that is not :attr:`segmentable`, or not
+                matching ``tensor``.
         """
         if not (tensor.is_floating_point() or tensor.is_complex()):
             raise TypeError(f"'{self.name}' compresses floating-point gradients, got a {tensor.dtype} "
                             "tensor; integer and bool tensors have no gradients: send them "
                             "uncompressed with hvd.allreduce or hvd.broadcast")
-        return self._encode(tensor, name)
+        if segments is None:
+            return self._encode(tensor, name)
+        if not self.segmentable:
+            raise ValueError(f"'{self.name}' ({self.describe()}) cannot compress several gradients "
+                             "in one call; encode them one by one")
+        segments.check(tensor)
+        return self._encode_segments(tensor, segments)
+
+    def _encode_segments(self, flat: torch.Tensor, segments) -> Tuple[Payload, Any]:
+        """:meth:`encode` with ``segments`` (checked); element-wise methods compress the buffer
+        as one tensor, others override this."""
+        if not self.elementwise:
+            raise NotImplementedError(f"{type(self).__name__} is segmentable but lacks _encode_segments")
+        return self._encode(flat, None)
 
     @abc.abstractmethod
     def _encode(self, tensor: torch.Tensor, name: str | None) -> Tuple[Payload, Any]:

@@ -21,6 +21,7 @@ class BF16Compressor(Compressor):
     name = "bf16"
     summable = False
     aggregate_is_mean = True
+    elementwise = True  # a cast: a bucket of gradients is cast as one tensor
 
     def _encode(self, tensor, name=None):
         return [tensor.reshape(-1).to(torch.bfloat16)], (tensor.shape, tensor.dtype)

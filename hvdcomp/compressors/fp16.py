@@ -64,7 +64,7 @@ checkpoint).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 
@@ -121,8 +121,42 @@ def _max_exponent(flat: torch.Tensor):
 
 
 def _one_hot(index: torch.Tensor, present: torch.Tensor, bins: int, dtype) -> torch.Tensor:
+    """Shape ``index.shape + (bins,)``: 1 at ``index`` (clamped into the bins) where ``present``."""
     positions = torch.arange(bins, device=index.device)
-    return ((positions == index.clamp(0, bins - 1)) & present).to(dtype)
+    return ((positions == index.clamp(0, bins - 1).unsqueeze(-1)) & present.unsqueeze(-1)).to(dtype)
+
+
+def _highest_bins(hist: torch.Tensor) -> list:
+    """Per row of ``hist`` (m, bins): the highest bin > 0, or None where none is (one host read)."""
+    occupied = hist > 0
+    top = (occupied * torch.arange(hist.shape[1], device=hist.device)).amax(dim=1)
+    return [t if any_ else None for t, any_ in zip(top.tolist(), occupied.any(dim=1).tolist())]
+
+
+class FP16SegmentsContext(NamedTuple):
+    """:class:`FP16Context` for several gradients in one call (``segments``): the flat buffer's
+    numel and dtype, the segments, which segments are scaled (with their k and agreed exponent E)
+    and which probe, and N."""
+
+    numel: int
+    dtype: torch.dtype
+    world: int
+    segments: object
+    scaled: List[int]
+    ks: List[int]
+    exponents: List[int]
+    probe: List[int]
+
+
+def _ldexp_segments(values: torch.Tensor, sizes: List[int], ks: List[int]) -> torch.Tensor:
+    """``values`` (1-D, segments of ``sizes`` back to back) with segment j times 2^ks[j], by the
+    same two multiplications as :func:`_ldexp` (per-element factors, one pass each)."""
+    repeats = torch.tensor(sizes, device=values.device)
+
+    def factor(powers):
+        return torch.repeat_interleave(torch.tensor(powers, dtype=values.dtype, device=values.device),
+                                       repeats, output_size=values.numel())
+    return values * factor([2.0 ** (k // 2) for k in ks]) * factor([2.0 ** (k - k // 2) for k in ks])
 
 
 @register("fp16")
@@ -136,7 +170,11 @@ class FP16Compressor(Compressor):
             of small-value range (ρ_N doubles).
 
     Payload (one tensor, as stock Horovod needs): float32 ``(n + 277,)`` on a probe step, float16
-    ``(n + 25,)`` on a scaled step, float16 ``(n,)`` without a name. ``decode`` is linear in the
+    ``(n + 25,)`` on a scaled step, float16 ``(n,)`` without a name. Several gradients in one call
+    (``segments``, :mod:`hvdcomp.compressors.segments`): each keeps its own scale and exponent,
+    exactly as alone; the payload is ``[float16 (values of the scaled gradients, then a 25-bin
+    histogram each)]`` followed by ``[float32 (values of the probing ones, then 277 bins each)]``,
+    either omitted when empty. ``decode`` is linear in the
     payload, so ``decode(average of payloads)`` is the averaged gradient, under hvdcomp and under
     stock ``hvd.DistributedOptimizer(compression=FP16Compressor())`` (``op=Average``); it also
     records the agreed exponent of named tensors, so call it once per step on the *averaged*
@@ -194,9 +232,82 @@ class FP16Compressor(Compressor):
         return [torch.cat([values, hist])], FP16Context(tensor.shape, tensor.dtype, SCALED, n, size, k,
                                                          exponent, name)
 
+    @property
+    def segmentable(self):
+        return True
+
+    def _encode_segments(self, flat, segments):
+        """Each segment scaled by its own agreed exponent (probing where it has none), in a few
+        vectorised operations over the buffer; one payload tensor per mode."""
+        size, dtype = self.group_size(), flat.dtype
+        if flat.dtype != torch.float32:
+            flat = cast_saturating(flat, torch.float32)
+        limit = addend_limit(size)
+        agreed = [self._get("exponents", name) for name in segments.names]
+        scaled = [j for j, e in enumerate(agreed) if e is not None]
+        probe = [j for j, e in enumerate(agreed) if e is None]
+        top = segments.amax(flat)
+        _, local = torch.frexp(top)
+        local, present = local.to(torch.int64) - 1, top > 0
+        views = segments.split(flat)
+        payload, ks, exps = [], [], []
+        if scaled:
+            exps = [agreed[j] for j in scaled]
+            ks = [self.scale_exponent(e, size) for e in exps]
+            values = flat if len(scaled) == len(segments) else torch.cat([views[j] for j in scaled])
+            values = _ldexp_segments(values, [segments.sizes[j] for j in scaled], ks).clamp_(-limit, limit)
+            pick = torch.tensor(scaled, device=flat.device)
+            hist = _one_hot(local[pick] - torch.tensor(exps, device=flat.device) + SPAN, present[pick],
+                            2 * SPAN + 1, self.wire_dtype)
+            payload.append(torch.cat([values.to(self.wire_dtype), hist.reshape(-1)]))
+        if probe:
+            pick = torch.tensor(probe, device=flat.device)
+            hist = _one_hot(local[pick] - EXP_MIN, present[pick], EXP_MAX - EXP_MIN + 1, torch.float32)
+            payload.append(torch.cat([views[j] for j in probe] + [hist.reshape(-1)]))
+        return payload, FP16SegmentsContext(flat.numel(), dtype, size, segments, scaled, ks, exps, probe)
+
+    def _segment_values(self, payload, ctx) -> torch.Tensor:
+        """The flat float32 values of a segmented payload (segment order), recording nothing."""
+        sizes = ctx.segments.sizes
+        parts = [None] * len(sizes)
+        wire = 0
+        if ctx.scaled:
+            count = sum(sizes[j] for j in ctx.scaled)
+            scaled_sizes = [sizes[j] for j in ctx.scaled]
+            values = _ldexp_segments(payload[wire][:count].to(torch.float32), scaled_sizes, [-k for k in ctx.ks])
+            if len(ctx.scaled) == len(sizes):
+                return values
+            for j, v in zip(ctx.scaled, values.split(scaled_sizes)):
+                parts[j] = v
+            wire += 1
+        if ctx.probe:
+            count = sum(sizes[j] for j in ctx.probe)
+            for j, v in zip(ctx.probe, payload[wire][:count].split([sizes[j] for j in ctx.probe])):
+                parts[j] = v
+        return torch.cat(parts)
+
+    def _record_segments(self, payload, ctx) -> None:
+        """:meth:`_record` for each segment (one host read per payload tensor)."""
+        names, wire = ctx.segments.names, 0
+        if ctx.scaled:
+            count = sum(ctx.segments.sizes[j] for j in ctx.scaled)
+            bins = payload[0][count:].view(len(ctx.scaled), 2 * SPAN + 1)
+            for j, e, top in zip(ctx.scaled, ctx.exponents, _highest_bins(bins)):
+                if top is not None:
+                    self._put("exponents", names[j], e + top - SPAN)
+            wire = 1
+        if ctx.probe:
+            count = sum(ctx.segments.sizes[j] for j in ctx.probe)
+            bins = payload[wire][count:].view(len(ctx.probe), EXP_MAX - EXP_MIN + 1)
+            for j, top in zip(ctx.probe, _highest_bins(bins)):
+                if top is not None:
+                    self._put("exponents", names[j], EXP_MIN + top)
+
     # ---- decode ----------------------------------------------------------------------------
     def _values(self, payload, ctx) -> torch.Tensor:
         """The dense float32 values of ``payload`` (shape of the gradient), recording nothing."""
+        if isinstance(ctx, FP16SegmentsContext):
+            return self._segment_values(payload, ctx)
         wire = payload[0]
         if ctx.mode == STATIC:
             out = wire.to(torch.float32) * ctx.world
@@ -208,6 +319,9 @@ class FP16Compressor(Compressor):
 
     def _record(self, payload, ctx) -> None:
         """Read the averaged exponent histogram and keep the agreed exponent for the next step."""
+        if isinstance(ctx, FP16SegmentsContext):
+            self._record_segments(payload, ctx)
+            return
         if ctx.mode == STATIC:
             return
         occupied = torch.nonzero(payload[0][ctx.numel:] > 0)
@@ -221,7 +335,7 @@ class FP16Compressor(Compressor):
         """The averaged gradient (shape and dtype of the original; saturating cast) from the
         averaged payload; records the agreed exponent (see the class docstring)."""
         self._record(payload, ctx)
-        return cast_saturating(self._values(payload, ctx), ctx.dtype)
+        return cast_saturating(self._values(payload, ctx), ctx.dtype)  # (segments: flat, float32)
 
     def residual_(self, p, payload, ctx):
         """``p - (this rank's payload decoded)``, without recording an exponent (the local payload

@@ -30,6 +30,7 @@ class ThresholdCompressor(SparseCompressor):
 
     name = "threshold"
     default_error_feedback = True
+    elementwise = True  # the same λ for every gradient: a bucket compresses as one tensor
 
     def __init__(self, threshold: float = 1e-3):
         try:

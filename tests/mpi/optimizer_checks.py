@@ -88,15 +88,21 @@ def check_sparse(spec, ref_fn, zero_rank=None, **kwargs):
 
 
 def check_topk():
+    """One payload per gradient (fuse_tensors=False), then the gradients of the bucket compressed
+    in one call (the default): the same per-tensor top-k, one payload for the bucket."""
     density = 0.2
     opt, rec = check_sparse(f"topk:density={density},ef=false", lambda g: ref_topk(g, density),
-                            cost_model="off")
+                            cost_model="off", fuse_tensors=False)
     # 8 bytes per kept element + one int64 count per payload tensor (2 per parameter)
     model_sizes = [30, 5, 15, 3]
     kept = sum(max(1, math.ceil(density * n)) for n in model_sizes)
     assert rec["bytes_sent"] == 8 * kept + 16 * len(model_sizes), rec
     assert rec["bytes_received"] == hvd.size() * (8 * kept + 16 * len(model_sizes)), rec
     assert len(opt.transport.buckets) == 1  # 212 dense bytes fit in one default (25 MiB) bucket
+    opt, rec = check_sparse(f"topk:density={density},ef=false", lambda g: ref_topk(g, density),
+                            cost_model="off")
+    assert rec["bytes_sent"] == 8 * kept + 16, rec  # one [values, indices] pair (two counts) for the bucket
+    assert opt.transport.units == {"fused0": ["2.bias", "2.weight", "0.bias", "0.weight"]}, opt.transport.units
 
 
 def check_buckets_and_wire():

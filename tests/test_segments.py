@@ -1,0 +1,122 @@
+"""Several gradients compressed in one call (``segments``) give what one call per gradient gives.
+
+Simulated ranks in one process (:func:`hvdcomp.compressors.base.simulated_world`): each method
+is run twice on the same gradients, once per tensor and once on the flat buffer with
+``segments``, for several steps (fp16 moves from its probe step to scaled steps; error feedback
+carries residuals), and the averaged results, the residuals and the agreed exponents must be
+bit-identical. The per-tensor path is itself checked against dense references elsewhere.
+"""
+import math
+
+import pytest
+import torch
+
+import hvdcomp
+from hvdcomp.compressors.base import simulated_world
+from hvdcomp.compressors.segments import Segments
+from hvdcomp.plan import TransportPlan, fuse_units
+
+SHAPES = [(8, 5), (5,), (3, 7), (1,), (8, 5), (0,), (40,), (2, 1 << 14)]  # the last: native top-k kernel
+NAMES = [f"p{i}" for i in range(len(SHAPES))]
+WORLD = 3
+SPECS = ["topk:density=0.1", "topk:density=0.3,ef=false", "topk:density=0.2,values=fp16,index=compact",
+         "fp16", "fp16:ef=true", "bf16", "threshold:threshold=0.5"]
+
+
+def _average(payloads):
+    """Elementwise mean of summable payloads in float32, cast back (what the allreduce returns)."""
+    return [(sum(p[t].float() for p in payloads) / len(payloads)).to(payloads[0][t].dtype)
+            for t in range(len(payloads[0]))]
+
+
+def _reduce(comp, rank, payloads, ctx):
+    with simulated_world(WORLD, rank):
+        if comp.summable:
+            return comp.decode(_average(payloads), ctx)
+        return comp.aggregate(payloads, ctx)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_segments_equal_per_tensor(spec):
+    seg = Segments(NAMES, SHAPES)
+    per = [hvdcomp.get_compressor(spec) for _ in range(WORLD)]
+    fused = [hvdcomp.get_compressor(spec) for _ in range(WORLD)]
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4):  # magnitudes grow 10x per step: fp16's scale must follow
+        grads = [[torch.randn(s, generator=gen) * 10.0 ** step for s in SHAPES] for _ in range(WORLD)]
+        one, many = [], []
+        for r in range(WORLD):
+            with simulated_world(WORLD, r):
+                per[r].begin_step()
+                fused[r].begin_step()
+                one.append([per[r].encode(g, n) for g, n in zip(grads[r], NAMES)])
+                many.append(fused[r].encode(torch.cat([g.reshape(-1) for g in grads[r]]), None, seg))
+        for r in range(WORLD):
+            expect = torch.cat([_reduce(per[r], r, [one[q][j][0] for q in range(WORLD)], one[r][j][1]).reshape(-1)
+                                for j in range(len(SHAPES))])
+            got = _reduce(fused[r], r, [many[q][0] for q in range(WORLD)], many[r][1])
+            assert got.shape == (seg.numel,)
+            assert torch.equal(got, expect), (spec, step, r)
+            per[r].commit()
+            fused[r].commit()
+        assert len(many[0][0]) <= 2  # one payload for all the gradients (fp16: one per mode)
+    for r in range(WORLD):
+        a, b = per[r].state_dict(), fused[r].state_dict()
+        assert sorted(a) == sorted(b)
+        for name, e in a.get("residuals", {}).items():
+            assert b["residuals"][name].shape == e.shape and torch.equal(b["residuals"][name], e), name
+        exps = (a.get("inner") or a).get("exponents")
+        if exps is not None:
+            assert exps == (b.get("inner") or b)["exponents"] and len(exps) == len(SHAPES) - 1  # (0,) never agrees
+
+
+def test_topk_segments_keep_k_per_tensor():
+    """Hand-checkable: each segment keeps its own k = ceil(density·n) largest, indices ascending."""
+    seg = Segments(["a", "b"], [(10,), (4,)])
+    flat = torch.tensor([0., 9, 1, 8, 2, 7, 3, 6, 4, 5, -100, 1, 2, 3])
+    comp = hvdcomp.get_compressor("topk:density=0.25,ef=false")
+    (values, idx), _ = comp.encode(flat, None, seg)
+    assert idx.tolist() == [1, 3, 5, 10]  # a: k=3 of 10 -> 9, 8, 7; b: k=1 of 4 -> -100
+    assert values.tolist() == [9.0, 8.0, 7.0, -100.0]
+
+
+def test_fp16_segments_scale_each_tensor():
+    """Two gradients 2^20 apart: after the probe step each gets its own power-of-two scale, so the
+    small one keeps float16 precision (one shared scale would flush it to zero)."""
+    seg = Segments(["big", "small"], [(4,), (4,)])
+    comp = hvdcomp.get_compressor("fp16")
+    flat = torch.tensor([1e3, -2e3, 3e3, 4e3, 1e-3, 2e-3, -3e-3, 4e-3])
+    with simulated_world(2, 0):
+        for _ in range(2):
+            comp.begin_step()
+            payload, ctx = comp.encode(flat, None, seg)
+            out = comp.decode(payload, ctx)
+            comp.commit()
+    assert payload[0].dtype == torch.float16 and len(payload) == 1
+    assert comp.state_dict()["exponents"] == {"big": 11, "small": -8}  # floor(log2 4000), floor(log2 0.004)
+    assert torch.allclose(out, flat, rtol=2 ** -10, atol=0)
+
+
+def test_segments_errors():
+    seg = Segments(["a", "b"], [(3,), (2,)])
+    with pytest.raises(ValueError, match="cannot compress several gradients"):
+        hvdcomp.get_compressor("qsgd").encode(torch.zeros(5), None, seg)
+    with pytest.raises(ValueError, match="5 elements"):
+        hvdcomp.get_compressor("fp16").encode(torch.zeros(6), None, seg)
+    with pytest.raises(ValueError, match="unique"):
+        Segments(["a", "a"], [(1,), (1,)])
+    assert not hvdcomp.get_compressor("topk:density=0.1,select=sample").segmentable
+
+
+def test_fuse_units_respects_routes_buckets_and_cap():
+    """Allgather buckets become one unit each; allreduced runs are capped at bucket_bytes and
+    split where the route or the layout changes."""
+    params = [("a", 10, 4, "f32"), ("b", 10, 4, "f32"), ("c", 10, 4, "f32"), ("d", 10, 4, "f16"),
+              ("e", 10, 4, "f32"), ("f", 10, 4, "f32"), ("g", 10, 4, "f32")]
+    routes = {"a": "allreduce", "b": "allreduce", "c": "allreduce", "d": "allreduce",
+              "e": "allgather", "f": "decoded-allreduce", "g": "allgather"}
+    plan = TransportPlan(routes, buckets=[["e", "g"]])
+    units = fuse_units(params, plan, bucket_bytes=80)
+    assert units == [("fused0", [0, 1]), ("c", [2]), ("d", [3]), ("fused1", [4, 6]), ("f", [5])]
+    # Horovod's groups split the allreduced runs
+    assert fuse_units(params, plan, 10 ** 6, groups=[["a"], ["b", "c"]])[:2] == [("a", [0]), ("fused0", [1, 2])]
