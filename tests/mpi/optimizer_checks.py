@@ -159,6 +159,33 @@ def check_cost_model_routes():
         assert opt.transport.routes["2.bias"] == "decoded-allreduce"  # k = 1 is not < 3/4
 
 
+def check_fused_equals_unfused():
+    """fuse_tensors=True (one call per bucket) and False (one call per gradient) give bit-identical
+    parameters and compressor state over 3 steps, allgathered (top-k, bf16, threshold) and
+    allreduced (fp16), with error feedback, at bucket sizes that fuse all or some gradients."""
+    for spec in ("topk:density=0.2", "fp16", "fp16:ef=true", "bf16", "threshold:threshold=0.05"):
+        for bucket_bytes in (25 * 2**20, 100):  # one fused unit; three gradients fused + one alone
+            runs = []
+            for fuse in (False, True):
+                model = small_model()
+                opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                   named_parameters=model.named_parameters(),
+                                                   compression=spec, cost_model="off",
+                                                   bucket_bytes=bucket_bytes, fuse_tensors=fuse)
+                for step in range(3):
+                    x, y = batch(step)
+                    opt.zero_grad()
+                    (torch.nn.functional.mse_loss(model(x), y) * 10.0 ** step).backward()
+                    opt.step()
+                runs.append((model, opt))
+            (m0, o0), (m1, o1) = runs
+            assert not o0.transport.units and o1.transport.units, (spec, o1.transport.units)
+            for (n, a), b in zip(m0.named_parameters(), m1.parameters()):
+                assert torch.equal(a, b), (spec, bucket_bytes, n, (a - b).abs().max())
+            s0, s1 = o0.state_dict()["hvdcomp"], o1.state_dict()["hvdcomp"]
+            assert hvdcomp.optimizer._digest(s0) == hvdcomp.optimizer._digest(s1), (spec, s0, s1)
+
+
 def check_threshold_with_empty_rank():
     """Rank 1 sends nothing for the first layer's weight (its input is zero): zero-length gather."""
     lam = 0.05
@@ -216,7 +243,8 @@ def check_sparse_refused_by_stock_horovod():
 CHECKS = {f.__name__[len("check_"):]: f for f in [
     check_none_matches_horovod, check_topk, check_threshold_with_empty_rank,
     check_horovod_allgather_fallback, check_fp16_predivide, check_sparse_refused_by_stock_horovod,
-    check_buckets_and_wire, check_cost_model_routes, check_threaded_and_inline_exchange_agree]}
+    check_buckets_and_wire, check_cost_model_routes, check_threaded_and_inline_exchange_agree,
+    check_fused_equals_unfused]}
 
 if __name__ == "__main__":
     hvd.init()
