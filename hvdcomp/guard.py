@@ -4,6 +4,14 @@ Once per synchronized step every rank contributes a few integers (one small allg
 any of its gradients held NaN/Inf, whether ``load_state_dict`` ran on it since the previous step,
 and its ``backward_passes_per_step``. Every rank then takes the same decision, so no rank can
 update while another skips, and a setting that must agree cannot silently diverge.
+
+Where every averaged gradient is exactly an allreduced result (``none`` on float32/float64
+gradients), the results are identical on every rank, so their finiteness needs no exchange; the
+other integers then travel as *sums* in one small tensor started with the step's first allreduce,
+which Horovod fuses with the gradients' (:meth:`NonFiniteGuard.summary`,
+:meth:`NonFiniteGuard.agree_summed`), instead of a blocking allgather after them. Sums that show a
+setting to name (a rank that loaded alone, different accumulation settings) fall back to the
+allgather, whose messages name the ranks.
 """
 from __future__ import annotations
 
@@ -105,7 +113,34 @@ class NonFiniteGuard:
                 "ranks. Load the checkpoint on every rank, or on rank 0 before the first step "
                 "followed by hvd.broadcast_parameters and hvd.broadcast_optimizer_state (hvdcomp "
                 "then shares the state at the first step).")
-        bad = [r for r, row in enumerate(every) if row[0]]
+        return self._verdict([r for r, row in enumerate(every) if row[0]])
+
+    # ---- the same decision from sums (gradients reduced in place) ------------------------------
+    def summary(self, loaded: bool, backward_passes: int) -> List[float]:
+        """This rank's row for :meth:`agree_summed`, to be summed over ranks (exact in float64
+        for these integers): ``[1, loaded, passes, passes²]``."""
+        return [1.0, float(bool(loaded)), float(backward_passes), float(backward_passes) ** 2]
+
+    def agree_summed(self, sums: Sequence[float], exchange: Callable[[Sequence[int]], List[List[int]]],
+                     loaded: bool, backward_passes: int) -> StepVerdict:
+        """:meth:`agree` from the summed :meth:`summary` rows, for a step whose flags were all
+        observed on allreduced results (identical on every rank): non-finite results are every
+        rank's verdict. Falls back to :meth:`agree` (on every rank alike: the choice depends on
+        the sums only) when the sums show a setting to name (a rank that loaded alone, different
+        ``backward_passes_per_step``).
+
+        Raises:
+            As :meth:`agree`.
+        """
+        n, loaders, total, squares = (float(v) for v in sums)
+        if 0 < loaders < n or total * total != n * squares:
+            return self.agree(exchange, loaded, backward_passes)
+        bad = self.local_bad()
+        self._flags = []
+        return self._verdict(list(range(int(n))) if bad else [])
+
+    def _verdict(self, bad: List[int]) -> StepVerdict:
+        """Raise, warn or skip for the ranks in ``bad`` (see ``mode``)."""
         if bad and self.mode == "raise":
             raise FloatingPointError(f"non-finite gradient (NaN or Inf) on rank(s) {bad}; no update "
                                      "was applied. Lower the learning rate, check the loss, or use "

@@ -215,6 +215,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._wire_name = [f"{self._prefix}.{n}" for n in self._unit_name]  # Horovod tensor names
         self._reduce_args = self._allreduce_args()
         self._direct = type(compression) is NoneCompressor and self.granularity == "tensor"
+        # every gradient reduced in place (none): the per-step agreement travels as sums with them
+        # (results of float32/float64 gradients are exactly the allreduced averages: checked on them)
+        self._summed_agreement = (self._direct and self.nonfinite != "ignore" and self.group.size > 1
+                                  and all(p.dtype in (torch.float32, torch.float64) for p in self._order))
+        self._agreement = None  # its handle, from the step's first allreduce to the agreement
         log.info("hvdcomp: %s", self.transport)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._order]
 
@@ -434,6 +439,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._open_round()
                 handles = [self.group.allreduce_async_(grad, wire_name + ".0", *self._reduce_args)]
                 self._inflight[u] = ("in-place", handles, None, self._grad_bytes[u], None)
+                self._launch_agreement()
                 return
         with self.timer.phase("compress"):
             payload, ctx = self._encode(u)
@@ -555,16 +561,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._synchronize_batched()
             return
         # every local gradient's finiteness, in one fused check: the inputs are intact until the
-        # collectives finish, except those reduced in place, checked on their (identical) results
-        # gradients reduced in place in .grad (none, granularity "tensor") are checked after
-        in_place = [self._members[u][0] for u, work in self._inflight.items()
-                    if work[0] == "in-place" and len(self._members[u]) == 1]
-        skip = set(in_place)
-        self._guard.observe([p.grad for i, p in enumerate(self._order) if p.grad is not None and i not in skip])
+        # collectives finish, except those reduced in place (none, granularity "tensor") by
+        # backward's hooks, checked on their results (identical on every rank) below
+        # (none on float32/float64 gradients: every result is the plain allreduced average,
+        # identical on every rank, so all are checked after instead, and nothing before)
+        if self._summed_agreement:
+            in_place = range(len(self._order))
+        else:
+            in_place = [self._members[u][0] for u, work in self._inflight.items()
+                        if work[0] == "in-place" and len(self._members[u]) == 1]
+            skip = set(in_place)
+            self._guard.observe([p.grad for i, p in enumerate(self._order) if p.grad is not None and i not in skip])
         units = range(len(self._members))
         for u in units:  # allreduces backward did not start; allgather buckets are flushed below
             if self._bucket_of[u] < 0 and u not in self._inflight:
                 self._launch(u)
+        self._launch_agreement()
         self._start_buckets(flush=True)
         for index in range(len(self._buckets)):
             self._finish_bucket(index)
@@ -572,6 +584,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._guard.observe([self._order[i].grad for i in in_place])
         self._next_bucket = 0
         self._end_synchronize()
+
+    def _launch_agreement(self) -> None:
+        """Start this step's agreement as a small summed allreduce that Horovod fuses with the
+        gradients' (``none`` on float32/float64 gradients, see :mod:`hvdcomp.guard`); once a step."""
+        if self._summed_agreement and self._agreement is None:
+            row = self._guard.summary(self._loaded_since_step, self.backward_passes_per_step)
+            self._agreement = self.group.allreduce_async(torch.tensor(row, dtype=torch.float64),
+                                                         f"{self._prefix}.agree", self._hvd.Sum)
 
     def _end_synchronize(self) -> None:
         """Reset the accumulation counters, agree on the step with every rank, and give sparse
@@ -595,7 +615,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The per-step agreement (:mod:`hvdcomp.guard`); a non-finite step is skipped here."""
         if self.nonfinite == "ignore":
             return
-        if self.group.size > 1:
+        if self._agreement is not None:
+            with self.timer.phase("communicate"):
+                sums = self.group.synchronize(self._agreement).tolist()
+                self._agreement = None
+                verdict = self._guard.agree_summed(sums, self._gatherer.allgather_ints,
+                                                   self._loaded_since_step, self.backward_passes_per_step)
+        elif self.group.size > 1:
             with self.timer.phase("communicate"):
                 verdict = self._guard.agree(self._gatherer.allgather_ints, self._loaded_since_step,
                                             self.backward_passes_per_step)
@@ -708,7 +734,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("hvdcomp", None)
         self._inflight, self._encoded, self._bucket_handles = {}, {}, {}
-        self._next_bucket, self._hooks_fired = 0, 0
+        self._next_bucket, self._hooks_fired, self._agreement = 0, 0, None
         self._waiting = [len(b) for b in getattr(self, "_buckets", [])]
         self._unit_wait = [len(m) for m in getattr(self, "_members", [])]
         self._discard_round()

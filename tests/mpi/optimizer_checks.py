@@ -31,6 +31,9 @@ def check_none_matches_horovod():
     ours = hvdcomp.DistributedOptimizer(torch.optim.SGD(models[1].parameters(), lr=0.1),
                                         named_parameters=models[1].named_parameters(),
                                         compression="none")
+    exchanges = []  # the per-step agreement travels with the gradients: no allgather of flags
+    gather_ints = ours._gatherer.allgather_ints
+    ours._gatherer.allgather_ints = lambda v: exchanges.append(v) or gather_ints(v)
     for step in range(3):
         x, y = batch(step)
         for model, opt in zip(models, (stock, ours)):
@@ -39,6 +42,7 @@ def check_none_matches_horovod():
             opt.step()
     for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         assert torch.allclose(a, b, rtol=0, atol=1e-7), (n, (a - b).abs().max())
+    assert exchanges == [], exchanges
     # and the parameters really moved and are identical across ranks
     flat = torch.cat([p.detach().reshape(-1) for p in models[1].parameters()])
     assert torch.equal(hvd.broadcast(flat, 0, name="bcast.check"), flat)

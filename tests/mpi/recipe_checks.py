@@ -239,34 +239,36 @@ def check_resume_every_rank_bit_identical():
 def check_restore_mid_training_on_one_rank_fails_loudly():
     """load_state_dict() on rank 0 only after training started: RuntimeError on every rank at
     the next step, naming the rank (no silent divergence, no hang)."""
-    model = mlp()
-    opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters(),
-                                       compression="randomk:density=0.3", cost_model="off")
-    _train(model, opt, range(2))
-    if hvd.rank() == 0:
-        opt.load_state_dict(opt.state_dict())
-    try:
-        _train(model, opt, range(2, 3))
-    except RuntimeError as exc:
-        assert "rank(s) [0] only" in str(exc), exc
-    else:
-        raise AssertionError("a restore on one rank mid-training went unnoticed")
+    for spec in ("randomk:density=0.3", "none"):  # none: found from the sums it sends with the gradients
+        model = mlp()
+        opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(),
+                                           compression=spec, cost_model="off")
+        _train(model, opt, range(2))
+        if hvd.rank() == 0:
+            opt.load_state_dict(opt.state_dict())
+        try:
+            _train(model, opt, range(2, 3))
+        except RuntimeError as exc:
+            assert "rank(s) [0] only" in str(exc), exc
+        else:
+            raise AssertionError("a restore on one rank mid-training went unnoticed")
 
 
 def check_backward_passes_mismatch_raises_everywhere():
-    model = mlp()
-    opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters(),
-                                       compression="topk:density=0.3", cost_model="off")
-    if hvd.rank() == 1:
-        opt.set_backward_passes_per_step(2)
-    try:
-        _train(model, opt, range(1))
-    except RuntimeError as exc:
-        assert "backward_passes_per_step" in str(exc), exc
-    else:
-        raise AssertionError("ranks with different backward_passes_per_step went unnoticed")
+    for spec in ("topk:density=0.3", "none"):
+        model = mlp()
+        opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(),
+                                           compression=spec, cost_model="off")
+        if hvd.rank() == 1:
+            opt.set_backward_passes_per_step(2)
+        try:
+            _train(model, opt, range(1))
+        except RuntimeError as exc:
+            assert "backward_passes_per_step" in str(exc), exc
+        else:
+            raise AssertionError("ranks with different backward_passes_per_step went unnoticed")
 
 
 def check_disagreeing_settings():

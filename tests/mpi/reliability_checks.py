@@ -46,7 +46,8 @@ def same_state(a, b):
 
 
 def check_nonfinite_skip():
-    for spec in SPECS:
+    # none: its agreement travels with the gradients, decided from their (non-finite) results
+    for spec in SPECS + ["none", "fp16"]:
         model, opt = make(spec)
         train_step(model, opt, 0)
         before, state = flat(model), opt.compression.state_dict()
@@ -61,13 +62,15 @@ def check_nonfinite_skip():
 
 
 def check_nonfinite_raise():
-    model, opt = make("topk:density=0.3", nonfinite="raise")
-    try:
-        train_step(model, opt, 0, poison=hvd.rank() == hvd.size() - 1)
-    except FloatingPointError as exc:
-        assert f"rank(s) [{hvd.size() - 1}]" in str(exc), exc
-    else:
-        raise AssertionError("no FloatingPointError")
+    # none reduces in place: the averaged gradient is non-finite on every rank, so every rank is named
+    for spec, named in (("topk:density=0.3", [hvd.size() - 1]), ("none", list(range(hvd.size())))):
+        model, opt = make(spec, nonfinite="raise")
+        try:
+            train_step(model, opt, 0, poison=hvd.rank() == hvd.size() - 1)
+        except FloatingPointError as exc:
+            assert f"rank(s) {named}" in str(exc), exc
+        else:
+            raise AssertionError("no FloatingPointError")
 
 
 def check_disagreeing_ranks():
