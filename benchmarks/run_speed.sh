@@ -3,8 +3,9 @@
 # Sequential on purpose: keep the machine otherwise quiet while it runs. Resumable (finished cells
 # are kept). Writes OUT/netem-e2e, OUT/netem-e2e-transformer, OUT/netem-comm, OUT/kernels-cpu,
 # OUT/overhead and OUT/report.md + plots.
-#   bash benchmarks/run_speed.sh [OUT] [all|transformer]
+#   bash benchmarks/run_speed.sh [OUT] [all|transformer|overhead]
 #     OUT          default runs/speed; `make speed` uses docs/results/speed
+#     overhead     only step 5 (issue 17's per-tensor overhead, 2 and 4 ranks; ~25 min), then the report
 #     transformer  only step 2b (issue 17's transformer target at 4 ranks, 100 Mbit/s; ~10 min), then
 #                  the report, whose "Transformer encoder (issue 17)" table gives the verdicts
 set -euo pipefail
@@ -19,7 +20,7 @@ C="hvdcomp:none hvdcomp:fp16 hvdcomp:topk:density=0.01 hvdcomp:topk:density=0.00
 # every stock Horovod configuration, DDP fp16 (hvdcomp none for context)
 T="hvdcomp:topk:density=0.01 hvdcomp:topk:density=0.01@bucket hvdcomp:powersgd:rank=2 hvdcomp:none
    horovod:none horovod:fp16 horovod-ring:none horovod-ring:fp16 ddp:fp16"
-case "$WHAT" in all|transformer) ;; *) echo "usage: $0 [OUT] [all|transformer]" >&2; exit 2 ;; esac
+case "$WHAT" in all|transformer|overhead) ;; *) echo "usage: $0 [OUT] [all|transformer|overhead]" >&2; exit 2 ;; esac
 status=0
 if [ "$WHAT" = all ]; then
 # 1. unlimited links: 30 steps each, validation every 5 (steps to the target perplexity)
@@ -30,8 +31,10 @@ $PY benchmarks/netem_e2e.py --output "$OUT/netem-e2e" --model medium --rates 1gb
   --steps 5 --warmup 2 --steps-slow 3 --warmup-slow 1 --contenders $C || status=1
 fi
 # 2b. transformer encoder (146 tensors, synthetic data), 4 ranks at 100 Mbit/s: 3 warm-up + 10 timed steps
+if [ "$WHAT" != overhead ]; then
 $PY benchmarks/netem_e2e.py --output "$OUT/netem-e2e-transformer" --model transformer --rates 100mbit \
   --steps 10 --warmup 3 --contenders $T || status=1
+fi
 if [ "$WHAT" = all ]; then
 # 3. communication only, 2 and 4 ranks: data for the alpha-beta fit
 $PY benchmarks/netem_e2e.py --bench comm --output "$OUT/netem-comm" --model medium --np 2 4 \
@@ -40,13 +43,19 @@ $PY benchmarks/netem_e2e.py --bench comm --output "$OUT/netem-comm" --model medi
 # 4. kernels (one process), then the report
 $PY benchmarks/kernels.py --output "$OUT/kernels-cpu" --sizes 4M 16M --threads 2 --repeat 5 --compare \
   --profile "qsgd:levels=16" "topk:density=0.01" "dgc:density=0.01" || status=1
+fi
 # 5. per-tensor overhead on models with many tensors, 2 and 4 ranks on this machine's loopback
+if [ "$WHAT" != transformer ]; then
 for np in 2 4; do
+  # (the response cache must hold every contender's tensor names, as it holds one model's in a
+  # real job: with the default 1024 entries, 13 contenders x 400 names evict each other)
   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 \
-  HOROVOD_CYCLE_TIME=1 OMP_NUM_THREADS=1 timeout 3600 mpirun -np $np --oversubscribe --bind-to none \
-    $PY benchmarks/overhead.py --output "$OUT/overhead/np$np" \
-    --contenders local horovod:none hvdcomp:none hvdcomp:none@bucket hvdcomp:fp16 hvdcomp:fp16@bucket \
-                 hvdcomp:topk:density=0.01 hvdcomp:topk:density=0.01@bucket hvdcomp:powersgd:rank=2 \
+  HOROVOD_CYCLE_TIME=1 HOROVOD_CACHE_CAPACITY=16384 OMP_NUM_THREADS=1 timeout 3600 \
+    mpirun -np $np --oversubscribe --bind-to none \
+    $PY benchmarks/overhead.py --output "$OUT/overhead/np$np" --rounds 8 \
+    --contenders local horovod:none hvdcomp:none hvdcomp:none@bucket hvdcomp:fp16 hvdcomp:fp16@unfused \
+                 hvdcomp:fp16@bucket hvdcomp:topk:density=0.01 hvdcomp:topk:density=0.01@unfused \
+                 hvdcomp:topk:density=0.01@bucket hvdcomp:powersgd:rank=2 \
                  hvdcomp:qsgd:levels=16 hvdcomp:qsgd:levels=16@bucket || status=1
 done
 fi

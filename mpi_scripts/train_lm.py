@@ -36,7 +36,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hvdcomp  # noqa: E402
 import hvdcomp.native  # noqa: E402
-from hvdcomp.lm import LSTMLM, MODEL_SIZES, batchify, load_corpus, loss_sums, rank_columns  # noqa: E402
+from hvdcomp.lm import ARCHITECTURES, MODEL_SIZES, batchify, load_corpus, loss_sums, make_lm, rank_columns  # noqa: E402
 from hvdcomp.launch import abort_on_uncaught_exception, detect_launch, select_device  # noqa: E402
 from hvdcomp.lowrank import ABTraining  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
@@ -58,6 +58,8 @@ def parse_args(argv=None):
                         "steps_between_syncs=50,full_rank_steps=5,cutoff=0.1,ramp_steps=10' "
                         "(see hvdcomp.lowrank.ABTraining)")
     p.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="hidden 100/300/500")
+    p.add_argument("--arch", choices=sorted(ARCHITECTURES), default="lstm",
+                   help="lstm (the study's 2-layer LSTM) or transformer (2 causal encoder layers, 4 heads)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=0, help="cap on optimizer steps per epoch (0: no cap)")
     p.add_argument("--batch-size", type=int, default=256, help="global batch, sequences (split over ranks)")
@@ -139,7 +141,7 @@ def main(argv=None):
              len(corpus.valid), len(corpus.test), corpus.vocab_size)
 
     torch.manual_seed(args.seed)
-    model = LSTMLM(corpus.vocab_size, MODEL_SIZES[args.model], dropout=args.dropout).to(device)
+    model = make_lm(args.arch, corpus.vocab_size, args.model, dropout=args.dropout).to(device)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     torch.manual_seed(args.seed * 1000 + rank)  # dropout masks differ per rank
     n_params = sum(p.numel() for p in model.parameters())

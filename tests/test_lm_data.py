@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from hvdcomp.lm import LSTMLM, MODEL_SIZES, batchify, load_corpus, rank_columns
+from hvdcomp.lm import LSTMLM, MODEL_SIZES, TransformerLM, batchify, load_corpus, make_lm, rank_columns
 from hvdcomp.lm.data import tokenize_raw
 from tests.mpirun import TINY_SHAKESPEARE
 
@@ -74,3 +74,23 @@ def test_model_sizes_match_study(size, params):
 def test_tiny_shakespeare_loads():
     c = load_corpus(TINY_SHAKESPEARE)
     assert c.vocab_size == 10000 and 200_000 < len(c.train) < 300_000
+
+
+def test_transformer_lm_is_causal_and_fits_the_lstm_loop():
+    """Changing token t changes no logit before t (causal mask); state is () both ways; the tied
+    embedding is the output matrix; 26 parameter tensors at hidden 100 (2 layers, 4 heads)."""
+    torch.manual_seed(0)
+    model = make_lm("transformer", 50, "small", dropout=0.0).eval()
+    assert isinstance(model, TransformerLM) and len(list(model.parameters())) == 26
+    tokens = torch.randint(0, 50, (12, 3))
+    logits, state = model(tokens, model.init_state(3))
+    assert logits.shape == (12, 3, 50) and state == ()
+    changed = tokens.clone()
+    changed[7] = (changed[7] + 1) % 50
+    again, _ = model(changed, state)
+    assert torch.equal(again[:7], logits[:7]) and not torch.equal(again[7:], logits[7:])
+    with pytest.raises(ValueError, match="multiple of heads"):
+        TransformerLM(50, 10, heads=4)
+    with pytest.raises(ValueError, match="unknown model"):
+        make_lm("gru", 50, "small")
+    assert isinstance(make_lm("lstm", 50, "small"), LSTMLM)

@@ -148,15 +148,19 @@ class FP16SegmentsContext(NamedTuple):
     probe: List[int]
 
 
-def _ldexp_segments(values: torch.Tensor, sizes: List[int], ks: List[int]) -> torch.Tensor:
-    """``values`` (1-D, segments of ``sizes`` back to back) with segment j times 2^ks[j], by the
-    same two multiplications as :func:`_ldexp` (per-element factors, one pass each)."""
-    repeats = torch.tensor(sizes, device=values.device)
+def _ldexp_segments(values: torch.Tensor, sizes: List[int], ks: List[int],
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``values`` (1-D, segments of ``sizes`` back to back; float16 or float32) with segment j
+    times 2^ks[j], as float32, by the same two multiplications as :func:`_ldexp`: per-element
+    factors written into one scratch buffer, one pass per multiplication. ``out``: a float32
+    tensor of ``values``' length to write into (may be ``values`` itself when float32)."""
+    scratch = torch.empty(values.shape, dtype=torch.float32, device=values.device)
 
     def factor(powers):
-        return torch.repeat_interleave(torch.tensor(powers, dtype=values.dtype, device=values.device),
-                                       repeats, output_size=values.numel())
-    return values * factor([2.0 ** (k // 2) for k in ks]) * factor([2.0 ** (k - k // 2) for k in ks])
+        table = torch.tensor(powers, dtype=torch.float32, device=values.device)
+        return torch.cat([t.expand(n) for t, n in zip(table.unbind(0), sizes)], out=scratch)
+    out = torch.mul(values, factor([2.0 ** (k // 2) for k in ks]), out=out)
+    return out.mul_(factor([2.0 ** (k - k // 2) for k in ks]))
 
 
 @register("fp16")
@@ -266,17 +270,18 @@ class FP16Compressor(Compressor):
             payload.append(torch.cat([views[j] for j in probe] + [hist.reshape(-1)]))
         return payload, FP16SegmentsContext(flat.numel(), dtype, size, segments, scaled, ks, exps, probe)
 
-    def _segment_values(self, payload, ctx) -> torch.Tensor:
-        """The flat float32 values of a segmented payload (segment order), recording nothing."""
+    def _segment_values(self, payload, ctx, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The flat float32 values of a segmented payload (segment order), recording nothing;
+        written into ``out`` (float32, 1-D) when given."""
         sizes = ctx.segments.sizes
         parts = [None] * len(sizes)
         wire = 0
         if ctx.scaled:
             count = sum(sizes[j] for j in ctx.scaled)
             scaled_sizes = [sizes[j] for j in ctx.scaled]
-            values = _ldexp_segments(payload[wire][:count].to(torch.float32), scaled_sizes, [-k for k in ctx.ks])
             if len(ctx.scaled) == len(sizes):
-                return values
+                return _ldexp_segments(payload[wire][:count], scaled_sizes, [-k for k in ctx.ks], out=out)
+            values = _ldexp_segments(payload[wire][:count], scaled_sizes, [-k for k in ctx.ks])
             for j, v in zip(ctx.scaled, values.split(scaled_sizes)):
                 parts[j] = v
             wire += 1
@@ -284,7 +289,7 @@ class FP16Compressor(Compressor):
             count = sum(sizes[j] for j in ctx.probe)
             for j, v in zip(ctx.probe, payload[wire][:count].split([sizes[j] for j in ctx.probe])):
                 parts[j] = v
-        return torch.cat(parts)
+        return torch.cat(parts, out=out) if out is not None else torch.cat(parts)
 
     def _record_segments(self, payload, ctx) -> None:
         """:meth:`_record` for each segment (one host read per payload tensor)."""
@@ -336,6 +341,15 @@ class FP16Compressor(Compressor):
         averaged payload; records the agreed exponent (see the class docstring)."""
         self._record(payload, ctx)
         return cast_saturating(self._values(payload, ctx), ctx.dtype)  # (segments: flat, float32)
+
+    def decode_into(self, out, payload, ctx):
+        """:meth:`decode` written into ``out``; a segmented payload is decoded in ``out``'s memory
+        (contiguous float32 ``out``: no temporary)."""
+        if isinstance(ctx, FP16SegmentsContext) and out.dtype == torch.float32 and out.is_contiguous():
+            self._record(payload, ctx)
+            self._segment_values(payload, ctx, out=out.view(-1))
+            return out
+        return super().decode_into(out, payload, ctx)
 
     def residual_(self, p, payload, ctx):
         """``p - (this rank's payload decoded)``, without recording an exponent (the local payload
