@@ -49,10 +49,10 @@ from .comm.group import HOROVOD_ALLREDUCE_DTYPES, Group
 from .compressors import Compressor, get_compressor
 from .compressors.fp16 import FP16Compressor
 from .compressors.none import NoneCompressor
+from .compressors.segments import Segments
 from .guard import NONFINITE_MODES, NonFiniteGuard
 from .launch import check_launch
 from .metrics import PhaseTimer
-from .compressors.segments import Segments
 from .plan import TransportPlan, fuse_units, make_buckets, make_units, plan_transport, split_groups
 
 __all__ = ["DistributedOptimizer", "resolve_compression", "make_buckets", "DEFAULT_BUCKET_BYTES",
