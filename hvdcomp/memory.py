@@ -157,7 +157,8 @@ class ErrorFeedback(Compressor):
     def _keep_spare(self, name: str, tensor) -> None:
         """Keep a no-longer-needed residual's memory for the next step (CPU only: CUDA's caching
         allocator already reuses memory, and large fresh CPU tensors page-fault on first use)."""
-        if tensor is not None and tensor.device.type == "cpu":
+        if tensor is not None and tensor.device.type == "cpu" and tensor._base is None:  # (a view
+            # of a fused bucket's buffer would pin the whole buffer and is never reused)
             self._spares[name] = tensor
 
     def _staged_residuals(self):

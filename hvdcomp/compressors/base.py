@@ -180,7 +180,8 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
 
     @property
     def segmentable(self) -> bool:
-        return self.elementwise
+        """Element-wise methods, and methods that implement :meth:`_encode_segments`."""
+        return self.elementwise or type(self)._encode_segments is not Compressor._encode_segments
 
     # ---- hvdcomp API -------------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, name: str | None = None, segments=None) -> Tuple[Payload, Any]:
@@ -216,10 +217,8 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
         return self._encode_segments(tensor, segments)
 
     def _encode_segments(self, flat: torch.Tensor, segments) -> Tuple[Payload, Any]:
-        """:meth:`encode` with ``segments`` (checked); element-wise methods compress the buffer
-        as one tensor, others override this."""
-        if not self.elementwise:
-            raise NotImplementedError(f"{type(self).__name__} is segmentable but lacks _encode_segments")
+        """:meth:`encode` with ``segments`` (checked, only where :attr:`segmentable`): an
+        element-wise method compresses the buffer as one tensor; others override this."""
         return self._encode(flat, None)
 
     @abc.abstractmethod

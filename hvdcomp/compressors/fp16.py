@@ -236,10 +236,6 @@ class FP16Compressor(Compressor):
         return [torch.cat([values, hist])], FP16Context(tensor.shape, tensor.dtype, SCALED, n, size, k,
                                                          exponent, name)
 
-    @property
-    def segmentable(self):
-        return True
-
     def _encode_segments(self, flat, segments):
         """Each segment scaled by its own agreed exponent (probing where it has none), in a few
         vectorised operations over the buffer; one payload tensor per mode."""
