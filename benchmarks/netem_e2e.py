@@ -157,7 +157,7 @@ class Driver:
     def __init__(self, args):
         self.args = args
         self.proc: Optional[subprocess.Popen] = None
-        self.hosts = max(args.np)
+        self.hosts = args.hosts or max(args.np)  # one rank per host, or --hosts nodes of several
         self.netem_env = {"NETEM_PYTHON": args.python, "NETEM_SKIP_INSTALL": "1",
                           "NETEM_PREFIX": args.netem_prefix, "NETEM_DIR": args.netem_dir}
         self.cell_env = {**CELL_ENV, **dict(kv.split("=", 1) for kv in args.env)}
@@ -469,6 +469,9 @@ def parse_args(argv=None):
     p.add_argument("--methods", nargs="+", default=None,
                    help="comm bench: hvdcomp specs (default: the hvdcomp contenders' specs)")
     p.add_argument("--np", nargs="+", type=int, default=None, help="ranks (default 4; comm: 2 4)")
+    p.add_argument("--hosts", type=int, default=0,
+                   help="emulated hosts (0: one per rank); ranks are placed round robin, those on one "
+                        "host talk through shared memory (unshaped), e.g. --np 8 --hosts 2: 2 nodes x 4")
     p.add_argument("--model", default="medium", choices=MODELS,
                    help="LSTM size (corpus), or transformer (bench_models' encoder, synthetic data)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per e2e cell")

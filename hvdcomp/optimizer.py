@@ -46,6 +46,8 @@ from .amp import LossScaleTracker
 from .comm import make_allgatherer
 from .comm.costmodel import CostModel, measure_cost_model
 from .comm.group import HOROVOD_ALLREDUCE_DTYPES, Group
+from .comm.exchange import MPIExchange
+from .comm.step import StepComm
 from .compressors import Compressor, get_compressor
 from .compressors.fp16 import FP16Compressor
 from .compressors.none import NoneCompressor
@@ -157,6 +159,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self.group.size > 1 or not (compression.summable or compression.batched):
             self._gatherer = make_allgatherer(s["allgather"], self.group)
         self.cost_model = self._resolve_cost_model(s["cost_model"])
+        if compression.batched:
+            self._step_comm = self._make_step_comm()
         names = [self._names[p] for p in self._order]
         groups = s["groups"]
         if isinstance(groups, list):  # parameters -> names (frozen ones dropped, as Horovod)
@@ -254,6 +258,33 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(cost_model, CostModel):
             return cost_model
         return measure_cost_model(self._gatherer.probe, self.group.size, agree=self._gatherer.agree)
+
+    def _make_step_comm(self) -> StepComm:
+        """The collectives of a batched compressor's step (:class:`hvdcomp.comm.step.StepComm`):
+        Horovod allreduce and broadcast within the group, point-to-point messages on a duplicate
+        of the mpi4py allgather's communicator (under MPI).
+
+        Raises:
+            RuntimeError: the compressor needs point-to-point messages and the ranks have no MPI.
+        """
+        p2p = None
+        comm = getattr(self._gatherer, "comm", None)
+        if self.compression.needs_point_to_point and self.group.size > 1:
+            if comm is None:
+                raise RuntimeError(f"'{self.compression.name}' messages ranks point to point through MPI, "
+                                   "but this job has no usable mpi4py communicator (Horovod started with "
+                                   "gloo, or allgather='horovod'): launch with mpirun or horovodrun --mpi "
+                                   "with mpi4py installed, or use cltk or topk")
+            p2p = MPIExchange(comm.Dup())
+        return StepComm(self._allreduce_mean, self.group.rank, self.group.size, self._broadcast, p2p)
+
+    def _broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
+        """One blocking Horovod broadcast from ``root`` (a rank in the group), timed and counted."""
+        with self.timer.phase("communicate"):
+            out = self.group.broadcast(tensor, root, f"{self._prefix}.{name}")
+        nbytes = tensor.numel() * tensor.element_size()
+        self.timer.add_bytes(sent=nbytes if self.group.rank == root else 0, received=nbytes)
+        return out
 
     def _signature(self, s) -> dict:
         """Everything that must be identical on every rank (compared at construction)."""
@@ -659,7 +690,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._restore_sparse(sparse)
             return
         grads = self.compression.reduce_batch([(self._names[p], p.grad) for p in params],
-                                              self._allreduce_mean, self.timer)
+                                              self._step_comm, self.timer)
         scale = self._result_scale()
         with self.timer.phase("decompress"):
             for p, g in zip(params, grads):
@@ -847,7 +878,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             cost per tensor on models with many small tensors, and changes what a method selects:
             top-k keeps the largest entries of the bucket, not of each layer; QSGD, signSGD and
             the casts are unchanged up to their scales. Refused for PowerSGD (it needs each
-            gradient's matrix shape).
+            gradient's matrix shape); no effect on gtopk and cltk (they select over the whole
+            model).
         fuse_tensors: with ``granularity="tensor"`` and a method that can (``segmentable``: top-k
             with ``select=exact``, fp16, bf16, threshold, and these with error feedback), the
             gradients of one bucket (one allgather bucket, or up to ``bucket_bytes`` of
@@ -865,8 +897,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             (DGC) with an optimizer that also does, or ranks that disagree on any setting
             (raised on every rank, naming the difference).
         TypeError: unsupported ``compression`` or ``grad_scaler``.
-        RuntimeError: Horovod is not initialised, or the launcher started several tasks but
-            Horovod sees one (see :func:`hvdcomp.launch.check_launch`).
+        RuntimeError: Horovod is not initialised, the launcher started several tasks but
+            Horovod sees one (see :func:`hvdcomp.launch.check_launch`), or a method that messages
+            ranks directly (gtopk, twophase) in a job without MPI (``horovodrun --gloo``).
 
     Example::
 
@@ -916,7 +949,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if isinstance(cost_model, (tuple, list)):
         cost_model = CostModel(float(cost_model[0]), float(cost_model[1]))  # ValueError if out of range
     compression = resolve_compression(compression)
-    if granularity == "bucket" and compression.batched:
+    if granularity == "bucket" and compression.batched and not compression.whole_model:
         raise ValueError(f"granularity='bucket' flattens gradients, but '{compression.name}' needs "
                          "each gradient's matrix shape: use granularity='tensor'")
     owner = _owners.get(compression)

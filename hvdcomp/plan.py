@@ -10,7 +10,9 @@ Routes (per parameter name):
   its **bucket** and travels in one variable-size allgather per bucket.
 * ``"decoded-allreduce"``: the payload needs an allgather, but the α-β cost model predicts that
   averaging its local decode densely is cheaper (same result): decoded, then allreduced in fp32.
-* ``"batched"``: the compressor reduces all gradients of a step together (PowerSGD).
+* ``"batched"``: the compressor reduces all gradients of a step together with its own
+  collectives, named by its ``collective`` attribute: PowerSGD (``allreduce``), gtopk
+  (``sparse-allreduce``), cltk (``broadcast+allreduce``), twophase (``alltoall+allgather``).
 """
 from __future__ import annotations
 
@@ -191,6 +193,8 @@ class TransportPlan:
         units: unit name -> names of the parameters it holds (only where a unit holds several):
             a flattened bucket ``bucket<k>`` (``granularity="bucket"``), or gradients compressed
             per tensor in one call, ``fused<k>`` (:func:`fuse_units`).
+        collective: a batched compressor's own collectives (its ``collective`` attribute), else
+            ``""``.
     """
 
     routes: Dict[str, str]
@@ -198,6 +202,7 @@ class TransportPlan:
     allgather: str = "none"
     ranks: List[int] = field(default_factory=list)
     units: Dict[str, List[str]] = field(default_factory=dict)
+    collective: str = ""
 
     def count(self, route: str) -> int:
         """Number of gradients on ``route``."""
@@ -207,13 +212,14 @@ class TransportPlan:
         """JSON-able summary: counts per route, bucket sizes, transport, group ranks."""
         return {"routes": {r: self.count(r) for r in ROUTES if self.count(r)},
                 "buckets": [len(b) for b in self.buckets], "allgather": self.allgather,
-                "ranks": self.ranks, "units": {u: len(m) for u, m in self.units.items()}}
+                "ranks": self.ranks, "units": {u: len(m) for u, m in self.units.items()},
+                **({"collective": self.collective} if self.collective else {})}
 
     def __str__(self) -> str:
         """One line for logs and results, e.g. ``mpi4py-allgather (2 bucket(s))``."""
         total = len(self.routes)
         if self.count("batched"):
-            return "allreduce (batched)"
+            return f"{self.collective or 'allreduce'} (batched)"
         if not self.buckets and self.count("allreduce") == total:
             return "allreduce"
         text = f"{self.allgather}-allgather ({len(self.buckets)} bucket(s))"
@@ -260,4 +266,5 @@ def plan_transport(params: Sequence[Tuple[str, int, int]], compression, cost_mod
         buckets = [b for b in buckets if b]
     else:
         buckets = [[gathered[i][0] for i in b] for b in make_buckets([s for _, s in gathered], bucket_bytes)]
-    return TransportPlan(routes, buckets, allgather if buckets else "none", list(ranks or []))
+    return TransportPlan(routes, buckets, allgather if buckets else "none", list(ranks or []),
+                         collective=compression.collective if compression.batched else "")

@@ -21,10 +21,94 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from hvdcomp.comm.step import StepComm
 from hvdcomp.compressors import simulated_world
 from hvdcomp.metrics import PhaseTimer
 
-__all__ = ["horovod_allreduce", "SimulatedRanks", "fp16_sequential_sum"]
+__all__ = ["horovod_allreduce", "SimulatedRanks", "fp16_sequential_sum", "ThreadNetwork", "run_ranks"]
+
+TIMEOUT_S = 60  # a simulated rank waiting longer than this for a message fails the test
+
+
+class ThreadNetwork:
+    """Point-to-point messages among ``size`` simulated ranks running in threads of one process
+    (:class:`hvdcomp.comm.exchange.PointToPoint` endpoints; unbounded queues, so a send
+    never blocks). ``sent[r]`` / ``received[r]`` count each rank's bytes; a receive waiting more
+    than :data:`TIMEOUT_S` raises ``queue.Empty`` (a hang fails the test)."""
+
+    def __init__(self, size: int):
+        import queue
+
+        self.size = size
+        self.queues = {(a, b): queue.Queue() for a in range(size) for b in range(size)}
+        self.sent = [0] * size
+        self.received = [0] * size
+
+    def endpoint(self, rank: int):
+        net = self
+
+        class Endpoint:
+            def __init__(self):
+                self.rank, self.size = rank, net.size
+
+            @property
+            def bytes_sent(self):
+                return net.sent[rank]
+
+            @property
+            def bytes_received(self):
+                return net.received[rank]
+
+            def send(self, data, dest):
+                assert data.dtype == torch.uint8 and data.dim() == 1
+                net.sent[rank] += data.numel()
+                net.queues[(rank, dest)].put(data.clone())
+
+            def recv(self, source, max_bytes):
+                data = net.queues[(source, rank)].get(timeout=TIMEOUT_S)
+                assert data.numel() <= max_bytes, f"message of {data.numel()} B > max_bytes {max_bytes}"
+                net.received[rank] += data.numel()
+                return data
+
+            def sendrecv(self, data, partner, max_bytes):
+                self.send(data, partner)
+                return self.recv(partner, max_bytes)
+
+            def alltoall(self, parts):
+                assert len(parts) == net.size
+                for j, part in enumerate(parts):
+                    if j != rank:
+                        self.send(part, j)
+                return [parts[j].clone() if j == rank else self.recv(j, 1 << 40) for j in range(net.size)]
+
+            def allgather(self, data):
+                return self.alltoall([data] * net.size)
+
+        return Endpoint()
+
+
+def run_ranks(size: int, fn) -> list:
+    """``fn(rank)`` for every rank in its own thread; their results in rank order (the first
+    exception is re-raised; a thread still running after :data:`TIMEOUT_S` fails)."""
+    results: list = [None] * size
+    errors: List[BaseException] = []
+
+    def run(r):
+        try:
+            results[r] = fn(r)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S)
+        if t.is_alive():
+            raise TimeoutError(f"a simulated rank did not finish within {TIMEOUT_S} s")
+    if errors:
+        raise errors[0]
+    return results
 
 
 def fp16_sequential_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -148,9 +232,22 @@ class SimulatedRanks:
                 return out
             return allreduce_mean
 
+        def broadcast_for(r):
+            def broadcast(tensor, root, name):
+                if r == root:
+                    shared["bcast"] = tensor.clone()
+                barrier.wait()
+                out = shared["bcast"].clone()
+                barrier.wait()
+                return out
+            return broadcast
+
+        network = self.last_network = ThreadNetwork(n)
+
         def run(r):
             try:
-                results[r] = self.comps[r].reduce_batch(list(named_grads_per_rank[r]), allreduce_mean_for(r),
+                comm = StepComm(allreduce_mean_for(r), r, n, broadcast_for(r), network.endpoint(r))
+                results[r] = self.comps[r].reduce_batch(list(named_grads_per_rank[r]), comm,
                                                         PhaseTimer(cuda_sync=False))
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 errors.append(exc)

@@ -1,6 +1,7 @@
 """Smoke test of benchmarks/kernels.py: it runs, writes its JSON and markdown, and every row has
 positive times (no timing assertions: timings depend on the machine)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -361,3 +362,34 @@ def test_speed_report_transformer_target(tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = (out / "report.md").read_text()
     assert f"| {what} | hvdcomp topk:density=0.01 | DDP fp16 not run | not measured |" in report
+
+
+def test_scaleout_model_report_from_a_hand_made_fit(tmp_path):
+    """benchmarks/scaleout_model.py on fits with α = 0, β = 1 ns/B and no Horovod wait: every row
+    is its closed form on the medium LSTM (n = 4,444,800, k = 44,448), and the verdicts follow."""
+    fit = {"alpha_s": 0.0, "beta_s_per_byte": 1e-9, "small_message_s": 0.0}
+    summary = {"cost_model": {"test": {"fits": {"mpi-allgatherv": fit, "mpi-allreduce": fit, "hvd-allreduce": fit}}}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    cell = tmp_path / "cluster" / "cells" / "100mbit"
+    cell.mkdir(parents=True)
+    (cell / "comm-np8.json").write_text(json.dumps({
+        "world_size": 8, "hostnames": ["h1", "h2"] * 4,
+        "methods": {"gtopk:density=0.01": {"communicate": {"median": 0.25}, "wall": {"median": 0.5},
+                                           "bytes_sent": {"median": 1066752}}}}))
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "scaleout_model.py"), "--summary",
+                    str(tmp_path / "summary.json"), "--measured", str(tmp_path / "cluster"), "--output", str(out)],
+                   check=True, capture_output=True, text=True)
+    model = json.loads((out / "model.json").read_text())["test"]
+    n, k = 4_444_800, 44_448
+    at = {p: i for i, p in enumerate(model["ranks"])}
+    secs = model["seconds"]
+    assert math.isclose(secs["none (dense fp32, ring allreduce)"][at[2]], 4 * n * 1e-9)
+    assert math.isclose(secs["topk 1 % (allgather)"][at[8]], 7 * 8 * k * 1e-9)
+    assert math.isclose(secs["gtopk 1 % (sparse allreduce)"][at[8]], 3 * 8 * k * 1e-9)
+    assert math.isclose(secs["cltk 1 % (broadcast + allreduce)"][at[4]], 2 * 4 * k * 1e-9 + 1.5 * 4 * k * 1e-9)
+    text = (out / "report.md").read_text()
+    assert "gtopk 1 % (sparse allreduce): worst ratio to dense fp32 over p = 2…1024" in text
+    assert "qsgd s=16 (allgather): worst ratio" in text and "(missed)" in text
+    assert "| gtopk:density=0.01 | 0.2500 | 0.5000 | 1,066,752 |" in text
+    assert "8 ranks on 2 hosts" in text

@@ -6,7 +6,7 @@ from tests.mpirun import check
 CHECKS = ["none_matches_horovod", "topk", "threshold_with_empty_rank",
           "horovod_allgather_fallback", "fp16_predivide", "sparse_refused_by_stock_horovod",
           "buckets_and_wire", "cost_model_routes", "threaded_and_inline_exchange_agree",
-          "fused_equals_unfused"]
+          "fused_equals_unfused", "scaleout_methods"]
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -14,3 +14,9 @@ def test_optimizer_checks(ranks):
     out = check(ranks, ["tests/mpi/optimizer_checks.py", *CHECKS], timeout=180)
     for name in CHECKS:
         assert f"OK {name}" in out, out[-3000:]
+
+
+def test_scaleout_methods_8_ranks():
+    """gtopk, cltk and twophase at 8 ranks (oversubscribed; three merge rounds)."""
+    out = check(8, ["tests/mpi/optimizer_checks.py", "scaleout_methods"], timeout=240)
+    assert "OK scaleout_methods" in out, out[-3000:]

@@ -35,6 +35,7 @@ import torch
 import hvdcomp
 from hvdcomp.compressors.dgc import DGCCompressor
 from hvdcomp.compressors.fp16 import PROBE
+from hvdcomp.compressors.flatbatch import FlatBatchCompressor
 from hvdcomp.compressors.powersgd import PowerSGDCompressor
 from hvdcomp.compressors.topk import num_kept
 from hvdcomp.memory import ErrorFeedback
@@ -104,6 +105,8 @@ def compensated(comp, g: torch.Tensor, name: str) -> torch.Tensor:
         return (v + (u * comp.momentum + flat)).reshape(g.shape)
     if isinstance(comp, PowerSGDCompressor) and name in comp.error:
         return g.to(torch.float32) + comp.error[name].reshape(g.shape)
+    if isinstance(comp, FlatBatchCompressor) and name in comp.residual:
+        return g.to(torch.float32) + comp.residual[name]
     return g
 
 
@@ -225,6 +228,15 @@ ROWS = [
     Row("powersgd", "powersgd:rank=2", "built in", bound_powersgd,
         "10⁻⁵ if rank(m) ≤ r (exact recovery), else 1 + 10⁻⁵ (P·Pᵀ·m: a projection of the mean); "
         "uncompressed shapes (N+2)·2⁻²⁴", "all-zero tensor", steps=2),
+    # out − mean = −(1/N)·Σ_r e_r, each new residual e_r is p_r with some entries zeroed: ‖e_r‖ ≤ ‖p_r‖
+    Row("gtopk", "gtopk:density=0.1", "built in", lambda c: 1.0 + fp32_sum(c),
+        "1 + (N+2)·2⁻²⁴ (the residuals are parts of the p_r)", "elementwise", steps=2),
+    Row("cltk", "cltk:density=0.1", "built in", lambda c: 1.0 + fp32_sum(c),
+        "1 + (N+2)·2⁻²⁴ (the residuals are parts of the p_r)", "elementwise", steps=2),
+    # first step: out − mean = −(1/N)·Σ_r w_r − s, with ‖p − Q(p)‖ ≤ ‖p‖ and ‖Q(p)‖ ≤ ‖p‖ for the
+    # scaled sign, so ‖w_r‖ ≤ ‖p_r‖ and ‖s‖ ≤ ‖m‖ ≤ mean_r ‖p_r‖
+    Row("twophase", "twophase", "built in", lambda c: 2.0 + fp32_sum(c),
+        "2 + (N+2)·2⁻²⁴ (worker and server residuals of the scaled sign, first step)", "all-zero tensor"),
 ]
 
 
@@ -238,7 +250,7 @@ def run_cell(row: Row, kind: str, dtype_name: str, world: int) -> List[dict]:
     dtype = DTYPES[dtype_name]
     grads = rank_inputs(kind, dtype, world)
     sim = SimulatedRanks(lambda: hvdcomp.get_compressor(row.spec), world)
-    batched = row.method == "powersgd"
+    batched = sim.comps[0].batched
     records = []
     for step in range(row.steps):
         ps = [compensated(c, g, "w").double() for c, g in zip(sim.comps, grads)]

@@ -18,6 +18,7 @@ better decoded locally and averaged by allreduce (same result, see
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence, Tuple
@@ -26,7 +27,11 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CostModel", "measure_cost_model", "fit_alpha_beta", "ring_terms"]
+__all__ = ["CostModel", "measure_cost_model", "fit_alpha_beta", "ring_terms", "collective_terms",
+           "COLLECTIVES"]
+
+#: Collectives :func:`collective_terms` models (the ring ones, and those of the scale-out transports).
+COLLECTIVES = ("allreduce", "allgather", "sparse-allreduce", "broadcast", "alltoall")
 
 
 def ring_terms(kind: str, p: int, nbytes: float) -> Tuple[float, float]:
@@ -51,6 +56,44 @@ def ring_terms(kind: str, p: int, nbytes: float) -> Tuple[float, float]:
     return 2 * (p - 1), 2 * (p - 1) / p * nbytes
 
 
+def collective_terms(kind: str, p: int, nbytes: float) -> Tuple[float, float]:
+    """``(latency terms, byte terms)`` of one collective on ``p`` ranks, on the critical path of
+    a rank: its time is ``latency_terms·α + byte_terms·β``.
+
+    Args:
+        kind: one of :data:`COLLECTIVES`:
+
+            * ``"allreduce"``, ``"allgather"``: the rings of :func:`ring_terms`;
+            * ``"sparse-allreduce"``: gTop-k's recursive doubling
+              (:func:`hvdcomp.comm.sparse_allreduce.global_topk`), ``nbytes`` = one rank's k
+              entries: log2(q) exchanges of ``nbytes`` (q: the largest power of two ≤ p), plus,
+              where p ≠ q, the fold (in, and the result back) and the surviving positions
+              (half an entry each): 3 more messages, 2.5·``nbytes``;
+            * ``"broadcast"``: binomial tree, ⌈log2 p⌉ steps of ``nbytes``;
+            * ``"alltoall"``: pairwise exchange of a rank's ``nbytes`` cut into p parts:
+              (p−1) messages, (p−1)/p·``nbytes``.
+        p: number of ranks; one rank costs nothing.
+        nbytes: bytes (see ``kind``).
+
+    Raises:
+        ValueError: unknown ``kind``.
+    """
+    if kind in ("allreduce", "allgather"):
+        return ring_terms(kind, p, nbytes)
+    if kind not in COLLECTIVES:
+        raise ValueError(f"kind must be one of {COLLECTIVES}, got {kind!r}")
+    if p <= 1:
+        return 0.0, 0.0
+    if kind == "sparse-allreduce":
+        q = 1 << (int(p).bit_length() - 1)
+        rounds, fold = q.bit_length() - 1, q != p
+        return rounds + 3 * fold, (rounds + 2.5 * fold) * nbytes
+    if kind == "broadcast":
+        steps = math.ceil(math.log2(p))
+        return steps, steps * nbytes
+    return p - 1, (p - 1) / p * nbytes
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Latency ``alpha`` (seconds per message) and inverse bandwidth ``beta`` (seconds per byte).
@@ -70,9 +113,9 @@ class CostModel:
                                  f"{' per byte' if key == 'beta' else ''}), got {v!r}")
 
     def seconds(self, kind: str, p: int, nbytes: float, calls: int = 1) -> float:
-        """Seconds for ``calls`` ring collectives of ``kind`` (see :func:`ring_terms`) moving
+        """Seconds for ``calls`` collectives of ``kind`` (see :func:`collective_terms`) moving
         ``nbytes`` in all (latency paid per call)."""
-        a, b = ring_terms(kind, p, nbytes)
+        a, b = collective_terms(kind, p, nbytes)
         return calls * a * self.alpha + b * self.beta
 
     def allreduce(self, nbytes: float, p: int) -> float:

@@ -82,6 +82,11 @@ class Group:
         """Blocking Horovod allreduce within the set."""
         return self.synchronize(self.allreduce_async(tensor, name, op))
 
+    def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
+        """Blocking Horovod broadcast of the tensor of the member whose rank in the set is
+        ``root`` (same shape and dtype on every member)."""
+        return self.hvd.broadcast(tensor, root_rank=self.ranks[root], name=name, process_set=self.process_set)
+
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         """Every member's ``obj`` (picklable), in rank order (two Horovod allgathers)."""
         if self.size == 1:

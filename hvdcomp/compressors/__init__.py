@@ -12,8 +12,12 @@ from .qsgd import QSGDCompressor
 from .terngrad import TernGradCompressor
 from .signsgd import SignSGDCompressor, ScaledSignCompressor
 from .powersgd import PowerSGDCompressor
+from .gtopk import GlobalTopKCompressor
+from .cltk import CyclicLeaderTopKCompressor
+from .twophase import TwoPhaseCompressor
 
 __all__ = ["Compressor", "Payload", "world_size", "rank", "simulated_world", "available", "get_compressor", "parse_spec",
            "register", "NoneCompressor", "FP16Compressor", "BF16Compressor", "TopKCompressor",
            "RandomKCompressor", "ThresholdCompressor", "DGCCompressor", "QSGDCompressor",
-           "TernGradCompressor", "SignSGDCompressor", "ScaledSignCompressor", "PowerSGDCompressor"]
+           "TernGradCompressor", "SignSGDCompressor", "ScaledSignCompressor", "PowerSGDCompressor",
+           "GlobalTopKCompressor", "CyclicLeaderTopKCompressor", "TwoPhaseCompressor"]

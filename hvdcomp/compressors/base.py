@@ -144,8 +144,16 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
         builtin_error_feedback: the method keeps its own residual (DGC); wrapping is refused.
         owns_momentum: the method applies momentum itself; the optimizer must not (DGC).
         batched: the method reduces all gradients of a step together through
-            ``reduce_batch(named_grads, allreduce_mean, timer)`` instead of encode/decode per
-            tensor (PowerSGD: two collectives per step).
+            ``reduce_batch(named_grads, comm, timer)`` instead of encode/decode per tensor
+            (PowerSGD: two allreduces per step; global and cyclic-leader top-k). ``comm`` is
+            callable as ``allreduce_mean(tensor, name)``; the optimizer passes a
+            :class:`hvdcomp.comm.step.StepComm` (broadcast, point-to-point messages too).
+        collective: a batched method's own collectives, for :class:`hvdcomp.plan.TransportPlan`
+            (``"allreduce"``, ``"sparse-allreduce"``, ...).
+        whole_model: a batched method that compresses all gradients of a step as one vector
+            (gtopk, cltk, twophase): ``granularity`` makes no difference to it.
+        needs_point_to_point: a batched method that messages ranks directly (gtopk, twophase):
+            the optimizer refuses it where the ranks cannot (no MPI).
         aggregate_is_mean: :meth:`aggregate` equals the mean over ranks of :meth:`decode`, so a
             non-summable payload may also travel as its local decode through an allreduce
             (the optimizer's cost model picks the cheaper route; the result is the same).
@@ -172,6 +180,9 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
     builtin_error_feedback = False
     owns_momentum = False
     batched = False
+    collective = ""
+    whole_model = False
+    needs_point_to_point = False
     aggregate_is_mean = False
     has_scaled_state = False
     payload_is_gradient = False

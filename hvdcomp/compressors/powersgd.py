@@ -66,6 +66,7 @@ class PowerSGDCompressor(Compressor):
     name = "powersgd"
     summable = True
     batched = True
+    collective = "allreduce"
     builtin_error_feedback = True
     has_scaled_state = True                     # the error (residual)
     shared_state_keys = ("step", "q", "rng")    # identical on every rank after each allreduce

@@ -98,9 +98,9 @@ def get_compressor(spec: str, **kwargs: Any):
         raise ValueError(f"argument(s) {sorted(wire)} set the sparse wire coding; '{name}' is not "
                          "a sparsifier (topk, threshold, dgc accept values=fp16 and index=compact)")
     params = inspect.signature(cls.__init__).parameters
-    accepted = [p for p in params if p != "self"]
+    accepted = [p for p in params if p != "self" and params[p].kind is not inspect.Parameter.VAR_KEYWORD]
     unknown = [k for k in spec_kwargs if k not in accepted]
-    if unknown:
+    if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         raise ValueError(f"compressor '{name}' got unknown argument(s) {unknown}; "
                          f"accepted: {accepted + ['ef']}")
     comp = cls(**spec_kwargs)

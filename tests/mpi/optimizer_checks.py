@@ -244,11 +244,79 @@ def check_sparse_refused_by_stock_horovod():
         raise AssertionError("stock Horovod accepted a sparse compressor")
 
 
+def check_scaleout_methods():
+    """gtopk, cltk and twophase over real ranks, 3 steps of a small model:
+
+    * parameters identical on every rank;
+    * error feedback loses nothing: size·mean + Σ new residuals = Σ (gradient + old residual)
+      (twophase: + size·Σ of the change of the server residuals, each at its rank's chunk);
+    * cltk: the result is the mean of every rank's compensated values at the leader's top-k
+      positions (reference from the allgathered gradients);
+    * gtopk: ≤ k non-zeros, at most (log2(p) + 1)·k entries sent per rank (+ the fold's positions);
+      at density 1, the dense mean;
+    * gtopk without an MPI communicator (allgather='horovod') is refused with the fix."""
+    p = hvd.size()
+    for spec in ("gtopk:density=0.1", "cltk:density=0.1", "gtopk:density=1", "twophase:base=qsgd,levels=4,bucket=8"):
+        model = small_model()
+        opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           named_parameters=model.named_parameters(), compression=spec)
+        expected = {"gtopk": "sparse-allreduce", "cltk": "broadcast+allreduce", "twophase": "alltoall+allgather"}
+        assert str(opt.transport) == expected[spec.split(":")[0]] + " (batched)", str(opt.transport)
+        names = [n for n, _ in reversed(list(model.named_parameters()))]  # the optimizer's order
+        params = dict(model.named_parameters())
+        n = sum(q.numel() for q in model.parameters())
+        k = max(1, math.ceil(float(spec.split("=")[1]) * n)) if "density" in spec else n
+        for step in range(3):
+            x, y = batch(step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            comp = opt.compression
+            acc = torch.cat([(params[m].grad + comp.residual.get(m, torch.zeros_like(params[m]))).reshape(-1)
+                             for m in names])
+            everyone = all_grads(acc, f"acc.{spec}.{step}")
+            server_before = comp.server.get("cpu", 0.0) if spec.startswith("twophase") else 0.0
+            opt.synchronize()
+            mean = torch.cat([params[m].grad.reshape(-1) for m in names])
+            with opt.skip_synchronize():
+                opt.step()  # commits the step's residuals
+            resid = torch.cat([comp.residual[m].reshape(-1) for m in names])
+            if spec.startswith("twophase"):  # this rank's chunk of the server residual
+                lo, hi = comp.chunk_bounds(n, p)[hvd.rank():hvd.rank() + 2]
+                resid[lo:hi] += p * (comp.server.get("cpu", server_before) - server_before)
+            total = hvd.allreduce(resid, op=hvd.Sum, name=f"res.{spec}.{step}")
+            torch.testing.assert_close(p * mean + total, sum(everyone), rtol=1e-5, atol=1e-5)
+            assert int((mean != 0).sum()) <= k, spec
+            if spec.startswith("cltk"):
+                lead = everyone[step % p]
+                idx = torch.topk(lead.abs(), k).indices
+                ref = torch.zeros(n)
+                ref[idx] = sum(a[idx] for a in everyone) / p
+                torch.testing.assert_close(mean, ref, rtol=1e-6, atol=1e-7)
+            elif spec.startswith("gtopk") and k == n:
+                torch.testing.assert_close(mean, sum(everyone) / p, rtol=1e-6, atol=1e-7)
+            rec = opt.timer.end_step()
+            if spec.startswith("gtopk") and p > 1:
+                rounds = (p.bit_length() - 1) + 1
+                assert 0 < rec["bytes_sent"] <= rounds * k * 8 + 4 * k, rec
+        flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+        assert torch.equal(hvd.broadcast(flat, 0, name=f"bcast.{spec}"), flat), spec
+    if p > 1:
+        model = small_model()
+        try:
+            hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(),
+                                         compression="gtopk", allgather="horovod")
+        except RuntimeError as exc:
+            assert "mpirun" in str(exc), exc
+        else:
+            raise AssertionError("gtopk accepted a job without MPI point-to-point messages")
+
+
 CHECKS = {f.__name__[len("check_"):]: f for f in [
     check_none_matches_horovod, check_topk, check_threshold_with_empty_rank,
     check_horovod_allgather_fallback, check_fp16_predivide, check_sparse_refused_by_stock_horovod,
     check_buckets_and_wire, check_cost_model_routes, check_threaded_and_inline_exchange_agree,
-    check_fused_equals_unfused]}
+    check_fused_equals_unfused, check_scaleout_methods]}
 
 if __name__ == "__main__":
     hvd.init()

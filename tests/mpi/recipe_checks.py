@@ -317,6 +317,19 @@ def check_adasum_refused():
         raise AssertionError("Adasum accepted")
 
 
+def reference_comm(prefix):
+    """A batched method's collectives for a reference computation: averages in float64 through
+    Horovod, Horovod broadcast, mpi4py messages on a duplicate of COMM_WORLD (collective)."""
+    from mpi4py import MPI
+
+    from hvdcomp.comm.exchange import MPIExchange
+    from hvdcomp.comm.step import StepComm
+
+    mean = lambda t, n: hvd.allreduce(t.double(), op=hvd.Average, name=f"{prefix}.{n}").float()  # noqa: E731
+    bcast = lambda t, root, n: hvd.broadcast(t, root_rank=root, name=f"{prefix}.{n}")  # noqa: E731
+    return StepComm(mean, hvd.rank(), hvd.size(), bcast, MPIExchange(MPI.COMM_WORLD.Dup()))
+
+
 def check_low_precision_every_method():
     """Every method × {float32, float16, bfloat16} parameters: the averaged gradient equals a
     float64 reference (each rank's compressor applied to its own gradient, decodes averaged in
@@ -337,7 +350,7 @@ def check_low_precision_every_method():
         got = w.grad.double()
         if ref_comp.batched:
             named = [("w", local)]
-            ref = ref_comp.reduce_batch(named, lambda t, n: hvd.allreduce(t.double(), op=hvd.Average, name="lp." + n).float(),
+            ref = ref_comp.reduce_batch(named, reference_comm(f"lp.{spec}.{dtype}"),
                                         hvdcomp.PhaseTimer(cuda_sync=False))[0].double()
         else:
             payload, ctx = ref_comp.encode(local, "w")
@@ -355,7 +368,7 @@ def check_low_precision_every_method():
             tol = max(tol, 8 * 2.0**-10 * ref.abs().max().item())  # an fp16 wire rounds each addend
         assert torch.isfinite(got).all(), (spec, dtype)
         assert (got - ref).abs().max().item() <= tol, (spec, dtype, (got - ref).abs().max().item(), tol)
-        for store in ("residuals", "u", "v", "error"):
+        for store in ("residuals", "u", "v", "error", "residual", "server"):
             for t in getattr(getattr(opt.compression, "inner", opt.compression), store, {}).values():
                 assert t.dtype == torch.float32, (spec, dtype, store, t.dtype)
             for t in getattr(opt.compression, store, {}).values():

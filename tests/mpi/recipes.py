@@ -33,7 +33,8 @@ import hvdcomp
 SPECS = ["fp16", "bf16", "topk:density=0.3", "topk:density=0.3,select=sample,ef=false",
          "randomk:density=0.3", "threshold:threshold=0.05", "dgc:density=0.3",
          "qsgd:levels=4,bucket=8", "terngrad", "signsgd", "efsignsgd", "powersgd:rank=1",
-         "fp16:ef=true"]
+         "fp16:ef=true", "gtopk:density=0.3", "cltk:density=0.3",
+         "twophase:base=qsgd,levels=4,bucket=8"]
 STEPS = 3
 
 
@@ -69,6 +70,25 @@ class Reference:
         for p in self.order:
             p.register_post_accumulate_grad_hook(self._hook)
 
+
+    def step_comm(self):
+        """The collectives of a batched method, written here with plain Horovod and mpi4py."""
+        from mpi4py import MPI
+
+        from hvdcomp.comm.exchange import MPIExchange
+        from hvdcomp.comm.step import StepComm
+
+        if getattr(self, "_p2p", None) is None:
+            world = MPI.COMM_WORLD
+            comm = world.Dup() if self.ps.ranks is None or len(self.ps.ranks) == hvd.size() else \
+                world.Create_group(world.Get_group().Incl(list(self.ps.ranks)))
+            self._p2p = MPIExchange(comm) if comm != MPI.COMM_NULL else None
+        ranks = self.ps.ranks or list(range(hvd.size()))
+        mean = lambda t, name: hvd.allreduce(t, op=hvd.Average, name="ref." + name,  # noqa: E731
+                                              process_set=self.ps)
+        bcast = lambda t, root, name: hvd.broadcast(t, root_rank=ranks[root], name="ref." + name,  # noqa: E731
+                                                    process_set=self.ps)
+        return StepComm(mean, self.ps.rank(), self.ps.size(), bcast, self._p2p)
     def _hook(self, p):
         if self.synced:
             self._discard()
@@ -117,9 +137,8 @@ class Reference:
         if self.comp.batched:
             if not bad:
                 named = [(self.names[p], p.grad) for p in self.order]
-                mean = lambda t, name: hvd.allreduce(t, op=hvd.Average, name="ref." + name,  # noqa: E731
-                                                      process_set=self.ps)
-                for p, g in zip(self.order, self.comp.reduce_batch(named, mean, hvdcomp.PhaseTimer(cuda_sync=False))):
+                for p, g in zip(self.order, self.comp.reduce_batch(named, self.step_comm(),
+                                                                   hvdcomp.PhaseTimer(cuda_sync=False))):
                     p.grad.copy_(g * (n if self.op is hvd.Sum else 1))
         else:
             if self.granularity == "bucket":  # the whole (small) model is one flat bucket

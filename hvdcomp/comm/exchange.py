@@ -1,0 +1,148 @@
+"""Byte messages among the ranks of a group over mpi4py: point to point, all-to-all, allgather.
+
+The scale-out transports (:mod:`hvdcomp.comm.sparse_allreduce`, the compressed allreduce of
+:mod:`hvdcomp.compressors.twophase`) move variable-size byte messages; this module is their one
+MPI layer, and the :class:`PointToPoint` protocol is what they need (tests run them on simulated
+ranks in threads, ``tests/simworld.py``). Payloads of several tensors travel as one message with
+:func:`pack_payload` / :func:`unpack_payload`.
+"""
+from __future__ import annotations
+
+from typing import List, Protocol, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["PointToPoint", "MPIExchange", "pack_payload", "unpack_payload"]
+
+# dtypes a payload tensor may have, by their code in a packed header
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8,
+           torch.int16, torch.int32, torch.int64, torch.bool)
+
+
+class PointToPoint(Protocol):
+    """Blocking byte messages among ``size`` ranks (this is ``rank``). Messages are 1-D uint8
+    tensors."""
+
+    rank: int
+    size: int
+
+    def send(self, data: torch.Tensor, dest: int) -> None:
+        """Send ``data`` to ``dest``."""
+
+    def recv(self, source: int, max_bytes: int) -> torch.Tensor:
+        """Receive one message (≤ ``max_bytes`` bytes) from ``source``."""
+
+    def sendrecv(self, data: torch.Tensor, partner: int, max_bytes: int) -> torch.Tensor:
+        """Exchange messages with ``partner`` (both call it); returns the partner's."""
+
+    def alltoall(self, parts: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Send ``parts[j]`` to rank j (every rank calls it); returns what each rank sent here."""
+
+    def allgather(self, data: torch.Tensor) -> List[torch.Tensor]:
+        """Every rank's ``data`` (sizes may differ), in rank order."""
+
+
+class MPIExchange:
+    """:class:`PointToPoint` over an mpi4py communicator (host memory: tensors on a GPU are
+    copied to the host and back by the callers' ``.cpu()`` / ``.to(device)``).
+
+    Args:
+        comm: an mpi4py communicator (the optimizer passes its own duplicate of the process
+            set's).
+
+    Attributes:
+        bytes_sent, bytes_received: payload bytes this rank moved (headers of sizes included).
+    """
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def send(self, data, dest):
+        buf = data.cpu().numpy()
+        self.comm.Send([buf, self.MPI.BYTE], dest=dest, tag=71)
+        self.bytes_sent += buf.nbytes
+
+    def recv(self, source, max_bytes):
+        buf = torch.empty(int(max_bytes), dtype=torch.uint8)
+        status = self.MPI.Status()
+        self.comm.Recv([buf.numpy(), self.MPI.BYTE], source=source, tag=71, status=status)
+        n = status.Get_count(self.MPI.BYTE)
+        self.bytes_received += n
+        return buf[:n]
+
+    def sendrecv(self, data, partner, max_bytes):
+        send = data.cpu().numpy()
+        buf = torch.empty(int(max_bytes), dtype=torch.uint8)
+        status = self.MPI.Status()
+        self.comm.Sendrecv([send, self.MPI.BYTE], dest=partner, sendtag=72,
+                           recvbuf=[buf.numpy(), self.MPI.BYTE], source=partner, recvtag=72, status=status)
+        n = status.Get_count(self.MPI.BYTE)
+        self.bytes_sent += send.nbytes
+        self.bytes_received += n
+        return buf[:n]
+
+    def alltoall(self, parts):
+        send = [p.cpu().numpy() for p in parts]
+        counts = np.array([a.nbytes for a in send], dtype=np.int64)
+        recv_counts = np.empty(self.size, dtype=np.int64)
+        self.comm.Alltoall(counts, recv_counts)
+        sbuf = np.concatenate(send) if send else np.zeros(0, np.uint8)
+        rbuf = np.empty(int(recv_counts.sum()), dtype=np.uint8)
+        sdis = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        rdis = np.concatenate([[0], np.cumsum(recv_counts)[:-1]])
+        self.comm.Alltoallv([sbuf, counts, sdis, self.MPI.BYTE], [rbuf, recv_counts, rdis, self.MPI.BYTE])
+        me = self.rank
+        self.bytes_sent += int(counts.sum() - counts[me]) + 8 * (self.size - 1)
+        self.bytes_received += int(recv_counts.sum() - recv_counts[me]) + 8 * (self.size - 1)
+        out = torch.from_numpy(rbuf)
+        return [out[int(o):int(o + c)] for o, c in zip(rdis, recv_counts)]
+
+    def allgather(self, data):
+        mine = data.cpu().numpy()
+        counts = np.empty(self.size, dtype=np.int64)
+        self.comm.Allgather(np.array([mine.nbytes], dtype=np.int64), counts)
+        rbuf = np.empty(int(counts.sum()), dtype=np.uint8)
+        dis = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        self.comm.Allgatherv(mine, [rbuf, counts, dis, self.MPI.BYTE])
+        self.bytes_sent += mine.nbytes + 8
+        self.bytes_received += int(counts.sum() - counts[self.rank]) + 8 * (self.size - 1)
+        out = torch.from_numpy(rbuf)
+        return [out[int(o):int(o + c)] for o, c in zip(dis, counts)]
+
+
+def pack_payload(payload: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One uint8 message holding a payload's tensors: an int64 header (count, then dtype code and
+    element count per tensor) and their bytes back to back.
+
+    Raises:
+        TypeError: a tensor dtype outside the supported set (floats, ints, bool, uint8).
+    """
+    header = [len(payload)]
+    for t in payload:
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"cannot pack a {t.dtype} payload tensor")
+        header += [_DTYPES.index(t.dtype), t.numel()]
+    head = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
+    return torch.cat([head] + [t.detach().reshape(-1).contiguous().cpu().view(torch.uint8) for t in payload])
+
+
+def unpack_payload(data: torch.Tensor, device=None) -> List[torch.Tensor]:
+    """The tensors :func:`pack_payload` packed (1-D each), on ``device`` (default: the data's)."""
+    data = data.cpu()  # (a slice of a receive buffer: views of other dtypes need aligned copies)
+    count = int(data[:8].clone().view(torch.int64)[0])
+    header = data[8:8 + 16 * count].clone().view(torch.int64).tolist()
+    pos, out = 8 + 16 * count, []
+    for j in range(count):
+        dtype, numel = _DTYPES[header[2 * j]], header[2 * j + 1]
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        out.append(data[pos:pos + nbytes].clone().view(dtype).to(device or data.device))
+        pos += nbytes
+    return out
