@@ -33,23 +33,27 @@ TIMEOUT_S = 60  # a simulated rank waiting longer than this for a message fails 
 class ThreadNetwork:
     """Point-to-point messages among ``size`` simulated ranks running in threads of one process
     (:class:`hvdcomp.comm.exchange.PointToPoint` endpoints; unbounded queues, so a send
-    never blocks). ``sent[r]`` / ``received[r]`` count each rank's bytes; a receive waiting more
-    than :data:`TIMEOUT_S` raises ``queue.Empty`` (a hang fails the test)."""
+    never blocks). ``sent[r]`` / ``received[r]`` count each rank's bytes, ``pair_bytes`` each
+    (source, destination)'s; ``nodes`` (node id per rank) is what the endpoints report as their
+    hosts. A receive waiting more than :data:`TIMEOUT_S` raises ``queue.Empty`` (a hang fails the
+    test)."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, nodes=None):
         import queue
 
         self.size = size
+        self.nodes = list(nodes) if nodes is not None else None  # node id per rank (hierarchical)
         self.queues = {(a, b): queue.Queue() for a in range(size) for b in range(size)}
         self.sent = [0] * size
         self.received = [0] * size
+        self.pair_bytes = {}  # (source, destination) -> bytes sent
 
     def endpoint(self, rank: int):
         net = self
 
         class Endpoint:
             def __init__(self):
-                self.rank, self.size = rank, net.size
+                self.rank, self.size, self.nodes = rank, net.size, net.nodes
 
             @property
             def bytes_sent(self):
@@ -62,6 +66,7 @@ class ThreadNetwork:
             def send(self, data, dest):
                 assert data.dtype == torch.uint8 and data.dim() == 1
                 net.sent[rank] += data.numel()
+                net.pair_bytes[(rank, dest)] = net.pair_bytes.get((rank, dest), 0) + data.numel()
                 net.queues[(rank, dest)].put(data.clone())
 
             def recv(self, source, max_bytes):
@@ -208,9 +213,10 @@ class SimulatedRanks:
                     "simulated ranks disagree on the aggregate"
         return first
 
-    def reduce_batch(self, named_grads_per_rank: Sequence[Sequence[Tuple[str, torch.Tensor]]]
-                     ) -> List[List[torch.Tensor]]:
-        """A batched compressor's step (PowerSGD): every rank's ``reduce_batch`` in lock-step.
+    def reduce_batch(self, named_grads_per_rank: Sequence[Sequence[Tuple[str, torch.Tensor]]],
+                     nodes=None) -> List[List[torch.Tensor]]:
+        """A batched compressor's step (PowerSGD, gtopk, ...): every rank's ``reduce_batch`` in
+        lock-step; ``nodes`` (node id per rank) is what their messages report as hosts.
 
         Returns every rank's list of averaged gradients.
         """
@@ -242,7 +248,7 @@ class SimulatedRanks:
                 return out
             return broadcast
 
-        network = self.last_network = ThreadNetwork(n)
+        network = self.last_network = ThreadNetwork(n, nodes)
 
         def run(r):
             try:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hvdcomp import get_compressor
-from hvdcomp.comm.sparse_allreduce import global_topk, merge_entries, select_largest
+from hvdcomp.comm.sparse_allreduce import global_topk, hierarchical_topk, merge_entries, select_largest
 from tests.simworld import SimulatedRanks, ThreadNetwork, horovod_allreduce, run_ranks
 
 
@@ -94,6 +94,38 @@ def test_global_topk_properties(size, k, n, seed, empty, same):
         assert torch.equal(full, dense)
 
 
+@settings(max_examples=20, deadline=None)
+@given(layout=st.sampled_from([(2, 4), (4, 2), (3, 3), (2, 3), (1, 5), (5, 1)]), k=st.integers(1, 10),
+       seed=st.integers(0, 2**16), blocked=st.booleans())
+def test_hierarchical_topk(layout, k, seed, blocked):
+    """nodes × ranks per node, placed in blocks or round robin: identical results with ≤ k entries,
+    each value exactly the sum of the entries the ranks report as kept, and between nodes only the
+    leaders (each node's lowest rank) send."""
+    nodes_n, per = layout
+    size = nodes_n * per
+    nodes = [r // per for r in range(size)] if blocked else [r % nodes_n for r in range(size)]
+    gen = torch.Generator().manual_seed(seed)
+    inputs = []
+    for r in range(size):
+        m = int(torch.randint(0, 20, (1,), generator=gen))
+        inputs.append((torch.randperm(30, generator=gen)[:m], torch.randint(-8, 9, (m,), generator=gen).float()))
+    net = ThreadNetwork(size, nodes)
+    out = run_ranks(size, lambda r: hierarchical_topk(inputs[r][0], inputs[r][1], k, net.endpoint(r), nodes))
+    first = out[0]
+    assert all(torch.equal(o[0], first[0]) and torch.equal(o[1], first[1]) for o in out)
+    assert first[0].numel() <= k
+    expect = {}
+    for r, (_, _, kept) in enumerate(out):
+        mine = dict(zip(inputs[r][0].tolist(), inputs[r][1].tolist()))
+        for i in kept.tolist():
+            expect[i] = expect.get(i, 0.0) + mine[i]
+    assert expect == dict(zip(first[0].tolist(), first[1].tolist()))
+    leaders = {min(r for r in range(size) if nodes[r] == n) for n in set(nodes)}
+    for (src, dst), nbytes in net.pair_bytes.items():
+        if nodes[src] != nodes[dst]:
+            assert src in leaders and dst in leaders, (src, dst, nbytes)
+
+
 def grads_for(size, step, shapes, scale=1.0):
     g = torch.Generator().manual_seed(100 * step + 7)
     return [[(f"w{j}", scale * torch.randn(*s, generator=g)) for j, s in enumerate(shapes)] for _ in range(size)]
@@ -105,12 +137,12 @@ def compensated(sim, grads):
             for c, named in zip(sim.comps, grads)]
 
 
-def committed_step(sim, grads):
+def committed_step(sim, grads, nodes=None):
     """One step on every simulated rank, committed (as the optimizer's step() does); returns the
     flat result of rank 0 after checking that every rank got the same bits."""
     for c in sim.comps:
         c.begin_step()
-    outs = sim.reduce_batch(grads)
+    outs = sim.reduce_batch(grads, nodes)
     for c in sim.comps:
         c.commit()
     flat = [torch.cat([t.reshape(-1) for t in o]) for o in outs]
@@ -119,11 +151,11 @@ def committed_step(sim, grads):
     return flat[0]
 
 
-@pytest.mark.parametrize("spec", ["gtopk:density=0.05", "cltk:density=0.05"])
+@pytest.mark.parametrize("spec", ["gtopk:density=0.05", "cltk:density=0.05", "gtopk:density=0.05,hierarchical=true"])
 @pytest.mark.parametrize("size", [2, 3, 4, 8])
 def test_sparse_error_feedback_conserves_mass(spec, size):
     """Over 4 steps: size·mean + Σ new residuals = Σ (gradient + old residual), every rank gets the
-    same result with ≤ k non-zeros."""
+    same result with ≤ k non-zeros (hierarchical: two ranks per node, the last alone if odd)."""
     shapes = [(7, 9), (9,), (40,)]
     n = sum(math.prod(s) for s in shapes)
     k = math.ceil(0.05 * n)
@@ -131,7 +163,7 @@ def test_sparse_error_feedback_conserves_mass(spec, size):
     for step in range(4):
         grads = grads_for(size, step, shapes)
         before = compensated(sim, grads)
-        mean = committed_step(sim, grads)
+        mean = committed_step(sim, grads, [r // 2 for r in range(size)] if "hierarchical" in spec else None)
         assert int((mean != 0).sum()) <= k
         after = sum(torch.cat([c.residual[name].reshape(-1) for name, _ in grads[0]]) for c in sim.comps)
         torch.testing.assert_close(size * mean + after, sum(before), rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ from typing import List, Protocol, Sequence
 import numpy as np
 import torch
 
-__all__ = ["PointToPoint", "MPIExchange", "pack_payload", "unpack_payload"]
+__all__ = ["PointToPoint", "MPIExchange", "SubGroup", "node_ids", "pack_payload", "unpack_payload"]
 
 # dtypes a payload tensor may have, by their code in a packed header
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8,
@@ -53,6 +53,8 @@ class MPIExchange:
 
     Attributes:
         bytes_sent, bytes_received: payload bytes this rank moved (headers of sizes included).
+        nodes: node id of every rank (ranks of one host share one: :func:`node_ids` of the
+            processor names, gathered once at construction; collective).
     """
 
     def __init__(self, comm):
@@ -64,6 +66,7 @@ class MPIExchange:
         self.size = comm.Get_size()
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.nodes = node_ids(comm.allgather(MPI.Get_processor_name()))
 
     def send(self, data, dest):
         buf = data.cpu().numpy()
@@ -116,6 +119,41 @@ class MPIExchange:
         self.bytes_received += int(counts.sum() - counts[self.rank]) + 8 * (self.size - 1)
         out = torch.from_numpy(rbuf)
         return [out[int(o):int(o + c)] for o, c in zip(dis, counts)]
+
+
+def node_ids(hosts: Sequence[str]) -> List[int]:
+    """Node id per rank from each rank's host name: 0, 1, … in order of first appearance."""
+    seen: dict = {}
+    return [seen.setdefault(h, len(seen)) for h in hosts]
+
+
+class SubGroup:
+    """Point-to-point messages (``send``, ``recv``, ``sendrecv``) among a subset of the ranks of
+    another :class:`PointToPoint`, renumbered 0 … len(members) − 1 in the order given (for the
+    node-local and cross-node stages of a hierarchical exchange). Byte counters are the parent's.
+
+    Args:
+        parent: the full group's messages.
+        members: ranks of ``parent`` in this subset; must include ``parent.rank``.
+
+    Raises:
+        ValueError: this rank is not among ``members``.
+    """
+
+    def __init__(self, parent, members: Sequence[int]):
+        if parent.rank not in members:
+            raise ValueError(f"rank {parent.rank} is not among the members {list(members)}")
+        self.parent, self.members = parent, list(members)
+        self.rank, self.size = self.members.index(parent.rank), len(self.members)
+
+    def send(self, data, dest):
+        self.parent.send(data, self.members[dest])
+
+    def recv(self, source, max_bytes):
+        return self.parent.recv(self.members[source], max_bytes)
+
+    def sendrecv(self, data, partner, max_bytes):
+        return self.parent.sendrecv(data, self.members[partner], max_bytes)
 
 
 def pack_payload(payload: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -24,13 +24,14 @@ is the sum of the inputs: nothing is lost, only delayed.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import torch
 
-from .exchange import PointToPoint
+from .exchange import PointToPoint, SubGroup
 
-__all__ = ["global_topk", "merge_entries", "select_largest", "wire_bytes", "expected_rounds"]
+__all__ = ["global_topk", "hierarchical_topk", "merge_entries", "select_largest", "wire_bytes",
+           "expected_rounds"]
 
 
 def wire_bytes(index_dtype: torch.dtype, value_dtype: torch.dtype) -> int:
@@ -140,3 +141,47 @@ def expected_rounds(size: int) -> Tuple[int, bool]:
     """(pairwise rounds, whether a fold round is needed) of :func:`global_topk` at ``size`` ranks."""
     q = 1 << (max(1, size).bit_length() - 1)
     return q.bit_length() - 1, q != size
+
+
+def hierarchical_topk(indices: torch.Tensor, values: torch.Tensor, k: int, p2p: PointToPoint,
+                      nodes: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`global_topk` in three stages, so that only one rank per node sends across nodes:
+
+    1. the ranks of each node run :func:`global_topk` among themselves (shared memory);
+    2. the node leaders (each node's lowest rank) run it among themselves on the node results
+       (the only traffic between nodes: log2(nodes) exchanges of ≤ k entries per leader);
+    3. each leader sends the result, and the positions where its node's entries survived, to
+       the other ranks of its node.
+
+    A rank's entries count where they survived both stages, so error feedback loses nothing.
+    The result is identical on every rank (it may differ from the flat :func:`global_topk`'s:
+    the merges happen in another order). Collective over ``p2p``'s ranks.
+
+    Args:
+        indices, values, k, p2p: as :func:`global_topk`.
+        nodes: node id of every rank of ``p2p`` (e.g. :attr:`hvdcomp.comm.exchange.MPIExchange.nodes`).
+
+    Returns:
+        ``(indices, values, kept)`` as :func:`global_topk`.
+
+    Raises:
+        ValueError: ``len(nodes)`` differs from the number of ranks, or as :func:`global_topk`.
+    """
+    if len(nodes) != p2p.size:
+        raise ValueError(f"nodes names {len(nodes)} ranks, the group has {p2p.size}")
+    me = p2p.rank
+    local = [r for r in range(p2p.size) if nodes[r] == nodes[me]]
+    leaders = sorted(min(r for r in range(p2p.size) if nodes[r] == n) for n in set(nodes))
+    idx, val, kept = global_topk(indices, values, k, SubGroup(p2p, local))
+    idt, vdt, dev = idx.dtype, val.dtype, val.device
+    max_bytes = 2 * k * wire_bytes(idt, vdt)
+    if me == local[0]:
+        idx, val, chain = global_topk(idx, val, k, SubGroup(p2p, leaders))
+        for r in local[1:]:
+            p2p.send(_pack(idx, val), r)
+            p2p.send(chain.contiguous().view(torch.uint8), r)
+    else:
+        idx, val = _unpack(p2p.recv(local[0], max_bytes), idt, vdt, dev)
+        chain = p2p.recv(local[0], max_bytes).to(dev).view(idt)
+    return idx, val, kept[torch.isin(kept, chain)]
+

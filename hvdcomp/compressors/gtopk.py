@@ -13,13 +13,17 @@ dropped at a merge — so error feedback loses nothing.
 
 Wire per rank and step: at most (log2(p) + 1)·k entries of 8 bytes (int32 index + float32 value;
 int64 indices past 2^31 elements), in log2(p) messages (+2 where p is not a power of two).
-Needs point-to-point messages: MPI (``mpirun`` / ``horovodrun --mpi`` with mpi4py).
+``hierarchical=true`` merges inside each node first (ranks with the same host name), then across
+nodes among one leader per node, then back inside the node
+(:func:`~hvdcomp.comm.sparse_allreduce.hierarchical_topk`): between nodes, only the leaders send,
+log2(nodes)·k entries each. Needs point-to-point messages: MPI (``mpirun`` / ``horovodrun --mpi``
+with mpi4py).
 """
 from __future__ import annotations
 
 import torch
 
-from ..comm.sparse_allreduce import global_topk
+from ..comm.sparse_allreduce import global_topk, hierarchical_topk
 from .flatbatch import GlobalSparseCompressor
 from .registry import register
 from .selection import exact_topk
@@ -34,6 +38,7 @@ class GlobalTopKCompressor(GlobalSparseCompressor):
     Args:
         density: ρ in (0, 1] of the whole model's entries (0.01: "50x" by the seed study's
             convention of 8 bytes per kept entry).
+        hierarchical: merge inside each node first; only one rank per node sends between nodes.
 
     State: ``residual`` per parameter name (per rank).
 
@@ -45,6 +50,15 @@ class GlobalTopKCompressor(GlobalSparseCompressor):
 
     name = "gtopk"
     collective = "sparse-allreduce"
+
+    def __init__(self, density: float = 0.01, hierarchical: bool = False):
+        super().__init__(density)
+        if not isinstance(hierarchical, bool):
+            raise ValueError(f"hierarchical must be true or false, got {hierarchical!r}")
+        self.hierarchical = hierarchical
+
+    def describe(self):
+        return {**super().describe(), **({"hierarchical": True} if self.hierarchical else {})}
     needs_point_to_point = True
 
     def reduce_sparse(self, acc, k, comm, timer):
@@ -62,7 +76,11 @@ class GlobalTopKCompressor(GlobalSparseCompressor):
             return torch.zeros_like(acc).index_copy_(0, idx.long(), values), idx.long()
         sent0, received0 = getattr(p2p, "bytes_sent", 0), getattr(p2p, "bytes_received", 0)
         with timer.phase("communicate"):
-            g_idx, g_val, kept = global_topk(idx, values, k, p2p)
+            nodes = getattr(p2p, "nodes", None)
+            if self.hierarchical and nodes is not None:
+                g_idx, g_val, kept = hierarchical_topk(idx, values, k, p2p, nodes)
+            else:
+                g_idx, g_val, kept = global_topk(idx, values, k, p2p)
         timer.add_bytes(sent=getattr(p2p, "bytes_sent", 0) - sent0,
                         received=getattr(p2p, "bytes_received", 0) - received0)
         with timer.phase("decompress"):
