@@ -10,7 +10,8 @@ Two parts (no forward/backward anywhere):
 1. **methods**: for each hvdcomp spec in ``--methods``, an :func:`hvdcomp.DistributedOptimizer` on
    the model; every repetition writes the same fixed random gradients (different per rank) into
    ``p.grad`` and calls ``opt.synchronize()``, i.e. compress + collectives + decompress of a whole
-   step. Recorded per repetition: wall seconds of ``synchronize()`` and hvdcomp's PhaseTimer
+   step, then applies it (``step()`` with lr 0, untimed) so that compressor state moves on as in
+   training. Recorded per repetition: wall seconds of ``synchronize()`` and hvdcomp's PhaseTimer
    phases (compress / communicate / decompress seconds) and bytes sent / received by this rank.
 2. **collectives**: raw collectives over a sweep of message sizes (bytes contributed per rank):
    Horovod ``allreduce`` (float32, sum; its latency includes Horovod's cycle time,
@@ -119,7 +120,7 @@ def summarize(comm, recs: List[Dict[str, float]]) -> Dict[str, object]:
 
 def bench_method(comm, model: LSTMLM, spec: str, grads: Dict[str, torch.Tensor], args) -> Dict[str, object]:
     """Repeated ``synchronize()`` of one hvdcomp method on fixed gradients."""
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0)  # never stepped; DGC needs momentum 0
+    sgd = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.0)  # lr 0: parameters stay; DGC needs momentum 0
     opt = hvdcomp.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=spec)
     timer = opt.timer
     params = list(model.named_parameters())
@@ -133,6 +134,8 @@ def bench_method(comm, model: LSTMLM, spec: str, grads: Dict[str, torch.Tensor],
         opt.synchronize()
         wall = time.perf_counter() - t0
         rec = timer.end_step()
+        with opt.skip_synchronize():  # commit the step (compressor state moves on as in training:
+            opt.step()                # fp16's scale after its probe step, cltk's next leader)
         return {"wall": wall, "compress": rec["compress"], "communicate": rec["communicate"],
                 "decompress": rec["decompress"], "bytes_sent": rec["bytes_sent"],
                 "bytes_received": rec["bytes_received"], "dense_bytes": rec["dense_bytes"]}

@@ -393,3 +393,21 @@ def test_scaleout_model_report_from_a_hand_made_fit(tmp_path):
     assert "qsgd s=16 (allgather): worst ratio" in text and "(missed)" in text
     assert "| gtopk:density=0.01 | 0.2500 | 0.5000 | 1,066,752 |" in text
     assert "8 ranks on 2 hosts" in text
+
+
+def test_comm_benchmark_every_repetition_communicates(tmp_path):
+    """benchmarks/comm_lm.py at 2 ranks: each repetition synchronizes anew (the smallest bytes sent
+    over the repetitions is the method's full payload, not 0 from a repeated synchronize())."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from mpirun import check
+
+    out = tmp_path / "comm.json"
+    check(2, [os.path.join(ROOT, "benchmarks", "comm_lm.py"), "--model", "small", "--reps", "3", "--warmup", "1",
+              "--budget", "5", "--methods", "none", "gtopk:density=0.01", "twophase", "--collectives",
+              "--output", str(out)], timeout=300)
+    methods = json.loads(out.read_text())["methods"]
+    n, k = 1_161_600, 11_616
+    assert methods["none"]["bytes_sent"]["min"] == 4 * n
+    assert methods["gtopk:density=0.01"]["bytes_sent"]["min"] == 8 * k  # one exchange of k entries
+    assert methods["twophase"]["bytes_sent"]["min"] > 0
+    assert all(m["communicate"]["min"] > 0 for m in methods.values())
