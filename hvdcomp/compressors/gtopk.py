@@ -50,6 +50,7 @@ class GlobalTopKCompressor(GlobalSparseCompressor):
 
     name = "gtopk"
     collective = "sparse-allreduce"
+    needs_point_to_point = True
 
     def __init__(self, density: float = 0.01, hierarchical: bool = False):
         super().__init__(density)
@@ -59,7 +60,6 @@ class GlobalTopKCompressor(GlobalSparseCompressor):
 
     def describe(self):
         return {**super().describe(), **({"hierarchical": True} if self.hierarchical else {})}
-    needs_point_to_point = True
 
     def reduce_sparse(self, acc, k, comm, timer):
         p2p = getattr(comm, "point_to_point", None)
