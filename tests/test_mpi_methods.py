@@ -57,7 +57,8 @@ def expected_bytes_sent(spec):
 
 LM_SPECS = ["fp16", "bf16", "randomk:density=0.01", "randomk:density=0.01,ef=false",
             "threshold:threshold=0.001", "dgc:density=0.01,warmup_epochs=1", "qsgd:levels=16,bucket=512",
-            "terngrad", "signsgd", "efsignsgd", "powersgd:rank=2"]
+            "terngrad", "signsgd", "efsignsgd", "powersgd:rank=2", "gtopk:density=0.01", "cltk:density=0.01",
+            "twophase"]
 
 
 @pytest.mark.skipif(not os.path.isfile(TINY_SHAKESPEARE), reason="../shared/data not present")
@@ -72,6 +73,11 @@ def test_train_lm_runs_every_method_at_4_ranks(spec, tmp_path):
     exact = expected_bytes_sent(spec)
     if exact is not None:
         assert sent["min"] == sent["max"] == exact, (spec, sent, exact)
+    k = math.ceil(0.01 * sum(SIZES))
+    if spec.startswith("gtopk"):  # 4 ranks: two exchanges of at most k entries (int32 index, fp32 value)
+        assert 0 < sent["max"] <= 2 * 8 * k, (sent, k)
+    if spec.startswith("cltk"):   # the leader's k int32 positions (broadcast), k fp32 values (allreduce)
+        assert 4 * k <= sent["min"] and sent["max"] <= 8 * k, (sent, k)
     assert r["measured_ratio"] == pytest.approx(r["per_step"]["dense_bytes"]["mean"] / sent["mean"])
     if spec.startswith(("threshold", "powersgd")):
         assert r["nominal_ratio"] is None                  # data- or shape-dependent

@@ -51,10 +51,16 @@ class CyclicLeaderTopKCompressor(GlobalSparseCompressor):
         """Steps reduced so far (committed); the next leader is ``step % size``."""
         return self.counters["step"]
 
-    def reduce_sparse(self, acc, k, comm, timer):
+    def reduce_batch(self, named_grads, comm, timer):
+        """As :meth:`FlatBatchCompressor.reduce_batch`; the leader of this step is rank
+        ``step % size`` (the same for every device's vector), and the step counter advances once."""
         step = self._get("counters", "step", 0)
         self._put("counters", "step", step + 1)
-        leader = step % comm.size
+        self._leader = step % comm.size
+        return super().reduce_batch(named_grads, comm, timer)
+
+    def reduce_sparse(self, acc, k, comm, timer):
+        leader = self._leader
         with timer.phase("compress"):
             if comm.rank == leader:
                 idx = exact_topk(acc, k, magnitudes=False).to(torch.int32 if acc.numel() < 2**31 else torch.int64)
