@@ -17,8 +17,10 @@ residual``) cut into p contiguous chunks, one per rank, with a quantizer ``Q`` (
 Worker residual: ``acc − decode(Q(acc))`` per chunk. Over the whole step, nothing is lost:
 ``p·result + p·Σ_j (s_j new − s_j old) + Σ_r worker residual_r = Σ_r acc_r``.
 
-Wire per rank and step: 2·(p−1)/p·B bytes for a payload of B bytes for the whole model (plus
-the size headers), whatever p is; a quantizer's allgather moves (p−1)·B. Needs MPI
+Wire per rank and step, for a payload of B bytes for the whole model: (p−1)/p·B sent in the
+all-to-all and B/p contributed to the allgather (B in all as hvdcomp's byte counters count, plus
+the size headers; a ring allgather forwards (p−1)/p·B, so 2·(p−1)/p·B on the links), whatever p
+is; a quantizer's allgather receives (p−1)·B. Needs MPI
 (``mpirun`` / ``horovodrun --mpi`` with mpi4py) for the all-to-all.
 """
 from __future__ import annotations
