@@ -170,8 +170,11 @@ def hierarchical_topk(indices: torch.Tensor, values: torch.Tensor, k: int, p2p: 
     if len(nodes) != p2p.size:
         raise ValueError(f"nodes names {len(nodes)} ranks, the group has {p2p.size}")
     me = p2p.rank
-    local = [r for r in range(p2p.size) if nodes[r] == nodes[me]]
-    leaders = sorted(min(r for r in range(p2p.size) if nodes[r] == n) for n in set(nodes))
+    local = [r for r, n in enumerate(nodes) if n == nodes[me]]
+    first: dict = {}
+    for r, n in enumerate(nodes):  # one pass: each node's lowest rank leads it
+        first.setdefault(n, r)
+    leaders = sorted(first.values())
     idx, val, kept = global_topk(indices, values, k, SubGroup(p2p, local))
     idt, vdt, dev = idx.dtype, val.dtype, val.device
     max_bytes = 2 * k * wire_bytes(idt, vdt)
