@@ -16,7 +16,7 @@ import horovod.torch as hvd
 import hvdcomp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from recipes import SPECS, batch, mlp, params  # noqa: E402
+from recipes import SPECS, batch, mlp, mpi_exchange, params, reference_step_comm  # noqa: E402
 
 
 def vector_opt(spec, w=None, lr=0.1, **kw):
@@ -317,19 +317,6 @@ def check_adasum_refused():
         raise AssertionError("Adasum accepted")
 
 
-def reference_comm(prefix):
-    """A batched method's collectives for a reference computation: averages in float64 through
-    Horovod, Horovod broadcast, mpi4py messages on a duplicate of COMM_WORLD (collective)."""
-    from mpi4py import MPI
-
-    from hvdcomp.comm.exchange import MPIExchange
-    from hvdcomp.comm.step import StepComm
-
-    mean = lambda t, n: hvd.allreduce(t.double(), op=hvd.Average, name=f"{prefix}.{n}").float()  # noqa: E731
-    bcast = lambda t, root, n: hvd.broadcast(t, root_rank=root, name=f"{prefix}.{n}")  # noqa: E731
-    return StepComm(mean, hvd.rank(), hvd.size(), bcast, MPIExchange(MPI.COMM_WORLD.Dup()))
-
-
 def check_low_precision_every_method():
     """Every method × {float32, float16, bfloat16} parameters: the averaged gradient equals a
     float64 reference (each rank's compressor applied to its own gradient, decodes averaged in
@@ -350,7 +337,8 @@ def check_low_precision_every_method():
         got = w.grad.double()
         if ref_comp.batched:
             named = [("w", local)]
-            ref = ref_comp.reduce_batch(named, reference_comm(f"lp.{spec}.{dtype}"),
+            ref = ref_comp.reduce_batch(named, reference_step_comm(f"lp.{spec}.{dtype}", hvd.global_process_set,
+                                                                   mpi_exchange(hvd.global_process_set), float64=True),
                                         hvdcomp.PhaseTimer(cuda_sync=False))[0].double()
         else:
             payload, ctx = ref_comp.encode(local, "w")

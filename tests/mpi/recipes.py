@@ -45,6 +45,35 @@ def check_specs_cover_registry():
 
 
 # ---- the reference ---------------------------------------------------------------------------
+def mpi_exchange(ps):
+    """mpi4py messages among the ranks of Horovod process set ``ps`` (collective over them)."""
+    from mpi4py import MPI
+
+    from hvdcomp.comm.exchange import MPIExchange
+
+    world = MPI.COMM_WORLD
+    comm = world.Dup() if ps.ranks is None or len(ps.ranks) == hvd.size() else \
+        world.Create_group(world.Get_group().Incl(list(ps.ranks)))
+    return MPIExchange(comm) if comm != MPI.COMM_NULL else None
+
+
+def reference_step_comm(prefix, ps, p2p, float64=False):
+    """A batched method's collectives for a reference computation, written with plain Horovod:
+    averages (in float64 if asked), broadcasts, and ``p2p`` (:func:`mpi_exchange`)."""
+    from hvdcomp.comm.step import StepComm
+
+    ranks = ps.ranks or list(range(hvd.size()))
+
+    def mean(t, name):
+        out = hvd.allreduce(t.double() if float64 else t, op=hvd.Average, name=f"{prefix}.{name}", process_set=ps)
+        return out.to(t.dtype)
+
+    def bcast(t, root, name):
+        return hvd.broadcast(t, root_rank=ranks[root], name=f"{prefix}.{name}", process_set=ps)
+
+    return StepComm(mean, ps.rank(), ps.size(), bcast, p2p)
+
+
 class Reference:
     """Model of the optimizer contract (see the module docstring). Accepts the same arguments as
     ``hvdcomp.DistributedOptimizer`` that the recipes use; delegates everything else to the
@@ -73,22 +102,10 @@ class Reference:
 
     def step_comm(self):
         """The collectives of a batched method, written here with plain Horovod and mpi4py."""
-        from mpi4py import MPI
-
-        from hvdcomp.comm.exchange import MPIExchange
-        from hvdcomp.comm.step import StepComm
-
         if getattr(self, "_p2p", None) is None:
-            world = MPI.COMM_WORLD
-            comm = world.Dup() if self.ps.ranks is None or len(self.ps.ranks) == hvd.size() else \
-                world.Create_group(world.Get_group().Incl(list(self.ps.ranks)))
-            self._p2p = MPIExchange(comm) if comm != MPI.COMM_NULL else None
-        ranks = self.ps.ranks or list(range(hvd.size()))
-        mean = lambda t, name: hvd.allreduce(t, op=hvd.Average, name="ref." + name,  # noqa: E731
-                                              process_set=self.ps)
-        bcast = lambda t, root, name: hvd.broadcast(t, root_rank=ranks[root], name="ref." + name,  # noqa: E731
-                                                    process_set=self.ps)
-        return StepComm(mean, self.ps.rank(), self.ps.size(), bcast, self._p2p)
+            self._p2p = mpi_exchange(self.ps)
+        return reference_step_comm("ref", self.ps, self._p2p)
+
     def _hook(self, p):
         if self.synced:
             self._discard()
