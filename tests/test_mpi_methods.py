@@ -26,6 +26,11 @@ def test_fp16_agreed_scale_through_horovod_at_4_ranks():
     assert "OK fp16_agreed_scale" in check(4, ["tests/mpi/method_checks.py", "fp16_agreed_scale"], timeout=120)
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_adaptive_plans_agree_through_the_optimizer(ranks):
+    assert "OK adaptive_plans_agree" in check(ranks, ["tests/mpi/method_checks.py", "adaptive_plans_agree"], timeout=180)
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_dgc_momentum_applied_once(ranks):
     assert "OK dgc_momentum_applied_once" in check(ranks, ["tests/mpi/method_checks.py", "dgc_momentum_applied_once"], timeout=120)
@@ -58,7 +63,7 @@ def expected_bytes_sent(spec):
 LM_SPECS = ["fp16", "bf16", "randomk:density=0.01", "randomk:density=0.01,ef=false",
             "threshold:threshold=0.001", "dgc:density=0.01,warmup_epochs=1", "qsgd:levels=16,bucket=512",
             "terngrad", "signsgd", "efsignsgd", "powersgd:rank=2", "gtopk:density=0.01", "cltk:density=0.01",
-            "twophase"]
+            "twophase", "adaptive:base=topk,budget=0.01,every=2"]
 
 
 @pytest.mark.skipif(not os.path.isfile(TINY_SHAKESPEARE), reason="../shared/data not present")
@@ -79,7 +84,9 @@ def test_train_lm_runs_every_method_at_4_ranks(spec, tmp_path):
     if spec.startswith("cltk"):   # the leader's k int32 positions (broadcast), k fp32 values (allreduce)
         assert 4 * k <= sent["min"] and sent["max"] <= 8 * k, (sent, k)
     assert r["measured_ratio"] == pytest.approx(r["per_step"]["dense_bytes"]["mean"] / sent["mean"])
-    if spec.startswith(("threshold", "powersgd")):
+    if spec.startswith("adaptive"):   # never more than the uniform top-k's payload (+ error tables)
+        assert sent["max"] <= 8 * k + 4 * 5 * len(SIZES) + 8 * 64, (sent, k)
+    if spec.startswith(("threshold", "powersgd", "adaptive")):
         assert r["nominal_ratio"] is None                  # data- or shape-dependent
     else:
         assert r["nominal_ratio"] > 1.0

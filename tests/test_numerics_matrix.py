@@ -160,6 +160,12 @@ def bound_terngrad(c: Cell) -> float:
     return float(sum(per_rank) / len(per_rank)) / c.scale + fp32_sum(c)
 
 
+def bound_adaptive(c: Cell) -> float:
+    """Top-k at whichever candidate density the plan gives: the smallest candidate's contraction."""
+    k = min(num_kept(c.n, d) for d in inner(c.comp).settings)
+    return math.sqrt(1 - k / c.n) + fp32_sum(c) if c.n else fp32_sum(c)
+
+
 def bound_efsign(c: Cell) -> float:
     return math.sqrt(1 - 1 / c.n) + fp32_sum(c)
 
@@ -228,6 +234,11 @@ ROWS = [
     Row("powersgd", "powersgd:rank=2", "built in", bound_powersgd,
         "10⁻⁵ if rank(m) ≤ r (exact recovery), else 1 + 10⁻⁵ (P·Pᵀ·m: a projection of the mean); "
         "uncompressed shapes (N+2)·2⁻²⁴", "all-zero tensor", steps=2),
+    # the plan may give the tensor any candidate density: the smallest one's contraction holds
+    Row("adaptive", "adaptive:base=topk,budget=0.1,every=1,ef=false", "off", bound_adaptive,
+        contraction_formula("ρ = 0.025, the smallest candidate of budget 0.1"), "elementwise", steps=2),
+    Row("adaptive", "adaptive:base=topk,budget=0.1,every=1", "on", bound_adaptive,
+        contraction_formula("ρ = 0.025"), "elementwise", steps=2),
     # out − mean = −(1/N)·Σ_r e_r, each new residual e_r is p_r with some entries zeroed: ‖e_r‖ ≤ ‖p_r‖
     Row("gtopk", "gtopk:density=0.1", "built in", lambda c: 1.0 + fp32_sum(c),
         "1 + (N+2)·2⁻²⁴ (the residuals are parts of the p_r)", "elementwise", steps=2),

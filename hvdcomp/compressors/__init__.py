@@ -15,9 +15,10 @@ from .powersgd import PowerSGDCompressor
 from .gtopk import GlobalTopKCompressor
 from .cltk import CyclicLeaderTopKCompressor
 from .twophase import TwoPhaseCompressor
+from .adaptive import AdaptiveCompressor
 
 __all__ = ["Compressor", "Payload", "world_size", "rank", "simulated_world", "available", "get_compressor", "parse_spec",
            "register", "NoneCompressor", "FP16Compressor", "BF16Compressor", "TopKCompressor",
            "RandomKCompressor", "ThresholdCompressor", "DGCCompressor", "QSGDCompressor",
            "TernGradCompressor", "SignSGDCompressor", "ScaledSignCompressor", "PowerSGDCompressor",
-           "GlobalTopKCompressor", "CyclicLeaderTopKCompressor", "TwoPhaseCompressor"]
+           "GlobalTopKCompressor", "CyclicLeaderTopKCompressor", "TwoPhaseCompressor", "AdaptiveCompressor"]

@@ -68,7 +68,8 @@ def get_compressor(spec: str, **kwargs: Any):
 
     ``get_compressor("topk", density=0.01)`` and ``get_compressor("topk:density=0.01")`` are the
     same. The extra keyword ``ef`` (bool) wraps the method in :class:`hvdcomp.ErrorFeedback`; its
-    default is the method's ``default_error_feedback`` (on for top-k). Sparsifiers also accept
+    default is the method's ``default_error_feedback`` (on for top-k; a wrapper such as ``adaptive``
+    takes its base method's). Sparsifiers also accept
     the wire-coding keywords ``values`` (``fp32``/``fp16``) and ``index`` (``int``/``compact``),
     see :mod:`hvdcomp.compressors.sparse`.
 
@@ -86,10 +87,10 @@ def get_compressor(spec: str, **kwargs: Any):
     if name not in _REGISTRY:
         raise ValueError(f"unknown compressor '{name}'; available: {', '.join(available())}")
     cls = _REGISTRY[name]
-    ef = spec_kwargs.pop("ef", cls.default_error_feedback)
+    ef = spec_kwargs.pop("ef", None)
     if ef is True and cls.builtin_error_feedback:
         raise ValueError(f"'{name}' keeps its own residual (error feedback is built in); drop ef=true")
-    if not isinstance(ef, bool):
+    if ef is not None and not isinstance(ef, bool):
         raise ValueError(f"ef must be true or false, got {ef!r}")
     from .sparse import SparseCompressor  # local import: sparse imports base
 
@@ -106,4 +107,6 @@ def get_compressor(spec: str, **kwargs: Any):
     comp = cls(**spec_kwargs)
     if wire:
         comp.set_wire(**wire)
+    if ef is None:  # the instance's default: a wrapper (adaptive) takes its base method's
+        ef = comp.default_error_feedback
     return ErrorFeedback(comp) if ef else comp

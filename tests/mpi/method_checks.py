@@ -14,7 +14,8 @@ from hvdcomp.compressors.base import Compressor
 SPECS = ["none", "fp16", "bf16", "topk:density=0.2", "randomk:density=0.2",
          "randomk:density=0.2,ef=false", "threshold:threshold=0.05", "dgc:density=0.2",
          "qsgd:levels=4,bucket=8", "qsgd:levels=64,bucket=16,scale=max", "terngrad", "signsgd",
-         "signsgd:vote=allgather", "efsignsgd"]
+         "signsgd:vote=allgather", "efsignsgd", "adaptive:base=topk,budget=0.2,every=1",
+         "adaptive:base=randomk,budget=0.2,every=1", "adaptive:base=qsgd,budget=8,bucket=8,every=1"]
 
 
 class Recording(Compressor):
@@ -130,6 +131,50 @@ def check_fp16_agreed_scale():
     every = hvd.allgather(torch.tensor([comp.exponents["w"]]), name="fp16.exponent")
     expected = math.floor(math.log2(1e-4 * (1 + (hvd.size() - 1) / 8)))
     assert (every == expected).all(), (every, expected)
+
+
+def check_adaptive_plans_agree():
+    """adaptive (L-GreCo) through the optimizer, allgather (top-k) and allreduce (random-k): after
+    each re-plan every rank holds the same plan, the spiky layer gives bytes to the dense one, and
+    the measured bytes of a planned step stay within the uniform setting's."""
+    from hvdcomp.compressors.adaptive import AdaptiveCompressor
+    from hvdcomp.compressors.topk import num_kept
+
+    for base in ("topk", "randomk"):
+        torch.manual_seed(0)
+        spiky = torch.nn.Linear(40, 60)
+        dense = torch.nn.Linear(40, 30)
+        comp = hvdcomp.get_compressor(f"adaptive:base={base},budget=0.05,every=2")
+        inner = comp.inner
+        assert isinstance(inner, AdaptiveCompressor)
+        params = [("spiky.weight", spiky.weight), ("dense.weight", dense.weight)]
+        opt = hvdcomp.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.0),
+                                           named_parameters=params, compression=comp)
+        g = torch.Generator().manual_seed(7 + hvd.rank())
+        mask = torch.zeros(60, 40)
+        mask[:2, :3] = 1.0
+        sent = []
+        for step in range(5):
+            opt.timer.begin_step()
+            opt.zero_grad()
+            x = torch.randn(16, 40, generator=g)
+            # the spiky layer's gradient lives in 6 entries; the dense layer's everywhere
+            loss = (spiky.weight * mask * 100).sum() * (1 + hvd.rank()) + dense(x).pow(2).sum()
+            loss.backward()
+            opt.step()
+            sent.append(opt.timer.end_step()["bytes_sent"])
+            plan = torch.tensor([inner.plan.get(n, -1) for n, _ in params])
+            every = hvd.allgather(plan.unsqueeze(0), name=f"adaptive.plan.{base}.{step}")
+            assert all(torch.equal(every[r], plan) for r in range(hvd.size())), (base, step, every)
+        uniform = inner.settings.index(0.05)
+        assert inner.plan["spiky.weight"] < uniform < inner.plan["dense.weight"], (base, inner.plan)
+        per_value = 8 if base == "topk" else 4
+        budget = sum(per_value * num_kept(p.numel(), 0.05) for _, p in params)
+        planned = sum(per_value * num_kept(p.numel(), inner.setting_of(n)) for n, p in params)
+        assert planned <= budget, (planned, budget)
+        if base == "topk":  # step 3 is planned and not measuring: exactly the planned payload,
+            # plus the allgather's per-tensor size header
+            assert sent[3] - planned in range(0, 64), (sent, planned)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,335 @@
+"""``adaptive``: per-layer compression settings chosen by dynamic programming under a byte budget.
+
+Alimohammadi, Markov, Frantar and Alistarh, "L-GreCo: Layerwise-Adaptive Gradient Compression for
+Efficient and Accurate Deep Learning", MLSys 2024.
+
+A wrapper around a per-tensor method ``base`` with one knob (top-k's and random-k's ``density``,
+QSGD's ``levels``). The user states the uniform setting, ``budget`` (e.g. density 0.01); the
+wrapper may give each gradient (layer) ``l`` its own setting ``c_l`` from a set of candidates
+(by default ``budget × {1/4, 1/2, 1, 2, 4}``), chosen so that
+
+    minimise   Σ_l err_l(c_l)      subject to   Σ_l bytes_l(c_l) ≤ B = Σ_l bytes_l(budget)
+
+where ``err_l(c) = mean over ranks of ‖x_l − C_c(x_l)‖²`` is the squared L2 compression error of
+candidate ``c`` on the tensor the method compresses (the gradient plus error-feedback residual),
+and ``bytes_l(c)`` is the base method's :meth:`~hvdcomp.Compressor.expected_payload_bytes` for
+layer l's element count. The total bytes never exceed the uniform setting's, and the total error
+is never larger than the uniform setting's (the uniform plan is kept when the program finds
+nothing better).
+
+Schedule, counted per gradient name (encode number t = 0, 1, 2, ...):
+
+* at every t ≡ 0 (mod ``every``) the wrapper *measures*: besides its payload it computes
+  ``err_l(c)`` for every candidate (one compression per candidate, on the same input) and sends
+  the C numbers along as one extra float32 tensor at the end of the payload. They travel with the
+  payload, so every rank receives every rank's numbers (allgather) or their mean (allreduce):
+  every rank computes the same mean table, bit for bit, without a collective of its own;
+* at the first encode of step t ≥ 1 after a measurement round, every rank solves the program
+  on that table (:func:`choose_settings`, deterministic): all ranks agree on the plan, which
+  holds until the next round. Step 0 uses the uniform setting.
+
+The program is a knapsack over bytes discretised into ``R`` units of ``B / R`` bytes, costs rounded
+up (so a plan that fits in units fits in bytes): O(L·C·R) time, R = min(B, max(4096, 64·L)).
+
+Payload: the base method's payload for the layer's current setting, plus on measuring steps a
+``(C,) float32`` tensor of errors. Error feedback (on by default where the base method's is)
+wraps this wrapper, so the residual is what the chosen setting dropped.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .base import Compressor
+from .registry import get_compressor, register
+from .topk import check_density
+
+__all__ = ["AdaptiveCompressor", "choose_settings", "KNOBS"]
+
+#: base method → the argument the wrapper varies per layer. Bases must compress one tensor at a
+#: time (not batched), keep no residual of their own, and know their payload bytes in advance.
+KNOBS = {"topk": "density", "randomk": "density", "qsgd": "levels"}
+
+#: default candidates as multiples of the uniform setting
+DEFAULT_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+def choose_settings(errors: np.ndarray, costs: np.ndarray, uniform: int,
+                    resolution: Optional[int] = None) -> np.ndarray:
+    """The per-layer candidate minimising total error within the uniform choice's total bytes.
+
+    Args:
+        errors: ``(L, C)`` float64, error of candidate c on layer l (finite, ≥ 0).
+        costs: ``(L, C)`` integer bytes of candidate c on layer l (≥ 0).
+        uniform: column index of the uniform setting; the budget is ``costs[:, uniform].sum()``.
+        resolution: R, the number of byte units (default min(budget, max(4096, 64·L)): whole bytes,
+            so exact, for budgets up to that; otherwise each layer may lose up to one unit,
+            at most L/R ≤ 1/64 of the budget in all).
+
+    Returns:
+        ``(L,)`` int64 candidate indices: a plan with ``Σ costs ≤ budget`` and
+        ``Σ errors ≤ Σ errors[:, uniform]``; among plans whose costs fit in R units of
+        ``budget / R`` bytes (rounded up), one of least error (ties: lowest candidate index,
+        then fewest units).
+
+    Raises:
+        ValueError: shapes disagree or ``uniform`` is out of range.
+    """
+    errors = np.asarray(errors, dtype=np.float64)
+    costs = np.asarray(costs, dtype=np.int64)
+    if errors.shape != costs.shape or errors.ndim != 2 or not 0 <= uniform < errors.shape[1]:
+        raise ValueError(f"choose_settings needs errors and costs of one (L, C) shape and "
+                         f"0 <= uniform < C, got {errors.shape}, {costs.shape}, uniform={uniform}")
+    layers, ncand = errors.shape
+    fallback = np.full(layers, uniform, dtype=np.int64)
+    budget = int(costs[:, uniform].sum())
+    if layers == 0 or budget == 0:
+        return fallback
+    res = int(resolution or min(budget, max(4096, 64 * layers)))
+    unit = budget / res
+    weights = np.ceil(costs / unit - 1e-9).astype(np.int64)  # (rounding noise must not add a unit)
+    best = np.full(res + 1, np.inf)
+    best[0] = 0.0
+    choice = np.zeros((layers, res + 1), dtype=np.int16)
+    for layer in range(layers):
+        new = np.full(res + 1, np.inf)
+        for c in range(ncand):
+            w = int(weights[layer, c])
+            if w > res:
+                continue
+            shifted = np.full(res + 1, np.inf)
+            shifted[w:] = best[:res + 1 - w] + errors[layer, c]
+            better = shifted < new
+            new[better] = shifted[better]
+            choice[layer, better] = c
+        best = new
+    end = int(np.argmin(best))
+    if not np.isfinite(best[end]) or best[end] >= errors[:, uniform].sum():
+        return fallback
+    plan = np.empty(layers, dtype=np.int64)
+    for layer in range(layers - 1, -1, -1):
+        c = int(choice[layer, end])
+        plan[layer] = c
+        end -= int(weights[layer, c])
+    return plan
+
+
+def _parse_candidates(candidates, budget, knob: str) -> List:
+    if candidates is None:
+        values = [budget * f for f in DEFAULT_FACTORS]
+    elif isinstance(candidates, str):
+        values = [float(v) for v in candidates.split("/") if v.strip()]
+    elif isinstance(candidates, (int, float)):
+        values = [candidates]
+    else:
+        values = list(candidates)
+    if knob == "density":
+        values = [min(1.0, float(v)) for v in values]
+    else:
+        values = [max(1, int(round(float(v)))) for v in values]
+    values.append(budget)
+    return sorted(set(values))
+
+
+@register("adaptive")
+class AdaptiveCompressor(Compressor):
+    """Per-layer settings of ``base`` chosen by dynamic programming (see the module docstring).
+
+    Args:
+        base: a method of :data:`KNOBS` (``topk``, ``randomk``, ``qsgd``).
+        budget: the uniform setting of the base's knob (density for top-k / random-k, levels for
+            QSGD); its bytes are the budget. Default: the base method's own default (top-k:
+            density 0.01).
+        candidates: the settings a layer may get, ``"0.0025/0.005/0.01/0.02/0.04"`` in a spec
+            (``/``-separated) or a list; default ``budget × {1/4, 1/2, 1, 2, 4}`` (densities
+            capped at 1, levels rounded to integers ≥ 1). ``budget`` is always a candidate.
+        every: measure and re-plan every ``every`` steps (≥ 1).
+        **base_args: the base method's other arguments (e.g. ``bucket=512`` for QSGD).
+
+    Transport: the base method's (allreduce for random-k, allgather for top-k and QSGD).
+
+    State (:meth:`state_dict`, all identical on every rank): ``steps`` (encodes per name),
+    ``errors`` (name → (round, (C,) float64 mean errors) of the last measurement), ``plan``
+    (name → candidate index), ``plan_round``, and each candidate's own state.
+
+    Raises:
+        ValueError: ``base`` not in :data:`KNOBS`, ``budget`` out of the base's range,
+            ``every < 1``, bad ``candidates``, or the base's own argument errors.
+    """
+
+    name = "adaptive"
+    aggregate_is_mean = False  # the measured errors must travel with the payload
+    shared_state_keys = ("steps", "numels", "errors", "plan", "plan_round")
+
+    def __init__(self, base: str = "topk", budget=None, candidates=None, every: int = 200, **base_args):
+        if base not in KNOBS:
+            raise ValueError(f"adaptive:base= must be one of {sorted(KNOBS)} (per-tensor methods with "
+                             f"one knob and known payload bytes), got {base!r}")
+        self.knob = KNOBS[base]
+        if budget is None:  # the base method's own default setting
+            from .registry import _REGISTRY
+
+            budget = inspect.signature(_REGISTRY[base].__init__).parameters[self.knob].default
+        if self.knob in base_args:
+            raise ValueError(f"adaptive sets {self.knob} per layer: give the uniform value as budget=, "
+                             f"not {self.knob}=")
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"every must be an integer >= 1 (steps between re-plans), got {every!r}")
+        if self.knob == "density":
+            check_density(budget)  # (candidates above 1 are capped; the uniform setting must be valid)
+        self.base, self.every, self.base_args = base, every, dict(base_args)
+        try:
+            self.settings = _parse_candidates(candidates, budget, self.knob)
+        except (TypeError, ValueError):
+            raise ValueError(f"candidates must be numbers separated by '/', e.g. "
+                             f"candidates=0.005/0.01/0.02, got {candidates!r}") from None
+        self.budget = self.settings[self.settings.index(
+            min(1.0, float(budget)) if self.knob == "density" else max(1, int(round(float(budget)))))]
+        self.uniform = self.settings.index(self.budget)
+        self.methods = [get_compressor(base, ef=False, **{self.knob: s}, **base_args) for s in self.settings]
+        if any(m.batched or m.builtin_error_feedback for m in self.methods):  # pragma: no cover - KNOBS
+            raise ValueError(f"adaptive cannot wrap '{base}'")
+        self.summable = self.methods[0].summable
+        self.allreduce_op = self.methods[0].allreduce_op
+        self.default_error_feedback = self.methods[0].default_error_feedback
+        self.steps: Dict[str, int] = {}
+        self.errors: Dict[str, tuple] = {}
+        self.plan: Dict[str, int] = {}
+        self.numels: Dict[str, int] = {}
+        self.plan_round = -1
+
+    def describe(self):
+        return {"name": self.name, "base": self.base, "budget": self.budget, "every": self.every,
+                "candidates": self.settings, **self.base_args}
+
+    def nominal_ratio(self, numel):
+        """None: each layer's setting changes with the plan."""
+        return None
+
+    def expected_payload_bytes(self, numel):
+        return None
+
+    def bind_group(self, size):
+        super().bind_group(size)
+        for m in self.methods:
+            m.bind_group(size)
+
+    def set_epoch(self, epoch):
+        for m in self.methods:
+            m.set_epoch(epoch)
+
+    # ---- the plan ---------------------------------------------------------------------------------
+    def setting_of(self, name: str):
+        """The knob value layer ``name`` uses now (the uniform budget until a plan exists)."""
+        return self.settings[self.plan.get(name, self.uniform)]
+
+    def _replan(self, wanted: int) -> None:
+        """Solve the program on the measurements of round ``wanted`` (layers measured in it, in
+        name order; others keep the uniform setting)."""
+        names = sorted(n for n, (r, _) in self.errors.items() if r == wanted)
+        plan = {}
+        if names:
+            errors = np.stack([self.errors[n][1] for n in names])
+            errors = np.nan_to_num(errors, nan=np.finfo(np.float64).max, posinf=np.finfo(np.float64).max)
+            costs = np.array([[m.expected_payload_bytes(self.numels[n]) or 0 for m in self.methods]
+                              for n in names], dtype=np.int64)
+            plan = dict(zip(names, choose_settings(errors, costs, self.uniform).tolist()))
+        self.plan, self.plan_round = plan, wanted
+
+    # ---- Compressor API ----------------------------------------------------------------------------
+    def _encode(self, tensor, name=None):
+        if name is None:
+            raise ValueError("adaptive chooses a setting per parameter and needs its name: use "
+                             "hvdcomp.DistributedOptimizer(..., named_parameters=model.named_parameters())")
+        t = self._get("steps", name, 0)
+        self._put("steps", name, t + 1)
+        self.numels[name] = tensor.numel()
+        if t >= 1 and (t - 1) // self.every != self.plan_round:
+            self._replan((t - 1) // self.every)
+        chosen = self.plan.get(name, self.uniform)
+        payload, ctx = self.methods[chosen].encode(tensor, name)
+        measuring = t % self.every == 0
+        if measuring:
+            x = tensor.detach().to(torch.float64)
+            errs = []
+            for c, method in enumerate(self.methods):
+                if c == chosen:
+                    dec = method.decode([p.clone() for p in payload], ctx)
+                else:
+                    p_c, ctx_c = method.encode(tensor, name)
+                    dec = method.decode(p_c, ctx_c)
+                errs.append(float((x - dec.to(torch.float64)).pow(2).sum()))
+            payload = list(payload) + [torch.tensor(errs, dtype=torch.float32, device=tensor.device)
+                                       .clamp(max=torch.finfo(torch.float32).max)]
+        return payload, (chosen, ctx, measuring, name, t // self.every)
+
+    def _record(self, ctx, tables: Sequence[torch.Tensor]) -> None:
+        """Keep the mean over ranks of a measuring step's error tables."""
+        _, _, measuring, name, rnd = ctx
+        if measuring:
+            mean = torch.stack([t.to(torch.float64).cpu() for t in tables]).mean(0).numpy()
+            self._put("errors", name, (rnd, mean))
+
+    def _split(self, payload, ctx):
+        return payload[:-1] if ctx[2] else payload
+
+    def decode(self, payload, ctx):
+        self._record(ctx, payload[-1:] if ctx[2] else [])
+        return self.methods[ctx[0]].decode(self._split(payload, ctx), ctx[1])
+
+    def decode_into(self, out, payload, ctx):
+        self._record(ctx, payload[-1:] if ctx[2] else [])
+        return self.methods[ctx[0]].decode_into(out, self._split(payload, ctx), ctx[1])
+
+    def aggregate(self, payloads, ctx):
+        self._record(ctx, [p[-1] for p in payloads] if ctx[2] else [])
+        return self.methods[ctx[0]].aggregate([self._split(p, ctx) for p in payloads], ctx[1])
+
+    def aggregate_into(self, out, payloads, ctx):
+        self._record(ctx, [p[-1] for p in payloads] if ctx[2] else [])
+        return self.methods[ctx[0]].aggregate_into(out, [self._split(p, ctx) for p in payloads], ctx[1])
+
+    def residual_(self, p, payload, ctx):
+        return self.methods[ctx[0]].residual_(p, self._split(payload, ctx), ctx[1])
+
+    # ---- staged state and checkpoints ------------------------------------------------------------
+    def begin_step(self):
+        super().begin_step()
+        for m in self.methods:
+            m.begin_step()
+
+    def commit(self):
+        super().commit()
+        for m in self.methods:
+            m.commit()
+
+    def rollback(self):
+        super().rollback()
+        for m in self.methods:
+            m.rollback()
+
+    def rescale_state(self, factor):
+        for m in self.methods:
+            m.rescale_state(factor)
+
+    def state_dict(self):
+        return {"steps": dict(self.steps), "numels": dict(self.numels),
+                "errors": {n: (r, e.copy()) for n, (r, e) in self.errors.items()},
+                "plan": dict(self.plan), "plan_round": self.plan_round,
+                "candidates": [m.state_dict() for m in self.methods]}
+
+    def load_state_dict(self, state):
+        unknown = sorted(set(state) - {"steps", "numels", "errors", "plan", "plan_round", "candidates"})
+        if unknown:
+            raise ValueError(f"adaptive state has keys steps, numels, errors, plan, plan_round, "
+                             f"candidates; got unknown {unknown}")
+        self.steps = dict(state.get("steps", {}))
+        self.numels = dict(state.get("numels", {}))
+        self.errors = {n: (r, np.array(e, dtype=np.float64)) for n, (r, e) in state.get("errors", {}).items()}
+        self.plan = dict(state.get("plan", {}))
+        self.plan_round = int(state.get("plan_round", -1))
+        for m, s in zip(self.methods, state.get("candidates", [{}] * len(self.methods))):
+            m.load_state_dict(s)
