@@ -1,0 +1,422 @@
+"""``lowbit``: 4- and 8-bit block quantization with moving-average error compensation.
+
+After Xie, Lin, Toh and Zhou, "LoCo: Low-Bit Communication Adaptor for Large-scale Model
+Training", 2024: quantize the compensated gradient to a few bits and feed a moving average of
+the quantization errors back into the next gradient of the same parameter.
+
+Quantizer Q (deterministic, symmetric, uniform), per *quantization block* of ``block`` elements
+(consecutive elements of the flattened gradient; the last block may be shorter; "block", not
+"bucket": a bucket is a group of gradients that travel together)::
+
+    L    = 2^(bits−1) − 1                    (7 for 4 bits, 127 for 8 bits)
+    s_j  = max_{i in block j} |v_i| / L      (float32; s_j = 0 for an all-zero block)
+    c_i  = clamp(round(v_i / s_j), −L, L)    (round half to even; c_i = 0 where s_j = 0)
+    Q(v)_i = s_j · c_i
+
+(Only where max|v| lies within a few float32 ulps of float32's largest value, 3.4e38, s_j is
+lowered to the largest float32 whose L-fold product is finite, so that a finite block never
+decodes to Inf.)
+
+Codes travel unsigned, ``c_i + L`` in [0, 2L], packed at ``bits`` bits each
+(:mod:`hvdcomp.compressors.bitpack`: little-endian within the bit stream; 8 bits: one byte per
+element). An all-zero block decodes to exact zeros. Per element, up to float32 rounding,
+``|v_i − Q(v)_i| ≤ s_j / 2`` (float32 rounding of v/s and of s·c adds at most ``2L·2^−24·s_j``).
+
+Error compensation (per parameter name; the state h starts at zero)::
+
+    p_t = g_t + h_{t−1}
+    q_t = Q(p_t)                                   (what this rank sends)
+    h_t = β·h_{t−1} + (1 − β)·(p_t − q_t)
+
+β = 0 is classic error feedback exactly (``h_t = p_t − q_t``, as :class:`hvdcomp.ErrorFeedback`
+around :class:`LowBitQuantizer`). Substituting p_t::
+
+    h_t − h_{t−1} = (1 − β)·(g_t − q_t)
+    Σ_{t=1..T} q_t = Σ_{t=1..T} g_t − (h_T − h_0) / (1 − β)
+
+Nothing is lost for any β in [0, 1): what a step does not deliver is delivered later. The
+undelivered total (the backlog) is ``(h_T − h_0)/(1 − β)``; with h_0 = 0 and ``|p_t − q_t| ≤
+s_t/2`` elementwise (s_t: the element's block scale at step t), h_t is a convex combination of
+such errors, ``|h_t| ≤ max_τ s_τ / 2``, so the backlog is at most ``max_τ s_τ / (2(1 − β))``:
+the error is delivered later, amplified by 1/(1 − β) relative to classic error feedback. Put
+differently, ``h_{t−1} = h_0 + (1 − β)·backlog_{t−1}``: β > 0 feeds back only the fraction
+(1 − β) of the backlog at each step (a smoother, slower compensation).
+
+Default β = 0: it is classic error feedback exactly (analysed by Stich et al., NeurIPS 2018;
+Karimireddy et al., ICML 2019), it keeps the smallest backlog (β > 0 only enlarges its bound by
+1/(1 − β)), and it adds no hyper-parameter to tune. β > 0 is the moving average of the paper,
+for smoothing the compensation; this module does not claim a better β for any workload.
+
+Differences from the paper: LoCo also keeps the compensation itself in low precision (to save
+memory) and periodically resets it; this module keeps h in full precision (float32 for
+float16/bfloat16 gradients, else the gradient's dtype) and never resets it. The quantizer here
+(max-abs scale per block, deterministic rounding) is this module's choice.
+
+Dtypes: the compensated p_t is formed in h's dtype and quantized in float32 (a float64 p_t is
+cast to float32, saturating at its largest finite value); ``p_t − q_t`` is formed in h's dtype.
+p_t itself is not saturated: a float32 gradient within h of float32's largest value can make it
+Inf (as with :class:`hvdcomp.ErrorFeedback`). Decoded gradients come back in the gradient's
+dtype, saturating (float16: ±65504).
+
+Non-finite gradients: a NaN or Inf makes its block's scale NaN or Inf and its block decodes to
+NaN (other blocks are unaffected); encoding does not fail. The optimizer's non-finite guard
+(:mod:`hvdcomp.guard`) then skips the step and :meth:`Compressor.rollback` drops the staged h,
+so the committed h stays finite. Outside an open step (no ``begin_step``) the new h is committed
+at once, NaN included, as with :class:`hvdcomp.ErrorFeedback`.
+
+Scales differ per rank, so payloads travel by allgather; the aggregate is the mean over ranks
+of the decodes, accumulated in float32 (equal, up to float32 rounding, to averaging decoded
+tensors), so the payload may also travel as its local decode through an allreduce
+(``aggregate_is_mean``).
+
+Kernels: vectorised torch ops, device-agnostic (tested on CPU); no native kernel. Encoding
+takes about ten elementwise passes over the gradient; aggregation adds every rank's codes into
+a cache-sized float32 chunk and writes each output element once.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Dict, Sequence
+
+import torch
+
+from .base import AggregateInto, Compressor, cast_saturating, copy_saturating_
+from .bitpack import pack_bits, packed_nbytes, unpack_codes
+from .registry import register
+
+__all__ = ["LowBitCompressor", "LowBitQuantizer"]
+
+_HALF = (torch.float16, torch.bfloat16)
+FP32_MAX = torch.finfo(torch.float32).max
+
+#: Elements of the output written per chunk by :meth:`LowBitCompressor.aggregate_into`: two
+#: float32 scratch buffers of this size (1 MiB each) take every rank's codes before the chunk is
+#: written once; smaller chunks were slower on CPU (Python overhead per chunk and rank).
+_CHUNK = 1 << 18
+
+
+def _check_bits(bits) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+        raise ValueError(f"bits must be an integer in [2, 8] (4 or 8 in the paper), e.g. bits=4; got {bits!r}")
+    return bits
+
+
+def _check_block(block) -> int:
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be an integer >= 1 (elements per quantization block), "
+                         f"e.g. block=512; got {block!r}")
+    return block
+
+
+def _check_beta(beta) -> float:
+    try:
+        value = float(beta)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if isinstance(beta, bool) or not 0.0 <= value < 1.0:
+        raise ValueError(f"beta must be a number in [0, 1) (0: classic error feedback), e.g. beta=0; got {beta!r}")
+    return value
+
+
+def _largest_scale(levels: int) -> float:
+    """The largest float32 s with float32(levels·s) finite (float32's max / L, rounded down
+    until the product is finite: for L = 127, float32(max/127)·127 rounds to Inf)."""
+    s = torch.tensor(FP32_MAX / levels, dtype=torch.float32)
+    while not torch.isfinite(s * levels):
+        s = torch.nextafter(s, torch.zeros_like(s))
+    return s.item()
+
+
+def _pack4(codes: torch.Tensor) -> torch.Tensor:
+    """:func:`~hvdcomp.compressors.bitpack.pack_bits` at 4 bits (the same layout: code 2k in the
+    low nibble of byte k, code 2k+1 in the high one) of a contiguous uint8 tensor of codes < 16.
+
+    On little-endian hosts each pair of codes read as one int16 x is ``c_2k + 256·c_2k+1``, and
+    the low byte of ``x | (x >> 4)`` is ``c_2k + 16·c_2k+1``: three contiguous passes (strided
+    byte-wide shifts were 4x slower)."""
+    m = codes.numel()
+    if m % 2 or codes.storage_offset() % 2:
+        padded = torch.zeros(m + m % 2, dtype=torch.uint8, device=codes.device)
+        padded[:m] = codes
+        codes = padded
+    if sys.byteorder == "little":
+        x = codes.view(torch.int16)
+        return torch.bitwise_right_shift(x, 4).bitwise_or_(x).to(torch.uint8)
+    pairs = codes.view(-1, 2)
+    return torch.bitwise_left_shift(pairs[:, 1], 4).bitwise_or_(pairs[:, 0])
+
+
+@register("lowbit")
+class LowBitCompressor(AggregateInto, Compressor):
+    """Block quantization at ``bits`` bits with moving-average error compensation (see the
+    module docstring for every formula).
+
+    Args:
+        bits: bits per element, 2 ≤ bits ≤ 8 (the paper: 4 or 8); L = 2^(bits−1) − 1 levels per
+            sign.
+        block: elements per quantization block (one float32 scale each), ≥ 1. Default 512 (as
+            QSGD's bucket here): 1/16 bit of scale per element.
+        beta: β in [0, 1), the weight of the previous compensation in its moving average.
+            Default 0 (classic error feedback; see the module docstring).
+
+    Payload: ``[scales (ceil(n/block),) float32, codes (ceil(n·bits/8),) uint8]``;
+    ``4·ceil(n/block) + ceil(n·bits/8)`` bytes (:meth:`expected_payload_bytes`, exact).
+
+    State: h per parameter name, the gradient's shape, float32 for float16/bfloat16 gradients and
+    the gradient's dtype otherwise, on the gradient's device; ``state_dict() ==
+    {"residuals": {name: h}}`` (per rank; AMP loss-scale changes rescale it,
+    :meth:`rescale_state`). Updates are staged during an open step (:meth:`begin_step`), and a
+    new tensor is made every step (a committed h is never changed in place by encoding). Besides,
+    on CPU a float32 work buffer of the largest gradient's size (rounded up to whole blocks) is
+    kept between calls (not state).
+
+    Raises:
+        ValueError: ``bits`` not an integer in [2, 8], ``block`` not an integer ≥ 1, ``beta`` not
+            in [0, 1); from :meth:`encode`, no parameter name, or a stored h whose shape differs
+            from the gradient's; from :meth:`load_state_dict`, unknown keys or non-tensor values.
+        TypeError: from :meth:`encode`, a complex or integer gradient.
+    """
+
+    name = "lowbit"
+    summable = False
+    aggregate_is_mean = True
+    builtin_error_feedback = True
+    has_scaled_state = True
+    elementwise = False
+
+    def __init__(self, bits: int = 4, block: int = 512, beta: float = 0.0):
+        self.bits = _check_bits(bits)
+        self.block = _check_block(block)
+        self.beta = _check_beta(beta)
+        self.levels = (1 << (self.bits - 1)) - 1          # L
+        unit = math.lcm(self.block, 8)                    # chunks start on whole blocks and bytes
+        self._chunk = max(1, _CHUNK // unit) * unit
+        self._scale_max = _largest_scale(self.levels)
+        self.residuals: Dict[str, torch.Tensor] = {}
+
+    def describe(self) -> Dict[str, Any]:
+        return {"name": self.name, "bits": self.bits, "block": self.block, "beta": self.beta}
+
+    # ---- sizes ---------------------------------------------------------------------------------
+    def wire_bytes(self, numel: int) -> int:
+        """Exact payload bytes for ``numel`` elements: ``4·ceil(n/block) + ceil(n·bits/8)``."""
+        return 4 * math.ceil(numel / self.block) + packed_nbytes(numel, self.bits)
+
+    def expected_payload_bytes(self, numel: int) -> int:
+        """Exact bytes one rank sends for ``numel`` elements (:meth:`wire_bytes`; 0 for 0)."""
+        return self.wire_bytes(numel)
+
+    def nominal_ratio(self, numel: int) -> float:
+        """``32 / (bits + 32/block)`` (float32 values against bits per element plus the scale's
+        share), independent of ``numel`` (the seed study's convention)."""
+        return 32.0 / (self.bits + 32.0 / self.block)
+
+    # ---- the quantizer ---------------------------------------------------------------------------
+    def _work(self, size: int, device: torch.device) -> torch.Tensor:
+        """A float32 work buffer of ``size`` elements: on CPU one kept between calls (grown to the
+        largest gradient; fresh large CPU tensors page-fault on first touch, which cost more
+        than the quantization itself), elsewhere a new one (CUDA's caching allocator reuses
+        memory)."""
+        if device.type != "cpu":
+            return torch.empty(size, dtype=torch.float32, device=device)
+        buf = self.__dict__.get("_cpu_work")
+        if buf is None or buf.numel() < size:
+            buf = self._cpu_work = torch.empty(size, dtype=torch.float32)
+        return buf[:size]
+
+    def _quantize(self, v: torch.Tensor):
+        """Q of a 1-D contiguous float32 tensor: ``(payload, q)`` with ``payload = [scales, codes]``
+        (new tensors) and ``q = Q(v)`` as float32 (n,), equal to decoding the payload (bit for
+        bit, but for the sign of zeros). ``q`` may be this instance's work buffer: use it before
+        the next call."""
+        n, d, L = v.numel(), self.block, self.levels
+        nb, full = math.ceil(n / d), n // d * d
+        # one (nb, d) work tensor: |v| for the scales, then v/s, the codes and q; the last block's
+        # padding is zero (no padded copy of v)
+        work = self._work(nb * d, v.device)
+        work[n:].zero_()
+        torch.abs(v, out=work[:n])
+        c = work.view(nb, d)
+        scales = c.amax(dim=1) if nb else torch.zeros(0, dtype=torch.float32, device=v.device)
+        scales = scales.div_(L)     # NaN in a block gives NaN, Inf gives Inf
+        # a finite block decodes finite: L·s_j at most float32's max (only max|v| near 3.4e38 is
+        # affected); Inf and NaN scales stay as they are
+        scales = torch.where(scales.isinf(), scales, scales.clamp(max=self._scale_max))
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        if full:
+            torch.div(v[:full].view(-1, d), safe[: full // d, None], out=c[: full // d])
+        if full < n:
+            torch.div(v[full:], safe[-1], out=work[full:n])
+        # clamp: only a subnormal scale (rounded) can put |v/s| above L; NaN codes (non-finite
+        # blocks, which decode to NaN through their scale) become 0 so that packing stays in range
+        c.round_().clamp_(-L, L).nan_to_num_(nan=0.0)
+        unsigned = work[:n].to(torch.int8).view(torch.uint8).add_(L)   # c + L in [0, 2L], a new tensor
+        if self.bits == 8:
+            codes = unsigned
+        elif self.bits == 4:
+            codes = _pack4(unsigned)
+        else:
+            codes = pack_bits(unsigned, self.bits)
+        q = c.mul_(scales[:, None]).view(-1)[:n]
+        return [scales, codes], q
+
+    def _encode(self, tensor, name=None):
+        if tensor.is_complex():
+            raise TypeError(f"'{self.name}' quantizes real gradients, got a {tensor.dtype} tensor")
+        if name is None:
+            raise ValueError("lowbit keeps its error compensation per parameter and needs its name: use "
+                             "hvdcomp.DistributedOptimizer(..., named_parameters=model.named_parameters())")
+        dtype = tensor.dtype
+        state_dtype = torch.float32 if dtype in _HALF else dtype
+        g = tensor.detach().reshape(-1).to(state_dtype)
+        h = self._get("residuals", name)
+        if h is not None:
+            if h.shape != tensor.shape:
+                raise ValueError(f"lowbit holds a compensation of shape {tuple(h.shape)} for '{name}' but "
+                                 f"got a gradient of shape {tuple(tensor.shape)}; parameter names must "
+                                 "name the same tensor every step")
+            h = h.to(device=g.device, dtype=state_dtype).reshape(-1)
+            p = g + h                                            # new tensor: g and h stay as they are
+        else:
+            p = g                                                # may be the gradient's memory
+        payload, q = self._quantize(cast_saturating(p, torch.float32).contiguous())
+        r = p.sub_(q) if h is not None else p - q                # p_t − q_t, in h's dtype (p is ours)
+        if self.beta == 0.0 or h is None:
+            h_new = r if self.beta == 0.0 else r.mul_(1.0 - self.beta)
+        else:
+            h_new = r.mul_(1.0 - self.beta).add_(h, alpha=self.beta)
+        self._put("residuals", name, h_new.view(tensor.shape))
+        return payload, (tensor.shape, dtype, g.numel())
+
+    # ---- decoding ------------------------------------------------------------------------------
+    def aggregate_into(self, out: torch.Tensor, payloads: Sequence, ctx) -> torch.Tensor:
+        """Mean over ranks of ``s_j·(code_i − L)`` written into ``out`` (shape of the gradient,
+        any floating dtype; saturated to it): per chunk of a few blocks, every rank's codes are
+        added in float32 in rank order (each scale divided by W first), then the chunk is written
+        to ``out`` once. Returns ``out``.
+
+        Raises:
+            ValueError: a payload whose scales or codes are too short for the context's n.
+        """
+        n = ctx[2]
+        world = len(payloads)
+        if world == 0 or n == 0:
+            return out.zero_()
+        d, L, bits = self.block, self.levels, self.bits
+        nb = math.ceil(n / d)
+        device = out.device
+        factors = []
+        for scales, codes in payloads:
+            if scales.numel() != nb or codes.numel() < packed_nbytes(n, bits):
+                raise ValueError(f"lowbit payload of {scales.numel()} scales and {codes.numel()} code bytes "
+                                 f"does not hold {n} elements at bits={bits}, block={d}")
+            factors.append(scales.to(device=device, dtype=torch.float32) / world)
+        target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=device)
+        flat = target.view(-1)
+        span_max = min(self._chunk, nb * d)
+        tmp = torch.empty(span_max + 1, dtype=torch.float32, device=device)  # +1: an odd 4-bit tail
+        acc = torch.empty(span_max, dtype=torch.float32, device=device)
+        for lo in range(0, n, self._chunk):
+            hi = min(n, lo + self._chunk)
+            m = hi - lo
+            b0, b1 = lo // d, math.ceil(hi / d)
+            span = (b1 - b0) * d
+            t, a = tmp[:span], acc[:span]
+            t2, a2 = t.view(b1 - b0, d), a.view(b1 - b0, d)
+            byte_lo, byte_hi = lo * bits // 8, packed_nbytes(hi, bits)
+            for w, (_, codes) in enumerate(payloads):
+                self._codes_into(tmp, codes.reshape(-1)[byte_lo:byte_hi].to(device), m)
+                t[:m].sub_(L)
+                if span > m:
+                    t[m:].zero_()                     # the last block's padding
+                f = factors[w][b0:b1, None]
+                if w == 0:
+                    torch.mul(t2, f, out=a2)
+                else:
+                    a2.addcmul_(t2, f)
+            if world > 1:  # W terms of |·| ≤ L·s/W may still round past float32's max
+                a[:m].clamp_(-FP32_MAX, FP32_MAX)
+            copy_saturating_(flat[lo:hi], a[:m])
+        if target is not out:
+            out.copy_(target)
+        return out
+
+    def _codes_into(self, t: torch.Tensor, packed: torch.Tensor, m: int) -> None:
+        """The first ``m`` unsigned codes of ``packed`` as float32 into ``t[:m]`` (4 bits: both
+        nibbles written straight into ``t``, which must hold ``m + 1`` elements for odd m)."""
+        if self.bits == 4:
+            nbytes = packed_nbytes(m, 4)
+            pairs = t[: 2 * nbytes].view(nbytes, 2)
+            pairs[:, 0].copy_(packed[:nbytes] & 15)   # code 2k: low nibble (little-endian)
+            pairs[:, 1].copy_(packed[:nbytes] >> 4)   # code 2k+1: high nibble
+        else:
+            t[:m].copy_(unpack_codes(packed, self.bits, m))
+
+    # ---- state ---------------------------------------------------------------------------------
+    def rescale_state(self, factor: float) -> None:
+        """Multiply every committed h by ``factor`` (gradient units, e.g. an AMP loss-scale
+        change ``S_new / S_old``); call between steps."""
+        for h in self.residuals.values():
+            h.mul_(factor)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """``{"residuals": {name: h}}`` (copies of the committed h)."""
+        return {"residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (tensors are copied).
+
+        Raises:
+            ValueError: keys other than ``"residuals"``, or a residual that is not a floating
+                tensor.
+        """
+        unknown = sorted(set(state) - {"residuals"})
+        if unknown:
+            raise ValueError(f"lowbit state accepts only the key 'residuals', got unknown key(s) {unknown}")
+        residuals = state.get("residuals", {})
+        if not isinstance(residuals, dict):
+            raise ValueError(f"lowbit state 'residuals' must be a dict {{name: tensor}}, got {type(residuals).__name__}")
+        for k, v in residuals.items():
+            if not (isinstance(v, torch.Tensor) and v.is_floating_point()):
+                raise ValueError(f"lowbit residual '{k}' must be a floating-point tensor, got {type(v).__name__}"
+                                 + (f" of {v.dtype}" if isinstance(v, torch.Tensor) else ""))
+        self.residuals = {k: v.detach().clone() for k, v in residuals.items()}
+
+
+class LowBitQuantizer(LowBitCompressor):
+    """Q alone, stateless: :class:`LowBitCompressor` without the error compensation (not
+    registered). ``hvdcomp.ErrorFeedback(LowBitQuantizer(bits, block))`` is ``lowbit`` with
+    β = 0; also for measuring the quantizer by itself.
+
+    Args:
+        bits, block: as :class:`LowBitCompressor`.
+
+    Payload: as :class:`LowBitCompressor`.
+
+    Raises:
+        ValueError: ``bits`` or ``block`` out of range.
+    """
+
+    builtin_error_feedback = False
+    has_scaled_state = False
+
+    def __init__(self, bits: int = 4, block: int = 512):
+        super().__init__(bits=bits, block=block, beta=0.0)
+
+    def describe(self) -> Dict[str, Any]:
+        return {"name": self.name, "bits": self.bits, "block": self.block, "compensation": False}
+
+    def _encode(self, tensor, name=None):
+        if tensor.is_complex():
+            raise TypeError(f"'{self.name}' quantizes real gradients, got a {tensor.dtype} tensor")
+        v = cast_saturating(tensor.detach().reshape(-1), torch.float32).contiguous()
+        payload, _ = self._quantize(v)
+        return payload, (tensor.shape, tensor.dtype, v.numel())
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"LowBitQuantizer is stateless but got state with keys {sorted(state)}")
