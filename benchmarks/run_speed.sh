@@ -15,7 +15,9 @@ WHAT=${2:-all}
 PY=.venv/bin/python
 C="hvdcomp:none hvdcomp:fp16 hvdcomp:topk:density=0.01 hvdcomp:topk:density=0.001 hvdcomp:dgc:density=0.01
    hvdcomp:dgc:density=0.001 hvdcomp:qsgd hvdcomp:powersgd:rank=2 hvdcomp:topk:density=0.01,select=sample,index=compact
-   horovod:none horovod:fp16 horovod-ring:none horovod-ring:fp16 ddp:none ddp:fp16 ddp:powersgd"
+   horovod:none horovod:fp16 horovod-ring:none horovod-ring:fp16 ddp:none ddp:fp16 ddp:powersgd
+   hvdcomp:sidco:density=0.01 hvdcomp:sbc:density=0.01 hvdcomp:lowbit:bits=4 hvdcomp:lowbit:bits=8
+   hvdcomp:adaptive:base=topk,budget=0.01,every=10"
 # the transformer target's contenders: the two methods (top-k also per bucket: 146 small tensors),
 # every stock Horovod configuration, DDP fp16 (hvdcomp none for context)
 T="hvdcomp:topk:density=0.01 hvdcomp:topk:density=0.01@bucket hvdcomp:powersgd:rank=2 hvdcomp:none

@@ -50,6 +50,15 @@ def column_of(desc: dict) -> str:
         return "none"
     if name == "powersgd":
         return f"PowerSGD r={desc['rank']}"
+    if name == "sidco" and "density" in desc:
+        return f"SIDCo {round(1 / (2 * desc['density']))}x ({desc.get('dist', 'exp')})"
+    if name == "sbc" and "density" in desc:
+        return f"SBC ρ={desc['density']:g}"
+    if name == "lowbit":
+        beta = f", β={desc['beta']:g}" if desc.get("beta") else ""
+        return f"low-bit {desc['bits']}-bit{beta}"
+    if name == "adaptive":
+        return f"L-GreCo {desc['base']} budget {desc['budget']:g}"
     if name == "ab-training":
         return f"AB-training ({desc['mode']}, cutoff {desc['cutoff']})"
     args = ",".join(f"{k}={v}" for k, v in sorted(desc.items()) if k != "name")

@@ -13,7 +13,8 @@ from hvdcomp.compressors.topk import num_kept
 ALL_SPECS = ["none", "fp16", "bf16", "topk:density=0.1", "randomk:density=0.1",
              "randomk:density=0.1,ef=false", "threshold:threshold=0.5", "dgc:density=0.1",
              "qsgd:levels=4,bucket=8", "qsgd:levels=64,scale=max", "terngrad", "signsgd",
-             "signsgd:vote=allgather", "efsignsgd", "adaptive:base=topk,budget=0.1,every=1"]
+             "signsgd:vote=allgather", "efsignsgd", "sidco:density=0.1", "sbc:density=0.1",
+             "lowbit:bits=4,block=8", "adaptive:base=topk,budget=0.1,every=1"]
 
 
 def roundtrip(comp, x, name="w"):

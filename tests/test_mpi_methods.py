@@ -53,6 +53,8 @@ def expected_bytes_sent(spec):
         return sum(4 + math.ceil(n / 8) + 16 for n in SIZES)
     if spec == "terngrad":
         return sum(4 + math.ceil(n / 4) + 16 for n in SIZES)
+    if spec == "lowbit:bits=4":     # 2 payload tensors per gradient, as QSGD
+        return sum(comp.wire_bytes(n) + 16 for n in SIZES)
     if spec == "bf16":  # a cast: the bucket's gradients (all 9 here) are one payload (fuse_tensors)
         return 2 * sum(SIZES) + 8
     if spec == "powersgd:rank=2":   # embedding 10000x100 and LSTM 400x100 matrices at r = 2; biases dense
@@ -63,7 +65,8 @@ def expected_bytes_sent(spec):
 LM_SPECS = ["fp16", "bf16", "randomk:density=0.01", "randomk:density=0.01,ef=false",
             "threshold:threshold=0.001", "dgc:density=0.01,warmup_epochs=1", "qsgd:levels=16,bucket=512",
             "terngrad", "signsgd", "efsignsgd", "powersgd:rank=2", "gtopk:density=0.01", "cltk:density=0.01",
-            "twophase", "adaptive:base=topk,budget=0.01,every=2"]
+            "twophase", "sidco:density=0.01", "sbc:density=0.01", "lowbit:bits=4",
+            "adaptive:base=topk,budget=0.01,every=2"]
 
 
 @pytest.mark.skipif(not os.path.isfile(TINY_SHAKESPEARE), reason="../shared/data not present")
@@ -86,7 +89,9 @@ def test_train_lm_runs_every_method_at_4_ranks(spec, tmp_path):
     assert r["measured_ratio"] == pytest.approx(r["per_step"]["dense_bytes"]["mean"] / sent["mean"])
     if spec.startswith("adaptive"):   # never more than the uniform top-k's payload (+ error tables)
         assert sent["max"] <= 8 * k + 4 * 5 * len(SIZES) + 8 * 64, (sent, k)
-    if spec.startswith(("threshold", "powersgd", "adaptive")):
+    if spec.startswith("sbc"):        # per gradient: one fp32 mean and ~8.1 bits per position
+        assert sent["max"] <= sum(4 + math.ceil(0.01 * n) * 2 + 16 + 24 for n in SIZES), sent
+    if spec.startswith(("threshold", "powersgd", "adaptive", "sidco")):
         assert r["nominal_ratio"] is None                  # data- or shape-dependent
     else:
         assert r["nominal_ratio"] > 1.0

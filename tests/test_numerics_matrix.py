@@ -35,6 +35,7 @@ import torch
 import hvdcomp
 from hvdcomp.compressors.dgc import DGCCompressor
 from hvdcomp.compressors.fp16 import PROBE
+from hvdcomp.compressors.lowbit import LowBitCompressor
 from hvdcomp.compressors.flatbatch import FlatBatchCompressor
 from hvdcomp.compressors.powersgd import PowerSGDCompressor
 from hvdcomp.compressors.topk import num_kept
@@ -105,6 +106,8 @@ def compensated(comp, g: torch.Tensor, name: str) -> torch.Tensor:
         return (v + (u * comp.momentum + flat)).reshape(g.shape)
     if isinstance(comp, PowerSGDCompressor) and name in comp.error:
         return g.to(torch.float32) + comp.error[name].reshape(g.shape)
+    if isinstance(comp, LowBitCompressor) and name in comp.residuals:
+        return g.to(torch.float32) + comp.residuals[name]
     if isinstance(comp, FlatBatchCompressor) and name in comp.residual:
         return g.to(torch.float32) + comp.residual[name]
     return g
@@ -164,6 +167,14 @@ def bound_adaptive(c: Cell) -> float:
     """Top-k at whichever candidate density the plan gives: the smallest candidate's contraction."""
     k = min(num_kept(c.n, d) for d in inner(c.comp).settings)
     return math.sqrt(1 - k / c.n) + fp32_sum(c) if c.n else fp32_sum(c)
+
+
+def bound_lowbit(c: Cell) -> float:
+    """|v − Q(v)| ≤ s/2 = max_block|v|/(2L) per element, and max_block|v|² ≤ ‖block‖², so
+    ‖p − Q(p)‖ ≤ √min(d, n)/(2L)·‖p‖ per rank (L = 2^(bits−1) − 1, d = block); float32 scale."""
+    q = inner(c.comp)
+    levels = 2 ** (q.bits - 1) - 1
+    return math.sqrt(min(q.block, c.n)) / (2 * levels) * (1 + 2.0**-20) + fp32_sum(c)
 
 
 def bound_efsign(c: Cell) -> float:
@@ -234,6 +245,19 @@ ROWS = [
     Row("powersgd", "powersgd:rank=2", "built in", bound_powersgd,
         "10⁻⁵ if rank(m) ≤ r (exact recovery), else 1 + 10⁻⁵ (P·Pᵀ·m: a projection of the mean); "
         "uncompressed shapes (N+2)·2⁻²⁴", "all-zero tensor", steps=2),
+    # C(p) keeps some entries of p (SIDCo: those above a fitted threshold) and zeroes the rest
+    Row("sidco", "sidco:density=0.1,ef=false", "off", lambda c: 1.0 + fp32_sum(c),
+        "1 + (N+2)·2⁻²⁴ (a mask of p_r: ‖p_r − C(p_r)‖ ≤ ‖p_r‖)", "elementwise"),
+    Row("sidco", "sidco:density=0.1", "on", lambda c: 1.0 + fp32_sum(c),
+        "1 + (N+2)·2⁻²⁴", "elementwise", steps=2),
+    # C(p) = μ on S (μ the mean of p on S), 0 elsewhere: ‖p_S − μ‖ ≤ ‖p_S‖, so ‖p − C(p)‖ ≤ ‖p‖
+    Row("sbc", "sbc:density=0.1,ef=false", "off", lambda c: 1.0 + fp32_sum(c),
+        "1 + (N+2)·2⁻²⁴ (‖p_r − C(p_r)‖ ≤ ‖p_r‖: μ is the mean of p_r on the kept side)", "elementwise"),
+    Row("sbc", "sbc:density=0.1", "on", lambda c: 1.0 + fp32_sum(c),
+        "1 + (N+2)·2⁻²⁴", "elementwise", steps=2),
+    Row("lowbit", "lowbit:bits=4,block=64", "built in", bound_lowbit,
+        "√min(d, n)/(2L) + (N+2)·2⁻²⁴ (L = 7, d = 64: round to nearest, max-abs scale per block)",
+        "elementwise", steps=2),
     # the plan may give the tensor any candidate density: the smallest one's contraction holds
     Row("adaptive", "adaptive:base=topk,budget=0.1,every=1,ef=false", "off", bound_adaptive,
         contraction_formula("ρ = 0.025, the smallest candidate of budget 0.1"), "elementwise", steps=2),

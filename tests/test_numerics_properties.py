@@ -56,7 +56,9 @@ def per_rank_gradients(draw, max_world=5, count=None):
 MEAN_OF_DECODES = ["none", "fp16", "bf16", "topk:density=0.2,ef=false", "topk:density=0.2,select=sample,ef=false",
                    "topk:density=0.3,values=fp16,index=compact,ef=false", "randomk:density=0.3,ef=false",
                    "threshold:threshold=0.1,ef=false", "dgc:density=0.2", "qsgd:levels=4,bucket=8",
-                   "qsgd:levels=64,scale=max", "terngrad", "efsignsgd:ef=false"]
+                   "qsgd:levels=64,scale=max", "terngrad", "efsignsgd:ef=false",
+                   "sidco:density=0.2,ef=false", "sbc:density=0.2,ef=false", "lowbit:bits=4,block=8",
+                   "adaptive:base=topk,budget=0.2,every=1,ef=false"]
 
 
 @pytest.mark.parametrize("spec", MEAN_OF_DECODES)

@@ -15,10 +15,14 @@ from .powersgd import PowerSGDCompressor
 from .gtopk import GlobalTopKCompressor
 from .cltk import CyclicLeaderTopKCompressor
 from .twophase import TwoPhaseCompressor
+from .sidco import SIDCoCompressor
+from .sbc import SBCCompressor
+from .lowbit import LowBitCompressor
 from .adaptive import AdaptiveCompressor
 
 __all__ = ["Compressor", "Payload", "world_size", "rank", "simulated_world", "available", "get_compressor", "parse_spec",
            "register", "NoneCompressor", "FP16Compressor", "BF16Compressor", "TopKCompressor",
            "RandomKCompressor", "ThresholdCompressor", "DGCCompressor", "QSGDCompressor",
            "TernGradCompressor", "SignSGDCompressor", "ScaledSignCompressor", "PowerSGDCompressor",
-           "GlobalTopKCompressor", "CyclicLeaderTopKCompressor", "TwoPhaseCompressor", "AdaptiveCompressor"]
+           "GlobalTopKCompressor", "CyclicLeaderTopKCompressor", "TwoPhaseCompressor", "SIDCoCompressor", "SBCCompressor",
+           "LowBitCompressor", "AdaptiveCompressor"]

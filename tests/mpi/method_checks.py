@@ -14,7 +14,8 @@ from hvdcomp.compressors.base import Compressor
 SPECS = ["none", "fp16", "bf16", "topk:density=0.2", "randomk:density=0.2",
          "randomk:density=0.2,ef=false", "threshold:threshold=0.05", "dgc:density=0.2",
          "qsgd:levels=4,bucket=8", "qsgd:levels=64,bucket=16,scale=max", "terngrad", "signsgd",
-         "signsgd:vote=allgather", "efsignsgd", "adaptive:base=topk,budget=0.2,every=1",
+         "signsgd:vote=allgather", "efsignsgd", "sidco:density=0.2", "sbc:density=0.2",
+         "lowbit:bits=4,block=8", "lowbit:bits=8,beta=0.5", "adaptive:base=topk,budget=0.2,every=1",
          "adaptive:base=randomk,budget=0.2,every=1", "adaptive:base=qsgd,budget=8,bucket=8,every=1"]
 
 

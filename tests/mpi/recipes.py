@@ -34,7 +34,8 @@ SPECS = ["fp16", "bf16", "topk:density=0.3", "topk:density=0.3,select=sample,ef=
          "randomk:density=0.3", "threshold:threshold=0.05", "dgc:density=0.3",
          "qsgd:levels=4,bucket=8", "terngrad", "signsgd", "efsignsgd", "powersgd:rank=1",
          "fp16:ef=true", "gtopk:density=0.3", "cltk:density=0.3",
-         "twophase:base=qsgd,levels=4,bucket=8"]
+         "twophase:base=qsgd,levels=4,bucket=8", "sidco:density=0.3", "sbc:density=0.3",
+         "lowbit:bits=4,block=8", "adaptive:base=topk,budget=0.3,every=1"]
 STEPS = 3
 
 
