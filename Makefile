@@ -36,13 +36,14 @@ run: install
 test: install
 	$(PY) -m pytest -v tests
 
-# The seed study's grid (small model, 1/2/4 ranks) plus the low-rank methods, then the report.
+# The seed study's grid (small model, 1/2/4 ranks) plus the low-rank and related-work methods, then the report.
 # Resumable: finished cells are kept. About 1.5-2 hours on 2 cores.
 study: install
 	$(PY) mpi_scripts/sweep.py mpi_scripts/grids/study_small.yaml --output '$(STUDY_OUT)' --data '$(DATA)'
 	$(PY) mpi_scripts/sweep.py mpi_scripts/grids/lowrank_small.yaml --output '$(STUDY_OUT)' --data '$(DATA)'
+	$(PY) mpi_scripts/sweep.py mpi_scripts/grids/related_small.yaml --output '$(STUDY_OUT)' --data '$(DATA)'
 	$(PY) mpi_scripts/report.py '$(STUDY_OUT)' --command 'make study' \
-	  --grid mpi_scripts/grids/study_small.yaml mpi_scripts/grids/lowrank_small.yaml
+	  --grid mpi_scripts/grids/study_small.yaml mpi_scripts/grids/lowrank_small.yaml mpi_scripts/grids/related_small.yaml
 
 # The speed benchmarks (root: network namespaces; about 1.7 hours on 2 cores), then the report.
 speed: install
