@@ -155,3 +155,39 @@ def loss(name: str, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) ->
         return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
     out = model(x)
     return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def lstm_gradients(steps: int = 5, data: str = "", seed: int = 0, batch_size: int = 32, bptt: int = 35,
+                   min_numel: int = 1) -> Tuple[list, dict]:
+    """Real gradients of the study's small LSTM language model on Tiny Shakespeare.
+
+    ``steps`` steps of plain SGD (lr 20, gradient-norm clip 0.25, ``batch_size`` sequences of
+    ``bptt`` tokens, as ``mpi_scripts/train_lm.py`` on one process; weights from
+    ``torch.manual_seed(seed + 1)``). Returns ``([(name, step, gradient)], corpus description)``:
+    the raw gradient (before clipping: what a compressor sees), 1-D float32, of every parameter
+    with at least ``min_numel`` entries, at every step.
+
+    Raises:
+        FileNotFoundError: the corpus (``data``, default Tiny Shakespeare in ``../shared/data``) is missing.
+    """
+    from hvdcomp.lm import batchify, load_corpus, make_lm, window_loss
+    from hvdcomp.lm.data import default_data_path
+
+    corpus = load_corpus(data or default_data_path(), vocab_size=10000)
+    train = batchify(corpus.train, batch_size)
+    torch.manual_seed(seed + 1)
+    model = make_lm("lstm", corpus.vocab_size, "small")
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=20.0)
+    state = model.init_state(batch_size)
+    grads = []
+    for step in range(steps):
+        loss_value, state, _ = window_loss(model, train, step * bptt, bptt, state)
+        opt.zero_grad()
+        loss_value.backward()
+        for name, p in model.named_parameters():
+            if p.grad is not None and p.numel() >= min_numel:
+                grads.append((name, step, p.grad.detach().reshape(-1).clone()))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+        opt.step()
+    return grads, corpus.describe()

@@ -13,8 +13,8 @@ k = max(1, ceil(ρ·n)):
 
 * ``laplace``: on one Laplace(0, 0.01) tensor of ``--n`` (10^6) float32 entries (seed ``--seed``);
 * ``lm median`` / ``lm worst``: on real gradients of the project's small 2-layer LSTM language
-  model (hidden 100, tied embeddings, :func:`hvdcomp.lm.make_lm`) on Tiny Shakespeare
-  (:func:`hvdcomp.lm.load_corpus`, ``--data``, default ``../shared/data/tinyshakespeare/input.txt``):
+  model (hidden 100, tied embeddings, :func:`benchmarks.bench_models.lstm_gradients`) on Tiny Shakespeare
+  (``--data``, default ``../shared/data/tinyshakespeare/input.txt``):
   ``--lm-steps`` (5) steps of plain SGD (lr 20, gradient-norm clip 0.25, ``--batch-size`` 32
   sequences of ``--bptt`` 35 tokens, as ``mpi_scripts/train_lm.py`` on one process); the raw
   gradient (before clipping, what a compressor sees) of every parameter with at least 1000 entries
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -50,8 +49,7 @@ sys.path.insert(0, ROOT)
 import hvdcomp  # noqa: E402
 from hvdcomp.compressors.sidco import SIDCoCompressor  # noqa: E402
 from hvdcomp.compressors.topk import num_kept  # noqa: E402
-from hvdcomp.lm import batchify, load_corpus, make_lm  # noqa: E402
-from hvdcomp.lm.data import default_data_path  # noqa: E402
+from benchmarks.bench_models import lstm_gradients  # noqa: E402
 
 MIN_NUMEL = 1000
 ADAPTIVE_STAGES = 4
@@ -82,33 +80,6 @@ def laplace(n: int, scale: float, seed: int) -> torch.Tensor:
     return (-scale * torch.sign(u) * torch.log1p(-2 * u.abs())).to(torch.float32)
 
 
-def lm_gradients(args):
-    """[(name, step, gradient)] of the LSTM's parameters with >= MIN_NUMEL entries, per SGD step."""
-    corpus = load_corpus(args.data or default_data_path(), vocab_size=10000)
-    train = batchify(corpus.train, args.batch_size)
-    torch.manual_seed(args.seed + 1)
-    model = make_lm("lstm", corpus.vocab_size, "small")
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=20.0)
-    state = model.init_state(args.batch_size)
-    grads = []
-    for step in range(args.lm_steps):
-        i = step * args.bptt
-        n = min(args.bptt, train.shape[0] - 1 - i)
-        state = tuple(s.detach() for s in state)
-        logits, state = model(train[i:i + n], state)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 train[i + 1:i + 1 + n].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        for name, p in model.named_parameters():
-            if p.grad is not None and p.numel() >= MIN_NUMEL:
-                grads.append((name, step, p.grad.detach().reshape(-1).clone()))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
-        opt.step()
-    return grads, corpus.describe()
-
-
 def summarize(ratios, tolerance):
     worst = max(ratios, key=lambda r: abs(r - 1.0))
     return {"median": statistics.median(ratios), "worst": worst,
@@ -134,7 +105,8 @@ def main(argv=None):
     n = int(args.n)
     lap = laplace(n, 0.01, args.seed)
     lap_steps = [[("laplace", laplace(n, 0.01, args.seed + 1 + s))] for s in range(args.lm_steps)]
-    grads, corpus = lm_gradients(args)
+    grads, corpus = lstm_gradients(args.lm_steps, args.data or "", args.seed, args.batch_size, args.bptt,
+                                   MIN_NUMEL)
     lm_steps = [[(name, g) for name, st, g in grads if st == s] for s in range(args.lm_steps)]
     rows = []
     for density in args.densities:

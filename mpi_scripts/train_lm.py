@@ -36,7 +36,8 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hvdcomp  # noqa: E402
 import hvdcomp.native  # noqa: E402
-from hvdcomp.lm import ARCHITECTURES, MODEL_SIZES, batchify, load_corpus, loss_sums, make_lm, rank_columns  # noqa: E402
+from hvdcomp.lm import (ARCHITECTURES, MODEL_SIZES, batchify, load_corpus, loss_sums, make_lm,  # noqa: E402
+                        rank_columns, window_loss)
 from hvdcomp.launch import abort_on_uncaught_exception, detect_launch, select_device  # noqa: E402
 from hvdcomp.lowrank import ABTraining  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
@@ -177,14 +178,9 @@ def main(argv=None):
         bar = tqdm(total=steps_per_epoch, desc=f"epoch {epoch}", disable=rank != 0 or args.no_progress,
                    mininterval=2.0, file=sys.stderr)
         for step in range(steps_per_epoch):
-            i = step * args.bptt
-            n = min(args.bptt, train.shape[0] - 1 - i)
             timer.begin_step()
             with timer.phase("compute"):
-                state = tuple(s.detach() for s in state)
-                logits, state = model(train[i:i + n], state)
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                         train[i + 1:i + 1 + n].reshape(-1))
+                loss, state, _ = window_loss(model, train, step * args.bptt, args.bptt, state)
                 opt.zero_grad()
                 loss.backward()
             opt.synchronize()

@@ -411,3 +411,44 @@ def test_comm_benchmark_every_repetition_communicates(tmp_path):
     assert methods["gtopk:density=0.01"]["bytes_sent"]["min"] == 8 * k  # one exchange of k entries
     assert methods["twophase"]["bytes_sent"]["min"] > 0
     assert all(m["communicate"]["min"] > 0 for m in methods.values())
+
+
+TINY_SHAKESPEARE = os.path.join(ROOT, "..", "shared", "data", "tinyshakespeare", "input.txt")
+
+
+def test_sidco_fit_small_run(tmp_path):
+    """benchmarks/sidco_fit.py on a small Laplace tensor and 2 LSTM steps: one exponential stage on
+    Laplace data keeps about n·ρ entries (the exponential is the exact law of |Laplace|: kept/k
+    within 4 binomial standard deviations of 1), and every configuration has an LSTM row."""
+    import pytest
+
+    if not os.path.isfile(TINY_SHAKESPEARE):
+        pytest.skip("../shared/data not present")
+    out = tmp_path / "fit.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sidco_fit.py"), "--densities", "0.01",
+                    "--dists", "exp", "gpareto", "--stages", "1", "2", "--n", "100000", "--lm-steps", "2",
+                    "--data", TINY_SHAKESPEARE, "--output", str(out)], check=True, capture_output=True, text=True)
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * 3     # 2 dists x (M = 1, 2, adaptive)
+    one = next(r for r in rows if r["dist"] == "exp" and r["stages"] == "1")
+    k = 1000
+    assert abs(one["laplace"] - 1) <= 4 * math.sqrt(k) / k, one
+    assert all(r["lm"]["tensors"] == 2 * 5 or r["stages"].startswith("adaptive") for r in rows)
+
+
+def test_adaptive_error_small_run(tmp_path):
+    """benchmarks/adaptive_error.py on 3 LSTM steps: the adaptive plan never sends more payload
+    than uniform top-k at the same density (the program's budget), every planned density is a
+    candidate, and both relative errors lie in [0, 1] (top-k keeps part of each tensor)."""
+    import pytest
+
+    if not os.path.isfile(TINY_SHAKESPEARE):
+        pytest.skip("../shared/data not present")
+    out = tmp_path / "adaptive.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "adaptive_error.py"), "--bases", "topk:0.01",
+                    "--steps", "3", "--data", TINY_SHAKESPEARE, "--output", str(out)],
+                   check=True, capture_output=True, text=True)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["adaptive_bytes_per_step"] <= row["uniform_bytes_per_step"]
+    assert set(row["plan"].values()) <= {0.0025, 0.005, 0.01, 0.02, 0.04}
+    assert 0 <= row["adaptive_rel_error"] <= 1 and 0 <= row["uniform_rel_error"] <= 1

@@ -38,7 +38,7 @@ wraps this wrapper, so the residual is what the chosen setting dropped.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch

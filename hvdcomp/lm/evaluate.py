@@ -8,6 +8,26 @@ from .data import batchify
 __all__ = ["loss_sums"]
 
 
+def window_loss(model, source: torch.Tensor, i: int, bptt: int, state, reduction: str = "mean"):
+    """Cross-entropy of one truncated-BPTT window: rows ``i .. i+n-1`` of ``source`` predict rows
+    ``i+1 .. i+n`` (n = min(bptt, rows − 1 − i)), the hidden ``state`` carried in but detached.
+
+    Args:
+        model: an :class:`~hvdcomp.lm.LSTMLM` (``model(tokens, state) -> (logits, state)``).
+        source: ``(rows, sequences)`` int64 token ids (:func:`~hvdcomp.lm.batchify`).
+        reduction: ``"mean"`` (nats per token) or ``"sum"``.
+
+    Returns:
+        ``(loss, new state, n)``: a scalar tensor, the model's state after the window, the rows used.
+    """
+    n = min(bptt, source.shape[0] - 1 - i)
+    state = tuple(s.detach() for s in state)
+    logits, state = model(source[i:i + n], state)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             source[i + 1:i + 1 + n].reshape(-1), reduction=reduction)
+    return loss, state, n
+
+
 def loss_sums(model, stream: torch.Tensor, eval_batch: int, bptt: int, rank: int, size: int) -> torch.Tensor:
     """This rank's share of the summed cross-entropy over ``stream``.
 
@@ -33,10 +53,7 @@ def loss_sums(model, stream: torch.Tensor, eval_batch: int, bptt: int, rank: int
         state = model.init_state(data.shape[1])
         with torch.no_grad():
             for i in range(0, data.shape[0] - 1, bptt):
-                n = min(bptt, data.shape[0] - 1 - i)
-                logits, state = model(data[i:i + n], state)
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                         data[i + 1:i + 1 + n].reshape(-1), reduction="sum")
+                loss, state, n = window_loss(model, data, i, bptt, state, reduction="sum")
                 total += torch.tensor([loss.item(), float(n * data.shape[1])], dtype=torch.float64)
     model.train()
     return total
