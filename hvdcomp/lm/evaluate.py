@@ -5,7 +5,7 @@ import torch
 
 from .data import batchify
 
-__all__ = ["loss_sums"]
+__all__ = ["loss_sums", "window_loss"]
 
 
 def window_loss(model, source: torch.Tensor, i: int, bptt: int, state, reduction: str = "mean"):
