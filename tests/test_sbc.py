@@ -347,3 +347,12 @@ def test_corrupt_payload_raises():
         comp.unpack(payload, 2)                                    # decoded for a smaller tensor
     with pytest.raises(ValueError, match="mu, unary, remainders"):
         comp.unpack(payload[:2], 4)
+
+
+def test_pack_binarizes_values_to_their_mean():
+    """pack(values, idx) sends one value, the mean (1 + 2 + 6)/3 = 3, at every position."""
+    comp = hvdcomp.get_compressor("sbc:density=0.3,ef=false")
+    payload = comp.pack(torch.tensor([1.0, 2.0, 6.0]), torch.tensor([0, 4, 9]), 10)
+    values, idx = comp.unpack(payload, 10)
+    assert idx.tolist() == [0, 4, 9] and values.tolist() == [3.0, 3.0, 3.0]
+    assert comp.decode(payload, ((10,), torch.float32)).tolist() == [3, 0, 0, 0, 3, 0, 0, 0, 0, 3]

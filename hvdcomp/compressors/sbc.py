@@ -320,9 +320,17 @@ class SBCCompressor(SparseCompressor):
         return {}
 
     def pack(self, values, idx, numel):
-        """Not applicable: SBC payloads are built by :meth:`encode` (one mean, coded positions)."""
-        raise NotImplementedError("sbc payloads are [mu, unary, remainders] built by encode(); "
-                                  "per-entry values cannot be packed")
+        """The sbc payload sending ``values`` (``(m,)`` or ``(1,)`` float) at the ascending int64
+        positions ``idx`` (m,) of an n-element tensor, binarized as SBC does: one float32 value,
+        the mean of ``values`` (summed in float64), at every position. Returns
+        ``[mu (1,) float32, unary uint8, remainders uint8]`` (module docstring).
+        """
+        if values.numel() == 0:
+            mu = torch.zeros(1, dtype=torch.float32, device=idx.device)
+        else:
+            mu = values.reshape(-1).to(torch.float64).mean().reshape(1).to(torch.float32)
+        unary, rem = encode_positions(idx, numel)
+        return [mu, unary, rem]
 
     # ---- bytes -----------------------------------------------------------------------------------
     def nominal_ratio(self, numel):
@@ -384,8 +392,7 @@ class SBCCompressor(SparseCompressor):
     def _encode(self, tensor, name=None):
         flat = tensor.reshape(-1)
         idx, mu = self._choose(flat)
-        unary, rem = encode_positions(idx, flat.numel())
-        return [mu.reshape(1).to(torch.float32), unary, rem], (tensor.shape, tensor.dtype)
+        return self.pack(mu.reshape(1), idx, flat.numel()), (tensor.shape, tensor.dtype)
 
     def unpack(self, payload, numel: int):
         """``(mu repeated (m,) float32, positions (m,) int64 ascending)`` of one payload.
