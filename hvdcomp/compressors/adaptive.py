@@ -210,6 +210,7 @@ class AdaptiveCompressor(Compressor):
         return None
 
     def expected_payload_bytes(self, numel):
+        """None: the bytes follow the plan (at most the uniform setting's over all layers)."""
         return None
 
     def bind_group(self, size):
@@ -277,6 +278,8 @@ class AdaptiveCompressor(Compressor):
         return payload[:-1] if ctx[2] else payload
 
     def decode(self, payload, ctx):
+        """The base method's decode of ``payload`` (its error table, on measuring steps, is
+        recorded as the ranks' mean: after an allreduce it is the mean already)."""
         self._record(ctx, payload[-1:] if ctx[2] else [])
         return self.methods[ctx[0]].decode(self._split(payload, ctx), ctx[1])
 
@@ -285,6 +288,8 @@ class AdaptiveCompressor(Compressor):
         return self.methods[ctx[0]].decode_into(out, self._split(payload, ctx), ctx[1])
 
     def aggregate(self, payloads, ctx):
+        """The base method's aggregate of every rank's payload; the mean of their error tables
+        (measuring steps) is recorded for the next plan."""
         self._record(ctx, [p[-1] for p in payloads] if ctx[2] else [])
         return self.methods[ctx[0]].aggregate([self._split(p, ctx) for p in payloads], ctx[1])
 
@@ -293,6 +298,7 @@ class AdaptiveCompressor(Compressor):
         return self.methods[ctx[0]].aggregate_into(out, [self._split(p, ctx) for p in payloads], ctx[1])
 
     def residual_(self, p, payload, ctx):
+        """The base method's residual of this rank's own payload (nothing is recorded)."""
         return self.methods[ctx[0]].residual_(p, self._split(payload, ctx), ctx[1])
 
     # ---- staged state and checkpoints ------------------------------------------------------------
