@@ -7,8 +7,11 @@ Launch with any number of ranks, e.g.::
 
 The global batch (``--batch-size`` sequences of ``--bptt`` tokens) is split evenly over the
 ranks, so 1, 2 and 4 ranks train the same model on the same data per step. Plain SGD; gradients
-are averaged by hvdcomp, then clipped to norm ``--clip``. The learning rate is divided by 4 after
-an epoch whose validation perplexity did not improve (as in PyTorch's word_language_model).
+are averaged by hvdcomp, then clipped to norm ``--clip``. The schedule (hvdcomp.lm.PlateauSchedule): optional linear warm-up
+(``--warmup-steps``), the learning rate divided by ``--anneal`` (4) after an epoch whose validation
+perplexity did not improve (as in PyTorch's word_language_model), early stopping after
+``--early-stop`` such epochs in a row, at most ``--epochs`` epochs. The test perplexity is that of
+the weights with the best validation perplexity.
 
 Writes ``OUTPUT/results.json`` (config, per-epoch perplexities, per-phase seconds per step with
 min/mean/max over ranks, bytes per step, measured and nominal compression ratios) and prints a
@@ -36,8 +39,8 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hvdcomp  # noqa: E402
 import hvdcomp.native  # noqa: E402
-from hvdcomp.lm import (ARCHITECTURES, MODEL_SIZES, batchify, load_corpus, loss_sums, make_lm,  # noqa: E402
-                        rank_columns, window_loss)
+from hvdcomp.lm import (ARCHITECTURES, MODEL_SIZES, PlateauSchedule, batchify, load_corpus,  # noqa: E402
+                        loss_sums, make_lm, rank_columns, window_loss)
 from hvdcomp.launch import abort_on_uncaught_exception, detect_launch, select_device  # noqa: E402
 from hvdcomp.lowrank import ABTraining  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
@@ -61,7 +64,18 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="hidden 100/300/500")
     p.add_argument("--arch", choices=sorted(ARCHITECTURES), default="lstm",
                    help="lstm (the study's 2-layer LSTM) or transformer (2 causal encoder layers, 4 heads)")
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=1, help="maximum number of epochs")
+    p.add_argument("--anneal", type=float, default=4.0,
+                   help="divide the learning rate by this after a validation plateau (1: never)")
+    p.add_argument("--anneal-patience", type=int, default=0,
+                   help="epochs without improvement tolerated before annealing")
+    p.add_argument("--early-stop", type=int, default=0,
+                   help="stop after this many epochs in a row without improvement (0: never)")
+    p.add_argument("--min-improvement", type=float, default=0.0,
+                   help="relative decrease of validation perplexity that counts as improving "
+                        "(e.g. 0.01: an epoch less than 1 %% better than the best is a plateau)")
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="linear learning-rate warm-up over this many optimizer steps")
     p.add_argument("--max-steps", type=int, default=0, help="cap on optimizer steps per epoch (0: no cap)")
     p.add_argument("--batch-size", type=int, default=256, help="global batch, sequences (split over ranks)")
     p.add_argument("--bptt", type=int, default=35)
@@ -94,6 +108,13 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.lr <= 0 or args.clip <= 0:
         p.error("--lr and --clip must be positive")
+    if args.anneal < 1:
+        p.error("--anneal must be >= 1 (1 never anneals)")
+    if not 0 <= args.min_improvement < 1:
+        p.error("--min-improvement must be in [0, 1), e.g. 0.01")
+    for name in ("anneal_patience", "early_stop", "warmup_steps"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.bucket_mb <= 0:
         p.error("--bucket-mb must be positive")
     if args.cost_model not in ("measure", "off"):
@@ -105,6 +126,9 @@ def parse_args(argv=None):
                     "seconds and seconds per byte), e.g. 5e-5,8e-10")
     if args.ab_training is not None and args.compressor != "none":
         p.error("--ab-training replaces gradient compression: leave --compressor at 'none'")
+    if args.ab_training is not None and args.warmup_steps:
+        p.error("--warmup-steps does not apply to AB-training, which ramps the learning rate after "
+                "every switch itself: set ramp_steps in --ab-training instead")
     return args
 
 
@@ -168,7 +192,10 @@ def main(argv=None):
     steps_per_epoch = len(range(0, train.shape[0] - 1, args.bptt))
     if args.max_steps:
         steps_per_epoch = min(steps_per_epoch, args.max_steps)
-    epochs, best_val, lr = [], float("inf"), args.lr
+    sched = PlateauSchedule(args.lr, anneal=args.anneal, anneal_patience=args.anneal_patience,
+                            early_stop=args.early_stop, warmup_steps=args.warmup_steps,
+                            min_improvement=args.min_improvement)
+    epochs, best_weights, stopped_early, global_step = [], None, False, 0
     initial_val = evaluate(model, corpus.valid, args.eval_batch_size, args.bptt)
     log.info("initial valid ppl %.2f", initial_val)
     t_start = time.perf_counter()
@@ -178,6 +205,12 @@ def main(argv=None):
         bar = tqdm(total=steps_per_epoch, desc=f"epoch {epoch}", disable=rank != 0 or args.no_progress,
                    mininterval=2.0, file=sys.stderr)
         for step in range(steps_per_epoch):
+            lr = sched.lr_at(global_step)
+            if ab:
+                ab.base_lr = lr  # AB-training sets its optimizer's rate itself (ramps after switches)
+            else:
+                for g in opt.param_groups:
+                    g["lr"] = lr
             timer.begin_step()
             with timer.phase("compute"):
                 loss, state, _ = window_loss(model, train, step * args.bptt, args.bptt, state)
@@ -189,25 +222,31 @@ def main(argv=None):
                 with opt.skip_synchronize():
                     opt.step()
             timer.end_step()
+            global_step += 1
             loss_sum += loss.item()
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}")
         bar.close()
         train_loss = hvd.allreduce(torch.tensor(loss_sum / steps_per_epoch), name=f"train.loss.{epoch}").item()
         val_ppl = evaluate(model, corpus.valid, args.eval_batch_size, args.bptt)
-        epochs.append({"epoch": epoch, "train_loss": train_loss, "train_ppl": math.exp(train_loss),
-                       "val_ppl": val_ppl, "lr": lr, "steps": steps_per_epoch,
-                       "seconds": time.perf_counter() - t_epoch})
-        log.info("epoch %d: train ppl %.2f, valid ppl %.2f, %.1f s", epoch, math.exp(train_loss),
-                 val_ppl, epochs[-1]["seconds"])
-        if val_ppl < best_val:
-            best_val = val_ppl
-        else:
-            lr /= 4.0
-            if ab:
-                ab.base_lr = lr
-            for g in opt.param_groups:
-                g["lr"] = lr
+        stop = sched.end_epoch(val_ppl)
+        if sched.improved:
+            best_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        epochs.append({"epoch": epoch, "train_loss": train_loss,
+                       "train_ppl": math.exp(min(train_loss, 700.0)), "val_ppl": val_ppl, "lr": lr,
+                       "steps": steps_per_epoch, "seconds": time.perf_counter() - t_epoch,
+                       "elapsed_seconds": time.perf_counter() - t_start, "elapsed_steps": global_step})
+        log.info("epoch %d: train ppl %.2f, valid ppl %.2f, lr %g, %.1f s", epoch, epochs[-1]["train_ppl"],
+                 val_ppl, lr, epochs[-1]["seconds"])
+        if stop:
+            stopped_early = epoch < args.epochs
+            if stopped_early:
+                log.info("stopping after epoch %d: no improvement for %d epoch(s) (best %.2f at epoch %d)",
+                         epoch, sched.bad_epochs, sched.best, sched.best_epoch)
+            break
+    if best_weights is not None:
+        model.load_state_dict(best_weights)  # test the weights with the best validation perplexity
+    best_val = sched.best
     test_ppl = evaluate(model, corpus.test, args.eval_batch_size, args.bptt)
     launch = detect_launch()
     me = (rank, hvd.local_rank(), os.environ.get("SLURMD_NODENAME", platform.node()), str(device))
@@ -231,6 +270,9 @@ def main(argv=None):
         "initial_val_ppl": initial_val,
         "test_ppl": test_ppl,
         "best_val_ppl": best_val,
+        "best_epoch": sched.best_epoch,
+        "stopped_early": stopped_early,
+        "anneals": sched.anneals,
         "seconds_total": time.perf_counter() - t_start,
         "per_step": across,  # seconds and bytes per optimizer step, min/mean/max over ranks
         "timed_steps": per_step["steps"],

@@ -69,3 +69,31 @@ def test_transformer_lm_run_fused_topk(tmp_path):
     assert r["per_step"]["bytes_sent"]["min"] == r["per_step"]["bytes_sent"]["max"] == \
         sum(8 * kept(n, 0.01) for n in sizes) + 16
     assert r["epochs"][0]["val_ppl"] < r["initial_val_ppl"] and math.isfinite(r["test_ppl"])
+
+
+def test_schedule_warms_up_anneals_and_stops_early(tmp_path):
+    """--warmup-steps/--anneal/--early-stop/--min-improvement, replayed by hand from the recorded
+    validation perplexities (the study's schedule: lr / 4 after an epoch < 1 % better than the best,
+    stop after 2 such epochs in a row)."""
+    check(2, ["mpi_scripts/train_lm.py", "--epochs", "6", "--max-steps", "2", "--lr", "60",
+              "--warmup-steps", "3", "--early-stop", "2", "--min-improvement", "0.01", "--no-progress",
+              "--data", TINY_SHAKESPEARE, "--output", str(tmp_path)], timeout=400)
+    r = json.loads((tmp_path / "results.json").read_text())
+    vals, lrs = [e["val_ppl"] for e in r["epochs"]], [e["lr"] for e in r["epochs"]]
+    assert lrs[0] == pytest.approx(40.0)        # epoch 1 ends at step 2 of a 3-step warm-up: 60 * 2/3
+    best, lr, bad, expect_lr, stop_at = math.inf, 60.0, 0, [], None
+    for i, v in enumerate(vals):
+        expect_lr.append(lr if i else 40.0)
+        if v < best * 0.99:
+            bad = 0
+        else:
+            bad += 1
+            lr /= 4
+        best = min(best, v)
+        if bad == 2:
+            stop_at = i + 1
+            break
+    assert lrs == pytest.approx(expect_lr)
+    assert len(vals) == (stop_at or 6) and r["stopped_early"] == (len(vals) < 6)
+    assert r["best_val_ppl"] == min(vals) and r["best_epoch"] == vals.index(min(vals)) + 1
+    assert r["epochs"][-1]["elapsed_steps"] == 2 * len(vals)
