@@ -65,19 +65,40 @@ def column_of(desc: dict) -> str:
     return f"{name}:{args}" if args else name
 
 
+def _mean(xs: List[float]) -> float:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _sd(xs: List[float]) -> float:
+    """Sample standard deviation (n − 1); NaN below two values."""
+    xs = [x for x in xs if x is not None]
+    if len(xs) < 2:
+        return math.nan
+    m = _mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
 def load_results(root: str) -> List[dict]:
-    """Flat rows (one per results.json under ``root``) with the fields the report uses."""
+    """Flat rows (one per training cell's results.json under ``root``; the learning-rate search's
+    runs under ``search/`` are left out) with the fields the report uses."""
     rows = []
     for path in sorted(glob.glob(os.path.join(root, "**", "results.json"), recursive=True)):
+        if os.path.relpath(path, root).split(os.sep)[0] == "search":
+            continue
         with open(path) as f:
             r = json.load(f)
         cfg = r["config"]
         steps = r["epochs"][0]["steps"] if r["epochs"] else 0
+        val = [e["val_ppl"] for e in r["epochs"]]
+        elapsed = [e.get("elapsed_seconds") for e in r["epochs"]]
         rows.append({
-            "path": path, "model": cfg["model"], "workers": cfg["world_size"],
+            "path": path, "model": cfg["model"], "workers": cfg["world_size"], "seed": cfg.get("seed"),
             "column": column_of(cfg["compressor"]), "family": cfg["compressor"]["name"],
             "density": cfg["compressor"].get("density"), "spec": cfg.get("compressor_spec"),
-            "lr": cfg.get("lr"), "test_ppl": r["test_ppl"], "val": [e["val_ppl"] for e in r["epochs"]],
+            "lr": cfg.get("lr"), "test_ppl": r["test_ppl"], "val": val,
+            "best_val": r.get("best_val_ppl", min(val) if val else math.nan),
+            "best_epoch": r.get("best_epoch"), "elapsed": elapsed if None not in elapsed else None,
             "steps_per_epoch": steps,
             "phase_step": {p: r["per_step"][p]["mean"] for p in PHASES},
             "wall_step": r["per_step"]["wall"]["mean"],
@@ -86,8 +107,28 @@ def load_results(root: str) -> List[dict]:
             "dense_bytes": r["per_step"]["dense_bytes"]["mean"],
             "measured_ratio": r["measured_ratio"], "nominal_ratio": r["nominal_ratio"],
             "transport": cfg.get("transport"), "env": cfg.get("env", {}),
+            "wall_seconds": _sweep_wall(path, r),
         })
     return rows
+
+
+def _sweep_wall(results_path: str, r: dict) -> float:
+    """The cell's wall seconds as the sweep measured them (start-up included), else the run's own."""
+    side = os.path.join(os.path.dirname(results_path), "sweep.json")
+    if os.path.isfile(side):
+        with open(side) as f:
+            return float(json.load(f)["wall_seconds"])
+    return float(r.get("seconds_total", 0.0))
+
+
+def search_wall_seconds(root: str) -> Tuple[int, float]:
+    """(runs, wall seconds) of the learning-rate search under ``root/search``."""
+    n, total = 0, 0.0
+    for side in glob.glob(os.path.join(root, "search", "*", "sweep.json")):
+        with open(side) as f:
+            total += float(json.load(f)["wall_seconds"])
+        n += 1
+    return n, total
 
 
 def ordered_columns(rows) -> List[str]:
@@ -95,11 +136,28 @@ def ordered_columns(rows) -> List[str]:
     return [c for c in COLUMN_ORDER if c in present] + sorted(present - set(COLUMN_ORDER))
 
 
+def aggregate(runs: List[dict]) -> dict:
+    """One method's seeds as one row: the first run's labels, means of the numbers, and
+    ``runs`` (every seed's row), ``n``, ``test_sd`` (sample standard deviation, NaN for one seed)."""
+    out = dict(runs[0])
+    out["runs"], out["n"] = runs, len(runs)
+    for key in ("test_ppl", "best_val", "wall_step", "bytes_sent", "bytes_received", "dense_bytes",
+                "measured_ratio"):
+        out[key] = _mean([r[key] for r in runs])
+    out["test_sd"] = _sd([r["test_ppl"] for r in runs])
+    out["phase_step"] = {p: _mean([r["phase_step"][p] for r in runs]) for p in PHASES}
+    longest = max(len(r["val"]) for r in runs)
+    out["val"] = [_mean([r["val"][e] for r in runs if e < len(r["val"])]) for e in range(longest)]
+    return out
+
+
 def groups(rows) -> Dict[Tuple[str, int], Dict[str, dict]]:
-    """(model, workers) -> column -> row."""
-    out: Dict[Tuple[str, int], Dict[str, dict]] = defaultdict(dict)
+    """(model, workers) -> column -> the column's seeds aggregated (:func:`aggregate`)."""
+    runs: Dict[Tuple[str, int], Dict[str, List[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        out[(r["model"], r["workers"])][r["column"]] = r
+        runs[(r["model"], r["workers"])][r["column"]].append(r)
+    out = {key: {c: aggregate(sorted(rs, key=lambda r: r["seed"] or 0)) for c, rs in cols.items()}
+           for key, cols in runs.items()}
     return dict(sorted(out.items(), key=lambda kv: (["small", "medium", "large"].index(kv[0][0]), kv[0][1])))
 
 
@@ -108,133 +166,218 @@ def epochs_to(val: List[float], target: float) -> Optional[int]:
     return next((i + 1 for i, v in enumerate(val) if v <= target), None)
 
 
+def seconds_to(run: dict, target: float) -> Optional[float]:
+    """Training seconds until the end of the first epoch at or below ``target`` (None: never, or
+    the run did not record elapsed time)."""
+    e = epochs_to(run["val"], target)
+    return None if e is None or not run.get("elapsed") else run["elapsed"][e - 1]
+
+
 def targets(rows, target_ppl: Optional[float]) -> Dict[Tuple[str, int], float]:
-    """Target validation perplexity per group: given, else the baseline's final validation ppl."""
+    """Target validation perplexity per group: given, else 1.1 x the baseline's best validation
+    perplexity (mean over its seeds), a level every converging method should reach."""
     out = {}
     for key, cols in groups(rows).items():
         if target_ppl is not None:
             out[key] = target_ppl
-        elif "none" in cols and cols["none"]["val"]:
-            out[key] = cols["none"]["val"][-1]
+        elif "none" in cols and math.isfinite(cols["none"]["best_val"]):
+            out[key] = 1.1 * cols["none"]["best_val"]
     return out
 
 
 # ---- the study's claims ----------------------------------------------------------------------
-def _verdict(checks: List[bool]) -> str:
-    if not checks:
+SUPPORTED, CONTRADICTED, TIE, SINGLE = "supported", "contradicted", "not distinguishable", "single seed"
+
+
+def compare(a: List[float], b: List[float]) -> Tuple[float, float, str]:
+    """Difference of means ``mean(a) − mean(b)``, its seed spread ``sqrt(sd_a² + sd_b²)`` (the
+    standard deviation of the difference between one run of each) and the direction:
+    ``">"``/``"<"`` when the difference exceeds the spread, ``"~"`` when it does not, ``"?"`` with
+    fewer than two seeds on either side (no spread to judge against)."""
+    d = _mean(a) - _mean(b)
+    if len(a) < 2 or len(b) < 2:
+        return d, math.nan, "?"
+    spread = math.sqrt(_sd(a) ** 2 + _sd(b) ** 2)
+    return d, spread, (">" if d > spread else "<" if d < -spread else "~")
+
+
+def _fmt(xs: List[float], unit: str = "", scale: float = 1.0, digits: int = 1) -> str:
+    m, sd = _mean(xs) * scale, _sd(xs) * scale
+    return f"{m:.{digits}f}{unit}" + ("" if math.isnan(sd) else f" ± {sd:.{digits}f}") + f" (n={len(xs)})"
+
+
+def _outcome(direction: str, wanted: str) -> str:
+    if direction == "?":
+        return SINGLE
+    if direction == "~":
+        return TIE
+    return SUPPORTED if direction == wanted else CONTRADICTED
+
+
+def _verdict(outcomes: List[str]) -> str:
+    if not outcomes:
         return "no data"
-    return "supported" if all(checks) else ("not supported" if not any(checks) else "partly supported")
+    counts = {o: outcomes.count(o) for o in (SUPPORTED, CONTRADICTED, TIE, SINGLE) if o in outcomes}
+    if len(counts) == 1:
+        only = next(iter(counts))
+        return {SUPPORTED: "supported", CONTRADICTED: "not supported", TIE: "not distinguishable",
+                SINGLE: "not judged (single seed)"}[only]
+    head = ("partly supported" if SUPPORTED in counts else
+            "not supported" if CONTRADICTED in counts else "not distinguishable")
+    return head + " (" + ", ".join(f"{n} {o}" for o, n in counts.items()) + ")"
+
+
+def _test(col: dict) -> List[float]:
+    return [r["test_ppl"] for r in col["runs"]]
+
+
+def _vs(name: str, a: dict, bname: str, b: dict, wanted: str, values=_test, unit: str = "",
+        scale: float = 1.0) -> Tuple[str, str]:
+    """One comparison as (outcome, evidence): effect size (difference and relative), spread."""
+    xa, xb = values(a), values(b)
+    d, spread, direction = compare(xa, xb)
+    rel = d / _mean(xb) if _mean(xb) else math.nan
+    spread_txt = "one seed, no spread" if math.isnan(spread) else f"spread {spread * scale:.1f}{unit}"
+    return (_outcome(direction, wanted),
+            f"{name} {_fmt(xa, unit, scale)} vs {bname} {_fmt(xb, unit, scale)}: "
+            f"{d * scale:+.1f}{unit} ({100 * rel:+.1f} %), {spread_txt}")
 
 
 def check_claims(rows, target_ppl: Optional[float] = None) -> List[Tuple[str, str, str]]:
-    """The seven claims of STUDY.md as (claim, verdict, evidence with numbers)."""
+    """The seven claims of STUDY.md as (claim, verdict, evidence with numbers).
+
+    Every comparison is judged against the seed spread (:func:`compare`): a difference within the
+    spread is "not distinguishable", a single seed is "not judged"; the verdict counts them."""
     g, tg = groups(rows), targets(rows, target_ppl)
     claims = []
 
     def each(fn):
-        """fn(model, workers, cols) -> None or [(ok, note), ...]: one check per comparison."""
-        checks, notes = [], []
+        """fn(model, workers, cols) -> None or [(outcome, note), ...]: one per comparison."""
+        outcomes, notes = [], []
         for (model, w), cols in g.items():
-            for ok, note in fn(model, w, cols) or []:
-                checks.append(ok)
-                notes.append(f"{model}/{w}: {note}")
-        return _verdict(checks), "; ".join(notes) or "no cells to compare"
+            for outcome, note in fn(model, w, cols) or []:
+                outcomes.append(outcome)
+                notes.append(f"{model}/{w}: {note} → {outcome}")
+        return _verdict(outcomes), "; ".join(notes) or "no cells to compare"
 
     def c1(model, w, cols):
         if "none" not in cols:
             return None
-        base = cols["none"]["test_ppl"]
-        cs = [c for c in ("top-k 50x", "DGC 50x") if c in cols]
-        if not cs:
-            return None
-        return [(cols[c]["test_ppl"] <= base, f"{c} {cols[c]['test_ppl']:.1f} vs none {base:.1f}") for c in cs]
+        return [_vs(c, cols[c], "none", cols["none"], "<") for c in ("top-k 50x", "DGC 50x") if c in cols]
     claims.append(("1. Top-k and DGC at 50x reach perplexity at or below the baseline", *each(c1)))
 
     def c2(model, w, cols):
         if not {"none", "top-k 5000x", "DGC 5000x"} <= set(cols):
             return None
-        base, tk, dg = cols["none"]["test_ppl"], cols["top-k 5000x"]["test_ppl"], cols["DGC 5000x"]["test_ppl"]
-        return [(tk > 1.05 * base and dg > 1.05 * base and dg > tk,
-                 f"top-k {tk:.1f}, DGC {dg:.1f} vs none {base:.1f} (degraded = >5 % above)")]
+        return [_vs("top-k 5000x", cols["top-k 5000x"], "none", cols["none"], ">"),
+                _vs("DGC 5000x", cols["DGC 5000x"], "none", cols["none"], ">"),
+                _vs("DGC 5000x", cols["DGC 5000x"], "top-k 5000x", cols["top-k 5000x"], ">")]
     claims.append(("2. At 5000x both degrade clearly, DGC more than top-k", *each(c2)))
 
     def c3(model, w, cols):
-        qs = [c for c in cols if c.startswith("QSGD")]
-        if "none" not in cols or not qs:
+        if "none" not in cols:
             return None
-        base = cols["none"]["test_ppl"]
-        return [(abs(cols[c]["test_ppl"] - base) <= 2.5, f"{c} {cols[c]['test_ppl'] - base:+.1f} around none {base:.1f}")
-                for c in qs]
-    claims.append(("3. QSGD stays within ±2.5 perplexity of the baseline", *each(c3)))
+        out = []
+        for c in (c for c in cols if c.startswith("QSGD")):
+            d, spread, direction = compare(_test(cols[c]), _test(cols["none"]))
+            if direction == "?":
+                outcome = SINGLE
+            elif abs(d) <= 2.5:
+                outcome = SUPPORTED
+            elif abs(d) - spread > 2.5:
+                outcome = CONTRADICTED
+            else:
+                outcome = TIE
+            out.append((outcome, f"{c} {_fmt(_test(cols[c]))} vs none {_fmt(_test(cols['none']))}: "
+                                 f"{d:+.1f}" + ("" if math.isnan(spread) else f", spread {spread:.1f}")))
+        return out
+    claims.append(("3. QSGD stays within ±2.5 perplexity of the baseline (outside by more than the "
+                   "spread: contradicted)", *each(c3)))
 
     def c4(model, w, cols):
         pairs = [(c, c + " no-EF") for c in cols if c.startswith("rand-k") and not c.endswith("no-EF")
                  and c + " no-EF" in cols]
-        if "none" not in cols or not pairs:
+        if "none" not in cols:
             return None
-        base = cols["none"]["test_ppl"]
-        return [(cols[n]["test_ppl"] > cols[e]["test_ppl"] > base,
-                 f"{e}: EF {cols[e]['test_ppl']:.1f} / no-EF {cols[n]['test_ppl']:.1f} vs none {base:.1f}")
-                for e, n in pairs]
+        out = []
+        for e, n in pairs:
+            out.append(_vs(n, cols[n], e, cols[e], ">"))
+            out.append(_vs(e, cols[e], "none", cols["none"], ">"))
+        return out
     claims.append(("4. Random-k without residuals is far worse than with them, which is worse than baseline",
                    *each(c4)))
+
+    def comm(col):
+        return [r["phase_step"]["communicate"] for r in col["runs"]]
 
     def c5(model, w, cols):
         if "none" not in cols or w < 2:
             return None
-        base = cols["none"]["phase_step"]["communicate"]
-        others = [c for c in cols if c != "none"]
-        if not others:
-            return None
-        out = []
-        for c in others:
-            comm = cols[c]["phase_step"]["communicate"]
-            high = c.startswith(("top-k", "DGC")) and c.endswith(("500x", "5000x"))
-            ok = comm < (0.1 * base if high else base)
-            out.append((ok, f"{c} {1e3 * comm:.1f} ms vs none {1e3 * base:.1f} ms"
-                            + (" (must be < 10 %)" if high else "")))
-        return out
+        return [_vs(c, cols[c], "none", cols["none"], "<", comm, " ms", 1e3) for c in cols if c != "none"]
+    claims.append(("5. Communication time per step falls for every method", *each(c5)))
 
-    claims.append(("5. Communication time falls for every method, to nearly nothing for top-k/DGC at high ratios",
-                   *each(c5)))
+    def compress(col):
+        return [r["phase_step"]["compress"] for r in col["runs"]]
 
     def c6(model, w, cols):
-        def mean_compress(prefix):
-            xs = [cols[c]["phase_step"]["compress"] for c in cols if c.startswith(prefix)]
-            return sum(xs) / len(xs) if xs else None
-        tk, dg, qs = mean_compress("top-k"), mean_compress("DGC"), mean_compress("QSGD")
-        if tk is None or (dg is None and qs is None):
+        tk = [c for c in cols if c.startswith("top-k")]
+        others = [c for c in cols if c.startswith(("DGC", "QSGD"))]
+        if not tk or not others:
             return None
-        return [(tk > x, f"compress per step: top-k {1e3 * tk:.1f} ms vs {n} {1e3 * x:.1f} ms")
-                for n, x in (("DGC", dg), ("QSGD", qs)) if x is not None]
+        merged = lambda names: {"runs": [r for c in names for r in cols[c]["runs"]]}  # noqa: E731
+        return [_vs("top-k (all densities)", merged(tk), f"{fam} (all settings)",
+                    merged([c for c in others if c.startswith(fam)]), ">", compress, " ms", 1e3)
+                for fam in ("DGC", "QSGD") if any(c.startswith(fam) for c in others)]
     claims.append(("6. Top-k's selection cost is the largest; DGC and QSGD add less", *each(c6)))
 
     def c7(model, w, cols):
         if (model, w) not in tg or "none" not in cols:
             return None
         t = tg[(model, w)]
-        base = epochs_to(cols["none"]["val"], t)
-        sp = [c for c in cols if c.startswith(("top-k", "DGC")) and c.endswith("50x")]
-        if not sp or base is None:
-            return None
-        eps = {c: epochs_to(cols[c]["val"], t) for c in sp}
-        return [(e is not None and e < base, f"target {t:.1f}: {c} {e or 'never'} vs none {base} epochs")
-                for c, e in eps.items()]
-    claims.append(("7. Sparsifiers converge in fewer epochs than the baseline", *each(c7)))
+
+        def epochs(col):  # a run that never reaches the target counts as one epoch past its last
+            return [float(epochs_to(r["val"], t) or len(r["val"]) + 1) for r in col["runs"]]
+        return [_vs(f"{c} (target {t:.1f})", cols[c], "none", cols["none"], "<", epochs, " epochs")
+                for c in cols if c.startswith(("top-k", "DGC")) and c.endswith(" 50x")]
+    claims.append(("7. Sparsifiers converge in fewer epochs than the baseline (epochs to the target "
+                   "validation perplexity)", *each(c7)))
     return claims
 
 
 # ---- markdown and plots ----------------------------------------------------------------------
+def _ppl_cell(col: dict) -> str:
+    if col["n"] < 2:
+        return f"{col['test_ppl']:.1f}"
+    return f"{col['test_ppl']:.1f} ± {col['test_sd']:.1f} (n={col['n']})"
+
+
 def ppl_table(rows) -> str:
+    """Test perplexity per (model, workers) and method: mean ± sample sd over seeds, the study's
+    published value in parentheses."""
     cols = ordered_columns(rows)
     lines = ["| model / workers | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for (model, w), by in groups(rows).items():
         study = dict(zip(STUDY_COLUMNS, STUDY_PPL.get((model, w), [])))
         cells = []
         for c in cols:
-            ours = f"{by[c]['test_ppl']:.1f}" if c in by else "–"
+            ours = _ppl_cell(by[c]) if c in by else "–"
             cells.append(ours + (f" ({study[c]:.1f})" if c in study else ""))
         lines.append(f"| {model} / {w} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def method_table(rows) -> str:
+    """One line per method: learning rate, seeds, test perplexity, best epoch, epochs run."""
+    lines = ["| model / workers | method | lr | seeds | test ppl | best val ppl | best epoch | epochs run |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (model, w), by in groups(rows).items():
+        for c in ordered_columns(list(by.values())):
+            col = by[c]
+            lrs = sorted({r["lr"] for r in col["runs"]})
+            lines.append(f"| {model} / {w} | {c} | {', '.join(f'{x:g}' for x in lrs)} | "
+                         f"{', '.join(str(r['seed']) for r in col['runs'])} | {_ppl_cell(col)} | "
+                         f"{col['best_val']:.1f} | {', '.join(str(r['best_epoch']) for r in col['runs'])} | "
+                         f"{', '.join(str(len(r['val'])) for r in col['runs'])} |")
     return "\n".join(lines)
 
 
@@ -262,22 +405,74 @@ def bytes_table(rows) -> str:
     return "\n".join(lines)
 
 
-def epochs_table(rows, target_ppl) -> str:
+def target_table(rows, target_ppl) -> str:
+    """Epochs and training seconds to the target validation perplexity, mean over the seeds that
+    reach it (how many did, in parentheses)."""
     tg = targets(rows, target_ppl)
-    lines = ["| model / workers | target val ppl | " + " | ".join(ordered_columns(rows)) + " |",
-             "|---|---|" + "---|" * len(ordered_columns(rows))]
+    lines = ["| model / workers | target val ppl | method | epochs | seconds |", "|---|---|---|---|---|"]
     for key, by in groups(rows).items():
         if key not in tg:
             continue
-        cells = []
-        for c in ordered_columns(rows):
-            e = epochs_to(by[c]["val"], tg[key]) if c in by else None
-            cells.append("–" if c not in by else (str(e) if e else f"> {len(by[c]['val'])}"))
-        lines.append(f"| {key[0]} / {key[1]} | {tg[key]:.1f} | " + " | ".join(cells) + " |")
+        for c in ordered_columns(list(by.values())):
+            runs = by[c]["runs"]
+            eps = [epochs_to(r["val"], tg[key]) for r in runs]
+            secs = [seconds_to(r, tg[key]) for r in runs]
+            hit = [e for e in eps if e is not None]
+            reached = f" ({len(hit)}/{len(runs)})" if len(runs) > 1 else ""
+            e_txt = f"{_mean(hit):.1f}{reached}" if hit else f"never in {max(len(r['val']) for r in runs)}"
+            s_vals = [x for x in secs if x is not None]
+            s_txt = f"{_mean(s_vals):.0f}" if s_vals else "–"
+            lines.append(f"| {key[0]} / {key[1]} | {tg[key]:.1f} | {c} | {e_txt} | {s_txt} |")
     return "\n".join(lines)
 
 
-def plots(rows, out_dir: str) -> List[str]:
+def lr_search_table(root: str) -> Optional[str]:
+    """The learning-rate search (``root/lr_search.json`` written by sweep.py): best validation
+    perplexity at each value tried, the chosen value in bold. None without a search."""
+    path = os.path.join(root, "lr_search.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        search = json.load(f)
+    values = sorted({float(v) for s in search.values() for v in s["values"]})
+    lines = ["| cell | " + " | ".join(f"lr {v:g}" for v in values) + " | chosen |",
+             "|---|" + "---|" * (len(values) + 1)]
+    for key, s in sorted(search.items()):
+        by = {float(k): v for k, v in s["values"].items()}
+        cells = []
+        for v in values:
+            x = by.get(v)
+            txt = "–" if x is None else ("diverged" if not math.isfinite(x) else f"{x:.1f}")
+            cells.append(f"**{txt}**" if s["chosen"] is not None and v == s["chosen"] else txt)
+        chosen = "none (every value failed)" if s["chosen"] is None else f"{s['chosen']:g}"
+        lines.append(f"| {key} | " + " | ".join(cells) + f" | {chosen} |")
+    return "\n".join(lines)
+
+
+def budget_line(root: str, rows, budget_hours: Optional[float]) -> str:
+    """Compute spent (wall seconds the sweep measured, search included) against the budget."""
+    n_search, search_s = search_wall_seconds(root)
+    cells_s = sum(r["wall_seconds"] for r in rows)
+    total_h = (search_s + cells_s) / 3600
+    line = (f"Compute spent: **{total_h:.2f} h** of wall time on this machine ({len(rows)} training "
+            f"runs {cells_s / 3600:.2f} h" + (f", learning-rate search {n_search} runs {search_s / 3600:.2f} h"
+                                              if n_search else "") + ")")
+    if budget_hours:
+        line += f", against a budget of {budget_hours:g} h ({'within' if total_h <= budget_hours else 'OVER'} budget)"
+    return line + "."
+
+
+PANELS = (("top-k, DGC", ("none", "top-k", "DGC")), ("QSGD, random-k", ("none", "QSGD", "rand-k")))
+
+
+def _panel_of(column: str) -> int:
+    for i, (_, prefixes) in enumerate(PANELS):
+        if column.startswith(prefixes[1:]):
+            return i
+    return len(PANELS)
+
+
+def plots(rows, out_dir: str, target_ppl=None) -> List[str]:
     """Write the PNG plots; returns their file names."""
     import matplotlib
 
@@ -286,17 +481,34 @@ def plots(rows, out_dir: str) -> List[str]:
 
     names = []
     g = groups(rows)
-    fig, axes = plt.subplots(1, len(g), figsize=(5.5 * len(g), 4.2), squeeze=False)
-    for ax, ((model, w), by) in zip(axes[0], g.items()):
-        for c in ordered_columns(list(by.values())):
-            ax.plot(range(1, len(by[c]["val"]) + 1), by[c]["val"], marker="o", label=c)
-        ax.set(title=f"{model}, {w} worker(s)", xlabel="epoch", ylabel="validation perplexity", yscale="log")
-        ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "val_ppl.png"), dpi=110)
-    names.append("val_ppl.png")
-    plt.close(fig)
+    tg = targets(rows, target_ppl)
+    for (model, w), by in g.items():
+        cols = ordered_columns(list(by.values()))
+        panels = sorted({_panel_of(c) for c in cols if c != "none"}) or [0]
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.8 * len(panels), 4.4), squeeze=False)
+        for ax, panel in zip(axes[0], panels):
+            for c in cols:
+                if c != "none" and _panel_of(c) != panel:
+                    continue
+                runs = by[c]["runs"]
+                mean = by[c]["val"]
+                line, = ax.plot(range(1, len(mean) + 1), mean, marker=".", label=f"{c} (n={len(runs)})")
+                if len(runs) > 1:  # seed band: min..max over the seeds still running at that epoch
+                    lo = [min(r["val"][e] for r in runs if e < len(r["val"])) for e in range(len(mean))]
+                    hi = [max(r["val"][e] for r in runs if e < len(r["val"])) for e in range(len(mean))]
+                    ax.fill_between(range(1, len(mean) + 1), lo, hi, color=line.get_color(), alpha=0.2)
+            if (model, w) in tg:
+                ax.axhline(tg[(model, w)], color="grey", linestyle=":", linewidth=1)
+            title = PANELS[panel][0] if panel < len(PANELS) else "other methods"
+            ax.set(title=f"{model}, {w} worker(s): {title}", xlabel="epoch",
+                   ylabel="validation perplexity (mean; band: seed min–max)", yscale="log")
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=7, loc="upper right")
+        fig.tight_layout()
+        name = "val_ppl.png" if len(g) == 1 else f"val_ppl-{model}-np{w}.png"
+        fig.savefig(os.path.join(out_dir, name), dpi=110)
+        names.append(name)
+        plt.close(fig)
 
     fig, axes = plt.subplots(1, len(g), figsize=(5.5 * len(g), 4.6), squeeze=False)
     for ax, ((model, w), by) in zip(axes[0], g.items()):
@@ -314,63 +526,112 @@ def plots(rows, out_dir: str) -> List[str]:
     names.append("time_breakdown.png")
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(9, 4.6))
-    cols = ordered_columns(rows)
+    if tg:
+        fig, axes = plt.subplots(1, len(tg), figsize=(6 * len(tg), 4.6), squeeze=False)
+        for ax, key in zip(axes[0], tg):
+            by = g[key]
+            cols = ordered_columns(list(by.values()))
+            means, errs, never = [], [], []
+            for c in cols:
+                secs = [seconds_to(r, tg[key]) for r in by[c]["runs"]]
+                hit = [x for x in secs if x is not None]
+                means.append(_mean(hit) if hit else 0.0)
+                errs.append(0.0 if len(hit) < 2 else _sd(hit))
+                never.append(not hit)
+            ax.bar(range(len(cols)), means, yerr=errs, capsize=3,
+                   color=["lightgrey" if n else "C0" for n in never])
+            for i, n in enumerate(never):
+                if n:
+                    ax.text(i, 0, "never", rotation=90, ha="center", va="bottom", fontsize=7)
+            ax.set_xticks(range(len(cols)), cols, rotation=70, fontsize=7)
+            ax.set(title=f"{key[0]}, {key[1]} worker(s): to val ppl {tg[key]:.1f}",
+                   ylabel="training seconds (mean ± sd over seeds)")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "time_to_target.png"), dpi=110)
+        names.append("time_to_target.png")
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8.5, 5.2))
     for (model, w), by in g.items():
-        ax.plot(range(len(cols)), [by[c]["bytes_sent"] if c in by else math.nan for c in cols],
-                marker="o", linestyle="none", label=f"{model}/{w}")
-    ax.set_xticks(range(len(cols)), cols, rotation=70, fontsize=7)
-    ax.set(yscale="log", ylabel="bytes sent per step per rank (measured)")
-    ax.legend(fontsize=8)
+        for c in ordered_columns(list(by.values())):
+            col = by[c]
+            ax.errorbar(col["bytes_sent"], col["test_ppl"], yerr=0 if col["n"] < 2 else col["test_sd"],
+                        marker="o", capsize=3, linestyle="none")
+            ax.annotate(c if len(g) == 1 else f"{c} ({model}/{w})", (col["bytes_sent"], col["test_ppl"]),
+                        fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.set(xscale="log", yscale="log", xlabel="bytes sent per step per rank (measured)",
+           ylabel="test perplexity (mean ± sd over seeds)", title="Bytes vs perplexity: the trade-off")
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "bytes_per_step.png"), dpi=110)
-    names.append("bytes_per_step.png")
+    fig.savefig(os.path.join(out_dir, "frontier.png"), dpi=110)
+    names.append("frontier.png")
     plt.close(fig)
     return names
 
 
 def missing_cells(root: str, grid_paths: List[str]) -> List[str]:
     """Names of the cells of the given grid files that have no results.json under ``root``."""
-    if not grid_paths:
-        return []
-    import argparse as _argparse
-
     from mpi_scripts import sweep
 
-    none = _argparse.Namespace(models=None, workers=None, epochs=None, output=None, data=None, methods=None)
     out = []
     for path in grid_paths:
-        for cell in sweep.cells_of(sweep.load_grid(path, none)):
+        for cell in sweep.cells_of(sweep.load_grid(path, _NO_OVERRIDES)):
             if not os.path.isfile(os.path.join(root, "cells", cell.name, "results.json")):
                 out.append(cell.name)
     return out
 
 
-def render(rows, target_ppl=None, command: str = "", plot_names=(), missing=()) -> str:
+_NO_OVERRIDES = argparse.Namespace(models=None, workers=None, epochs=None, output=None, data=None, methods=None)
+
+
+def grid_notes(grid_paths: List[str]) -> List[str]:
+    """The ``notes`` of the given grid files (what the grid chose and cut, in its own words)."""
+    from mpi_scripts import sweep
+
+    return [n for n in (sweep.load_grid(p, _NO_OVERRIDES).get("notes") for p in grid_paths) if n]
+
+
+def render(rows, target_ppl=None, command: str = "", plot_names=(), missing=(), root: str = "",
+           budget_hours: Optional[float] = None, notes=()) -> str:
     """The whole markdown report."""
     if not rows:
         return "# hvdcomp study report\n\nNo results.json found.\n"
     env = rows[0]["env"]
+    seeded = any(len(c["runs"]) > 1 for by in groups(rows).values() for c in by.values())
     parts = [
         "# hvdcomp study report: the seed study's grid with measured communication",
         f"{len(rows)} runs. Produced by:\n\n```\n{command}\n```" if command else f"{len(rows)} runs.",
+        *[n.strip() for n in notes],
+        budget_line(root, rows, budget_hours) if root else "",
         "Every time below is measured by hvdcomp's phase timers on real MPI ranks (compute = forward "
         "+ backward + update; communicate = time in or waiting for collectives), and every byte count "
         "is what the rank put on the wire (counts exchange included); nothing is derived from an "
         "assumed link speed. Ranks share this machine's cores, so compute time grows with the rank "
         "count; settings: " + ", ".join(f"`{k}={v}`" for k, v in sorted(env.items())) + ".",
         "Nominal ratios use the study's convention (32-bit values and indices: density 1 % = 50x).",
-        "## Test perplexity (ours, study's published value in parentheses)",
-        "The study trained PTB for up to 50 epochs and reports the best of 60 tuned runs; these runs "
-        "train Tiny Shakespeare for a few epochs with one setting, so compare orderings, not values.",
+        "## Test perplexity (ours" + (": mean ± sample sd over seeds" if seeded else "") +
+        "; the study's published value in parentheses)",
+        "The study trained PTB and reports the best of 60 tuned runs; these runs train Tiny "
+        "Shakespeare, so compare orderings, not values. The test perplexity is that of each run's "
+        "weights with the best validation perplexity.",
         ppl_table(rows),
-        "## Time per epoch by phase (seconds, mean over ranks)", time_table(rows),
+        "## Per method: learning rate, seeds, epochs", method_table(rows),
+    ]
+    search = lr_search_table(root) if root else None
+    if search:
+        parts += ["## Learning-rate search (best validation perplexity of the short runs; chosen in bold)",
+                  search]
+    parts += [
+        "## Time per epoch by phase (seconds, mean over ranks and seeds)", time_table(rows),
         "## Bytes on the wire and compression ratio", bytes_table(rows),
-        "## Epochs to reach the target validation perplexity",
-        "Target: the uncompressed run's final validation perplexity at the same model and worker count.",
-        epochs_table(rows, target_ppl),
+        "## Epochs and seconds to the target validation perplexity",
+        "Target: 1.1 x the uncompressed run's best validation perplexity (mean over its seeds) at the "
+        "same model and worker count, unless given. Seconds are training time measured by the run "
+        "(evaluation included), on a machine shared by the ranks.",
+        target_table(rows, target_ppl),
         "## The study's claims against our data",
+        "Each comparison is a difference of means with its seed spread sqrt(sd_a² + sd_b²): within "
+        "the spread it is *not distinguishable*; with one seed it is *not judged*.",
         "\n".join(f"- **{c}** — {v}. {e}." for c, v, e in check_claims(rows, target_ppl)),
     ]
     if missing:
@@ -378,24 +639,28 @@ def render(rows, target_ppl=None, command: str = "", plot_names=(), missing=()) 
                      "\n\nRerun the same sweep command: finished cells are skipped, these are run.")
     if plot_names:
         parts.append("## Plots\n\n" + "\n".join(f"![{n}]({n})" for n in plot_names))
-    return "\n\n".join(parts) + "\n"
+    return "\n\n".join(p for p in parts if p) + "\n"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("root", help="directory searched for results.json files")
     p.add_argument("--out", help="where report.md and the PNGs go (default: root)")
-    p.add_argument("--target-ppl", type=float, help="target validation perplexity (default: baseline's final)")
+    p.add_argument("--target-ppl", type=float,
+                   help="target validation perplexity (default: 1.1 x the baseline's best)")
     p.add_argument("--command", default="", help="the command that produced the runs, quoted in the report")
+    p.add_argument("--budget-hours", type=float, help="the stated compute budget, hours of wall time")
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--grid", nargs="*", default=[], help="grid YAML files: list their cells that have no results")
+    p.add_argument("--grid", nargs="*", default=[],
+                   help="grid YAML files: list their cells that have no results, quote their notes")
     args = p.parse_args(argv)
     rows = load_results(args.root)
     out = args.out or args.root
     os.makedirs(out, exist_ok=True)
-    names = [] if args.no_plots or not rows else plots(rows, out)
+    names = [] if args.no_plots or not rows else plots(rows, out, args.target_ppl)
     with open(os.path.join(out, "report.md"), "w") as f:
-        f.write(render(rows, args.target_ppl, args.command, names, missing_cells(args.root, args.grid)))
+        f.write(render(rows, args.target_ppl, args.command, names, missing_cells(args.root, args.grid),
+                       args.root, args.budget_hours, grid_notes(args.grid)))
     print(f"report: {os.path.join(out, 'report.md')} ({len(rows)} runs)")
     return 0
 

@@ -10,15 +10,16 @@ from mpi_scripts import report
 from tests.mpirun import MPI_ENV, ROOT, TINY_SHAKESPEARE
 
 
-def fake(model, workers, compressor, test_ppl, val, comm=0.1, compress=0.01, steps=10, sent=1000):
-    return {"config": {"model": model, "world_size": workers, "compressor": compressor,
+def fake(model, workers, compressor, test_ppl, val, comm=0.1, compress=0.01, steps=10, sent=1000, seed=1):
+    return {"config": {"model": model, "world_size": workers, "compressor": compressor, "seed": seed,
                        "compressor_spec": compressor["name"], "lr": 20.0, "transport": "x", "env": {}},
-            "epochs": [{"val_ppl": v, "steps": steps} for v in val], "test_ppl": test_ppl,
+            "epochs": [{"val_ppl": v, "steps": steps, "elapsed_seconds": 30.0 * (i + 1)} for i, v in enumerate(val)],
+            "test_ppl": test_ppl, "best_val_ppl": min(val), "best_epoch": val.index(min(val)) + 1,
             "per_step": {"compute": {"mean": 1.0}, "compress": {"mean": compress},
                          "communicate": {"mean": comm}, "decompress": {"mean": 0.002},
                          "wall": {"mean": 1.2}, "bytes_sent": {"mean": sent},
                          "bytes_received": {"mean": 2 * sent}, "dense_bytes": {"mean": 50 * sent}},
-            "measured_ratio": 50.0, "nominal_ratio": 50.0}
+            "measured_ratio": 50.0, "nominal_ratio": 50.0, "seconds_total": 100.0}
 
 
 def write(root, name, obj):
@@ -28,58 +29,94 @@ def write(root, name, obj):
 
 @pytest.fixture
 def fixture_dir(tmp_path):
+    """Three seeds per method (test perplexity mean ± 1, so a pair's spread is sqrt(2)), except
+    random-k without EF (one seed)."""
     t = lambda d: {"name": "topk", "density": d, "ef": True}          # noqa: E731
     g = lambda d: {"name": "dgc", "density": d}                        # noqa: E731
     q = lambda s: {"name": "qsgd", "levels": s, "bucket": 512}         # noqa: E731
     r = lambda d, ef: {"name": "randomk", "density": d, "ef": ef}      # noqa: E731
-    cells = {
-        "none": fake("small", 2, {"name": "none"}, 100.0, [300, 200, 150], comm=0.5, compress=0.0, sent=50000),
-        "t50": fake("small", 2, t(0.01), 98.0, [250, 140, 120], comm=0.04, compress=0.05),
-        "t5000": fake("small", 2, t(0.0001), 130.0, [400, 300, 250], comm=0.02, compress=0.04),
-        "d50": fake("small", 2, g(0.01), 101.0, [260, 180, 149], comm=0.04, compress=0.02),
-        "d5000": fake("small", 2, g(0.0001), 125.0, [420, 320, 260], comm=0.03, compress=0.02),
-        "q64": fake("small", 2, q(64), 101.5, [300, 200, 151], comm=0.2, compress=0.01),
-        "q4": fake("small", 2, q(4), 104.0, [300, 210, 160], comm=0.1, compress=0.01),
-        "r": fake("small", 2, r(0.01, True), 140.0, [500, 400, 300], comm=0.04, compress=0.01),
-        "rn": fake("small", 2, r(0.01, False), 400.0, [900, 800, 700], comm=0.04, compress=0.01),
+    cells = {  # name: (compressor, mean test ppl, val curve, other fields)
+        "none": ({"name": "none"}, 100.0, [300, 200, 150], dict(comm=0.5, compress=0.0, sent=50000)),
+        "t50": (t(0.01), 97.0, [250, 140, 120], dict(comm=0.04, compress=0.05)),
+        "t5000": (t(0.0001), 130.0, [400, 300, 250], dict(comm=0.02, compress=0.04)),
+        "d50": (g(0.01), 101.0, [260, 180, 149], dict(comm=0.04, compress=0.02)),
+        "d5000": (g(0.0001), 125.0, [420, 320, 260], dict(comm=0.03, compress=0.02)),
+        "q64": (q(64), 101.5, [300, 200, 151], dict(comm=0.2, compress=0.01)),
+        "q4": (q(4), 104.0, [300, 210, 160], dict(comm=0.1, compress=0.01)),
+        "r": (r(0.01, True), 140.0, [500, 400, 300], dict(comm=0.04, compress=0.01)),
     }
-    for name, obj in cells.items():
-        write(tmp_path, name, obj)
+    for name, (comp, ppl, val, kw) in cells.items():
+        for seed, delta in ((1, -1.0), (2, 0.0), (3, 1.0)):
+            write(tmp_path / "cells", f"{name}-seed{seed}", fake("small", 2, comp, ppl + delta, val, seed=seed, **kw))
+    write(tmp_path / "cells", "rn-seed1", fake("small", 2, r(0.01, False), 400.0, [900, 800, 700], comm=0.04))
     return tmp_path
 
 
 def test_tables_hold_the_fixture_numbers(fixture_dir):
     rows = report.load_results(str(fixture_dir))
-    assert len(rows) == 9
+    assert len(rows) == 25
     table = report.ppl_table(rows)
-    assert "| small / 2 | 100.0 (115.1) |" in table          # ours, then the study's published value
-    assert "98.0 (114.4)" in table and "130.0 (151.7)" in table and "104.0 (115.1)" in table
+    assert "| small / 2 | 100.0 ± 1.0 (n=3) (115.1) |" in table      # ours, then the study's value
+    assert "97.0 ± 1.0 (n=3) (114.4)" in table and "| 400.0 |" in table
     assert report.ordered_columns(rows)[:3] == ["none", "rand-k 50x", "rand-k 50x no-EF"]
     times = report.time_table(rows)
     assert "| small / 2 | none | 10.00 | 0.00 | 5.00 | 0.02 | 15.02 | 1.200 |" in times  # per step x 10 steps
     assert report.epochs_to([300, 200, 150], 150) == 3 and report.epochs_to([300], 100) is None
+    # target 1.1 x 150 = 165: none reaches it in epoch 3 (90 s), top-k 50x in epoch 2 (60 s)
+    target = report.target_table(rows, None)
+    assert "| small / 2 | 165.0 | none | 3.0 (3/3) | 90 |" in target
+    assert "| small / 2 | 165.0 | top-k 50x | 2.0 (3/3) | 60 |" in target
+    assert "| small / 2 | 165.0 | rand-k 50x | never in 3 | – |" in target
+
+
+def test_compare_judges_a_difference_against_the_seed_spread():
+    # means 11 and 10, sds 1 and 1: spread sqrt(2) = 1.41 > 1
+    assert report.compare([10, 11, 12], [9, 10, 11])[2] == "~"
+    d, spread, direction = report.compare([13, 14, 15], [9, 10, 11])
+    assert (d, round(spread, 4), direction) == (4.0, 1.4142, ">")
+    assert report.compare([5.0], [9, 10, 11])[2] == "?"
 
 
 def test_claim_verdicts_computed_from_numbers(fixture_dir):
     verdicts = {c.split(".")[0]: (v, e) for c, v, e in report.check_claims(report.load_results(str(fixture_dir)))}
-    assert verdicts["1"][0] == "partly supported"       # top-k 98.0 <= 100.0, DGC 101.0 is not
-    assert "top-k 50x 98.0 vs none 100.0" in verdicts["1"][1]
-    assert verdicts["2"][0] == "not supported"          # both degrade, but DGC (125) < top-k (130)
-    assert verdicts["3"][0] == "partly supported"       # s=64 is +1.5, s=4 is +4.0
-    assert "QSGD s=4 +4.0 around none 100.0" in verdicts["3"][1]
-    assert verdicts["4"][0] == "supported"              # 400 > 140 > 100
-    assert verdicts["5"][0] == "supported"              # all < 0.5 s; top-k/DGC 5000x < 0.05 s
+    # top-k 97 vs 100: -3 beyond the spread 1.41; DGC 101 vs 100: within it
+    assert verdicts["1"][0] == "partly supported (1 supported, 1 not distinguishable)"
+    assert "top-k 50x 97.0 ± 1.0 (n=3) vs none 100.0 ± 1.0 (n=3): -3.0 (-3.0 %), spread 1.4 → supported" in verdicts["1"][1]
+    # both degrade, but DGC (125) < top-k (130) by more than the spread
+    assert verdicts["2"][0] == "partly supported (2 supported, 1 contradicted)"
+    # s=64 is +1.5 (within 2.5); s=4 is +4.0, outside 2.5 by more than the spread
+    assert verdicts["3"][0] == "partly supported (1 supported, 1 contradicted)"
+    assert "QSGD s=4 104.0 ± 1.0 (n=3) vs none 100.0 ± 1.0 (n=3): +4.0, spread 1.4 → contradicted" in verdicts["3"][1]
+    # no-EF has one seed: not judged; EF 140 vs none 100: supported
+    assert verdicts["4"][0] == "partly supported (1 supported, 1 single seed)"
+    assert verdicts["5"][0] == "partly supported (7 supported, 1 single seed)"
     assert verdicts["6"][0] == "supported"              # top-k 45 ms > DGC 20 ms, QSGD 10 ms
-    assert verdicts["7"][0] == "partly supported"       # top-k 50x reaches 150 at epoch 2, DGC 50x at 3
-    assert "target 150.0: top-k 50x 2 vs none 3 epochs" in verdicts["7"][1]
-    assert "DGC 50x 3 vs none 3 epochs" in verdicts["7"][1]
+    # target 165: top-k 50x at epoch 2 vs none at 3 in every seed; DGC 50x also at 3
+    assert verdicts["7"][0] == "partly supported (1 supported, 1 not distinguishable)"
+
+
+def test_lr_search_table_and_budget_line(fixture_dir):
+    (fixture_dir / "lr_search.json").write_text(json.dumps({
+        "small-np2-none": {"values": {"10": 320.5, "20": 300.25, "40": float("inf")}, "chosen": 20.0},
+        "small-np2-sbc": {"values": {"10": float("nan"), "20": float("nan"), "40": float("nan")}, "chosen": None}}))
+    table = report.lr_search_table(str(fixture_dir))
+    assert "| small-np2-none | 320.5 | **300.2** | diverged | 20 |" in table
+    assert "| small-np2-sbc | diverged | diverged | diverged | none (every value failed) |" in table
+    for name, secs in (("a", 1800.0), ("b", 1800.0)):
+        os.makedirs(fixture_dir / "search" / name)
+        (fixture_dir / "search" / name / "sweep.json").write_text(json.dumps({"wall_seconds": secs}))
+    rows = report.load_results(str(fixture_dir))   # 25 cells x 100 s (no sweep.json: the run's own)
+    line = report.budget_line(str(fixture_dir), rows, 8)
+    assert line == ("Compute spent: **1.69 h** of wall time on this machine (25 training runs 0.69 h, "
+                    "learning-rate search 2 runs 1.00 h), against a budget of 8 h (within budget).")
 
 
 def test_report_written_with_plots(fixture_dir):
-    assert report.main([str(fixture_dir), "--command", "python mpi_scripts/sweep.py x"]) == 0
+    assert report.main([str(fixture_dir), "--command", "python mpi_scripts/sweep.py x", "--budget-hours", "8"]) == 0
     text = (fixture_dir / "report.md").read_text()
     assert "python mpi_scripts/sweep.py x" in text and "![val_ppl.png](val_ppl.png)" in text
-    for png in ("val_ppl.png", "time_breakdown.png", "bytes_per_step.png"):
+    assert "against a budget of 8 h" in text
+    for png in ("val_ppl.png", "time_breakdown.png", "time_to_target.png", "frontier.png"):
         assert (fixture_dir / png).stat().st_size > 1000
 
 
@@ -101,8 +138,9 @@ def test_two_cell_sweep_under_mpirun_and_resume(tmp_path):
 
 def test_missing_cells_listed(fixture_dir, tmp_path):
     grid = tmp_path / "g.yaml"
-    grid.write_text("models: [small]\nworkers: [2, 8]\nepochs: 1\nmethods:\n  - spec: none\n")
+    grid.write_text("models: [small]\nworkers: [2, 8]\nepochs: 1\nnotes: cut X to fit\nmethods:\n  - spec: none\n")
     os.makedirs(fixture_dir / "cells" / "small-np2-none")
     (fixture_dir / "cells" / "small-np2-none" / "results.json").write_text(
-        (fixture_dir / "none" / "results.json").read_text())
+        (fixture_dir / "cells" / "none-seed1" / "results.json").read_text())
     assert report.missing_cells(str(fixture_dir), [str(grid)]) == ["small-np8-none"]
+    assert report.grid_notes([str(grid)]) == ["cut X to fit"]
