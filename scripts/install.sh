@@ -66,8 +66,8 @@ else
   "${PIP[@]}" "$TORCH_SPEC"
 fi
 TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)')
-# the project and its runtime/test/plot dependencies (torch is already satisfied above)
-"${PIP[@]}" -e "$ROOT[test,plot]"
+# the project and its runtime, test, plot and study (scikit-learn's digits) dependencies; torch is already satisfied above
+"${PIP[@]}" -e "$ROOT[test,plot,study]"
 
 # --- 3. Horovod, built once and cached ------------------------------------------------------
 if "$PY" -c "import horovod.torch, sys; import horovod; sys.exit(horovod.__version__ != '$HOROVOD_VERSION')" >/dev/null 2>&1; then
