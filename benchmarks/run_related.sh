@@ -8,7 +8,7 @@
 # 3. speed: the new methods on 4 emulated hosts (medium LSTM, links shaped at 1 Gbit/s, 100 Mbit/s and
 #    10 Mbit/s) beside hvdcomp none, hvdcomp top-k 1 % and stock Horovod fp16 run in the same sitting,
 #    then their speed tables (benchmarks/report_speed.py on these cells only).
-# The study cells of the new methods are `make study` (mpi_scripts/grids/related_small.yaml).
+# The 2-epoch study cells of the new methods are `make study-v1` (mpi_scripts/grids/related_small.yaml); study v2 (`make study`) has them too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/results/related}
