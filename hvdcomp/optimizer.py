@@ -11,10 +11,12 @@ One gradient's path:
 1. backward fires a post-accumulate-grad hook on the parameter (after ``backward_passes_per_step``
    passes); the hook **compresses** it (``Compressor.encode``, error feedback included) — once
    per synchronized step, whatever the recipe;
-2. its payload travels on the route planned at construction (:mod:`hvdcomp.plan`): Horovod
-   ``allreduce_async`` for summable payloads; a bucketed variable-size allgather for the others
-   (:mod:`hvdcomp.comm.allgather`); or a local decode allreduced densely where the α-β cost model
-   says that is cheaper (same result);
+2. its payload travels on the route planned at construction (:mod:`hvdcomp.plan`; public as
+   ``optimizer.transport``), carried by that route's transport (:mod:`hvdcomp.transports`, one
+   module each): Horovod ``allreduce_async`` for summable payloads; a bucketed variable-size
+   allgather for the others (:mod:`hvdcomp.comm.allgather`); a local decode allreduced densely
+   where the α-β cost model says that is cheaper (same result); or a batched compressor's own
+   step-wide collectives;
 3. ``synchronize()`` (called by ``step()``) sends what backward did not reach (unused parameters
    send zeros), waits, rebuilds the averaged gradient (``decode`` / ``aggregate``) into
    ``p.grad``, and agrees with every rank on the step (:mod:`hvdcomp.guard`: non-finite
@@ -45,7 +47,7 @@ import torch
 from .amp import LossScaleTracker
 from .comm import make_allgatherer
 from .comm.costmodel import CostModel, measure_cost_model
-from .comm.group import HOROVOD_ALLREDUCE_DTYPES, Group
+from .comm.group import Group
 from .comm.exchange import MPIExchange
 from .comm.step import StepComm
 from .compressors import Compressor, get_compressor
@@ -56,6 +58,7 @@ from .guard import NONFINITE_MODES, NonFiniteGuard
 from .launch import check_launch
 from .metrics import PhaseTimer
 from .plan import TransportPlan, fuse_units, make_buckets, make_units, plan_transport, split_groups
+from .transports import AllgatherTransport, AllreduceTransport, BatchedTransport, Units
 
 __all__ = ["DistributedOptimizer", "resolve_compression", "make_buckets", "DEFAULT_BUCKET_BYTES",
            "OPTIMIZER_ENV"]
@@ -135,10 +138,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._round_open = False          # compressor state of this step is staged
         self._synced = False              # synchronize() done; the update is not applied yet
         self._skip = False                # the ranks agreed to skip this step (non-finite)
-        self._inflight: Dict[int, tuple] = {}   # unit -> launched allreduce
-        self._encoded: Dict[int, tuple] = {}    # unit -> payload waiting for its allgather bucket
-        self._bucket_handles: Dict[int, object] = {}     # launched bucket allgathers
-        self._next_bucket = 0
+        self._transports: list = []       # the transports this optimizer uses (hvdcomp.transports)
         self._should_synchronize = True
         self._state_agreed = False        # compressor state agreed across ranks (first step)
         self._loaded = False              # load_state_dict() ran before the first step
@@ -188,7 +188,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for u, members in enumerate(self._members):
             for i in members:
                 self._unit_of[i] = u
-        self._flat: List[Optional[torch.Tensor]] = [None] * len(units)  # buffers of multi-gradient units
         self._unit_wait = [len(m) for m in self._members]   # gradients each unit still waits for
         numel = [sum(self._order[i].numel() for i in m) for m in self._members]
         esize = [self._order[m[0]].element_size() for m in self._members]
@@ -207,17 +206,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._route = [self.transport.routes[n] for n in self._unit_name]
         self.transport.units = {self._unit_name[u]: [names[i] for i in m]
                                 for u, m in enumerate(self._members) if len(m) > 1}
-        self._buckets: List[List[int]] = [list(dict.fromkeys(at[n] for n in b)) for b in self.transport.buckets]
-        self._bucket_of: List[int] = [-1] * len(units)
-        for b, members in enumerate(self._buckets):
-            for u in members:
-                self._bucket_of[u] = b
-        self._dense_bytes = [n * 4 for n in numel]  # the fp32 equivalent
-        self._grad_bytes = [n * e for n, e in zip(numel, esize)]
-        self._bucket_dense = [sum(self._dense_bytes[u] for u in b) for b in self._buckets]
-        self._waiting = [len(b) for b in self._buckets]  # units each allgather bucket still waits for
-        self._wire_name = [f"{self._prefix}.{n}" for n in self._unit_name]  # Horovod tensor names
-        self._reduce_args = self._allreduce_args()
+        buckets = [list(dict.fromkeys(at[n] for n in b)) for b in self.transport.buckets]
+        self._units = Units(self._order, self._members, self._unit_name, self._segments, self._prefix,
+                            self._gradient)
+        # the transports (hvdcomp.transports), one per kind of route this optimizer's units take
+        hvd, scale = self._hvd, self._result_scale()
+        self._allreduce = AllreduceTransport(
+            self.group, self.timer, compression, self._units, self._allreduce_args(),
+            hvd.Sum if self.op is hvd.Sum else hvd.Average,
+            compression.allreduce_op == "sum" and self.op is hvd.Sum, scale)
+        self._allgather = AllgatherTransport(self._gatherer, self.timer, compression, self._units, buckets,
+                                             self._prefix, self._encode, scale)
+        self._batched = BatchedTransport(self.timer, compression, self._step_comm, scale) \
+            if compression.batched else None
+        self._transports = [t for t in (self._allreduce, self._allgather, self._batched) if t is not None]
         self._direct = type(compression) is NoneCompressor and self.granularity == "tensor"
         # every gradient reduced in place (none): the per-step agreement travels as sums with them
         # (results of float32/float64 gradients are exactly the allreduced averages: checked on them)
@@ -378,7 +380,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _discard_round(self) -> None:
         """The synchronized (or partly compressed) gradient will not be applied: drop its
         staged compressor state, so it leaves no trace."""
-        if self._inflight or self._encoded or self._bucket_handles:
+        if self._busy():
             raise AssertionError("a step was discarded while collectives were in flight; call "
                                  "optimizer.synchronize() first")
         if self._round_open:
@@ -414,39 +416,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.grad = p.grad.to_dense()
         return p.grad
 
-    def _unit_tensor(self, u: int) -> torch.Tensor:
-        """What unit ``u`` compresses, and where its result is written: the gradient itself, or
-        (a unit of several gradients) a flat buffer they are copied into, in launch order."""
-        members = self._members[u]
-        if len(members) == 1:
-            return self._gradient(self._order[members[0]])
-        grads = [self._gradient(self._order[i]).reshape(-1) for i in members]
-        flat = self._flat[u]
-        if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
-            flat = self._flat[u] = torch.empty(self._dense_bytes[u] // 4, dtype=grads[0].dtype,
-                                               device=grads[0].device)
-        return torch.cat(grads, out=flat)
-
-    def _write_back(self, u: int) -> None:
-        """Copy a multi-gradient unit's result from its flat buffer into the members' ``.grad``."""
-        members = self._members[u]
-        if len(members) > 1:
-            start = 0
-            flat = self._flat[u]
-            for i in members:
-                grad = self._order[i].grad
-                grad.copy_(flat[start:start + grad.numel()].view(grad.shape))
-                start += grad.numel()
-
-    def _target(self, u: int) -> torch.Tensor:
-        """Where unit ``u``'s averaged result goes (see :meth:`_unit_tensor`)."""
-        members = self._members[u]
-        return self._order[members[0]].grad if len(members) == 1 else self._flat[u]
+    def _busy(self) -> bool:
+        """Whether any transport has payloads queued or collectives in flight."""
+        return any(t.busy for t in self._transports)
 
     def _encode(self, u: int):
         """Compress unit ``u`` (finiteness is checked once per step, see :meth:`synchronize`)."""
         self._open_round()
-        return self.compression.encode(self._unit_tensor(u), self._unit_name[u], self._segments[u])
+        return self.compression.encode(self._units.tensor(u), self._unit_name[u], self._segments[u])
 
     def _allreduce_args(self) -> tuple:
         """(op, prescale, postscale) for Horovod's allreduce of a summable payload: ``op`` and
@@ -458,121 +435,32 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return hvd.Average, 1.0 / f, f
 
     def _launch(self, u: int) -> None:
-        """Compress unit ``u`` and start its allreduce, or queue it for its allgather bucket.
-        Timed as ``compress`` (queueing an asynchronous collective included), except ``none``'s
-        direct path, which like stock Horovod's hook counts as compute."""
-        route, wire_name = self._route[u], self._wire_name[u]
+        """Compress unit ``u`` and hand its payload to its route's transport. Timed as
+        ``compress`` (queueing an asynchronous collective included), except ``none``'s direct
+        path, which like stock Horovod's hook counts as compute."""
+        route = self._route[u]
         if self._direct:  # none on one gradient: Horovod's own path, nothing to encode, and (as for
             # stock Horovod) queueing the allreduce is charged to compute: no timer entry per tensor
-            grad = self._unit_tensor(u)
+            grad = self._units.tensor(u)
             if grad.dtype in (torch.float32, torch.float64) and grad.is_contiguous():  # (none sends
                 # half-precision gradients as float32: their sums would overflow in fp16)
                 self._open_round()
-                handles = [self.group.allreduce_async_(grad, wire_name + ".0", *self._reduce_args)]
-                self._inflight[u] = ("in-place", handles, None, self._grad_bytes[u], None)
+                self._allreduce.start_in_place(u, grad)
                 self._launch_agreement()
                 return
         with self.timer.phase("compress"):
             payload, ctx = self._encode(u)
             if route == "allreduce":
-                op, pre, post = self._reduce_args
-                if self._in_place(self._target(u), payload):  # as stock Horovod: no copy, no decode
-                    handles = [self.group.allreduce_async_(payload[0], wire_name + ".0", op, pre, post)]
-                    self._inflight[u] = ("in-place", handles, ctx, self._grad_bytes[u], None)
-                    return
-                # Horovod's allreduce has no bfloat16: such payloads travel as float32
-                wire = [t if t.dtype in HOROVOD_ALLREDUCE_DTYPES else t.float() for t in payload]
-                handles = [self.group.allreduce_async(t, f"{wire_name}.{k}", op, pre, post)
-                           for k, t in enumerate(wire)]
-                nbytes = sum(t.numel() * t.element_size() for t in wire)
-                self._inflight[u] = ("allreduce", handles, ctx, nbytes, [t.dtype for t in payload])
+                self._allreduce.start(u, payload, ctx)
                 return
         if route == "decoded-allreduce":  # cheaper to average the decoded payload densely
-            target = self._target(u)
-            with self.timer.phase("decompress"):
-                dense = self.compression.decode_into(
-                    torch.empty(target.shape, dtype=torch.float32, device=target.device), payload, ctx)
-            op = self._hvd.Sum if self.op is self._hvd.Sum else self._hvd.Average
-            with self.timer.phase("communicate"):
-                handle = self.group.allreduce_async(dense, wire_name + ".dense", op)
-            self._inflight[u] = ("dense", [handle], ctx, dense.numel() * 4, None)
+            self._allreduce.start_decoded(u, payload, ctx)
         else:
-            self._encoded[u] = (payload, ctx)
-            self._waiting[self._bucket_of[u]] -= 1
-            self._start_buckets(flush=False)
-
-    def _in_place(self, target: torch.Tensor, payload) -> bool:
-        """Whether ``payload`` is ``target`` itself (``none`` on a float32/float64 gradient)."""
-        return (self.compression.payload_is_gradient and len(payload) == 1
-                and payload[0].dtype in HOROVOD_ALLREDUCE_DTYPES and target.is_contiguous()
-                and payload[0].data_ptr() == target.data_ptr() and payload[0].numel() == target.numel())
-
-    def _start_buckets(self, flush: bool) -> None:
-        """Start the allgather of each complete bucket, in the fixed bucket order."""
-        while self._next_bucket < len(self._buckets):
-            bucket = self._buckets[self._next_bucket]
-            if self._waiting[self._next_bucket] and not flush:
-                return
-            for u in bucket:  # flush: unused parameters (or fewer backward passes) send zeros
-                if u not in self._encoded:
-                    with self.timer.phase("compress"):
-                        self._encoded[u] = self._encode(u)
-            tensors = [t for u in bucket for t in self._encoded[u][0]]
-            with self.timer.phase("communicate"):
-                handle = self._gatherer.start(tensors, f"{self._prefix}.bucket{self._next_bucket}")
-            self._bucket_handles[self._next_bucket] = handle
-            self._next_bucket += 1
+            self._allgather.queue(u, payload, ctx)
 
     def _result_scale(self) -> float:
         """Factor from the mean the aggregation computes to what ``op`` asks for (Sum: × size)."""
         return float(self.group.size) if self.op is self._hvd.Sum else 1.0
-
-    def _finish_bucket(self, index: int) -> None:
-        """Wait for bucket ``index``, aggregate each gradient of it and write ``p.grad``."""
-        bucket = self._buckets[index]
-        handle = self._bucket_handles.pop(index)
-        with self.timer.phase("communicate"):
-            gathered = self._gatherer.finish(handle)
-        scale = self._result_scale()
-        with self.timer.phase("decompress"):
-            start = 0
-            for u in bucket:
-                payload, ctx = self._encoded.pop(u)
-                stop = start + len(payload)
-                target = self._target(u)
-                self.compression.aggregate_into(target, [rank_tensors[start:stop] for rank_tensors in gathered], ctx)
-                if scale != 1.0:
-                    target.mul_(scale)
-                self._write_back(u)
-                start = stop
-        self.timer.add_bytes(sent=handle.bytes_sent, received=handle.bytes_received,
-                             dense=self._bucket_dense[index])
-        self._waiting[index] = len(bucket)
-
-    def _finish_allreduces(self, units: List[int]) -> None:
-        """Wait for the allreduces of ``units`` (one ``communicate`` slice), then write each
-        averaged result (one ``decompress`` slice)."""
-        done, nbytes, dense = [], 0, 0
-        with self.timer.phase("communicate"):
-            for u in units:
-                kind, handles, ctx, sent, dtypes = self._inflight.pop(u)
-                outputs = [self.group.synchronize(h) for h in handles]
-                nbytes += sent
-                dense += self._dense_bytes[u]
-                done.append((u, kind, outputs, ctx, dtypes))
-        sum_votes = self.compression.allreduce_op == "sum" and self.op is self._hvd.Sum
-        with self.timer.phase("decompress"):
-            for u, kind, outputs, ctx, dtypes in done:
-                if kind == "allreduce":
-                    target = self._target(u)
-                    outputs = [o if o.dtype == dt else o.to(dt) for o, dt in zip(outputs, dtypes)]
-                    self.compression.decode_into(target, outputs, ctx)
-                    if sum_votes:
-                        target.mul_(self._result_scale())
-                elif kind == "dense":
-                    self._target(u).copy_(outputs[0])
-                self._write_back(u)  # (an in-place result is in its target already)
-        self.timer.add_bytes(sent=nbytes, received=nbytes, dense=dense)
 
     # ---- synchronisation ----------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -599,21 +487,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._summed_agreement:
             in_place = range(len(self._order))
         else:
-            in_place = [self._members[u][0] for u, work in self._inflight.items()
-                        if work[0] == "in-place" and len(self._members[u]) == 1]
+            in_place = [self._members[u][0] for u in self._allreduce.in_place_units()
+                        if len(self._members[u]) == 1]
             skip = set(in_place)
             self._guard.observe([p.grad for i, p in enumerate(self._order) if p.grad is not None and i not in skip])
         units = range(len(self._members))
+        gathered = self._allgather.bucket_of
         for u in units:  # allreduces backward did not start; allgather buckets are flushed below
-            if self._bucket_of[u] < 0 and u not in self._inflight:
+            if gathered[u] < 0 and u not in self._allreduce.inflight:
                 self._launch(u)
         self._launch_agreement()
-        self._start_buckets(flush=True)
-        for index in range(len(self._buckets)):
-            self._finish_bucket(index)
-        self._finish_allreduces([u for u in units if self._bucket_of[u] < 0])
+        self._allgather.start(flush=True)
+        self._allgather.finish()
+        self._allreduce.finish([u for u in units if gathered[u] < 0])
         self._guard.observe([self._order[i].grad for i in in_place])
-        self._next_bucket = 0
         self._end_synchronize()
 
     def _launch_agreement(self) -> None:
@@ -689,16 +576,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._skip:  # PowerSGD's state is untouched
             self._restore_sparse(sparse)
             return
-        grads = self.compression.reduce_batch([(self._names[p], p.grad) for p in params],
-                                              self._step_comm, self.timer)
-        scale = self._result_scale()
-        with self.timer.phase("decompress"):
-            for p, g in zip(params, grads):
-                p.grad.copy_(g)
-                if scale != 1.0:
-                    p.grad.mul_(scale)
-        for p in params:
-            self.timer.add_bytes(dense=p.numel() * 4)
+        self._batched.finish([(self._names[p], p) for p in params])
         self._restore_sparse(sparse)
 
     @contextlib.contextmanager
@@ -764,9 +642,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Inverse of :meth:`state_dict`; like Horovod's, it also drops a step in progress."""
         state_dict = dict(state_dict)
         extra = state_dict.pop("hvdcomp", None)
-        self._inflight, self._encoded, self._bucket_handles = {}, {}, {}
-        self._next_bucket, self._hooks_fired, self._agreement = 0, 0, None
-        self._waiting = [len(b) for b in getattr(self, "_buckets", [])]
+        for t in self._transports:
+            t.reset()
+        self._hooks_fired, self._agreement = 0, None
         self._unit_wait = [len(m) for m in getattr(self, "_members", [])]
         self._discard_round()
         self.set_backward_passes_per_step(self.backward_passes_per_step)
@@ -781,7 +659,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """As the wrapped optimizer's, but refuses while a backward's gradients are pending (as
         Horovod does); after ``synchronize()`` without ``step()`` the synchronized update is
         discarded, leaving no trace in compressor state."""
-        if self._hooks_fired or self._inflight or self._encoded or self._bucket_handles:
+        if self._hooks_fired or self._busy():
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited "
                                  "as it can cause a race condition.")

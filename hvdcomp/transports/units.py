@@ -1,0 +1,72 @@
+"""The compression units of an optimizer: what each compresses and where its result goes."""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+__all__ = ["Units"]
+
+
+class Units:
+    """Compression units (a gradient each, or several gradients flattened into one buffer) with
+    the buffers their results are written to.
+
+    Args:
+        order: the optimizer's parameters in expected backward order.
+        members: per unit, the positions in ``order`` of the gradients it holds (launch order).
+        names: per unit, its name (a parameter's, ``bucket<k>`` or ``fused<k>``).
+        segments: per unit, the :class:`hvdcomp.compressors.segments.Segments` of a fused unit
+            (per-tensor compression in one call), else None.
+        prefix: the optimizer's prefix for Horovod tensor names.
+        gradient: ``f(parameter) -> tensor``: the parameter's gradient ready to compress (zeros
+            where unused, sparse made dense).
+
+    Attributes:
+        dense_bytes: per unit, its size as fp32 (bytes): what uncompressed training would send.
+        grad_bytes: per unit, its size in the gradients' own dtype (bytes).
+        wire_name: per unit, the Horovod tensor name prefix of its collectives.
+    """
+
+    def __init__(self, order: Sequence[torch.Tensor], members: List[List[int]], names: List[str],
+                 segments: List[Optional[object]], prefix: str, gradient: Callable[[torch.Tensor], torch.Tensor]):
+        self.order, self.members, self.names, self.segments = order, members, names, segments
+        self.gradient = gradient
+        numel = [sum(order[i].numel() for i in m) for m in members]
+        esize = [order[m[0]].element_size() for m in members]
+        self.numel = numel
+        self.dense_bytes = [n * 4 for n in numel]
+        self.grad_bytes = [n * e for n, e in zip(numel, esize)]
+        self.wire_name = [f"{prefix}.{n}" for n in names]
+        self.flat: List[Optional[torch.Tensor]] = [None] * len(members)
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def tensor(self, u: int) -> torch.Tensor:
+        """What unit ``u`` compresses, and where its result is written: the gradient itself, or
+        (a unit of several gradients) a flat buffer they are copied into, in launch order."""
+        members = self.members[u]
+        if len(members) == 1:
+            return self.gradient(self.order[members[0]])
+        grads = [self.gradient(self.order[i]).reshape(-1) for i in members]
+        flat = self.flat[u]
+        if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
+            flat = self.flat[u] = torch.empty(self.numel[u], dtype=grads[0].dtype, device=grads[0].device)
+        return torch.cat(grads, out=flat)
+
+    def target(self, u: int) -> torch.Tensor:
+        """Where unit ``u``'s averaged result goes (see :meth:`tensor`)."""
+        members = self.members[u]
+        return self.order[members[0]].grad if len(members) == 1 else self.flat[u]
+
+    def write_back(self, u: int) -> None:
+        """Copy a multi-gradient unit's result from its flat buffer into the members' ``.grad``."""
+        members = self.members[u]
+        if len(members) > 1:
+            start = 0
+            flat = self.flat[u]
+            for i in members:
+                grad = self.order[i].grad
+                grad.copy_(flat[start:start + grad.numel()].view(grad.shape))
+                start += grad.numel()
