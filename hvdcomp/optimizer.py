@@ -57,7 +57,8 @@ from .compressors.segments import Segments
 from .guard import NONFINITE_MODES, NonFiniteGuard
 from .launch import check_launch
 from .metrics import PhaseTimer
-from .plan import TransportPlan, fuse_units, make_buckets, make_units, plan_transport, split_groups
+from .plan import (TransportPlan, choose_transport, fuse_units, make_buckets, make_units, plan_transport,
+                   split_groups)
 from .transports import AllgatherTransport, AllreduceTransport, BatchedTransport, Units
 
 __all__ = ["DistributedOptimizer", "resolve_compression", "make_buckets", "DEFAULT_BUCKET_BYTES",
@@ -158,6 +159,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # the gatherer also carries the per-step agreement (mpi4py: no Horovod cycle-time wait)
         if self.group.size > 1 or not (compression.summable or compression.batched):
             self._gatherer = make_allgatherer(s["allgather"], self.group)
+        choice: Dict[str, float] = {}
+        if s["transport"] == "auto" and self.group.size > 1:  # the cost model picks the transport
+            model = s["cost_model"] if isinstance(s["cost_model"], CostModel) else measure_cost_model(
+                self._gatherer.probe, self.group.size, agree=self._gatherer.agree)
+            chosen, choice = choose_transport(compression, model, self.group.size,
+                                              [p.numel() for p in self._order], self.bucket_bytes)
+            if chosen is not compression:
+                log.info("hvdcomp: transport='auto' replaces %s by %s (predicted %s)", compression.name,
+                         chosen.name, {k: f"{v * 1e3:.3g} ms" for k, v in choice.items()})
+                compression = self.compression = chosen
+                compression.bind_group(self.group.size)
+            s = dict(s, cost_model=model)  # measured once
         self.cost_model = self._resolve_cost_model(s["cost_model"])
         if compression.batched:
             self._step_comm = self._make_step_comm()
@@ -206,6 +219,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._route = [self.transport.routes[n] for n in self._unit_name]
         self.transport.units = {self._unit_name[u]: [names[i] for i in m]
                                 for u, m in enumerate(self._members) if len(m) > 1}
+        self.transport.choice = choice
         buckets = [list(dict.fromkeys(at[n] for n in b)) for b in self.transport.buckets]
         self._units = Units(self._order, self._members, self._unit_name, self._segments, self._prefix,
                             self._gradient)
@@ -297,6 +311,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "sparse_as_dense": self.sparse_as_dense, "nonfinite": self.nonfinite,
                 "bucket_bytes": self.bucket_bytes, "allgather": s["allgather"],
                 "granularity": self.granularity, "fuse_tensors": s["fuse_tensors"],
+                "transport": s["transport"],
                 "cost_model": (cost.alpha, cost.beta) if isinstance(cost, CostModel) else cost,
                 "groups": s["groups"] if not isinstance(s["groups"], list)
                 else [[self._names.get(p) for p in g] for g in s["groups"]],
@@ -696,7 +711,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          cost_model="measure",
                          grad_scaler=None,
                          granularity: str = "tensor",
-                         fuse_tensors: bool = True) -> torch.optim.Optimizer:
+                         fuse_tensors: bool = True,
+                         transport: str = "planned") -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are compressed and averaged over Horovod ranks.
 
     Takes ``hvd.DistributedOptimizer``'s arguments, in its order, plus hvdcomp's own (keyword
@@ -766,12 +782,20 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             scale, residual): the same results as one call per gradient, without the fixed
             cost per gradient, and one payload per bucket on the wire. ``False``: one call and
             one payload per gradient, each sent as soon as backward produced it.
+        transport: ``"planned"`` (default: the method's own transport, routed as above) or
+            ``"auto"``: the cost model (measured, or ``cost_model`` given) first picks, among the
+            transports that carry the same kind of compression, the one with the least predicted
+            communication per step (:func:`hvdcomp.plan.choose_transport`): top-k with error
+            feedback by allgather, ``gtopk`` or ``cltk``; QSGD, TernGrad or EF-signSGD by allgather
+            or ``twophase``. ``optimizer.compression`` is then the chosen method and
+            ``optimizer.transport.choice`` holds every candidate's predicted seconds.
 
     Raises:
         ValueError: bad ``named_parameters``, ``backward_passes_per_step < 1``, unknown
             ``nonfinite``, ``op`` not Average/Sum, ``gradient_predivide_factor`` with
             ``op != Average``, bad ``groups``, ``bucket_bytes < 1``, an unknown ``cost_model``
-            or ``granularity`` (or ``"bucket"`` with PowerSGD), a compressor already used by another optimizer, a compressor that applies momentum
+            or ``granularity`` (or ``"bucket"`` with PowerSGD), an unknown ``transport`` (or
+            ``"auto"`` with ``cost_model="off"``), a compressor already used by another optimizer, a compressor that applies momentum
             (DGC) with an optimizer that also does, or ranks that disagree on any setting
             (raised on every rank, naming the difference).
         TypeError: unsupported ``compression`` or ``grad_scaler``.
@@ -826,6 +850,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          f"beta_seconds_per_byte) pair; got {cost_model!r}")
     if isinstance(cost_model, (tuple, list)):
         cost_model = CostModel(float(cost_model[0]), float(cost_model[1]))  # ValueError if out of range
+    if transport not in ("planned", "auto"):
+        raise ValueError(f"transport must be 'planned' or 'auto', got {transport!r}")
+    if transport == "auto" and cost_model == "off":
+        raise ValueError("transport='auto' lets the cost model choose: give cost_model='measure' (default) "
+                         "or (alpha_seconds, beta_seconds_per_byte), not 'off'")
     compression = resolve_compression(compression)
     if granularity == "bucket" and compression.batched and not compression.whole_model:
         raise ValueError(f"granularity='bucket' flattens gradients, but '{compression.name}' needs "
@@ -854,7 +883,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                     sparse_as_dense=bool(sparse_as_dense), process_set=process_set, allgather=allgather,
                     timer=timer, nonfinite=nonfinite, check_consistency=check_consistency,
                     bucket_bytes=bucket_bytes, cost_model=cost_model, grad_scaler=grad_scaler,
-                    granularity=granularity, fuse_tensors=bool(fuse_tensors))
+                    granularity=granularity, fuse_tensors=bool(fuse_tensors), transport=transport)
     opt = cls(optimizer.param_groups, named_parameters, compression, settings)
-    _owners[compression] = weakref.ref(opt)
+    _owners[opt.compression] = weakref.ref(opt)  # (transport="auto" may have chosen another)
     return opt

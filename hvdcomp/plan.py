@@ -13,6 +13,11 @@ Routes (per parameter name):
 * ``"batched"``: the compressor reduces all gradients of a step together with its own
   collectives, named by its ``collective`` attribute: PowerSGD (``allreduce``), gtopk
   (``sparse-allreduce``), cltk (``broadcast+allreduce``), twophase (``alltoall+allgather``).
+
+With ``transport="auto"`` the optimizer first lets the cost model choose how a method's payloads
+travel among the transports that carry the same kind of compression (:func:`choose_transport`):
+top-k by allgather, global top-k by sparse allreduce (gtopk) or the leader's top-k by allreduce
+(cltk); a quantizer by allgather or by the two-phase compressed allreduce (twophase).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["make_buckets", "make_units", "fuse_units", "split_groups", "TransportPlan", "plan_transport",
-           "ROUTES"]
+           "ROUTES", "transport_candidates", "predict_step_seconds", "choose_transport"]
 
 ROUTES = ("allreduce", "allgather", "decoded-allreduce", "batched")
 
@@ -195,6 +200,8 @@ class TransportPlan:
             per tensor in one call, ``fused<k>`` (:func:`fuse_units`).
         collective: a batched compressor's own collectives (its ``collective`` attribute), else
             ``""``.
+        choice: with ``transport="auto"``, the predicted communication seconds per step of each
+            candidate (:func:`choose_transport`), by label; empty otherwise.
     """
 
     routes: Dict[str, str]
@@ -203,6 +210,7 @@ class TransportPlan:
     ranks: List[int] = field(default_factory=list)
     units: Dict[str, List[str]] = field(default_factory=dict)
     collective: str = ""
+    choice: Dict[str, float] = field(default_factory=dict)
 
     def count(self, route: str) -> int:
         """Number of gradients on ``route``."""
@@ -213,10 +221,18 @@ class TransportPlan:
         return {"routes": {r: self.count(r) for r in ROUTES if self.count(r)},
                 "buckets": [len(b) for b in self.buckets], "allgather": self.allgather,
                 "ranks": self.ranks, "units": {u: len(m) for u, m in self.units.items()},
-                **({"collective": self.collective} if self.collective else {})}
+                **({"collective": self.collective} if self.collective else {}),
+                **({"choice": self.choice} if self.choice else {})}
 
     def __str__(self) -> str:
         """One line for logs and results, e.g. ``mpi4py-allgather (2 bucket(s))``."""
+        text = self._route_text()
+        if self.choice:
+            text += " [chosen by the cost model: " + ", ".join(
+                f"{k} {v * 1e3:.3g} ms" for k, v in sorted(self.choice.items(), key=lambda kv: kv[1])) + "]"
+        return text
+
+    def _route_text(self) -> str:
         total = len(self.routes)
         if self.count("batched"):
             return f"{self.collective or 'allreduce'} (batched)"
@@ -268,3 +284,84 @@ def plan_transport(params: Sequence[Tuple[str, int, int]], compression, cost_mod
         buckets = [[gathered[i][0] for i in b] for b in make_buckets([s for _, s in gathered], bucket_bytes)]
     return TransportPlan(routes, buckets, allgather if buckets else "none", list(ranks or []),
                          collective=compression.collective if compression.batched else "")
+
+
+# ---- choosing the transport of a method (transport="auto") ----------------------------------------
+def _label(compression) -> str:
+    """``name (transport)`` of a candidate, e.g. ``gtopk (sparse-allreduce)``."""
+    how = compression.collective if compression.batched else (
+        "allreduce" if compression.summable else "allgather")
+    return f"{compression.name} ({how})"
+
+
+def transport_candidates(compression) -> list:
+    """The compressors that carry ``compression``'s kind of compression by other transports,
+    ``compression`` itself first:
+
+    * ``topk`` with error feedback: ``gtopk`` (global top-k by sparse allreduce; Shi et al., ICDCS
+      2019) and ``cltk`` (the leader's top-k, values by allreduce; Chen et al., NeurIPS 2020), at
+      the same density, both with error feedback. They select over the whole model, not per
+      gradient, and send 4-byte indices and float32 values whatever top-k's wire options;
+    * ``qsgd``, ``terngrad``, ``efsignsgd``: ``twophase`` with the same quantizer and settings
+      (all-to-all, average, re-quantize, allgather; Tang et al., ICML 2021);
+    * anything else: only itself.
+    """
+    import inspect
+
+    from .compressors import get_compressor  # (the compressors import plan's helpers lazily)
+    from .compressors.registry import _REGISTRY
+
+    desc = compression.describe()
+    out = [compression]
+    if compression.name == "topk" and desc.get("ef", False):
+        out += [get_compressor("gtopk", density=desc["density"]), get_compressor("cltk", density=desc["density"])]
+    elif compression.name in ("qsgd", "terngrad", "efsignsgd"):
+        # the quantizer's constructor arguments among its description (not derived values such as bits)
+        takes = inspect.signature(_REGISTRY[compression.name].__init__).parameters
+        args = {k: v for k, v in desc.items() if k in takes and k != "ef"}
+        out.append(get_compressor("twophase", base=compression.name, **args))
+    return out
+
+
+def predict_step_seconds(compression, cost_model, p: int, numels: Sequence[int], bucket_bytes: int) -> Optional[float]:
+    """Communication seconds per step that ``cost_model`` (a
+    :class:`hvdcomp.comm.costmodel.CostModel`) predicts for ``compression`` on ``p`` ranks and
+    gradients of ``numels`` elements (:meth:`hvdcomp.Compressor.step_collectives`), or None where
+    the method's bytes depend on the data."""
+    collectives = compression.step_collectives(list(numels), p, bucket_bytes)
+    if collectives is None:
+        return None
+    return sum(cost_model.seconds(kind, p, nbytes, calls) for kind, nbytes, calls in collectives)
+
+
+def choose_transport(compression, cost_model, p: int, numels: Sequence[int], bucket_bytes: int,
+                     margin: float = 0.01):
+    """The candidate (:func:`transport_candidates`) with the least predicted communication per
+    step (:func:`predict_step_seconds`); ``compression`` itself unless another is faster by more
+    than ``margin`` (relative). A pure function of its arguments, so every rank that shares the
+    cost model chooses the same.
+
+    Args:
+        compression: the :class:`hvdcomp.Compressor` asked for.
+        cost_model: a :class:`hvdcomp.comm.costmodel.CostModel` (α seconds, β seconds per byte).
+        p: number of ranks.
+        numels: elements of each gradient, in launch order.
+        bucket_bytes: dense bytes per allgather bucket.
+        margin: relative advantage a candidate needs over ``compression``.
+
+    Returns:
+        ``(chosen compressor, {label: predicted seconds})`` (labels such as ``"gtopk
+        (sparse-allreduce)"``; candidates whose bytes depend on the data are left out).
+    """
+    predicted = {}
+    best, best_s = compression, predict_step_seconds(compression, cost_model, p, numels, bucket_bytes)
+    if best_s is not None:
+        predicted[_label(compression)] = best_s
+    for cand in transport_candidates(compression)[1:]:
+        sec = predict_step_seconds(cand, cost_model, p, numels, bucket_bytes)
+        if sec is None:
+            continue
+        predicted[_label(cand)] = sec
+        if best_s is None or sec < best_s * (1 - margin):
+            best, best_s = cand, sec
+    return best, predicted

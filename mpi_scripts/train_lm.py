@@ -98,6 +98,9 @@ def parse_args(argv=None):
     p.add_argument("--cost-model", default="measure", metavar="measure|off|ALPHA,BETA",
                    help="route allgather payloads by an alpha-beta model: measured at start-up, off "
                         "(always allgather), or given as latency seconds,seconds per byte")
+    p.add_argument("--transport", choices=["planned", "auto"], default="planned",
+                   help="auto: the cost model chooses among the transports of the same kind of "
+                        "compression (top-k: allgather, gtopk, cltk; quantizers: allgather, twophase)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: this rank's local GPU when CUDA is available, else CPU")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
@@ -124,6 +127,8 @@ def parse_args(argv=None):
         except (ValueError, AssertionError):
             p.error("--cost-model must be 'measure', 'off' or ALPHA,BETA (two numbers >= 0, "
                     "seconds and seconds per byte), e.g. 5e-5,8e-10")
+    if args.transport == "auto" and args.cost_model == "off":
+        p.error("--transport auto lets the cost model choose: use --cost-model measure or ALPHA,BETA")
     if args.ab_training is not None and args.compressor != "none":
         p.error("--ab-training replaces gradient compression: leave --compressor at 'none'")
     if args.ab_training is not None and args.warmup_steps:
@@ -180,7 +185,9 @@ def main(argv=None):
                                            named_parameters=model.named_parameters(),
                                            compression=compressor, allgather=args.allgather,
                                            bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
-                                           cost_model=args.cost_model, granularity=args.granularity)
+                                           cost_model=args.cost_model, granularity=args.granularity,
+                                           transport=args.transport)
+        compressor = opt.compression  # (the chosen one, with --transport auto)
     timer = opt.timer
     ratios = [None if ab else compressor.nominal_ratio(p.numel()) for p in model.parameters()]
     nominal = None if None in ratios else n_params / sum(p.numel() / r for p, r in zip(model.parameters(), ratios))
@@ -283,6 +290,8 @@ def main(argv=None):
     if model_cm is not None:
         results["cost_model"] = {"alpha_s": model_cm.alpha, "beta_s_per_byte": model_cm.beta,
                                  "routes": opt.transport.routes}
+    if not ab and opt.transport.choice:
+        results["transport_choice"] = {"chosen": compressor.describe(), "predicted_s": opt.transport.choice}
     if ab:
         results["config"]["compressor"] = ab.describe()
         results["ab_training"] = ab.communication_report()

@@ -97,3 +97,17 @@ def test_schedule_warms_up_anneals_and_stops_early(tmp_path):
     assert len(vals) == (stop_at or 6) and r["stopped_early"] == (len(vals) < 6)
     assert r["best_val_ppl"] == min(vals) and r["best_epoch"] == vals.index(min(vals)) + 1
     assert r["epochs"][-1]["elapsed_steps"] == 2 * len(vals)
+
+
+def test_transport_auto_records_the_choice(tmp_path):
+    """--transport auto with a latency-bound cost model: top-k's payloads go by gtopk's sparse
+    allreduce (one message against top-k's two per bucket), recorded with every prediction."""
+    out = check(2, ["mpi_scripts/train_lm.py", "--compressor", "topk:density=0.01", "--transport", "auto",
+                    "--cost-model", "1e-3,1e-9", "--epochs", "1", "--max-steps", "2", "--no-progress",
+                    "--data", TINY_SHAKESPEARE, "--output", str(tmp_path)], timeout=300)
+    assert "SUMMARY method=topk:density=0.01 ranks=2" in out
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert r["transport_choice"]["chosen"] == {"name": "gtopk", "density": 0.01}
+    assert set(r["transport_choice"]["predicted_s"]) == {"topk (allgather)", "gtopk (sparse-allreduce)",
+                                                         "cltk (broadcast+allreduce)"}
+    assert r["config"]["compressor"]["name"] == "gtopk" and "sparse-allreduce" in r["config"]["transport"]

@@ -10,6 +10,7 @@ from hvdcomp.comm.allgather import _split, _stage
 from hvdcomp.comm.costmodel import CostModel, fit_alpha_beta, measure_cost_model
 from hvdcomp.compressors.sparse import compact_index_bytes
 from hvdcomp.optimizer import make_buckets
+from hvdcomp import get_compressor
 
 
 @pytest.mark.parametrize("n,b", [(1, 1), (256, 1), (257, 2), (65536, 2), (65537, 3), (2**24, 3),
@@ -181,3 +182,42 @@ def test_aggregate_into_writes_in_place():
     comp.aggregate_into(out, [a, b], ctx)
     assert out.data_ptr() == ptr and out.tolist() == [[1.5, 1.0], [0.0, 2.0]]
     assert comp.aggregate([a, b], ctx).tolist() == [[1.5, 1.0], [0.0, 2.0]]
+
+
+# ---- transport="auto": the collectives of a step and the choice among transports ----------------
+def test_step_collectives_in_closed_form():
+    numels, p = [1000, 10], 64
+    k = [10, 1]                                        # ceil(0.01 · n) per gradient; whole model: 11
+    assert get_compressor("topk:density=0.01").step_collectives(numels, p, 8000) == [("allgather", 8.0 * 11, 2)]
+    assert get_compressor("topk:density=0.01").step_collectives(numels, p, 4000) == [("allgather", 8.0 * sum(k), 4)]
+    assert get_compressor("gtopk:density=0.01").step_collectives(numels, p, 8000) == [("sparse-allreduce", 88.0, 1)]
+    assert get_compressor("cltk:density=0.01").step_collectives(numels, p, 8000) == [("broadcast", 44.0, 1),
+                                                                                     ("allreduce", 44.0, 1)]
+    q = get_compressor("qsgd:levels=4")
+    whole = q.expected_payload_bytes(1010)
+    assert get_compressor("twophase:base=qsgd,levels=4").step_collectives(numels, p, 8000) == [
+        ("alltoall", float(whole), 2), ("allgather", whole / p, 2)]
+    assert get_compressor("none").step_collectives(numels, p, 8000) == [("allreduce", 4.0 * 1010, 1)]
+    assert get_compressor("powersgd").step_collectives(numels, p, 8000) is None   # data-dependent
+
+
+def test_choose_transport_hand_worked():
+    from hvdcomp.plan import choose_transport, transport_candidates
+
+    numels = [1000, 10]
+    # bandwidth only (beta 1 ns/B), 64 ranks: top-k 63·88 B; gtopk 6 rounds · 88 B = 528 B;
+    # cltk broadcast 6 · 44 B + allreduce 2·63/64 · 44 B = 350.6 B -> cltk
+    chosen, predicted = choose_transport(get_compressor("topk:density=0.01"), CostModel(0.0, 1e-9), 64, numels, 8000)
+    assert chosen.name == "cltk"
+    assert predicted == pytest.approx({"topk (allgather)": 63 * 88e-9, "gtopk (sparse-allreduce)": 528e-9,
+                                       "cltk (broadcast+allreduce)": (6 * 44 + 2 * 63 / 64 * 44) * 1e-9})
+    # latency only (alpha 1 ms): top-k 2·63 messages, gtopk 6, cltk 6 + 126 -> gtopk
+    assert choose_transport(get_compressor("topk:density=0.01"), CostModel(1e-3, 0.0), 64, numels, 8000)[0].name == "gtopk"
+    # two ranks, bandwidth only: all three move 88 B -> the method asked for stays
+    assert choose_transport(get_compressor("topk:density=0.01"), CostModel(0.0, 1e-9), 2, numels, 8000)[0].name == "topk"
+    # no candidates for top-k without error feedback (gtopk and cltk keep residuals) or DGC
+    assert [c.name for c in transport_candidates(get_compressor("topk:density=0.01,ef=false"))] == ["topk"]
+    assert [c.name for c in transport_candidates(get_compressor("dgc:density=0.01"))] == ["dgc"]
+    cands = transport_candidates(get_compressor("qsgd:levels=16,bucket=256"))
+    assert [c.name for c in cands] == ["qsgd", "twophase"]
+    assert cands[1].describe()["base"] == get_compressor("qsgd:levels=16,bucket=256,ef=false").describe()

@@ -297,6 +297,26 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
             return None
         return int(round(4 * numel / ratio))
 
+    def step_collectives(self, numels: Sequence[int], p: int, bucket_bytes: int):
+        """The collectives one step of this method costs on ``p`` ranks, for gradients of
+        ``numels`` float32 elements (in launch order, allgathered ones bucketed by
+        ``bucket_bytes`` of dense gradient): a list of ``(kind, bytes, calls)`` for
+        :meth:`hvdcomp.comm.costmodel.CostModel.seconds` (kinds of
+        :data:`hvdcomp.comm.costmodel.COLLECTIVES`), or ``None`` where the bytes depend on the
+        data. Summable payloads: one fused allreduce of every payload; others: one allgather of
+        the payloads plus a counts exchange per bucket. Batched methods override it."""
+        if self.batched:
+            return None
+        sizes = [self.expected_payload_bytes(n) for n in numels]
+        if any(b is None for b in sizes):
+            return None
+        if self.summable:
+            return [("allreduce", float(sum(sizes)), 1)]
+        from ..plan import make_buckets  # (plan does not import the compressors)
+
+        buckets = make_buckets([4 * n for n in numels], bucket_bytes)
+        return [("allgather", float(sum(sizes)), 2 * len(buckets))]
+
     def describe(self) -> Dict[str, Any]:
         """JSON-serialisable description (name and hyper-parameters) for results files."""
         return {"name": self.name}

@@ -21,6 +21,7 @@ import torch
 from .flatbatch import GlobalSparseCompressor
 from .registry import register
 from .selection import exact_topk
+from .topk import num_kept
 
 __all__ = ["CyclicLeaderTopKCompressor"]
 
@@ -41,6 +42,11 @@ class CyclicLeaderTopKCompressor(GlobalSparseCompressor):
     name = "cltk"
     collective = "broadcast+allreduce"
     shared_state_keys = ("step",)
+
+    def step_collectives(self, numels, p, bucket_bytes):
+        """The leader's k int32 positions by broadcast, every rank's k float32 values by allreduce."""
+        k = num_kept(sum(numels), self.density)
+        return [("broadcast", 4.0 * k, 1), ("allreduce", 4.0 * k, 1)]
 
     def __init__(self, density: float = 0.01):
         super().__init__(density)

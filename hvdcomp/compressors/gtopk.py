@@ -27,6 +27,7 @@ from ..comm.sparse_allreduce import global_topk, hierarchical_topk
 from .flatbatch import GlobalSparseCompressor
 from .registry import register
 from .selection import exact_topk
+from .topk import num_kept
 
 __all__ = ["GlobalTopKCompressor"]
 
@@ -60,6 +61,11 @@ class GlobalTopKCompressor(GlobalSparseCompressor):
 
     def describe(self):
         return {**super().describe(), **({"hierarchical": True} if self.hierarchical else {})}
+
+    def step_collectives(self, numels, p, bucket_bytes):
+        """One sparse allreduce of the whole model's k entries of 8 bytes (recursive doubling;
+        the hierarchical variant's stages inside a node are counted as between nodes)."""
+        return [("sparse-allreduce", 8.0 * num_kept(sum(numels), self.density), 1)]
 
     def reduce_sparse(self, acc, k, comm, timer):
         p2p = getattr(comm, "point_to_point", None)

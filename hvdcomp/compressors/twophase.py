@@ -79,6 +79,15 @@ class TwoPhaseCompressor(FlatBatchCompressor):
     def nominal_ratio(self, numel):
         return self.base.nominal_ratio(numel)
 
+    def step_collectives(self, numels, p, bucket_bytes):
+        """All-to-all of the quantized model (B bytes, p chunks) and allgather of one re-quantized
+        chunk (B/p bytes) per rank, each with its counts exchange (2 calls); None where the
+        quantizer's size depends on the data."""
+        wire = self.base.expected_payload_bytes(sum(numels))
+        if wire is None:
+            return None
+        return [("alltoall", float(wire), 2), ("allgather", float(wire) / max(1, p), 2)]
+
     # the quantizer's generators are part of this method's step: staged, rolled back, saved
     def begin_step(self):
         super().begin_step()

@@ -314,11 +314,57 @@ def check_scaleout_methods():
             raise AssertionError("gtopk accepted a job without MPI point-to-point messages")
 
 
+def check_transport_auto():
+    """transport='auto' picks by the cost model, hand-worked from the collectives' terms:
+    latency-bound (alpha 1 ms, beta 1 ns/B), top-k takes gtopk (one message per step, against
+    top-k's 2(p-1) and cltk's ceil(log2 p) + 2(p-1)); bandwidth-bound (alpha 0, beta 1 us/B),
+    QSGD takes twophase iff 2(p-1)/p·B < (p-1)·Σb_i·0.99 (B: the whole model's quantized bytes,
+    b_i: each gradient's). The chosen optimizer's parameters after 3 steps equal those of an
+    optimizer built with that method directly."""
+    p = hvd.size()
+    for kwargs, words in (({"transport": "fastest"}, "'planned' or 'auto'"),
+                          ({"transport": "auto", "cost_model": "off"}, "cost_model='measure'")):
+        model = small_model()
+        try:
+            hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(), compression="topk", **kwargs)
+        except ValueError as exc:
+            assert words in str(exc), exc
+        else:
+            raise AssertionError(f"{kwargs} accepted")
+    sizes = [p_.numel() for p_ in small_model().parameters()]
+    q = hvdcomp.get_compressor("qsgd:levels=4")
+    whole, parts = q.expected_payload_bytes(sum(sizes)), sum(q.expected_payload_bytes(n) for n in sizes)
+    qsgd_choice = "twophase" if 2 * (p - 1) / p * whole < (p - 1) * parts * 0.99 else "qsgd"
+    cases = (("topk:density=0.2", (1e-3, 1e-9), "gtopk", "gtopk:density=0.2"),
+             ("qsgd:levels=4", (0.0, 1e-6), qsgd_choice,
+              "twophase:base=qsgd,levels=4" if qsgd_choice == "twophase" else "qsgd:levels=4"))
+    for spec, cost, expect, direct_spec in cases:
+        models = [small_model(), small_model()]
+        auto = hvdcomp.DistributedOptimizer(torch.optim.SGD(models[0].parameters(), lr=0.1),
+                                            named_parameters=models[0].named_parameters(),
+                                            compression=spec, transport="auto", cost_model=cost)
+        assert auto.compression.name == expect, (spec, auto.compression.describe(), auto.transport.choice)
+        assert "chosen by the cost model" in str(auto.transport), str(auto.transport)
+        assert len(auto.transport.choice) == (3 if spec.startswith("topk") else 2), auto.transport.choice
+        direct = hvdcomp.DistributedOptimizer(torch.optim.SGD(models[1].parameters(), lr=0.1),
+                                              named_parameters=models[1].named_parameters(),
+                                              compression=direct_spec, cost_model="off")
+        for step in range(3):
+            x, y = batch(step)
+            for m, opt in zip(models, (auto, direct)):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                opt.step()
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(a, b), (spec, (a - b).abs().max())
+
+
 CHECKS = {f.__name__[len("check_"):]: f for f in [
     check_none_matches_horovod, check_topk, check_threshold_with_empty_rank,
     check_horovod_allgather_fallback, check_fp16_predivide, check_sparse_refused_by_stock_horovod,
     check_buckets_and_wire, check_cost_model_routes, check_threaded_and_inline_exchange_agree,
-    check_fused_equals_unfused, check_scaleout_methods]}
+    check_fused_equals_unfused, check_scaleout_methods, check_transport_auto]}
 
 if __name__ == "__main__":
     hvd.init()
