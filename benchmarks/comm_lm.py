@@ -7,8 +7,9 @@ Launch under ``mpirun`` (2 or 4 ranks, or any number), e.g.::
 
 Two parts (no forward/backward anywhere):
 
-1. **methods**: for each hvdcomp spec in ``--methods``, an :func:`hvdcomp.DistributedOptimizer` on
-   the model; every repetition writes the same fixed random gradients (different per rank) into
+1. **methods**: for each hvdcomp spec in ``--methods`` (``SPEC@key=value,...`` adds optimizer
+   options: ``allgather`` and ``transport``, e.g. ``topk:density=0.01@allgather=hierarchical``),
+   an :func:`hvdcomp.DistributedOptimizer` on the model; every repetition writes the same fixed random gradients (different per rank) into
    ``p.grad`` and calls ``opt.synchronize()``, i.e. compress + collectives + decompress of a whole
    step, then applies it (``step()`` with lr 0, untimed) so that compressor state moves on as in
    training. Recorded per repetition: wall seconds of ``synchronize()`` and hvdcomp's PhaseTimer
@@ -80,12 +81,31 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.reps < 1 or args.warmup < 0 or args.budget <= 0:
         p.error("need --reps >= 1, --warmup >= 0, --budget > 0")
-    for spec in args.methods:
+    for entry in args.methods:
         try:
-            hvdcomp.get_compressor(spec)
+            method_options(entry)
         except ValueError as e:
             p.error(str(e))
     return args
+
+
+#: optimizer options a --methods entry may set after "@"
+OPTIMIZER_OPTIONS = ("allgather", "transport")
+
+
+def method_options(entry: str):
+    """``SPEC@key=value,...`` -> (spec, DistributedOptimizer keyword arguments).
+
+    Raises:
+        ValueError: a bad spec, or an option other than :data:`OPTIMIZER_OPTIONS`.
+    """
+    spec, _, opts = entry.partition("@")
+    hvdcomp.get_compressor(spec)
+    kwargs = dict(kv.split("=", 1) for kv in opts.split(",") if kv) if opts else {}
+    bad = set(kwargs) - set(OPTIMIZER_OPTIONS)
+    if bad:
+        raise ValueError(f"{entry}: unknown optimizer option(s) {sorted(bad)} after '@'; known: {OPTIMIZER_OPTIONS}")
+    return spec, kwargs
 
 
 def worst(comm, value: float) -> float:
@@ -118,10 +138,12 @@ def summarize(comm, recs: List[Dict[str, float]]) -> Dict[str, object]:
     return out
 
 
-def bench_method(comm, model: LSTMLM, spec: str, grads: Dict[str, torch.Tensor], args) -> Dict[str, object]:
-    """Repeated ``synchronize()`` of one hvdcomp method on fixed gradients."""
+def bench_method(comm, model: LSTMLM, entry: str, grads: Dict[str, torch.Tensor], args) -> Dict[str, object]:
+    """Repeated ``synchronize()`` of one hvdcomp method (``SPEC[@options]``) on fixed gradients."""
+    spec, options = method_options(entry)
     sgd = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.0)  # lr 0: parameters stay; DGC needs momentum 0
-    opt = hvdcomp.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=spec)
+    opt = hvdcomp.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=spec,
+                                       **options)
     timer = opt.timer
     params = list(model.named_parameters())
 
@@ -145,6 +167,7 @@ def bench_method(comm, model: LSTMLM, spec: str, grads: Dict[str, torch.Tensor],
     finally:
         opt.remove_hooks()
     res["compressor"] = opt.compression.describe()
+    res["transport"] = str(opt.transport)
     return res
 
 

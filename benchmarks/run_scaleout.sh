@@ -7,7 +7,9 @@
 #    medium LSTM's fixed gradients (benchmarks/comm_lm.py through benchmarks/netem_e2e.py);
 # 2. accuracy cost: the small LSTM, 4 ranks, 2 epochs, seeds 1 and 2, top-k 1 % by allgather against
 #    gtopk and cltk at the same density, twophase (scaled sign) and none;
-# 3. the report (fitted model to 1024 ranks + the measurements).
+# 3. (WHAT=hierarchical) the node-aware allgather against the flat one, same cluster and gradients:
+#    top-k 1 % and QSGD, each by flat and by hierarchical allgather, into OUT/cluster-hierarchical;
+# 4. the report (fitted model to 1024 ranks + the measurements).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-docs/results/scaleout}
@@ -19,6 +21,11 @@ if [ "$WHAT" = all ] || [ "$WHAT" = cluster ]; then
 $PY benchmarks/netem_e2e.py --bench comm --output "$OUT/cluster" --model medium --np 8 --hosts 2 \
   --rates 1gbit 100mbit --comm-reps 5 --comm-budget 20 --comm-budget-slow 20 \
   --worker-args=--collectives --methods $M ${FORCE:-}
+fi
+if [ "$WHAT" = all ] || [ "$WHAT" = hierarchical ]; then
+$PY benchmarks/netem_e2e.py --bench comm --output "$OUT/cluster-hierarchical" --model medium --np 8 --hosts 2 \
+  --rates 1gbit 100mbit --comm-reps 5 --comm-budget 20 --comm-budget-slow 20 --worker-args=--collectives \
+  --methods topk:density=0.01 topk:density=0.01@allgather=hierarchical qsgd qsgd@allgather=hierarchical ${FORCE:-}
 fi
 if [ "$WHAT" = all ] || [ "$WHAT" = accuracy ]; then
 # the Makefile's settings for runs on this machine (root, ranks may outnumber cores)
@@ -34,5 +41,7 @@ for spec in topk:density=0.01 gtopk:density=0.01 cltk:density=0.01 twophase none
 done
 done
 fi
-$PY benchmarks/scaleout_model.py --summary docs/results/speed/summary.json --measured "$OUT/cluster" \
+MEASURED="$OUT/cluster"
+[ -d "$OUT/cluster-hierarchical" ] && MEASURED="$MEASURED $OUT/cluster-hierarchical"
+$PY benchmarks/scaleout_model.py --summary docs/results/speed/summary.json --measured $MEASURED \
   --accuracy "$OUT/accuracy" --output "$OUT"

@@ -17,8 +17,9 @@ Each row's time per step is :meth:`hvdcomp.comm.costmodel.CostModel.seconds` of 
   call, the fastest small Horovod allreduce (Horovod's cycle time), as the speed report does;
 * mpi4py collectives and point-to-point messages (allgather, all-to-all, gTop-k's exchanges) use
   the mpi4py Allgatherv fit; variable-size ones pay a counts exchange (one more call);
-* the hierarchical gtopk row counts only the exchanges between nodes of 8 ranks (one leader per
-  node, log2(p/8) rounds): its stages inside a node go through shared memory or NVLink, which
+* the hierarchical rows count only the exchanges between nodes of 8 ranks (one leader per node):
+  gtopk's log2(p/8) rounds, and the hierarchical allgather's one allgather among the p/8 leaders of
+  each node's 8 payloads; their stages inside a node go through shared memory or NVLink, which
   these fits do not describe;
 * byte counts are the methods' own: top-k family 8 bytes per kept entry (cltk: 4-byte indices
   broadcast, 4-byte values allreduced), QSGD and the scaled sign at their wire sizes for the whole
@@ -47,7 +48,7 @@ N_MEDIUM = 10000 * 300 + 2 * (8 * 300 * 300 + 8 * 300)   # the medium LSTM's par
 POWERSGD_BYTES = 149_600                                 # measured (speed report), rank 2, per step
 RANKS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 DENSITY = 0.01
-PER_NODE = 8                                             # GPUs per node, for the hierarchical row
+PER_NODE = 8                                             # GPUs per node, for the hierarchical rows
 
 
 def row_functions(n: int) -> Dict[str, Callable]:
@@ -72,6 +73,8 @@ def row_functions(n: int) -> Dict[str, Callable]:
         "none (dense fp32, ring allreduce)": lambda f, p: hvd(f, "allreduce", p, 4 * n),
         "fp16 (dense, ring allreduce)": lambda f, p: hvd(f, "allreduce", p, 2 * n),
         "topk 1 % (allgather)": lambda f, p: mpi(f, "allgather", p, 8 * k, 2),
+        f"topk 1 % hierarchical allgather ({PER_NODE} ranks/node; between nodes only)":
+            lambda f, p: mpi(f, "allgather", max(1, p // PER_NODE), PER_NODE * 8 * k, 2),
         "gtopk 1 % (sparse allreduce)": lambda f, p: mpi(f, "sparse-allreduce", p, 8 * k),
         f"gtopk 1 % hierarchical ({PER_NODE} ranks/node; between nodes only)":
             lambda f, p: mpi(f, "sparse-allreduce", max(1, p // PER_NODE), 8 * k),
@@ -159,7 +162,8 @@ def accuracy_section(path: str) -> List[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--summary", default=os.path.join(ROOT, "docs/results/speed/summary.json"))
-    ap.add_argument("--measured", default=None, help="directory of comm_lm.py JSON results (2 × 4 cluster)")
+    ap.add_argument("--measured", nargs="*", default=[],
+                    help="directories of comm_lm.py JSON results (2 × 4 cluster), one section each")
     ap.add_argument("--accuracy", default=None, help="directory of train_lm.py runs, one subdirectory each")
     ap.add_argument("--output", default=os.path.join(ROOT, "docs/results/scaleout"))
     args = ap.parse_args(argv)
@@ -201,8 +205,9 @@ def main(argv=None) -> int:
             lines += [f"![model {rate}](scaleout_{rate}.png)", ""]
         except ImportError:
             lines += ["(matplotlib missing: no plot)", ""]
-    if args.measured:
-        lines += ["## Measured: 2 emulated nodes × 4 ranks", ""] + measured_section(args.measured)
+    for path in args.measured:
+        lines += [f"## Measured: 2 emulated nodes × 4 ranks (`{os.path.relpath(path, args.output)}`)", ""] + \
+            measured_section(path)
     if args.accuracy:
         lines += ["## Accuracy cost: the small LSTM, 4 ranks, 2 epochs (lr 20, global batch 256)", ""] + \
             accuracy_section(args.accuracy)

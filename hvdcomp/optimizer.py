@@ -745,7 +745,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             every collective of the optimizer and its compressor stays inside it; processes
             outside it train locally (as Horovod).
         allgather: transport for non-summable payloads: ``"auto"`` (mpi4py ``Allgatherv`` under
-            MPI, Horovod allgather otherwise), ``"mpi4py"`` or ``"horovod"``.
+            MPI, Horovod allgather otherwise), ``"mpi4py"``, ``"hierarchical"`` (mpi4py,
+            node-aware: gathered inside each node, exchanged between node leaders, broadcast back;
+            same results) or ``"horovod"``.
         timer: a :class:`hvdcomp.metrics.PhaseTimer` to record into (a new one by default;
             available as ``optimizer.timer``).
         nonfinite: what a NaN/Inf gradient on any rank does: ``"skip"`` (default: every rank

@@ -89,7 +89,8 @@ def parse_args(argv=None):
                         "tinyshakespeare/input.txt)")
     p.add_argument("--output", default="runs/latest", help="directory for results.json")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--allgather", choices=["auto", "mpi4py", "horovod"], default="auto")
+    p.add_argument("--allgather", choices=["auto", "mpi4py", "hierarchical", "horovod"], default="auto",
+                   help="transport of allgathered payloads (hierarchical: node-aware, leaders exchange)")
     p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="MiB of dense gradient per allgather bucket (one collective per bucket)")
     p.add_argument("--granularity", choices=["tensor", "bucket"], default="tensor",

@@ -387,6 +387,9 @@ def test_scaleout_model_report_from_a_hand_made_fit(tmp_path):
     assert math.isclose(secs["none (dense fp32, ring allreduce)"][at[2]], 4 * n * 1e-9)
     assert math.isclose(secs["topk 1 % (allgather)"][at[8]], 7 * 8 * k * 1e-9)
     assert math.isclose(secs["gtopk 1 % (sparse allreduce)"][at[8]], 3 * 8 * k * 1e-9)
+    # 16 ranks = 2 nodes of 8: one allgather between the 2 leaders of 8 payloads each
+    assert math.isclose(secs["topk 1 % hierarchical allgather (8 ranks/node; between nodes only)"][at[16]],
+                        1 * 8 * 8 * k * 1e-9)
     assert math.isclose(secs["cltk 1 % (broadcast + allreduce)"][at[4]], 2 * 4 * k * 1e-9 + 1.5 * 4 * k * 1e-9)
     text = (out / "report.md").read_text()
     assert "gtopk 1 % (sparse allreduce): worst ratio to dense fp32 over p = 2…1024" in text
@@ -403,9 +406,12 @@ def test_comm_benchmark_every_repetition_communicates(tmp_path):
 
     out = tmp_path / "comm.json"
     check(2, [os.path.join(ROOT, "benchmarks", "comm_lm.py"), "--model", "small", "--reps", "3", "--warmup", "1",
-              "--budget", "5", "--methods", "none", "gtopk:density=0.01", "twophase", "--collectives",
-              "--output", str(out)], timeout=300)
+              "--budget", "5", "--methods", "none", "gtopk:density=0.01", "twophase", "topk:density=0.01",
+              "topk:density=0.01@allgather=hierarchical", "--collectives", "--output", str(out)], timeout=300)
     methods = json.loads(out.read_text())["methods"]
+    flat, hier = methods["topk:density=0.01"], methods["topk:density=0.01@allgather=hierarchical"]
+    assert hier["transport"].startswith("mpi4py-hierarchical-allgather") and flat["transport"].startswith("mpi4py-allgather")
+    assert hier["bytes_received"]["min"] == flat["bytes_received"]["min"]   # the same payloads arrive
     n, k = 1_161_600, 11_616
     assert methods["none"]["bytes_sent"]["min"] == 4 * n
     assert methods["gtopk:density=0.01"]["bytes_sent"]["min"] == 8 * k  # one exchange of k entries

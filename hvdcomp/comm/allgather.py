@@ -349,12 +349,14 @@ def make_allgatherer(prefer: str = "auto", group=None) -> Allgatherer:
 
     Args:
         prefer: ``"auto"`` (mpi4py when Horovod runs on MPI, else Horovod allgather),
-            ``"mpi4py"`` or ``"horovod"``. Overridable with ``HVDCOMP_ALLGATHER``.
+            ``"mpi4py"``, ``"hierarchical"`` (mpi4py, node-aware:
+            :class:`hvdcomp.comm.hierarchical.HierarchicalAllgatherer`) or ``"horovod"``.
+            Overridable with ``HVDCOMP_ALLGATHER``.
         group: a :class:`hvdcomp.comm.group.Group` (the global process set when None); the
             transport's collectives stay inside it. Collective over the group's members.
 
     Raises:
-        RuntimeError: ``"mpi4py"`` was asked for but Horovod is not running on MPI (e.g. started
+        RuntimeError: ``"mpi4py"`` or ``"hierarchical"`` was asked for but Horovod is not running on MPI (e.g. started
             with ``horovodrun --gloo``) or mpi4py's world differs from Horovod's.
         ValueError: unknown ``prefer``.
     """
@@ -364,8 +366,8 @@ def make_allgatherer(prefer: str = "auto", group=None) -> Allgatherer:
 
     group = Group() if group is None else group
     prefer = os.environ.get("HVDCOMP_ALLGATHER", prefer)
-    if prefer not in ("auto", "mpi4py", "horovod"):
-        raise ValueError(f"allgather transport must be auto, mpi4py or horovod, got {prefer!r}")
+    if prefer not in ("auto", "mpi4py", "hierarchical", "horovod"):
+        raise ValueError(f"allgather transport must be auto, mpi4py, hierarchical or horovod, got {prefer!r}")
     if prefer == "horovod":
         return HorovodAllgatherer(group.process_set)
     if hvd.mpi_enabled():
@@ -374,14 +376,18 @@ def make_allgatherer(prefer: str = "auto", group=None) -> Allgatherer:
 
             if MPI.COMM_WORLD.Get_size() != hvd.size():
                 reason = f"MPI world size {MPI.COMM_WORLD.Get_size()} != Horovod size {hvd.size()}"
+            elif prefer == "hierarchical":
+                from .hierarchical import HierarchicalAllgatherer
+
+                return HierarchicalAllgatherer(comm=group.mpi_comm())
             else:
                 return MPIAllgatherer(comm=group.mpi_comm())
         except ImportError as exc:
             reason = f"mpi4py is not importable ({exc})"
     else:
         reason = "Horovod is not running on MPI (e.g. horovodrun --gloo)"
-    if prefer == "mpi4py":
-        raise RuntimeError(f"the mpi4py allgather path is unusable: {reason}. Launch with mpirun or "
-                           "horovodrun --mpi, or use transport 'horovod'.")
+    if prefer in ("mpi4py", "hierarchical"):
+        raise RuntimeError(f"the {prefer} allgather path is unusable: {reason}. Launch with mpirun or "
+                           "horovodrun --mpi, or use allgather='horovod'.")
     log.info("hvdcomp: sparse payloads use Horovod allgather: %s", reason)
     return HorovodAllgatherer(group.process_set)
