@@ -22,6 +22,16 @@ def batch(step):
     return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
 
 
+def train_side_by_side(models, opts, steps=3):
+    """``steps`` SGD steps of each (model, optimizer) pair on the same per-rank batches."""
+    for step in range(steps):
+        x, y = batch(step)
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+
 def check_none_matches_horovod():
     """hvdcomp 'none' == stock hvd.DistributedOptimizer(Compression.none) after 3 SGD steps."""
     models = [small_model(), small_model()]
@@ -34,12 +44,7 @@ def check_none_matches_horovod():
     exchanges = []  # the per-step agreement travels with the gradients: no allgather of flags
     gather_ints = ours._gatherer.allgather_ints
     ours._gatherer.allgather_ints = lambda v: exchanges.append(v) or gather_ints(v)
-    for step in range(3):
-        x, y = batch(step)
-        for model, opt in zip(models, (stock, ours)):
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
+    train_side_by_side(models, (stock, ours))
     for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         assert torch.allclose(a, b, rtol=0, atol=1e-7), (n, (a - b).abs().max())
     assert exchanges == [], exchanges
@@ -350,12 +355,7 @@ def check_transport_auto():
         direct = hvdcomp.DistributedOptimizer(torch.optim.SGD(models[1].parameters(), lr=0.1),
                                               named_parameters=models[1].named_parameters(),
                                               compression=direct_spec, cost_model="off")
-        for step in range(3):
-            x, y = batch(step)
-            for m, opt in zip(models, (auto, direct)):
-                opt.zero_grad()
-                torch.nn.functional.mse_loss(m(x), y).backward()
-                opt.step()
+        train_side_by_side(models, (auto, direct))
         for a, b in zip(models[0].parameters(), models[1].parameters()):
             assert torch.equal(a, b), (spec, (a - b).abs().max())
 
@@ -398,12 +398,7 @@ def check_hierarchical_allgather():
                                          compression="topk:density=0.2", allgather=kind, cost_model="off")
             for m, kind in zip(models, ("hierarchical", "mpi4py"))]
     assert str(opts[0].transport).startswith("mpi4py-hierarchical-allgather"), str(opts[0].transport)
-    for step in range(3):
-        x, y = batch(step)
-        for m, opt in zip(models, opts):
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(m(x), y).backward()
-            opt.step()
+    train_side_by_side(models, opts)
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(a, b), (a - b).abs().max()
 
