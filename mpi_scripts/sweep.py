@@ -10,7 +10,7 @@ between cells). Grid keys:
 - ``seed`` (one seed, cell names without a suffix) or ``seeds`` (a list; names end in ``-seed<S>``);
   a method may list its own ``seeds`` (e.g. three seeds only for the cells a claim hinges on);
 - ``schedule``: train_lm.py's schedule options (``anneal``, ``anneal_patience``, ``early_stop``,
-  ``warmup_steps``, ``min_improvement``), ``epochs`` being the maximum;
+  ``warmup_steps``, ``min_improvement``, ``min_epochs``), ``epochs`` being the maximum;
 - ``lr``: the learning rate, or per method ``lr``; with ``lr_search: {values: [...], epochs: E}``
   every method without its own ``lr`` first runs E epochs at each value (cells under
   ``OUTPUT/search/``, the first seed, the first model and the largest worker count), and its cells
@@ -53,7 +53,7 @@ MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
 #: grid ``schedule:`` keys -> train_lm.py options
 SCHEDULE_OPTIONS = {"anneal": "--anneal", "anneal_patience": "--anneal-patience",
                     "early_stop": "--early-stop", "warmup_steps": "--warmup-steps",
-                    "min_improvement": "--min-improvement"}
+                    "min_improvement": "--min-improvement", "min_epochs": "--min-epochs"}
 METHOD_KEYS = {"spec", "lr", "args", "label", "seeds"}
 #: training scripts a grid may run (in this directory); True: takes --model, --data, --no-progress
 SCRIPTS = {"train_lm.py": True, "train_cnn.py": False}

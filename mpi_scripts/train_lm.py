@@ -71,6 +71,8 @@ def parse_args(argv=None):
                    help="epochs without improvement tolerated before annealing")
     p.add_argument("--early-stop", type=int, default=0,
                    help="stop after this many epochs in a row without improvement (0: never)")
+    p.add_argument("--min-epochs", type=int, default=0,
+                   help="never stop early before this many epochs")
     p.add_argument("--min-improvement", type=float, default=0.0,
                    help="relative decrease of validation perplexity that counts as improving "
                         "(e.g. 0.01: an epoch less than 1 %% better than the best is a plateau)")
@@ -116,7 +118,7 @@ def parse_args(argv=None):
         p.error("--anneal must be >= 1 (1 never anneals)")
     if not 0 <= args.min_improvement < 1:
         p.error("--min-improvement must be in [0, 1), e.g. 0.01")
-    for name in ("anneal_patience", "early_stop", "warmup_steps"):
+    for name in ("anneal_patience", "early_stop", "warmup_steps", "min_epochs"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.bucket_mb <= 0:
@@ -202,7 +204,7 @@ def main(argv=None):
         steps_per_epoch = min(steps_per_epoch, args.max_steps)
     sched = PlateauSchedule(args.lr, anneal=args.anneal, anneal_patience=args.anneal_patience,
                             early_stop=args.early_stop, warmup_steps=args.warmup_steps,
-                            min_improvement=args.min_improvement)
+                            min_improvement=args.min_improvement, min_epochs=args.min_epochs)
     epochs, best_weights, stopped_early, global_step = [], None, False, 0
     initial_val = evaluate(model, corpus.valid, args.eval_batch_size, args.bptt)
     log.info("initial valid ppl %.2f", initial_val)

@@ -37,6 +37,11 @@ def test_early_stop_after_patience_bad_epochs_in_a_row():
     assert s.best_epoch == 3 and s.lr == 1.0
 
 
+def test_no_early_stop_before_min_epochs():
+    s = PlateauSchedule(1.0, anneal=1, early_stop=2, min_epochs=4)
+    assert [stop for _, stop in run(s, [10, 11, 12, 13, 14])] == [False, False, False, True, True]
+
+
 def test_min_improvement_is_relative():
     s = PlateauSchedule(1.0, anneal=2, min_improvement=0.01)
     s.end_epoch(100.0)
@@ -74,6 +79,7 @@ def test_state_dict_round_trip_resumes_identically():
 @pytest.mark.parametrize("kwargs, match", [
     ({"lr": 0.0}, "lr must be"), ({"lr": math.inf}, "lr must be"), ({"lr": 1.0, "anneal": 0.5}, "anneal must"),
     ({"lr": 1.0, "early_stop": -1}, "early_stop"), ({"lr": 1.0, "warmup_steps": 1.5}, "warmup_steps"),
+    ({"lr": 1.0, "min_epochs": -2}, "min_epochs"),
     ({"lr": 1.0, "min_improvement": 1.0}, "min_improvement")])
 def test_bad_settings_are_rejected_with_the_field_named(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -27,6 +27,8 @@ class PlateauSchedule:
             the first epoch that does not improve, as PyTorch's example does).
         early_stop: stop after this many epochs in a row without improvement (0: never; the seed
             study uses 10).
+        min_epochs: never stop before this many epochs (the first epochs of a run can swing
+            widely while it leaves the initial plateau).
         warmup_steps: raise the learning rate linearly from ``lr / warmup_steps`` to ``lr`` over the
             first ``warmup_steps`` optimizer steps (0: no warm-up).
         min_improvement: an epoch counts as improving when its validation perplexity is below
@@ -47,13 +49,13 @@ class PlateauSchedule:
     """
 
     def __init__(self, lr: float, anneal: float = 4.0, anneal_patience: int = 0, early_stop: int = 0,
-                 warmup_steps: int = 0, min_improvement: float = 0.0):
+                 warmup_steps: int = 0, min_improvement: float = 0.0, min_epochs: int = 0):
         if not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"lr must be a positive finite number, got {lr}")
         if not anneal >= 1:
             raise ValueError(f"anneal must be >= 1 (1 keeps the learning rate), got {anneal}")
         for key, val in (("anneal_patience", anneal_patience), ("early_stop", early_stop),
-                         ("warmup_steps", warmup_steps)):
+                         ("warmup_steps", warmup_steps), ("min_epochs", min_epochs)):
             if not isinstance(val, int) or val < 0:
                 raise ValueError(f"{key} must be an integer >= 0, got {val!r}")
         if not 0.0 <= min_improvement < 1.0:
@@ -61,6 +63,7 @@ class PlateauSchedule:
         self.peak_lr = float(lr)
         self.anneal, self.anneal_patience, self.early_stop = float(anneal), anneal_patience, early_stop
         self.warmup_steps, self.min_improvement = warmup_steps, float(min_improvement)
+        self.min_epochs = min_epochs
         self.lr = float(lr)                 # current post-warm-up learning rate (annealed)
         self.best = math.inf                # best validation perplexity so far
         self.best_epoch = 0                 # 1-based epoch of ``best`` (0: none yet)
@@ -79,8 +82,9 @@ class PlateauSchedule:
         """Record an epoch's validation perplexity; anneal if it is a plateau.
 
         Returns:
-            True when training should stop (``early_stop`` epochs in a row without improvement,
-            or a non-finite perplexity: a diverged run cannot recover by annealing).
+            True when training should stop (``early_stop`` epochs in a row without improvement
+            once ``min_epochs`` are done, or a non-finite perplexity: a diverged run cannot recover
+            by annealing).
         """
         self.epochs += 1
         significant = False
@@ -98,7 +102,7 @@ class PlateauSchedule:
             self.lr /= self.anneal
             self.anneals += 1
             self.plateau = 0
-        return bool(self.early_stop) and self.bad_epochs >= self.early_stop
+        return bool(self.early_stop) and self.bad_epochs >= self.early_stop and self.epochs >= self.min_epochs
 
     @property
     def improved(self) -> bool:
