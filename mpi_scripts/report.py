@@ -426,14 +426,16 @@ def target_table(rows, target_ppl) -> str:
     return "\n".join(lines)
 
 
-def lr_search_table(root: str) -> Optional[str]:
-    """The learning-rate search (``root/lr_search.json`` written by sweep.py): best validation
-    perplexity at each value tried, the chosen value in bold. None without a search."""
+def lr_search_table(root: str, search: Optional[dict] = None) -> Optional[str]:
+    """The learning-rate search: best validation perplexity at each value tried, the chosen value
+    in bold. ``search`` as :func:`mpi_scripts.sweep.choose_lr` returns it, else read from
+    ``root/lr_search.json`` (written by sweep.py). None without a search."""
     path = os.path.join(root, "lr_search.json")
-    if not os.path.isfile(path):
+    if search is None and os.path.isfile(path):
+        with open(path) as f:
+            search = json.load(f)
+    if not search:
         return None
-    with open(path) as f:
-        search = json.load(f)
     values = sorted({float(v) for s in search.values() for v in s["values"]})
     lines = ["| cell | " + " | ".join(f"lr {v:g}" for v in values) + " | chosen |",
              "|---|" + "---|" * (len(values) + 1)]
@@ -584,6 +586,19 @@ def missing_cells(root: str, grid_paths: List[str]) -> List[str]:
 _NO_OVERRIDES = argparse.Namespace(models=None, workers=None, epochs=None, output=None, data=None, methods=None)
 
 
+def grid_search(root: str, grid_paths: List[str]) -> Optional[dict]:
+    """The learning-rate search of the given grids as it stands under ``root`` (methods whose
+    search is complete; :func:`mpi_scripts.sweep.choose_lr`), or None when they have none."""
+    from mpi_scripts import sweep
+
+    out = {}
+    for path in grid_paths:
+        cells = sweep.search_cells_of(sweep.load_grid(path, _NO_OVERRIDES))
+        if cells:
+            out.update(sweep.choose_lr(root, cells))
+    return out or None
+
+
 def grid_notes(grid_paths: List[str]) -> List[str]:
     """The ``notes`` of the given grid files (what the grid chose and cut, in its own words)."""
     from mpi_scripts import sweep
@@ -592,10 +607,17 @@ def grid_notes(grid_paths: List[str]) -> List[str]:
 
 
 def render(rows, target_ppl=None, command: str = "", plot_names=(), missing=(), root: str = "",
-           budget_hours: Optional[float] = None, notes=()) -> str:
-    """The whole markdown report."""
+           budget_hours: Optional[float] = None, notes=(), search: Optional[dict] = None) -> str:
+    """The whole markdown report (``search``: the learning-rate search, see :func:`lr_search_table`)."""
     if not rows:
-        return "# hvdcomp study report\n\nNo results.json found.\n"
+        search = lr_search_table(root, search) if root else None
+        parts = ["# hvdcomp study report", "No training run has finished yet.",
+                 *[n.strip() for n in notes], budget_line(root, rows, budget_hours) if root else ""]
+        if search:
+            parts += ["## Learning-rate search so far (best validation perplexity; chosen in bold)", search]
+        if missing:
+            parts.append("## Cells not run yet\n\n" + ", ".join(f"`{m}`" for m in missing))
+        return "\n\n".join(p for p in parts if p) + "\n"
     env = rows[0]["env"]
     seeded = any(len(c["runs"]) > 1 for by in groups(rows).values() for c in by.values())
     parts = [
@@ -617,7 +639,7 @@ def render(rows, target_ppl=None, command: str = "", plot_names=(), missing=(), 
         ppl_table(rows),
         "## Per method: learning rate, seeds, epochs", method_table(rows),
     ]
-    search = lr_search_table(root) if root else None
+    search = lr_search_table(root, search) if root else None
     if search:
         parts += ["## Learning-rate search (best validation perplexity of the short runs; chosen in bold)",
                   search]
@@ -660,7 +682,7 @@ def main(argv=None) -> int:
     names = [] if args.no_plots or not rows else plots(rows, out, args.target_ppl)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(render(rows, args.target_ppl, args.command, names, missing_cells(args.root, args.grid),
-                       args.root, args.budget_hours, grid_notes(args.grid)))
+                       args.root, args.budget_hours, grid_notes(args.grid), grid_search(args.root, args.grid)))
     print(f"report: {os.path.join(out, 'report.md')} ({len(rows)} runs)")
     return 0
 

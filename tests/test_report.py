@@ -144,3 +144,20 @@ def test_missing_cells_listed(fixture_dir, tmp_path):
         (fixture_dir / "cells" / "none-seed1" / "results.json").read_text())
     assert report.missing_cells(str(fixture_dir), [str(grid)]) == ["small-np8-none"]
     assert report.grid_notes([str(grid)]) == ["cut X to fit"]
+
+
+def test_partial_report_shows_the_search_before_any_training_run(tmp_path):
+    grid = tmp_path / "g.yaml"
+    grid.write_text("workers: [4]\nseeds: [1, 2]\nlr_search: {values: [10, 20], epochs: 2}\n"
+                    "notes: cut Y\nmethods:\n  - spec: none\n  - spec: topk:density=0.01\n")
+    for lr, best in (("10", 500.0), ("20", 450.5)):
+        d = tmp_path / "search" / f"small-np4-none-lr{lr}"
+        os.makedirs(d)
+        (d / "results.json").write_text(json.dumps({"best_val_ppl": best}))
+        (d / "sweep.json").write_text(json.dumps({"wall_seconds": 900.0}))
+    assert report.main([str(tmp_path), "--grid", str(grid), "--budget-hours", "8", "--no-plots"]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "No training run has finished yet." in text and "cut Y" in text
+    assert "| small-np4-none | 500.0 | **450.5** | 20 |" in text      # top-k's search is incomplete
+    assert "small-np4-topk" not in text.split("## Cells not run yet")[0]
+    assert "learning-rate search 2 runs 0.50 h" in text and "`small-np4-none-seed2`" in text
