@@ -7,11 +7,12 @@ Launch with any number of ranks, e.g.::
 
 The global batch (``--batch-size`` sequences of ``--bptt`` tokens) is split evenly over the
 ranks, so 1, 2 and 4 ranks train the same model on the same data per step. Plain SGD; gradients
-are averaged by hvdcomp, then clipped to norm ``--clip``. The schedule (hvdcomp.lm.PlateauSchedule): optional linear warm-up
-(``--warmup-steps``), the learning rate divided by ``--anneal`` (4) after an epoch whose validation
-perplexity did not improve (as in PyTorch's word_language_model), early stopping after
-``--early-stop`` such epochs in a row, at most ``--epochs`` epochs. The test perplexity is that of
-the weights with the best validation perplexity.
+are averaged by hvdcomp, then clipped to norm ``--clip``. The schedule
+(:class:`hvdcomp.lm.PlateauSchedule`): optional linear warm-up (``--warmup-steps``), the learning
+rate divided by ``--anneal`` (4) after an epoch whose validation perplexity did not improve (by
+``--min-improvement``; as in PyTorch's word_language_model), early stopping after
+``--early-stop`` such epochs in a row (not before ``--min-epochs``), at most ``--epochs`` epochs.
+The test perplexity is that of the weights with the best validation perplexity.
 
 Writes ``OUTPUT/results.json`` (config, per-epoch perplexities, per-phase seconds per step with
 min/mean/max over ranks, bytes per step, measured and nominal compression ratios) and prints a
