@@ -73,9 +73,9 @@ class Cell:
     args: List[str]
 
     label: str = ""
-    seed: Optional[int] = None
-    script: str = "train_lm.py"     # None: the grid's single ``seed`` (no suffix in the name)
-    lr_value: str = ""             # search cells: the value tried (part of the name)
+    seed: Optional[int] = None      # None: the grid's single ``seed`` (no suffix in the name)
+    script: str = "train_lm.py"     # a key of SCRIPTS
+    lr_value: str = ""              # search cells: the value tried (part of the name)
 
     @property
     def method(self) -> str:
@@ -106,9 +106,9 @@ def load_grid(path: Optional[str], overrides: argparse.Namespace) -> dict:
     Raises:
         ValueError: missing or malformed keys (the message names them).
     """
-    grid = {"script": "train_lm.py", "models": ["small"], "workers": [1], "epochs": 1, "seed": 1, "seeds": None, "lr": 20.0,
-            "args": [], "schedule": {}, "lr_search": None, "methods": [], "output": "runs/sweep", "data": None,
-            "notes": ""}
+    grid = {"script": "train_lm.py", "models": ["small"], "workers": [1], "epochs": 1, "seed": 1,
+            "seeds": None, "lr": 20.0, "args": [], "schedule": {}, "lr_search": None, "methods": [],
+            "output": "runs/sweep", "data": None, "notes": ""}
     if path:
         with open(path) as f:
             loaded = yaml.safe_load(f) or {}
