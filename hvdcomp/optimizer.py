@@ -38,10 +38,12 @@ import io
 import itertools
 import logging
 import os
+import time
 import warnings
 import weakref
 from typing import Dict, Iterable, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from .amp import LossScaleTracker
@@ -161,10 +163,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._gatherer = make_allgatherer(s["allgather"], self.group)
         choice: Dict[str, float] = {}
         if s["transport"] == "auto" and self.group.size > 1:  # the cost model picks the transport
-            model = s["cost_model"] if isinstance(s["cost_model"], CostModel) else measure_cost_model(
-                self._gatherer.probe, self.group.size, agree=self._gatherer.agree)
+            if isinstance(s["cost_model"], CostModel):  # given: Horovod's collectives priced by it alone
+                model, wait = s["cost_model"], 0.0
+            else:
+                model = measure_cost_model(self._gatherer.probe, self.group.size, agree=self._gatherer.agree)
+                wait = self._measure_horovod_latency()
             chosen, choice = choose_transport(compression, model, self.group.size,
-                                              [p.numel() for p in self._order], self.bucket_bytes)
+                                              [p.numel() for p in self._order], self.bucket_bytes,
+                                              horovod_latency=wait,
+                                              point_to_point=getattr(self._gatherer, "comm", None) is not None)
             if chosen is not compression:
                 log.info("hvdcomp: transport='auto' replaces %s by %s (predicted %s)", compression.name,
                          chosen.name, {k: f"{v * 1e3:.3g} ms" for k, v in choice.items()})
@@ -274,6 +281,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(cost_model, CostModel):
             return cost_model
         return measure_cost_model(self._gatherer.probe, self.group.size, agree=self._gatherer.agree)
+
+    def _measure_horovod_latency(self, calls: int = 5) -> float:
+        """Seconds of one tiny Horovod allreduce in this group (its cycle time and negotiation):
+        the median of ``calls`` after one untimed, rank 0's value on every rank."""
+        probe = torch.zeros(1)
+        times = []
+        for k in range(calls + 1):
+            t0 = time.perf_counter()
+            self.group.allreduce(probe, f"{self._prefix}.latency.{k}", self._hvd.Sum)
+            times.append(time.perf_counter() - t0)
+        mine = sorted(times[1:])[calls // 2]
+        return float(self._gatherer.agree(np.array([mine]))[0])
 
     def _make_step_comm(self) -> StepComm:
         """The collectives of a batched compressor's step (:class:`hvdcomp.comm.step.StepComm`):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["make_buckets", "make_units", "fuse_units", "split_groups", "TransportPlan", "plan_transport",
-           "ROUTES", "transport_candidates", "predict_step_seconds", "choose_transport"]
+           "ROUTES", "transport_candidates", "predict_step_seconds", "choose_transport", "HOROVOD_KINDS"]
 
 ROUTES = ("allreduce", "allgather", "decoded-allreduce", "batched")
 
@@ -323,19 +323,28 @@ def transport_candidates(compression) -> list:
     return out
 
 
-def predict_step_seconds(compression, cost_model, p: int, numels: Sequence[int], bucket_bytes: int) -> Optional[float]:
+#: collectives hvdcomp runs through Horovod (each call also waits for Horovod's cycle)
+HOROVOD_KINDS = ("allreduce", "broadcast")
+
+
+def predict_step_seconds(compression, cost_model, p: int, numels: Sequence[int], bucket_bytes: int,
+                         horovod_latency: float = 0.0) -> Optional[float]:
     """Communication seconds per step that ``cost_model`` (a
     :class:`hvdcomp.comm.costmodel.CostModel`) predicts for ``compression`` on ``p`` ranks and
-    gradients of ``numels`` elements (:meth:`hvdcomp.Compressor.step_collectives`), or None where
+    gradients of ``numels`` elements (:meth:`hvdcomp.Compressor.step_collectives`, with the
+    optimizer's per-gradient routing), plus ``horovod_latency`` seconds per call of a collective
+    that goes through Horovod (:data:`HOROVOD_KINDS`: its cycle time and negotiation); None where
     the method's bytes depend on the data."""
-    collectives = compression.step_collectives(list(numels), p, bucket_bytes)
+    collectives = compression.step_collectives(list(numels), p, bucket_bytes, cost_model)
     if collectives is None:
         return None
-    return sum(cost_model.seconds(kind, p, nbytes, calls) for kind, nbytes, calls in collectives)
+    return sum(cost_model.seconds(kind, p, nbytes, calls)
+               + (calls * horovod_latency if kind in HOROVOD_KINDS and p > 1 else 0.0)
+               for kind, nbytes, calls in collectives)
 
 
 def choose_transport(compression, cost_model, p: int, numels: Sequence[int], bucket_bytes: int,
-                     margin: float = 0.01):
+                     margin: float = 0.01, horovod_latency: float = 0.0, point_to_point: bool = True):
     """The candidate (:func:`transport_candidates`) with the least predicted communication per
     step (:func:`predict_step_seconds`); ``compression`` itself unless another is faster by more
     than ``margin`` (relative). A pure function of its arguments, so every rank that shares the
@@ -348,17 +357,24 @@ def choose_transport(compression, cost_model, p: int, numels: Sequence[int], buc
         numels: elements of each gradient, in launch order.
         bucket_bytes: dense bytes per allgather bucket.
         margin: relative advantage a candidate needs over ``compression``.
+        horovod_latency: seconds each Horovod collective waits besides its α-β time
+            (:func:`predict_step_seconds`).
+        point_to_point: whether the ranks can message each other through MPI; without it,
+            candidates that need to (``needs_point_to_point``: gtopk, twophase) are left out.
 
     Returns:
         ``(chosen compressor, {label: predicted seconds})`` (labels such as ``"gtopk
         (sparse-allreduce)"``; candidates whose bytes depend on the data are left out).
     """
     predicted = {}
-    best, best_s = compression, predict_step_seconds(compression, cost_model, p, numels, bucket_bytes)
+    best, best_s = compression, predict_step_seconds(compression, cost_model, p, numels, bucket_bytes,
+                                                     horovod_latency)
     if best_s is not None:
         predicted[_label(compression)] = best_s
     for cand in transport_candidates(compression)[1:]:
-        sec = predict_step_seconds(cand, cost_model, p, numels, bucket_bytes)
+        if cand.needs_point_to_point and not point_to_point:
+            continue
+        sec = predict_step_seconds(cand, cost_model, p, numels, bucket_bytes, horovod_latency)
         if sec is None:
             continue
         predicted[_label(cand)] = sec

@@ -17,6 +17,7 @@ import glob
 import json
 import math
 import os
+import re
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
@@ -94,6 +95,9 @@ def load_results(root: str) -> List[dict]:
         elapsed = [e.get("elapsed_seconds") for e in r["epochs"]]
         rows.append({
             "path": path, "model": cfg["model"], "workers": cfg["world_size"], "seed": cfg.get("seed"),
+            # the cell without its seed: runs of one variant are the seeds of one row
+            "variant": re.sub(r"-seed\d+$", "", os.path.basename(os.path.dirname(path))),
+            "max_epochs": cfg.get("epochs", len(val)),
             "column": column_of(cfg["compressor"]), "family": cfg["compressor"]["name"],
             "density": cfg["compressor"].get("density"), "spec": cfg.get("compressor_spec"),
             "lr": cfg.get("lr"), "test_ppl": r["test_ppl"], "val": val,
@@ -152,12 +156,24 @@ def aggregate(runs: List[dict]) -> dict:
 
 
 def groups(rows) -> Dict[Tuple[str, int], Dict[str, dict]]:
-    """(model, workers) -> column -> the column's seeds aggregated (:func:`aggregate`)."""
+    """(model, workers) -> column -> the column's seeds aggregated (:func:`aggregate`).
+
+    The seeds of a column are the runs of one cell variant (its directory name without
+    ``-seed<N>``); where variants that differ in other settings (``args``, ``label``) share a
+    column, each keeps its own, named ``column [variant]``."""
     runs: Dict[Tuple[str, int], Dict[str, List[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        runs[(r["model"], r["workers"])][r["column"]].append(r)
-    out = {key: {c: aggregate(sorted(rs, key=lambda r: r["seed"] or 0)) for c, rs in cols.items()}
-           for key, cols in runs.items()}
+        runs[(r["model"], r["workers"])][(r["column"], r["variant"])].append(r)
+    out = {}
+    for key, variants in runs.items():
+        shared = defaultdict(int)
+        for column, _ in variants:
+            shared[column] += 1
+        out[key] = {}
+        for (column, variant), rs in variants.items():
+            name = column if shared[column] == 1 else f"{column} [{variant}]"
+            out[key][name] = dict(aggregate(sorted(rs, key=lambda r: r["seed"] or 0)), column=name,
+                                  base_column=column)
     return dict(sorted(out.items(), key=lambda kv: (["small", "medium", "large"].index(kv[0][0]), kv[0][1])))
 
 
@@ -203,7 +219,7 @@ def compare(a: List[float], b: List[float]) -> Tuple[float, float, str]:
 
 def _fmt(xs: List[float], unit: str = "", scale: float = 1.0, digits: int = 1) -> str:
     m, sd = _mean(xs) * scale, _sd(xs) * scale
-    return f"{m:.{digits}f}{unit}" + ("" if math.isnan(sd) else f" ± {sd:.{digits}f}") + f" (n={len(xs)})"
+    return f"{m:.{digits}f}" + ("" if math.isnan(sd) else f" ± {sd:.{digits}f}") + f"{unit} (n={len(xs)})"
 
 
 def _outcome(direction: str, wanted: str) -> str:
@@ -260,18 +276,24 @@ def check_claims(rows, target_ppl: Optional[float] = None) -> List[Tuple[str, st
                 notes.append(f"{model}/{w}: {note} → {outcome}")
         return _verdict(outcomes), "; ".join(notes) or "no cells to compare"
 
+    def named(cols, base):
+        """The columns of ``base`` (one, or one per variant that shares it)."""
+        return [c for c in cols if cols[c].get("base_column", c) == base]
+
     def c1(model, w, cols):
         if "none" not in cols:
             return None
-        return [_vs(c, cols[c], "none", cols["none"], "<") for c in ("top-k 50x", "DGC 50x") if c in cols]
+        return [_vs(c, cols[c], "none", cols["none"], "<")
+                for base in ("top-k 50x", "DGC 50x") for c in named(cols, base)]
     claims.append(("1. Top-k and DGC at 50x reach perplexity at or below the baseline", *each(c1)))
 
     def c2(model, w, cols):
-        if not {"none", "top-k 5000x", "DGC 5000x"} <= set(cols):
+        tk, dg = named(cols, "top-k 5000x"), named(cols, "DGC 5000x")
+        if "none" not in cols or not tk or not dg:
             return None
-        return [_vs("top-k 5000x", cols["top-k 5000x"], "none", cols["none"], ">"),
-                _vs("DGC 5000x", cols["DGC 5000x"], "none", cols["none"], ">"),
-                _vs("DGC 5000x", cols["DGC 5000x"], "top-k 5000x", cols["top-k 5000x"], ">")]
+        return [_vs(tk[0], cols[tk[0]], "none", cols["none"], ">"),
+                _vs(dg[0], cols[dg[0]], "none", cols["none"], ">"),
+                _vs(dg[0], cols[dg[0]], tk[0], cols[tk[0]], ">")]
     claims.append(("2. At 5000x both degrade clearly, DGC more than top-k", *each(c2)))
 
     def c3(model, w, cols):
@@ -335,10 +357,11 @@ def check_claims(rows, target_ppl: Optional[float] = None) -> List[Tuple[str, st
             return None
         t = tg[(model, w)]
 
-        def epochs(col):  # a run that never reaches the target counts as one epoch past its last
-            return [float(epochs_to(r["val"], t) or len(r["val"]) + 1) for r in col["runs"]]
+        def epochs(col):  # a run that never reaches the target counts as one epoch past the most
+            # it was allowed (an early-stopped run did not get there sooner)
+            return [float(epochs_to(r["val"], t) or r["max_epochs"] + 1) for r in col["runs"]]
         return [_vs(f"{c} (target {t:.1f})", cols[c], "none", cols["none"], "<", epochs, " epochs")
-                for c in cols if c.startswith(("top-k", "DGC")) and c.endswith(" 50x")]
+                for base in ("top-k 50x", "DGC 50x") for c in named(cols, base)]
     claims.append(("7. Sparsifiers converge in fewer epochs than the baseline (epochs to the target "
                    "validation perplexity)", *each(c7)))
     return claims
@@ -354,9 +377,10 @@ def _ppl_cell(col: dict) -> str:
 def ppl_table(rows) -> str:
     """Test perplexity per (model, workers) and method: mean ± sample sd over seeds, the study's
     published value in parentheses."""
-    cols = ordered_columns(rows)
+    g = groups(rows)
+    cols = ordered_columns([c for by in g.values() for c in by.values()])
     lines = ["| model / workers | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-    for (model, w), by in groups(rows).items():
+    for (model, w), by in g.items():
         study = dict(zip(STUDY_COLUMNS, STUDY_PPL.get((model, w), [])))
         cells = []
         for c in cols:

@@ -152,7 +152,8 @@ def evaluate(model, stream, eval_batch, bptt):
     """Perplexity of ``stream``: each rank takes columns rank, rank+N, ...; sums are allreduced."""
     total = loss_sums(model, stream, eval_batch, bptt, hvd.rank(), hvd.size())
     total = hvd.allreduce(total, op=hvd.Sum, name="eval.sum")
-    return math.exp(total[0].item() / total[1].item())
+    loss = total[0].item() / total[1].item()
+    return math.exp(loss) if loss < 709.0 else math.inf  # (a diverged run: the schedule stops it)
 
 
 def main(argv=None):

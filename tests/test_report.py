@@ -161,3 +161,24 @@ def test_partial_report_shows_the_search_before_any_training_run(tmp_path):
     assert "| small-np4-none | 500.0 | **450.5** | 20 |" in text      # top-k's search is incomplete
     assert "small-np4-topk" not in text.split("## Cells not run yet")[0]
     assert "learning-rate search 2 runs 0.50 h" in text and "`small-np4-none-seed2`" in text
+
+
+def test_variants_sharing_a_column_stay_apart_and_early_stops_count_as_never(tmp_path):
+    """Two cells with the same compressor but other settings (labels a, b) are two rows, not six
+    seeds of one; a run stopped early without reaching the target counts as max epochs + 1."""
+    t = {"name": "topk", "density": 0.01, "ef": True}
+    for seed in (1, 2, 3):
+        none = fake("small", 4, {"name": "none"}, 100.0 + seed, [300, 200, 150, 140], seed=seed)
+        write(tmp_path / "cells", f"none-seed{seed}", none)
+        for label, ppl in (("a", 90.0), ("b", 110.0)):
+            run = fake("small", 4, t, ppl + seed, [250, 200], seed=seed)   # stopped after 2 epochs
+            run["config"]["epochs"] = 15
+            write(tmp_path / "cells", f"{label}-seed{seed}", run)
+    rows = report.load_results(str(tmp_path))
+    cols = report.groups(rows)[("small", 4)]
+    assert sorted(cols) == ["none", "top-k 50x [a]", "top-k 50x [b]"]
+    assert cols["top-k 50x [a]"]["n"] == 3 and cols["top-k 50x [a]"]["test_ppl"] == 92.0
+    verdicts = {c.split(".")[0]: (v, e) for c, v, e in report.check_claims(rows)}
+    # target 1.1 x 140 = 154: none at epoch 3; the top-k runs never (counted as 16 epochs)
+    assert verdicts["7"][0] == "not supported"
+    assert "top-k 50x [b] (target 154.0) 16.0 ± 0.0 epochs (n=3) vs none 3.0 ± 0.0 epochs (n=3)" in verdicts["7"][1]

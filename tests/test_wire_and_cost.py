@@ -205,11 +205,14 @@ def test_choose_transport_hand_worked():
     from hvdcomp.plan import choose_transport, transport_candidates
 
     numels = [1000, 10]
-    # bandwidth only (beta 1 ns/B), 64 ranks: top-k 63·88 B; gtopk 6 rounds · 88 B = 528 B;
+    # bandwidth only (beta 1 ns/B), 64 ranks: top-k as the optimizer routes it, the 1000-element
+    # gradient allgathered (63·80 B) and the 10-element one decoded and allreduced (its 8 B payload
+    # would cost 63·8 B, its 40 B dense tensor 2·63/64·40 B); gtopk 6 rounds · 88 B = 528 B;
     # cltk broadcast 6 · 44 B + allreduce 2·63/64 · 44 B = 350.6 B -> cltk
     chosen, predicted = choose_transport(get_compressor("topk:density=0.01"), CostModel(0.0, 1e-9), 64, numels, 8000)
     assert chosen.name == "cltk"
-    assert predicted == pytest.approx({"topk (allgather)": 63 * 88e-9, "gtopk (sparse-allreduce)": 528e-9,
+    assert predicted == pytest.approx({"topk (allgather)": (63 * 80 + 2 * 63 / 64 * 40) * 1e-9,
+                                       "gtopk (sparse-allreduce)": 528e-9,
                                        "cltk (broadcast+allreduce)": (6 * 44 + 2 * 63 / 64 * 44) * 1e-9})
     # latency only (alpha 1 ms): top-k 2·63 messages, gtopk 6, cltk 6 + 126 -> gtopk
     assert choose_transport(get_compressor("topk:density=0.01"), CostModel(1e-3, 0.0), 64, numels, 8000)[0].name == "gtopk"
@@ -221,3 +224,33 @@ def test_choose_transport_hand_worked():
     cands = transport_candidates(get_compressor("qsgd:levels=16,bucket=256"))
     assert [c.name for c in cands] == ["qsgd", "twophase"]
     assert cands[1].describe()["base"] == get_compressor("qsgd:levels=16,bucket=256,ef=false").describe()
+
+
+def test_step_collectives_follow_the_optimizer_routing_and_skip_empty_gradients():
+    # density 0.5: 500 entries of 8 B = 4000 B per rank against a 4000 B dense tensor; with beta
+    # only, allgather (p-1)·4000 > allreduce 2(p-1)/p·4000: the optimizer would decode and allreduce
+    top = get_compressor("topk:density=0.5")
+    assert top.step_collectives([1000], 8, 8000, CostModel(0.0, 1e-9)) == [("allreduce", 4000.0, 1)]
+    assert top.step_collectives([1000], 8, 8000) == [("allgather", 4000.0, 2)]   # no cost model: as sent
+    q = get_compressor("qsgd:levels=4")
+    assert q.step_collectives([1000, 0, 1000], 2, 8000) == q.step_collectives([1000, 1000], 2, 8000)
+
+
+def test_choose_transport_prices_horovod_waits_and_needs_point_to_point():
+    from hvdcomp.plan import choose_transport, predict_step_seconds
+
+    numels, cm = [1000, 10], CostModel(0.0, 1e-9)
+    cltk = get_compressor("cltk:density=0.01")
+    base = predict_step_seconds(cltk, cm, 64, numels, 8000)
+    # broadcast + allreduce through Horovod: two calls, each waiting 5 ms more
+    assert predict_step_seconds(cltk, cm, 64, numels, 8000, horovod_latency=5e-3) == pytest.approx(base + 10e-3)
+    # with that wait, gtopk (mpi4py) beats cltk at 64 ranks (528 B·beta vs 350.6 B·beta + 10 ms)
+    assert choose_transport(get_compressor("topk:density=0.01"), cm, 64, numels, 8000,
+                            horovod_latency=5e-3)[0].name == "gtopk"
+    # without MPI point-to-point, gtopk and twophase are not candidates
+    chosen, predicted = choose_transport(get_compressor("topk:density=0.01"), cm, 64, numels, 8000,
+                                         point_to_point=False)
+    assert chosen.name == "cltk" and "gtopk (sparse-allreduce)" not in predicted
+    assert choose_transport(get_compressor("qsgd:levels=4"), cm, 64, numels, 8000,
+                            point_to_point=False)[1] == {"qsgd (allgather)": pytest.approx(
+                                predict_step_seconds(get_compressor("qsgd:levels=4"), cm, 64, numels, 8000))}

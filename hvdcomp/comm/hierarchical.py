@@ -109,9 +109,10 @@ class HierarchicalAllgatherer(MPIAllgatherer):
         h.recv = self._gather_all(h.send, byte_counts.tolist())
         h.counts = all_counts
         h.bytes_received = all_counts.size * COUNT_BYTES + h.recv.nbytes
-        if self.is_leader:  # what this rank put on the wire besides its own payload
+        if self.is_leader:  # instead of its own payload: its node's bundle, to the other leaders,
+            # and (a node of several ranks) the whole result, to its node's ranks
             node_bytes = sum(int(byte_counts[r]) for r in self.members[self.my_node])
-            h.bytes_sent += node_bytes + (h.recv.nbytes if self.node.Get_size() > 1 else 0)
+            h.bytes_sent += node_bytes - h.send.nbytes + (h.recv.nbytes if self.node.Get_size() > 1 else 0)
 
     def probe(self, nbytes):
         """Blocking hierarchical allgather of ``nbytes`` zero bytes per rank (cost-model timing)."""

@@ -297,25 +297,36 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
             return None
         return int(round(4 * numel / ratio))
 
-    def step_collectives(self, numels: Sequence[int], p: int, bucket_bytes: int):
+    def step_collectives(self, numels: Sequence[int], p: int, bucket_bytes: int, cost_model=None):
         """The collectives one step of this method costs on ``p`` ranks, for gradients of
-        ``numels`` float32 elements (in launch order, allgathered ones bucketed by
-        ``bucket_bytes`` of dense gradient): a list of ``(kind, bytes, calls)`` for
+        ``numels`` float32 elements (in launch order): a list of ``(kind, bytes, calls)`` for
         :meth:`hvdcomp.comm.costmodel.CostModel.seconds` (kinds of
         :data:`hvdcomp.comm.costmodel.COLLECTIVES`), or ``None`` where the bytes depend on the
-        data. Summable payloads: one fused allreduce of every payload; others: one allgather of
-        the payloads plus a counts exchange per bucket. Batched methods override it."""
+        data. Summable payloads: one fused allreduce of every payload. Others: one allgather of
+        the payloads plus a counts exchange per bucket of ``bucket_bytes`` dense bytes; given the
+        ``cost_model`` (a :class:`hvdcomp.comm.costmodel.CostModel`), a gradient the optimizer
+        would route to a dense allreduce of its decode (:func:`hvdcomp.plan.plan_transport`) is
+        priced as that allreduce instead. Empty gradients cost nothing. Batched methods override
+        it."""
         if self.batched:
             return None
+        numels = [n for n in numels if n > 0]
         sizes = [self.expected_payload_bytes(n) for n in numels]
         if any(b is None for b in sizes):
             return None
         if self.summable:
-            return [("allreduce", float(sum(sizes)), 1)]
+            return [("allreduce", float(sum(sizes)), 1)] if sizes else []
         from ..plan import make_buckets  # (plan does not import the compressors)
 
-        buckets = make_buckets([4 * n for n in numels], bucket_bytes)
-        return [("allgather", float(sum(sizes)), 2 * len(buckets))]
+        routed = self.aggregate_is_mean and cost_model is not None
+        decoded = [routed and cost_model.choose(b, 4 * n, p) == "allreduce" for n, b in zip(numels, sizes)]
+        dense = sum(4.0 * n for n, d in zip(numels, decoded) if d)
+        out = [("allreduce", dense, 1)] if dense else []  # (Horovod fuses them: one call)
+        gathered = [(n, b) for n, b, d in zip(numels, sizes, decoded) if not d]
+        if gathered:
+            buckets = make_buckets([4 * n for n, _ in gathered], bucket_bytes)
+            out.append(("allgather", float(sum(b for _, b in gathered)), 2 * len(buckets)))
+        return out
 
     def describe(self) -> Dict[str, Any]:
         """JSON-serialisable description (name and hyper-parameters) for results files."""

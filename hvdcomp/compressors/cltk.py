@@ -43,7 +43,7 @@ class CyclicLeaderTopKCompressor(GlobalSparseCompressor):
     collective = "broadcast+allreduce"
     shared_state_keys = ("step",)
 
-    def step_collectives(self, numels, p, bucket_bytes):
+    def step_collectives(self, numels, p, bucket_bytes, cost_model=None):
         """The leader's k int32 positions by broadcast, every rank's k float32 values by allreduce."""
         k = num_kept(sum(numels), self.density)
         return [("broadcast", 4.0 * k, 1), ("allreduce", 4.0 * k, 1)]

@@ -62,7 +62,7 @@ class GlobalTopKCompressor(GlobalSparseCompressor):
     def describe(self):
         return {**super().describe(), **({"hierarchical": True} if self.hierarchical else {})}
 
-    def step_collectives(self, numels, p, bucket_bytes):
+    def step_collectives(self, numels, p, bucket_bytes, cost_model=None):
         """One sparse allreduce of the whole model's k entries of 8 bytes (recursive doubling;
         the hierarchical variant's stages inside a node are counted as between nodes)."""
         return [("sparse-allreduce", 8.0 * num_kept(sum(numels), self.density), 1)]

@@ -79,7 +79,7 @@ class TwoPhaseCompressor(FlatBatchCompressor):
     def nominal_ratio(self, numel):
         return self.base.nominal_ratio(numel)
 
-    def step_collectives(self, numels, p, bucket_bytes):
+    def step_collectives(self, numels, p, bucket_bytes, cost_model=None):
         """All-to-all of the quantized model (B bytes, p chunks) and allgather of one re-quantized
         chunk (B/p bytes) per rank, each with its counts exchange (2 calls); None where the
         quantizer's size depends on the data."""
