@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 import os
 import sys
 from typing import Callable, Dict, List
@@ -43,6 +42,8 @@ sys.path.insert(0, ROOT)
 from hvdcomp import get_compressor  # noqa: E402
 from hvdcomp.comm.costmodel import CostModel  # noqa: E402
 from hvdcomp.compressors.topk import num_kept  # noqa: E402
+from hvdcomp.optimizer import DEFAULT_BUCKET_BYTES as BUCKET_BYTES  # noqa: E402
+from hvdcomp.plan import HOROVOD_KINDS  # noqa: E402
 
 N_MEDIUM = 10000 * 300 + 2 * (8 * 300 * 300 + 8 * 300)   # the medium LSTM's parameters (4,444,800)
 POWERSGD_BYTES = 149_600                                 # measured (speed report), rank 2, per step
@@ -52,11 +53,10 @@ PER_NODE = 8                                             # GPUs per node, for th
 
 
 def row_functions(n: int) -> Dict[str, Callable]:
-    """Name -> f(fits, p) seconds per step (see the module docstring)."""
-    k = num_kept(n, DENSITY)
-    qsgd = get_compressor("qsgd", ef=False).wire_bytes(n)
-    sign = 4 + math.ceil(n / 8)
-
+    """Name -> f(fits, p) seconds per step (see the module docstring). The methods' collectives and
+    bytes are their own (:meth:`hvdcomp.Compressor.step_collectives` on the model as one
+    gradient of n elements): one place for the formulas the optimizer's ``transport="auto"`` also
+    prices."""
     def hvd(fits, kind, p, nbytes, calls=1):
         mpi = CostModel(fits["mpi-allreduce"]["alpha_s"], fits["mpi-allreduce"]["beta_s_per_byte"])
         wait = fits["hvd-allreduce"]["small_message_s"] if p > 1 else 0.0
@@ -66,23 +66,30 @@ def row_functions(n: int) -> Dict[str, Callable]:
         fit = fits["mpi-allgatherv"]
         return CostModel(fit["alpha_s"], fit["beta_s_per_byte"]).seconds(kind, p, nbytes, calls)
 
-    def twophase(b):
-        return lambda f, p: mpi(f, "alltoall", p, b, 2) + mpi(f, "allgather", p, b / p, 2)
+    def method(spec, ranks=lambda p: p):
+        """A method's step: Horovod collectives (allreduce, broadcast) on the Horovod fit, the
+        others (mpi4py) on the Allgatherv fit, on ``ranks(p)`` ranks."""
+        comp = get_compressor(spec)
+
+        def seconds(fits, p):
+            q = ranks(p)
+            return sum((hvd if kind in HOROVOD_KINDS else mpi)(fits, kind, q, nbytes, calls)
+                       for kind, nbytes, calls in comp.step_collectives([n], q, BUCKET_BYTES))
+        return seconds
 
     return {
-        "none (dense fp32, ring allreduce)": lambda f, p: hvd(f, "allreduce", p, 4 * n),
-        "fp16 (dense, ring allreduce)": lambda f, p: hvd(f, "allreduce", p, 2 * n),
-        "topk 1 % (allgather)": lambda f, p: mpi(f, "allgather", p, 8 * k, 2),
+        "none (dense fp32, ring allreduce)": method("none"),
+        "fp16 (dense, ring allreduce)": method("fp16"),
+        "topk 1 % (allgather)": method("topk:density=0.01"),
         f"topk 1 % hierarchical allgather ({PER_NODE} ranks/node; between nodes only)":
-            lambda f, p: mpi(f, "allgather", max(1, p // PER_NODE), PER_NODE * 8 * k, 2),
-        "gtopk 1 % (sparse allreduce)": lambda f, p: mpi(f, "sparse-allreduce", p, 8 * k),
+            lambda f, p: mpi(f, "allgather", max(1, p // PER_NODE), PER_NODE * 8 * num_kept(n, DENSITY), 2),
+        "gtopk 1 % (sparse allreduce)": method("gtopk:density=0.01"),
         f"gtopk 1 % hierarchical ({PER_NODE} ranks/node; between nodes only)":
-            lambda f, p: mpi(f, "sparse-allreduce", max(1, p // PER_NODE), 8 * k),
-        "cltk 1 % (broadcast + allreduce)": lambda f, p: (hvd(f, "broadcast", p, 4 * k)
-                                                          + hvd(f, "allreduce", p, 4 * k)),
-        "qsgd s=16 (allgather)": lambda f, p: mpi(f, "allgather", p, qsgd, 2),
-        "twophase qsgd s=16 (compressed allreduce)": twophase(qsgd),
-        "twophase efsignsgd (compressed allreduce)": twophase(sign),
+            method("gtopk:density=0.01", lambda p: max(1, p // PER_NODE)),
+        "cltk 1 % (broadcast + allreduce)": method("cltk:density=0.01"),
+        "qsgd s=16 (allgather)": method("qsgd"),
+        "twophase qsgd s=16 (compressed allreduce)": method("twophase:base=qsgd"),
+        "twophase efsignsgd (compressed allreduce)": method("twophase"),
         "powersgd r=2 (2 allreduces)": lambda f, p: hvd(f, "allreduce", p, POWERSGD_BYTES, 2),
     }
 
