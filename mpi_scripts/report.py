@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import statistics
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
@@ -102,7 +103,8 @@ def load_results(root: str) -> List[dict]:
             "density": cfg["compressor"].get("density"), "spec": cfg.get("compressor_spec"),
             "lr": cfg.get("lr"), "test_ppl": r["test_ppl"], "val": val,
             "best_val": r.get("best_val_ppl", min(val) if val else math.nan),
-            "best_epoch": r.get("best_epoch"), "elapsed": elapsed if None not in elapsed else None,
+            "best_epoch": r.get("best_epoch"), "stopped_early": r.get("stopped_early"),
+            "elapsed": elapsed if None not in elapsed else None,
             "steps_per_epoch": steps,
             "phase_step": {p: r["per_step"][p]["mean"] for p in PHASES},
             "wall_step": r["per_step"]["wall"]["mean"],
@@ -390,10 +392,29 @@ def ppl_table(rows) -> str:
     return "\n".join(lines)
 
 
+def last_epoch_gain(val: List[float]) -> Optional[float]:
+    """How much the last epoch lowered the best validation perplexity so far, in percent (0 when it
+    did not improve on the earlier best); None for runs of fewer than two epochs. A run still gaining
+    more than the schedule's ``min_improvement`` per epoch when it stopped is not converged."""
+    if len(val) < 2:
+        return None
+    before = min(val[:-1])
+    return max(0.0, 100.0 * (1.0 - min(val) / before))
+
+
+def _stop_reason(run: dict) -> str:
+    """``plateau`` (early stopping ended the run) or ``cap`` (it used every epoch allowed)."""
+    if run.get("stopped_early"):
+        return "plateau"
+    return "cap" if len(run["val"]) >= run["max_epochs"] else "?"
+
+
 def method_table(rows) -> str:
-    """One line per method: learning rate, seeds, test perplexity, best epoch, epochs run."""
-    lines = ["| model / workers | method | lr | seeds | test ppl | best val ppl | best epoch | epochs run |",
-             "|---|---|---|---|---|---|---|---|"]
+    """One line per method: learning rate, seeds, test perplexity, best epoch, epochs run, what
+    ended each run (a validation plateau or the epoch cap) and its last epoch's gain (percent)."""
+    lines = ["| model / workers | method | lr | seeds | test ppl | best val ppl | best epoch | epochs run "
+             "| ended by | last-epoch gain |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for (model, w), by in groups(rows).items():
         for c in ordered_columns(list(by.values())):
             col = by[c]
@@ -401,8 +422,29 @@ def method_table(rows) -> str:
             lines.append(f"| {model} / {w} | {c} | {', '.join(f'{x:g}' for x in lrs)} | "
                          f"{', '.join(str(r['seed']) for r in col['runs'])} | {_ppl_cell(col)} | "
                          f"{col['best_val']:.1f} | {', '.join(str(r['best_epoch']) for r in col['runs'])} | "
-                         f"{', '.join(str(len(r['val'])) for r in col['runs'])} |")
+                         f"{', '.join(str(len(r['val'])) for r in col['runs'])} | "
+                         f"{', '.join(_stop_reason(r) for r in col['runs'])} | "
+                         f"{', '.join(_gain(r['val']) for r in col['runs'])} |")
     return "\n".join(lines)
+
+
+def _gain(val: List[float]) -> str:
+    g = last_epoch_gain(val)
+    return "-" if g is None else f"{g:.1f} %"
+
+
+def convergence_line(rows) -> str:
+    """How many training runs ended at a validation plateau and how many at the epoch cap, with the
+    median last-epoch gain of the capped ones: the reader's measure of how far from converged the
+    compared runs are."""
+    capped = [r for r in rows if _stop_reason(r) == "cap"]
+    gains = sorted(g for g in (last_epoch_gain(r["val"]) for r in capped) if g is not None)
+    line = (f"Convergence: {len(rows) - len(capped)} of {len(rows)} training runs ended at a validation "
+            f"plateau, {len(capped)} at the epoch cap")
+    if gains:
+        line += (f" (their last epoch still lowered the best validation perplexity by a median "
+                 f"{statistics.median(gains):.1f} %, range {gains[0]:.1f}-{gains[-1]:.1f} %)")
+    return line + "."
 
 
 def time_table(rows) -> str:
@@ -661,7 +703,7 @@ def render(rows, target_ppl=None, command: str = "", plot_names=(), missing=(), 
         "Shakespeare, so compare orderings, not values. The test perplexity is that of each run's "
         "weights with the best validation perplexity.",
         ppl_table(rows),
-        "## Per method: learning rate, seeds, epochs", method_table(rows),
+        "## Per method: learning rate, seeds, epochs", convergence_line(rows), method_table(rows),
     ]
     search = lr_search_table(root, search) if root else None
     if search:

@@ -69,6 +69,20 @@ def test_tables_hold_the_fixture_numbers(fixture_dir):
     assert "| small / 2 | 165.0 | rand-k 50x | never in 3 | – |" in target
 
 
+def test_convergence_column_and_line_from_hand_worked_curves(fixture_dir):
+    assert report.last_epoch_gain([300, 200, 150]) == pytest.approx(25.0)   # 1 - 150/200
+    assert report.last_epoch_gain([300, 150, 160]) == 0.0                   # no new best
+    assert report.last_epoch_gain([300]) is None
+    runs = [{"val": [300, 200, 150], "max_epochs": 3, "stopped_early": False},     # cap, 25 %
+            {"val": [300, 200, 180], "max_epochs": 3, "stopped_early": False},     # cap, 10 %
+            {"val": [300, 200, 199, 199], "max_epochs": 10, "stopped_early": True}]  # plateau
+    assert report.convergence_line(runs) == (
+        "Convergence: 1 of 3 training runs ended at a validation plateau, 2 at the epoch cap (their "
+        "last epoch still lowered the best validation perplexity by a median 17.5 %, range 10.0-25.0 %).")
+    table = report.method_table(report.load_results(str(fixture_dir)))
+    assert "| 3, 3, 3 | cap, cap, cap | 25.0 %, 25.0 %, 25.0 % |" in table      # none: [300, 200, 150]
+
+
 def test_compare_judges_a_difference_against_the_seed_spread():
     # means 11 and 10, sds 1 and 1: spread sqrt(2) = 1.41 > 1
     assert report.compare([10, 11, 12], [9, 10, 11])[2] == "~"
