@@ -309,7 +309,7 @@ def transport_candidates(compression) -> list:
     import inspect
 
     from .compressors import get_compressor  # (the compressors import plan's helpers lazily)
-    from .compressors.registry import _REGISTRY
+    from .compressors.registry import compressor_class
 
     desc = compression.describe()
     out = [compression]
@@ -317,7 +317,7 @@ def transport_candidates(compression) -> list:
         out += [get_compressor("gtopk", density=desc["density"]), get_compressor("cltk", density=desc["density"])]
     elif compression.name in ("qsgd", "terngrad", "efsignsgd"):
         # the quantizer's constructor arguments among its description (not derived values such as bits)
-        takes = inspect.signature(_REGISTRY[compression.name].__init__).parameters
+        takes = inspect.signature(compressor_class(compression.name).__init__).parameters
         args = {k: v for k, v in desc.items() if k in takes and k != "ef"}
         out.append(get_compressor("twophase", base=compression.name, **args))
     return out

@@ -121,6 +121,15 @@ def test_spec_string_equals_keywords():
     assert hvdcomp.parse_spec("topk:density=0.01,ef=false") == ("topk", {"density": 0.01, "ef": False})
 
 
+def test_compressor_class_is_the_registered_class():
+    from hvdcomp.compressors import compressor_class
+    from hvdcomp.compressors.topk import TopKCompressor
+    assert compressor_class("topk") is TopKCompressor
+    assert type(hvdcomp.get_compressor("topk:density=0.01,ef=false")) is TopKCompressor
+    with pytest.raises(ValueError, match="unknown compressor 'nosuch'; available: .*topk"):
+        compressor_class("nosuch")
+
+
 @pytest.mark.parametrize("spec,match", [
     ("nosuch", "unknown compressor 'nosuch'"),
     ("topk:density=0", r"density must be in \(0, 1\]"),

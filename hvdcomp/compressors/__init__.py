@@ -1,6 +1,6 @@
 """Compression methods, one per module, each registered by name (see :func:`get_compressor`)."""
 from .base import Compressor, Payload, rank, simulated_world, world_size
-from .registry import available, get_compressor, parse_spec, register
+from .registry import available, compressor_class, get_compressor, parse_spec, register
 from .none import NoneCompressor
 from .fp16 import FP16Compressor
 from .bf16 import BF16Compressor
@@ -20,7 +20,7 @@ from .sbc import SBCCompressor
 from .lowbit import LowBitCompressor
 from .adaptive import AdaptiveCompressor
 
-__all__ = ["Compressor", "Payload", "world_size", "rank", "simulated_world", "available", "get_compressor", "parse_spec",
+__all__ = ["Compressor", "Payload", "world_size", "rank", "simulated_world", "available", "compressor_class", "get_compressor", "parse_spec",
            "register", "NoneCompressor", "FP16Compressor", "BF16Compressor", "TopKCompressor",
            "RandomKCompressor", "ThresholdCompressor", "DGCCompressor", "QSGDCompressor",
            "TernGradCompressor", "SignSGDCompressor", "ScaledSignCompressor", "PowerSGDCompressor",

@@ -170,9 +170,9 @@ class AdaptiveCompressor(Compressor):
                              f"one knob and known payload bytes), got {base!r}")
         self.knob = KNOBS[base]
         if budget is None:  # the base method's own default setting
-            from .registry import _REGISTRY
+            from .registry import compressor_class
 
-            budget = inspect.signature(_REGISTRY[base].__init__).parameters[self.knob].default
+            budget = inspect.signature(compressor_class(base).__init__).parameters[self.knob].default
         if self.knob in base_args:
             raise ValueError(f"adaptive sets {self.knob} per layer: give the uniform value as budget=, "
                              f"not {self.knob}=")

@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, Type
 
 _REGISTRY: Dict[str, type] = {}
 
-__all__ = ["register", "get_compressor", "parse_spec", "available"]
+__all__ = ["register", "get_compressor", "parse_spec", "available", "compressor_class"]
 
 
 def register(name: str) -> Callable[[Type], Type]:
@@ -28,6 +28,18 @@ def register(name: str) -> Callable[[Type], Type]:
 def available() -> list:
     """Sorted list of registered method names."""
     return sorted(_REGISTRY)
+
+
+def compressor_class(name: str) -> type:
+    """The :class:`hvdcomp.Compressor` subclass registered under ``name`` (not an instance: for
+    reading its constructor's arguments and defaults).
+
+    Raises:
+        ValueError: unknown name (the message lists the registered ones).
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown compressor '{name}'; available: {', '.join(available())}")
+    return _REGISTRY[name]
 
 
 def _parse_value(text: str) -> Any:
@@ -84,9 +96,7 @@ def get_compressor(spec: str, **kwargs: Any):
     if overlap:
         raise ValueError(f"argument(s) {sorted(overlap)} given both in the spec '{spec}' and as keywords")
     spec_kwargs.update(kwargs)
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown compressor '{name}'; available: {', '.join(available())}")
-    cls = _REGISTRY[name]
+    cls = compressor_class(name)
     ef = spec_kwargs.pop("ef", None)
     if ef is True and cls.builtin_error_feedback:
         raise ValueError(f"'{name}' keeps its own residual (error feedback is built in); drop ef=true")

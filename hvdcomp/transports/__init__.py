@@ -26,8 +26,4 @@ from .allreduce import AllreduceTransport
 from .batched import BatchedTransport
 from .units import Units
 
-#: route (:data:`hvdcomp.plan.ROUTES`) -> the transport class that carries it
-TRANSPORT_OF_ROUTE = {"allreduce": AllreduceTransport, "decoded-allreduce": AllreduceTransport,
-                      "allgather": AllgatherTransport, "batched": BatchedTransport}
-
-__all__ = ["Units", "AllreduceTransport", "AllgatherTransport", "BatchedTransport", "TRANSPORT_OF_ROUTE"]
+__all__ = ["Units", "AllreduceTransport", "AllgatherTransport", "BatchedTransport"]
