@@ -148,6 +148,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._loaded_since_step = False   # ... or since the previous step
         self.skipped_steps = 0
         self._gatherer = None
+        self._step_comm = None
+        self._closed = False              # close() released the communicators
         self.cost_model = None
         self.transport = TransportPlan({self._names[p]: "local" for p in self._order})
         # as Horovod: processes outside the set train locally, and a job of one rank without
@@ -505,6 +507,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ranks take part in the same collectives. Calling it again before ``step()`` (with no
         backward in between) does nothing: a gradient is compressed once per step.
         """
+        if self._closed:
+            raise RuntimeError("this DistributedOptimizer was closed (close() released its "
+                               "communicators): build a new one to keep training distributed")
         if self._passthrough:
             self._synced = True
             return
@@ -706,6 +711,37 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for h in getattr(self, "_hook_handles", []):
             h.remove()
         self._hook_handles = []
+
+    def close(self) -> None:
+        """Release what this optimizer holds for communication: its backward hooks, the
+        allgather transport's background thread and the MPI communicators it duplicated (the
+        allgather's, the hierarchical allgather's node and leader communicators, the
+        point-to-point one of gtopk / two-phase). For programs that build many optimizers in one
+        process (hyper-parameter sweeps, a new optimizer per phase); a job that builds one can
+        leave it to process exit.
+
+        Collective, like ``MPI_Comm_free``: every rank of the process set calls it, at the same
+        point. Idempotent. Afterwards ``synchronize()`` and ``step()`` raise (nothing trains on
+        un-averaged gradients by mistake).
+
+        Raises:
+            RuntimeError: a step is in progress (backward ran, its gradients are not
+                synchronized and applied): call ``step()`` (or ``synchronize()`` and
+                ``zero_grad()``) first, on every rank.
+        """
+        if self._closed:
+            return
+        if self._hooks_fired or self._busy() or self._synced:
+            raise RuntimeError("close() during a step: backward's gradients are not synchronized and "
+                               "applied yet. Call optimizer.step() (or synchronize() and zero_grad()) "
+                               "first, on every rank.")
+        self.remove_hooks()
+        if self._gatherer is not None:
+            self._gatherer.close()
+        p2p = getattr(self._step_comm, "point_to_point", None)
+        if p2p is not None:
+            p2p.close()
+        self._closed = True
 
 
 _owners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # compressor -> optimizer using it

@@ -6,7 +6,7 @@ from tests.mpirun import check
 CHECKS = ["none_matches_horovod", "topk", "threshold_with_empty_rank",
           "horovod_allgather_fallback", "fp16_predivide", "sparse_refused_by_stock_horovod",
           "buckets_and_wire", "cost_model_routes", "threaded_and_inline_exchange_agree",
-          "fused_equals_unfused", "scaleout_methods", "transport_auto", "hierarchical_allgather"]
+          "fused_equals_unfused", "scaleout_methods", "transport_auto", "hierarchical_allgather", "close"]
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

@@ -119,7 +119,8 @@ class HierarchicalAllgatherer(MPIAllgatherer):
         self._gather_all(np.zeros(int(nbytes), dtype=np.uint8), [int(nbytes)] * self.size)
 
     def close(self):
-        """Stop the background thread and free the node and leader communicators."""
+        """Stop the background thread and free the duplicated, node and leader communicators
+        (collective; idempotent)."""
         super().close()
         for c in (self.node, self.leaders):
             if c is not None and c != self.MPI.COMM_NULL:

@@ -388,8 +388,6 @@ def check_hierarchical_allgather():
         h = hier.start(payload, "hier")
         got = hier.finish(h)
         assert len(got) == p and h.bytes_received == fh.bytes_received
-        # a node member sends its own payload (as flat); a leader also its node's bundle and,
-        # to a node of several ranks, the whole result
         # a node member sends its own payload (as flat); a leader instead its node's bundle and,
         # to a node of several ranks, the whole result
         node = hier.members[hier.my_node]
@@ -413,11 +411,59 @@ def check_hierarchical_allgather():
         assert torch.equal(a, b), (a - b).abs().max()
 
 
+def check_close():
+    """close() frees what an optimizer holds: the allgather thread (threads back to the count
+    before 20 build-step-close rounds), the allgather's, node, leader and point-to-point
+    communicators (mpi4py handles null after); it refuses during a step, and a closed optimizer
+    refuses to synchronize."""
+    import threading
+
+    from mpi4py import MPI
+
+    def build(spec, kind="mpi4py"):
+        m = small_model()
+        return m, hvdcomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                               named_parameters=m.named_parameters(), compression=spec,
+                                               allgather=kind, cost_model="off")
+
+    baseline = threading.active_count()
+    for i in range(20):
+        m, opt = build("topk:density=0.2")
+        train_side_by_side([m], [opt], steps=1)  # the first exchange starts the allgather thread
+        assert opt._gatherer.threaded and threading.active_count() == baseline + 1
+        opt.close()
+        assert threading.active_count() == baseline, (i, threading.active_count(), baseline)
+    m, opt = build("topk:density=0.2", "hierarchical")
+    g = opt._gatherer
+    comms = [g.comm, g.node] + ([g.leaders] if g.is_leader else [])
+    m2, opt2 = build("gtopk:density=0.2")
+    comms.append(opt2._step_comm.point_to_point.comm)
+    for model, o in ((m, opt), (m2, opt2)):
+        x, y = batch(0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        try:
+            o.close()
+            raise AssertionError("close() during a step did not raise")
+        except RuntimeError as e:
+            assert "close() during a step" in str(e)
+        o.step()
+        o.close()
+        o.close()  # idempotent
+        o.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        try:
+            o.step()
+            raise AssertionError("a closed optimizer synchronized")
+        except RuntimeError as e:
+            assert "was closed" in str(e)
+    assert all(c == MPI.COMM_NULL for c in comms), comms
+
+
 CHECKS = {f.__name__[len("check_"):]: f for f in [
     check_none_matches_horovod, check_topk, check_threshold_with_empty_rank,
     check_horovod_allgather_fallback, check_fp16_predivide, check_sparse_refused_by_stock_horovod,
     check_buckets_and_wire, check_cost_model_routes, check_threaded_and_inline_exchange_agree,
-    check_fused_equals_unfused, check_scaleout_methods, check_transport_auto, check_hierarchical_allgather]}
+    check_fused_equals_unfused, check_scaleout_methods, check_transport_auto, check_hierarchical_allgather, check_close]}
 
 if __name__ == "__main__":
     hvd.init()
