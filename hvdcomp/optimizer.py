@@ -713,20 +713,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hook_handles = []
 
     def close(self) -> None:
-        """Release what this optimizer holds for communication: its backward hooks, the
-        allgather transport's background thread and the MPI communicators it duplicated (the
-        allgather's, the hierarchical allgather's node and leader communicators, the
-        point-to-point one of gtopk / two-phase). For programs that build many optimizers in one
-        process (hyper-parameter sweeps, a new optimizer per phase); a job that builds one can
-        leave it to process exit.
+        """Stop communicating: detach the backward hooks and stop the allgather transport's
+        background thread (one per optimizer that allgathers under MPI). For programs that build
+        many optimizers in one process (hyper-parameter sweeps, a new optimizer per phase); a job
+        that builds one can leave it to process exit. The MPI communicators the optimizer
+        duplicated are left to ``MPI_Finalize`` (freeing them crashed Open MPI 4.1.4 while
+        Horovod's thread drives MPI progress, see :meth:`hvdcomp.comm.allgather.MPIAllgatherer.close`).
 
-        Collective, like ``MPI_Comm_free``: every rank of the process set calls it, at the same
-        point. Idempotent. Afterwards ``synchronize()`` and ``step()`` raise (nothing trains on
-        un-averaged gradients by mistake).
+        Call it on every rank of the process set, between steps. Idempotent. Afterwards
+        ``synchronize()`` and ``step()`` raise (nothing trains on un-averaged gradients by mistake).
 
         Raises:
             RuntimeError: a step is in progress (backward ran, its gradients are not
-                synchronized and applied): call ``step()`` (or ``synchronize()`` and
+                synchronized and applied yet): call ``step()`` (or ``synchronize()`` and
                 ``zero_grad()``) first, on every rank.
         """
         if self._closed:
@@ -738,9 +737,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.remove_hooks()
         if self._gatherer is not None:
             self._gatherer.close()
-        p2p = getattr(self._step_comm, "point_to_point", None)
-        if p2p is not None:
-            p2p.close()
         self._closed = True
 
 

@@ -49,7 +49,7 @@ class MPIExchange:
 
     Args:
         comm: an mpi4py communicator (the optimizer passes its own duplicate of the process
-            set's); :meth:`close` frees it, so pass one this exchange may own.
+            set's).
 
     Attributes:
         bytes_sent, bytes_received: payload bytes this rank moved (headers of sizes included).
@@ -67,12 +67,6 @@ class MPIExchange:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.nodes = node_ids(comm.allgather(MPI.Get_processor_name()))
-
-    def close(self) -> None:
-        """Free the communicator (collective over its ranks, ``MPI_Comm_free``; idempotent)."""
-        if self.comm is not None:
-            self.comm.Free()
-            self.comm = None
 
     def send(self, data, dest):
         buf = data.cpu().numpy()

@@ -118,15 +118,6 @@ class HierarchicalAllgatherer(MPIAllgatherer):
         """Blocking hierarchical allgather of ``nbytes`` zero bytes per rank (cost-model timing)."""
         self._gather_all(np.zeros(int(nbytes), dtype=np.uint8), [int(nbytes)] * self.size)
 
-    def close(self):
-        """Stop the background thread and free the duplicated, node and leader communicators
-        (collective; idempotent)."""
-        super().close()
-        for c in (self.node, self.leaders):
-            if c is not None and c != self.MPI.COMM_NULL:
-                c.Free()
-        self.node = self.leaders = None
-
 
 def _itemsize(dtype) -> int:
     import torch

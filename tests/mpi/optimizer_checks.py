@@ -413,13 +413,10 @@ def check_hierarchical_allgather():
 
 
 def check_close():
-    """close() frees what an optimizer holds: the allgather thread (threads back to the count
-    before 20 build-step-close rounds), the allgather's, node, leader and point-to-point
-    communicators (mpi4py handles null after); it refuses during a step, and a closed optimizer
-    refuses to synchronize."""
+    """close() stops the allgather thread (threads back to the count before 20
+    build-step-close rounds, flat and hierarchical); it refuses during a step, and a closed
+    optimizer refuses to synchronize (an allgather and a batched method)."""
     import threading
-
-    from mpi4py import MPI
 
     def build(spec, kind="mpi4py"):
         m = small_model()
@@ -429,17 +426,13 @@ def check_close():
 
     baseline = threading.active_count()
     for i in range(20):
-        m, opt = build("topk:density=0.2")
+        m, opt = build("topk:density=0.2", "hierarchical" if i % 2 else "mpi4py")
         train_side_by_side([m], [opt], steps=1)  # the first exchange starts the allgather thread
         assert opt._gatherer.threaded and threading.active_count() == baseline + 1
         opt.close()
         assert threading.active_count() == baseline, (i, threading.active_count(), baseline)
-    m, opt = build("topk:density=0.2", "hierarchical")
-    g = opt._gatherer
-    comms = [g.comm, g.node] + ([g.leaders] if g.is_leader else [])
-    m2, opt2 = build("gtopk:density=0.2")
-    comms.append(opt2._step_comm.point_to_point.comm)
-    for model, o in ((m, opt), (m2, opt2)):
+    for spec in ("topk:density=0.2", "gtopk:density=0.2"):
+        model, o = build(spec)
         x, y = batch(0)
         torch.nn.functional.mse_loss(model(x), y).backward()
         with pytest.raises(RuntimeError, match=r"close\(\) during a step"):
@@ -451,7 +444,6 @@ def check_close():
         torch.nn.functional.mse_loss(model(x), y).backward()
         with pytest.raises(RuntimeError, match="was closed"):
             o.step()
-    assert all(c == MPI.COMM_NULL for c in comms), comms
 
 
 CHECKS = {f.__name__[len("check_"):]: f for f in [
