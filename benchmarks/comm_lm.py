@@ -164,8 +164,10 @@ def bench_method(comm, model: LSTMLM, entry: str, grads: Dict[str, torch.Tensor]
 
     try:
         res = summarize(comm, repeat(comm, once, args))
-    finally:
-        opt.remove_hooks()
+    except BaseException:
+        opt.remove_hooks()  # (close() refuses a step left half done)
+        raise
+    opt.close()  # stops its allgather thread: the next method builds its own
     res["compressor"] = opt.compression.describe()
     res["transport"] = str(opt.transport)
     return res

@@ -149,7 +149,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._gatherer = None
         self._step_comm = None
-        self._closed = False              # close() released the communicators
+        self._closed = False              # close() stopped communication for good
         self.cost_model = None
         self.transport = TransportPlan({self._names[p]: "local" for p in self._order})
         # as Horovod: processes outside the set train locally, and a job of one rank without
@@ -508,8 +508,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         backward in between) does nothing: a gradient is compressed once per step.
         """
         if self._closed:
-            raise RuntimeError("this DistributedOptimizer was closed (close() released its "
-                               "communicators): build a new one to keep training distributed")
+            raise RuntimeError(_CLOSED)
         if self._passthrough:
             self._synced = True
             return
@@ -632,7 +631,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         then the wrapped optimizer's step, and the compressor state of this step is committed.
 
         After a skipped (non-finite) step nothing is updated and ``None`` is returned.
+
+        Raises:
+            RuntimeError: the optimizer was closed (:meth:`close`), also inside
+                :meth:`skip_synchronize`.
         """
+        if self._closed:
+            raise RuntimeError(_CLOSED)
         if self._should_synchronize:
             if self._synced:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context "
@@ -721,7 +726,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Horovod's thread drives MPI progress, see :meth:`hvdcomp.comm.allgather.MPIAllgatherer.close`).
 
         Call it on every rank of the process set, between steps. Idempotent. Afterwards
-        ``synchronize()`` and ``step()`` raise (nothing trains on un-averaged gradients by mistake).
+        ``synchronize()`` and ``step()`` raise (nothing trains on un-averaged gradients by mistake),
+        and the compressor, with its state (residuals, momenta), may be handed to a new optimizer.
+        Each closed optimizer still holds its communicators (an allgather duplicate, a
+        hierarchical allgather's node and leader communicators, a process set's, a point-to-point
+        duplicate for gtopk and two-phase): MPI implementations cap their number (thousands), so a
+        sweep of many optimizers in one process should reuse the process.
 
         Raises:
             RuntimeError: a step is in progress (backward ran, its gradients are not
@@ -737,10 +747,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.remove_hooks()
         if self._gatherer is not None:
             self._gatherer.close()
+        owner = _owners.get(self.compression)
+        if owner is not None and owner() is self:  # the compressor (and its state) may serve a new one
+            del _owners[self.compression]
         self._closed = True
 
 
 _owners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # compressor -> optimizer using it
+_CLOSED = ("this DistributedOptimizer was closed (close() stopped its communication): build a new one "
+           "to keep training distributed")
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,

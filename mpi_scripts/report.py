@@ -98,7 +98,7 @@ def load_results(root: str) -> List[dict]:
             "path": path, "model": cfg["model"], "workers": cfg["world_size"], "seed": cfg.get("seed"),
             # the cell without its seed: runs of one variant are the seeds of one row
             "variant": re.sub(r"-seed\d+$", "", os.path.basename(os.path.dirname(path))),
-            "max_epochs": cfg.get("epochs", len(val)),
+            "max_epochs": cfg.get("epochs", len(val)), "epochs_cap": cfg.get("epochs"),
             "column": column_of(cfg["compressor"]), "family": cfg["compressor"]["name"],
             "density": cfg["compressor"].get("density"), "spec": cfg.get("compressor_spec"),
             "lr": cfg.get("lr"), "test_ppl": r["test_ppl"], "val": val,
@@ -403,10 +403,15 @@ def last_epoch_gain(val: List[float]) -> Optional[float]:
 
 
 def _stop_reason(run: dict) -> str:
-    """``plateau`` (early stopping ended the run) or ``cap`` (it used every epoch allowed)."""
+    """What ended a run: ``diverged`` (a non-finite validation perplexity), ``plateau`` (early
+    stopping), ``cap`` (it used every epoch allowed) or ``?`` (its config lacks the cap). Early
+    stopping in the last allowed epoch reads ``cap``: the run records only that it stopped early."""
+    if any(not math.isfinite(v) for v in run["val"]):
+        return "diverged"
     if run.get("stopped_early"):
         return "plateau"
-    return "cap" if len(run["val"]) >= run["max_epochs"] else "?"
+    cap = run.get("epochs_cap")
+    return "cap" if cap is not None and len(run["val"]) >= cap else "?"
 
 
 def method_table(rows) -> str:
@@ -434,16 +439,20 @@ def _gain(val: List[float]) -> str:
 
 
 def convergence_line(rows) -> str:
-    """How many training runs ended at a validation plateau and how many at the epoch cap, with the
-    median last-epoch gain of the capped ones: the reader's measure of how far from converged the
-    compared runs are."""
-    capped = [r for r in rows if _stop_reason(r) == "cap"]
-    gains = sorted(g for g in (last_epoch_gain(r["val"]) for r in capped) if g is not None)
-    line = (f"Convergence: {len(rows) - len(capped)} of {len(rows)} training runs ended at a validation "
-            f"plateau, {len(capped)} at the epoch cap")
+    """How many training runs ended at a validation plateau, at the epoch cap (with the median
+    last-epoch gain of those: the reader's measure of how far from converged the compared runs
+    are), diverged, or for an unknown reason."""
+    reasons = [_stop_reason(r) for r in rows]
+    gains = sorted(g for r, why in zip(rows, reasons) if why == "cap"
+                   for g in [last_epoch_gain(r["val"])] if g is not None)
+    line = (f"Convergence: {reasons.count('plateau')} of {len(rows)} training runs ended at a validation "
+            f"plateau, {reasons.count('cap')} at the epoch cap")
     if gains:
         line += (f" (their last epoch still lowered the best validation perplexity by a median "
                  f"{statistics.median(gains):.1f} %, range {gains[0]:.1f}-{gains[-1]:.1f} %)")
+    for why, words in (("diverged", "diverged"), ("?", "ended for a reason the results do not record")):
+        if reasons.count(why):
+            line += f", {reasons.count(why)} {words}"
     return line + "."
 
 

@@ -10,9 +10,11 @@ from mpi_scripts import report
 from tests.mpirun import MPI_ENV, ROOT, TINY_SHAKESPEARE
 
 
-def fake(model, workers, compressor, test_ppl, val, comm=0.1, compress=0.01, steps=10, sent=1000, seed=1):
+def fake(model, workers, compressor, test_ppl, val, comm=0.1, compress=0.01, steps=10, sent=1000, seed=1,
+         epochs=None, stopped_early=False):
     return {"config": {"model": model, "world_size": workers, "compressor": compressor, "seed": seed,
-                       "compressor_spec": compressor["name"], "lr": 20.0, "transport": "x", "env": {}},
+                       "compressor_spec": compressor["name"], "lr": 20.0, "transport": "x", "env": {},
+                       "epochs": epochs or len(val)}, "stopped_early": stopped_early,
             "epochs": [{"val_ppl": v, "steps": steps, "elapsed_seconds": 30.0 * (i + 1)} for i, v in enumerate(val)],
             "test_ppl": test_ppl, "best_val_ppl": min(val), "best_epoch": val.index(min(val)) + 1,
             "per_step": {"compute": {"mean": 1.0}, "compress": {"mean": compress},
@@ -73,14 +75,24 @@ def test_convergence_column_and_line_from_hand_worked_curves(fixture_dir):
     assert report.last_epoch_gain([300, 200, 150]) == pytest.approx(25.0)   # 1 - 150/200
     assert report.last_epoch_gain([300, 150, 160]) == 0.0                   # no new best
     assert report.last_epoch_gain([300]) is None
-    runs = [{"val": [300, 200, 150], "max_epochs": 3, "stopped_early": False},     # cap, 25 %
-            {"val": [300, 200, 180], "max_epochs": 3, "stopped_early": False},     # cap, 10 %
-            {"val": [300, 200, 199, 199], "max_epochs": 10, "stopped_early": True}]  # plateau
+    inf = float("inf")
+    runs = [{"val": [300, 200, 150], "epochs_cap": 3, "stopped_early": False},     # cap, 25 %
+            {"val": [300, 200, 180], "epochs_cap": 3, "stopped_early": False},     # cap, 10 %
+            {"val": [300, 200, 199, 199], "epochs_cap": 10, "stopped_early": True},  # plateau
+            {"val": [300, inf], "epochs_cap": 10, "stopped_early": True},          # diverged
+            {"val": [300, 200], "stopped_early": False}]                           # no cap recorded
+    assert [report._stop_reason(r) for r in runs] == ["cap", "cap", "plateau", "diverged", "?"]
     assert report.convergence_line(runs) == (
-        "Convergence: 1 of 3 training runs ended at a validation plateau, 2 at the epoch cap (their "
-        "last epoch still lowered the best validation perplexity by a median 17.5 %, range 10.0-25.0 %).")
-    table = report.method_table(report.load_results(str(fixture_dir)))
+        "Convergence: 1 of 5 training runs ended at a validation plateau, 2 at the epoch cap (their "
+        "last epoch still lowered the best validation perplexity by a median 17.5 %, range 10.0-25.0 %), "
+        "1 diverged, 1 ended for a reason the results do not record.")
+    # loaded from results.json files: the cap from the config, plateau from stopped_early
+    write(fixture_dir / "cells", "early-seed1", fake("small", 2, {"name": "none"}, 90.0, [300, 200, 199, 199],
+                                                     epochs=10, stopped_early=True))
+    rows = report.load_results(str(fixture_dir))
+    table = report.method_table([r for r in rows if r["variant"] in ("none", "early")])
     assert "| 3, 3, 3 | cap, cap, cap | 25.0 %, 25.0 %, 25.0 % |" in table      # none: [300, 200, 150]
+    assert "| 4 | plateau | 0.0 % |" in table, table
 
 
 def test_compare_judges_a_difference_against_the_seed_spread():

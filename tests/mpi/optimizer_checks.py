@@ -414,8 +414,9 @@ def check_hierarchical_allgather():
 
 def check_close():
     """close() stops the allgather thread (threads back to the count before 20
-    build-step-close rounds, flat and hierarchical); it refuses during a step, and a closed
-    optimizer refuses to synchronize (an allgather and a batched method)."""
+    build-step-close rounds, flat and hierarchical); it refuses during a step; a closed
+    optimizer refuses to synchronize or step (an allgather and a batched method), and its
+    compressor may serve a new optimizer."""
     import threading
 
     def build(spec, kind="mpi4py"):
@@ -444,6 +445,19 @@ def check_close():
         torch.nn.functional.mse_loss(model(x), y).backward()
         with pytest.raises(RuntimeError, match="was closed"):
             o.step()
+        with pytest.raises(RuntimeError, match="was closed"), o.skip_synchronize():
+            o.step()  # (would apply the local, un-averaged gradient)
+    # a closed optimizer's compressor (and its residuals) serves the next one; an open one's is refused
+    m, o = build("topk:density=0.2")
+    train_side_by_side([m], [o], steps=1)
+    with pytest.raises(ValueError, match="already serves another"):
+        hvdcomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                     named_parameters=m.named_parameters(), compression=o.compression)
+    o.close()
+    o2 = hvdcomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                                      compression=o.compression, cost_model="off")
+    assert o2.compression is o.compression
+    o2.close()
 
 
 CHECKS = {f.__name__[len("check_"):]: f for f in [
