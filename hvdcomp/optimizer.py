@@ -721,17 +721,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Stop communicating: detach the backward hooks and stop the allgather transport's
         background thread (one per optimizer that allgathers under MPI). For programs that build
         many optimizers in one process (hyper-parameter sweeps, a new optimizer per phase); a job
-        that builds one can leave it to process exit. The MPI communicators the optimizer
-        duplicated are left to ``MPI_Finalize`` (freeing them crashed Open MPI 4.1.4 while
-        Horovod's thread drives MPI progress, see :meth:`hvdcomp.comm.allgather.MPIAllgatherer.close`).
+        that builds one can leave it to process exit.
 
         Call it on every rank of the process set, between steps. Idempotent. Afterwards
         ``synchronize()`` and ``step()`` raise (nothing trains on un-averaged gradients by mistake),
         and the compressor, with its state (residuals, momenta), may be handed to a new optimizer.
-        Each closed optimizer still holds its communicators (an allgather duplicate, a
-        hierarchical allgather's node and leader communicators, a process set's, a point-to-point
-        duplicate for gtopk and two-phase): MPI implementations cap their number (thousands), so a
-        sweep of many optimizers in one process should reuse the process.
+
+        The MPI communicators the optimizer made (an allgather duplicate, a hierarchical
+        allgather's node and leader communicators, a process set's, a point-to-point duplicate for
+        gtopk and two-phase) stay until ``MPI_Finalize``: freeing them crashed Open MPI 4.1.4 while
+        Horovod's thread drives MPI progress (see
+        :meth:`hvdcomp.comm.allgather.MPIAllgatherer.close`). MPI caps their number (thousands),
+        so thousands of optimizers should not share one process.
 
         Raises:
             RuntimeError: a step is in progress (backward ran, its gradients are not
