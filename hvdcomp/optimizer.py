@@ -148,7 +148,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._loaded_since_step = False   # ... or since the previous step
         self.skipped_steps = 0
         self._gatherer = None
-        self._step_comm = None
         self._closed = False              # close() stopped communication for good
         self.cost_model = None
         self.transport = TransportPlan({self._names[p]: "local" for p in self._order})
