@@ -344,14 +344,14 @@ def check_claims(rows, target_ppl: Optional[float] = None) -> List[Tuple[str, st
         return [r["phase_step"]["compress"] for r in col["runs"]]
 
     def c6(model, w, cols):
-        tk = [c for c in cols if c.startswith("top-k")]
-        others = [c for c in cols if c.startswith(("DGC", "QSGD"))]
-        if not tk or not others:
-            return None
-        merged = lambda names: {"runs": [r for c in names for r in cols[c]["runs"]]}  # noqa: E731
-        return [_vs("top-k (all densities)", merged(tk), f"{fam} (all settings)",
-                    merged([c for c in others if c.startswith(fam)]), ">", compress, " ms", 1e3)
-                for fam in ("DGC", "QSGD") if any(c.startswith(fam) for c in others)]
+        """Each top-k column against DGC at the same density and against every QSGD column: pairs
+        of settings with their own seeds, not a family's settings pooled as if they were seeds."""
+        out = []
+        for tk in (c for c in cols if c.startswith("top-k")):
+            dgc = named(cols, cols[tk].get("base_column", tk).replace("top-k", "DGC", 1))
+            for other in dgc + [c for c in cols if c.startswith("QSGD")]:
+                out.append(_vs(tk, cols[tk], other, cols[other], ">", compress, " ms", 1e3))
+        return out or None
     claims.append(("6. Top-k's selection cost is the largest; DGC and QSGD add less", *each(c6)))
 
     def c7(model, w, cols):

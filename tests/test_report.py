@@ -116,7 +116,13 @@ def test_claim_verdicts_computed_from_numbers(fixture_dir):
     # no-EF has one seed: not judged; EF 140 vs none 100: supported
     assert verdicts["4"][0] == "partly supported (1 supported, 1 single seed)"
     assert verdicts["5"][0] == "partly supported (7 supported, 1 single seed)"
-    assert verdicts["6"][0] == "supported"              # top-k 45 ms > DGC 20 ms, QSGD 10 ms
+    assert verdicts["6"][0] == "supported"
+    notes6 = verdicts["6"][1].split("; ")
+    assert len(notes6) == 6
+    assert ("small/2: top-k 5000x 40.0 ± 0.0 ms (n=3) vs DGC 5000x 20.0 ± 0.0 ms (n=3): +20.0 ms "
+            "(+100.0 %), spread 0.0 ms → supported") in notes6
+    assert not any("top-k 50x" in n and "DGC 5000x" in n for n in notes6)
+    assert sum("vs QSGD" in n for n in notes6) == 4
     # target 165: top-k 50x at epoch 2 vs none at 3 in every seed; DGC 50x also at 3
     assert verdicts["7"][0] == "partly supported (1 supported, 1 not distinguishable)"
 
