@@ -104,6 +104,7 @@ def load_results(root: str) -> List[dict]:
             "lr": cfg.get("lr"), "test_ppl": r["test_ppl"], "val": val,
             "best_val": r.get("best_val_ppl", min(val) if val else math.nan),
             "best_epoch": r.get("best_epoch"), "stopped_early": r.get("stopped_early"),
+            "plateau_at_end": plateau_at_end(cfg, val),
             "elapsed": elapsed if None not in elapsed else None,
             "steps_per_epoch": steps,
             "phase_step": {p: r["per_step"][p]["mean"] for p in PHASES},
@@ -402,13 +403,30 @@ def last_epoch_gain(val: List[float]) -> Optional[float]:
     return max(0.0, 100.0 * (1.0 - min(val) / before))
 
 
+SCHEDULE_KEYS = ("anneal", "anneal_patience", "early_stop", "min_improvement", "min_epochs")
+
+
+def plateau_at_end(cfg: dict, val: List[float]) -> Optional[bool]:
+    """Whether the run's own training schedule (:class:`hvdcomp.lm.PlateauSchedule`, replayed on
+    its validation perplexities ``val`` with the settings in ``cfg``) called for early stopping at
+    its last epoch: a run that plateaus in the last epoch it is allowed records
+    ``stopped_early: false`` (it did not stop *before* the cap). None when ``cfg`` lacks the
+    schedule's settings or ``val`` is empty."""
+    if not val or any(k not in cfg for k in SCHEDULE_KEYS):
+        return None
+    from hvdcomp.lm import PlateauSchedule   # the one implementation of the rule (imports torch: lazily)
+
+    sched = PlateauSchedule(1.0, **{k: cfg[k] for k in SCHEDULE_KEYS})
+    return [sched.end_epoch(v) for v in val][-1]
+
+
 def _stop_reason(run: dict) -> str:
     """What ended a run: ``diverged`` (a non-finite validation perplexity), ``plateau`` (early
-    stopping), ``cap`` (it used every epoch allowed) or ``?`` (its config lacks the cap). Early
-    stopping in the last allowed epoch reads ``cap``: the run records only that it stopped early."""
+    stopping, also when the schedule called for it in the last allowed epoch), ``cap`` (it used
+    every epoch allowed without meeting the early-stopping rule) or ``?`` (its config lacks the cap)."""
     if any(not math.isfinite(v) for v in run["val"]):
         return "diverged"
-    if run.get("stopped_early"):
+    if run.get("stopped_early") or run.get("plateau_at_end"):
         return "plateau"
     cap = run.get("epochs_cap")
     return "cap" if cap is not None and len(run["val"]) >= cap else "?"

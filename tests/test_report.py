@@ -95,6 +95,24 @@ def test_convergence_column_and_line_from_hand_worked_curves(fixture_dir):
     assert "| 4 | plateau | 0.0 % |" in table, table
 
 
+def test_a_plateau_in_the_last_allowed_epoch_reads_plateau_not_cap(tmp_path):
+    """train_lm.py records stopped_early only for a stop before the cap; the report replays the
+    run's schedule. Hand-worked with early_stop 2, min_improvement 1 %: 200 -> 199 -> 199 are two
+    epochs in a row without a 1 % gain (stop at epoch 4 = the cap); 200 -> 150 is still improving."""
+    sched = dict(anneal=4.0, anneal_patience=0, early_stop=2, min_improvement=0.01, min_epochs=0)
+    for name, val in (("flat", [300, 200, 199, 199]), ("falling", [300, 250, 200, 150]),
+                      ("flat-min5", [300, 200, 199, 199])):
+        run = fake("small", 4, {"name": "none"}, 100.0, val, epochs=4)
+        run["config"].update(sched, min_epochs=5 if name == "flat-min5" else 0)
+        write(tmp_path / "cells", name, run)
+    # flat-min5: the same curve, but the schedule may not stop before epoch 5: the cap ended it
+    rows = {r["variant"]: r for r in report.load_results(str(tmp_path))}
+    assert {n: report._stop_reason(r) for n, r in rows.items()} == {
+        "flat": "plateau", "falling": "cap", "flat-min5": "cap"}
+    assert report.plateau_at_end({}, [300, 200]) is None            # no schedule settings: unknown
+    assert report.plateau_at_end(dict(sched, early_stop=0), [300, 300, 300]) is False   # never stops
+
+
 def test_compare_judges_a_difference_against_the_seed_spread():
     # means 11 and 10, sds 1 and 1: spread sqrt(2) = 1.41 > 1
     assert report.compare([10, 11, 12], [9, 10, 11])[2] == "~"
@@ -116,6 +134,8 @@ def test_claim_verdicts_computed_from_numbers(fixture_dir):
     # no-EF has one seed: not judged; EF 140 vs none 100: supported
     assert verdicts["4"][0] == "partly supported (1 supported, 1 single seed)"
     assert verdicts["5"][0] == "partly supported (7 supported, 1 single seed)"
+    # each top-k density against DGC at the same density and against each QSGD setting (6 pairs,
+    # seeds of one setting each; no pooling of densities): top-k 50 / 40 ms, DGC 20 ms, QSGD 10 ms
     assert verdicts["6"][0] == "supported"
     notes6 = verdicts["6"][1].split("; ")
     assert len(notes6) == 6
