@@ -403,20 +403,20 @@ def last_epoch_gain(val: List[float]) -> Optional[float]:
     return max(0.0, 100.0 * (1.0 - min(val) / before))
 
 
-SCHEDULE_KEYS = ("anneal", "anneal_patience", "early_stop", "min_improvement", "min_epochs")
-
-
 def plateau_at_end(cfg: dict, val: List[float]) -> Optional[bool]:
     """Whether the run's own training schedule (:class:`hvdcomp.lm.PlateauSchedule`, replayed on
     its validation perplexities ``val`` with the settings in ``cfg``) called for early stopping at
     its last epoch: a run that plateaus in the last epoch it is allowed records
     ``stopped_early: false`` (it did not stop *before* the cap). None when ``cfg`` lacks the
     schedule's settings or ``val`` is empty."""
-    if not val or any(k not in cfg for k in SCHEDULE_KEYS):
-        return None
+    import inspect
+
     from hvdcomp.lm import PlateauSchedule   # the one implementation of the rule (imports torch: lazily)
 
-    sched = PlateauSchedule(1.0, **{k: cfg[k] for k in SCHEDULE_KEYS})
+    keys = [k for k in inspect.signature(PlateauSchedule).parameters if k != "lr"]
+    if not val or any(k not in cfg for k in keys):
+        return None
+    sched = PlateauSchedule(1.0, **{k: cfg[k] for k in keys})
     return [sched.end_epoch(v) for v in val][-1]
 
 

@@ -99,7 +99,7 @@ def test_a_plateau_in_the_last_allowed_epoch_reads_plateau_not_cap(tmp_path):
     """train_lm.py records stopped_early only for a stop before the cap; the report replays the
     run's schedule. Hand-worked with early_stop 2, min_improvement 1 %: 200 -> 199 -> 199 are two
     epochs in a row without a 1 % gain (stop at epoch 4 = the cap); 200 -> 150 is still improving."""
-    sched = dict(anneal=4.0, anneal_patience=0, early_stop=2, min_improvement=0.01, min_epochs=0)
+    sched = dict(anneal=4.0, anneal_patience=0, early_stop=2, min_improvement=0.01, min_epochs=0, warmup_steps=0)
     for name, val in (("flat", [300, 200, 199, 199]), ("falling", [300, 250, 200, 150]),
                       ("flat-min5", [300, 200, 199, 199])):
         run = fake("small", 4, {"name": "none"}, 100.0, val, epochs=4)
