@@ -11,13 +11,13 @@ from tests.mpirun import MPI_ENV, ROOT, TINY_SHAKESPEARE
 
 
 def fake(model, workers, compressor, test_ppl, val, comm=0.1, compress=0.01, steps=10, sent=1000, seed=1,
-         epochs=None, stopped_early=False):
+         epochs=None, stopped_early=False, compute=1.0):
     return {"config": {"model": model, "world_size": workers, "compressor": compressor, "seed": seed,
                        "compressor_spec": compressor["name"], "lr": 20.0, "transport": "x", "env": {},
                        "epochs": epochs or len(val)}, "stopped_early": stopped_early,
             "epochs": [{"val_ppl": v, "steps": steps, "elapsed_seconds": 30.0 * (i + 1)} for i, v in enumerate(val)],
             "test_ppl": test_ppl, "best_val_ppl": min(val), "best_epoch": val.index(min(val)) + 1,
-            "per_step": {"compute": {"mean": 1.0}, "compress": {"mean": compress},
+            "per_step": {"compute": {"mean": compute}, "compress": {"mean": compress},
                          "communicate": {"mean": comm}, "decompress": {"mean": 0.002},
                          "wall": {"mean": 1.2}, "bytes_sent": {"mean": sent},
                          "bytes_received": {"mean": 2 * sent}, "dense_bytes": {"mean": 50 * sent}},
@@ -135,12 +135,13 @@ def test_claim_verdicts_computed_from_numbers(fixture_dir):
     assert verdicts["4"][0] == "partly supported (1 supported, 1 single seed)"
     assert verdicts["5"][0] == "partly supported (7 supported, 1 single seed)"
     # each top-k density against DGC at the same density and against each QSGD setting (6 pairs,
-    # seeds of one setting each; no pooling of densities): top-k 50 / 40 ms, DGC 20 ms, QSGD 10 ms
+    # seeds of one setting each; no pooling of densities): top-k 50 / 40 ms, DGC 20 ms, QSGD 10 ms,
+    # each over a compute step of 1 s
     assert verdicts["6"][0] == "supported"
     notes6 = verdicts["6"][1].split("; ")
     assert len(notes6) == 6
-    assert ("small/2: top-k 5000x 40.0 ± 0.0 ms (n=3) vs DGC 5000x 20.0 ± 0.0 ms (n=3): +20.0 ms "
-            "(+100.0 %), spread 0.0 ms → supported") in notes6
+    assert ("small/2: top-k 5000x 4.0 ± 0.0 % of compute (n=3) vs DGC 5000x 2.0 ± 0.0 % of compute "
+            "(n=3): +2.0 % of compute (+100.0 %), spread 0.0 % of compute → supported") in notes6
     assert not any("top-k 50x" in n and "DGC 5000x" in n for n in notes6)
     assert sum("vs QSGD" in n for n in notes6) == 4
     # target 165: top-k 50x at epoch 2 vs none at 3 in every seed; DGC 50x also at 3
@@ -213,6 +214,23 @@ def test_partial_report_shows_the_search_before_any_training_run(tmp_path):
     assert "| small-np4-none | 500.0 | **450.5** | 20 |" in text      # top-k's search is incomplete
     assert "small-np4-topk" not in text.split("## Cells not run yet")[0]
     assert "learning-rate search 2 runs 0.50 h" in text and "`small-np4-none-seed2`" in text
+
+
+def test_time_claims_compare_shares_of_compute_across_machines_of_different_speed(tmp_path):
+    """Seed 3 of top-k ran on a machine twice as fast. In seconds its communication (98 ms) would
+    pull top-k's mean below none's 180 ms; as shares of each run's own compute step top-k spends
+    14 % in every seed against none's 12 %: the claim that communication falls is contradicted."""
+    t = {"name": "topk", "density": 0.01, "ef": True}
+    for seed in (1, 2, 3):
+        write(tmp_path / "cells", f"none-seed{seed}",
+              fake("small", 4, {"name": "none"}, 100.0, [300, 200], seed=seed, compute=1.5, comm=0.18))
+        compute = 0.7 if seed == 3 else 1.5
+        write(tmp_path / "cells", f"t-seed{seed}",
+              fake("small", 4, t, 100.0, [300, 200], seed=seed, compute=compute, comm=0.14 * compute))
+    verdicts = {c.split(".")[0]: (v, e) for c, v, e in report.check_claims(report.load_results(str(tmp_path)))}
+    assert verdicts["5"] == ("not supported", "small/4: top-k 50x 14.0 ± 0.0 % of compute (n=3) vs none "
+                             "12.0 ± 0.0 % of compute (n=3): +2.0 % of compute (+16.7 %), spread 0.0 % "
+                             "of compute → contradicted")
 
 
 def test_variants_sharing_a_column_stay_apart_and_early_stops_count_as_never(tmp_path):
