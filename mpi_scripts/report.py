@@ -54,6 +54,9 @@ def column_of(desc: dict) -> str:
         return f"PowerSGD r={desc['rank']}"
     if name == "sidco" and "density" in desc:
         return f"SIDCo {round(1 / (2 * desc['density']))}x ({desc.get('dist', 'exp')})"
+    if name in ("gtopk", "cltk") and "density" in desc:
+        label = {"gtopk": "gTop-k", "cltk": "CLT-k"}[name]
+        return f"{label} {round(1 / (2 * desc['density']))}x" + (" (hierarchical)" if desc.get("hierarchical") else "")
     if name == "sbc" and "density" in desc:
         return f"SBC ρ={desc['density']:g}"
     if name == "lowbit":

@@ -71,6 +71,13 @@ def test_tables_hold_the_fixture_numbers(fixture_dir):
     assert "| small / 2 | 165.0 | rand-k 50x | never in 3 | – |" in target
 
 
+def test_column_labels_of_the_scale_out_sparsifiers():
+    """Density 1 % is 50x in the study's convention (32-bit value + 32-bit index per entry)."""
+    assert report.column_of({"name": "gtopk", "density": 0.01}) == "gTop-k 50x"
+    assert report.column_of({"name": "gtopk", "density": 0.001, "hierarchical": True}) == "gTop-k 500x (hierarchical)"
+    assert report.column_of({"name": "cltk", "density": 0.0001}) == "CLT-k 5000x"
+
+
 def test_convergence_column_and_line_from_hand_worked_curves(fixture_dir):
     assert report.last_epoch_gain([300, 200, 150]) == pytest.approx(25.0)   # 1 - 150/200
     assert report.last_epoch_gain([300, 150, 160]) == 0.0                   # no new best
