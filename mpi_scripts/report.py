@@ -56,7 +56,8 @@ def column_of(desc: dict) -> str:
         return f"SIDCo {round(1 / (2 * desc['density']))}x ({desc.get('dist', 'exp')})"
     if name in ("gtopk", "cltk") and "density" in desc:
         label = {"gtopk": "gTop-k", "cltk": "CLT-k"}[name]
-        return f"{label} {round(1 / (2 * desc['density']))}x" + (" (hierarchical)" if desc.get("hierarchical") else "")
+        tier = " (hierarchical)" if desc.get("hierarchical") else ""
+        return f"{label} {round(1 / (2 * desc['density']))}x{tier}"
     if name == "sbc" and "density" in desc:
         return f"SBC ρ={desc['density']:g}"
     if name == "lowbit":
@@ -568,7 +569,7 @@ def budget_line(root: str, rows, budget_hours: Optional[float]) -> str:
     n_search, search_s = search_wall_seconds(root)
     cells_s = sum(r["wall_seconds"] for r in rows)
     total_h = (search_s + cells_s) / 3600
-    line = (f"Compute spent: **{total_h:.2f} h** of wall time on this machine ({len(rows)} training "
+    line = (f"Compute spent: **{total_h:.2f} h** of wall time as the sweep measured it ({len(rows)} training "
             f"runs {cells_s / 3600:.2f} h" + (f", learning-rate search {n_search} runs {search_s / 3600:.2f} h"
                                               if n_search else "") + ")")
     if budget_hours:

@@ -74,7 +74,8 @@ def test_tables_hold_the_fixture_numbers(fixture_dir):
 def test_column_labels_of_the_scale_out_sparsifiers():
     """Density 1 % is 50x in the study's convention (32-bit value + 32-bit index per entry)."""
     assert report.column_of({"name": "gtopk", "density": 0.01}) == "gTop-k 50x"
-    assert report.column_of({"name": "gtopk", "density": 0.001, "hierarchical": True}) == "gTop-k 500x (hierarchical)"
+    hierarchical = {"name": "gtopk", "density": 0.001, "hierarchical": True}
+    assert report.column_of(hierarchical) == "gTop-k 500x (hierarchical)"
     assert report.column_of({"name": "cltk", "density": 0.0001}) == "CLT-k 5000x"
 
 
@@ -167,7 +168,7 @@ def test_lr_search_table_and_budget_line(fixture_dir):
         (fixture_dir / "search" / name / "sweep.json").write_text(json.dumps({"wall_seconds": secs}))
     rows = report.load_results(str(fixture_dir))   # 25 cells x 100 s (no sweep.json: the run's own)
     line = report.budget_line(str(fixture_dir), rows, 8)
-    assert line == ("Compute spent: **1.69 h** of wall time on this machine (25 training runs 0.69 h, "
+    assert line == ("Compute spent: **1.69 h** of wall time as the sweep measured it (25 training runs 0.69 h, "
                     "learning-rate search 2 runs 1.00 h), against a budget of 8 h (within budget).")
 
 
