@@ -495,14 +495,20 @@ def convergence_line(rows) -> str:
 
 
 def time_table(rows) -> str:
-    lines = ["| model / workers | method | " + " | ".join(PHASES) + " | total s/epoch | s/step |",
-             "|---|---|" + "---|" * (len(PHASES) + 2)]
+    """Seconds per epoch by phase, then compress and communicate as % of the same runs' compute
+    (:func:`share_of_compute`, mean over seeds), which stay comparable across machines."""
+    shares = ("compress", "communicate")
+    lines = ["| model / workers | method | " + " | ".join(PHASES) + " | total s/epoch | s/step | " +
+             " | ".join(f"{p} % of compute" for p in shares) + " |",
+             "|---|---|" + "---|" * (len(PHASES) + 2 + len(shares))]
     for (model, w), by in groups(rows).items():
         for c in ordered_columns(list(by.values())):
             r = by[c]
             per_epoch = [r["phase_step"][p] * r["steps_per_epoch"] for p in PHASES]
+            pct = [100 * _mean(share_of_compute(p)(r)) for p in shares]
             lines.append(f"| {model} / {w} | {c} | " + " | ".join(f"{x:.2f}" for x in per_epoch) +
-                         f" | {sum(per_epoch):.2f} | {r['wall_step']:.3f} |")
+                         f" | {sum(per_epoch):.2f} | {r['wall_step']:.3f} | " +
+                         " | ".join(f"{x:.1f}" for x in pct) + " |")
     return "\n".join(lines)
 
 
@@ -761,12 +767,15 @@ def render(rows, target_ppl=None, command: str = "", plot_names=(), missing=(), 
         parts += ["## Learning-rate search (best validation perplexity of the short runs; chosen in bold)",
                   search]
     parts += [
-        "## Time per epoch by phase (seconds, mean over ranks and seeds)", time_table(rows),
+        "## Time per epoch by phase (seconds, mean over ranks and seeds)",
+        "Seconds depend on the machine each run had; the last two columns divide each run's phase "
+        "time by its own compute time, and those compare across machines.", time_table(rows),
         "## Bytes on the wire and compression ratio", bytes_table(rows),
         "## Epochs and seconds to the target validation perplexity",
         "Target: 1.1 x the uncompressed run's best validation perplexity (mean over its seeds) at the "
         "same model and worker count, unless given. Seconds are training time measured by the run "
-        "(evaluation included), on a machine shared by the ranks.",
+        "(evaluation included), on a machine shared by the ranks; like every time in seconds here, "
+        "they depend on the machine each run had, so compare epochs across sessions.",
         target_table(rows, target_ppl),
         "## The study's claims against our data",
         "Each comparison is a difference of means with its seed spread sqrt(sd_a² + sd_b²): within "
