@@ -258,11 +258,12 @@ SHARE_UNIT = " % of compute"
 
 
 def share_of_compute(phase: str):
-    """``col -> [seconds of phase per step / seconds of compute per step, one per run]``.
+    """A function ``col -> [seconds of phase per step / seconds of compute per step, one per run]``
+    (dimensionless floats) for ``phase`` in :data:`PHASES`.
 
-    Claims 5 and 6 compare times measured in different runs, and the runs of one grid may come
-    from sessions on machines of different speed (a study run in chunks): the same cell's compute
-    step took 0.7 s in one session and 1.5 s in another. Dividing each run's phase time by its own
+    Claims 5 and 6 and the time table compare times measured in different runs, and the runs of
+    one grid may come from sessions on machines of different speed (a study run in chunks): in
+    study v2 the same cell's compute step took 0.7 s in one session and 1.4 s in another. Dividing each run's phase time by its own
     compute time (forward + backward + update on the same ranks, in the same run) cancels the
     machine's speed to first order, so seeds from different sessions can be compared. A run with
     no compute time recorded gives NaN."""
