@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import inspect
 import json
 import math
 import os
@@ -42,10 +43,12 @@ COLUMN_ORDER = STUDY_COLUMNS[:1] + ["rand-k 50x", "rand-k 500x", "rand-k 5000x",
 def column_of(desc: dict) -> str:
     """Column label in the study's terms, from a results file's ``config.compressor``."""
     name = desc.get("name")
-    if name in ("topk", "dgc", "randomk") and "density" in desc:
-        label = {"topk": "top-k", "dgc": "DGC", "randomk": "rand-k"}[name]
-        col = f"{label} {round(1 / (2 * desc['density']))}x"
-        return col + ("" if desc.get("ef", name == "dgc") else " no-EF") if name == "randomk" else col
+    sparsifiers = {"topk": "top-k", "dgc": "DGC", "randomk": "rand-k", "gtopk": "gTop-k", "cltk": "CLT-k"}
+    if name in sparsifiers and "density" in desc:
+        col = f"{sparsifiers[name]} {round(1 / (2 * desc['density']))}x"
+        if name == "randomk" and not desc.get("ef", False):
+            col += " no-EF"
+        return col + (" (hierarchical)" if desc.get("hierarchical") else "")
     if name == "qsgd":
         return f"QSGD s={desc['levels']}"
     if name == "none":
@@ -54,10 +57,6 @@ def column_of(desc: dict) -> str:
         return f"PowerSGD r={desc['rank']}"
     if name == "sidco" and "density" in desc:
         return f"SIDCo {round(1 / (2 * desc['density']))}x ({desc.get('dist', 'exp')})"
-    if name in ("gtopk", "cltk") and "density" in desc:
-        label = {"gtopk": "gTop-k", "cltk": "CLT-k"}[name]
-        tier = " (hierarchical)" if desc.get("hierarchical") else ""
-        return f"{label} {round(1 / (2 * desc['density']))}x{tier}"
     if name == "sbc" and "density" in desc:
         return f"SBC ρ={desc['density']:g}"
     if name == "lowbit":
@@ -263,10 +262,10 @@ def share_of_compute(phase: str):
 
     Claims 5 and 6 and the time table compare times measured in different runs, and the runs of
     one grid may come from sessions on machines of different speed (a study run in chunks): in
-    study v2 the same cell's compute step took 0.7 s in one session and 1.4 s in another. Dividing each run's phase time by its own
-    compute time (forward + backward + update on the same ranks, in the same run) cancels the
-    machine's speed to first order, so seeds from different sessions can be compared. A run with
-    no compute time recorded gives NaN."""
+    study v2 the same cell's compute step took 0.7 s in one session and 1.4 s in another.
+    Dividing each run's phase time by its own compute time (forward + backward + update on the
+    same ranks, in the same run) cancels the machine's speed to first order, so seeds from
+    different sessions can be compared. A run with no compute time recorded gives NaN."""
     def values(col) -> List[float]:
         return [r["phase_step"][phase] / r["phase_step"]["compute"] if r["phase_step"]["compute"] > 0
                 else math.nan for r in col["runs"]]
@@ -430,8 +429,6 @@ def plateau_at_end(cfg: dict, val: List[float]) -> Optional[bool]:
     its last epoch: a run that plateaus in the last epoch it is allowed records
     ``stopped_early: false`` (it did not stop *before* the cap). None when ``cfg`` lacks the
     schedule's settings or ``val`` is empty."""
-    import inspect
-
     from hvdcomp.lm import PlateauSchedule   # the one implementation of the rule (imports torch: lazily)
 
     keys = [k for k in inspect.signature(PlateauSchedule).parameters if k != "lr"]
