@@ -11,13 +11,10 @@ DATA      ?= ../shared/data/tinyshakespeare/input.txt
 OUTPUT    ?= runs/$(subst :,_,$(subst =,-,$(subst $(comma),_,$(COMPRESSOR))))-np$(NP)
 comma     := ,
 
-# Open MPI settings used for every run (ranks may outnumber cores; root is allowed in containers).
-export OMPI_ALLOW_RUN_AS_ROOT=1
-export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export OMPI_MCA_mpi_yield_when_idle=1
-export OMPI_MCA_rmaps_base_oversubscribe=1
-export HOROVOD_CYCLE_TIME=5
-export OMP_NUM_THREADS=1
+# Open MPI settings used for every run (ranks may outnumber cores; root is allowed in containers):
+# their one definition is hvdcomp/mpi.env (also read by hvdcomp.launch.MPI_ENV and the scripts).
+include hvdcomp/mpi.env
+export $(shell sed -n 's/^\([A-Z_]*\)=.*/\1/p' hvdcomp/mpi.env)
 
 STUDY_OUT ?= docs/results/study-small
 

@@ -47,7 +47,7 @@ import horovod.torch as hvd
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import hvdcomp  # noqa: E402
-from hvdcomp.launch import abort_on_uncaught_exception  # noqa: E402
+from hvdcomp.launch import abort_on_uncaught_exception, recorded_env  # noqa: E402
 from hvdcomp.lm import LSTMLM, MODEL_SIZES  # noqa: E402
 from hvdcomp.metrics import write_json_atomic  # noqa: E402
 
@@ -57,9 +57,6 @@ DEFAULT_METHODS = ["none", "fp16", "topk:density=0.01", "topk:density=0.001", "d
                    "dgc:density=0.001", "qsgd", "powersgd:rank=2"]
 DEFAULT_SIZES = [8 * 4 ** k for k in range(12)] + [16 * 2 ** 20]  # 8 B ... 8 MiB, then 16 MiB
 COLLECTIVES = ("hvd-allreduce", "mpi-allreduce", "mpi-allgatherv")
-RECORDED_ENV = ("OMPI_MCA_mpi_yield_when_idle", "OMPI_MCA_btl", "OMPI_MCA_pml", "OMPI_MCA_coll_",
-                "OMPI_ALLOW_RUN_AS_ROOT", "HOROVOD_", "OMP_NUM_THREADS")
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -266,7 +263,7 @@ def main(argv=None) -> int:
                      fits[kind]["beta_s_per_byte"], (fits[kind]["bandwidth_bytes_per_s"] or 0) / 1e6)
 
     hosts = comm.gather(socket.gethostname(), root=0)
-    envs = comm.gather({k: v for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_ENV)}, root=0)
+    envs = comm.gather(recorded_env(), root=0)
     if comm.rank == 0:
         import horovod
 

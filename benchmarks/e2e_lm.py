@@ -68,7 +68,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import hvdcomp  # noqa: E402
-from hvdcomp.launch import abort_on_uncaught_exception  # noqa: E402
+from hvdcomp.launch import abort_on_uncaught_exception, recorded_env  # noqa: E402
 from hvdcomp.lm import LSTMLM, MODEL_SIZES, batchify, load_corpus, loss_sums, rank_columns  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
 from hvdcomp.metrics import PHASES, PhaseTimer, write_json_atomic  # noqa: E402
@@ -84,18 +84,6 @@ MODELS = sorted(MODEL_SIZES) + ["transformer"]
 #: per-model defaults of the options whose default depends on the model
 MODEL_DEFAULTS = {"transformer": {"batch_size": 64, "lr": 0.1}}
 LM_DEFAULTS = {"batch_size": 256, "lr": 20.0}
-#: environment recorded with every result (user-facing settings, not Open MPI's internals)
-RECORDED_ENV_PREFIXES = ("OMPI_MCA_", "OMPI_ALLOW_RUN_AS_ROOT", "HOROVOD_", "OMP_NUM_THREADS",
-                         "MASTER_ADDR", "MASTER_PORT", "GLOO_", "TORCH_DISTRIBUTED_", "NETEM_")
-#: OMPI_MCA_* variables that Open MPI itself sets for every launched process (not settings)
-OMPI_INTERNAL = ("OMPI_MCA_orte_", "OMPI_MCA_ess", "OMPI_MCA_pmix", "OMPI_MCA_initial_wdir",
-                 "OMPI_MCA_mpi_oversubscribe", "OMPI_MCA_shmem_RUNTIME_QUERY_hint", "OMPI_MCA_ras_",
-                 "OMPI_MCA_plm", "OMPI_MCA_routed", "OMPI_MCA_btl_base_", "OMPI_MCA_state_",
-                 "OMPI_MCA_rmaps_", "OMPI_MCA_hwloc_", "OMPI_MCA_ras", "OMPI_MCA_grpcomm",
-                 "OMPI_MCA_errmgr", "OMPI_MCA_odls", "OMPI_MCA_iof", "OMPI_MCA_filem",
-                 "OMPI_MCA_dfs", "OMPI_MCA_schizo", "OMPI_MCA_rtc", "OMPI_MCA_oob_base_")
-
-
 # ---- command line ----------------------------------------------------------------------------------
 def parse_contender(text: str) -> Tuple[str, str]:
     """``"hvdcomp:topk:density=0.01"`` -> ``("hvdcomp", "topk:density=0.01")``; peers likewise, the
@@ -173,12 +161,6 @@ def parse_args(argv=None):
 
 
 # ---- helpers -----------------------------------------------------------------------------------
-def recorded_env() -> Dict[str, str]:
-    """The performance-relevant environment of this process."""
-    return {k: v for k, v in sorted(os.environ.items())
-            if k.startswith(RECORDED_ENV_PREFIXES) and not k.startswith(OMPI_INTERNAL)}
-
-
 def stats(values: List[float]) -> Dict[str, float]:
     """median / mean / min / max of a non-empty list."""
     return {"median": statistics.median(values), "mean": statistics.fmean(values),

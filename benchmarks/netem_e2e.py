@@ -49,6 +49,9 @@ import peers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+from hvdcomp.launch import MPI_ENV  # noqa: E402  (the one definition of the launch environment)
+
 DEFAULT_NETEM = os.path.normpath(os.path.join(ROOT, "..", "shared", "tools", "netem_mpi.sh"))
 DEFAULT_PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 log = logging.getLogger("netem_e2e")
@@ -61,14 +64,8 @@ DEFAULT_CONTENDERS = [
 ]
 DEFAULT_RATES = ["none", "1gbit", "100mbit", "10mbit"]
 #: the same for every contender (ranks outnumber cores: yield instead of busy-polling)
-CELL_ENV = {
-    "OMPI_MCA_mpi_yield_when_idle": "1",
-    "HOROVOD_CYCLE_TIME": "20",
-    "OMP_NUM_THREADS": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "PYTHONUNBUFFERED": "1",
-}
+CELL_ENV = {k: v for k, v in {**MPI_ENV, "HOROVOD_CYCLE_TIME": "20"}.items()
+            if k != "OMPI_MCA_rmaps_base_oversubscribe"}  # (one rank per emulated host)
 #: rough seconds of forward+backward+update per step on this 2-core machine (4 ranks), for timeouts
 COMPUTE_SECONDS = {"small": 2.0, "medium": 5.0, "large": 12.0, "transformer": 3.0}
 #: LSTM hidden size per --model (the LSTM sizes; see hvdcomp.lm.MODEL_SIZES)

@@ -40,12 +40,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import hvdcomp  # noqa: E402
+from hvdcomp.launch import recorded_env  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_models  # noqa: E402
 import peers  # noqa: E402
 
-RECORDED_ENV = ("OMPI_MCA_", "HOROVOD_", "OMP_NUM_THREADS")
 
 
 # ---- models (defined in bench_models.py, shared with e2e_lm.py) ------------------------------
@@ -137,7 +137,7 @@ def main(argv=None):
         os.makedirs(args.output, exist_ok=True)
         info = {"settings": vars(args), "ranks": comm.Get_size(), "host": platform.node(),
                 "torch": torch.__version__, "hvdcomp": hvdcomp.__version__,
-                "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_ENV)},
+                "env": recorded_env(),
                 "load_average": os.getloadavg(), "models": results}
         with open(os.path.join(args.output, "overhead.json"), "w") as f:
             json.dump(info, f, indent=2)

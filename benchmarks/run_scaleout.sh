@@ -29,8 +29,7 @@ $PY benchmarks/netem_e2e.py --bench comm --output "$OUT/cluster-hierarchical" --
 fi
 if [ "$WHAT" = all ] || [ "$WHAT" = accuracy ]; then
 # the Makefile's settings for runs on this machine (root, ranks may outnumber cores)
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 \
-  OMPI_MCA_rmaps_base_oversubscribe=1 HOROVOD_CYCLE_TIME=5 OMP_NUM_THREADS=1
+set -a; . hvdcomp/mpi.env; set +a  # the launch environment (its one definition)
 for seed in 1 2; do
 for spec in topk:density=0.01 gtopk:density=0.01 cltk:density=0.01 twophase none; do
   dir="$OUT/accuracy/$(echo "$spec" | tr ':=,' '_-_')"

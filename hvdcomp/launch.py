@@ -8,12 +8,51 @@ is single-process. Recognised launchers: Open MPI (``mpirun``/``horovodrun``), M
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import traceback
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
-__all__ = ["LaunchInfo", "detect_launch", "check_launch", "select_device", "abort_on_uncaught_exception"]
+__all__ = ["LaunchInfo", "detect_launch", "check_launch", "select_device", "abort_on_uncaught_exception",
+           "MPI_ENV", "recorded_env"]
+
+
+def _read_env_file(path: str) -> Dict[str, str]:
+    """``KEY=VALUE`` lines of ``path`` (``#`` comments and blank lines skipped)."""
+    out = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line and not line.startswith("#"):
+                key, _, value = line.partition("=")
+                out[key.strip()] = value.strip()
+    return out
+
+
+#: the Open MPI / Horovod environment of every hvdcomp launch (``hvdcomp/mpi.env``, its one definition)
+MPI_ENV: Dict[str, str] = _read_env_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi.env"))
+
+#: environment variables recorded with every result: the user-facing launch settings
+RECORDED_ENV_PREFIXES = ("OMPI_MCA_", "OMPI_ALLOW_RUN_AS_ROOT", "HOROVOD_", "OMP_NUM_THREADS",
+                         "MASTER_ADDR", "MASTER_PORT", "GLOO_", "TORCH_DISTRIBUTED_", "NETEM_")
+#: OMPI_MCA_* variables that Open MPI itself sets for every launched process (not settings)
+OMPI_INTERNAL = ("OMPI_MCA_orte_", "OMPI_MCA_ess", "OMPI_MCA_pmix", "OMPI_MCA_initial_wdir",
+                 "OMPI_MCA_mpi_oversubscribe", "OMPI_MCA_shmem_RUNTIME_QUERY_hint", "OMPI_MCA_ras_",
+                 "OMPI_MCA_plm", "OMPI_MCA_routed", "OMPI_MCA_btl_base_", "OMPI_MCA_state_",
+                 "OMPI_MCA_rmaps_", "OMPI_MCA_hwloc_", "OMPI_MCA_ras", "OMPI_MCA_grpcomm",
+                 "OMPI_MCA_errmgr", "OMPI_MCA_odls", "OMPI_MCA_iof", "OMPI_MCA_filem",
+                 "OMPI_MCA_dfs", "OMPI_MCA_schizo", "OMPI_MCA_rtc", "OMPI_MCA_oob_base_")
+
+
+def recorded_env(environ=None) -> Dict[str, str]:
+    """The launch settings of this process's environment, for results files (sorted by name):
+    :data:`RECORDED_ENV_PREFIXES`, without what Open MPI sets internally."""
+    env = os.environ if environ is None else environ
+    return {k: env[k] for k in sorted(env)
+            if k.startswith(RECORDED_ENV_PREFIXES) and not k.startswith(OMPI_INTERNAL)}
 
 # (launcher, rank, size, local rank) variable names, most specific first
 _SCHEMES = [
@@ -127,10 +166,6 @@ def abort_on_uncaught_exception() -> None:
     traceback with the rank, then calls ``MPI.COMM_WORLD.Abort(1)`` when more than one rank runs.
     Installs ``sys.excepthook`` and ``threading.excepthook``; idempotent.
     """
-    import sys
-    import threading
-    import traceback
-
     if getattr(sys.excepthook, "_hvdcomp", False):
         return
     info = detect_launch()

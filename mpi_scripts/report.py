@@ -21,9 +21,14 @@ import os
 import re
 import statistics
 from collections import defaultdict
+import sys
 from typing import Dict, List, Optional, Tuple
 
-PHASES = ("compute", "compress", "communicate", "decompress")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (run as a script)
+from mpi_scripts import grid  # noqa: E402
+from hvdcomp.lm import PlateauSchedule  # noqa: E402
+from hvdcomp.metrics import PHASES  # noqa: E402  (the phase names' one definition)
+
 
 #: Published test perplexity of the seed study (STUDY.md), (model, workers) -> column -> value.
 STUDY_PPL = {
@@ -54,7 +59,7 @@ def column_of(desc: dict) -> str:
     if name == "none":
         return "none"
     if name == "powersgd":
-        return f"PowerSGD r={desc['rank']}"
+        return f"PowerSGD r={desc.get('matrix_rank', desc.get('rank'))}"
     if name == "sidco" and "density" in desc:
         return f"SIDCo {round(1 / (2 * desc['density']))}x ({desc.get('dist', 'exp')})"
     if name == "sbc" and "density" in desc:
@@ -429,7 +434,6 @@ def plateau_at_end(cfg: dict, val: List[float]) -> Optional[bool]:
     its last epoch: a run that plateaus in the last epoch it is allowed records
     ``stopped_early: false`` (it did not stop *before* the cap). None when ``cfg`` lacks the
     schedule's settings or ``val`` is empty."""
-    from hvdcomp.lm import PlateauSchedule   # the one implementation of the rule (imports torch: lazily)
 
     keys = [k for k in inspect.signature(PlateauSchedule).parameters if k != "lr"]
     if not val or any(k not in cfg for k in keys):
@@ -545,7 +549,7 @@ def target_table(rows, target_ppl) -> str:
 
 def lr_search_table(root: str, search: Optional[dict] = None) -> Optional[str]:
     """The learning-rate search: best validation perplexity at each value tried, the chosen value
-    in bold. ``search`` as :func:`mpi_scripts.sweep.choose_lr` returns it, else read from
+    in bold. ``search`` as :func:`mpi_scripts.grid.choose_lr` returns it, else read from
     ``root/lr_search.json`` (written by sweep.py). None without a search."""
     path = os.path.join(root, "lr_search.json")
     if search is None and os.path.isfile(path):
@@ -690,11 +694,9 @@ def plots(rows, out_dir: str, target_ppl=None) -> List[str]:
 
 def missing_cells(root: str, grid_paths: List[str]) -> List[str]:
     """Names of the cells of the given grid files that have no results.json under ``root``."""
-    from mpi_scripts import sweep
-
     out = []
     for path in grid_paths:
-        for cell in sweep.cells_of(sweep.load_grid(path, _NO_OVERRIDES)):
+        for cell in grid.cells_of(grid.load_grid(path, _NO_OVERRIDES)):
             if not os.path.isfile(os.path.join(root, "cells", cell.name, "results.json")):
                 out.append(cell.name)
     return out
@@ -705,22 +707,18 @@ _NO_OVERRIDES = argparse.Namespace(models=None, workers=None, epochs=None, outpu
 
 def grid_search(root: str, grid_paths: List[str]) -> Optional[dict]:
     """The learning-rate search of the given grids as it stands under ``root`` (methods whose
-    search is complete; :func:`mpi_scripts.sweep.choose_lr`), or None when they have none."""
-    from mpi_scripts import sweep
-
+    search is complete; :func:`mpi_scripts.grid.choose_lr`), or None when they have none."""
     out = {}
     for path in grid_paths:
-        cells = sweep.search_cells_of(sweep.load_grid(path, _NO_OVERRIDES))
+        cells = grid.search_cells_of(grid.load_grid(path, _NO_OVERRIDES))
         if cells:
-            out.update(sweep.choose_lr(root, cells))
+            out.update(grid.choose_lr(root, cells))
     return out or None
 
 
 def grid_notes(grid_paths: List[str]) -> List[str]:
     """The ``notes`` of the given grid files (what the grid chose and cut, in its own words)."""
-    from mpi_scripts import sweep
-
-    return [n for n in (sweep.load_grid(p, _NO_OVERRIDES).get("notes") for p in grid_paths) if n]
+    return [n for n in (grid.load_grid(p, _NO_OVERRIDES).get("notes") for p in grid_paths) if n]
 
 
 def render(rows, target_ppl=None, command: str = "", plot_names=(), missing=(), root: str = "",
@@ -812,7 +810,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     raise SystemExit(main())

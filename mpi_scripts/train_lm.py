@@ -42,15 +42,12 @@ import hvdcomp  # noqa: E402
 import hvdcomp.native  # noqa: E402
 from hvdcomp.lm import (ARCHITECTURES, MODEL_SIZES, PlateauSchedule, batchify, load_corpus,  # noqa: E402
                         loss_sums, make_lm, rank_columns, window_loss)
-from hvdcomp.launch import abort_on_uncaught_exception, detect_launch, select_device  # noqa: E402
+from hvdcomp.launch import abort_on_uncaught_exception, detect_launch, recorded_env, select_device  # noqa: E402
 from hvdcomp.lowrank import ABTraining  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
 from hvdcomp.metrics import PHASES, reduce_across_ranks, write_json_atomic  # noqa: E402
 
 log = logging.getLogger("train_lm")
-# user-facing performance settings worth recording with every result (not Open MPI's internals)
-RECORDED_ENV = ("OMPI_MCA_mpi_yield_when_idle", "OMPI_MCA_btl", "OMPI_MCA_pml", "OMPI_MCA_coll_",
-                "HOROVOD_", "OMP_NUM_THREADS")
 
 
 def parse_args(argv=None):
@@ -272,7 +269,7 @@ def main(argv=None):
         "config": {**vars(args), "data": data_path, "world_size": size, "parameters": n_params,
                    "compressor": compressor.describe(), "compressor_spec": method,
                    "transport": transport_of(opt, compressor),
-                   "env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith(RECORDED_ENV)},
+                   "env": recorded_env(),
                    "torch": torch.__version__, "hvdcomp": hvdcomp.__version__, "host": platform.node(),
                    "kernels": hvdcomp.native.status()},
         "corpus": corpus.describe(),

@@ -8,19 +8,11 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 SHARED = os.path.join(os.path.dirname(ROOT), "shared")
 TINY_SHAKESPEARE = os.path.join(SHARED, "data", "tinyshakespeare", "input.txt")
 
-# Same settings for every run: ranks outnumber cores here, so ranks yield instead of busy-polling.
-MPI_ENV = {
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "OMPI_MCA_mpi_yield_when_idle": "1",
-    "OMPI_MCA_rmaps_base_oversubscribe": "1",
-    "HOROVOD_CYCLE_TIME": "5",
-    "OMP_NUM_THREADS": "1",
-    "PYTHONUNBUFFERED": "1",
-}
+from hvdcomp.launch import MPI_ENV  # noqa: E402  (the one definition: hvdcomp/mpi.env)
 
 
 def mpirun(np_: int, args, timeout: float = 300, env=None) -> subprocess.CompletedProcess:
