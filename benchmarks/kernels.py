@@ -57,6 +57,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import hvdcomp  # noqa: E402
+from hvdcomp.transports import StepMethod  # noqa: E402
 import hvdcomp.native  # noqa: E402
 from hvdcomp.compressors.sparse import SparseCompressor  # noqa: E402
 from benchmarks.reference import reference_for  # noqa: E402
@@ -187,7 +188,7 @@ def bench_reference(comp, x: torch.Tensor, timer: Timer, world: int) -> dict:
 
 def bench_method(spec: str, x: torch.Tensor, timer: Timer, world: int, compare: bool = False) -> dict:
     comp = hvdcomp.get_compressor(spec)
-    if getattr(comp, "batched", False):
+    if isinstance(comp, StepMethod):
         return {"spec": spec, "skipped": f"'{comp.name}' reduces a step's gradients together "
                                          "(reduce_batch); it has no per-tensor encode/decode"}
     ef = isinstance(comp, hvdcomp.ErrorFeedback)

@@ -1,13 +1,22 @@
-"""Error feedback (residual memory), composable with any compressor.
+"""Error feedback (residual memory): the one implementation, used by every method that keeps one.
 
 Seide et al., "1-bit SGD", Interspeech 2014; Stich et al., "Sparsified SGD with Memory",
-NeurIPS 2018; Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019.
+NeurIPS 2018; Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019; the moving average
+of Xie et al., "LoCo", 2024 (``beta``).
 
-Per parameter name, with residual ``e`` (zeros at first)::
+Per parameter name, with residual ``e`` (zeros at first) and a compressor C::
 
-    p = g + e ;  payload = C(p) ;  e = p - decode(payload)
+    p = g + e                      (Residuals.compensate)
+    payload = C(p)
+    e = β·e + (1 − β)·(p − decode(payload))     (Residuals.keep; β = 0: e = p − decode(payload))
 
-so that ``sum_t sent_t + e_T == sum_t g_t`` (the residual telescopes).
+so that ``sum_t sent_t == sum_t g_t − (e_T − e_0)/(1 − β)``: nothing is lost, only delayed.
+
+:class:`Residuals` is that memory, staged with its owner's step
+(:class:`hvdcomp.compressors.state.StagedState`): :class:`ErrorFeedback` wraps any per-tensor
+compressor with it; ``lowbit`` (β), DGC (the accumulated velocity), the step-wide methods of
+:mod:`hvdcomp.transports` (global top-k, CLT-k, two-phase worker and server residuals, PowerSGD's
+error) keep theirs in it too.
 
 float16 and bfloat16 gradients are upcast to float32 before ``p = g + e``: the residual of a
 half-precision gradient is kept in float32 (a float16 residual would itself round away what the
@@ -16,15 +25,111 @@ cast back to the gradient's dtype (saturating at its largest finite value).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple
+from typing import Any, Dict, NamedTuple, Optional, Sequence
 
 import torch
 
 from .compressors.base import Compressor, cast_saturating
+from .compressors.state import StagedState
 
-__all__ = ["ErrorFeedback"]
+__all__ = ["ErrorFeedback", "Residuals"]
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+class Residuals:
+    """Residuals by parameter name, kept in ``owner``'s dict attribute ``store`` and staged with
+    the owner's step (see the module docstring for the update).
+
+    Args:
+        owner: the method that holds the residuals (a
+            :class:`~hvdcomp.compressors.state.StagedState`; its ``recycled_stores`` should name
+            ``store`` so a step allocates no full-size tensor on CPU).
+        store: the attribute name of the ``{name: tensor}`` dict (created empty if absent).
+        beta: β in [0, 1): weight of the previous residual in the new one (0: classic error
+            feedback).
+
+    Raises:
+        ValueError: ``beta`` outside [0, 1).
+    """
+
+    __slots__ = ("owner", "store", "beta")
+
+    def __init__(self, owner: StagedState, store: str = "residuals", beta: float = 0.0):
+        if not 0.0 <= float(beta) < 1.0:
+            raise ValueError(f"beta must be in [0, 1), got {beta}")
+        self.owner, self.store, self.beta = owner, store, float(beta)
+        if not isinstance(getattr(owner, store, None), dict):
+            setattr(owner, store, {})
+
+    @property
+    def committed(self) -> Dict[str, torch.Tensor]:
+        """The committed residuals (name → tensor)."""
+        return getattr(self.owner, self.store)
+
+    def get(self, name: str) -> Optional[torch.Tensor]:
+        """``name``'s residual as this step sees it (staged value first), or None."""
+        return self.owner._get(self.store, name)
+
+    def compensate(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        """``g + e`` in memory the caller owns and may overwrite (a recycled tensor on CPU);
+        a copy of ``g`` when ``name`` has no residual yet. ``g`` is not modified."""
+        e = self.get(name)
+        if e is None:
+            return g.detach().clone()
+        out = self.owner._spare(self.store, name, e) if e.shape == g.shape and e.dtype == g.dtype else None
+        if out is not None:
+            return torch.add(g, e, out=out)
+        return g + e
+
+    def compensate_flat_(self, flat: torch.Tensor, names: Sequence[str], sizes: Sequence[int]) -> torch.Tensor:
+        """Add each name's residual into its slice of ``flat`` (1-D; slices of ``sizes`` back to
+        back, in ``names`` order), in place; returns ``flat``."""
+        start = 0
+        for name, n in zip(names, sizes):
+            e = self.get(name)
+            if e is not None:
+                flat[start:start + n] += e.reshape(-1)
+            start += n
+        return flat
+
+    def keep(self, name: str, r: torch.Tensor) -> torch.Tensor:
+        """Stage ``name``'s new residual from ``r = p − decode(payload)`` (``r``'s memory is
+        reused): ``r`` itself for β = 0 (or without a previous residual: ``(1 − β)·r``), else
+        ``(1 − β)·r + β·e``. Returns it."""
+        if self.beta:
+            e = self.get(name)
+            r = r.mul_(1.0 - self.beta) if e is None else r.mul_(1.0 - self.beta).add_(e, alpha=self.beta)
+        self.owner._put(self.store, name, r)
+        return r
+
+    def keep_flat(self, flat: torch.Tensor, names: Sequence[str], shapes: Sequence[torch.Size]) -> None:
+        """:meth:`keep` for each slice of ``flat`` (views of it, in ``shapes``)."""
+        start = 0
+        for name, shape in zip(names, shapes):
+            n = shape.numel()
+            self.keep(name, flat[start:start + n].view(shape))
+            start += n
+
+    def rescale(self, factor: float) -> None:
+        """Multiply every committed residual by ``factor`` (gradient units: AMP loss scale)."""
+        for e in self.committed.values():
+            e.mul_(factor)
+
+    def zero(self, name: Optional[str] = None) -> None:
+        """Zero the committed residual of ``name`` (all of them when None)."""
+        for key, e in self.committed.items():
+            if name is None or key == name:
+                e.zero_()
+
+    def state(self) -> Dict[str, torch.Tensor]:
+        """Copies of the committed residuals."""
+        return {k: v.detach().clone() for k, v in self.committed.items()}
+
+    def load(self, residuals: Dict[str, torch.Tensor]) -> None:
+        """Replace the committed residuals by copies of ``residuals`` (spares are dropped)."""
+        setattr(self.owner, self.store, {k: v.detach().clone() for k, v in residuals.items()})
+        self.owner._clear_spares()
 
 
 class _Context(NamedTuple):
@@ -32,7 +137,36 @@ class _Context(NamedTuple):
     dtype: torch.dtype    # the gradient's dtype (decoded outputs are cast back to it)
 
 
-class ErrorFeedback(Compressor):
+class Wrapper(Compressor):
+    """A compressor around another (``inner``): what the payloads are, and the other properties
+    of the method, are the inner method's (one place that forwards them)."""
+
+    inner: Compressor
+
+    name = property(lambda self: self.inner.name)  # type: ignore[assignment]
+    payload_kind = property(lambda self: self.inner.payload_kind)  # type: ignore[assignment]
+    aggregate_is_mean = property(lambda self: self.inner.aggregate_is_mean)  # type: ignore[assignment]
+    owns_momentum = property(lambda self: self.inner.owns_momentum)  # type: ignore[assignment]
+    segmentable = property(lambda self: self.inner.segmentable)  # type: ignore[assignment]
+
+    def staged_children(self):
+        return (self.inner,)
+
+    def bind_group(self, size):
+        super().bind_group(size)
+        self.inner.bind_group(size)
+
+    def set_epoch(self, epoch):
+        self.inner.set_epoch(epoch)
+
+    def expected_payload_bytes(self, numel):
+        return self.inner.expected_payload_bytes(numel)
+
+    def nominal_ratio(self, numel):
+        return self.inner.nominal_ratio(numel)
+
+
+class ErrorFeedback(Wrapper):
     """Wraps ``inner`` so that what it drops is added to the next gradient of the same parameter.
 
     Args:
@@ -45,9 +179,14 @@ class ErrorFeedback(Compressor):
     ``{"residuals": {name: tensor}, "inner": ...}``.
 
     Raises:
-        ValueError: from :meth:`encode` when no parameter name is given (residuals are per
-            parameter; pass ``named_parameters`` to :class:`hvdcomp.DistributedOptimizer`).
+        TypeError: ``inner`` is not a :class:`hvdcomp.Compressor`.
+        ValueError: ``inner`` keeps its own residual; from :meth:`encode` when no parameter name
+            is given (residuals are per parameter; pass ``named_parameters`` to
+            :class:`hvdcomp.DistributedOptimizer`).
     """
+
+    recycled_stores = ("residuals",)
+    has_scaled_state = True  # the residual
 
     def __init__(self, inner: Compressor):
         if not isinstance(inner, Compressor):
@@ -55,43 +194,11 @@ class ErrorFeedback(Compressor):
         if isinstance(inner, ErrorFeedback) or inner.builtin_error_feedback:
             raise ValueError(f"'{inner.name}' already applies error feedback; do not wrap it again (ef=false)")
         self.inner = inner
-        self.residuals: Dict[str, torch.Tensor] = {}
-        self._spares: Dict[str, torch.Tensor] = {}  # CPU: memory of the previous residual, reused
-
-    @property
-    def name(self):  # type: ignore[override]
-        return self.inner.name
-
-    @property
-    def summable(self):  # type: ignore[override]
-        return self.inner.summable
-
-    @property
-    def allreduce_op(self):  # type: ignore[override]
-        return self.inner.allreduce_op
-
-    @property
-    def owns_momentum(self):  # type: ignore[override]
-        return self.inner.owns_momentum
-
-    @property
-    def aggregate_is_mean(self):  # type: ignore[override]
-        return self.inner.aggregate_is_mean
-
-    has_scaled_state = True  # the residual
-
-    @property
-    def segmentable(self):  # type: ignore[override]
-        return self.inner.segmentable
-
-    def bind_group(self, size):
-        super().bind_group(size)
-        self.inner.bind_group(size)
+        self.memory = Residuals(self)
 
     def rescale_state(self, factor):
         """Multiply the residuals (gradient units) and the inner method's state by ``factor``."""
-        for e in self.residuals.values():
-            e.mul_(factor)
+        self.memory.rescale(factor)
         self.inner.rescale_state(factor)
 
     def shared_state(self):
@@ -101,17 +208,8 @@ class ErrorFeedback(Compressor):
     def load_shared_state(self, shared):
         self.inner.load_shared_state(shared.get("inner", {}))
 
-    def expected_payload_bytes(self, numel):
-        return self.inner.expected_payload_bytes(numel)
-
-    def set_epoch(self, epoch):
-        self.inner.set_epoch(epoch)
-
     def describe(self):
         return {**self.inner.describe(), "ef": True}
-
-    def nominal_ratio(self, numel):
-        return self.inner.nominal_ratio(numel)
 
     def _encode(self, tensor, name=None):
         if name is None:
@@ -119,68 +217,24 @@ class ErrorFeedback(Compressor):
                              "use hvdcomp.DistributedOptimizer(..., named_parameters=model.named_parameters())")
         dtype = tensor.dtype
         if dtype in _HALF:
-            tensor = tensor.to(torch.float32)
-        e = self._get("residuals", name)
-        spare = self._spares.pop(name, None)
-        if e is None:  # a half-precision gradient was already copied by the cast
-            p = tensor.detach().clone() if tensor.dtype == dtype else tensor
-        elif spare is not None and spare.shape == e.shape and spare.dtype == e.dtype and spare.device == e.device:
-            p = torch.add(tensor, e, out=spare)  # no allocation: the previous step's residual memory
+            tensor = tensor.to(torch.float32)  # (a copy: compensate may use it as p)
+            p = tensor if self.memory.get(name) is None else self.memory.compensate(name, tensor)
         else:
-            p = tensor + e
+            p = self.memory.compensate(name, tensor)
         payload, ctx = self.inner.encode(p, name)
-        residual = self.inner.residual_(p, payload, ctx)  # p is ours: may be reused in place
-        self._put("residuals", name, residual)
-        if self._pending is None and e is not None:
-            self._keep_spare(name, e)
+        self.memory.keep(name, self.inner.residual_(p, payload, ctx))  # p is ours: may be reused in place
         return payload, _Context(ctx, dtype)
 
     def _encode_segments(self, flat, segments):
-        """Several gradients in one call: ``p = g + e`` per segment on the flat buffer, the inner
-        method on the segments, and each segment's residual kept under its name (a view of this
-        step's compensated buffer, in the gradient's shape)."""
+        """Several gradients in one call: ``p = g + e`` per segment on a copy of the flat buffer,
+        the inner method on the segments, and each segment's residual kept under its name (a view
+        of this step's compensated buffer, in the gradient's shape)."""
         dtype = flat.dtype
-        if dtype in _HALF:
-            flat = flat.to(torch.float32)
-        residuals = [self._get("residuals", name) for name in segments.names]
-        if all(e is None for e in residuals):
-            p = flat.clone() if flat.dtype == dtype else flat
-        else:
-            p = flat + torch.cat([torch.zeros(n, dtype=flat.dtype, device=flat.device) if e is None
-                                  else e.reshape(-1) for e, n in zip(residuals, segments.sizes)])
+        p = flat.to(torch.float32) if dtype in _HALF else flat.clone()
+        self.memory.compensate_flat_(p, segments.names, segments.sizes)
         payload, ctx = self.inner.encode(p, None, segments)
-        kept = self.inner.residual_(p, payload, ctx)
-        for name, shape, view in zip(segments.names, segments.shapes, segments.split(kept)):
-            self._put("residuals", name, view.view(shape))
+        self.memory.keep_flat(self.inner.residual_(p, payload, ctx), segments.names, segments.shapes)
         return payload, _Context(ctx, dtype)
-
-    def _keep_spare(self, name: str, tensor) -> None:
-        """Keep a no-longer-needed residual's memory for the next step (CPU only: CUDA's caching
-        allocator already reuses memory, and large fresh CPU tensors page-fault on first use)."""
-        if tensor is not None and tensor.device.type == "cpu" and tensor._base is None:  # (a view
-            # of a fused bucket's buffer would pin the whole buffer and is never reused)
-            self._spares[name] = tensor
-
-    def _staged_residuals(self):
-        return [(name, value) for (store, name), value in (self._pending or {}).items() if store == "residuals"]
-
-    def begin_step(self):
-        super().begin_step()
-        self.inner.begin_step()
-
-    def commit(self):
-        replaced = [(name, self.residuals.get(name)) for name, _ in self._staged_residuals()]
-        super().commit()
-        self.inner.commit()
-        for name, old in replaced:
-            self._keep_spare(name, old)
-
-    def rollback(self):
-        dropped = self._staged_residuals()
-        super().rollback()
-        self.inner.rollback()
-        for name, value in dropped:
-            self._keep_spare(name, value)
 
     def decode(self, payload, ctx):
         return cast_saturating(self.inner.decode(payload, ctx.inner), ctx.dtype)
@@ -196,15 +250,11 @@ class ErrorFeedback(Compressor):
 
     def reset(self, name: str | None = None) -> None:
         """Zero the residual of ``name`` (all residuals when ``None``)."""
-        for key, e in self.residuals.items():
-            if name is None or key == name:
-                e.zero_()
+        self.memory.zero(name)
 
     def state_dict(self):
-        return {"residuals": {k: v.detach().clone() for k, v in self.residuals.items()},
-                "inner": self.inner.state_dict()}
+        return {"residuals": self.memory.state(), "inner": self.inner.state_dict()}
 
     def load_state_dict(self, state):
-        self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
-        self._spares = {}
+        self.memory.load(state.get("residuals", {}))
         self.inner.load_state_dict(state.get("inner", {}))

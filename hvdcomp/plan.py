@@ -1,33 +1,153 @@
-"""Transport planning: how each gradient travels, decided once at construction, the same on every rank.
+"""Planning: how each gradient travels, decided once at construction, the same on every rank.
 
-Pure functions of the parameter shapes, the compressor, the cost model and the settings: no
+Pure functions of the parameter shapes, the method, the cost model and the settings: no
 communication, so every rank computes the same plan.
 
-Routes (per parameter name):
+**Routes.** Every transport module of :mod:`hvdcomp.transports` registers here what it carries
+and what it costs (:func:`register_route`, :func:`register_step_route`); the plan reads this
+registry only, so a new transport is one new module. Per-gradient routes carry the payloads of
+per-tensor methods (:class:`hvdcomp.Compressor`) by their :class:`~hvdcomp.compressors.base.PayloadKind`:
 
-* ``"allreduce"``: the compressed payload is summable; Horovod ``allreduce_async`` averages it.
-* ``"allgather"``: the payload differs per rank (sparse indices, per-rank scales); it waits for
-  its **bucket** and travels in one variable-size allgather per bucket.
-* ``"decoded-allreduce"``: the payload needs an allgather, but the α-β cost model predicts that
-  averaging its local decode densely is cheaper (same result): decoded, then allreduced in fp32.
-* ``"batched"``: the compressor reduces all gradients of a step together with its own
-  collectives, named by its ``collective`` attribute: PowerSGD (``allreduce``), gtopk
-  (``sparse-allreduce``), cltk (``broadcast+allreduce``), twophase (``alltoall+allgather``).
+* ``"allreduce"``: ``MEAN`` and ``SUM`` payloads; Horovod ``allreduce_async`` reduces them.
+* ``"allgather"``: ``GATHERED`` payloads (sparse indices, per-rank scales) wait for their
+  **bucket** and travel in one variable-size allgather per bucket.
+* ``"decoded-allreduce"``: a ``GATHERED`` payload whose aggregate is the mean of its decodes,
+  where the α-β cost model predicts that averaging its local decode densely is cheaper (same
+  result): decoded, then allreduced in fp32.
 
-With ``transport="auto"`` the optimizer first lets the cost model choose how a method's payloads
-travel among the transports that carry the same kind of compression (:func:`choose_transport`):
-top-k by allgather, global top-k by sparse allreduce (gtopk) or the leader's top-k by allreduce
-(cltk); a quantizer by allgather or by the two-phase compressed allreduce (twophase).
+A method's *preferred* route for its kind carries it unless the cost model prices another route
+that carries it cheaper for that gradient. Step-wide methods (PowerSGD, gtopk, cltk, twophase)
+compress every gradient of a step together with their own transport: route ``"batched"``.
+
+With ``transport="auto"`` the cost model first chooses, among the step-wide transports that can
+carry the same kind of compression (each registers which: :func:`transport_candidates`), the one
+with the least predicted communication per step (:func:`choose_transport`): top-k by allgather,
+global top-k by sparse allreduce (gtopk) or the leader's top-k by allreduce (cltk); a quantizer by
+allgather or by the two-phase compressed allreduce (twophase).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["make_buckets", "make_units", "fuse_units", "split_groups", "TransportPlan", "plan_transport",
-           "ROUTES", "transport_candidates", "predict_step_seconds", "choose_transport", "HOROVOD_KINDS"]
+           "Route", "StepRoute", "register_route", "register_step_route", "routes", "step_route_of",
+           "route_names", "step_collectives", "transport_candidates", "predict_step_seconds", "choose_transport",
+           "HOROVOD_KINDS", "BATCHED"]
 
-ROUTES = ("allreduce", "allgather", "decoded-allreduce", "batched")
+#: the route of every gradient of a step-wide method
+BATCHED = "batched"
+
+#: a list of ``(collective kind, bytes, calls)`` (kinds of :data:`hvdcomp.comm.costmodel.COLLECTIVES`)
+Collectives = List[Tuple[str, float, int]]
+
+
+@dataclass(frozen=True)
+class Route:
+    """A per-gradient transport as the plan sees it.
+
+    Attributes:
+        name: the route's name in :attr:`TransportPlan.routes`.
+        carries: ``f(method) -> bool``: whether it can carry this per-tensor method's payloads.
+        collectives: ``f(payload_bytes, dense_bytes, bucket_bytes) -> Collectives``: what the
+            gradients routed here cost in one step (payload and fp32 dense bytes per gradient).
+        preferred: the route a method it carries takes unless the cost model prices another one
+            cheaper (False: only where it is cheaper, and only with a cost model).
+        bucketed: its gradients travel in buckets of ``bucket_bytes`` dense bytes (one
+            collective per bucket).
+        build: ``f(wiring) -> transport`` (see :mod:`hvdcomp.transports`).
+    """
+
+    name: str
+    carries: Callable[[Any], bool]
+    collectives: Callable[[List[float], List[float], int], Collectives]
+    preferred: bool = True
+    bucketed: bool = False
+    build: Optional[Callable] = None
+
+
+@dataclass(frozen=True)
+class StepRoute:
+    """A step-wide transport: a method class that compresses a whole step, with its collectives.
+
+    Attributes:
+        method: the class of the step-wide method it carries (its instances are what users pass
+            as ``compression``).
+        collective: its collectives, for :attr:`TransportPlan.collective` (``"sparse-allreduce"``).
+        collectives: ``f(method, numels, p, bucket_bytes) -> Collectives or None`` (None where
+            the bytes depend on the data).
+        needs_point_to_point: it messages ranks directly (MPI): not available without it.
+        alternative: ``f(compression) -> method or None``: the method of this transport that would
+            carry ``compression``'s kind of compression, for ``transport="auto"``.
+        build: ``f(wiring) -> transport``.
+    """
+
+    method: type
+    collective: str
+    collectives: Callable[[Any, Sequence[int], int, int], Optional[Collectives]]
+    needs_point_to_point: bool = False
+    alternative: Optional[Callable[[Any], Any]] = None
+    build: Optional[Callable] = None
+
+
+_ROUTES: Dict[str, Route] = {}
+_STEP_ROUTES: List[StepRoute] = []
+
+
+def register_route(route: Route) -> Route:
+    """Add a per-gradient route (called by its transport module at import).
+
+    Raises:
+        ValueError: a route of that name exists.
+    """
+    if route.name in _ROUTES or route.name == BATCHED:
+        raise ValueError(f"route '{route.name}' is already registered")
+    _ROUTES[route.name] = route
+    return route
+
+
+def register_step_route(route: StepRoute) -> StepRoute:
+    """Add a step-wide transport (called by its module at import)."""
+    _STEP_ROUTES.append(route)
+    return route
+
+
+def routes() -> Dict[str, Route]:
+    """The registered per-gradient routes, in registration order."""
+    return dict(_ROUTES)
+
+
+def step_route_of(compression) -> Optional[StepRoute]:
+    """The step-wide transport that carries ``compression``, or None for a per-tensor method."""
+    for route in _STEP_ROUTES:
+        if isinstance(compression, route.method):
+            return route
+    return None
+
+
+def route_names() -> List[str]:
+    """Every route name a plan can hold: the registered per-gradient routes, then ``"batched"``."""
+    return [*_ROUTES, BATCHED]
+
+
+def _route_gradient(compression, numel: int, payload: Optional[float], cost_model, p: int) -> str:
+    """The route of one gradient of a per-tensor method: its preferred route, unless ``cost_model``
+    prices another route that carries it cheaper alone (by more than a relative 1e-6: ties stay)."""
+    candidates = [r for r in _ROUTES.values() if r.carries(compression)]
+    if not candidates:
+        raise ValueError(f"no transport carries '{compression.name}' ({compression.payload_kind.value} payloads)")
+    best = next((r for r in candidates if r.preferred), candidates[0])
+    if cost_model is None or payload is None or len(candidates) == 1:
+        return best.name
+
+    def seconds(route):
+        return sum(cost_model.seconds(kind, p, nbytes, calls)
+                   for kind, nbytes, calls in route.collectives([payload], [4.0 * numel], 2**62))
+    best_s = seconds(best)
+    for route in candidates:
+        if route is not best and seconds(route) < best_s * (1 - 1e-6):
+            best, best_s = route, seconds(route)
+    return best.name
 
 
 def make_buckets(sizes: List[int], bucket_bytes: int) -> List[List[int]]:
@@ -119,21 +239,22 @@ def fuse_units(params: Sequence[Tuple[str, int, int, str]], plan: "TransportPlan
     """
     in_group = {n: g for g, members in enumerate(groups or []) for n in members}
     in_bucket = {n: b for b, members in enumerate(plan.buckets) for n in members}
+    bucketed = {r.name for r in _ROUTES.values() if r.bucketed}
     keys = []
     for name, _, _, layout in params:
         route = plan.routes[name]
-        where = ("bucket", in_bucket[name]) if route == "allgather" else ("group", in_group.get(name))
+        where = ("bucket", in_bucket[name]) if route in bucketed else ("group", in_group.get(name))
         keys.append((route, layout, where))
     units: List[List[int]] = []
     runs: Dict[tuple, List[int]] = {}
-    for i, key in enumerate(keys):  # allgather buckets: one unit per bucket and layout
-        if key[0] == "allgather":
+    for i, key in enumerate(keys):  # buckets: one unit per bucket and layout
+        if key[0] in bucketed:
             runs.setdefault(key, []).append(i)
     units += list(runs.values())
     start = 0
     for i in range(1, len(params) + 1):  # other routes: consecutive runs of one key, capped
         if i == len(params) or keys[i] != keys[start]:
-            if keys[start][0] != "allgather":
+            if keys[start][0] not in bucketed:
                 positions = list(range(start, i))
                 sizes = [params[k][1] * params[k][2] for k in positions]
                 units += [[positions[k] for k in b] for b in make_buckets(sizes, bucket_bytes)]
@@ -192,14 +313,14 @@ class TransportPlan:
     Attributes:
         routes: compression unit (a parameter, or a flattened bucket ``bucket<k>`` with
             ``granularity="bucket"``) -> route.
-        buckets: allgather buckets, each a list of unit names in launch order.
-        allgather: the allgather transport (``"mpi4py"``, ``"horovod"`` or ``"none"``).
+        buckets: buckets of the bucketed route (allgather), each a list of unit names in launch
+            order.
+        allgather: the allgather implementation (``"mpi4py"``, ``"horovod"`` or ``"none"``).
         ranks: global ranks of the group the gradients are averaged over.
         units: unit name -> names of the parameters it holds (only where a unit holds several):
             a flattened bucket ``bucket<k>`` (``granularity="bucket"``), or gradients compressed
             per tensor in one call, ``fused<k>`` (:func:`fuse_units`).
-        collective: a batched compressor's own collectives (its ``collective`` attribute), else
-            ``""``.
+        collective: a step-wide method's collectives (its transport's), else ``""``.
         choice: with ``transport="auto"``, the predicted communication seconds per step of each
             candidate (:func:`choose_transport`), by label; empty otherwise.
     """
@@ -218,7 +339,7 @@ class TransportPlan:
 
     def describe(self) -> dict:
         """JSON-able summary: counts per route, bucket sizes, transport, group ranks."""
-        return {"routes": {r: self.count(r) for r in ROUTES if self.count(r)},
+        return {"routes": {r: self.count(r) for r in route_names() if self.count(r)},
                 "buckets": [len(b) for b in self.buckets], "allgather": self.allgather,
                 "ranks": self.ranks, "units": {u: len(m) for u, m in self.units.items()},
                 **({"collective": self.collective} if self.collective else {}),
@@ -234,69 +355,103 @@ class TransportPlan:
 
     def _route_text(self) -> str:
         total = len(self.routes)
-        if self.count("batched"):
+        if self.count(BATCHED):
             return f"{self.collective or 'allreduce'} (batched)"
-        if not self.buckets and self.count("allreduce") == total:
-            return "allreduce"
+        used = list(dict.fromkeys(self.routes.values()))
+        if not self.buckets and len(used) == 1:
+            return used[0]
         text = f"{self.allgather}-allgather ({len(self.buckets)} bucket(s))"
-        dense = self.count("decoded-allreduce")
-        return text + (f", {dense} of {total} tensor(s) by allreduce (cost model)" if dense else "")
+        bucketed = {r.name for r in _ROUTES.values() if r.bucketed}
+        others = [r for r in used if r not in bucketed]
+        return text + "".join(f", {self.count(r)} of {total} tensor(s) by {r} (cost model)" for r in others)
 
 
 def plan_transport(params: Sequence[Tuple[str, int, int]], compression, cost_model, size: int,
                    bucket_bytes: int, groups: Optional[List[List[str]]] = None,
                    allgather: str = "none", ranks: Optional[List[int]] = None) -> TransportPlan:
-    """Route every parameter and bucket the allgathered ones.
+    """Route every parameter (or unit) and bucket those on a bucketed route.
 
     Args:
         params: ``(name, numel, element_size in bytes)`` per parameter, in launch order (the
             expected backward order).
-        compression: the optimizer's :class:`hvdcomp.Compressor`.
-        cost_model: a :class:`hvdcomp.comm.costmodel.CostModel`, or None (no routing).
+        compression: the optimizer's method (per-tensor or step-wide).
+        cost_model: a :class:`hvdcomp.comm.costmodel.CostModel`, or None (each gradient takes
+            its method's preferred route).
         size: number of ranks averaged over.
-        bucket_bytes: dense bytes per allgather bucket.
-        groups: explicit groups of names (Horovod's ``groups``): each group's allgathered
-            members form one bucket, whatever ``bucket_bytes`` says.
-        allgather: name of the allgather transport, for :meth:`TransportPlan.describe`.
+        bucket_bytes: dense bytes per bucket.
+        groups: explicit groups of names (Horovod's ``groups``): each group's bucketed members
+            form one bucket, whatever ``bucket_bytes`` says.
+        allgather: name of the allgather implementation, for :meth:`TransportPlan.describe`.
         ranks: global ranks of the group.
 
     Returns:
         The :class:`TransportPlan`.
+
+    Raises:
+        ValueError: no registered route carries the method.
     """
-    routes: Dict[str, str] = {}
+    step = step_route_of(compression)
+    routes_: Dict[str, str] = {}
     for name, numel, _ in params:
-        if compression.batched:
-            route = "batched"
-        elif compression.summable:
-            route = "allreduce"
+        if step is not None:
+            routes_[name] = BATCHED
         else:
-            route = "allgather"
             payload = None if cost_model is None else compression.expected_payload_bytes(numel)
-            if payload is not None and cost_model.choose(payload, numel * 4, size) == "allreduce":
-                route = "decoded-allreduce"  # decoded in fp32, so the dense side is 4 bytes each
-        routes[name] = route
-    gathered = [(n, numel * esize) for n, numel, esize in params if routes[n] == "allgather"]
+            routes_[name] = _route_gradient(compression, numel, payload, cost_model, size)
+    bucketed = {r.name for r in _ROUTES.values() if r.bucketed}
+    gathered = [(n, numel * esize) for n, numel, esize in params if routes_[n] in bucketed]
     if groups is not None:
         member = {n for n, _ in gathered}
         buckets = [[n for n in g if n in member] for g in groups]
         buckets = [b for b in buckets if b]
     else:
         buckets = [[gathered[i][0] for i in b] for b in make_buckets([s for _, s in gathered], bucket_bytes)]
-    return TransportPlan(routes, buckets, allgather if buckets else "none", list(ranks or []),
-                         collective=compression.collective if compression.batched else "")
+    return TransportPlan(routes_, buckets, allgather if buckets else "none", list(ranks or []),
+                         collective=step.collective if step is not None else "")
+
+
+def step_collectives(compression, numels: Sequence[int], p: int, bucket_bytes: int, cost_model=None):
+    """The collectives one step of ``compression`` costs on ``p`` ranks, for gradients of
+    ``numels`` float32 elements (in launch order): a list of ``(kind, bytes, calls)`` for
+    :meth:`hvdcomp.comm.costmodel.CostModel.seconds`, or ``None`` where the bytes depend on the
+    data. Per-tensor methods: each gradient on the route :func:`plan_transport` gives it (with
+    ``cost_model``, a gathered gradient whose decode is cheaper to allreduce is priced so), each
+    route's gradients priced together (Horovod fuses allreduces: one call; buckets of
+    ``bucket_bytes``: a collective and a counts exchange each). Step-wide methods: their
+    transport's price. Empty gradients cost nothing."""
+    step = step_route_of(compression)
+    if step is not None:
+        return step.collectives(compression, list(numels), p, bucket_bytes)
+    numels = [n for n in numels if n > 0]
+    sizes = [compression.expected_payload_bytes(n) for n in numels]
+    if any(b is None for b in sizes):
+        return None
+    by_route: Dict[str, List[Tuple[float, float]]] = {}
+    for n, b in zip(numels, sizes):
+        route = _route_gradient(compression, n, b, cost_model, p)
+        by_route.setdefault(route, []).append((float(b), 4.0 * n))
+    out: Collectives = []
+    for name, route in _ROUTES.items():
+        if name in by_route:
+            payloads, dense = zip(*by_route[name])
+            out += route.collectives(list(payloads), list(dense), bucket_bytes)
+    return out
 
 
 # ---- choosing the transport of a method (transport="auto") ----------------------------------------
 def _label(compression) -> str:
     """``name (transport)`` of a candidate, e.g. ``gtopk (sparse-allreduce)``."""
-    how = compression.collective if compression.batched else (
-        "allreduce" if compression.summable else "allgather")
-    return f"{compression.name} ({how})"
+    step = step_route_of(compression)
+    if step is not None:
+        return f"{compression.name} ({step.collective})"
+    preferred = next((r for r in _ROUTES.values() if r.preferred and r.carries(compression)), None)
+    return f"{compression.name} ({preferred.name if preferred else '?'})"
 
 
 def transport_candidates(compression) -> list:
-    """The compressors that carry ``compression``'s kind of compression by other transports,
-    ``compression`` itself first:
+    """The methods that carry ``compression``'s kind of compression by other transports,
+    ``compression`` itself first, then each step-wide transport's alternative in registration
+    order (each transport module says which it can stand in for, see its ``alternative``):
 
     * ``topk`` with error feedback: ``gtopk`` (global top-k by sparse allreduce; Shi et al., ICDCS
       2019) and ``cltk`` (the leader's top-k, values by allreduce; Chen et al., NeurIPS 2020), at
@@ -306,20 +461,11 @@ def transport_candidates(compression) -> list:
       (all-to-all, average, re-quantize, allgather; Tang et al., ICML 2021);
     * anything else: only itself.
     """
-    import inspect
-
-    from .compressors import get_compressor  # (the compressors import plan's helpers lazily)
-    from .compressors.registry import compressor_class
-
-    desc = compression.describe()
     out = [compression]
-    if compression.name == "topk" and desc.get("ef", False):
-        out += [get_compressor("gtopk", density=desc["density"]), get_compressor("cltk", density=desc["density"])]
-    elif compression.name in ("qsgd", "terngrad", "efsignsgd"):
-        # the quantizer's constructor arguments among its description (not derived values such as bits)
-        takes = inspect.signature(compressor_class(compression.name).__init__).parameters
-        args = {k: v for k, v in desc.items() if k in takes and k != "ef"}
-        out.append(get_compressor("twophase", base=compression.name, **args))
+    for route in _STEP_ROUTES:
+        other = route.alternative(compression) if route.alternative is not None else None
+        if other is not None:
+            out.append(other)
     return out
 
 
@@ -331,11 +477,11 @@ def predict_step_seconds(compression, cost_model, p: int, numels: Sequence[int],
                          horovod_latency: float = 0.0) -> Optional[float]:
     """Communication seconds per step that ``cost_model`` (a
     :class:`hvdcomp.comm.costmodel.CostModel`) predicts for ``compression`` on ``p`` ranks and
-    gradients of ``numels`` elements (:meth:`hvdcomp.Compressor.step_collectives`, with the
-    optimizer's per-gradient routing), plus ``horovod_latency`` seconds per call of a collective
-    that goes through Horovod (:data:`HOROVOD_KINDS`: its cycle time and negotiation); None where
-    the method's bytes depend on the data."""
-    collectives = compression.step_collectives(list(numels), p, bucket_bytes, cost_model)
+    gradients of ``numels`` elements (:func:`step_collectives`, with the optimizer's
+    per-gradient routing), plus ``horovod_latency`` seconds per call of a collective that goes
+    through Horovod (:data:`HOROVOD_KINDS`: its cycle time and negotiation); None where the
+    method's bytes depend on the data."""
+    collectives = step_collectives(compression, list(numels), p, bucket_bytes, cost_model)
     if collectives is None:
         return None
     return sum(cost_model.seconds(kind, p, nbytes, calls)
@@ -351,7 +497,7 @@ def choose_transport(compression, cost_model, p: int, numels: Sequence[int], buc
     cost model chooses the same.
 
     Args:
-        compression: the :class:`hvdcomp.Compressor` asked for.
+        compression: the method asked for.
         cost_model: a :class:`hvdcomp.comm.costmodel.CostModel` (α seconds, β seconds per byte).
         p: number of ranks.
         numels: elements of each gradient, in launch order.
@@ -360,10 +506,10 @@ def choose_transport(compression, cost_model, p: int, numels: Sequence[int], buc
         horovod_latency: seconds each Horovod collective waits besides its α-β time
             (:func:`predict_step_seconds`).
         point_to_point: whether the ranks can message each other through MPI; without it,
-            candidates that need to (``needs_point_to_point``: gtopk, twophase) are left out.
+            candidates whose transport needs to (gtopk, twophase) are left out.
 
     Returns:
-        ``(chosen compressor, {label: predicted seconds})`` (labels such as ``"gtopk
+        ``(chosen method, {label: predicted seconds})`` (labels such as ``"gtopk
         (sparse-allreduce)"``; candidates whose bytes depend on the data are left out).
     """
     predicted = {}
@@ -372,7 +518,8 @@ def choose_transport(compression, cost_model, p: int, numels: Sequence[int], buc
     if best_s is not None:
         predicted[_label(compression)] = best_s
     for cand in transport_candidates(compression)[1:]:
-        if cand.needs_point_to_point and not point_to_point:
+        route = step_route_of(cand)
+        if route is not None and route.needs_point_to_point and not point_to_point:
             continue
         sec = predict_step_seconds(cand, cost_model, p, numels, bucket_bytes, horovod_latency)
         if sec is None:

@@ -22,6 +22,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from hvdcomp.comm.step import StepComm
+from hvdcomp.compressors import PayloadKind
 from hvdcomp.compressors import simulated_world
 from hvdcomp.metrics import PhaseTimer
 
@@ -186,8 +187,9 @@ class SimulatedRanks:
         nothing, and every rank holds the same payloads).
         """
         comp0 = self.comps[0]
-        if comp0.summable:
-            reduced = [horovod_allreduce([enc[0][i] for enc in encoded], comp0.allreduce_op)
+        if comp0.payload_kind is not PayloadKind.GATHERED:
+            op = "sum" if comp0.payload_kind is PayloadKind.SUM else "average"
+            reduced = [horovod_allreduce([enc[0][i] for enc in encoded], op)
                        for i in range(len(encoded[0][0]))]
             outs = []
             for r, comp in enumerate(self.comps):

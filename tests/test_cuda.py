@@ -45,7 +45,7 @@ def test_stage_and_split_on_cuda():
 
 
 # ---- issue 16's kernels: the CUDA path is the torch kernels; the CPU reference is native ----------
-DECODE_SPECS = ["qsgd:levels=127", "qsgd:levels=16,bucket=100", "qsgd:levels=4,scale=max", "terngrad",
+DECODE_SPECS = ["qsgd:levels=127", "qsgd:levels=16,block=100", "qsgd:levels=4,scale=max", "terngrad",
                 "efsignsgd", "signsgd", "signsgd:vote=allgather", "topk:density=0.01",
                 "topk:density=0.01,select=sample", "dgc:density=0.01", "randomk:density=0.01"]
 
@@ -69,7 +69,7 @@ def test_cuda_aggregate_of_cpu_payloads_equals_cpu(spec):
     assert torch.allclose(gpu.cpu(), cpu, rtol=1e-5, atol=1e-6), spec
 
 
-@pytest.mark.parametrize("spec", ["qsgd:levels=16,bucket=64", "qsgd:levels=127,bucket=64", "terngrad"])
+@pytest.mark.parametrize("spec", ["qsgd:levels=16,block=64", "qsgd:levels=127,block=64", "terngrad"])
 def test_cuda_quantizers_unbiased(spec):
     v = torch.randn(256, generator=torch.Generator().manual_seed(2)).cuda()
     comp = hvdcomp.get_compressor(spec)
@@ -98,7 +98,7 @@ def _horovod_gpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _horovod_gpu(),
                     reason="needs a GPU and Horovod built with GPU operations (HOROVOD_GPU_OPERATIONS=NCCL)")
-@pytest.mark.parametrize("spec", ["none", "topk:density=0.3", "dgc:density=0.3", "powersgd:rank=1"])
+@pytest.mark.parametrize("spec", ["none", "topk:density=0.3", "dgc:density=0.3", "powersgd:matrix_rank=1"])
 def test_optimizer_end_to_end_on_cuda_matches_cpu(spec):
     """2 ranks on the GPU(s) train 3 steps; parameters match the same run on the CPU, and the
     phase timer used CUDA events (no synchronisation inside the gradient hooks)."""

@@ -79,7 +79,7 @@ def test_qsgd_native_codes_round_to_a_neighbouring_level(levels, bucket, n, scal
     """Native payload, read back with the torch unpacker: every code is floor(r) or floor(r)+1
     with r = s·|x|/scale and the sign of x; scales are the bucket norms (float64, as torch)."""
     x = torch.randn(n, generator=gen(n)) * torch.rand(n, generator=gen(n + 1)).mul(4).exp()
-    comp, (scales, packed), _ = encode(f"qsgd:levels={levels},bucket={bucket},scale={scale}", x)
+    comp, (scales, packed), _ = encode(f"qsgd:levels={levels},block={bucket},scale={scale}", x)
     assert packed.numel() == math.ceil(n * comp.bits / 8) and scales.numel() == math.ceil(n / bucket)
     padded = torch.nn.functional.pad(x, (0, (-n) % bucket)).view(-1, bucket)
     ref = padded.double().norm(dim=1).float() if scale == "l2" else padded.abs().amax(dim=1)
@@ -95,7 +95,7 @@ def test_qsgd_native_codes_round_to_a_neighbouring_level(levels, bucket, n, scal
 @pytest.mark.parametrize("levels,bucket,n", QSGD_CASES)
 def test_qsgd_decode_and_aggregate_native_equal_torch(levels, bucket, n):
     x = torch.randn(n, generator=gen(2 * n))
-    comp, p1, ctx = encode(f"qsgd:levels={levels},bucket={bucket}", x)
+    comp, p1, ctx = encode(f"qsgd:levels={levels},block={bucket}", x)
     p2, _ = comp.encode(x * 3, "w")
     p3, _ = comp.encode(-x, "w")
     for payloads in ([p1], [p1, p2, p3]):
@@ -113,12 +113,12 @@ def test_qsgd_native_is_deterministic_and_independent_of_threads():
     payloads = []
     for t in (1, 2, 3):
         torch.set_num_threads(t)
-        comp = hvdcomp.get_compressor("qsgd:levels=16,bucket=100")
+        comp = hvdcomp.get_compressor("qsgd:levels=16,block=100")
         payloads.append(comp.encode(x, "w")[0])
     torch.set_num_threads(threads)
     for p in payloads[1:]:
         assert all(torch.equal(a, b) for a, b in zip(payloads[0], p))
-    comp = hvdcomp.get_compressor("qsgd:levels=16,bucket=100")
+    comp = hvdcomp.get_compressor("qsgd:levels=16,block=100")
     first, second = comp.encode(x, "w")[0][1], comp.encode(x, "w")[0][1]
     assert not torch.equal(first, second)          # a new key per call: new draws
 
@@ -127,7 +127,7 @@ def test_qsgd_native_is_deterministic_and_independent_of_threads():
 def test_qsgd_unbiased_both_kernels(kernels, levels):
     """E[Q(v)] = v per element (3.5 standard errors, 97 % of the elements), both kernel sets."""
     v = torch.randn(300, generator=gen(levels))
-    comp = hvdcomp.get_compressor("qsgd", levels=levels, bucket=64)
+    comp = hvdcomp.get_compressor("qsgd", levels=levels, block=64)
     outs = torch.stack([comp.decode(*comp.encode(v, "w")) for _ in range(3000)]).double()
     se = outs.std(0) / math.sqrt(len(outs)) + 1e-12
     assert ((outs.mean(0) - v.double()).abs() <= 3.5 * se + 1e-9).float().mean() >= 0.97
@@ -146,7 +146,7 @@ def test_qsgd_rounding_variance_and_independence_both_kernels(kernels):
     errors = {}
     for r in (0, 1):
         with simulated_world(2, r):
-            comp = hvdcomp.get_compressor("qsgd", levels=s, bucket=d)
+            comp = hvdcomp.get_compressor("qsgd", levels=s, block=d)
             errors[r] = torch.stack([comp.decode(*comp.encode(v, "w")) - v for _ in range(calls)]).double()
     vb = v.double().view(-1, d)
     r_ = vb.abs() / vb.norm(dim=1, keepdim=True) * s
@@ -165,7 +165,7 @@ def test_qsgd_rounding_variance_and_independence_both_kernels(kernels):
 
 
 def test_qsgd_special_inputs_both_kernels(kernels):
-    comp = hvdcomp.get_compressor("qsgd:levels=127,bucket=4")
+    comp = hvdcomp.get_compressor("qsgd:levels=127,block=4")
     zeros = torch.zeros(10)
     assert torch.equal(comp.decode(*comp.encode(zeros, "w")), zeros)
     big = torch.tensor([3e38, -3e38, 3e38, -3e38, 1.0, -1.0, 0.0])
@@ -182,7 +182,7 @@ def test_qsgd_special_inputs_both_kernels(kernels):
 
 
 def test_decode_into_other_dtype_and_layout(kernels):
-    comp, payload, ctx = encode("qsgd:levels=16,bucket=8", torch.randn(6, 4, generator=gen(4)))
+    comp, payload, ctx = encode("qsgd:levels=16,block=8", torch.randn(6, 4, generator=gen(4)))
     ref = comp.decode(payload, ctx)
     half = torch.empty(6, 4, dtype=torch.float16)
     comp.decode_into(half, payload, ctx)

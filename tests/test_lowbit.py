@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import hvdcomp
+from hvdcomp.compressors import PayloadKind
 import hvdcomp.compressors.lowbit  # noqa: F401  (registers "lowbit")
 from hvdcomp.compressors import simulated_world
 from hvdcomp.compressors.lowbit import LowBitCompressor, LowBitQuantizer
@@ -361,7 +362,7 @@ def test_registry_flags_and_describe():
     assert comp.describe() == {"name": "lowbit", "bits": 4, "block": 512, "beta": 0.0}
     assert hvdcomp.get_compressor("lowbit:bits=8,block=64,beta=0.25").describe() == \
         {"name": "lowbit", "bits": 8, "block": 64, "beta": 0.25}
-    assert (comp.summable, comp.aggregate_is_mean, comp.builtin_error_feedback, comp.has_scaled_state,
+    assert (comp.payload_kind is not PayloadKind.GATHERED, comp.aggregate_is_mean, comp.builtin_error_feedback, comp.has_scaled_state,
             comp.elementwise, comp.segmentable, comp.shared_state_keys) == (False, True, True, True, False,
                                                                             False, ())
     assert type(hvdcomp.get_compressor("lowbit:ef=false")) is LowBitCompressor

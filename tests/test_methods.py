@@ -6,13 +6,14 @@ import pytest
 import torch
 
 import hvdcomp
+from hvdcomp.compressors import PayloadKind
 from hvdcomp.compressors import bitpack
 from hvdcomp.compressors.randomk import shared_seed
 from hvdcomp.compressors.topk import num_kept
 
 ALL_SPECS = ["none", "fp16", "bf16", "topk:density=0.1", "randomk:density=0.1",
              "randomk:density=0.1,ef=false", "threshold:threshold=0.5", "dgc:density=0.1",
-             "qsgd:levels=4,bucket=8", "qsgd:levels=64,scale=max", "terngrad", "signsgd",
+             "qsgd:levels=4,block=8", "qsgd:levels=64,scale=max", "terngrad", "signsgd",
              "signsgd:vote=allgather", "efsignsgd", "sidco:density=0.1", "sbc:density=0.1",
              "lowbit:bits=4,block=8", "adaptive:base=topk,budget=0.1,every=1"]
 
@@ -77,7 +78,7 @@ def test_randomk_is_k_contraction_in_expectation():
 def test_randomk_payload_is_values_only():
     comp = hvdcomp.get_compressor("randomk:density=0.05")
     payload, _ = comp.encode(torch.randn(1000), "w")
-    assert len(payload) == 1 and payload[0].numel() == 50 and comp.summable
+    assert len(payload) == 1 and payload[0].numel() == 50 and comp.payload_kind is PayloadKind.MEAN
 
 
 # ---- QSGD -------------------------------------------------------------------------------------
@@ -85,7 +86,7 @@ def test_randomk_payload_is_values_only():
 def test_qsgd_unbiased_and_variance_bound(levels, bucket, scale):
     g = torch.Generator().manual_seed(levels)
     v = torch.randn(bucket, generator=g)
-    comp = hvdcomp.get_compressor("qsgd", levels=levels, bucket=bucket, scale=scale)
+    comp = hvdcomp.get_compressor("qsgd", levels=levels, block=bucket, scale=scale)
     outs = torch.stack([roundtrip(comp, v)[1] for _ in range(4000)]).double()
     mean, se = outs.mean(0), outs.std(0) / math.sqrt(len(outs)) + 1e-12
     assert ((mean - v.double()).abs() <= 3.5 * se + 1e-9).float().mean() >= 0.97
@@ -96,7 +97,7 @@ def test_qsgd_unbiased_and_variance_bound(levels, bucket, scale):
 
 
 def test_qsgd_wire_format_and_levels():
-    comp = hvdcomp.get_compressor("qsgd:levels=16,bucket=10")
+    comp = hvdcomp.get_compressor("qsgd:levels=16,block=10")
     x = torch.randn(25)
     (scales, packed), out = roundtrip(comp, x)
     assert comp.bits == 6 and scales.numel() == 3 and packed.numel() == math.ceil(25 * 6 / 8)
@@ -112,7 +113,7 @@ def test_qsgd_wire_format_and_levels():
 
 
 def test_qsgd_all_negative_bucket_uses_magnitude():
-    comp = hvdcomp.get_compressor("qsgd:levels=2,bucket=4,scale=max")
+    comp = hvdcomp.get_compressor("qsgd:levels=2,block=4,scale=max")
     x = torch.tensor([-1.0, -2.0, -4.0, -0.5])
     outs = torch.stack([roundtrip(comp, x)[1] for _ in range(200)])
     assert (outs <= 0).all() and outs.min() == -4.0
@@ -150,7 +151,7 @@ def test_sign_majority_vote_equals_elementwise_majority(vote):
     ranks = [torch.randn(41, generator=g) for _ in range(4)]
     ranks[0][:5] = 0.0                                       # sign(0) = +1
     payloads, ctx = zip(*[comp.encode(r) for r in ranks])
-    if comp.summable:   # what Horovod's int32 allreduce-sum produces
+    if comp.payload_kind is PayloadKind.SUM:   # what Horovod's int32 allreduce-sum produces
         agg = comp.decode([sum(p[0] for p in payloads)], ctx[0])
     else:
         agg = comp.aggregate(list(payloads), ctx[0])
@@ -238,7 +239,7 @@ def test_state_dict_roundtrip_is_bit_identical(spec):
 
 
 @pytest.mark.parametrize("spec,match", [
-    ("qsgd:levels=0", "levels"), ("qsgd:bucket=0", "bucket"), ("qsgd:scale=signed", "scale"),
+    ("qsgd:levels=0", "levels"), ("qsgd:block=0", "bucket"), ("qsgd:scale=signed", "scale"),
     ("dgc:momentum=-0.1", "momentum"), ("dgc:warmup_epochs=-1", "warmup_epochs"),
     ("dgc:sample_ratio=0", "sample_ratio"), ("randomk:density=2", "density"),
     ("signsgd:vote=maybe", "vote"), ("terngrad:clip_sigmas=-1", "clip_sigmas"),

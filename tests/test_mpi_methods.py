@@ -57,14 +57,14 @@ def expected_bytes_sent(spec):
         return sum(comp.wire_bytes(n) + 16 for n in SIZES)
     if spec == "bf16":  # a cast: the bucket's gradients (all 9 here) are one payload (fuse_tensors)
         return 2 * sum(SIZES) + 8
-    if spec == "powersgd:rank=2":   # embedding 10000x100 and LSTM 400x100 matrices at r = 2; biases dense
+    if spec == "powersgd:matrix_rank=2":   # embedding 10000x100 and LSTM 400x100 matrices at r = 2; biases dense
         return 4 * (2 * (10000 + 100) + 4 * 2 * (400 + 100) + 4 * 400)
     return None
 
 
 LM_SPECS = ["fp16", "bf16", "randomk:density=0.01", "randomk:density=0.01,ef=false",
-            "threshold:threshold=0.001", "dgc:density=0.01,warmup_epochs=1", "qsgd:levels=16,bucket=512",
-            "terngrad", "signsgd", "efsignsgd", "powersgd:rank=2", "gtopk:density=0.01", "cltk:density=0.01",
+            "threshold:threshold=0.001", "dgc:density=0.01,warmup_epochs=1", "qsgd:levels=16,block=512",
+            "terngrad", "signsgd", "efsignsgd", "powersgd:matrix_rank=2", "gtopk:density=0.01", "cltk:density=0.01",
             "twophase", "sidco:density=0.01", "sbc:density=0.01", "lowbit:bits=4",
             "adaptive:base=topk,budget=0.01,every=2"]
 

@@ -31,12 +31,12 @@ def rel_err(out, ref):
 
 # ---- PowerSGD: the issue's failing inputs -------------------------------------------------------
 def test_fresh_compressor_recovers_the_rank1_gradient():
-    assert rel_err(single(hvdcomp.get_compressor("powersgd", rank=1), G), G) < 1e-6
+    assert rel_err(single(hvdcomp.get_compressor("powersgd", matrix_rank=1), G), G) < 1e-6
 
 
 def test_all_zero_gradient_does_not_stop_updates():
     """Issue input: rank 1, one all-zero gradient, then three steps of G; was 1.0 on each."""
-    comp = hvdcomp.get_compressor("powersgd", rank=1)
+    comp = hvdcomp.get_compressor("powersgd", matrix_rank=1)
     assert torch.equal(single(comp, torch.zeros(8, 8)), torch.zeros(8, 8))
     for _ in range(3):
         assert rel_err(single(comp, G), G) < 1e-4
@@ -49,7 +49,7 @@ def test_rank_above_the_gradients_rank_still_recovers_it(matrix_rank):
     orthogonal to the first, P·Pᵀ was no projection, and rank 2 sent up to 2·G (relative error
     0.01 to 1 depending on the seed); re-orthogonalising recovers G on every seed."""
     for seed in range(12):
-        comp = hvdcomp.get_compressor("powersgd", rank=matrix_rank, seed=seed)
+        comp = hvdcomp.get_compressor("powersgd", matrix_rank=matrix_rank, seed=seed)
         assert rel_err(single(comp, G), G) < 1e-5, seed
         const = torch.full((16, 12), 0.7)
         assert rel_err(single(comp, const, name="c"), const) < 1e-5, seed
@@ -74,7 +74,7 @@ def test_zero_steps_on_every_rank_then_recovery(zero_steps, matrix_rank):
     low = torch.randn(10, matrix_rank, generator=gen) @ torch.randn(matrix_rank, 7, generator=gen)
     grads = [(1 + i / 4) * low for i in range(4)]
     mean = sum(g.double() for g in grads) / 4
-    sim = SimulatedRanks(lambda: hvdcomp.get_compressor("powersgd", rank=matrix_rank), 4)
+    sim = SimulatedRanks(lambda: hvdcomp.get_compressor("powersgd", matrix_rank=matrix_rank), 4)
     for _ in range(zero_steps):
         outs = sim.reduce_batch([[("w", torch.zeros(10, 7))]] * 4)
         assert all(torch.equal(o[0], torch.zeros(10, 7)) for o in outs)
@@ -86,7 +86,7 @@ def test_zero_steps_on_every_rank_then_recovery(zero_steps, matrix_rank):
 
 @pytest.mark.parametrize("bad", ["zeros", "nan", "one_zero_column", "wrong_shape"])
 def test_restored_degenerate_state_is_repaired(bad):
-    comp = hvdcomp.get_compressor("powersgd", rank=2)
+    comp = hvdcomp.get_compressor("powersgd", matrix_rank=2)
     # a fixed Q: one power iteration per step from a random start converges within two steps
     # to 1e-4 for all but about 1 in 3000 starts (seed 1030 of the global generator is one)
     q = torch.randn(8, 2, generator=torch.Generator().manual_seed(0))
@@ -110,7 +110,7 @@ def test_restored_degenerate_state_is_repaired(bad):
 def test_redraw_is_identical_on_every_rank():
     """The repair draws from the shared generator only when the agreed Q is degenerate, so the
     generators stay in step: after a zero step, ranks keep producing bit-identical results."""
-    sim = SimulatedRanks(lambda: hvdcomp.get_compressor("powersgd", rank=2), 3)
+    sim = SimulatedRanks(lambda: hvdcomp.get_compressor("powersgd", matrix_rank=2), 3)
     sim.reduce_batch([[("a", torch.zeros(6, 5)), ("b", torch.randn(9, 4))]] * 3)
     gen = torch.Generator().manual_seed(0)
     outs = sim.reduce_batch([[("a", torch.randn(6, 5, generator=gen)), ("b", torch.randn(9, 4, generator=gen))]
@@ -124,7 +124,7 @@ def test_redraw_is_identical_on_every_rank():
 def test_tiny_and_huge_gradients_as_accurate_as_normal(scale):
     """Issue input: G scaled by 1e-25 reconstructed with norm ~2.8e6 before. Exact rank 1 is
     recovered to float32 rounding at any scale."""
-    comp = hvdcomp.get_compressor("powersgd", rank=1)
+    comp = hvdcomp.get_compressor("powersgd", matrix_rank=1)
     out = single(comp, G * scale)
     assert torch.isfinite(out).all()
     assert rel_err(out, G.double() * scale) < 1e-5
@@ -137,7 +137,7 @@ def test_relative_error_does_not_depend_on_scale(matrix_rank):
     m = torch.randn(20, 12, generator=torch.Generator().manual_seed(7))
     errs = {}
     for scale in (1.0, 1e-25, 1e30):
-        comp = hvdcomp.get_compressor("powersgd", rank=matrix_rank)
+        comp = hvdcomp.get_compressor("powersgd", matrix_rank=matrix_rank)
         outs = [single(comp, m * scale) for _ in range(2)]
         errs[scale] = [rel_err(o, m.double() * scale) for o in outs]
     assert errs[1.0][1] > 0.2   # a real approximation, not a trivial case

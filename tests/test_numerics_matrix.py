@@ -36,8 +36,7 @@ import hvdcomp
 from hvdcomp.compressors.dgc import DGCCompressor
 from hvdcomp.compressors.fp16 import PROBE
 from hvdcomp.compressors.lowbit import LowBitCompressor
-from hvdcomp.compressors.flatbatch import FlatBatchCompressor
-from hvdcomp.compressors.powersgd import PowerSGDCompressor
+from hvdcomp.transports import FlatStepMethod, PowerSGDCompressor, StepMethod
 from hvdcomp.compressors.topk import num_kept
 from hvdcomp.memory import ErrorFeedback
 from tests.simworld import SimulatedRanks
@@ -108,7 +107,7 @@ def compensated(comp, g: torch.Tensor, name: str) -> torch.Tensor:
         return g.to(torch.float32) + comp.error[name].reshape(g.shape)
     if isinstance(comp, LowBitCompressor) and name in comp.residuals:
         return g.to(torch.float32) + comp.residuals[name]
-    if isinstance(comp, FlatBatchCompressor) and name in comp.residual:
+    if isinstance(comp, FlatStepMethod) and name in comp.residual:
         return g.to(torch.float32) + comp.residual[name]
     return g
 
@@ -154,7 +153,7 @@ def bound_threshold(c: Cell) -> float:
 
 def bound_qsgd(c: Cell) -> float:
     q = inner(c.comp)
-    return math.sqrt(min(q.bucket, c.n)) / q.levels + fp32_sum(c)
+    return math.sqrt(min(q.block, c.n)) / q.levels + fp32_sum(c)
 
 
 def bound_terngrad(c: Cell) -> float:
@@ -187,7 +186,7 @@ def bound_powersgd(c: Cell) -> float:
         return fp32_sum(c)
     mean = torch.stack(c.ps).mean(0).reshape(SHAPE)
     s = torch.linalg.svdvals(mean)
-    if int((s > 1e-6 * s[0]).sum()) <= comp.rank:   # rank(m) <= r: recovered to float32 rounding
+    if int((s > 1e-6 * s[0]).sum()) <= comp.matrix_rank:   # rank(m) <= r: recovered to float32 rounding
         return 1e-5
     return 1.0 + 1e-5       # a projection of the mean onto span(P): never longer than the mean
 
@@ -242,7 +241,7 @@ ROWS = [
     Row("signsgd", "signsgd:ef=true", "on", lambda c: 0.0, "0", "sign(0) = +1", steps=2),
     Row("efsignsgd", "efsignsgd:ef=false", "off", bound_efsign, "√(1 − 1/n) + (N+2)·2⁻²⁴", "all-zero tensor"),
     Row("efsignsgd", "efsignsgd", "on", bound_efsign, "√(1 − 1/n) + (N+2)·2⁻²⁴", "all-zero tensor", steps=2),
-    Row("powersgd", "powersgd:rank=2", "built in", bound_powersgd,
+    Row("powersgd", "powersgd:matrix_rank=2", "built in", bound_powersgd,
         "10⁻⁵ if rank(m) ≤ r (exact recovery), else 1 + 10⁻⁵ (P·Pᵀ·m: a projection of the mean); "
         "uncompressed shapes (N+2)·2⁻²⁴", "all-zero tensor", steps=2),
     # C(p) keeps some entries of p (SIDCo: those above a fitted threshold) and zeroes the rest
@@ -285,7 +284,7 @@ def run_cell(row: Row, kind: str, dtype_name: str, world: int) -> List[dict]:
     dtype = DTYPES[dtype_name]
     grads = rank_inputs(kind, dtype, world)
     sim = SimulatedRanks(lambda: hvdcomp.get_compressor(row.spec), world)
-    batched = sim.comps[0].batched
+    batched = isinstance(sim.comps[0], StepMethod)
     records = []
     for step in range(row.steps):
         ps = [compensated(c, g, "w").double() for c, g in zip(sim.comps, grads)]

@@ -73,7 +73,7 @@ EXTREMES = [(torch.float32, 1e-30), (torch.float32, 1e30), (torch.float16, 1.0),
 def test_qsgd_aggregate_is_unbiased_at_extremes(dtype, magnitude):
     gen = torch.Generator().manual_seed(0)
     grads = [(torch.randn(24, generator=gen) * magnitude).to(dtype) for _ in range(4)]
-    samples = aggregates("qsgd:levels=2,bucket=8", grads, 250)
+    samples = aggregates("qsgd:levels=2,block=8", grads, 250)
     expected = torch.stack(grads).double().mean(0)
     assert within_standard_errors(samples, expected) >= 0.95
     # QSGD's variance bound per rank, min(d/s^2, sqrt(d)/s)·||v||^2 with d = 8, s = 2, averaged
@@ -116,7 +116,7 @@ def test_default_aggregate_accumulates_float16_decodes_in_float32():
 
 def test_powersgd_output_saturates_for_float16_gradients():
     """With the error added, P·Qᵀ can exceed a float16 gradient's range: it was cast to inf."""
-    sim = SimulatedRanks(lambda: hvdcomp.get_compressor("powersgd", rank=1), 2)
+    sim = SimulatedRanks(lambda: hvdcomp.get_compressor("powersgd", matrix_rank=1), 2)
     g = torch.full((16, 12), 6e4, dtype=torch.float16)
     g[0, 0] = -6e4                                  # not rank 1: the error term is not zero
     for _ in range(3):

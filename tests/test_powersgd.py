@@ -25,7 +25,7 @@ def run(comp, named, steps=1):
 def test_rank_r_matrix_recovered_after_warm_start():
     g = torch.Generator().manual_seed(0)
     m = torch.randn(40, 3, generator=g) @ torch.randn(3, 25, generator=g)
-    comp = hvdcomp.get_compressor("powersgd:rank=3")
+    comp = hvdcomp.get_compressor("powersgd:matrix_rank=3")
     for _ in range(3):                                  # the same gradient each step, EF on
         out = run(comp, [("w", m)])[0]
     assert ((out - m).norm() / m.norm()).item() < 1e-5
@@ -35,7 +35,7 @@ def test_rank_r_matrix_recovered_after_warm_start():
 
 def test_error_feedback_telescopes_float64():
     gen = torch.Generator().manual_seed(1)
-    comp = hvdcomp.get_compressor("powersgd:rank=1")
+    comp = hvdcomp.get_compressor("powersgd:matrix_rank=1")
     grads = [torch.randn(12, 9, generator=gen, dtype=torch.float64) for _ in range(6)]
     sent = torch.zeros(12, 9, dtype=torch.float64)
     for grad in grads:
@@ -45,7 +45,7 @@ def test_error_feedback_telescopes_float64():
 
 
 def test_uncompressed_tensors_are_exact():
-    comp = hvdcomp.get_compressor("powersgd:rank=4")
+    comp = hvdcomp.get_compressor("powersgd:matrix_rank=4")
     bias, small = torch.randn(7), torch.randn(3, 4)            # 1-D, and (3+4)*3 >= 12
     out = run(comp, [("b", bias), ("s", small)])
     assert torch.equal(out[0], bias) and torch.equal(out[1], small)
@@ -71,7 +71,7 @@ def test_powersgd_refuses_per_tensor_use_and_bad_rank():
     with pytest.raises(TypeError, match="reduce_batch"):
         comp.encode(torch.ones(3, 3), "w")
     with pytest.raises(ValueError, match="rank"):
-        hvdcomp.get_compressor("powersgd:rank=0")
+        hvdcomp.get_compressor("powersgd:matrix_rank=0")
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

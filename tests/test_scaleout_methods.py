@@ -250,7 +250,7 @@ def test_twophase_matches_a_dense_reference_and_conserves_mass(size):
             torch.testing.assert_close(c.server["cpu"], server[r], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("base", ["qsgd:levels=4,bucket=8", "terngrad", "efsignsgd"])
+@pytest.mark.parametrize("base", ["qsgd:levels=4,block=8", "terngrad", "efsignsgd"])
 def test_twophase_bytes_do_not_grow_with_ranks(base):
     """Per rank: 2·(p−1)/p of the whole model's payload B plus size headers, whatever p is (an
     allgather of the quantizer would move (p−1)·B)."""

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import hvdcomp
+from hvdcomp.compressors import PayloadKind
 from hvdcomp.compressors.base import simulated_world
 from hvdcomp.compressors.segments import Segments
 from hvdcomp.plan import TransportPlan, fuse_units
@@ -31,7 +32,7 @@ def _average(payloads):
 
 def _reduce(comp, rank, payloads, ctx):
     with simulated_world(WORLD, rank):
-        if comp.summable:
+        if comp.payload_kind is not PayloadKind.GATHERED:
             return comp.decode(_average(payloads), ctx)
         return comp.aggregate(payloads, ctx)
 

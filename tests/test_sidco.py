@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import hvdcomp
+from hvdcomp.compressors import PayloadKind
 import hvdcomp.compressors.sidco  # noqa: F401  (registers "sidco")
 from hvdcomp.compressors.sidco import (
     SIDCoCompressor,
@@ -48,7 +49,7 @@ def test_registered_with_error_feedback_and_described():
     assert comp.describe() == {"name": "sidco", "density": 0.05, "dist": "gamma", "stages": 2,
                                "tolerance": 0.1, "index": "compact"}
     assert comp.nominal_ratio(1000) is None and comp.expected_payload_bytes(1000) is None
-    assert not comp.summable and comp.aggregate_is_mean
+    assert comp.payload_kind is PayloadKind.GATHERED and comp.aggregate_is_mean
 
 
 # ---- stage 1 against closed forms -----------------------------------------------------------------

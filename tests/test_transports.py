@@ -8,7 +8,7 @@ import torch
 import hvdcomp
 import hvdcomp.transports
 from hvdcomp.metrics import PhaseTimer
-from hvdcomp.transports import AllgatherTransport, Units
+from hvdcomp.transports import AllgatherTransport, Units, Wiring
 
 
 class RecordingGatherer:
@@ -27,33 +27,43 @@ class RecordingGatherer:
         return [handle.tensors] * self.ranks
 
 
+class RecordingCompressor:
+    """The compressor, with the order of its encode calls recorded (by unit name)."""
+
+    def __init__(self, comp, names):
+        self.comp, self.names, self.encoded = comp, names, []
+
+    def encode(self, tensor, name, segments=None):
+        self.encoded.append(self.names.index(name))
+        return self.comp.encode(tensor, name, segments)
+
+    def __getattr__(self, key):
+        return getattr(self.comp, key)
+
+
 def make(params, buckets):
     for p, g in zip(params, ([4.0, -1.0, 0.5, 3.0], [1.0, -2.0], [0.25, -8.0, 2.0, 1.0])):
         p.grad = torch.tensor(g)
     comp = hvdcomp.get_compressor("topk:density=0.5")
     comp.bind_group(2)
-    units = Units(params, [[0], [1], [2]], ["a", "b", "c"], [None] * 3, "t", lambda p: p.grad)
+    units = Units(params, [[0], [1], [2]], ["a", "b", "c"], [None] * 3, "t")
     timer = PhaseTimer()
-    encoded = []
-
-    def encode(u):
-        encoded.append(u)
-        return comp.encode(units.tensor(u), units.names[u])
-
+    recording = RecordingCompressor(comp, units.names)
     gatherer = RecordingGatherer(2)
-    return AllgatherTransport(gatherer, timer, comp, units, buckets, "t", encode, 1.0), gatherer, timer, encode, encoded
+    wiring = Wiring(None, timer, recording, units, "t", gatherer=gatherer, buckets=buckets)
+    return AllgatherTransport(wiring), gatherer, timer, recording.encoded
 
 
 def test_buckets_start_in_order_when_complete_and_a_flush_sends_the_rest():
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (4, 2, 4)]
-    tr, gatherer, timer, encode, encoded = make(params, [[0, 1], [2]])
+    tr, gatherer, timer, encoded = make(params, [[0, 1], [2]])
     timer.begin_step()
     assert tr.bucket_of == [0, 0, 1] and not tr.busy
-    tr.queue(1, *encode(1))          # bucket 0 still waits for unit 0
+    tr.start(1)                      # bucket 0 still waits for unit 0
     assert gatherer.calls == [] and tr.busy
-    tr.queue(0, *encode(0))          # bucket 0 complete: starts
+    tr.start(0)                      # bucket 0 complete: starts
     assert [c[0] for c in gatherer.calls] == ["t.bucket0"]
-    tr.start(flush=True)             # unit 2 never reached backward: encoded by the flush
+    tr.start(2)                      # unit 2 never reached backward: started by the flush
     assert [c[0] for c in gatherer.calls] == ["t.bucket0", "t.bucket1"] and encoded == [1, 0, 2]
     tr.finish()
     assert not tr.busy and tr.next_bucket == 0 and tr.waiting == [2, 1]
@@ -70,8 +80,8 @@ def test_buckets_start_in_order_when_complete_and_a_flush_sends_the_rest():
 
 def test_reset_drops_a_step_in_progress():
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (4, 2, 4)]
-    tr, gatherer, timer, encode, _ = make(params, [[0, 1], [2]])
-    tr.queue(1, *encode(1))
+    tr, gatherer, timer, _ = make(params, [[0, 1], [2]])
+    tr.start(1)
     tr.reset()
     assert not tr.busy and tr.waiting == [2, 1] and tr.encoded == {}
 
@@ -79,6 +89,6 @@ def test_reset_drops_a_step_in_progress():
 def test_every_route_has_a_row_in_the_transports_table():
     """The package's table of routes (what a reader adding a transport starts from) names every
     route the planner hands out, except ``local`` (one rank: nothing travels)."""
-    from hvdcomp.plan import ROUTES
+    from hvdcomp.plan import route_names
     rows = re.findall(r"^``([a-z-]+)``\s", hvdcomp.transports.__doc__, re.M)
-    assert sorted(rows) == sorted(set(ROUTES) - {"local"})
+    assert sorted(rows) == sorted(set(route_names()) - {"local"})

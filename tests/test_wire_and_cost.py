@@ -9,7 +9,7 @@ import hvdcomp
 from hvdcomp.comm.allgather import _split, _stage
 from hvdcomp.comm.costmodel import CostModel, fit_alpha_beta, measure_cost_model
 from hvdcomp.compressors.sparse import compact_index_bytes
-from hvdcomp.optimizer import make_buckets
+from hvdcomp.plan import make_buckets, step_collectives
 from hvdcomp import get_compressor
 
 
@@ -188,17 +188,17 @@ def test_aggregate_into_writes_in_place():
 def test_step_collectives_in_closed_form():
     numels, p = [1000, 10], 64
     k = [10, 1]                                        # ceil(0.01 · n) per gradient; whole model: 11
-    assert get_compressor("topk:density=0.01").step_collectives(numels, p, 8000) == [("allgather", 8.0 * 11, 2)]
-    assert get_compressor("topk:density=0.01").step_collectives(numels, p, 4000) == [("allgather", 8.0 * sum(k), 4)]
-    assert get_compressor("gtopk:density=0.01").step_collectives(numels, p, 8000) == [("sparse-allreduce", 88.0, 1)]
-    assert get_compressor("cltk:density=0.01").step_collectives(numels, p, 8000) == [("broadcast", 44.0, 1),
+    assert step_collectives(get_compressor("topk:density=0.01"), numels, p, 8000) == [("allgather", 8.0 * 11, 2)]
+    assert step_collectives(get_compressor("topk:density=0.01"), numels, p, 4000) == [("allgather", 8.0 * sum(k), 4)]
+    assert step_collectives(get_compressor("gtopk:density=0.01"), numels, p, 8000) == [("sparse-allreduce", 88.0, 1)]
+    assert step_collectives(get_compressor("cltk:density=0.01"), numels, p, 8000) == [("broadcast", 44.0, 1),
                                                                                      ("allreduce", 44.0, 1)]
     q = get_compressor("qsgd:levels=4")
     whole = q.expected_payload_bytes(1010)
-    assert get_compressor("twophase:base=qsgd,levels=4").step_collectives(numels, p, 8000) == [
+    assert step_collectives(get_compressor("twophase:base=qsgd,levels=4"), numels, p, 8000) == [
         ("alltoall", float(whole), 2), ("allgather", whole / p, 2)]
-    assert get_compressor("none").step_collectives(numels, p, 8000) == [("allreduce", 4.0 * 1010, 1)]
-    assert get_compressor("powersgd").step_collectives(numels, p, 8000) is None   # data-dependent
+    assert step_collectives(get_compressor("none"), numels, p, 8000) == [("allreduce", 4.0 * 1010, 1)]
+    assert step_collectives(get_compressor("powersgd"), numels, p, 8000) is None   # data-dependent
 
 
 def test_choose_transport_hand_worked():
@@ -221,19 +221,19 @@ def test_choose_transport_hand_worked():
     # no candidates for top-k without error feedback (gtopk and cltk keep residuals) or DGC
     assert [c.name for c in transport_candidates(get_compressor("topk:density=0.01,ef=false"))] == ["topk"]
     assert [c.name for c in transport_candidates(get_compressor("dgc:density=0.01"))] == ["dgc"]
-    cands = transport_candidates(get_compressor("qsgd:levels=16,bucket=256"))
+    cands = transport_candidates(get_compressor("qsgd:levels=16,block=256"))
     assert [c.name for c in cands] == ["qsgd", "twophase"]
-    assert cands[1].describe()["base"] == get_compressor("qsgd:levels=16,bucket=256,ef=false").describe()
+    assert cands[1].describe()["base"] == get_compressor("qsgd:levels=16,block=256,ef=false").describe()
 
 
 def test_step_collectives_follow_the_optimizer_routing_and_skip_empty_gradients():
     # density 0.5: 500 entries of 8 B = 4000 B per rank against a 4000 B dense tensor; with beta
     # only, allgather (p-1)·4000 > allreduce 2(p-1)/p·4000: the optimizer would decode and allreduce
     top = get_compressor("topk:density=0.5")
-    assert top.step_collectives([1000], 8, 8000, CostModel(0.0, 1e-9)) == [("allreduce", 4000.0, 1)]
-    assert top.step_collectives([1000], 8, 8000) == [("allgather", 4000.0, 2)]   # no cost model: as sent
+    assert step_collectives(top, [1000], 8, 8000, CostModel(0.0, 1e-9)) == [("allreduce", 4000.0, 1)]
+    assert step_collectives(top, [1000], 8, 8000) == [("allgather", 4000.0, 2)]   # no cost model: as sent
     q = get_compressor("qsgd:levels=4")
-    assert q.step_collectives([1000, 0, 1000], 2, 8000) == q.step_collectives([1000, 1000], 2, 8000)
+    assert step_collectives(q, [1000, 0, 1000], 2, 8000) == step_collectives(q, [1000, 1000], 2, 8000)
 
 
 def test_choose_transport_prices_horovod_waits_and_needs_point_to_point():

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import abc
 import logging
-import os
+import sys
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, List, Sequence
 
@@ -229,9 +230,6 @@ class MPIAllgatherer(Allgatherer):
         try:
             self._exchange(h, counts)
         except BaseException:
-            import sys
-            import traceback
-
             sys.stderr.write(f"hvdcomp: the allgather thread failed on rank {self.comm.Get_rank()} "
                              f"of {self.size}; aborting the job so that no rank waits forever:\n")
             traceback.print_exc(file=sys.stderr)
@@ -345,52 +343,3 @@ class HorovodAllgatherer(Allgatherer):
         root = self.process_set.ranks[0] if self.process_set.ranks else 0
         return self.hvd.broadcast(t, root_rank=root, name="hvdcomp.agree",
                                   process_set=self.process_set).numpy()
-
-
-def make_allgatherer(prefer: str = "auto", group=None) -> Allgatherer:
-    """Pick the allgather transport.
-
-    Args:
-        prefer: ``"auto"`` (mpi4py when Horovod runs on MPI, else Horovod allgather),
-            ``"mpi4py"``, ``"hierarchical"`` (mpi4py, node-aware:
-            :class:`hvdcomp.comm.hierarchical.HierarchicalAllgatherer`) or ``"horovod"``.
-            Overridable with ``HVDCOMP_ALLGATHER``.
-        group: a :class:`hvdcomp.comm.group.Group` (the global process set when None); the
-            transport's collectives stay inside it. Collective over the group's members.
-
-    Raises:
-        RuntimeError: ``"mpi4py"`` or ``"hierarchical"`` was asked for but Horovod is not running on MPI (e.g. started
-            with ``horovodrun --gloo``) or mpi4py's world differs from Horovod's.
-        ValueError: unknown ``prefer``.
-    """
-    import horovod.torch as hvd
-
-    from .group import Group
-
-    group = Group() if group is None else group
-    prefer = os.environ.get("HVDCOMP_ALLGATHER", prefer)
-    if prefer not in ("auto", "mpi4py", "hierarchical", "horovod"):
-        raise ValueError(f"allgather transport must be auto, mpi4py, hierarchical or horovod, got {prefer!r}")
-    if prefer == "horovod":
-        return HorovodAllgatherer(group.process_set)
-    if hvd.mpi_enabled():
-        try:
-            from mpi4py import MPI
-
-            if MPI.COMM_WORLD.Get_size() != hvd.size():
-                reason = f"MPI world size {MPI.COMM_WORLD.Get_size()} != Horovod size {hvd.size()}"
-            elif prefer == "hierarchical":
-                from .hierarchical import HierarchicalAllgatherer
-
-                return HierarchicalAllgatherer(comm=group.mpi_comm())
-            else:
-                return MPIAllgatherer(comm=group.mpi_comm())
-        except ImportError as exc:
-            reason = f"mpi4py is not importable ({exc})"
-    else:
-        reason = "Horovod is not running on MPI (e.g. horovodrun --gloo)"
-    if prefer in ("mpi4py", "hierarchical"):
-        raise RuntimeError(f"the {prefer} allgather path is unusable: {reason}. Launch with mpirun or "
-                           "horovodrun --mpi, or use allgather='horovod'.")
-    log.info("hvdcomp: sparse payloads use Horovod allgather: %s", reason)
-    return HorovodAllgatherer(group.process_set)

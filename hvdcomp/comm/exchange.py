@@ -1,7 +1,7 @@
 """Byte messages among the ranks of a group over mpi4py: point to point, all-to-all, allgather.
 
 The scale-out transports (:mod:`hvdcomp.comm.sparse_allreduce`, the compressed allreduce of
-:mod:`hvdcomp.compressors.twophase`) move variable-size byte messages; this module is their one
+:mod:`hvdcomp.transports.twophase`) move variable-size byte messages; this module is their one
 MPI layer, and the :class:`PointToPoint` protocol is what they need (tests run them on simulated
 ranks in threads, ``tests/simworld.py``). Payloads of several tensors travel as one message with
 :func:`pack_payload` / :func:`unpack_payload`.

@@ -2,7 +2,7 @@
 
 :class:`Group` wraps a Horovod process set (the global one by default): its size and this
 process's rank in it, and the few collectives the optimizer needs outside the payload transport
-(allreduce of summable payloads, object allgather and broadcast for set-up agreements). Every
+(allreduce of mean payloads, object allgather and broadcast for set-up agreements). Every
 Horovod call of the optimizer goes through here, so a process set is honoured everywhere.
 """
 from __future__ import annotations
@@ -13,11 +13,27 @@ from typing import Any, List
 
 import torch
 
-__all__ = ["Group", "HOROVOD_ALLREDUCE_DTYPES"]
+__all__ = ["Group", "HOROVOD_ALLREDUCE_DTYPES", "horovod"]
 
 # dtypes Horovod 0.28's PyTorch allreduce accepts on CPU/MPI (no bfloat16)
 HOROVOD_ALLREDUCE_DTYPES = (torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8,
                             torch.int32, torch.int64)
+
+
+def horovod():
+    """``horovod.torch``, imported now (Horovod is optional: the compressors and the DDP front-end
+    run without it).
+
+    Raises:
+        ImportError: Horovod is not installed (the message names the fix).
+    """
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        raise ImportError("hvdcomp.DistributedOptimizer needs Horovod (horovod.torch): install it with "
+                          "`make install` (scripts/install.sh builds Horovod 0.28.1), or use the DDP "
+                          "front-end (docs/ddp.md), which needs none") from exc
+    return hvd
 
 
 class Group:
@@ -40,8 +56,7 @@ class Group:
     """
 
     def __init__(self, process_set=None):
-        import horovod.torch as hvd
-
+        hvd = horovod()
         if not hvd.is_initialized():
             raise RuntimeError("Horovod is not initialised: call hvd.init() first")
         self.hvd = hvd

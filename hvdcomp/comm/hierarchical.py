@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import numpy as np
+import torch
 
 from .allgather import COUNT_BYTES, MPIAllgatherer
 from .exchange import node_ids
@@ -120,7 +121,5 @@ class HierarchicalAllgatherer(MPIAllgatherer):
 
 
 def _itemsize(dtype) -> int:
-    import torch
-
     return torch.empty((), dtype=dtype).element_size()
 

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from .base import Compressor
-from .registry import get_compressor, register
+from .registry import compressor_class, create, register
 from .topk import check_density
 
 __all__ = ["AdaptiveCompressor", "choose_settings", "KNOBS"]
@@ -170,8 +170,6 @@ class AdaptiveCompressor(Compressor):
                              f"one knob and known payload bytes), got {base!r}")
         self.knob = KNOBS[base]
         if budget is None:  # the base method's own default setting
-            from .registry import compressor_class
-
             budget = inspect.signature(compressor_class(base).__init__).parameters[self.knob].default
         if self.knob in base_args:
             raise ValueError(f"adaptive sets {self.knob} per layer: give the uniform value as budget=, "
@@ -189,11 +187,10 @@ class AdaptiveCompressor(Compressor):
         self.budget = self.settings[self.settings.index(
             min(1.0, float(budget)) if self.knob == "density" else max(1, int(round(float(budget)))))]
         self.uniform = self.settings.index(self.budget)
-        self.methods = [get_compressor(base, ef=False, **{self.knob: s}, **base_args) for s in self.settings]
-        if any(m.batched or m.builtin_error_feedback for m in self.methods):  # pragma: no cover - KNOBS
+        self.methods = [create(base, **{self.knob: s}, **base_args) for s in self.settings]
+        if any(not isinstance(m, Compressor) or m.builtin_error_feedback for m in self.methods):  # pragma: no cover - KNOBS
             raise ValueError(f"adaptive cannot wrap '{base}'")
-        self.summable = self.methods[0].summable
-        self.allreduce_op = self.methods[0].allreduce_op
+        self.payload_kind = self.methods[0].payload_kind
         self.default_error_feedback = self.methods[0].default_error_feedback
         self.steps: Dict[str, int] = {}
         self.errors: Dict[str, tuple] = {}
@@ -302,20 +299,9 @@ class AdaptiveCompressor(Compressor):
         return self.methods[ctx[0]].residual_(p, self._split(payload, ctx), ctx[1])
 
     # ---- staged state and checkpoints ------------------------------------------------------------
-    def begin_step(self):
-        super().begin_step()
-        for m in self.methods:
-            m.begin_step()
-
-    def commit(self):
-        super().commit()
-        for m in self.methods:
-            m.commit()
-
-    def rollback(self):
-        super().rollback()
-        for m in self.methods:
-            m.rollback()
+    def staged_children(self):
+        """The candidate methods: their state is part of this method's step."""
+        return self.methods
 
     def rescale_state(self, factor):
         for m in self.methods:

@@ -1,93 +1,54 @@
-"""Base class of every hvdcomp compressor.
+"""Base classes of every hvdcomp method: :class:`Method` (state, description) and
+:class:`Compressor` (a per-tensor method: encode / decode / aggregate / residual).
 
 A compressor turns one gradient tensor into a *payload* (a list of 1-D tensors that travel) plus a
 *context* (what stays local, e.g. the shape), and back. It is a subclass of Horovod's
-``horovod.torch.compression.Compressor`` so that dense, summable compressors can be handed to a
-stock ``hvd.DistributedOptimizer(compression=...)`` unchanged; hvdcomp's own
+``horovod.torch.compression.Compressor`` so that dense, mean-payload compressors can be handed to
+a stock ``hvd.DistributedOptimizer(compression=...)`` unchanged; hvdcomp's own
 :class:`hvdcomp.DistributedOptimizer` calls the richer, name-aware :meth:`Compressor.encode` /
-:meth:`Compressor.decode` API and supports payloads that need an allgather.
+:meth:`Compressor.decode` API.
 
-Two transport kinds exist:
+A method says what its payloads *are* (:class:`PayloadKind`), never how they travel: the
+transports (:mod:`hvdcomp.transports`) each declare the payload kinds they carry, and the plan
+(:mod:`hvdcomp.plan`) picks one per gradient.
 
-* ``summable = True``: payloads of different ranks can be averaged elementwise, so Horovod
-  allreduce (``op=Average``) carries them and ``decode(average of payloads)`` is the averaged
-  gradient. ``decode`` must therefore be linear in the payload.
-* ``summable = False``: payloads differ in size or meaning per rank (top-k values and indices,
-  per-rank scales); they go through an allgather and :meth:`Compressor.aggregate` combines the
-  per-rank payloads.
+* ``PayloadKind.MEAN``: payloads of different ranks average elementwise, so
+  ``decode(mean of payloads)`` is the averaged gradient (``decode`` is linear in the payload);
+* ``PayloadKind.SUM``: payloads are summed over ranks and ``decode`` receives the sum (sign votes);
+* ``PayloadKind.GATHERED``: payloads differ in size or meaning per rank (top-k values and
+  indices, per-rank scales); every rank receives all of them and :meth:`Compressor.aggregate`
+  combines them.
 """
 from __future__ import annotations
 
 import abc
-import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+import enum
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
+
+from ..comm.world import rank, simulated_world, world_size
+from .state import StagedState
 
 try:  # Horovod is a hard runtime dependency of the optimizer, not of the compressors' maths.
     from horovod.torch.compression import Compressor as _HorovodCompressor
 except ImportError:  # pragma: no cover - exercised only where Horovod is not installed
     class _HorovodCompressor:  # type: ignore[no-redef]
-        """Stand-in so that compressors can be unit-tested without Horovod."""
+        """Stand-in so that compressors can be used without Horovod (the DDP front-end, tests)."""
 
 Payload = List[torch.Tensor]
 
-__all__ = ["Compressor", "AggregateInto", "Payload", "world_size", "rank", "simulated_world",
-           "cast_saturating", "copy_saturating_", "float32_flat", "write_back"]
-
-#: (world size, rank) set by :func:`simulated_world`; consulted before Horovod.
-_simulated: Optional[Tuple[int, int]] = None
+__all__ = ["Method", "Compressor", "PayloadKind", "AggregateInto", "Payload", "world_size", "rank",
+           "simulated_world", "cast_saturating", "copy_saturating_", "float32_flat", "write_back"]
 
 
-@contextlib.contextmanager
-def simulated_world(size: int, rank: int) -> Iterator[None]:
-    """Make :func:`world_size` and :func:`rank` return ``size`` and ``rank`` inside the block.
+class PayloadKind(str, enum.Enum):
+    """What a compressor's payloads are (see the module docstring); transports declare the kinds
+    they carry."""
 
-    For simulating N ranks in one process (the numerics tests build one compressor instance per
-    simulated rank and encode/decode each under its own ``simulated_world``). Blocks nest; the
-    previous values come back on exit. Process-wide, not per thread: simulate one rank at a time.
-
-    Raises:
-        ValueError: ``size < 1`` or ``rank`` outside ``[0, size)``.
-    """
-    global _simulated
-    if not (isinstance(size, int) and isinstance(rank, int) and size >= 1 and 0 <= rank < size):
-        raise ValueError(f"simulated_world needs an integer size >= 1 and 0 <= rank < size, got ({size!r}, {rank!r})")
-    previous, _simulated = _simulated, (size, rank)
-    try:
-        yield
-    finally:
-        _simulated = previous
-
-
-def _horovod_or(getter: str, default: int) -> int:
-    try:
-        import horovod.torch as hvd
-
-        if hvd.is_initialized():
-            return getattr(hvd, getter)()
-    except ImportError:  # pragma: no cover
-        pass
-    return default
-
-
-def world_size() -> int:
-    """Number of ranks in Horovod's global process set, read now (never cached).
-
-    Returns 1 when Horovod is not installed or not initialised, so compressors can be used in a
-    single process; inside :func:`simulated_world`, the simulated size.
-    """
-    if _simulated is not None:
-        return _simulated[0]
-    return _horovod_or("size", 1)
-
-
-def rank() -> int:
-    """This process's Horovod rank (0 when Horovod is not initialised; the simulated rank inside
-    :func:`simulated_world`)."""
-    if _simulated is not None:
-        return _simulated[1]
-    return _horovod_or("rank", 0)
+    MEAN = "mean"
+    SUM = "sum"
+    GATHERED = "gathered"
 
 
 def cast_saturating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -127,66 +88,127 @@ def write_back(out: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
-    """Instance-based, name-aware gradient compressor (subclass of Horovod's ``Compressor``).
 
-    Subclasses implement :meth:`_encode` (called by :meth:`encode` after input checks) and
-    :meth:`decode`; stateful ones keep their state in
-    dictionaries keyed by parameter name and extend :meth:`state_dict` / :meth:`load_state_dict`.
+class Method(StagedState):
+    """What every hvdcomp method has, whatever carries it: a name, a description, staged state
+    (:class:`hvdcomp.compressors.state.StagedState`), checkpoints and the size of the group it
+    averages over. Per-tensor methods are :class:`Compressor`; step-wide ones (PowerSGD, global
+    top-k, ...) live with their transport in :mod:`hvdcomp.transports`.
 
     Class attributes:
         name: registry name, e.g. ``"topk"``.
-        summable: ``True`` if payloads travel by allreduce.
-        allreduce_op: ``"average"`` (``decode`` is linear, so ``decode(mean of payloads)`` is
-            the mean gradient) or ``"sum"`` (``decode`` receives the sum, e.g. sign votes).
         default_error_feedback: whether :func:`hvdcomp.get_compressor` wraps the method in
             :class:`hvdcomp.ErrorFeedback` unless told otherwise.
         builtin_error_feedback: the method keeps its own residual (DGC); wrapping is refused.
         owns_momentum: the method applies momentum itself; the optimizer must not (DGC).
-        batched: the method reduces all gradients of a step together through
-            ``reduce_batch(named_grads, comm, timer)`` instead of encode/decode per tensor
-            (PowerSGD: two allreduces per step; global and cyclic-leader top-k). ``comm`` is
-            callable as ``allreduce_mean(tensor, name)``; the optimizer passes a
-            :class:`hvdcomp.comm.step.StepComm` (broadcast, point-to-point messages too).
-        collective: a batched method's own collectives, for :class:`hvdcomp.plan.TransportPlan`
-            (``"allreduce"``, ``"sparse-allreduce"``, ...).
-        whole_model: a batched method that compresses all gradients of a step as one vector
-            (gtopk, cltk, twophase): ``granularity`` makes no difference to it.
-        needs_point_to_point: a batched method that messages ranks directly (gtopk, twophase):
-            the optimizer refuses it where the ranks cannot (no MPI).
-        aggregate_is_mean: :meth:`aggregate` equals the mean over ranks of :meth:`decode`, so a
-            non-summable payload may also travel as its local decode through an allreduce
-            (the optimizer's cost model picks the cheaper route; the result is the same).
-            Opt-in (``False`` here): set it only where it holds.
-        payload_is_gradient: the payload may be the gradient itself (one tensor viewing its
-            memory) and ``decode`` the identity (``none``): the optimizer then reduces the
-            gradient in place, as stock Horovod does, without a copy.
         has_scaled_state: the method keeps state in gradient units (residuals, momenta), which
             :meth:`rescale_state` multiplies when the gradients' scale changes (AMP loss scale).
         shared_state_keys: keys of :meth:`state_dict` whose values are identical on every rank
             (step counters, shared factors, shared generators): :meth:`shared_state`.
-        segmentable: :meth:`encode` accepts ``segments`` (:mod:`hvdcomp.compressors.segments`):
-            several gradients in one flat buffer, compressed in one vectorised call with the
-            result per-tensor calls would give. The optimizer then compresses each bucket of
-            gradients in one call (``granularity="tensor"``).
-        elementwise: each output element depends on its input element only (casts, a fixed
-            threshold): segments need nothing special, so such methods are segmentable as is.
     """
 
     name = "base"
-    summable = True
-    allreduce_op = "average"
     default_error_feedback = False
     builtin_error_feedback = False
     owns_momentum = False
-    batched = False
-    collective = ""
-    whole_model = False
-    needs_point_to_point = False
-    aggregate_is_mean = False
     has_scaled_state = False
-    payload_is_gradient = False
     shared_state_keys: Tuple[str, ...] = ()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by training loops at the start of each epoch (0-based); no-op by default."""
+
+    def nominal_ratio(self, numel: int) -> float:
+        """Compression ratio in the seed study's convention (32-bit values and indices), or
+        ``None`` where it depends on the data."""
+        return 1.0
+
+    def expected_payload_bytes(self, numel: int):
+        """Bytes one rank sends for a tensor of ``numel`` float32 elements (from
+        :meth:`nominal_ratio`), or ``None`` when that depends on the data."""
+        ratio = self.nominal_ratio(numel)
+        if ratio is None or numel == 0:
+            return None
+        return int(round(4 * numel / ratio))
+
+    def describe(self) -> Dict[str, Any]:
+        """JSON-serialisable description (name and hyper-parameters) for results files."""
+        return {"name": self.name}
+
+    # ---- the ranks payloads are averaged over -------------------------------------------------
+    _group_size = None  # set by the optimizer (a process set may be smaller than the world)
+
+    def bind_group(self, size: int) -> None:
+        """Average over ``size`` ranks (set by :class:`hvdcomp.DistributedOptimizer` from its
+        process set); unbound methods use Horovod's world size."""
+        self._group_size = int(size)
+
+    def group_size(self) -> int:
+        """Number of ranks whose payloads are averaged: the bound group's, else
+        :func:`world_size`."""
+        return self._group_size if self._group_size is not None else world_size()
+
+    # ---- state that follows the training loop --------------------------------------------------
+    def rescale_state(self, factor: float) -> None:
+        """Multiply state kept in gradient units by ``factor`` (e.g. ``S_new / S_old`` when an
+        AMP loss scale changes); no-op for methods without such state. Applies to committed
+        state; call it between steps."""
+
+    def shared_state(self) -> Dict[str, Any]:
+        """The part of :meth:`state_dict` that is identical on every rank (``shared_state_keys``),
+        e.g. to broadcast it from the rank that restored a checkpoint."""
+        state = self.state_dict()
+        return {k: state[k] for k in self.shared_state_keys if k in state}
+
+    def load_shared_state(self, shared: Dict[str, Any]) -> None:
+        """Replace the shared part of the state by ``shared`` (from :meth:`shared_state` on
+        another rank), keeping this rank's own part."""
+        if shared:
+            state = self.state_dict()
+            state.update(shared)
+            self.load_state_dict(state)
+
+    # ---- checkpointing -----------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Tensors and counters needed to resume bit-identically (empty for stateless methods)."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state:
+            raise ValueError(f"{self.name} is stateless but got state with keys {sorted(state)}")
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.describe().items() if k != "name")
+        return f"{type(self).__name__}({args})"
+
+
+class Compressor(Method, _HorovodCompressor, metaclass=abc.ABCMeta):
+    """Instance-based, name-aware per-tensor gradient compressor (subclass of Horovod's
+    ``Compressor``).
+
+    Subclasses implement :meth:`_encode` (called by :meth:`encode` after input checks) and
+    :meth:`decode`; stateful ones keep their state in dictionaries keyed by parameter name
+    (staged: :class:`hvdcomp.compressors.state.StagedState`) and extend :meth:`state_dict` /
+    :meth:`load_state_dict`.
+
+    Class attributes (besides :class:`Method`'s):
+        payload_kind: what the payloads are (:class:`PayloadKind`; ``MEAN`` here).
+        aggregate_is_mean: :meth:`aggregate` equals the mean over ranks of :meth:`decode`, so a
+            gathered payload may equally be averaged as its local decode (the plan may route it
+            so where the cost model finds that cheaper; the result is the same). Opt-in.
+        payload_is_gradient: the payload may be the gradient itself (one tensor viewing its
+            memory) and ``decode`` the identity (``none``): it can be reduced in place, as stock
+            Horovod does, without a copy.
+        elementwise: each output element depends on its input element only (casts, a fixed
+            threshold): segments need nothing special, so such methods are segmentable as is.
+        segmentable: :meth:`encode` accepts ``segments`` (:mod:`hvdcomp.compressors.segments`):
+            several gradients in one flat buffer, compressed in one vectorised call with the
+            result per-tensor calls would give.
+    """
+
+    payload_kind = PayloadKind.MEAN
+    aggregate_is_mean = False
+    payload_is_gradient = False
     elementwise = False
 
     @property
@@ -281,150 +303,6 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
         """
         return p - self.decode(payload, ctx)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Called by training loops at the start of each epoch (0-based); no-op by default."""
-
-    def nominal_ratio(self, numel: int) -> float:
-        """Compression ratio in the seed study's convention (32-bit values and indices), or
-        ``None`` where it depends on the data."""
-        return 1.0
-
-    def expected_payload_bytes(self, numel: int):
-        """Bytes one rank sends for a tensor of ``numel`` float32 elements (from
-        :meth:`nominal_ratio`), or ``None`` when that depends on the data."""
-        ratio = self.nominal_ratio(numel)
-        if ratio is None or numel == 0:
-            return None
-        return int(round(4 * numel / ratio))
-
-    def step_collectives(self, numels: Sequence[int], p: int, bucket_bytes: int, cost_model=None):
-        """The collectives one step of this method costs on ``p`` ranks, for gradients of
-        ``numels`` float32 elements (in launch order): a list of ``(kind, bytes, calls)`` for
-        :meth:`hvdcomp.comm.costmodel.CostModel.seconds` (kinds of
-        :data:`hvdcomp.comm.costmodel.COLLECTIVES`), or ``None`` where the bytes depend on the
-        data. Summable payloads: one fused allreduce of every payload. Others: one allgather of
-        the payloads plus a counts exchange per bucket of ``bucket_bytes`` dense bytes; given the
-        ``cost_model`` (a :class:`hvdcomp.comm.costmodel.CostModel`), a gradient the optimizer
-        would route to a dense allreduce of its decode (:func:`hvdcomp.plan.plan_transport`) is
-        priced as that allreduce instead. Empty gradients cost nothing. Batched methods override
-        it."""
-        if self.batched:
-            return None
-        numels = [n for n in numels if n > 0]
-        sizes = [self.expected_payload_bytes(n) for n in numels]
-        if any(b is None for b in sizes):
-            return None
-        if self.summable:
-            return [("allreduce", float(sum(sizes)), 1)] if sizes else []
-        from ..plan import make_buckets  # (plan does not import the compressors)
-
-        routed = self.aggregate_is_mean and cost_model is not None
-        decoded = [routed and cost_model.choose(b, 4 * n, p) == "allreduce" for n, b in zip(numels, sizes)]
-        dense = sum(4.0 * n for n, d in zip(numels, decoded) if d)
-        out = [("allreduce", dense, 1)] if dense else []  # (Horovod fuses them: one call)
-        gathered = [(n, b) for n, b, d in zip(numels, sizes, decoded) if not d]
-        if gathered:
-            buckets = make_buckets([4 * n for n, _ in gathered], bucket_bytes)
-            out.append(("allgather", float(sum(b for _, b in gathered)), 2 * len(buckets)))
-        return out
-
-    def describe(self) -> Dict[str, Any]:
-        """JSON-serialisable description (name and hyper-parameters) for results files."""
-        return {"name": self.name}
-
-    # ---- the ranks payloads are averaged over -------------------------------------------------
-    _group_size = None  # set by the optimizer (a process set may be smaller than the world)
-
-    def bind_group(self, size: int) -> None:
-        """Average over ``size`` ranks (set by :class:`hvdcomp.DistributedOptimizer` from its
-        process set); unbound compressors use Horovod's world size."""
-        self._group_size = int(size)
-
-    def group_size(self) -> int:
-        """Number of ranks whose payloads are averaged: the bound group's, else
-        :func:`world_size`."""
-        return self._group_size if self._group_size is not None else world_size()
-
-    # ---- state that follows the training loop --------------------------------------------------
-    def rescale_state(self, factor: float) -> None:
-        """Multiply state kept in gradient units by ``factor`` (e.g. ``S_new / S_old`` when an
-        AMP loss scale changes); no-op for methods without such state. Applies to committed
-        state; call it between steps."""
-
-    def shared_state(self) -> Dict[str, Any]:
-        """The part of :meth:`state_dict` that is identical on every rank (``shared_state_keys``),
-        e.g. to broadcast it from the rank that restored a checkpoint."""
-        state = self.state_dict()
-        return {k: state[k] for k in self.shared_state_keys if k in state}
-
-    def load_shared_state(self, shared: Dict[str, Any]) -> None:
-        """Replace the shared part of the state by ``shared`` (from :meth:`shared_state` on
-        another rank), keeping this rank's own part."""
-        if shared:
-            state = self.state_dict()
-            state.update(shared)
-            self.load_state_dict(state)
-
-    # ---- staged state: a step's updates can be committed or rolled back ----------------------
-    _pending = None  # while a step is open: {(store, name): new value}
-    _generator_snapshot = None  # while a step is open: generator states at its start
-
-    def _get(self, store: str, name: str, default=None):
-        """Per-name state from dict attribute ``store``, seeing this step's staged updates."""
-        if self._pending is not None and (store, name) in self._pending:
-            return self._pending[(store, name)]
-        return getattr(self, store).get(name, default)
-
-    def _put(self, store: str, name: str, value) -> None:
-        """Set per-name state; staged until :meth:`commit` while a step is open. Values must be
-        new objects (never update committed tensors in place)."""
-        if self._pending is not None:
-            self._pending[(store, name)] = value
-        else:
-            getattr(self, store)[name] = value
-
-    def _generators(self) -> Dict[str, Any]:
-        """Random generators among this compressor's attributes (per-rank or shared)."""
-        from .rng import RankGenerators  # local import: rng imports base
-
-        return {k: v for k, v in vars(self).items() if isinstance(v, (RankGenerators, torch.Generator))}
-
-    def begin_step(self) -> None:
-        """Open a step: state updates from :meth:`encode` are staged and generator states
-        remembered (see :meth:`rollback`)."""
-        self._pending = {}
-        self._generator_snapshot = {
-            k: (g.get_state() if isinstance(g, torch.Generator) else g.state_dict())
-            for k, g in self._generators().items()}
-
-    def commit(self) -> None:
-        """Apply the staged updates of the open step and close it."""
-        for (store, name), value in (self._pending or {}).items():
-            getattr(self, store)[name] = value
-        self._pending = None
-        self._generator_snapshot = None
-
-    def rollback(self) -> None:
-        """Drop the open step's staged updates and rewind its generators, so that a skipped or
-        discarded step leaves no trace."""
-        for key, state in (self._generator_snapshot or {}).items():
-            gen = getattr(self, key)
-            if isinstance(gen, torch.Generator):
-                gen.set_state(state)
-            else:
-                gen.load_state_dict(state)
-        self._pending = None
-        self._generator_snapshot = None
-
-    # ---- checkpointing -----------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, Any]:
-        """Tensors and counters needed to resume bit-identically (empty for stateless methods)."""
-        return {}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        if state:
-            raise ValueError(f"{self.name} is stateless but got state with keys {sorted(state)}")
 
     # ---- Horovod's static API, for stock hvd.DistributedOptimizer ---------------------------
     def compress(self, tensor: torch.Tensor):  # type: ignore[override]
@@ -434,7 +312,7 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
             TypeError: for payloads Horovod's allreduce cannot sum (sparse or per-rank scaled);
                 those need :class:`hvdcomp.DistributedOptimizer`.
         """
-        if not self.summable or self.allreduce_op != "average":
+        if self.payload_kind is not PayloadKind.MEAN:
             raise TypeError(
                 f"hvdcomp compressor '{self.name}' produces a payload that Horovod's allreduce "
                 "cannot sum (it needs an allgather). Use hvdcomp.DistributedOptimizer(optimizer, "
@@ -453,6 +331,7 @@ class Compressor(_HorovodCompressor, metaclass=abc.ABCMeta):
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.describe().items() if k != "name")
         return f"{type(self).__name__}({args})"
+
 
 
 class AggregateInto:

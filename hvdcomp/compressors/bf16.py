@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor
+from .base import Compressor, PayloadKind
 from .registry import register
 
 
@@ -19,7 +19,7 @@ class BF16Compressor(Compressor):
     """
 
     name = "bf16"
-    summable = False
+    payload_kind = PayloadKind.GATHERED
     aggregate_is_mean = True
     elementwise = True  # a cast: a bucket of gradients is cast as one tensor
 

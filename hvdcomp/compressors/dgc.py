@@ -25,15 +25,12 @@ import math
 
 import torch
 
+from ..memory import Residuals
 from .registry import register
 from .rng import RankGenerators
 from .selection import MIN_SAMPLE, check_sample_ratio, sampled_threshold_topk
 from .sparse import SparseCompressor
 from .topk import check_density, num_kept
-
-
-def _fits(buf, like: torch.Tensor) -> bool:
-    return buf is not None and buf.shape == like.shape and buf.dtype == like.dtype and buf.device == like.device
 
 
 @register("dgc")
@@ -63,6 +60,7 @@ class DGCCompressor(SparseCompressor):
     builtin_error_feedback = True
     has_scaled_state = True
     shared_state_keys = ("epoch",)
+    recycled_stores = ("u", "v")
     min_sample = MIN_SAMPLE
 
     def __init__(self, density: float = 0.001, momentum: float = 0.9, sample_ratio: float = 0.01,
@@ -79,9 +77,8 @@ class DGCCompressor(SparseCompressor):
         self.warmup_epochs, self.clip_norm = warmup_epochs, float(clip_norm)
         self.nesterov, self.momentum_masking = bool(nesterov), bool(momentum_masking)
         self.epoch = 0
-        self.u: dict[str, torch.Tensor] = {}
-        self.v: dict[str, torch.Tensor] = {}
-        self._spares: dict[str, tuple] = {}  # CPU: memory of replaced (u, v), reused next step
+        self.u: dict[str, torch.Tensor] = {}         # momentum
+        self.memory = Residuals(self, "v")            # the accumulated velocity: error feedback on u
         self.rng = RankGenerators(seed)
 
     def describe(self):
@@ -131,20 +128,18 @@ class DGCCompressor(SparseCompressor):
             norm = torch.linalg.vector_norm(g, dtype=torch.float64)
             factor = torch.clamp(limit / torch.clamp(norm, min=1e-300), max=1.0)
             g = g * factor.to(torch.float32)
-        u_old, v_old = self._get("u", name), self._get("v", name)
+        u_old = self._get("u", name)
         u_old = torch.zeros_like(g) if u_old is None else u_old
-        v_old = torch.zeros_like(g) if v_old is None else v_old
         # new tensors, never in place: a skipped step must leave the committed u and v untouched;
         # on CPU they reuse the memory of the (u, v) replaced at the previous step (no page faults)
-        u, v = self._spares.pop(name, (None, None))
-        u = u if _fits(u, g) else torch.empty_like(g)
-        v = v if _fits(v, g) else torch.empty_like(g)
+        u = self._spare("u", name, g)
+        u = torch.empty_like(g) if u is None else u
         if self.nesterov:
             torch.add(u_old, g, out=u).mul_(self.momentum)
-            torch.add(v_old, u, out=v).add_(g)
+            v = self.memory.compensate(name, u).add_(g)       # v = v + u + g
         else:
             torch.mul(u_old, self.momentum, out=u).add_(g)    # u = m·u + g, rounded as two ops
-            torch.add(v_old, u, out=v)                         # v = v + u
+            v = self.memory.compensate(name, u)                # v = v + u
         idx = self.select(v, name)
         values = v.index_select(0, idx)
         payload = self.pack(values, idx, n)
@@ -158,45 +153,21 @@ class DGCCompressor(SparseCompressor):
         if self.momentum_masking:
             u.index_fill_(0, idx, 0.0)
         self._put("u", name, u)
-        self._put("v", name, v)
-        if self._pending is None:
-            self._recycle(name, u_old, v_old)
+        self.memory.keep(name, v)                              # what was not sent stays in v
         return payload, (tensor.shape, tensor.dtype)
-
-    def _recycle(self, name, u, v) -> None:
-        """Keep replaced (u, v) memory for the next step (CPU only: CUDA's caching allocator
-        already reuses memory, and large fresh CPU tensors page-fault on first use)."""
-        if u is not None and v is not None and u.device.type == "cpu":
-            self._spares[name] = (u, v)
-
-    def commit(self):
-        names = [name for (store, name) in (self._pending or {}) if store == "u"]
-        replaced = [(name, self.u.get(name), self.v.get(name)) for name in names]
-        super().commit()
-        for name, u, v in replaced:
-            self._recycle(name, u, v)
-
-    def rollback(self):
-        pending = self._pending or {}
-        dropped = [(name, pending.get(("u", name)), pending.get(("v", name)))
-                   for (store, name) in pending if store == "u"]
-        super().rollback()
-        for name, u, v in dropped:
-            self._recycle(name, u, v)
 
     def rescale_state(self, factor):
         """Multiply the momenta u and v (gradient units) by ``factor``."""
-        for store in (self.u, self.v):
-            for t in store.values():
-                t.mul_(factor)
+        for t in self.u.values():
+            t.mul_(factor)
+        self.memory.rescale(factor)
 
     def state_dict(self):
         return {"epoch": self.epoch, "u": {k: t.clone() for k, t in self.u.items()},
-                "v": {k: t.clone() for k, t in self.v.items()}, "rng": self.rng.state_dict()}
+                "v": self.memory.state(), "rng": self.rng.state_dict()}
 
     def load_state_dict(self, state):
-        self._spares = {}
         self.epoch = int(state.get("epoch", 0))
         self.u = {k: t.clone() for k, t in state.get("u", {}).items()}
-        self.v = {k: t.clone() for k, t in state.get("v", {}).items()}
+        self.memory.load(state.get("v", {}))
         self.rng.load_state_dict(state.get("rng", {}))

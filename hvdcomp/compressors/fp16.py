@@ -191,7 +191,6 @@ class FP16Compressor(Compressor):
     """
 
     name = "fp16"
-    summable = True
     shared_state_keys = ("exponents",)  # agreed: identical on every rank
     wire_dtype = torch.float16
 

@@ -81,8 +81,9 @@ from typing import Any, Dict, Sequence
 
 import torch
 
-from .base import AggregateInto, Compressor, cast_saturating, copy_saturating_
+from .base import AggregateInto, Compressor, cast_saturating, copy_saturating_, PayloadKind
 from .bitpack import pack_bits, packed_nbytes, unpack_codes
+from ..memory import Residuals
 from .registry import register
 
 __all__ = ["LowBitCompressor", "LowBitQuantizer"]
@@ -179,7 +180,7 @@ class LowBitCompressor(AggregateInto, Compressor):
     """
 
     name = "lowbit"
-    summable = False
+    payload_kind = PayloadKind.GATHERED
     aggregate_is_mean = True
     builtin_error_feedback = True
     has_scaled_state = True
@@ -193,7 +194,7 @@ class LowBitCompressor(AggregateInto, Compressor):
         unit = math.lcm(self.block, 8)                    # chunks start on whole blocks and bytes
         self._chunk = max(1, _CHUNK // unit) * unit
         self._scale_max = _largest_scale(self.levels)
-        self.residuals: Dict[str, torch.Tensor] = {}
+        self.memory = Residuals(self, beta=self.beta)  # h: the moving average of the errors
 
     def describe(self) -> Dict[str, Any]:
         return {"name": self.name, "bits": self.bits, "block": self.block, "beta": self.beta}
@@ -270,7 +271,7 @@ class LowBitCompressor(AggregateInto, Compressor):
         dtype = tensor.dtype
         state_dtype = torch.float32 if dtype in _HALF else dtype
         g = tensor.detach().reshape(-1).to(state_dtype)
-        h = self._get("residuals", name)
+        h = self.memory.get(name)
         if h is not None:
             if h.shape != tensor.shape:
                 raise ValueError(f"lowbit holds a compensation of shape {tuple(h.shape)} for '{name}' but "
@@ -282,11 +283,7 @@ class LowBitCompressor(AggregateInto, Compressor):
             p = g                                                # may be the gradient's memory
         payload, q = self._quantize(cast_saturating(p, torch.float32).contiguous())
         r = p.sub_(q) if h is not None else p - q                # p_t − q_t, in h's dtype (p is ours)
-        if self.beta == 0.0 or h is None:
-            h_new = r if self.beta == 0.0 else r.mul_(1.0 - self.beta)
-        else:
-            h_new = r.mul_(1.0 - self.beta).add_(h, alpha=self.beta)
-        self._put("residuals", name, h_new.view(tensor.shape))
+        self.memory.keep(name, r.view(tensor.shape))             # h_t = β·h_{t−1} + (1 − β)·r
         return payload, (tensor.shape, dtype, g.numel())
 
     # ---- decoding ------------------------------------------------------------------------------
@@ -357,12 +354,11 @@ class LowBitCompressor(AggregateInto, Compressor):
     def rescale_state(self, factor: float) -> None:
         """Multiply every committed h by ``factor`` (gradient units, e.g. an AMP loss-scale
         change ``S_new / S_old``); call between steps."""
-        for h in self.residuals.values():
-            h.mul_(factor)
+        self.memory.rescale(factor)
 
     def state_dict(self) -> Dict[str, Any]:
         """``{"residuals": {name: h}}`` (copies of the committed h)."""
-        return {"residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
+        return {"residuals": self.memory.state()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (tensors are copied).
@@ -381,7 +377,7 @@ class LowBitCompressor(AggregateInto, Compressor):
             if not (isinstance(v, torch.Tensor) and v.is_floating_point()):
                 raise ValueError(f"lowbit residual '{k}' must be a floating-point tensor, got {type(v).__name__}"
                                  + (f" of {v.dtype}" if isinstance(v, torch.Tensor) else ""))
-        self.residuals = {k: v.detach().clone() for k, v in residuals.items()}
+        self.memory.load(residuals)
 
 
 class LowBitQuantizer(LowBitCompressor):

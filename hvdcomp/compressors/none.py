@@ -22,7 +22,6 @@ class NoneCompressor(Compressor):
     """
 
     name = "none"
-    summable = True
     payload_is_gradient = True  # float32/float64 gradients travel as they are
 
     def _encode(self, tensor, name=None):

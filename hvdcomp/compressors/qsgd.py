@@ -1,9 +1,9 @@
-"""``qsgd``: stochastic uniform quantization per bucket.
+"""``qsgd``: stochastic uniform quantization per quantization block.
 
 Alistarh, Grubic, Li, Tomioka and Vojnovic, "QSGD: Communication-Efficient SGD via Gradient
 Quantization and Encoding", NeurIPS 2017.
 
-For a bucket v of d elements and s levels::
+For a block v of d elements and s levels::
 
     scale   = ||v||_2  (or max|v|)
     r_i     = s·|v_i| / scale ;  level_i = floor(r_i) + Bernoulli(r_i - floor(r_i))
@@ -11,11 +11,11 @@ For a bucket v of d elements and s levels::
 
 Levels in [−s, s] travel as unsigned codes ``level + s`` packed at ``ceil(log2(2s+1))`` bits
 (s = 127 and 64 → 8 bits: plain bytes, one per element; 16 → 6; 4 → 4), plus one fp32 scale per
-bucket. An all-zero bucket decodes to exact zeros. Scales differ per rank, so payloads go through
+block. An all-zero block decodes to exact zeros. Scales differ per rank, so payloads go through
 the allgather path.
 
 Kernels: on CPU the native kernels (:mod:`hvdcomp.native`) encode in one pass over the input
-(scales of a block of buckets computed while it is in cache, then rounding and packing) and decode
+(scales of a run of blocks computed while it is in cache, then rounding and packing) and decode
 or aggregate W payloads writing each output element once (unpack and scale multiply fused); the
 uniforms come from a counter-based generator keyed by one draw of the per-rank generator. On CUDA
 (or with the native kernels off) the same computation runs as vectorised torch ops with
@@ -24,11 +24,13 @@ uniforms come from a counter-based generator keyed by one draw of the per-rank g
 from __future__ import annotations
 
 import math
+import warnings
+from typing import Optional
 
 import torch
 
 from .. import native
-from .base import AggregateInto, Compressor, float32_flat, write_back
+from .base import AggregateInto, Compressor, float32_flat, write_back, PayloadKind
 from .bitpack import bits_for_levels, pack_bits, packed_nbytes, unpack_bits, unpack_codes
 from .registry import register
 from .rng import RankGenerators
@@ -38,12 +40,14 @@ FP32_MAX = torch.finfo(torch.float32).max
 
 @register("qsgd")
 class QSGDCompressor(AggregateInto, Compressor):
-    """QSGD with ``levels`` = s quantization levels per sign and buckets of ``bucket`` elements.
+    """QSGD with ``levels`` = s quantization levels per sign and quantization blocks of ``block`` elements.
 
     Args:
         levels: s ≥ 1 (s ≤ 32767). The study used 64 / 16 / 4 ("7/5/3-bit"); s ≤ 127 keeps codes
             within a byte (s = 127: 255 levels, 8 bits).
-        bucket: d ≥ 1 elements per bucket (512 in the paper for 4/8 bit).
+        block: d ≥ 1 elements per quantization block, each with its own scale (512 in the paper
+            for 4/8 bit; a smaller block quantizes finer and sends more scales). ``bucket=`` is
+            its deprecated spelling (one release: an allgather bucket is something else).
         scale: ``"l2"`` (the paper's 2-norm; variance ≤ min(d/s², √d/s)·‖v‖²) or ``"max"``
             (max-abs: lower variance, no sparsity bound).
         seed: base seed of the per-rank generator used for stochastic rounding.
@@ -54,31 +58,36 @@ class QSGDCompressor(AggregateInto, Compressor):
     State: the per-rank generator, ``state_dict()["rng"]``.
 
     Raises:
-        ValueError: levels < 1 or > 32767, bucket < 1, unknown scale.
+        ValueError: levels < 1 or > 32767, block < 1, unknown scale.
     """
 
     name = "qsgd"
-    summable = False
+    payload_kind = PayloadKind.GATHERED
     aggregate_is_mean = True
 
-    def __init__(self, levels: int = 16, bucket: int = 512, scale: str = "l2", seed: int = 0):
+    def __init__(self, levels: int = 16, block: int = 512, scale: str = "l2", seed: int = 0,
+                 bucket: Optional[int] = None):
+        if bucket is not None:
+            warnings.warn("qsgd: bucket= is renamed block= (a quantization block, not an allgather "
+                          "bucket); bucket= will be removed in the next release", DeprecationWarning)
+            block = bucket
         if not isinstance(levels, int) or not 1 <= levels <= 32767:
             raise ValueError(f"levels (s) must be an integer in [1, 32767], e.g. levels=16; got {levels!r}")
-        if not isinstance(bucket, int) or bucket < 1:
-            raise ValueError(f"bucket (d) must be an integer >= 1, e.g. bucket=512; got {bucket!r}")
+        if not isinstance(block, int) or block < 1:
+            raise ValueError(f"block (d; formerly bucket) must be an integer >= 1, e.g. block=512; got {block!r}")
         if scale not in ("l2", "max"):
             raise ValueError(f"scale must be 'l2' or 'max', got {scale!r}")
-        self.levels, self.bucket, self.scale = levels, bucket, scale
+        self.levels, self.block, self.scale = levels, block, scale
         self.bits = bits_for_levels(2 * levels + 1)
         self.rng = RankGenerators(seed)
 
     def describe(self):
-        return {"name": self.name, "levels": self.levels, "bucket": self.bucket, "scale": self.scale,
+        return {"name": self.name, "levels": self.levels, "block": self.block, "scale": self.scale,
                 "bits": self.bits}
 
     def wire_bytes(self, numel: int) -> int:
         """Exact payload bytes for ``numel`` elements (scales + packed codes)."""
-        return 4 * math.ceil(numel / self.bucket) + packed_nbytes(numel, self.bits)
+        return 4 * math.ceil(numel / self.block) + packed_nbytes(numel, self.bits)
 
     def nominal_ratio(self, numel):
         return 4 * numel / max(1, self.wire_bytes(numel))
@@ -88,17 +97,17 @@ class QSGDCompressor(AggregateInto, Compressor):
         n = flat.numel()
         ctx = (tensor.shape, tensor.dtype, n)
         if self.bits <= 8 and native.usable(flat):
-            scales = torch.empty(math.ceil(n / self.bucket), dtype=torch.float32)
+            scales = torch.empty(math.ceil(n / self.block), dtype=torch.float32)
             packed = torch.empty(packed_nbytes(n, self.bits), dtype=torch.uint8)
             if n:
-                native.qsgd_encode(flat, self.bucket, self.levels, self.scale == "max", self.bits,
+                native.qsgd_encode(flat, self.block, self.levels, self.scale == "max", self.bits,
                                    self.rng.key(), scales, packed)
             return [scales, packed], ctx
         return self._encode_torch(flat), ctx
 
     def _encode_torch(self, flat: torch.Tensor):
         """Vectorised torch encode (CUDA; CPU without native kernels)."""
-        n, d, s = flat.numel(), self.bucket, self.levels
+        n, d, s = flat.numel(), self.block, self.levels
         nb = math.ceil(n / d)
         if n % d:
             v = torch.zeros(nb * d, dtype=torch.float32, device=flat.device)
@@ -120,20 +129,20 @@ class QSGDCompressor(AggregateInto, Compressor):
 
     def aggregate_into(self, out, payloads, ctx):
         """Mean over ranks of ``scale·(code - s)/s``, written into ``out``: one pass over ``out`` per
-        payload at most (native: one pass in all), the scales broadcast over their buckets."""
+        payload at most (native: one pass in all), the scales broadcast over their blocks."""
         shape, dtype, n = ctx
         flat = float32_flat(out)
         if not payloads or n == 0:
             flat.zero_()
         elif self.bits <= 8 and native.usable(flat, *[t for p in payloads for t in p]):
             native.qsgd_aggregate(flat, [p[0].contiguous() for p in payloads],
-                                  [p[1].contiguous() for p in payloads], self.bucket, self.levels, self.bits)
+                                  [p[1].contiguous() for p in payloads], self.block, self.levels, self.bits)
         else:
             self._aggregate_torch(flat, payloads, n)
         return write_back(out, flat)
 
     def _aggregate_torch(self, flat, payloads, n):
-        d, s, world = self.bucket, self.levels, len(payloads)
+        d, s, world = self.block, self.levels, len(payloads)
         full = n // d * d
         level = torch.empty(n, dtype=torch.float32, device=flat.device)  # reused for every payload
         for w, (scale, packed) in enumerate(payloads):

@@ -67,7 +67,6 @@ class RandomKCompressor(AggregateInto, Compressor):
     """
 
     name = "randomk"
-    summable = True
     default_error_feedback = True
     shared_state_keys = ("steps",)  # the indices derive from (seed, name, step) on every rank
 

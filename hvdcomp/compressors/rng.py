@@ -5,7 +5,7 @@ from typing import Dict
 
 import torch
 
-from .base import rank
+from ..comm.world import rank
 
 __all__ = ["RankGenerators"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import native
-from .base import AggregateInto, Compressor, float32_flat, write_back
+from .base import AggregateInto, Compressor, float32_flat, write_back, PayloadKind
 from .bitpack import pack_bits, packed_nbytes, unpack_codes
 from .registry import register
 
@@ -63,8 +63,7 @@ class SignSGDCompressor(AggregateInto, Compressor):
         if vote not in ("allreduce", "allgather"):
             raise ValueError(f"vote must be 'allreduce' or 'allgather', got {vote!r}")
         self.vote = vote
-        self.summable = vote == "allreduce"
-        self.allreduce_op = "sum"
+        self.payload_kind = PayloadKind.SUM if vote == "allreduce" else PayloadKind.GATHERED
 
     def describe(self):
         return {"name": self.name, "vote": self.vote}
@@ -75,7 +74,7 @@ class SignSGDCompressor(AggregateInto, Compressor):
     def _encode(self, tensor, name=None):
         flat = tensor.reshape(-1)
         ctx = (tensor.shape, tensor.dtype)
-        if not self.summable:
+        if self.payload_kind is not PayloadKind.SUM:
             return [_sign_bits(flat)[0]], ctx
         if flat.dtype == torch.float32 and flat.is_contiguous() and native.usable(flat):
             votes = torch.empty(flat.numel(), dtype=torch.int32)
@@ -90,12 +89,12 @@ class SignSGDCompressor(AggregateInto, Compressor):
         if not payloads:
             flat.fill_(1.0)  # no votes: sign(0) = +1
         elif native.usable(flat, *[p[0] for p in payloads]):
-            if self.summable:
+            if self.payload_kind is PayloadKind.SUM:
                 native.majority(flat, votes=[p[0].to(torch.int32).contiguous() for p in payloads])
             else:
                 native.majority(flat, bits=[p[0].contiguous() for p in payloads])
         else:
-            if self.summable:
+            if self.payload_kind is PayloadKind.SUM:
                 total = sum(p[0] for p in payloads)
             else:
                 total = sum(unpack_codes(p[0], 1, n).to(torch.int32) * 2 - 1 for p in payloads)
@@ -116,7 +115,7 @@ class ScaledSignCompressor(AggregateInto, Compressor):
     """
 
     name = "efsignsgd"
-    summable = False
+    payload_kind = PayloadKind.GATHERED
     aggregate_is_mean = True
     default_error_feedback = True
 

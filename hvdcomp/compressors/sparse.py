@@ -21,7 +21,7 @@ import math
 import torch
 
 from .. import native
-from .base import AggregateInto, Compressor
+from .base import AggregateInto, Compressor, PayloadKind
 
 __all__ = ["SparseCompressor", "index_dtype", "compact_index_bytes"]
 
@@ -49,7 +49,7 @@ class SparseCompressor(AggregateInto, Compressor):
     divides by the world size.
     """
 
-    summable = False
+    payload_kind = PayloadKind.GATHERED
     aggregate_is_mean = True
     value_coding = "fp32"
     index_coding = "int"

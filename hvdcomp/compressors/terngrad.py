@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .. import native
-from .base import AggregateInto, Compressor, float32_flat, write_back
+from .base import AggregateInto, Compressor, float32_flat, write_back, PayloadKind
 from .bitpack import pack_bits, packed_nbytes, unpack_codes
 from .registry import register
 from .rng import RankGenerators
@@ -46,7 +46,7 @@ class TernGradCompressor(AggregateInto, Compressor):
     """
 
     name = "terngrad"
-    summable = False
+    payload_kind = PayloadKind.GATHERED
     aggregate_is_mean = True
 
     def __init__(self, clip_sigmas: float = 2.5, seed: int = 0):

@@ -1,29 +1,41 @@
-"""How an optimizer's compressed gradients travel: one transport per module.
+"""How an optimizer's compressed gradients travel: one transport per module, one interface.
 
 :class:`hvdcomp.DistributedOptimizer` keeps the Horovod-style facade (hooks, ``synchronize``,
-``step``, ``state_dict``); :mod:`hvdcomp.plan` decides each compression unit's route; the
-transports here carry the payloads of one route each, with the same small interface:
+``step``, ``state_dict``); :mod:`hvdcomp.plan` gives each compression unit its route; the
+transports here carry the units of one route each through the same small interface
+(:class:`~hvdcomp.transports.base.Transport`):
 
-- ``start`` a unit's payload (from backward's hook, or from ``synchronize`` for the rest),
-- ``finish`` the step's collectives, writing each averaged result into its unit's target
-  (:class:`Units`),
+- ``start(u)``: compress unit ``u`` (the method's ``encode``) and start its collective (from
+  backward's hook, or from ``synchronize`` for the rest),
+- ``finish()``: wait, and write each averaged result into its unit's target and ``p.grad``,
 - ``busy`` (collectives in flight or payloads queued) and ``reset`` (drop a step in progress).
 
 =====================  ==================================================  ============================
 route                  transport                                           module
 =====================  ==================================================  ============================
-``allreduce``          Horovod ``allreduce_async`` of a summable payload   :mod:`.allreduce`
+``allreduce``          Horovod ``allreduce_async`` of a ``MEAN`` or        :mod:`.allreduce`
+                       ``SUM`` payload
 ``decoded-allreduce``  decode locally, Horovod dense fp32 allreduce        :mod:`.allreduce`
 ``allgather``          bucketed variable-size allgather, then aggregate    :mod:`.allgather`
-``batched``            the compressor's own step-wide collectives          :mod:`.batched`
-                       (PowerSGD, global top-k, CLT-k, two-phase)
+``batched``            a step-wide method with its own collectives:        :mod:`.powersgd`,
+                       PowerSGD, global top-k, CLT-k, two-phase            :mod:`.gtopk`, :mod:`.cltk`,
+                                                                           :mod:`.twophase`
 =====================  ==================================================  ============================
 
-Adding a transport means one module here plus its route in :mod:`hvdcomp.plan`.
+Adding a transport is one new module here: a :class:`~hvdcomp.transports.base.Transport`
+subclass, registered with the plan by :func:`hvdcomp.plan.register_route` (what it carries, what
+it costs, how to build it) or :func:`hvdcomp.plan.register_step_route`, and imported below.
 """
-from .allgather import AllgatherTransport
-from .allreduce import AllreduceTransport
-from .batched import BatchedTransport
+from .base import Transport, Wiring
 from .units import Units
+from .allreduce import AllreduceTransport, DecodedAllreduceTransport
+from .allgather import AllgatherTransport
+from .stepwide import FlatStepMethod, SparseStepMethod, StepMethod, StepTransport
+from .powersgd import PowerSGDCompressor
+from .gtopk import GlobalTopKCompressor
+from .cltk import CyclicLeaderTopKCompressor
+from .twophase import TwoPhaseCompressor
 
-__all__ = ["Units", "AllreduceTransport", "AllgatherTransport", "BatchedTransport"]
+__all__ = ["Transport", "Wiring", "Units", "AllreduceTransport", "DecodedAllreduceTransport",
+           "AllgatherTransport", "StepMethod", "FlatStepMethod", "SparseStepMethod", "StepTransport",
+           "PowerSGDCompressor", "GlobalTopKCompressor", "CyclicLeaderTopKCompressor", "TwoPhaseCompressor"]

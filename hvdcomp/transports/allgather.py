@@ -1,78 +1,65 @@
-"""The allgather transport: non-summable payloads (sparse, quantized) gathered in buckets by a
+"""The allgather transport: ``GATHERED`` payloads (sparse, quantized) gathered in buckets by a
 variable-size allgather (:mod:`hvdcomp.comm.allgather`), then aggregated on every rank."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence
+from typing import Dict, List
 
-from .units import Units
+from ..compressors.base import PayloadKind
+from ..plan import Route, make_buckets, register_route
+from .base import Transport, Wiring
 
 __all__ = ["AllgatherTransport"]
 
 
-class AllgatherTransport:
+class AllgatherTransport(Transport):
     """Carries ``allgather``-route units: each bucket's payloads go out in one collective as soon
     as the bucket is complete, in the fixed bucket order (identical on every rank).
 
     Args:
-        gatherer: an :class:`hvdcomp.comm.allgather.Allgatherer` (mpi4py or Horovod).
-        timer: the optimizer's :class:`hvdcomp.metrics.PhaseTimer`.
-        compression: the optimizer's :class:`hvdcomp.Compressor` (``aggregate_into``).
-        units: the optimizer's :class:`Units`.
-        buckets: unit indices per bucket, in launch order.
-        prefix: the optimizer's prefix for collective names.
-        encode: ``f(u) -> (payload, ctx)``: compress unit ``u`` (for units a flush must send).
-        scale: the group size for ``op=Sum``, else 1 (the aggregate is a mean).
+        wiring: the optimizer's :class:`~hvdcomp.transports.base.Wiring`: its ``gatherer`` (an
+            :class:`hvdcomp.comm.allgather.Allgatherer`, mpi4py or Horovod), ``buckets`` (unit
+            indices per bucket, in launch order), timer, method, units and prefix; with
+            ``op_sum`` the aggregate (a mean) is multiplied by the group size.
     """
 
-    def __init__(self, gatherer, timer, compression, units: Units, buckets: List[List[int]], prefix: str,
-                 encode: Callable[[int], tuple], scale: float):
-        self.gatherer, self.timer, self.compression, self.units = gatherer, timer, compression, units
-        self.buckets, self.prefix, self.encode, self.scale = buckets, prefix, encode, scale
-        self.bucket_of: List[int] = [-1] * len(units)  # -1: not on this route
-        for b, members in enumerate(buckets):
+    def __init__(self, wiring: Wiring):
+        w = wiring
+        self.gatherer, self.timer, self.compression, self.units = w.gatherer, w.timer, w.compression, w.units
+        self.buckets, self.prefix, self.scale = w.buckets, w.prefix, w.scale
+        self.bucket_of: List[int] = [-1] * len(self.units)  # -1: not on this route
+        for b, members in enumerate(self.buckets):
             for u in members:
                 self.bucket_of[u] = b
-        self.bucket_dense = [sum(units.dense_bytes[u] for u in b) for b in buckets]
+        self.bucket_dense = [sum(self.units.dense_bytes[u] for u in b) for b in self.buckets]
         self.reset()
 
     @property
     def busy(self) -> bool:
-        """Whether payloads are queued or allgathers in flight."""
         return bool(self.encoded or self.handles)
 
     def reset(self) -> None:
-        """Forget the step in progress (its results will not be used)."""
         self.encoded: Dict[int, tuple] = {}  # unit -> (payload, ctx) waiting for or in its bucket
         self.handles: Dict[int, object] = {}  # bucket -> launched allgather
         self.next_bucket = 0
         self.waiting = [len(b) for b in self.buckets]  # units each bucket still waits for
 
-    def queue(self, u: int, payload: Sequence, ctx) -> None:
-        """Queue unit ``u``'s payload; start every bucket that is now complete."""
-        self.encoded[u] = (payload, ctx)
+    def start(self, u: int) -> None:
+        """Compress unit ``u`` (timed as ``compress``) and queue its payload; start every bucket
+        that is now complete, in the fixed bucket order."""
+        with self.timer.phase("compress"):
+            self.encoded[u] = self.compression.encode(self.units.tensor(u), self.units.names[u],
+                                                      self.units.segments[u])
         self.waiting[self.bucket_of[u]] -= 1
-        self.start(flush=False)
-
-    def start(self, flush: bool) -> None:
-        """Start the allgather of each complete bucket, in the fixed bucket order; ``flush``
-        starts the rest too, compressing the units backward did not reach (unused parameters, or
-        fewer backward passes: zeros or the current gradient)."""
-        while self.next_bucket < len(self.buckets):
+        while self.next_bucket < len(self.buckets) and not self.waiting[self.next_bucket]:
             bucket = self.buckets[self.next_bucket]
-            if self.waiting[self.next_bucket] and not flush:
-                return
-            for u in bucket:
-                if u not in self.encoded:
-                    with self.timer.phase("compress"):
-                        self.encoded[u] = self.encode(u)
-            tensors = [t for u in bucket for t in self.encoded[u][0]]
+            tensors = [t for v in bucket for t in self.encoded[v][0]]
             with self.timer.phase("communicate"):
                 handle = self.gatherer.start(tensors, f"{self.prefix}.bucket{self.next_bucket}")
             self.handles[self.next_bucket] = handle
             self.next_bucket += 1
 
     def finish(self) -> None:
-        """Wait for every bucket (started with :meth:`start`), aggregate each unit's gathered
+        """Wait for every bucket (all started: every unit was), aggregate each unit's gathered
         payloads into its target and count the bytes."""
         for index in range(len(self.buckets)):
             self._finish_bucket(index)
@@ -96,3 +83,16 @@ class AllgatherTransport:
                 start = stop
         self.timer.add_bytes(sent=handle.bytes_sent, received=handle.bytes_received, dense=self.bucket_dense[index])
         self.waiting[index] = len(bucket)
+
+
+def _bucketed_allgather(payload_bytes, dense_bytes, bucket_bytes):
+    """One allgather of the payloads plus a counts exchange per bucket of ``bucket_bytes`` dense
+    bytes."""
+    if not payload_bytes:
+        return []
+    buckets = make_buckets(list(dense_bytes), bucket_bytes)
+    return [("allgather", float(sum(payload_bytes)), 2 * len(buckets))]
+
+
+register_route(Route("allgather", carries=lambda m: m.payload_kind is PayloadKind.GATHERED,
+                     collectives=_bucketed_allgather, bucketed=True, build=AllgatherTransport))

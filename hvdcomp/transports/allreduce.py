@@ -1,5 +1,6 @@
-"""The allreduce transport: Horovod ``allreduce_async`` of summable payloads (``allreduce``
-route), and of densely decoded ones where the cost model prefers it (``decoded-allreduce``)."""
+"""The allreduce transports: Horovod ``allreduce_async`` of ``MEAN`` and ``SUM`` payloads
+(``allreduce`` route), and of densely decoded gathered payloads where the cost model prefers it
+(``decoded-allreduce``)."""
 from __future__ import annotations
 
 from typing import Dict, List, Sequence
@@ -7,59 +8,69 @@ from typing import Dict, List, Sequence
 import torch
 
 from ..comm.group import HOROVOD_ALLREDUCE_DTYPES
-from .units import Units
+from ..compressors.base import PayloadKind
+from ..plan import Route, register_route
+from .base import Transport, Wiring
 
-__all__ = ["AllreduceTransport"]
+__all__ = ["AllreduceTransport", "DecodedAllreduceTransport"]
+
+_IN_PLACE_DTYPES = (torch.float32, torch.float64)
 
 
-class AllreduceTransport:
-    """Carries units whose payloads are averaged by Horovod's allreduce.
+class AllreduceTransport(Transport):
+    """Carries units whose payloads Horovod's allreduce averages (``MEAN``) or sums (``SUM``).
 
     A payload that is the gradient itself (``none`` on float32/float64) is reduced in place, as
-    stock Horovod does: no copy, no decode. Other payloads travel as their tensors (bfloat16 as
-    float32: Horovod's allreduce has no bfloat16) and are decoded into the unit's target; a
-    ``decoded-allreduce`` unit is decoded locally and its fp32 result averaged densely.
+    stock Horovod does: no copy, no decode. With ``wiring.direct`` (``none`` per gradient) that
+    path is taken without a timer entry: queueing the allreduce is charged to compute, as for
+    stock Horovod. Other payloads travel as their tensors (bfloat16 as float32:
+    Horovod's allreduce has no bfloat16) and are decoded into the unit's target.
 
     Args:
-        group: the :class:`hvdcomp.comm.group.Group` the gradients are averaged over.
-        timer: the optimizer's :class:`hvdcomp.metrics.PhaseTimer` (phases and bytes).
-        compression: the optimizer's :class:`hvdcomp.Compressor`.
-        units: the optimizer's :class:`Units`.
-        reduce_args: ``(op, prescale, postscale)`` for a summable payload (Horovod's ``op`` and
-            ``gradient_predivide_factor``).
-        dense_op: the op of a decoded payload's dense allreduce (Horovod Sum or Average).
-        sum_votes: the payload is summed (signSGD's votes) and ``op`` is Sum: results are scaled
-            by ``scale`` after decoding.
-        scale: the group size for ``op=Sum``, else 1.
+        wiring: the optimizer's :class:`~hvdcomp.transports.base.Wiring` (group, timer, method,
+            units, ``op`` and ``gradient_predivide_factor``).
     """
 
-    def __init__(self, group, timer, compression, units: Units, reduce_args: tuple, dense_op,
-                 sum_votes: bool, scale: float):
-        self.group, self.timer, self.compression, self.units = group, timer, compression, units
-        self.reduce_args, self.dense_op, self.sum_votes, self.scale = reduce_args, dense_op, sum_votes, scale
+    def __init__(self, wiring: Wiring):
+        w = wiring
+        self.group, self.timer, self.compression, self.units = w.group, w.timer, w.compression, w.units
+        hvd = w.group.hvd
+        self.sum_votes = w.compression.payload_kind is PayloadKind.SUM
+        if w.op_sum or self.sum_votes:
+            self.reduce_args = (hvd.Sum, 1.0, 1.0)
+        else:  # op and gradient_predivide_factor as Horovod applies them
+            self.reduce_args = (hvd.Average, 1.0 / w.predivide, w.predivide)
+        self.rescale_votes = self.sum_votes and w.op_sum
+        self.scale = w.scale
+        self.direct = w.direct
         self.inflight: Dict[int, tuple] = {}  # unit -> (kind, handles, ctx, bytes sent, payload dtypes)
 
     @property
     def busy(self) -> bool:
-        """Whether allreduces are in flight."""
         return bool(self.inflight)
 
     def reset(self) -> None:
-        """Forget the step in progress (its results will not be used)."""
         self.inflight = {}
 
     def in_place_units(self) -> List[int]:
         """Units reduced in place this step (their inputs are gone once reduced)."""
         return [u for u, work in self.inflight.items() if work[0] == "in-place"]
 
-    def start_in_place(self, u: int, tensor: torch.Tensor) -> None:
-        """Start the in-place allreduce of ``tensor`` (unit ``u``'s float32/float64 gradient)."""
-        handle = self.group.allreduce_async_(tensor, self.units.wire_name[u] + ".0", *self.reduce_args)
-        self.inflight[u] = ("in-place", [handle], None, self.units.grad_bytes[u], None)
+    def start(self, u: int) -> None:
+        """Compress unit ``u`` (timed as ``compress``, queueing the allreduce included) and start
+        its allreduce (in place where the payload is the gradient itself)."""
+        if self.direct and len(self.units.members[u]) == 1:
+            grad = self.units.tensor(u)
+            if grad.dtype in _IN_PLACE_DTYPES and grad.is_contiguous():  # (none sends half-precision
+                # gradients as float32: their sums would overflow in fp16)
+                handle = self.group.allreduce_async_(grad, self.units.wire_name[u] + ".0", *self.reduce_args)
+                self.inflight[u] = ("in-place", [handle], None, self.units.grad_bytes[u], None)
+                return
+        with self.timer.phase("compress"):
+            payload, ctx = self.compression.encode(self.units.tensor(u), self.units.names[u], self.units.segments[u])
+            self._launch(u, payload, ctx)
 
-    def start(self, u: int, payload: Sequence[torch.Tensor], ctx) -> None:
-        """Start the allreduce of unit ``u``'s summable ``payload`` (in place where it is the
-        gradient itself)."""
+    def _launch(self, u: int, payload: Sequence[torch.Tensor], ctx) -> None:
         op, pre, post = self.reduce_args
         wire_name = self.units.wire_name[u]
         target = self.units.target(u)
@@ -74,23 +85,12 @@ class AllreduceTransport:
         nbytes = sum(t.numel() * t.element_size() for t in wire)
         self.inflight[u] = ("allreduce", handles, ctx, nbytes, [t.dtype for t in payload])
 
-    def start_decoded(self, u: int, payload: Sequence[torch.Tensor], ctx) -> None:
-        """Decode unit ``u``'s payload locally (timed as ``decompress``) and start the dense fp32
-        allreduce of the result (``communicate``): the same mean as aggregating the payloads."""
-        target = self.units.target(u)
-        with self.timer.phase("decompress"):
-            dense = self.compression.decode_into(
-                torch.empty(target.shape, dtype=torch.float32, device=target.device), payload, ctx)
-        with self.timer.phase("communicate"):
-            handle = self.group.allreduce_async(dense, self.units.wire_name[u] + ".dense", self.dense_op)
-        self.inflight[u] = ("dense", [handle], ctx, dense.numel() * 4, None)
-
-    def finish(self, units: Sequence[int]) -> None:
-        """Wait for the allreduces of ``units`` (one ``communicate`` slice), then write each
-        averaged result into its target (one ``decompress`` slice); counts the bytes."""
+    def finish(self) -> None:
+        """Wait for every started allreduce (one ``communicate`` slice), then write each averaged
+        result into its target (one ``decompress`` slice); counts the bytes."""
         done, nbytes, dense = [], 0, 0
         with self.timer.phase("communicate"):
-            for u in units:
+            for u in sorted(self.inflight):
                 kind, handles, ctx, sent, dtypes = self.inflight.pop(u)
                 outputs = [self.group.synchronize(h) for h in handles]
                 nbytes += sent
@@ -102,9 +102,48 @@ class AllreduceTransport:
                     target = self.units.target(u)
                     outputs = [o if o.dtype == dt else o.to(dt) for o, dt in zip(outputs, dtypes)]
                     self.compression.decode_into(target, outputs, ctx)
-                    if self.sum_votes:
+                    if self.rescale_votes:
                         target.mul_(self.scale)
                 elif kind == "dense":
                     self.units.target(u).copy_(outputs[0])
                 self.units.write_back(u)  # (an in-place result is in its target already)
         self.timer.add_bytes(sent=nbytes, received=nbytes, dense=dense)
+
+
+class DecodedAllreduceTransport(AllreduceTransport):
+    """Carries ``decoded-allreduce`` units: the payload of a gathered method whose aggregate is the
+    mean of its decodes, decoded locally (timed as ``decompress``) and averaged by a dense fp32
+    allreduce (``communicate``): the same mean as aggregating the payloads, cheaper where the
+    payload is not much smaller than the gradient."""
+
+    def __init__(self, wiring: Wiring):
+        super().__init__(wiring)
+        self.dense_op = wiring.group.hvd.Sum if wiring.op_sum else wiring.group.hvd.Average
+
+    def start(self, u: int) -> None:
+        with self.timer.phase("compress"):
+            payload, ctx = self.compression.encode(self.units.tensor(u), self.units.names[u], self.units.segments[u])
+        target = self.units.target(u)
+        with self.timer.phase("decompress"):
+            dense = self.compression.decode_into(
+                torch.empty(target.shape, dtype=torch.float32, device=target.device), payload, ctx)
+        with self.timer.phase("communicate"):
+            handle = self.group.allreduce_async(dense, self.units.wire_name[u] + ".dense", self.dense_op)
+        self.inflight[u] = ("dense", [handle], ctx, dense.numel() * 4, None)
+
+
+def _fused_allreduce(payload_bytes, dense_bytes, bucket_bytes):
+    """One fused allreduce of every payload (Horovod fuses them: one call)."""
+    return [("allreduce", float(sum(payload_bytes)), 1)] if payload_bytes else []
+
+
+def _dense_allreduce(payload_bytes, dense_bytes, bucket_bytes):
+    """One fused allreduce of the fp32 decodes."""
+    return [("allreduce", float(sum(dense_bytes)), 1)] if dense_bytes else []
+
+
+register_route(Route("allreduce", carries=lambda m: m.payload_kind in (PayloadKind.MEAN, PayloadKind.SUM),
+                     collectives=_fused_allreduce, build=AllreduceTransport))
+register_route(Route("decoded-allreduce", preferred=False, collectives=_dense_allreduce,
+                     carries=lambda m: m.payload_kind is PayloadKind.GATHERED and m.aggregate_is_mean,
+                     build=DecodedAllreduceTransport))

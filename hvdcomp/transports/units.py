@@ -1,7 +1,7 @@
 """The compression units of an optimizer: what each compresses and where its result goes."""
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -19,8 +19,6 @@ class Units:
         segments: per unit, the :class:`hvdcomp.compressors.segments.Segments` of a fused unit
             (per-tensor compression in one call), else None.
         prefix: the optimizer's prefix for Horovod tensor names.
-        gradient: ``f(parameter) -> tensor``: the parameter's gradient ready to compress (zeros
-            where unused, sparse made dense).
 
     Attributes:
         dense_bytes: per unit, its size as fp32 (bytes): what uncompressed training would send.
@@ -29,9 +27,9 @@ class Units:
     """
 
     def __init__(self, order: Sequence[torch.Tensor], members: List[List[int]], names: List[str],
-                 segments: List[Optional[object]], prefix: str, gradient: Callable[[torch.Tensor], torch.Tensor]):
+                 segments: List[Optional[object]], prefix: str):
         self.order, self.members, self.names, self.segments = order, members, names, segments
-        self.gradient = gradient
+        self.sparse: List[tuple] = []  # (parameter, its sparse gradient) of this step
         numel = [sum(order[i].numel() for i in m) for m in members]
         esize = [order[m[0]].element_size() for m in members]
         self.numel = numel
@@ -42,6 +40,24 @@ class Units:
 
     def __len__(self) -> int:
         return len(self.members)
+
+    def gradient(self, p: torch.Tensor) -> torch.Tensor:
+        """``p.grad`` ready to compress: zeros for a parameter this rank did not use (other ranks
+        may have), a sparse gradient made dense (Horovod's ``sparse_as_dense`` semantics; its
+        layout comes back with :meth:`restore_sparse`)."""
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        elif p.grad.is_sparse:
+            self.sparse.append((p, p.grad))
+            p.grad = p.grad.to_dense()
+        return p.grad
+
+    def restore_sparse(self) -> None:
+        """Write each averaged dense gradient back into the original sparse one, as Horovod does
+        (the optimizer sees the gradient layout it would see without Horovod)."""
+        for p, sparse in self.sparse:
+            p.grad = sparse.zero_().add_(p.grad.to_sparse())
+        self.sparse = []
 
     def tensor(self, u: int) -> torch.Tensor:
         """What unit ``u`` compresses, and where its result is written: the gradient itself, or

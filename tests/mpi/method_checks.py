@@ -13,10 +13,10 @@ from hvdcomp.compressors.base import Compressor
 
 SPECS = ["none", "fp16", "bf16", "topk:density=0.2", "randomk:density=0.2",
          "randomk:density=0.2,ef=false", "threshold:threshold=0.05", "dgc:density=0.2",
-         "qsgd:levels=4,bucket=8", "qsgd:levels=64,bucket=16,scale=max", "terngrad", "signsgd",
+         "qsgd:levels=4,block=8", "qsgd:levels=64,block=16,scale=max", "terngrad", "signsgd",
          "signsgd:vote=allgather", "efsignsgd", "sidco:density=0.2", "sbc:density=0.2",
          "lowbit:bits=4,block=8", "lowbit:bits=8,beta=0.5", "adaptive:base=topk,budget=0.2,every=1",
-         "adaptive:base=randomk,budget=0.2,every=1", "adaptive:base=qsgd,budget=8,bucket=8,every=1"]
+         "adaptive:base=randomk,budget=0.2,every=1", "adaptive:base=qsgd,budget=8,block=8,every=1"]
 
 
 class Recording(Compressor):
@@ -24,7 +24,7 @@ class Recording(Compressor):
 
     def __init__(self, inner):
         self.inner, self.sent = inner, {}
-        self.summable, self.allreduce_op = inner.summable, inner.allreduce_op
+        self.payload_kind = inner.payload_kind
         self.owns_momentum, self.name = inner.owns_momentum, inner.name
         self.aggregate_is_mean = inner.aggregate_is_mean
         self.expected_payload_bytes = inner.expected_payload_bytes

@@ -139,18 +139,19 @@ def check_threaded_and_inline_exchange_agree():
     grads = []
     for threaded in (True, False):
         model = small_model()
+        gatherer = MPIAllgatherer(threaded=threaded)
         opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                            named_parameters=model.named_parameters(),
-                                           compression="topk:density=0.3", cost_model="off", bucket_bytes=64)
-        opt._gatherer = MPIAllgatherer(threaded=threaded)
-        assert opt._gatherer.threaded == threaded
+                                           compression="topk:density=0.3", cost_model="off", bucket_bytes=64,
+                                           allgather=gatherer)
+        assert gatherer.threaded == threaded
         for step in range(3):
             x, y = batch(step)
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
         grads.append([p.grad.clone() for p in model.parameters()])
-        opt._gatherer.close()
+        opt.close()
     for a, b in zip(*grads):
         assert torch.equal(a, b)
 
@@ -193,7 +194,7 @@ def check_fused_equals_unfused():
             for (n, a), b in zip(m0.named_parameters(), m1.parameters()):
                 assert torch.equal(a, b), (spec, bucket_bytes, n, (a - b).abs().max())
             s0, s1 = o0.state_dict()["hvdcomp"], o1.state_dict()["hvdcomp"]
-            assert hvdcomp.optimizer._digest(s0) == hvdcomp.optimizer._digest(s1), (spec, s0, s1)
+            assert hvdcomp.agreement.digest(s0) == hvdcomp.agreement.digest(s1), (spec, s0, s1)
 
 
 def check_threshold_with_empty_rank():
@@ -262,7 +263,7 @@ def check_scaleout_methods():
       at density 1, the dense mean;
     * gtopk without an MPI communicator (allgather='horovod') is refused with the fix."""
     p = hvd.size()
-    for spec in ("gtopk:density=0.1", "cltk:density=0.1", "gtopk:density=1", "twophase:base=qsgd,levels=4,bucket=8",
+    for spec in ("gtopk:density=0.1", "cltk:density=0.1", "gtopk:density=1", "twophase:base=qsgd,levels=4,block=8",
                  "gtopk:density=0.1,hierarchical=true"):
         model = small_model()
         opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -419,6 +420,8 @@ def check_close():
     compressor may serve a new optimizer."""
     import threading
 
+    from hvdcomp.comm import HierarchicalAllgatherer, MPIAllgatherer
+
     def build(spec, kind="mpi4py"):
         m = small_model()
         return m, hvdcomp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
@@ -427,9 +430,10 @@ def check_close():
 
     baseline = threading.active_count()
     for i in range(20):
-        m, opt = build("topk:density=0.2", "hierarchical" if i % 2 else "mpi4py")
+        gatherer = HierarchicalAllgatherer() if i % 2 else MPIAllgatherer()
+        m, opt = build("topk:density=0.2", gatherer)
         train_side_by_side([m], [opt], steps=1)  # the first exchange starts the allgather thread
-        assert opt._gatherer.threaded and threading.active_count() == baseline + 1
+        assert gatherer.threaded and threading.active_count() == baseline + 1
         opt.close()
         assert threading.active_count() == baseline, (i, threading.active_count(), baseline)
     for spec in ("topk:density=0.2", "gtopk:density=0.2"):

@@ -33,7 +33,7 @@ def main():
     opt_ddp = torch.optim.SGD(ddp.parameters(), lr=0.05)
     opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.05),
                                        named_parameters=ours.named_parameters(),
-                                       compression="powersgd:rank=2,start_step=2,seed=0")
+                                       compression="powersgd:matrix_rank=2,start_step=2,seed=0")
     g = torch.Generator().manual_seed(10 + hvd.rank())
     worst = 0.0
     for step in range(8):

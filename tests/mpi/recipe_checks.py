@@ -14,6 +14,8 @@ import torch
 import horovod.torch as hvd
 
 import hvdcomp
+from hvdcomp.transports import StepMethod  # noqa: E402
+from hvdcomp.compressors import PayloadKind  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from recipes import SPECS, batch, mlp, mpi_exchange, params, reference_step_comm  # noqa: E402
@@ -155,8 +157,8 @@ def check_resume_rank0_only():
     a new job where rank 0 alone loads, then hvd.broadcast_parameters + broadcast_optimizer_state
     (deadlocked before): no hang; momenta and parameters equal on every rank; the shared
     compressor state (counters, Q, epoch) is rank 0's everywhere after the first step."""
-    for spec in ["topk:density=0.5", "randomk:density=0.5", "dgc:density=0.5", "powersgd:rank=1",
-                 "qsgd:levels=4,bucket=8"]:
+    for spec in ["topk:density=0.5", "randomk:density=0.5", "dgc:density=0.5", "powersgd:matrix_rank=1",
+                 "qsgd:levels=4,block=8"]:
         momentum = 0.0 if spec.startswith("dgc") else 0.9
 
         def build():
@@ -214,7 +216,7 @@ def check_resume_every_rank_bit_identical():
     """Each rank saves its own state_dict and loads it into a new job: the next steps are
     bit-identical to an uninterrupted run, for every stateful method."""
     for spec in ["topk:density=0.3", "topk:density=0.3,select=sample,ef=false", "dgc:density=0.3",
-                 "randomk:density=0.3", "powersgd:rank=1", "qsgd:levels=4,bucket=8", "efsignsgd"]:
+                 "randomk:density=0.3", "powersgd:matrix_rank=1", "qsgd:levels=4,block=8", "efsignsgd"]:
         def build():
             model = mlp()
             return model, hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -335,7 +337,7 @@ def check_low_precision_every_method():
         local = w.grad.clone()
         opt.synchronize()
         got = w.grad.double()
-        if ref_comp.batched:
+        if isinstance(ref_comp, StepMethod):
             named = [("w", local)]
             ref = ref_comp.reduce_batch(named, reference_step_comm(f"lp.{spec}.{dtype}", hvd.global_process_set,
                                                                    mpi_exchange(hvd.global_process_set), float64=True),
@@ -343,7 +345,7 @@ def check_low_precision_every_method():
         else:
             payload, ctx = ref_comp.encode(local, "w")
             every = hvd.allgather_object(payload, name=f"lp.{spec}.{dtype}")
-            if ref_comp.summable:
+            if ref_comp.payload_kind is not PayloadKind.GATHERED:
                 mean = [sum(p[i].double() for p in every) / len(every) for i in range(len(payload))]
                 ref = ref_comp.decode([t.to(payload[i].dtype) if payload[i].dtype == torch.float16 else t.float()
                                        for i, t in enumerate(mean)], ctx).double()
@@ -410,15 +412,20 @@ def check_allgather_thread_failure_aborts_the_job():
     instead of leaving rank 0 waiting in the collective. Expected to exit non-zero."""
     from hvdcomp.comm.allgather import MPIAllgatherer
 
+    class Broken(MPIAllgatherer):
+        """Rank 1's exchange fails on the background thread."""
+
+        def _exchange(self, h, counts):
+            if hvd.rank() == 1:
+                raise MemoryError("injected failure on the allgather thread")
+            return super()._exchange(h, counts)
+
     model = mlp()
+    gatherer = Broken()
     opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(),
-                                       compression="topk:density=0.3", cost_model="off")
-    assert isinstance(opt._gatherer, MPIAllgatherer) and opt._gatherer.threaded
-    if hvd.rank() == 1:
-        def broken(h, counts):
-            raise MemoryError("injected failure on the allgather thread")
-        opt._gatherer._exchange = broken
+                                       compression="topk:density=0.3", cost_model="off", allgather=gatherer)
+    assert gatherer.threaded
     _train(model, opt, range(1))
     time.sleep(30)  # rank 0 must not get here alive: the abort ends the job first
     raise AssertionError("the job survived a failed allgather thread")

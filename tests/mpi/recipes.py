@@ -28,13 +28,15 @@ import torch
 import horovod.torch as hvd
 
 import hvdcomp
+from hvdcomp.transports import StepMethod  # noqa: E402
+from hvdcomp.compressors import PayloadKind  # noqa: E402
 
 # one spec per registered method (small settings for small tensors), plus error-feedback variants
 SPECS = ["fp16", "bf16", "topk:density=0.3", "topk:density=0.3,select=sample,ef=false",
          "randomk:density=0.3", "threshold:threshold=0.05", "dgc:density=0.3",
-         "qsgd:levels=4,bucket=8", "terngrad", "signsgd", "efsignsgd", "powersgd:rank=1",
+         "qsgd:levels=4,block=8", "terngrad", "signsgd", "efsignsgd", "powersgd:matrix_rank=1",
          "fp16:ef=true", "gtopk:density=0.3", "cltk:density=0.3",
-         "twophase:base=qsgd,levels=4,bucket=8", "sidco:density=0.3", "sbc:density=0.3",
+         "twophase:base=qsgd,levels=4,block=8", "sidco:density=0.3", "sbc:density=0.3",
          "lowbit:bits=4,block=8", "adaptive:base=topk,budget=0.3,every=1"]
 STEPS = 3
 
@@ -152,7 +154,7 @@ class Reference:
                 p.grad = p.grad.to_dense()
         n = self.ps.size()
         bad = any(not torch.isfinite(p.grad).all() for p in self.order)
-        if self.comp.batched:
+        if isinstance(self.comp, StepMethod):
             if not bad:
                 named = [(self.names[p], p.grad) for p in self.order]
                 for p, g in zip(self.order, self.comp.reduce_batch(named, self.step_comm(),
@@ -168,14 +170,15 @@ class Reference:
             for name, members, t in sorted(units, key=lambda u: position[id(u[1][0])]):
                 payload, ctx = encoded[name]  # blocking collectives: the same order on every rank
                 name = "ref." + name
-                if self.comp.summable:
-                    op = hvd.Sum if (self.op is hvd.Sum or self.comp.allreduce_op == "sum") else hvd.Average
+                if self.comp.payload_kind is not PayloadKind.GATHERED:
+                    votes = self.comp.payload_kind is PayloadKind.SUM
+                    op = hvd.Sum if (self.op is hvd.Sum or votes) else hvd.Average
                     f = self.predivide if op is hvd.Average else 1.0
                     out = [hvd.allreduce(x, op=op, name=f"{name}.{i}", prescale_factor=1 / f,
                                          postscale_factor=f, process_set=self.ps)
                            for i, x in enumerate(payload)]
                     self.comp.decode_into(t, out, ctx)
-                    if self.comp.allreduce_op == "sum" and self.op is hvd.Sum:
+                    if votes and self.op is hvd.Sum:
                         t.mul_(n)
                 else:
                     self.comp.aggregate_into(t, self._gather(payload, name), ctx)

@@ -10,8 +10,8 @@ import horovod.torch as hvd
 import hvdcomp
 from hvdcomp.comm.allgather import MPIAllgatherer
 
-SPECS = ["topk:density=0.3", "dgc:density=0.3", "randomk:density=0.3", "qsgd:levels=4,bucket=8",
-         "efsignsgd", "powersgd:rank=1"]
+SPECS = ["topk:density=0.3", "dgc:density=0.3", "randomk:density=0.3", "qsgd:levels=4,block=8",
+         "efsignsgd", "powersgd:matrix_rank=1"]
 
 
 def make(spec, nonfinite="skip", seed=0):

@@ -1,4 +1,9 @@
-"""Per-step agreement between ranks: non-finite gradients, restored state, accumulation settings.
+"""Everything the ranks of an optimizer must agree on: the set-up at construction
+(:func:`check_consistency`), compressor state restored from a checkpoint (:class:`StateAgreement`),
+and, once per step, non-finite gradients, restored state and accumulation settings
+(:class:`NonFiniteGuard`).
+
+Per-step agreement.
 
 Once per synchronized step every rank contributes a few integers (one small allgather): whether
 any of its gradients held NaN/Inf, whether ``load_state_dict`` ran on it since the previous step,
@@ -15,13 +20,15 @@ allgather, whose messages name the ranks.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Sequence
 
 import torch
 
-__all__ = ["NONFINITE_MODES", "StepVerdict", "NonFiniteGuard"]
+__all__ = ["NONFINITE_MODES", "StepVerdict", "NonFiniteGuard", "check_consistency", "StateAgreement", "digest"]
 
 NONFINITE_MODES = ("skip", "raise", "ignore")
 
@@ -149,3 +156,97 @@ class NonFiniteGuard:
             log.warning("hvdcomp: non-finite gradient on rank(s) %s: step skipped on every rank "
                         "(compressor state kept as before the step)", bad)
         return StepVerdict(skip=bool(bad), bad_ranks=bad)
+
+
+# ---- at construction: the set-up ----------------------------------------------------------------
+def check_consistency(group, signature: dict, name: str) -> None:
+    """All ranks of ``group`` (a :class:`hvdcomp.comm.group.Group`) must have the same
+    ``signature`` (settings and the parameter list: names, shapes, order; one object allgather).
+
+    Raises:
+        ValueError: on every rank, naming the first differences.
+    """
+    every = group.allgather_object(signature, name=name)
+    diffs = []
+    for rank, other in enumerate(every):
+        if other == every[0]:
+            continue
+        for key in other:
+            if key != "parameters" and other[key] != every[0][key]:
+                diffs.append(f"rank {rank} {key} {other[key]} != rank 0 {every[0][key]}")
+        a, b = every[0]["parameters"], other["parameters"]
+        if len(a) != len(b):
+            diffs.append(f"rank {rank} has {len(b)} parameters, rank 0 has {len(a)}")
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if first is not None:
+            diffs.append(f"parameter #{first}: rank {rank} {b[first]} != rank 0 {a[first]}")
+    if diffs:
+        raise ValueError("ranks disagree on the training set-up (build the same model, "
+                         "compressor and optimizer settings on every rank, in the same order): "
+                         + "; ".join(diffs[:10]))
+
+
+def digest(obj) -> str:
+    """A stable hash (SHA-256 hex) of a state dict (tensors, numbers, strings)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+# ---- at the first step: restored compressor state ----------------------------------------------
+class StateAgreement:
+    """Whether compressor state was restored (``load_state_dict``), and making the shared part of
+    it identical on every rank at the first step.
+
+    Attributes:
+        agreed: the first step's agreement ran.
+        loaded: ``load_state_dict`` ran before the first step.
+        loaded_since_step: ... or since the previous step (part of the per-step agreement).
+    """
+
+    def __init__(self):
+        self.agreed = self.loaded = self.loaded_since_step = False
+
+    def note_load(self) -> None:
+        """``load_state_dict`` ran on this rank."""
+        self.loaded = True
+        self.loaded_since_step = self.agreed
+
+    def agree(self, group, compression, skipped_steps: int, name: str) -> int:
+        """At the first step: make compressor state that must be identical on every rank so.
+
+        Horovod's resume recipe loads a checkpoint on rank 0 only, then broadcasts parameters and
+        optimizer state. Compressor state has two parts (:meth:`hvdcomp.Compressor.shared_state`):
+        the shared part (step counters, PowerSGD's Q, warm-up epoch) is broadcast here from the
+        first rank that loaded; the per-rank part (residuals, momenta, per-rank generators) stays
+        as each rank has it: restored where a rank loaded its own, fresh (zero) elsewhere.
+
+        Returns:
+            The skipped-step count to keep (the loading rank's where state was shared).
+
+        Raises:
+            RuntimeError: ranks that loaded checkpoints whose shared state differs, or fresh ranks
+                whose shared state differs (compressors built with different seeds).
+        """
+        self.agreed = True
+        self.loaded_since_step = False
+        if group.size == 1:
+            return skipped_steps
+        shared = compression.shared_state()
+        every = group.allgather_object((self.loaded, digest(shared)), name=f"{name}.state")
+        loaders = [r for r, (loaded, _) in enumerate(every) if loaded]
+        pool = loaders or list(range(len(every)))
+        if len({every[r][1] for r in pool}) > 1:
+            raise RuntimeError(f"compressor state that must be identical on every rank (step counters, "
+                               f"shared factors) differs between ranks {pool}: load the same checkpoint "
+                               "everywhere, or on rank 0 only (it is then broadcast at the first step)")
+        if loaders and len(loaders) < len(every):
+            root = loaders[0]
+            state = group.broadcast_object((shared, skipped_steps) if group.rank == root else None,
+                                           root, name=f"{name}.shared")
+            if not self.loaded:
+                compression.load_shared_state(state[0])
+                skipped_steps = state[1]
+            log.info("hvdcomp: compressor state shared from rank %d (per-rank state kept where "
+                     "loaded, fresh elsewhere)", root)
+        return skipped_steps

@@ -32,23 +32,32 @@ gradients of norm 1e-23 or 1e30 (float32) are approximated as well as gradients 
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence, Tuple
+import warnings
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from ..compressors.base import cast_saturating
+from ..compressors.registry import register
 from ..lowrank.orthogonalize import orthogonalize
-from .base import Compressor, cast_saturating
-from .registry import register
+from ..memory import Residuals
+from ..plan import StepRoute, register_step_route
+from .stepwide import StepMethod, StepTransport
+
+__all__ = ["PowerSGDCompressor"]
 
 
 @register("powersgd")
-class PowerSGDCompressor(Compressor):
-    """PowerSGD with error feedback and warm start (a *batched* compressor: it reduces all
+class PowerSGDCompressor(StepMethod):
+    """PowerSGD with error feedback and warm start (a step-wide method: it reduces all
     gradients of a step together through :meth:`reduce_batch`).
 
     Args:
-        rank: r ≥ 1 (PowerSGD paper: 1–4). r = min(r, n, m) per tensor.
+        matrix_rank: r ≥ 1, the rank of the low-rank approximation (PowerSGD paper: 1–4; PyTorch's
+            ``matrix_approximation_rank``); r = min(r, n, m) per tensor. Higher r sends
+            r·(n + m) floats per matrix and approximates better. ``rank=`` is its deprecated
+            spelling (one release: a process rank is not a matrix rank).
         start_step: steps of plain averaging before compressing (PyTorch's
             ``start_powerSGD_iter``; 0 compresses from the first step).
         min_compression_rate: compress only if n·m > rate·(n+m)·r (1: whenever it saves bytes).
@@ -60,39 +69,44 @@ class PowerSGDCompressor(Compressor):
     State: ``step``, ``q`` and ``error`` per parameter name, the generator state.
 
     Raises:
-        ValueError: rank < 1, negative start_step, min_compression_rate < 1 or epsilon < 0.
+        ValueError: matrix_rank < 1, negative start_step, min_compression_rate < 1 or epsilon < 0.
+
+    Example::
+
+        opt = hvdcomp.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                           compression="powersgd:matrix_rank=2")
     """
 
     name = "powersgd"
-    summable = True
-    batched = True
-    collective = "allreduce"
-    builtin_error_feedback = True
     has_scaled_state = True                     # the error (residual)
     shared_state_keys = ("step", "q", "rng")    # identical on every rank after each allreduce
 
-    def __init__(self, rank: int = 2, start_step: int = 0, min_compression_rate: float = 1.0,
-                 seed: int = 0, epsilon: float = 0.0):
-        if not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"rank (r) must be an integer >= 1, e.g. rank=2; got {rank!r}")
+    def __init__(self, matrix_rank: int = 2, start_step: int = 0, min_compression_rate: float = 1.0,
+                 seed: int = 0, epsilon: float = 0.0, rank: Optional[int] = None):
+        if rank is not None:
+            warnings.warn("powersgd: rank= is renamed matrix_rank= (the rank of the approximation, not "
+                          "a process rank); rank= will be removed in the next release", DeprecationWarning)
+            matrix_rank = rank
+        if not isinstance(matrix_rank, int) or matrix_rank < 1:
+            raise ValueError(f"matrix_rank (r) must be an integer >= 1, e.g. matrix_rank=2; got {matrix_rank!r}")
         if not isinstance(start_step, int) or start_step < 0:
             raise ValueError(f"start_step must be an integer >= 0, got {start_step!r}")
         if float(min_compression_rate) < 1.0:
             raise ValueError(f"min_compression_rate must be >= 1, got {min_compression_rate}")
         if float(epsilon) < 0:
             raise ValueError(f"epsilon must be >= 0, got {epsilon}")
-        self.rank, self.start_step = rank, start_step
+        self.matrix_rank, self.start_step = matrix_rank, start_step
         self.min_compression_rate, self.epsilon = float(min_compression_rate), float(epsilon)
         self.seed = int(seed)
         self.counters: Dict[str, int] = {"step": 0}
         self.q: Dict[str, torch.Tensor] = {}
         self.p: Dict[str, torch.Tensor] = {}  # last orthonormal P per tensor (n × r), for inspection
-        self.error: Dict[str, torch.Tensor] = {}
+        self.memory = Residuals(self, "error")  # error feedback: M − P·Qᵀ per tensor
         self._layouts: Dict[tuple, Tuple[int, int, bool]] = {}
         self._gen = torch.Generator().manual_seed(int(np.random.RandomState(self.seed).randint(1_000_000_000)))
 
     def describe(self):
-        return {"name": self.name, "rank": self.rank, "start_step": self.start_step,
+        return {"name": self.name, "matrix_rank": self.matrix_rank, "start_step": self.start_step,
                 "min_compression_rate": self.min_compression_rate}
 
     def matrix_shape(self, shape: Sequence[int]) -> Tuple[int, int]:
@@ -103,20 +117,12 @@ class PowerSGDCompressor(Compressor):
     def compressible(self, shape: Sequence[int]) -> bool:
         """Whether low rank saves bytes for a tensor of this shape."""
         n, m = self.matrix_shape(shape)
-        r = min(self.rank, n, m)
+        r = min(self.matrix_rank, n, m)
         return len(shape) >= 2 and (n + m) * r * self.min_compression_rate < n * m
 
     def nominal_ratio(self, numel):
         """None: the ratio depends on each matrix's shape; the measured ratio is reported."""
         return None
-
-    # A per-tensor encode/decode would need one collective per tensor; PowerSGD runs per step.
-    def _encode(self, tensor, name=None):
-        raise TypeError("powersgd reduces all gradients of a step together: use it through "
-                        "hvdcomp.DistributedOptimizer, which calls reduce_batch()")
-
-    def decode(self, payload, ctx):
-        raise TypeError("powersgd has no per-tensor payload; see reduce_batch()")
 
     def reduce_batch(self, named_grads: List[Tuple[str, torch.Tensor]],
                      allreduce_mean: Callable[[torch.Tensor, str], torch.Tensor], timer) -> List[torch.Tensor]:
@@ -143,13 +149,13 @@ class PowerSGDCompressor(Compressor):
                 if not compress:
                     plain.append(i)
                     continue
-                comp.setdefault((n, m, min(self.rank, n, m), g.device), []).append(i)
+                comp.setdefault((n, m, min(self.matrix_rank, n, m), g.device), []).append(i)
             qs = self._warm_starts(named_grads, comp)
             batches = []  # (key, positions, M (B, n, m), P (B, n, r))
             for key, idx in comp.items():
                 n, m, r, device = key
                 mats = torch.stack([named_grads[i][1].reshape(n, m) for i in idx]).to(torch.float32)
-                errors = [self._get("error", named_grads[i][0]) for i in idx]
+                errors = [self.memory.get(named_grads[i][0]) for i in idx]
                 if any(e is not None for e in errors):
                     mats = mats + torch.stack([torch.zeros(n, m, device=device) if e is None else e
                                                for e in errors])
@@ -184,7 +190,7 @@ class PowerSGDCompressor(Compressor):
                 for b, i in enumerate(idx):
                     name, g = named_grads[i]
                     self._put("q", name, q[b])
-                    self._put("error", name, error[b])
+                    self.memory.keep(name, error[b])
                     # saturating: with the error added, g + e (and so P·Qᵀ) can exceed a float16 g's range
                     out[i] = cast_saturating(approx[b].reshape(g.shape), g.dtype)
         return out
@@ -233,8 +239,7 @@ class PowerSGDCompressor(Compressor):
 
     def rescale_state(self, factor):
         """Multiply the error (gradient units) by ``factor``; Q is a direction, kept."""
-        for e in self.error.values():
-            e.mul_(factor)
+        self.memory.rescale(factor)
 
     def _draw(self, m: int, columns: int, device) -> torch.Tensor:
         """``columns`` fresh m-vectors (float32) from the generator shared by all ranks."""
@@ -250,11 +255,19 @@ class PowerSGDCompressor(Compressor):
 
     def state_dict(self):
         return {"step": self.step, "q": {k: v.clone() for k, v in self.q.items()},
-                "error": {k: v.clone() for k, v in self.error.items()}, "rng": self._gen.get_state()}
+                "error": self.memory.state(), "rng": self._gen.get_state()}
 
     def load_state_dict(self, state):
         self.counters = {"step": int(state.get("step", 0))}
         self.q = {k: v.clone() for k, v in state.get("q", {}).items()}
-        self.error = {k: v.clone() for k, v in state.get("error", {}).items()}
+        self.memory.load(state.get("error", {}))
         if "rng" in state:
             self._gen.set_state(state["rng"])
+
+
+def _collectives(method, numels, p, bucket_bytes):
+    """None: the bytes depend on each matrix's shape (two allreduces of the factors per step)."""
+    return None
+
+
+register_step_route(StepRoute(PowerSGDCompressor, "allreduce", _collectives, build=StepTransport))

@@ -25,13 +25,16 @@ is; a quantizer's allgather receives (p−1)·B. Needs MPI
 """
 from __future__ import annotations
 
-from typing import Dict, List
+import inspect
+from typing import List
 
 import torch
 
 from ..comm.exchange import pack_payload, unpack_payload
-from .flatbatch import FlatBatchCompressor
-from .registry import register
+from ..compressors.registry import compressor_class, create, register
+from ..memory import Residuals
+from ..plan import StepRoute, register_step_route
+from .stepwide import FlatStepMethod, StepTransport
 
 __all__ = ["TwoPhaseCompressor", "QUANTIZERS"]
 
@@ -41,7 +44,7 @@ QUANTIZERS = ("qsgd", "terngrad", "efsignsgd")
 
 
 @register("twophase")
-class TwoPhaseCompressor(FlatBatchCompressor):
+class TwoPhaseCompressor(FlatStepMethod):
     """Compressed allreduce (all-to-all, average, re-compress, allgather) of a quantizer; see the
     module docstring.
 
@@ -60,18 +63,14 @@ class TwoPhaseCompressor(FlatBatchCompressor):
     """
 
     name = "twophase"
-    collective = "alltoall+allgather"
-    needs_point_to_point = True
 
     def __init__(self, base: str = "efsignsgd", **base_args):
-        from .registry import get_compressor
-
         super().__init__()
         if base not in QUANTIZERS:
             raise ValueError(f"twophase compresses with a quantizer whose average is the mean of its "
                              f"decodes: base must be one of {', '.join(QUANTIZERS)}; got {base!r}")
-        self.base = get_compressor(base, ef=False, **base_args)
-        self.server: Dict[str, torch.Tensor] = {}
+        self.base = create(base, **base_args)
+        self.server_memory = Residuals(self, "server")  # this rank's chunk, per device
 
     def describe(self):
         return {"name": self.name, "base": self.base.describe()}
@@ -79,27 +78,9 @@ class TwoPhaseCompressor(FlatBatchCompressor):
     def nominal_ratio(self, numel):
         return self.base.nominal_ratio(numel)
 
-    def step_collectives(self, numels, p, bucket_bytes, cost_model=None):
-        """All-to-all of the quantized model (B bytes, p chunks) and allgather of one re-quantized
-        chunk (B/p bytes) per rank, each with its counts exchange (2 calls); None where the
-        quantizer's size depends on the data."""
-        wire = self.base.expected_payload_bytes(sum(numels))
-        if wire is None:
-            return None
-        return [("alltoall", float(wire), 2), ("allgather", float(wire) / max(1, p), 2)]
-
-    # the quantizer's generators are part of this method's step: staged, rolled back, saved
-    def begin_step(self):
-        super().begin_step()
-        self.base.begin_step()
-
-    def commit(self):
-        super().commit()
-        self.base.commit()
-
-    def rollback(self):
-        super().rollback()
-        self.base.rollback()
+    def staged_children(self):
+        """The quantizer: its generators are part of this method's step (staged, rolled back, saved)."""
+        return (self.base,)
 
     @staticmethod
     def chunk_bounds(n: int, p: int) -> List[int]:
@@ -129,10 +110,10 @@ class TwoPhaseCompressor(FlatBatchCompressor):
                 mean += self.base.decode(unpack_payload(data, acc.device), ctx).to(torch.float32).reshape(-1)
             mean /= p
             key = str(acc.device)
-            old = self._get("server", key)
+            old = self.server_memory.get(key)  # server-side error feedback on this rank's chunk
             target = mean if old is None or old.numel() != mean.numel() else mean + old
             payload, _ = self.base.encode(target, f"server{me}")
-            self._put("server", key, target - self.base.decode(payload, ctx).to(torch.float32).reshape(-1))
+            self.server_memory.keep(key, target - self.base.decode(payload, ctx).to(torch.float32).reshape(-1))
         with timer.phase("communicate"):
             gathered = x.allgather(pack_payload(payload))
         timer.add_bytes(sent=x.bytes_sent - sent0, received=x.bytes_received - received0)
@@ -143,11 +124,10 @@ class TwoPhaseCompressor(FlatBatchCompressor):
 
     def rescale_state(self, factor):
         super().rescale_state(factor)
-        for s in self.server.values():
-            s.mul_(factor)
+        self.server_memory.rescale(factor)
 
     def state_dict(self):
-        return {**super().state_dict(), "server": {k: v.clone() for k, v in self.server.items()},
+        return {**super().state_dict(), "server": self.server_memory.state(),
                 "base": self.base.state_dict()}
 
     def load_state_dict(self, state):
@@ -155,5 +135,30 @@ class TwoPhaseCompressor(FlatBatchCompressor):
         unknown = sorted(set(state) - {"residual", "server", "base"})
         if unknown:
             raise ValueError(f"twophase state has only 'residual', 'server' and 'base', got keys {unknown}")
-        self.server = {k: v.clone() for k, v in state.get("server", {}).items()}
+        self.server_memory.load(state.get("server", {}))
         self.base.load_state_dict(state.get("base", {}))
+
+
+def _collectives(method, numels, p, bucket_bytes):
+    """All-to-all of the quantized model (B bytes, p chunks) and allgather of one re-quantized
+    chunk (B/p bytes) per rank, each with its counts exchange (2 calls); None where the
+    quantizer's size depends on the data."""
+    wire = method.base.expected_payload_bytes(sum(numels))
+    if wire is None:
+        return None
+    return [("alltoall", float(wire), 2), ("allgather", float(wire) / max(1, p), 2)]
+
+
+def _alternative(compression):
+    """The two-phase compressed allreduce of the same quantizer with the same settings, for
+    ``qsgd``, ``terngrad`` and ``efsignsgd`` (``transport="auto"``)."""
+    desc = compression.describe()
+    if desc.get("name") not in QUANTIZERS:
+        return None
+    # the quantizer's constructor arguments among its description (not derived values such as bits)
+    takes = inspect.signature(compressor_class(desc["name"]).__init__).parameters
+    return TwoPhaseCompressor(base=desc["name"], **{k: v for k, v in desc.items() if k in takes and k != "ef"})
+
+
+register_step_route(StepRoute(TwoPhaseCompressor, "alltoall+allgather", _collectives, needs_point_to_point=True,
+                              alternative=_alternative, build=StepTransport))

@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import torch
 
-from .flatbatch import GlobalSparseCompressor
-from .registry import register
-from .selection import exact_topk
-from .topk import num_kept
+from ..compressors.registry import register
+from ..compressors.selection import exact_topk
+from ..compressors.topk import num_kept
+from ..plan import StepRoute, register_step_route
+from .stepwide import SparseStepMethod, StepTransport
 
 __all__ = ["CyclicLeaderTopKCompressor"]
 
 
 @register("cltk")
-class CyclicLeaderTopKCompressor(GlobalSparseCompressor):
+class CyclicLeaderTopKCompressor(SparseStepMethod):
     """Cyclic-leader top-k (ScaleCom's CLT-k) with error feedback; see the module docstring.
 
     Args:
@@ -40,13 +41,7 @@ class CyclicLeaderTopKCompressor(GlobalSparseCompressor):
     """
 
     name = "cltk"
-    collective = "broadcast+allreduce"
     shared_state_keys = ("step",)
-
-    def step_collectives(self, numels, p, bucket_bytes, cost_model=None):
-        """The leader's k int32 positions by broadcast, every rank's k float32 values by allreduce."""
-        k = num_kept(sum(numels), self.density)
-        return [("broadcast", 4.0 * k, 1), ("allreduce", 4.0 * k, 1)]
 
     def __init__(self, density: float = 0.01):
         super().__init__(density)
@@ -58,7 +53,7 @@ class CyclicLeaderTopKCompressor(GlobalSparseCompressor):
         return self.counters["step"]
 
     def reduce_batch(self, named_grads, comm, timer):
-        """As :meth:`FlatBatchCompressor.reduce_batch`; the leader of this step is rank
+        """As :meth:`FlatStepMethod.reduce_batch`; the leader of this step is rank
         ``step % size`` (the same for every device's vector), and the step counter advances once."""
         step = self._get("counters", "step", 0)
         self._put("counters", "step", step + 1)
@@ -89,3 +84,21 @@ class CyclicLeaderTopKCompressor(GlobalSparseCompressor):
     def load_state_dict(self, state):
         self.counters = {"step": int(state.get("step", 0))}
         super().load_state_dict({k: v for k, v in state.items() if k != "step"})
+
+
+def _collectives(method, numels, p, bucket_bytes):
+    """The leader's k int32 positions by broadcast, every rank's k float32 values by allreduce."""
+    k = num_kept(sum(numels), method.density)
+    return [("broadcast", 4.0 * k, 1), ("allreduce", 4.0 * k, 1)]
+
+
+def _alternative(compression):
+    """The leader's top-k at the same density, for top-k with error feedback (``transport="auto"``)."""
+    desc = compression.describe()
+    if desc.get("name") == "topk" and desc.get("ef", False):
+        return CyclicLeaderTopKCompressor(density=desc["density"])
+    return None
+
+
+register_step_route(StepRoute(CyclicLeaderTopKCompressor, "broadcast+allreduce", _collectives,
+                              alternative=_alternative, build=StepTransport))

@@ -24,16 +24,17 @@ from __future__ import annotations
 import torch
 
 from ..comm.sparse_allreduce import global_topk, hierarchical_topk
-from .flatbatch import GlobalSparseCompressor
-from .registry import register
-from .selection import exact_topk
-from .topk import num_kept
+from ..compressors.registry import register
+from ..compressors.selection import exact_topk
+from ..compressors.topk import num_kept
+from ..plan import StepRoute, register_step_route
+from .stepwide import SparseStepMethod, StepTransport
 
 __all__ = ["GlobalTopKCompressor"]
 
 
 @register("gtopk")
-class GlobalTopKCompressor(GlobalSparseCompressor):
+class GlobalTopKCompressor(SparseStepMethod):
     """Global top-k (gTop-k) with error feedback; see the module docstring.
 
     Args:
@@ -50,8 +51,6 @@ class GlobalTopKCompressor(GlobalSparseCompressor):
     """
 
     name = "gtopk"
-    collective = "sparse-allreduce"
-    needs_point_to_point = True
 
     def __init__(self, density: float = 0.01, hierarchical: bool = False):
         super().__init__(density)
@@ -61,11 +60,6 @@ class GlobalTopKCompressor(GlobalSparseCompressor):
 
     def describe(self):
         return {**super().describe(), **({"hierarchical": True} if self.hierarchical else {})}
-
-    def step_collectives(self, numels, p, bucket_bytes, cost_model=None):
-        """One sparse allreduce of the whole model's k entries of 8 bytes (recursive doubling;
-        the hierarchical variant's stages inside a node are counted as between nodes)."""
-        return [("sparse-allreduce", 8.0 * num_kept(sum(numels), self.density), 1)]
 
     def reduce_sparse(self, acc, k, comm, timer):
         p2p = getattr(comm, "point_to_point", None)
@@ -93,3 +87,21 @@ class GlobalTopKCompressor(GlobalSparseCompressor):
             mean = torch.zeros_like(acc)
             mean[g_idx.long()] = g_val / comm.size
         return mean, kept.long()
+
+
+def _collectives(method, numels, p, bucket_bytes):
+    """One sparse allreduce of the whole model's k entries of 8 bytes (recursive doubling; the
+    hierarchical variant's stages inside a node are counted as between nodes)."""
+    return [("sparse-allreduce", 8.0 * num_kept(sum(numels), method.density), 1)]
+
+
+def _alternative(compression):
+    """Global top-k at the same density, for top-k with error feedback (``transport="auto"``)."""
+    desc = compression.describe()
+    if desc.get("name") == "topk" and desc.get("ef", False):
+        return GlobalTopKCompressor(density=desc["density"])
+    return None
+
+
+register_step_route(StepRoute(GlobalTopKCompressor, "sparse-allreduce", _collectives, needs_point_to_point=True,
+                              alternative=_alternative, build=StepTransport))

@@ -1,0 +1,222 @@
+"""Building an optimizer's pipeline once, at construction: the cost model, the method
+``transport="auto"`` picks, the compression units, the plan, and one transport per route used.
+
+Nothing here runs per step; the optimizer (:mod:`hvdcomp.optimizer`) then hands each unit to
+``transports[route_of[u]]``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+from .comm import make_allgatherer
+from .comm.costmodel import CostModel, measure_cost_model
+from .comm.exchange import MPIExchange
+from .comm.step import StepComm
+from .compressors.segments import Segments
+from .plan import (TransportPlan, choose_transport, fuse_units, make_units, plan_transport, routes, split_groups,
+                   step_route_of)
+from .spec import is_per_tensor
+from .transports import Units, Wiring
+
+__all__ = ["Pipeline", "assemble"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Pipeline:
+    """What :func:`assemble` builds for one optimizer.
+
+    Attributes:
+        compression: the method (the one asked for, or the one ``transport="auto"`` chose).
+        plan: the :class:`hvdcomp.plan.TransportPlan` (public as ``optimizer.transport``).
+        cost_model: the α-β model that routed gradients, or None.
+        units: the :class:`hvdcomp.transports.units.Units`.
+        transports: one transport per route used, bucketed routes first (finished first).
+        transport_of: per unit, the transport that carries it.
+        eager: per unit, whether backward's hook starts it (not for step-wide transports, which
+            start nothing before ``synchronize``).
+        flush_order: the order ``synchronize()`` starts the units backward did not reach: units on
+            other routes in launch order, then bucketed ones in bucket order.
+        gatherer: the variable-size allgather, or None.
+        deferred: the step is agreed on before anything travels (step-wide transports).
+        summed_agreement: every gradient is reduced in place by one allreduce (``none`` on
+            float32/float64): the per-step agreement travels as sums with them
+            (:meth:`hvdcomp.agreement.NonFiniteGuard.agree_summed`).
+    """
+
+    compression: object
+    plan: TransportPlan
+    cost_model: Optional[CostModel]
+    units: Units
+    transports: list
+    transport_of: list
+    eager: List[bool]
+    flush_order: List[int]
+    gatherer: object = None
+    deferred: bool = False
+    summed_agreement: bool = False
+    choice: Dict[str, float] = field(default_factory=dict)
+
+
+def _measure_horovod_latency(group, gatherer, prefix: str, calls: int = 5) -> float:
+    """Seconds of one tiny Horovod allreduce in this group (its cycle time and negotiation):
+    the median of ``calls`` after one untimed, rank 0's value on every rank."""
+    probe = torch.zeros(1)
+    times = []
+    for k in range(calls + 1):
+        t0 = time.perf_counter()
+        group.allreduce(probe, f"{prefix}.latency.{k}", group.hvd.Sum)
+        times.append(time.perf_counter() - t0)
+    mine = sorted(times[1:])[calls // 2]
+    return float(gatherer.agree(np.array([mine]))[0])
+
+
+def _routing_cost_model(settings, compression, group, order, gatherer) -> Optional[CostModel]:
+    """The α-β model that routes gathered payloads, or None where routing cannot apply (only
+    methods whose aggregate is the mean of their decodes can travel either way)."""
+    cost_model = settings.cost_model
+    carriers = [r for r in routes().values() if is_per_tensor(compression) and r.carries(compression)]
+    if (cost_model == "off" or len(carriers) < 2 or group.size == 1
+            or all(compression.expected_payload_bytes(p.numel()) is None for p in order)):
+        return None
+    if isinstance(cost_model, CostModel):
+        return cost_model
+    return measure_cost_model(gatherer.probe, group.size, agree=gatherer.agree)
+
+
+def _step_comm(compression, group, timer, gatherer, prefix: str) -> StepComm:
+    """The collectives of a step-wide method's step (:class:`hvdcomp.comm.step.StepComm`): Horovod
+    allreduce and broadcast within the group (timed and counted), point-to-point messages on a
+    duplicate of the mpi4py allgather's communicator (under MPI).
+
+    Raises:
+        RuntimeError: the method's transport needs point-to-point messages and the ranks have no MPI.
+    """
+    hvd = group.hvd
+
+    def allreduce_mean(tensor, name):
+        with timer.phase("communicate"):
+            out = group.allreduce(tensor, f"{prefix}.{name}", hvd.Average)
+        nbytes = tensor.numel() * tensor.element_size()
+        timer.add_bytes(sent=nbytes, received=nbytes)
+        return out
+
+    def broadcast(tensor, root, name):
+        with timer.phase("communicate"):
+            out = group.broadcast(tensor, root, f"{prefix}.{name}")
+        nbytes = tensor.numel() * tensor.element_size()
+        timer.add_bytes(sent=nbytes if group.rank == root else 0, received=nbytes)
+        return out
+
+    p2p = None
+    comm = getattr(gatherer, "comm", None)
+    if step_route_of(compression).needs_point_to_point and group.size > 1:
+        if comm is None:
+            raise RuntimeError(f"'{compression.name}' messages ranks point to point through MPI, "
+                               "but this job has no usable mpi4py communicator (Horovod started with "
+                               "gloo, or allgather='horovod'): launch with mpirun or horovodrun --mpi "
+                               "with mpi4py installed, or use cltk or topk")
+        p2p = MPIExchange(comm.Dup())
+    return StepComm(allreduce_mean, group.rank, group.size, broadcast, p2p)
+
+
+def assemble(settings, compression, group, order: List[torch.nn.Parameter], names: Dict, prefix: str,
+             timer) -> Pipeline:
+    """Build the pipeline of an optimizer over ``order`` (its parameters in expected backward
+    order) averaging over ``group`` (see :class:`Pipeline`). Collective over the group: every
+    rank calls it with the same arguments.
+
+    Raises:
+        RuntimeError: a step-wide method that needs MPI point-to-point messages without MPI.
+        ValueError: ``groups`` that list a tensor the optimizer does not hold; granularity
+            ``"bucket"`` with a step-wide method that needs each gradient's shape.
+    """
+    per_tensor = is_per_tensor(compression)
+    gatherer = None
+    gathered = per_tensor and any(r.bucketed and r.carries(compression) for r in routes().values())
+    if group.size > 1 or gathered:  # (it also carries the per-step agreement)
+        gatherer = make_allgatherer(settings.allgather, group)
+    choice: Dict[str, float] = {}
+    if settings.transport == "auto" and group.size > 1:  # the cost model picks the transport
+        if isinstance(settings.cost_model, CostModel):  # given: Horovod's collectives priced by it alone
+            model, wait = settings.cost_model, 0.0
+        else:
+            model = measure_cost_model(gatherer.probe, group.size, agree=gatherer.agree)
+            wait = _measure_horovod_latency(group, gatherer, prefix)
+        chosen, choice = choose_transport(compression, model, group.size, [p.numel() for p in order],
+                                          settings.bucket_bytes, horovod_latency=wait,
+                                          point_to_point=getattr(gatherer, "comm", None) is not None)
+        if chosen is not compression:
+            log.info("hvdcomp: transport='auto' replaces %s by %s (predicted %s)", compression.name,
+                     chosen.name, {k: f"{v * 1e3:.3g} ms" for k, v in choice.items()})
+            compression = chosen
+            compression.bind_group(group.size)
+            per_tensor = is_per_tensor(compression)
+        settings = settings.with_cost_model(model)  # measured once
+    cost_model = _routing_cost_model(settings, compression, group, order, gatherer) if per_tensor else None
+    unit_names = [names[p] for p in order]
+    groups = settings.groups
+    if isinstance(groups, list):  # parameters -> names (frozen ones dropped, as Horovod)
+        held = {id(p) for p in order}
+        if any(p not in names for g in groups for p in g):
+            raise ValueError("groups lists a tensor that is not among the optimizer's parameters")
+        groups = [[names[p] for p in g if id(p) in held] for g in groups]
+    groups = None if groups is None else split_groups(unit_names, groups)
+    # compression units: a gradient each, flattened buckets of gradients (granularity "bucket"),
+    # or gradients compressed per tensor in one call per bucket (fused, plan.fuse_units)
+    params = [(unit_names[i], p.numel(), p.element_size(), f"{p.dtype}/{p.device}") for i, p in enumerate(order)]
+    allgather = gatherer.kind if gatherer is not None else "none"
+    fuse = (settings.fuse_tensors and settings.granularity == "tensor" and per_tensor
+            and compression.segmentable and not compression.payload_is_gradient)
+    if fuse:  # routes and buckets per gradient, then the fused units within them
+        plan = plan_transport([p[:3] for p in params], compression, cost_model, group.size,
+                              settings.bucket_bytes, groups, allgather, group.ranks)
+        units = fuse_units(params, plan, settings.bucket_bytes, groups)
+    else:
+        units = make_units(params, settings.granularity, settings.bucket_bytes, groups)
+    members = [m for _, m in units]
+    names_of = [n for n, _ in units]
+    if fuse:
+        segments = [None if len(m) == 1 else Segments([unit_names[i] for i in m], [order[i].shape for i in m])
+                    for m in members]
+        route_of = [plan.routes[unit_names[m[0]]] for m in members]
+        at = {unit_names[i]: u for u, m in enumerate(members) for i in m}
+    else:
+        numel = [sum(order[i].numel() for i in m) for m in members]
+        esize = [order[m[0]].element_size() for m in members]
+        plan = plan_transport(list(zip(names_of, numel, esize)), compression, cost_model, group.size,
+                              settings.bucket_bytes, groups if settings.granularity == "tensor" else None,
+                              allgather, group.ranks)
+        segments = [None] * len(units)
+        route_of = [plan.routes[n] for n in names_of]
+        at = {n: u for u, n in enumerate(names_of)}
+    plan.units = {names_of[u]: [unit_names[i] for i in m] for u, m in enumerate(members) if len(m) > 1}
+    plan.choice = choice
+    buckets = [list(dict.fromkeys(at[n] for n in b)) for b in plan.buckets]
+    unit_set = Units(order, members, names_of, segments, prefix)
+    step_route = step_route_of(compression)
+    wiring = Wiring(group, timer, compression, unit_set, prefix, op_sum=settings.op is group.hvd.Sum,
+                    predivide=settings.gradient_predivide_factor, gatherer=gatherer, buckets=buckets,
+                    names=unit_names,
+                    step_comm=_step_comm(compression, group, timer, gatherer, prefix) if step_route else None,
+                    direct=compression.payload_is_gradient and settings.granularity == "tensor" if per_tensor
+                    else False)
+    builders = {name: r.build for name, r in routes().items()}
+    by_route: Dict[str, object] = {}
+    bucketed = [name for name, r in routes().items() if r.bucketed]
+    for name in sorted(dict.fromkeys(route_of), key=lambda r: r not in bucketed):
+        by_route[name] = step_route.build(wiring) if step_route is not None else builders[name](wiring)
+    in_buckets = {u for b in buckets for u in b}
+    flush_order = [u for u in range(len(units)) if u not in in_buckets] + [u for b in buckets for u in b]
+    summed = (wiring.direct and settings.nonfinite != "ignore" and group.size > 1
+              and all(p.dtype in (torch.float32, torch.float64) for p in order))
+    return Pipeline(compression, plan, cost_model, unit_set, list(by_route.values()),
+                    [by_route[r] for r in route_of], [step_route is None] * len(units), flush_order,
+                    gatherer, deferred=step_route is not None, summed_agreement=summed, choice=choice)

@@ -1,0 +1,86 @@
+"""One optimizer step's state: where the step is (:class:`Status`), whether compressor state is
+staged, and the accumulation counters that tell when a unit's gradients are ready."""
+from __future__ import annotations
+
+import enum
+from typing import List, Optional, Sequence
+
+__all__ = ["Status", "StepState"]
+
+
+class Status(enum.Enum):
+    """Where an optimizer's step is.
+
+    * ``IDLE``: nothing since the last ``step()`` (or ``zero_grad()``);
+    * ``BACKWARD``: backward's hooks fired, the gradients are not synchronized yet;
+    * ``SYNCED``: ``synchronize()`` wrote the averaged gradients; the update is not applied yet;
+    * ``SKIPPED``: synchronized, and the ranks agreed to skip the step (a non-finite gradient);
+    * ``CLOSED``: ``close()`` stopped communication for good.
+    """
+
+    IDLE = "idle"
+    BACKWARD = "backward"
+    SYNCED = "synced"
+    SKIPPED = "skipped"
+    CLOSED = "closed"
+
+
+class StepState:
+    """The step in progress.
+
+    Args:
+        members: per compression unit, the positions of its parameters (in expected backward
+            order); every parameter is in exactly one unit.
+        passes: ``backward_passes_per_step``.
+
+    Attributes:
+        status: a :class:`Status`.
+        staged: the compressor's state of this step is staged (``begin_step`` ran), to be
+            committed when ``step()`` applies the update or rolled back when it is dropped.
+        sync_on_step: ``step()`` synchronizes first (False inside ``skip_synchronize()``).
+        started: per unit, whether its transport has started it this step.
+    """
+
+    def __init__(self, members: Sequence[Sequence[int]], passes: int):
+        self.unit_of = [0] * sum(len(m) for m in members)  # per parameter, its unit
+        for u, m in enumerate(members):
+            for i in m:
+                self.unit_of[i] = u
+        self.sizes = [len(m) for m in members]
+        self.status = Status.IDLE
+        self.staged = False
+        self.sync_on_step = True
+        self.restart(passes)
+
+    def restart(self, passes: int) -> None:
+        """New accumulation counters: every parameter waits for ``passes`` backward passes."""
+        self.passes = passes
+        self.delay: List[int] = [passes] * len(self.unit_of)
+        self.waiting: List[int] = list(self.sizes)  # per unit: gradients still to come
+        self.started: List[bool] = [False] * len(self.sizes)
+
+    @property
+    def synced(self) -> bool:
+        """``synchronize()`` ran and its gradients were not applied or dropped yet."""
+        return self.status in (Status.SYNCED, Status.SKIPPED)
+
+    def gradient_ready(self, i: int) -> Optional[int]:
+        """Backward produced parameter ``i``'s gradient: count it; returns its unit when that unit
+        is now complete (every member has had its last backward pass), else None.
+
+        Raises:
+            AssertionError: more backward passes than ``backward_passes_per_step`` before
+                ``step()`` or ``synchronize()`` (Horovod's message).
+        """
+        if self.delay[i] <= 0:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before call to "
+                "step() or synchronize(). Increase backward_passes_per_step to accumulate "
+                "gradients locally.")
+        self.delay[i] -= 1
+        self.status = Status.BACKWARD
+        if self.delay[i]:
+            return None
+        u = self.unit_of[i]
+        self.waiting[u] -= 1
+        return u if self.waiting[u] == 0 else None

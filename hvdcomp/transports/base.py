@@ -1,0 +1,87 @@
+"""The one interface of every transport, and what the optimizer wires each one with."""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+__all__ = ["Transport", "Wiring"]
+
+
+@dataclass
+class Wiring:
+    """Everything a transport may need, built once by the optimizer (:mod:`hvdcomp.assembly`);
+    each transport's ``build`` function takes what it uses.
+
+    Attributes:
+        group: the :class:`hvdcomp.comm.group.Group` the gradients are averaged over.
+        timer: the optimizer's :class:`hvdcomp.metrics.PhaseTimer`.
+        compression: the optimizer's method.
+        units: the optimizer's :class:`hvdcomp.transports.units.Units`.
+        prefix: the optimizer's prefix for collective names (unique per optimizer, the same on
+            every rank).
+        op_sum: ``op=hvd.Sum`` (results are sums over ranks, not means).
+        predivide: Horovod's ``gradient_predivide_factor``.
+        gatherer: the variable-size allgather (:class:`hvdcomp.comm.allgather.Allgatherer`), or
+            None where no route needs one.
+        buckets: unit indices per bucket of the bucketed route, in launch order.
+        names: the parameters' names in launch order (step-wide transports).
+        step_comm: the collectives a step-wide method may run
+            (:class:`hvdcomp.comm.step.StepComm`), or None.
+        direct: every unit is one gradient whose payload is the gradient itself (``none`` with
+            ``granularity="tensor"``): reduced in place as stock Horovod does, charged to compute.
+    """
+
+    group: Any
+    timer: Any
+    compression: Any
+    units: Any
+    prefix: str
+    op_sum: bool = False
+    predivide: float = 1.0
+    gatherer: Any = None
+    buckets: List[List[int]] = field(default_factory=list)
+    names: List[str] = field(default_factory=list)
+    step_comm: Optional[Any] = None
+    direct: bool = False
+
+    @property
+    def scale(self) -> float:
+        """Factor from the mean a transport computes to what ``op`` asks for (Sum: × size)."""
+        return float(self.group.size) if self.op_sum else 1.0
+
+
+class Transport(abc.ABC):
+    """Carries the payloads of the compression units routed to it.
+
+    The optimizer calls :meth:`start` once per unit and step (from backward's hook when the
+    unit's gradients are ready, or from ``synchronize()`` for the rest, in the same order on
+    every rank), then :meth:`finish`, which writes every averaged result into its unit's target
+    (:meth:`hvdcomp.transports.units.Units.target`, then ``p.grad``). Compression happens here:
+    the transport asks the method to encode the unit when it starts it.
+    """
+
+    @abc.abstractmethod
+    def start(self, u: int) -> None:
+        """Compress unit ``u`` and start (or queue) its collective."""
+
+    @abc.abstractmethod
+    def finish(self) -> None:
+        """Wait for the collectives of every started unit and write the results into their
+        targets; counts the bytes."""
+
+    @property
+    @abc.abstractmethod
+    def busy(self) -> bool:
+        """Whether payloads are queued or collectives in flight."""
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Forget the step in progress (its results will not be used)."""
+
+    def in_place_units(self) -> List[int]:
+        """Units whose inputs this step's collectives overwrite in place (none by default)."""
+        return []
+
+    def close(self) -> None:
+        """Release what the transport holds beyond a step (threads); no-op by default."""
