@@ -123,8 +123,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._open()
         self._step.started[u] = True
         self._pipe.transport_of[u].start(u)
-        if self._pipe.summed_agreement and self._agreement is None:
-            self._launch_agreement()
+        if self._pipe.summed_agreement and self._agreement is None:  # this step's agreement as a small
+            # summed allreduce that Horovod fuses with the gradients' (see hvdcomp.agreement)
+            row = self._guard.summary(self._state.loaded_since_step, self.backward_passes_per_step)
+            self._agreement = self.group.allreduce_async(torch.tensor(row, dtype=torch.float64),
+                                                         f"{self._prefix}.agree", self.group.hvd.Sum)
 
     def _hook(self, p: torch.Tensor) -> None:
         if self._step.synced:  # a new backward after synchronize() without step(): that update is dropped
@@ -132,13 +135,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         u = self._step.gradient_ready(self._pos[id(p)])
         if u is not None and self._pipe.eager[u]:
             self._start(u)
-
-    def _launch_agreement(self) -> None:
-        """Start this step's agreement as a small summed allreduce that Horovod fuses with the
-        gradients' (``none`` on float32/float64 gradients, see :mod:`hvdcomp.agreement`)."""
-        row = self._guard.summary(self._state.loaded_since_step, self.backward_passes_per_step)
-        self._agreement = self.group.allreduce_async(torch.tensor(row, dtype=torch.float64),
-                                                     f"{self._prefix}.agree", self.group.hvd.Sum)
 
     # ---- synchronisation ----------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -161,19 +157,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for u in pipe.flush_order:  # what backward did not reach, in the same order on every rank
             if not step.started[u]:
                 self._start(u)
-        # every local gradient's finiteness, in one fused check: the inputs are intact until the
-        # collectives finish, except those reduced in place (none), checked on their results
-        # (identical on every rank) after
-        in_place = [] if pipe.summed_agreement else [pipe.units.members[u][0] for t in pipe.transports
-                                                     for u in t.in_place_units() if len(pipe.units.members[u]) == 1]
+        # every local gradient's finiteness, in one fused check, except those reduced in place (none):
+        # checked on their results (identical on every rank) after
+        in_place = set() if pipe.summed_agreement else {pipe.units.members[u][0] for t in pipe.transports
+                                                        for u in t.in_place_units() if len(pipe.units.members[u]) == 1}
         if not pipe.summed_agreement:
-            skip = set(in_place)
-            self._guard.observe([p.grad for i, p in enumerate(self._order) if p.grad is not None and i not in skip])
+            self._guard.observe([p.grad for i, p in enumerate(self._order) if p.grad is not None and i not in in_place])
         if not pipe.deferred:
             for t in pipe.transports:
                 t.finish()
             self._guard.observe([self._order[i].grad for i in (range(len(self._order))
-                                                              if pipe.summed_agreement else in_place)])
+                                                              if pipe.summed_agreement else sorted(in_place))])
         step.restart(self.backward_passes_per_step)
         if self._agree() and pipe.deferred:  # agreed first: a skipped step runs no collective
             for t in pipe.transports:                      # and changes no state
@@ -336,25 +330,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
-                         compression="none",
-                         backward_passes_per_step: int = 1,
-                         op=None,
-                         gradient_predivide_factor: float = 1.0,
-                         num_groups: int = 0,
-                         groups=None,
-                         sparse_as_dense: bool = False,
-                         process_set=None,
-                         *,
-                         allgather: str = "auto",
-                         timer: Optional[PhaseTimer] = None,
-                         nonfinite: str = "skip",
-                         check_consistency: bool = True,
-                         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                         cost_model="measure",
-                         grad_scaler=None,
-                         granularity: str = "tensor",
-                         fuse_tensors: bool = True,
-                         transport: str = "planned") -> torch.optim.Optimizer:
+                         compression="none", backward_passes_per_step: int = 1, op=None,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                         sparse_as_dense: bool = False, process_set=None, *, allgather: str = "auto",
+                         timer: Optional[PhaseTimer] = None, nonfinite: str = "skip",
+                         check_consistency: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                         cost_model="measure", grad_scaler=None, granularity: str = "tensor",
+                         fuse_tensors: bool = True, transport: str = "planned") -> torch.optim.Optimizer:
     hvd = horovod()
     if not hvd.is_initialized():
         raise RuntimeError("Horovod is not initialised: call hvd.init() before hvdcomp.DistributedOptimizer")
@@ -399,9 +381,9 @@ DistributedOptimizer.__doc__ = """Wrap ``optimizer`` so that gradients are compr
             ``nonfinite``, ``op`` not Average/Sum, ``gradient_predivide_factor`` with
             ``op != Average``, bad ``groups``, ``bucket_bytes < 1``, an unknown ``cost_model``
             or ``granularity`` (or ``"bucket"`` with PowerSGD), an unknown ``transport`` (or
-            ``"auto"`` with ``cost_model="off"``), a compressor already used by another optimizer, a compressor that applies momentum
-            (DGC) with an optimizer that also does, or ranks that disagree on any setting
-            (raised on every rank, naming the difference).
+            ``"auto"`` with ``cost_model="off"``), a compressor already used by another
+            optimizer, a compressor that applies momentum (DGC) with an optimizer that also does,
+            or ranks that disagree on any setting (raised on every rank, naming the difference).
         TypeError: unsupported ``compression`` or ``grad_scaler``.
         RuntimeError: Horovod is not initialised, the launcher started several tasks but
             Horovod sees one (see :func:`hvdcomp.launch.check_launch`), or a method that messages

@@ -39,12 +39,18 @@ def check_none_matches_horovod():
     stock = hvd.DistributedOptimizer(torch.optim.SGD(models[0].parameters(), lr=0.1),
                                      named_parameters=models[0].named_parameters(),
                                      compression=hvd.Compression.none)
+    from hvdcomp.comm.allgather import MPIAllgatherer
+
+    exchanges = []  # the per-step agreement travels with the gradients: no allgather of flags
+
+    class Recording(MPIAllgatherer):
+        def allgather_ints(self, values):
+            exchanges.append(values)
+            return super().allgather_ints(values)
+
     ours = hvdcomp.DistributedOptimizer(torch.optim.SGD(models[1].parameters(), lr=0.1),
                                         named_parameters=models[1].named_parameters(),
-                                        compression="none")
-    exchanges = []  # the per-step agreement travels with the gradients: no allgather of flags
-    gather_ints = ours._gatherer.allgather_ints
-    ours._gatherer.allgather_ints = lambda v: exchanges.append(v) or gather_ints(v)
+                                        compression="none", allgather=Recording())
     train_side_by_side(models, (stock, ours))
     for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         assert torch.allclose(a, b, rtol=0, atol=1e-7), (n, (a - b).abs().max())
