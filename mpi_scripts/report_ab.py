@@ -221,7 +221,7 @@ def spectra_table(by: Dict[str, List[dict]], cutoff: float) -> str:
             above = sum(x > cutoff * s[0] for x in s)
             lines.append(f"| {model} | {label} | {run['config']['weight_decay']:g} | "
                          f"{'' if decay is None else f'{decay:.2f}'} | {name} ({sv['view'][0]} x {sv['view'][1]}) | "
-                         f"{s[0]:.2f} | {above} / {len(s)} | {s[-1] / s[0]:.3f} |")
+                         f"{s[0]:.2f} | {above} / {len(s)} | {s[-1] / s[0]:.2g} |")
     return "\n".join(lines)
 
 
@@ -266,7 +266,8 @@ def paper_section(by: Dict[str, List[dict]]) -> str:
             f"everywhere. Kept ranks at the "
             f"last factorisation (seed {runs[0]['config']['seed']}): "
             + ", ".join(f"{k} {kept[k]} of {dims[k][1]}" for k in dims)
-            + f"; the final weights of {base} (seed {by[base][0]['config']['seed']}) have "
+            + f"; the final weights of {base} (weight decay {by[base][0]['config']['weight_decay']:g}, "
+            f"seed {by[base][0]['config']['seed']}) have "
             + ", ".join(f"{base_above[k]}" for k in dims) + f" singular values above {cutoff:g}·σ_1. "
             + ("" if decay is None else f"AdamW's decay leaves a weight untouched by gradients at {decay:.2f} of "
                f"itself over this run, against {authors_decay():.2f} over the authors' 15,000 steps. "))
@@ -372,13 +373,15 @@ def render(by: Dict[str, List[dict]], command: str = "", plots: Tuple[str, ...] 
              f"lr {cfg['lr']:g}, clip {cfg['clip']:g}, label smoothing {cfg['label_smoothing']:g}, "
              f"init {cfg['init']}, learning-rate warm-up {cfg['lr_warmup_epochs']:g} epochs, "
              f"cosine to {cfg['min_lr']:g}.")
+    kept_full = {v[0]["config"]["model"]: v[0]["config"]["ab"]["full_rank"] for v in by.values() if is_ab(v)}
     if ab_cfg:
         setup += (f" AB-training: mode {ab_cfg['mode']} (sync {ab_cfg['sync']}), {ab_cfg['orientation']} factors, "
                   f"groups {ab_cfg['groups']} ({ab_cfg['n_groups']} groups), warm-up {ab_cfg['warmup_steps']} steps, "
                   f"cycles of {ab_cfg['steps_between_syncs']} grouped + {ab_cfg['full_rank_steps']} full-rank steps, "
                   f"rebound {ab_cfg['ramp_steps']} steps, cutoff {ab_cfg['cutoff']:g} "
-                  f"({'cut' if ab_cfg['cut_first'] else 'exact'} at the first factorisation), "
-                  f"full rank: {', '.join(ab_cfg['full_rank'])}.")
+                  f"({'cut' if ab_cfg['cut_first'] else 'exact'} at the first factorisation); never factorised "
+                  "besides the 1-D parameters: "
+                  + "; ".join(f"{m}: {', '.join(names)}" for m, names in sorted(kept_full.items())) + ".")
     cutoff = ab_cfg["cutoff"] if ab_cfg else 0.15
     parts = [
         "# AB-training on scikit-learn's digits against full-rank data parallelism",

@@ -132,6 +132,6 @@ def test_report_keeps_traffic_and_model_compression_apart(tmp_path):
     assert "| 16 | 1.43:1 | 2 |" in text
     assert "| vgg | vgg-ab | 75.0 % (4.00:1) | above | within the seed spread of vgg-full-rank | met | 1.43:1 |" in text
     assert "44.14:1" in text and "70.31 %" in text
-    assert "| vgg | vgg-ab | 0.1 | 0.90 | w (40 x 10) | 4.00 | 2 / 10 | 0.025 |" in text   # 4, 2 > 0.6
+    assert "| vgg | vgg-ab | 0.1 | 0.90 | w (40 x 10) | 4.00 | 2 / 10 | 0.025 |" in text   # 4, 2 > 0.6; 0.1 / 4
     for png in ("ab_accuracy.png", "ab_compression.png", "ab_spectra.png"):
         assert (tmp_path / png).stat().st_size > 1000
