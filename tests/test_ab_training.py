@@ -1,12 +1,14 @@
-"""AB-training: factorisation (single process), group averaging and schedule under mpirun -np 4,
-and the LM job with AB-training at 4 ranks (2 groups of 2)."""
+"""AB-training: factorisation, orientation, the model-compression and traffic metrics (single
+process), the algorithm under mpirun (4 ranks; 8 ranks for the 2 x 4 node layout), and the LM job
+with AB-training at 4 ranks (2 groups of 2)."""
 import json
 import os
 
 import pytest
 import torch
 
-from hvdcomp.lowrank import factorize, kept_rank
+from hvdcomp.lowrank import factorize, kept_rank, matrix_view, model_compression, traffic_summary, unit_singular_values_
+from hvdcomp.lowrank.ab import _pad_or_truncate
 from tests.mpirun import TINY_SHAKESPEARE, check
 
 
@@ -31,10 +33,88 @@ def test_cutoff_keeps_count_of_large_singular_values():
     assert torch.allclose(a @ b, best2, atol=1e-5)
 
 
-def test_group_averaging_schedule_and_full_rank_phase_on_4_ranks():
-    out = check(4, ["tests/mpi/ab_checks.py"], timeout=240)
-    for name in ("group_averaging", "full_rank_matches_data_parallel", "schedule_and_sync"):
+@pytest.mark.parametrize("shape", [(32, 1, 3, 3), (32, 32, 3, 3), (64, 32, 3, 3), (64, 64, 3, 3), (128, 256),
+                                   (10, 128), (512, 64), (512, 512), (10, 512)])
+def test_tall_view_makes_b_the_small_factor(shape):
+    """Every weight shape of train_cnn.py's two models: the view is n x m with n >= m = min(dims),
+    exactly factorised B is m x m, A is n x m, and A·B, turned back, is the weight."""
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(5))
+    out, rest = shape[0], w[0].numel()
+    view, flipped = matrix_view(w)
+    assert flipped == (out < rest) and view.shape == (max(out, rest), min(out, rest))
+    a, b = factorize(view, rank=min(out, rest))
+    assert b.shape == (min(out, rest),) * 2 and a.shape == (max(out, rest), min(out, rest))
+    back = (a @ b).t() if flipped else a @ b
+    assert torch.allclose(back.reshape(shape), w, atol=1e-4)
+    rows, flipped_rows = matrix_view(w, "rows")                   # hvdcomp's earlier layout
+    assert rows.shape == (out, rest) and not flipped_rows
+    with pytest.raises(ValueError, match="orientation"):
+        matrix_view(w, "wide")
+
+
+def test_model_compression_equals_a_hand_count():
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8, 6),
+                                torch.nn.Linear(6, 3))
+    # conv 8 x 36 at rank 3: 3 * (8 + 36) = 132 instead of 288; Linear(8, 6) (6 x 8) at rank 2:
+    # 2 * 14 = 28 instead of 48; the biases (8 + 6 + 3) and Linear(6, 3) (18) as they are
+    full = 288 + 8 + 48 + 6 + 18 + 3
+    got = model_compression(model.named_parameters(), {"0.weight": 3, "2.weight": 2})
+    assert got == {"full_parameters": full, "parameters": 132 + 8 + 28 + 6 + 18 + 3,
+                   "ratio": full / (132 + 8 + 28 + 6 + 18 + 3)}
+    assert full == 371 and model_compression(model.named_parameters(), {})["ratio"] == 1.0
+    with pytest.raises(ValueError, match="outside"):
+        model_compression(model.named_parameters(), {"2.weight": 7})
+    with pytest.raises(ValueError, match="not parameters"):
+        model_compression(model.named_parameters(), {"9.weight": 1})
+
+
+def test_traffic_summary_mean_over_ranks_and_between_nodes():
+    dense = 1000
+    reports = [{"dense_bytes": dense, "nodes": 2, "bytes_sent": 500, "internode_bytes_sent": 300,
+                "bytes_by_phase": {"warmup": 300, "grouped": 200}, "internode_bytes_by_phase": {"warmup": 300}},
+               {"dense_bytes": dense, "nodes": 2, "bytes_sent": 300, "internode_bytes_sent": 100,
+                "bytes_by_phase": {"warmup": 100, "grouped": 200}, "internode_bytes_by_phase": {"warmup": 100}}]
+    s = traffic_summary(reports)
+    assert s["bytes_sent_mean"] == 400 and s["bytes_between_nodes_mean"] == 200
+    assert s["ratio_mean"] == 2.5 and s["ratio_between_nodes"] == 5.0 and s["reduction_between_nodes"] == 0.8
+    assert s["bytes_by_phase_mean"] == {"warmup": 200, "grouped": 200}
+    assert s["between_nodes_by_phase_mean"] == {"warmup": 200}
+    one = traffic_summary([{**r, "nodes": 1, "internode_bytes_sent": 0} for r in reports])
+    assert one["ratio_between_nodes"] is None and one["ratio_mean"] == 2.5
+    with pytest.raises(ValueError, match="disagree"):
+        traffic_summary([reports[0], {**reports[1], "dense_bytes": 7}])
+
+
+def test_optimizer_state_padded_or_truncated():
+    t = torch.arange(12.0).reshape(4, 3)
+    assert torch.equal(_pad_or_truncate(t, (2, 3)), t[:2])
+    grown = _pad_or_truncate(t, (5, 3))
+    assert torch.equal(grown[:4], t) and torch.equal(grown[4], torch.zeros(3))
+    assert torch.equal(_pad_or_truncate(t, (4, 2)), t[:, :2])
+
+
+def test_unit_singular_values():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8, 5))
+    bias = model[0].bias.detach().clone()
+    names = unit_singular_values_(model)
+    assert names == ["0.weight", "2.weight"] and torch.equal(model[0].bias, bias)
+    for p in (model[0].weight, model[2].weight):
+        s = torch.linalg.svdvals(p.detach().reshape(p.shape[0], -1))
+        assert torch.allclose(s, torch.ones_like(s), atol=1e-5)
+
+
+def test_algorithm_on_4_ranks():
+    out = check(4, ["tests/mpi/ab_checks.py"], timeout=300)
+    for name in ("group_averaging", "full_rank_matches_data_parallel", "schedule_and_sync",
+                 "orientation_every_cnn_layer", "cut_keeps_large_singular_values", "only_b_updates_no_a",
+                 "sync_values", "closed_form_bytes", "optimizer_state_and_rebound", "process_set"):
         assert f"OK {name}" in out, out[-3000:]
+
+
+def test_closed_form_bytes_on_2x4_node_groups():
+    out = check(8, ["tests/mpi/ab_checks.py", "closed_form_bytes_2x4"], timeout=300)
+    assert "OK closed_form_bytes_2x4" in out, out[-3000:]
 
 
 @pytest.mark.skipif(not os.path.isfile(TINY_SHAKESPEARE), reason="../shared/data not present")
@@ -48,5 +128,5 @@ def test_train_lm_with_ab_training_at_4_ranks(tmp_path):
     assert set(ab["bytes_by_phase"]) == {"warmup", "grouped", "sync", "full-rank"}
     dense = 4 * 1_161_600
     assert ab["bytes_by_phase"]["warmup"] == 2 * dense and ab["dense_bytes"] == 6 * dense
-    assert ab["compression_ratio"] == pytest.approx(ab["dense_bytes"] / ab["bytes_sent"])
+    assert ab["traffic_ratio"] == pytest.approx(ab["dense_bytes"] / ab["bytes_sent"])
     assert r["config"]["compressor"]["groups"] == 2 and r["config"]["compressor"]["cutoff"] == 0.3
