@@ -6,8 +6,8 @@ improved for ``patience`` epochs (10, at most 50 epochs). :class:`PlateauSchedul
 an optional linear warm-up over the first optimizer steps.
 
 It computes learning rates rather than wrapping one optimizer (as ``torch.optim.lr_scheduler``
-does) because AB-training replaces its inner optimizer at every phase switch: the caller writes
-the value where its optimizer reads it (``param_groups`` or ``ABTraining.base_lr``).
+does) because AB-training rebounds the learning rate at every stage switch on top of it: the
+caller writes the value where its optimizer reads it (``param_groups`` or ``ABTraining.base_lr``).
 """
 from __future__ import annotations
 
