@@ -7,7 +7,9 @@ many-tensor stack (benchmarks/overhead.py's ``stack`` model), under ``mpirun``::
 Prints the total profiled seconds per step and per tensor, and the functions with the most
 internal time. cProfile (the standard library's deterministic profiler) is used for exact call
 counts per step; it inflates Python-heavy code, so compare profiles with each other, not with
-unprofiled step times. ``hvdcomp`` is imported from ``PYTHONPATH`` when set there (profile an
+unprofiled step times. ``--sort ncalls`` lists the functions called most often instead and
+prints the calls per step (function calls and torch operations counted by cProfile: a figure
+that does not depend on the machine's load, unlike the seconds). ``hvdcomp`` is imported from ``PYTHONPATH`` when set there (profile an
 older checkout side by side), else from this repository.
 """
 from __future__ import annotations
@@ -35,6 +37,16 @@ import bench_models  # noqa: E402
 import peers  # noqa: E402
 
 
+PACKAGE = os.sep + "hvdcomp" + os.sep
+
+
+def calls_from(stats: pstats.Stats, folder: str) -> int:
+    """Calls (of Python functions and of built-ins such as torch operations) made by code in
+    files under ``folder``: the work a package does itself, without the model's."""
+    return sum(nc for *_, callers in stats.stats.values()
+               for (filename, _, _), (_, nc, _, _) in callers.items() if folder in filename)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("contender", help="horovod:none or hvdcomp:<spec>[@bucket]")
@@ -42,6 +54,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--blocks", type=int, default=200)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--sort", choices=("tottime", "ncalls"), default="tottime",
+                   help="order of the listed functions (ncalls: most often called first)")
     args = p.parse_args(argv)
     import horovod.torch as hvd
 
@@ -76,8 +90,11 @@ def main(argv=None):
         tensors = 2 * args.blocks
         print(f"{args.contender} (hvdcomp from {os.path.dirname(os.path.dirname(hvdcomp.__file__))}): "
               f"{stats.total_tt / args.steps * 1e3:.1f} ms profiled per step, "
-              f"{stats.total_tt / args.steps / tensors * 1e6:.0f} µs per tensor ({tensors} tensors)")
-        stats.sort_stats("tottime").print_stats(args.top)
+              f"{stats.total_tt / args.steps / tensors * 1e6:.0f} µs per tensor ({tensors} tensors); "
+              f"{stats.total_calls / args.steps:.0f} calls per step "
+              f"({stats.total_calls / args.steps / tensors:.1f} per tensor), "
+              f"{calls_from(stats, PACKAGE) / args.steps:.0f} of them made by hvdcomp's code")
+        stats.sort_stats(args.sort).print_stats(args.top)
         print("\n".join(line for line in buf.getvalue().splitlines() if line.strip()))
 
 

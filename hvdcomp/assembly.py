@@ -18,7 +18,7 @@ from .comm import make_allgatherer
 from .comm.costmodel import CostModel, measure_cost_model
 from .comm.exchange import MPIExchange
 from .comm.step import StepComm
-from .compressors.segments import Segments
+from .compressors.segments import Segments, needs_consecutive
 from .plan import (TransportPlan, choose_transport, fuse_units, make_units, plan_transport, routes, split_groups,
                    step_route_of)
 from .spec import is_per_tensor
@@ -178,7 +178,7 @@ def assemble(settings, compression, group, order: List[torch.nn.Parameter], name
     if fuse:  # routes and buckets per gradient, then the fused units within them
         plan = plan_transport([p[:3] for p in params], compression, cost_model, group.size,
                               settings.bucket_bytes, groups, allgather, group.ranks)
-        units = fuse_units(params, plan, settings.bucket_bytes, groups)
+        units = fuse_units(params, plan, settings.bucket_bytes, groups, consecutive=needs_consecutive(compression))
     else:
         units = make_units(params, settings.granularity, settings.bucket_bytes, groups)
     members = [m for _, m in units]

@@ -93,6 +93,31 @@ class Residuals:
             start += n
         return flat
 
+    def compensate_segments_(self, flat: torch.Tensor, segments) -> torch.Tensor:
+        """:meth:`compensate_flat_` for the gradients of a fused unit (``segments``: a
+        :class:`~hvdcomp.compressors.segments.Segments`): one addition of the previous residual
+        buffer when the residuals are still the views :meth:`keep_segments` stored, else one per
+        segment. In place; returns ``flat``."""
+        e = self.owner._get_segments(self.store, segments)
+        if e is not None and e.dtype == flat.dtype:
+            return flat.add_(e)
+        return self.compensate_flat_(flat, segments.names, segments.sizes)
+
+    def keep_segments(self, r: torch.Tensor, segments, flat_shapes: bool = False) -> None:
+        """:meth:`keep` for each segment of the 1-D ``r`` at once: the residuals are views of
+        ``r`` (each in its gradient's shape, or 1-D with ``flat_shapes``), so that the next
+        :meth:`compensate_segments_` adds ``r`` in one operation (no per-step concatenation)."""
+        if self.beta:
+            e = self.owner._get_segments(self.store, segments)
+            r.mul_(1.0 - self.beta)
+            if e is not None:
+                r.add_(e, alpha=self.beta)
+            else:
+                for part, prev in zip(segments.split(r), self.owner._get_many(self.store, segments.names)):
+                    if prev is not None:
+                        part.add_(prev.reshape(-1), alpha=self.beta)
+        self.owner._put_segments(self.store, segments, r, flat_shapes)
+
     def keep(self, name: str, r: torch.Tensor) -> torch.Tensor:
         """Stage ``name``'s new residual from ``r = p − decode(payload)`` (``r``'s memory is
         reused): ``r`` itself for β = 0 (or without a previous residual: ``(1 − β)·r``), else
@@ -148,6 +173,7 @@ class Wrapper(Compressor):
     aggregate_is_mean = property(lambda self: self.inner.aggregate_is_mean)  # type: ignore[assignment]
     owns_momentum = property(lambda self: self.inner.owns_momentum)  # type: ignore[assignment]
     segmentable = property(lambda self: self.inner.segmentable)  # type: ignore[assignment]
+    draws_per_call = property(lambda self: getattr(self.inner, "draws_per_call", False))
 
     def staged_children(self):
         return (self.inner,)
@@ -231,9 +257,9 @@ class ErrorFeedback(Wrapper):
         of this step's compensated buffer, in the gradient's shape)."""
         dtype = flat.dtype
         p = flat.to(torch.float32) if dtype in _HALF else flat.clone()
-        self.memory.compensate_flat_(p, segments.names, segments.sizes)
+        self.memory.compensate_segments_(p, segments)
         payload, ctx = self.inner.encode(p, None, segments)
-        self.memory.keep_flat(self.inner.residual_(p, payload, ctx), segments.names, segments.shapes)
+        self.memory.keep_segments(self.inner.residual_(p, payload, ctx), segments)
         return payload, _Context(ctx, dtype)
 
     def decode(self, payload, ctx):

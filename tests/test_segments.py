@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import hvdcomp
+from hvdcomp import native
 from hvdcomp.compressors import PayloadKind
 from hvdcomp.compressors.base import simulated_world
 from hvdcomp.compressors.segments import Segments
@@ -22,6 +23,14 @@ NAMES = [f"p{i}" for i in range(len(SHAPES))]
 WORLD = 3
 SPECS = ["topk:density=0.1", "topk:density=0.3,ef=false", "topk:density=0.2,values=fp16,index=compact",
          "fp16", "fp16:ef=true", "bf16", "threshold:threshold=0.5"]
+# made segmentable for issue 31: each with the native kernels and with the torch kernels
+SPECS_31 = ["topk:density=0.01,select=sample", "topk:density=0.05,select=sample,sample_ratio=0.5,values=fp16",
+            "dgc:density=0.01", "dgc:density=0.05,nesterov=true,clip_norm=1.0,values=fp16,index=compact",
+            "qsgd:levels=16", "qsgd:levels=127,block=7", "qsgd:levels=4,scale=max", "qsgd:levels=300",
+            "terngrad", "terngrad:clip_sigmas=0", "efsignsgd", "efsignsgd:ef=false", "signsgd",
+            "signsgd:vote=allgather", "randomk:density=0.01", "randomk:density=0.3,ef=false"]
+SHAPES_31 = SHAPES + [(9000,), (3,), (3,)]  # 90 samples at 1 %: a sampled threshold (select=sample, dgc)
+NAMES_31 = [f"p{i}" for i in range(len(SHAPES_31))]
 
 
 def _average(payloads):
@@ -39,22 +48,42 @@ def _reduce(comp, rank, payloads, ctx):
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_segments_equal_per_tensor(spec):
-    seg = Segments(NAMES, SHAPES)
+    _check_segments_equal_per_tensor(spec, NAMES, SHAPES)
+
+
+@pytest.fixture(params=[True, False], ids=["native", "torch"])
+def kernels(request):
+    previous = native.set_enabled(request.param)
+    yield request.param
+    native.set_enabled(previous)
+
+
+@pytest.mark.parametrize("spec", SPECS_31)
+def test_segments_equal_per_tensor_issue31(spec, kernels):
+    """The methods made segmentable for issue 31, on both kernel paths: averaged results,
+    residuals, momenta, step counters and generator states bit-identical to one call per
+    gradient (the whole state dict), over 4 steps."""
+    _check_segments_equal_per_tensor(spec, NAMES_31, SHAPES_31, whole_state=True)
+
+
+def _check_segments_equal_per_tensor(spec, names, shapes, whole_state=False):
+    assert hvdcomp.get_compressor(spec).segmentable, spec
+    seg = Segments(names, shapes)
     per = [hvdcomp.get_compressor(spec) for _ in range(WORLD)]
     fused = [hvdcomp.get_compressor(spec) for _ in range(WORLD)]
     gen = torch.Generator().manual_seed(0)
     for step in range(4):  # magnitudes grow 10x per step: fp16's scale must follow
-        grads = [[torch.randn(s, generator=gen) * 10.0 ** step for s in SHAPES] for _ in range(WORLD)]
+        grads = [[torch.randn(s, generator=gen) * 10.0 ** step for s in shapes] for _ in range(WORLD)]
         one, many = [], []
         for r in range(WORLD):
             with simulated_world(WORLD, r):
                 per[r].begin_step()
                 fused[r].begin_step()
-                one.append([per[r].encode(g, n) for g, n in zip(grads[r], NAMES)])
+                one.append([per[r].encode(g, n) for g, n in zip(grads[r], names)])
                 many.append(fused[r].encode(torch.cat([g.reshape(-1) for g in grads[r]]), None, seg))
         for r in range(WORLD):
             expect = torch.cat([_reduce(per[r], r, [one[q][j][0] for q in range(WORLD)], one[r][j][1]).reshape(-1)
-                                for j in range(len(SHAPES))])
+                                for j in range(len(shapes))])
             got = _reduce(fused[r], r, [many[q][0] for q in range(WORLD)], many[r][1])
             assert got.shape == (seg.numel,)
             assert torch.equal(got, expect), (spec, step, r)
@@ -68,7 +97,9 @@ def test_segments_equal_per_tensor(spec):
             assert b["residuals"][name].shape == e.shape and torch.equal(b["residuals"][name], e), name
         exps = (a.get("inner") or a).get("exponents")
         if exps is not None:
-            assert exps == (b.get("inner") or b)["exponents"] and len(exps) == len(SHAPES) - 1  # (0,) never agrees
+            assert exps == (b.get("inner") or b)["exponents"] and len(exps) == len(shapes) - 1  # (0,) never agrees
+        if whole_state:
+            assert hvdcomp.agreement.digest(a) == hvdcomp.agreement.digest(b), (spec, r)
 
 
 def test_topk_segments_keep_k_per_tensor():
@@ -101,12 +132,12 @@ def test_fp16_segments_scale_each_tensor():
 def test_segments_errors():
     seg = Segments(["a", "b"], [(3,), (2,)])
     with pytest.raises(ValueError, match="cannot compress several gradients"):
-        hvdcomp.get_compressor("qsgd").encode(torch.zeros(5), None, seg)
+        hvdcomp.get_compressor("lowbit").encode(torch.zeros(5), None, seg)
     with pytest.raises(ValueError, match="5 elements"):
         hvdcomp.get_compressor("fp16").encode(torch.zeros(6), None, seg)
     with pytest.raises(ValueError, match="unique"):
         Segments(["a", "a"], [(1,), (1,)])
-    assert not hvdcomp.get_compressor("topk:density=0.1,select=sample").segmentable
+    assert not hvdcomp.get_compressor("sbc:density=0.1").segmentable
 
 
 def test_fuse_units_respects_routes_buckets_and_cap():
@@ -121,3 +152,48 @@ def test_fuse_units_respects_routes_buckets_and_cap():
     assert units == [("fused0", [0, 1]), ("c", [2]), ("d", [3]), ("fused1", [4, 6]), ("f", [5])]
     # Horovod's groups split the allreduced runs
     assert fuse_units(params, plan, 10 ** 6, groups=[["a"], ["b", "c"]])[:2] == [("a", [0]), ("fused0", [1, 2])]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_residual_buffer_added_once(beta):
+    """Error feedback of a fused unit keeps its residuals as views of one buffer and adds that
+    buffer in one operation at the next step; the result is the per-slice compensation's, also
+    after a rolled-back step (the views are stale: the per-slice path is taken)."""
+    from hvdcomp.compressors.state import StagedState
+    from hvdcomp.memory import Residuals
+
+    class Owner(StagedState):
+        pass
+
+    seg = Segments(["a", "b", "c"], [(2, 3), (0,), (4,)])
+    owner = Owner()
+    memory = Residuals(owner, beta=beta)
+    gen = torch.Generator().manual_seed(1)
+    reference = {}  # name -> residual, by the one-tensor-at-a-time rules
+    for step in range(4):
+        owner.begin_step()
+        g = torch.randn(seg.numel, generator=gen)
+        expect = g.clone()
+        for name, view in zip(seg.names, seg.split(expect)):
+            if name in reference:
+                view += reference[name].reshape(-1)
+        buffer = owner._get_segments("residuals", seg)
+        assert (buffer is not None) == (step in (1, 3)), step  # step 2 follows a rollback
+        got = memory.compensate_segments_(g.clone(), seg)
+        assert torch.equal(got, expect), step
+        r = torch.randn(seg.numel, generator=gen)
+        memory.keep_segments(r.clone(), seg)
+        kept = {n: memory.get(n) for n in seg.names}
+        assert all(kept[n]._base is not None for n in ("a", "c"))  # views of one buffer
+        if step == 1:
+            owner.rollback()
+            continue
+        owner.commit()
+        for name, part, shape in zip(seg.names, seg.split(r), seg.shapes):
+            prev = reference.get(name)
+            new = part.clone() * (1.0 - beta)
+            if beta and prev is not None:
+                new += beta * prev.reshape(-1)
+            reference[name] = new.view(shape)
+        for name in seg.names:
+            assert torch.equal(memory.committed[name], reference[name]), (step, name)

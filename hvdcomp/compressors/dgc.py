@@ -28,7 +28,7 @@ import torch
 from ..memory import Residuals
 from .registry import register
 from .rng import RankGenerators
-from .selection import MIN_SAMPLE, check_sample_ratio, sampled_threshold_topk
+from .selection import MIN_SAMPLE, check_sample_ratio, sampled_threshold_topk, select_segments
 from .sparse import SparseCompressor
 from .topk import check_density, num_kept
 
@@ -49,7 +49,14 @@ class DGCCompressor(SparseCompressor):
         momentum_masking: zero u at sent entries (the paper's momentum factor masking).
         seed: base seed of the per-rank sampling generator.
 
-    State per parameter name: ``u``, ``v``; plus the epoch and the generator state.
+    State per parameter name: ``u``, ``v`` (1-D, float32); plus the epoch and the generator
+    state.
+
+    Several gradients in one call (``segments``, :mod:`hvdcomp.compressors.segments`): each keeps
+    its own clipping norm, momentum, accumulation and sampled threshold (the payload and state one
+    call per gradient gives); u and v of a fused bucket are kept as one flat buffer each (the
+    names' states are views of it), so the momentum correction, the accumulation and the masking
+    are a few operations over the bucket; the payload is one ``[values, indices]`` pair over it.
 
     Raises:
         ValueError: any argument out of range.
@@ -62,6 +69,7 @@ class DGCCompressor(SparseCompressor):
     shared_state_keys = ("epoch",)
     recycled_stores = ("u", "v")
     min_sample = MIN_SAMPLE
+    draws_per_call = True  # the threshold's sample, from the per-rank generator, per gradient
 
     def __init__(self, density: float = 0.001, momentum: float = 0.9, sample_ratio: float = 0.01,
                  warmup_epochs: int = 0, clip_norm: float = 0.0, nesterov: bool = False,
@@ -155,6 +163,46 @@ class DGCCompressor(SparseCompressor):
         self._put("u", name, u)
         self.memory.keep(name, v)                              # what was not sent stays in v
         return payload, (tensor.shape, tensor.dtype)
+
+    def _encode_segments(self, flat, segments):
+        """:meth:`_encode` of every segment at once (see the class docstring); the thresholds are
+        sampled segment by segment, in segment order, small segments of one size ranked by one
+        ``torch.topk``."""
+        names, n = segments.names, flat.numel()
+        g = flat.to(torch.float32)
+        if self.clip_norm > 0 and n:
+            limit = self.clip_norm / math.sqrt(self.group_size())
+            norms = torch.stack([torch.linalg.vector_norm(v, dtype=torch.float64) for v in segments.split(g)])
+            factors = torch.clamp(limit / torch.clamp(norms, min=1e-300), max=1.0)
+            g = g * segments.expand(factors.to(torch.float32))
+        u_old = self._get_segments("u", segments)
+        if u_old is None:
+            u_old = torch.cat([torch.zeros(m, device=g.device) if t is None else t.reshape(-1)
+                               for t, m in zip(self._get_many("u", names), segments.sizes)])
+        u = torch.empty_like(g)
+        if self.nesterov:
+            torch.add(u_old, g, out=u).mul_(self.momentum)
+            v = self.memory.compensate_segments_(u.clone(), segments).add_(g)
+        else:
+            torch.mul(u_old, self.momentum, out=u).add_(g)
+            v = self.memory.compensate_segments_(u.clone(), segments)
+        density = self.density_at(self.epoch)
+        idx = select_segments(v, segments, lambda m: num_kept(m, density), self.sample_ratio, self.rng,
+                              self.min_sample)
+        values = v.index_select(0, idx)
+        payload = self.pack(values, idx, n)
+        if self.value_coding == "fp32":
+            v.index_fill_(0, idx, 0.0)
+        else:
+            sent, sent_idx = self.unpack(payload, n)
+            if sent_idx is None:
+                sent = sent.index_select(0, idx)
+            v.index_copy_(0, idx, values - sent)
+        if self.momentum_masking:
+            u.index_fill_(0, idx, 0.0)
+        self._put_segments("u", segments, u, flat_shapes=True)
+        self.memory.keep_segments(v, segments, flat_shapes=True)
+        return payload, (flat.shape, flat.dtype)
 
     def rescale_state(self, factor):
         """Multiply the momenta u and v (gradient units) by ``factor``."""

@@ -34,6 +34,7 @@ from .base import AggregateInto, Compressor, float32_flat, write_back, PayloadKi
 from .bitpack import bits_for_levels, pack_bits, packed_nbytes, unpack_bits, unpack_codes
 from .registry import register
 from .rng import RankGenerators
+from .segments import SegmentsContext
 
 FP32_MAX = torch.finfo(torch.float32).max
 
@@ -54,6 +55,10 @@ class QSGDCompressor(AggregateInto, Compressor):
 
     Payload: ``[scales (ceil(n/d),) float32, codes (ceil(n·b/8),) uint8]`` with b =
     ``ceil(log2(2s+1))`` bits per element (for b = 8 the codes are the bytes themselves).
+    Several gradients in one call (``segments``, :mod:`hvdcomp.compressors.segments`): each
+    keeps its own blocks, scales and random stream (the payload one call per gradient gives);
+    the payload is every gradient's scales, then every gradient's codes, each gradient's codes
+    starting on a byte; one native call encodes, one aggregates.
 
     State: the per-rank generator, ``state_dict()["rng"]``.
 
@@ -64,6 +69,7 @@ class QSGDCompressor(AggregateInto, Compressor):
     name = "qsgd"
     payload_kind = PayloadKind.GATHERED
     aggregate_is_mean = True
+    draws_per_call = True  # one key (or torch.rand) from the per-rank generator per gradient
 
     def __init__(self, levels: int = 16, block: int = 512, scale: str = "l2", seed: int = 0,
                  bucket: Optional[int] = None):
@@ -105,6 +111,42 @@ class QSGDCompressor(AggregateInto, Compressor):
             return [scales, packed], ctx
         return self._encode_torch(flat), ctx
 
+    def _layout(self, segments):
+        """Per segment: where its scales and its code bytes start in a segmented payload
+        (``(len + 1)`` offsets each, cached)."""
+        def make(seg):
+            scales, codes = [0], [0]
+            for n in seg.sizes:
+                scales.append(scales[-1] + math.ceil(n / self.block))
+                codes.append(codes[-1] + packed_nbytes(n, self.bits))
+            return scales, codes
+        return segments.cached(("qsgd", self.block, self.bits), make)
+
+    def _encode_segments(self, flat, segments):
+        """Every segment as :meth:`_encode` would encode it alone, one native call for all (one
+        key per non-empty segment, drawn in segment order); elsewhere the torch encode per
+        segment."""
+        dtype = flat.dtype
+        flat = flat.to(torch.float32).contiguous()
+        scale_at, code_at = self._layout(segments)
+        ctx = SegmentsContext(flat.shape, dtype, segments)
+        if self.bits <= 8 and native.usable(flat):
+            keys = torch.zeros(len(segments), dtype=torch.int64)
+            if segments.nonempty:
+                keys[segments.nonempty] = self.rng.keys(len(segments.nonempty))
+            scales = torch.empty(scale_at[-1], dtype=torch.float32)
+            packed = torch.empty(code_at[-1], dtype=torch.uint8)
+            native.qsgd_encode_segments(flat, segments.sizes_tensor(), keys, self.block, self.levels,
+                                        self.scale == "max", self.bits, scales, packed)
+            return [scales, packed], ctx
+        parts = [self._encode_torch(v) for v in segments.split(flat)]
+        return [torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])], ctx
+
+    def _segment_payloads(self, payloads, ctx, j):
+        """Segment ``j``'s own payload in each of ``payloads`` (views)."""
+        scale_at, code_at = self._layout(ctx.segments)
+        return [[p[0][scale_at[j]:scale_at[j + 1]], p[1][code_at[j]:code_at[j + 1]]] for p in payloads]
+
     def _encode_torch(self, flat: torch.Tensor):
         """Vectorised torch encode (CUDA; CPU without native kernels)."""
         n, d, s = flat.numel(), self.block, self.levels
@@ -130,6 +172,8 @@ class QSGDCompressor(AggregateInto, Compressor):
     def aggregate_into(self, out, payloads, ctx):
         """Mean over ranks of ``scale·(code - s)/s``, written into ``out``: one pass over ``out`` per
         payload at most (native: one pass in all), the scales broadcast over their blocks."""
+        if isinstance(ctx, SegmentsContext):
+            return self._aggregate_segments(out, payloads, ctx)
         shape, dtype, n = ctx
         flat = float32_flat(out)
         if not payloads or n == 0:
@@ -139,6 +183,22 @@ class QSGDCompressor(AggregateInto, Compressor):
                                   [p[1].contiguous() for p in payloads], self.block, self.levels, self.bits)
         else:
             self._aggregate_torch(flat, payloads, n)
+        return write_back(out, flat)
+
+    def _aggregate_segments(self, out, payloads, ctx):
+        """:meth:`aggregate_into` of segmented payloads: one native call for every segment, else
+        the per-tensor aggregate segment by segment."""
+        segments = ctx.segments
+        flat = float32_flat(out)
+        if not payloads:
+            flat.zero_()
+        elif self.bits <= 8 and native.usable(flat, *[t for p in payloads for t in p]):
+            native.qsgd_aggregate_segments(flat, [p[0].contiguous() for p in payloads],
+                                           [p[1].contiguous() for p in payloads], segments.sizes_tensor(),
+                                           self.block, self.levels, self.bits)
+        else:
+            for j, (view, n) in enumerate(zip(segments.split(flat), segments.sizes)):
+                self.aggregate_into(view, self._segment_payloads(payloads, ctx, j), (view.shape, torch.float32, n))
         return write_back(out, flat)
 
     def _aggregate_torch(self, flat, payloads, n):

@@ -58,7 +58,10 @@ class RandomKCompressor(AggregateInto, Compressor):
 
     Payload: ``[values (k,) float32]``; indices are regenerated locally, so 4 bytes per kept
     element travel (nominal ratio counts indices anyway, as the study does). Error feedback is on
-    by default (``ef=false`` to turn it off; the study shows that diverges).
+    by default (``ef=false`` to turn it off; the study shows that diverges). Several gradients in
+    one call (``segments``, :mod:`hvdcomp.compressors.segments`): each gradient's indices come
+    from its own (seed, name, step) generator, as alone; the payload is their values in buffer
+    order (one gather; the native kernels mark every gradient's draws in one call).
 
     State: a step counter per parameter name (``state_dict()["steps"]``).
 
@@ -97,6 +100,45 @@ class RandomKCompressor(AggregateInto, Compressor):
 
             idx = native.first_distinct(draw, numel, k) if native.enabled() else _first_distinct(draw, k)
         return idx.to(device) if device is not None else idx
+
+    def _segment_indices(self, segments, steps) -> torch.Tensor:
+        """Every segment's :meth:`indices` (for ``steps[j]``) as ascending int64 indices into the
+        buffer: the same sets, one native call for the draws' first distinct values."""
+        sizes = segments.sizes
+        gens = segments.cached("randomk-generators", lambda seg: [torch.Generator() for _ in seg.sizes])
+        ks = [num_kept(n, self.density) for n in sizes]
+        draws, parts = [None] * len(sizes), []
+        for j, (name, n, k) in enumerate(zip(segments.names, sizes, ks)):
+            if k == 0:
+                continue
+            gen = gens[j].manual_seed(shared_seed(self.seed, name, steps[j]))
+            if 8 * k > n:
+                parts.append(torch.randperm(n, generator=gen)[:k].sort().values + segments.offsets[j])
+                ks[j] = 0
+                continue
+            batch = k + k * k // n + k // 16 + 64
+
+            def draw(gen=gen, n=n, batch=batch):
+                return torch.randint(0, n, (batch,), generator=gen)
+            if native.enabled():
+                draws[j] = draw
+            else:
+                parts.append(_first_distinct(draw, k) + segments.offsets[j])
+                ks[j] = 0
+        if any(ks):
+            parts.append(native.first_distinct_segments(draws, segments.sizes_tensor(), ks))
+        if not parts:
+            return torch.zeros(0, dtype=torch.int64)
+        return parts[0] if len(parts) == 1 else torch.cat(parts).sort().values
+
+    def _encode_segments(self, flat, segments):
+        """Each segment's values at its own shared indices, one gather over the buffer; the
+        context holds the indices into the buffer, so decoding and aggregating are those of one
+        tensor."""
+        steps = [0 if s is None else s for s in self._get_many("steps", segments.names)]
+        self._put_many("steps", segments.names, [s + 1 for s in steps])
+        idx = self._segment_indices(segments, steps).to(flat.device)
+        return [flat.index_select(0, idx).to(torch.float32)], (flat.shape, flat.dtype, idx)
 
     def _encode(self, tensor, name=None):
         if name is None:

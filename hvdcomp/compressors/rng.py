@@ -42,6 +42,13 @@ class RankGenerators:
         gen = self.get(device)
         return int(torch.randint(0, 2**63 - 1, (1,), generator=gen, device=gen.device).item())
 
+    def keys(self, count: int, device="cpu") -> torch.Tensor:
+        """``count`` keys as an int64 tensor ``(count,)``: the values ``count`` calls of :meth:`key`
+        return, in order, from one draw of ``count`` values (leaving the generator in the same
+        state)."""
+        gen = self.get(device)
+        return torch.randint(0, 2**63 - 1, (count,), generator=gen, device=gen.device).cpu()
+
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {**self._pending, **{k: g.get_state() for k, g in self._gens.items()}}
 

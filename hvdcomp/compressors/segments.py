@@ -7,14 +7,51 @@ parameter's gradient) gets its own top-k, its own fp16 scale, its own residual. 
 one per-tensor calls would give; what changes is the cost (a few tensor operations per bucket
 instead of per gradient: the per-tensor fixed cost of issue 17) and the wire (one payload per
 bucket, see each method's docstring).
+
+Which methods are segmentable, and how (each method's ``_encode_segments``):
+
+* element-wise methods (``fp16`` per segment scale aside: ``bf16``, ``threshold``, ``signsgd``):
+  the buffer is one tensor;
+* ``topk`` (both selections), ``dgc``: each segment's own selection (small segments of one size
+  by one batched ``torch.topk``, sampled thresholds segment by segment), one payload of indices
+  into the buffer; DGC's momentum and accumulation as flat buffers;
+* ``qsgd``, ``terngrad``, ``efsignsgd``: one native call over the buffer (the segmented kernels
+  of :mod:`hvdcomp.native`), each segment with its own scales and random stream;
+* ``randomk``: each segment's indices from its own (seed, name, step) generator, one gather.
+
+Random draws. Methods that draw from a per-rank generator at each call (QSGD's and TernGrad's
+rounding keys, the sampled thresholds of ``topk:select=sample`` and DGC) draw for the segments
+in segment order, which is the order one call per gradient draws them when the gradients become
+ready in the order the optimizer expects (its launch order, the reverse of the parameters'):
+:func:`needs_consecutive` makes the planner fuse only consecutive gradients for them. A gradient
+produced out of that order (an unused parameter sent at ``synchronize()``, a model whose
+backward visits its layers in another order) gets another draw of the same distribution.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
 
-__all__ = ["Segments"]
+__all__ = ["Segments", "SegmentsContext", "needs_consecutive"]
+
+
+def needs_consecutive(method) -> bool:
+    """Whether a fused unit of ``method`` must hold consecutive gradients (in launch order): its
+    encoding draws from a per-rank generator at each call (``draws_per_call``), so the segments'
+    draws follow one call per gradient only if no other gradient is encoded in between."""
+    return bool(getattr(method, "draws_per_call", False))
+
+
+class SegmentsContext(NamedTuple):
+    """The context of a segmented payload (several gradients in one call): the flat buffer's
+    shape ``(numel,)`` and dtype first (as every per-tensor context), the
+    :class:`Segments`, and what the method keeps besides (its layout, scales)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    segments: "Segments"
+    extra: Any = None
 
 
 class Segments:
@@ -46,7 +83,12 @@ class Segments:
             self.offsets.append(total)
             total += n
         self.numel = total
+        #: each segment's shape as a 1-D tensor, ``(n,)``: for state kept flat (DGC's momenta)
+        self.flat_shapes: Tuple[torch.Size, ...] = tuple(torch.Size([n]) for n in self.sizes)
+        #: positions of the non-empty segments
+        self.nonempty: List[int] = [j for j, n in enumerate(self.sizes) if n]
         self._classes: Dict[torch.device, list] = {}
+        self._cache: Dict[Any, Any] = {}
 
     def __len__(self) -> int:
         return len(self.names)
@@ -60,6 +102,30 @@ class Segments:
     def split(self, flat: torch.Tensor) -> List[torch.Tensor]:
         """Views of ``flat`` (1-D), one per segment, flat (not reshaped)."""
         return list(flat.split(self.sizes))
+
+    def cached(self, key, make: Callable[["Segments"], Any]):
+        """``make(self)``, computed once per ``key``: a method's layout of these segments (where
+        each segment's scales and codes start in a payload, its k, ...)."""
+        if key not in self._cache:
+            self._cache[key] = make(self)
+        return self._cache[key]
+
+    def sizes_tensor(self) -> torch.Tensor:
+        """The segments' sizes as an int64 CPU tensor (cached): what the native kernels take."""
+        return self.cached("sizes", lambda s: torch.tensor(s.sizes, dtype=torch.int64))
+
+    def expand(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (one per segment) repeated over each segment's elements: ``(numel,)``."""
+        sizes = self.cached(("sizes", values.device), lambda s: s.sizes_tensor().to(values.device))
+        return torch.repeat_interleave(values, sizes, output_size=self.numel)
+
+    def views(self, flat: torch.Tensor, flat_shapes: bool = False) -> List[torch.Tensor]:
+        """Views of the 1-D ``flat``, one per segment, in its shape (``flat_shapes``: 1-D), made
+        in one call."""
+        shapes = self.flat_shapes if flat_shapes else self.shapes
+        templates = self.cached(("templates", flat_shapes),
+                                lambda s: [torch.empty(shape, device="meta") for shape in shapes])
+        return list(torch._C._nn.unflatten_dense_tensors(flat, templates))
 
     def size_classes(self, device: torch.device) -> List[Tuple[int, List[int], torch.Tensor, torch.Tensor]]:
         """Segments grouped by size, for row-wise kernels: ``(n, positions, index, offsets)`` per

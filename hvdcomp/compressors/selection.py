@@ -46,6 +46,7 @@ __all__ = [
     "exact_topk",
     "indices_at_least",
     "sampled_threshold_topk",
+    "select_segments",
 ]
 
 #: Valid values of the ``select`` option of :class:`hvdcomp.compressors.TopKCompressor`.
@@ -256,3 +257,51 @@ def sampled_threshold_topk(flat: torch.Tensor, k: int, sample_ratio: float,
             return idx
         thr = thr * DECAY
     return idx
+
+
+def select_segments(flat: torch.Tensor, segments, kept, sample_ratio=None, generator=None,
+                    min_sample: int = MIN_SAMPLE) -> torch.Tensor:
+    """Each segment's selection, as one call per segment would make it: ascending int64 indices
+    into ``flat``.
+
+    Args:
+        flat: 1-D tensor holding the segments (signed values: magnitudes are ranked).
+        segments: a :class:`hvdcomp.compressors.segments.Segments`.
+        kept: ``kept(n) -> k``, the target count of a segment of n elements.
+        sample_ratio: None for :func:`exact_topk` of every segment; else
+            :func:`sampled_threshold_topk` with this ratio, ``generator`` and ``min_sample``
+            (which falls back to :func:`exact_topk` below ``min_sample`` samples).
+
+    Segments whose selection is an exact top-k of fewer than :data:`EXACT_MIN_NUMEL` elements
+    are ranked together: one ``torch.topk`` over the rows of each distinct size. The sampled
+    ones draw from ``generator`` one after the other, in segment order (the order of one call
+    per segment).
+    """
+    def how(n: int) -> str:
+        k = kept(n)
+        if k >= n:
+            return "all"
+        if sample_ratio is not None and math.ceil(sample_ratio * n) >= min_sample:
+            return "sample"
+        return "large" if n >= EXACT_MIN_NUMEL else "rows"
+
+    picked, mags = [], None
+    if sample_ratio is not None:  # in segment order: the generator's draws
+        for n, start in zip(segments.sizes, segments.offsets):
+            if n and how(n) == "sample":
+                picked.append(sampled_threshold_topk(flat[start:start + n], kept(n), sample_ratio, generator,
+                                                     magnitudes=False, min_sample=min_sample) + start)
+    for n, positions, _, starts in segments.size_classes(flat.device):
+        way = how(n)
+        if way == "all":
+            picked.append((torch.arange(n, device=flat.device).expand(len(positions), n) + starts).reshape(-1))
+        elif way == "large":  # the O(n) threshold kernel, per segment
+            picked += [exact_topk(flat[o:o + n], kept(n), magnitudes=False) + o
+                       for o in (segments.offsets[j] for j in positions)]
+        elif way == "rows":
+            mags = flat.abs() if mags is None else mags
+            rows = segments.rows(mags, positions, n)
+            picked.append((rows.topk(kept(n), dim=1, sorted=False).indices + starts).reshape(-1))
+    if not picked:
+        return _empty_index(flat.device)
+    return torch.cat(picked).sort().values

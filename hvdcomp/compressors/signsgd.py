@@ -20,6 +20,7 @@ from .. import native
 from .base import AggregateInto, Compressor, float32_flat, write_back, PayloadKind
 from .bitpack import pack_bits, packed_nbytes, unpack_codes
 from .registry import register
+from .segments import SegmentsContext
 
 
 def _sign(x: torch.Tensor) -> torch.Tensor:
@@ -52,11 +53,15 @@ class SignSGDCompressor(AggregateInto, Compressor):
     Payload: ``[votes (n,) int32]`` (allreduce; after it, the summed votes) or
     ``[signs (ceil(n/8),) uint8]`` (allgather, bit i = [g_i >= 0]).
 
+    Several gradients in one call (``segments``): signs and votes are element-wise, so a fused
+    bucket is signed and voted on as one tensor (the same votes per element).
+
     Raises:
         ValueError: unknown ``vote``.
     """
 
     name = "signsgd"
+    elementwise = True
     # aggregate_is_mean stays False: a majority vote, not a mean of decodes
 
     def __init__(self, vote: str = "allreduce"):
@@ -111,7 +116,10 @@ class ScaledSignCompressor(AggregateInto, Compressor):
 
     Payload: ``[scale (1,) float32, signs (ceil(n/8),) uint8]`` (1 bit per element,
     sign(0) = +1). The scale differs per rank, so payloads are gathered and the decoded
-    ``scale_r·sign_r`` averaged.
+    ``scale_r·sign_r`` averaged. Several gradients in one call (``segments``,
+    :mod:`hvdcomp.compressors.segments`): each keeps its own scale (its own mean ``|p|``, summed
+    as alone); the payload is ``[scales (one per gradient,) float32, signs of the whole buffer]``;
+    one native call each for the signs, the scales, the aggregate and the residual.
     """
 
     name = "efsignsgd"
@@ -129,9 +137,24 @@ class ScaledSignCompressor(AggregateInto, Compressor):
         scale = (total / max(1, flat.numel())).to(torch.float32).reshape(1)
         return [scale, packed], (tensor.shape, tensor.dtype)
 
+    def _encode_segments(self, flat, segments):
+        """Signs of the whole buffer, and each segment's scale ``Σ|p|/n`` with ``Σ|p|`` summed as
+        :meth:`_encode` sums one gradient (one native call for all; elsewhere per segment)."""
+        dtype = flat.dtype
+        flat = flat.to(torch.float32).contiguous()
+        packed, _ = _sign_bits(flat)
+        if native.usable(flat):
+            sums = native.abs_sums_segments(flat, segments.sizes_tensor())
+        else:
+            sums = torch.stack([v.abs().sum(dtype=torch.float64) for v in segments.split(flat)])
+        scales = sums.div_(segments.sizes_tensor().clamp(min=1).to(sums.device)).to(torch.float32)
+        return [scales, packed], SegmentsContext(flat.shape, dtype, segments)
+
     def aggregate_into(self, out, payloads, ctx):
         """Mean over ranks of ``scale_r·sign_r`` (each scale divided by the rank count first, so
         the sum cannot overflow), written into ``out``."""
+        if isinstance(ctx, SegmentsContext):
+            return self._aggregate_segments(out, payloads, ctx)
         flat = float32_flat(out)
         n, world = flat.numel(), len(payloads)
         if not payloads:
@@ -150,8 +173,36 @@ class ScaledSignCompressor(AggregateInto, Compressor):
                     flat.addcmul_(sign, f)
         return write_back(out, flat)
 
+    def _aggregate_segments(self, out, payloads, ctx):
+        """:meth:`aggregate_into` of segmented payloads: each segment's factors ``scale_r/W``."""
+        segments = ctx.segments
+        flat = float32_flat(out)
+        if not payloads:
+            flat.zero_()
+            return write_back(out, flat)
+        factors = torch.stack([p[0].to(torch.float32) for p in payloads]).div_(len(payloads))
+        if native.usable(flat, factors, *[p[1] for p in payloads]):
+            native.scaled_sign_aggregate_segments(flat, factors, [p[1].contiguous() for p in payloads],
+                                                  segments.sizes_tensor())
+        else:  # the per-tensor torch arithmetic, each element with its segment's factor
+            for w, (_, packed) in enumerate(payloads):
+                sign = unpack_codes(packed, 1, flat.numel()).to(torch.float32).mul_(2).sub_(1)
+                f = segments.expand(factors[w].to(flat.device))
+                if w == 0:
+                    torch.mul(sign, f, out=flat)
+                else:
+                    flat.addcmul_(sign, f)
+        return write_back(out, flat)
+
     def residual_(self, p, payload, ctx):
         """``p - scale·sign`` in ``p``'s memory (contiguous float32 CPU ``p``, native kernels)."""
+        if isinstance(ctx, SegmentsContext):
+            scale, packed = payload
+            if p.dtype == torch.float32 and p.is_contiguous() and native.usable(p, scale, packed):
+                native.scaled_sign_aggregate_segments(p.view(-1), scale.reshape(1, -1).to(torch.float32),
+                                                      [packed], ctx.segments.sizes_tensor(), decrement=True)
+                return p
+            return p - self.decode(payload, ctx)
         scale, packed = payload
         if p.dtype != torch.float32 or not p.is_contiguous() or not native.usable(p, scale, packed):
             return super().residual_(p, payload, ctx)

@@ -149,7 +149,8 @@ class SparseCompressor(AggregateInto, Compressor):
         native kernel does it chunk by chunk (each chunk zeroed, then every payload's entries in it
         added, in payload order): every element of ``out`` is written once, while it is in cache.
         It needs ascending indices, which every hvdcomp sparsifier sends; other payloads take the
-        ``index_add_`` path.
+        ``index_add_`` path, which adds in the same order and rounding (``scale·value``, then the
+        sum), so a fused bucket's aggregate equals its gradients' aggregates on either path.
         """
         if out.dtype != torch.float32 or not out.is_contiguous():
             return super().aggregate_into(out, payloads, ctx)
@@ -162,16 +163,11 @@ class SparseCompressor(AggregateInto, Compressor):
                 [v.contiguous() for v, _ in unpacked], scale):
             return out
         flat.zero_()
-        vals, idxs = [], []
-        for values, idx in unpacked:
+        for values, idx in unpacked:  # payload order, out += scale·value, as the native kernel
             if idx is None:
-                flat.add_(values, alpha=scale)
+                flat.add_(values * scale)
             else:
-                vals.append(values)
-                idxs.append(idx)
-        if idxs:
-            flat.index_add_(0, torch.cat(idxs) if len(idxs) > 1 else idxs[0],
-                            torch.cat(vals) if len(vals) > 1 else vals[0], alpha=scale)
+                flat.index_add_(0, idx, values, alpha=scale)
         return out
 
     def residual_(self, p, payload, ctx):

@@ -20,7 +20,8 @@ store must therefore not be held by the caller across steps (``state_dict`` retu
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+import operator
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -60,6 +61,41 @@ class StagedState:
         self._recycle(store, name, committed.get(name))
         committed[name] = value
 
+    def _get_many(self, store: str, names: Sequence[str]) -> List[Any]:
+        """:meth:`_get` of each name (None where absent), in one pass."""
+        pending, committed = self._pending, getattr(self, store)
+        if not pending:
+            return list(map(committed.get, names))
+        return [pending[(store, n)] if (store, n) in pending else committed.get(n) for n in names]
+
+    def _put_many(self, store: str, names: Sequence[str], values: Sequence[Any]) -> None:
+        """:meth:`_put` of each ``(name, value)``."""
+        if self._pending is not None:
+            self._pending.update(zip([(store, n) for n in names], values))
+            return
+        for name, value in zip(names, values):
+            self._put(store, name, value)
+
+    def _put_segments(self, store: str, segments, flat: torch.Tensor, flat_shapes: bool = False) -> List[torch.Tensor]:
+        """Set each segment's state (``segments``: a :class:`~hvdcomp.compressors.segments.Segments`)
+        to its view of the 1-D ``flat``, in its shape (1-D with ``flat_shapes``), as :meth:`_put`
+        does, and remember ``flat`` for :meth:`_get_segments`. Returns the views."""
+        views = segments.views(flat, flat_shapes)
+        self._put_many(store, segments.names, views)
+        self.__dict__.setdefault("_flat_views", {})[(store, id(segments))] = (segments, views, flat)
+        return views
+
+    def _get_segments(self, store: str, segments) -> Optional[torch.Tensor]:
+        """The segments' state as one 1-D tensor: the ``flat`` of the last :meth:`_put_segments`
+        while every segment's state (as :meth:`_get` sees it) is still its view of it, else None
+        (then read the names one by one)."""
+        entry = self.__dict__.get("_flat_views", {}).get((store, id(segments)))
+        if entry is None or entry[0] is not segments:
+            return None
+        if all(map(operator.is_, self._get_many(store, segments.names), entry[1])):
+            return entry[2]
+        return None
+
     def _spare(self, store: str, name: str, like: torch.Tensor) -> Optional[torch.Tensor]:
         """A recycled tensor of ``like``'s shape, dtype and device for ``name`` in ``store``
         (see the module docstring), or None; its contents are arbitrary."""
@@ -78,8 +114,9 @@ class StagedState:
             self.__dict__.setdefault("_spares", {})[(store, name)] = tensor
 
     def _clear_spares(self) -> None:
-        """Forget every spare (after loading state)."""
+        """Forget every spare and remembered flat buffer (after loading state)."""
         self.__dict__.pop("_spares", None)
+        self.__dict__.pop("_flat_views", None)
 
     # ---- the step ------------------------------------------------------------------------------
     def _generators(self) -> Dict[str, Any]:

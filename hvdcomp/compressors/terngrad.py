@@ -24,6 +24,7 @@ from .base import AggregateInto, Compressor, float32_flat, write_back, PayloadKi
 from .bitpack import pack_bits, packed_nbytes, unpack_codes
 from .registry import register
 from .rng import RankGenerators
+from .segments import SegmentsContext
 
 
 @register("terngrad")
@@ -37,7 +38,11 @@ class TernGradCompressor(AggregateInto, Compressor):
             noise, which clipped every value to about 0 (``[0.7] * 8`` decoded to ±1.6e-7).
         seed: base seed of the per-rank generator.
 
-    Payload: ``[scale (1,) float32, codes (ceil(n/4),) uint8]`` (2 bits per element).
+    Payload: ``[scale (1,) float32, codes (ceil(n/4),) uint8]`` (2 bits per element). Several
+    gradients in one call (``segments``, :mod:`hvdcomp.compressors.segments`): each keeps its
+    own clipping, scale and random stream (the payload one call per gradient gives); the payload
+    is ``[scales (one per gradient,) float32, codes]``, each gradient's codes starting on a byte;
+    one native call takes the moments, one encodes, one aggregates.
 
     State: the per-rank generator, ``state_dict()["rng"]``.
 
@@ -48,6 +53,7 @@ class TernGradCompressor(AggregateInto, Compressor):
     name = "terngrad"
     payload_kind = PayloadKind.GATHERED
     aggregate_is_mean = True
+    draws_per_call = True  # one key (or torch.rand) from the per-rank generator per gradient
 
     def __init__(self, clip_sigmas: float = 2.5, seed: int = 0):
         clip_sigmas = float(clip_sigmas)
@@ -74,20 +80,61 @@ class TernGradCompressor(AggregateInto, Compressor):
         packed = torch.empty(packed_nbytes(n, 2), dtype=torch.uint8)
         if n == 0:
             return [torch.zeros(1), packed]
-        s1, s2, maxabs, shift = native.moments(g)
+        clip, s = self._clip_and_scale(np.array([native.moments(g)]), np.array([n]))
+        native.terngrad_encode(g, float(clip[0]), float(s[0]), self.rng.key(), packed)
+        return [torch.tensor([float(s[0])], dtype=torch.float32), packed]
+
+    def _clip_and_scale(self, moments: np.ndarray, n: np.ndarray):
+        """Per tensor, from its moments (rows Σ(x−K), Σ(x−K)², max|x|, K in float64) and its size
+        n (≥ 1): the clip c and the scale s, float32 arrays. The unbiased variance from the
+        shifted sums in float64, then std, |mean| and c in float32 as torch computes them;
+        s = min(max|g|, c) (the largest clipped magnitude), NaN where either is."""
+        s1, s2, maxabs, shift = moments.T
         f32 = np.float32
-        clip, s = f32(np.inf), f32(maxabs)
-        if self.clip_sigmas > 0 and n > 1:
-            # unbiased variance from shifted sums (float64), then std, |mean| and c in float32 as torch
-            var = (s2 - s1 * s1 / n) / (n - 1)
-            std = f32(math.sqrt(max(0.0, var))) if var == var else f32(np.nan)
-            with np.errstate(over="ignore", invalid="ignore"):
-                mean = f32(abs(shift + s1 / n))
-                clip = f32(self.clip_sigmas) * np.maximum(std, mean)
-            # max|clamp(g, ±c)| = min(max|g|, c); NaN in either gives NaN, as torch does
-            s = f32(np.nan) if (np.isnan(clip) or np.isnan(s)) else min(s, clip)
-        native.terngrad_encode(g, float(clip), float(s), self.rng.key(), packed)
-        return [torch.tensor([float(s)], dtype=torch.float32), packed]
+        s = maxabs.astype(f32)
+        clip = np.full(len(n), np.inf, dtype=f32)
+        on = n > 1 if self.clip_sigmas > 0 else np.zeros(len(n), dtype=bool)
+        if on.any():
+            m, s1, s2, shift = n[on].astype(np.float64), s1[on], s2[on], shift[on]
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                var = (s2 - s1 * s1 / m) / (m - 1)
+                std = np.where(var == var, np.sqrt(np.where(var > 0.0, var, 0.0)), np.nan).astype(f32)
+                mean = np.abs(shift + s1 / m).astype(f32)
+                c = f32(self.clip_sigmas) * np.maximum(std, mean)
+            clip[on] = c
+            s[on] = np.where(np.isnan(c) | np.isnan(s[on]), f32(np.nan), np.minimum(s[on], c))
+        return clip, s
+
+    def _layout(self, segments):
+        """Per segment: where its code bytes start in a segmented payload (cached)."""
+        def make(seg):
+            at = [0]
+            for n in seg.sizes:
+                at.append(at[-1] + packed_nbytes(n, 2))
+            return at
+        return segments.cached("terngrad", make)
+
+    def _encode_segments(self, flat, segments):
+        """Every segment as :meth:`_encode` would encode it alone: one native call for the
+        moments, one for the codes (one key per non-empty segment, drawn in segment order);
+        elsewhere the torch encode per segment."""
+        dtype = flat.dtype
+        g = flat.to(torch.float32).contiguous()
+        ctx = SegmentsContext(g.shape, dtype, segments)
+        if not native.usable(g):
+            parts = [self._encode_torch(v) for v in segments.split(g)]
+            return [torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])], ctx
+        sizes = segments.sizes_tensor()
+        moments = native.moments_segments(g, sizes).numpy()
+        clip, s = self._clip_and_scale(moments, np.maximum(sizes.numpy(), 1))
+        s[sizes.numpy() == 0] = 0.0                            # an empty gradient's scale (as alone)
+        keys = torch.zeros(len(segments), dtype=torch.int64)
+        if segments.nonempty:
+            keys[segments.nonempty] = self.rng.keys(len(segments.nonempty))
+        packed = torch.empty(self._layout(segments)[-1], dtype=torch.uint8)
+        scales = torch.from_numpy(s)
+        native.terngrad_encode_segments(g, sizes, torch.from_numpy(clip), scales, keys, packed)
+        return [scales, packed], ctx
 
     def _encode_torch(self, g):
         """Vectorised torch encode (CUDA; CPU without native kernels)."""
@@ -103,6 +150,8 @@ class TernGradCompressor(AggregateInto, Compressor):
 
     def aggregate_into(self, out, payloads, ctx):
         """Mean over ranks of ``s·(code - 1)``, written into ``out`` (native: in one pass)."""
+        if isinstance(ctx, SegmentsContext):
+            return self._aggregate_segments(out, payloads, ctx)
         shape, dtype, n = ctx
         flat = float32_flat(out)
         world = len(payloads)
@@ -119,6 +168,24 @@ class TernGradCompressor(AggregateInto, Compressor):
                     flat.copy_(codes).sub_(1).mul_(f)
                 else:
                     flat.addcmul_(codes.to(torch.float32).sub_(1), f)
+        return write_back(out, flat)
+
+    def _aggregate_segments(self, out, payloads, ctx):
+        """:meth:`aggregate_into` of segmented payloads: one native call for every segment, else
+        the per-tensor aggregate segment by segment."""
+        segments = ctx.segments
+        flat = float32_flat(out)
+        if not payloads:
+            flat.zero_()
+        elif native.usable(flat, *[t for p in payloads for t in p]):
+            factors = torch.stack([p[0].to(torch.float32) for p in payloads]).div_(len(payloads))
+            native.terngrad_aggregate_segments(flat, factors, [p[1].contiguous() for p in payloads],
+                                               segments.sizes_tensor())
+        else:
+            at = self._layout(segments)
+            for j, (view, n) in enumerate(zip(segments.split(flat), segments.sizes)):
+                own = [[p[0][j:j + 1], p[1][at[j]:at[j + 1]]] for p in payloads]
+                self.aggregate_into(view, own, (view.shape, torch.float32, n))
         return write_back(out, flat)
 
     def state_dict(self):

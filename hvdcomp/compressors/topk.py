@@ -17,11 +17,11 @@ import torch
 from .registry import register
 from .rng import RankGenerators
 from .selection import (
-    EXACT_MIN_NUMEL,
     check_sample_ratio,
     check_select,
     exact_topk,
     sampled_threshold_topk,
+    select_segments,
 )
 from .sparse import SparseCompressor
 
@@ -62,9 +62,9 @@ class TopKCompressor(SparseCompressor):
         sample_ratio: fraction of the entries sampled by ``select=sample``, in (0, 1] (0.01).
         seed: base seed of the per-rank sampling generator (``select=sample``).
 
-    Several gradients in one call (``segments``, ``select=exact`` only; see
-    :mod:`hvdcomp.compressors.segments`): each gradient keeps its own top-k (the same entries as
-    alone); the payload is one ``[values, indices]`` pair over the flat buffer, indices into it.
+    Several gradients in one call (``segments``, see :mod:`hvdcomp.compressors.segments`): each
+    gradient keeps its own top-k or sampled threshold (the same entries as alone); the payload
+    is one ``[values, indices]`` pair over the flat buffer, indices into it.
 
     Payload: ``[values (k,) float32, indices (k,) int32]`` (int64 when n ≥ 2^31), i.e. 8 bytes
     per kept element by default (``values=fp16`` / ``index=compact`` shrink it, see
@@ -105,30 +105,20 @@ class TopKCompressor(SparseCompressor):
     def nominal_ratio(self, numel):
         return numel / max(1, num_kept(numel, self.density)) / 2.0
 
-    @property
-    def segmentable(self):
-        """Only the exact selection is vectorised over segments."""
-        return self.select_mode == "exact"
-
     def _encode_segments(self, flat, segments):
-        """Per-segment ``torch.topk`` on the rows of each size class (one kernel per distinct size
-        of small gradients; large ones, from 2^15 elements, one by one through :meth:`select`'s
-        kernel); indices ascending over the flat buffer, as :meth:`select` gives them."""
-        picked = []
-        mags = flat.abs()
-        for n, positions, _, offsets in segments.size_classes(flat.device):
-            k = num_kept(n, self.density)
-            if k >= n:
-                idx = torch.arange(n, device=flat.device).expand(len(positions), n)
-            elif n >= EXACT_MIN_NUMEL:  # large: the O(n) threshold kernel, per gradient
-                idx = torch.stack([exact_topk(flat[o:o + n], k, magnitudes=False)
-                                   for o in (segments.offsets[j] for j in positions)])
-            else:
-                idx = segments.rows(mags, positions, n).topk(k, dim=1, sorted=False).indices
-            picked.append((idx + offsets).reshape(-1))
-        idx = torch.cat(picked).sort().values if picked else torch.zeros(0, dtype=torch.int64, device=flat.device)
+        """Each segment's own selection (:func:`~hvdcomp.compressors.selection.select_segments`:
+        small gradients of one size by one ``torch.topk`` over their rows, the sampled thresholds
+        segment by segment); indices ascending over the flat buffer, as :meth:`select` gives
+        them."""
+        idx = select_segments(flat, segments, lambda n: num_kept(n, self.density),
+                              self.sample_ratio if self.select_mode == "sample" else None, self.rng)
         values = flat.index_select(0, idx).to(torch.float32)
         return self.pack(values, idx, flat.numel()), (flat.shape, flat.dtype)
+
+    @property
+    def draws_per_call(self) -> bool:
+        """``select=sample`` draws its sample from the per-rank generator at each call."""
+        return self.select_mode == "sample"
 
     def select(self, flat, name=None):
         k = num_kept(flat.numel(), self.density)

@@ -14,6 +14,10 @@ What is here (``hvdcomp/native/*.c``; each function documents its exact semantic
   output element written once for W payloads); TernGrad moments, encode and aggregate.
 * ``sign.c``: sign bits (+ Σ|x| for EF-signSGD) in one pass, ±1 votes, scaled-sign aggregate
   and in-place residual, majority vote.
+* every per-tensor kernel above that a fused bucket needs (:mod:`hvdcomp.compressors.segments`)
+  also has a *segmented* form (``*_segments``): the same kernel on each of several tensors laid
+  back to back in one buffer, in one call, each tensor split into the work units (and random
+  streams) it would have alone, so that the results are bit for bit those of one call per tensor.
 * ``sparse.c``: fused threshold-and-compact scan (count pass + write pass over fixed parts of the
   tensor: ascending indices, values gathered on the way), and the scatter-add of W sparse or dense
   payloads chunk by chunk (each output element written once).
@@ -56,7 +60,10 @@ import torch
 __all__ = ["available", "usable", "set_enabled", "enabled", "build", "library_path", "status",
            "qsgd_encode", "qsgd_aggregate", "moments", "terngrad_encode", "terngrad_aggregate",
            "sign_bits", "sign_votes", "scaled_sign_aggregate", "majority", "count_at_least",
-           "compact_at_least", "select_at_least", "keep_top", "sparse_aggregate", "first_distinct"]
+           "compact_at_least", "select_at_least", "keep_top", "sparse_aggregate", "first_distinct",
+           "qsgd_encode_segments", "qsgd_aggregate_segments", "moments_segments", "terngrad_encode_segments",
+           "terngrad_aggregate_segments", "abs_sums_segments", "scaled_sign_aggregate_segments",
+           "first_distinct_segments"]
 
 log = logging.getLogger("hvdcomp.native")
 
@@ -144,6 +151,15 @@ _SIGNATURES = {
     "hvd_keep_top": (_i64, [_p, _p, _i64, _f32, _i64, _i32, _p]),
     "hvd_mark_distinct": (_i64, [_p, _i64, _i64, _p, _i64, _i64]),
     "hvd_bitmap_indices": (_i64, [_p, _i64, _p]),
+    "hvd_qsgd_encode_segments": (_i32, [_p, _i64, _p, _p, _i64, _i32, _i32, _i32, _p, _p, _i32]),
+    "hvd_qsgd_aggregate_segments": (_i32, [_i32, _p, _p, _i64, _p, _i64, _i32, _i32, _p, _i32]),
+    "hvd_moments_segments": (_i32, [_p, _i64, _p, _i32, _p]),
+    "hvd_terngrad_encode_segments": (_i32, [_p, _i64, _p, _p, _p, _p, _p, _i32]),
+    "hvd_terngrad_aggregate_segments": (_i32, [_i32, _p, _p, _i64, _p, _p, _i32]),
+    "hvd_abs_sums_segments": (_i32, [_p, _i64, _p, _p, _i32]),
+    "hvd_scaled_sign_aggregate_segments": (_i32, [_i32, _p, _p, _i64, _p, _p, _i32, _i32]),
+    "hvd_mark_distinct_segments": (_i32, [_i64, _p, _p, _p, _p, _p, _p]),
+    "hvd_bitmap_indices_segments": (_i64, [_i64, _p, _p, _p]),
 }
 
 
@@ -411,6 +427,138 @@ def first_distinct(draw, n: int, k: int) -> torch.Tensor:
             raise ValueError(f"first_distinct: a draw outside [0, {n})")
     idx = torch.empty(k, dtype=torch.int64)
     lib.hvd_bitmap_indices(_ptr(bitmap), n, _ptr(idx))
+    return idx
+
+
+# ---- segmented forms: several tensors back to back in one buffer, one call -----------------------
+def _sizes(sizes: torch.Tensor) -> torch.Tensor:
+    _check(sizes, torch.int64, "segment sizes")
+    return sizes
+
+
+def _raise_if(rc: int, what: str, memory: int = -1) -> None:
+    """Raise for a segmented kernel's return code: ``memory`` means out of memory, another
+    negative code bad settings."""
+    if rc == memory:
+        raise MemoryError(f"hvdcomp native {what}: out of memory for the segments' work list")
+    if rc < 0:
+        raise ValueError(f"hvdcomp native {what}: invalid settings (return code {rc})")
+
+
+def qsgd_encode_segments(flat: torch.Tensor, sizes: torch.Tensor, keys: torch.Tensor, bucket: int,
+                         levels: int, use_max: bool, bits: int, scales: torch.Tensor,
+                         packed: torch.Tensor) -> None:
+    """:func:`qsgd_encode` of each segment of ``flat`` (float32, the segments' ``sizes``, an int64
+    tensor, back to back; ``keys`` int64, one per segment) in one call: ``scales`` holds each
+    segment's ceil(n/bucket) scales in turn, ``packed`` each segment's ceil(n·bits/8) code bytes
+    in turn (bit for bit what one call per segment writes).
+
+    Raises:
+        ValueError: ``bits`` cannot hold ``levels``; a tensor of the wrong dtype or layout.
+        MemoryError: no memory for the work list.
+    """
+    _check(flat, torch.float32, "qsgd_encode_segments input")
+    _check(keys, torch.int64, "qsgd keys")
+    rc = _load().hvd_qsgd_encode_segments(_ptr(flat), sizes.numel(), _ptr(_sizes(sizes)), _ptr(keys), bucket,
+                                          levels, int(use_max), bits, _ptr(scales), _ptr(packed), _threads())
+    if rc == -1:
+        raise ValueError(f"qsgd_encode_segments: bits={bits} cannot hold levels={levels}")
+    _raise_if(rc, "qsgd_encode_segments", memory=-2)
+
+
+def qsgd_aggregate_segments(out: torch.Tensor, scales: Sequence[torch.Tensor], packed: Sequence[torch.Tensor],
+                            sizes: torch.Tensor, bucket: int, levels: int, bits: int) -> None:
+    """:func:`qsgd_aggregate` of each segment of payloads laid out as
+    :func:`qsgd_encode_segments` writes them, into ``out`` (float32, the segments back to back)."""
+    _check(out, torch.float32, "qsgd_aggregate_segments output")
+    for t in scales:
+        _check(t, torch.float32, "qsgd scales")
+    for t in packed:
+        _check(t, torch.uint8, "qsgd codes")
+    _raise_if(_load().hvd_qsgd_aggregate_segments(len(packed), _ptrs(scales), _ptrs(packed), sizes.numel(),
+                                                  _ptr(_sizes(sizes)), bucket, levels, bits, _ptr(out),
+                                                  _threads()), "qsgd_aggregate_segments", memory=-2)
+
+
+def moments_segments(flat: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """:func:`moments` of each segment: float64 ``(len(sizes), 4)``, rows (Σ(x-K), Σ(x-K)²,
+    max|x|, K); zeros for an empty segment."""
+    _check(flat, torch.float32, "moments_segments input")
+    out = torch.empty(sizes.numel(), 4, dtype=torch.float64)
+    _raise_if(_load().hvd_moments_segments(_ptr(flat), sizes.numel(), _ptr(_sizes(sizes)), _threads(),
+                                           _ptr(out)), "moments")
+    return out
+
+
+def terngrad_encode_segments(flat: torch.Tensor, sizes: torch.Tensor, clip: torch.Tensor, scale: torch.Tensor,
+                             keys: torch.Tensor, packed: torch.Tensor) -> None:
+    """:func:`terngrad_encode` of each segment (float32 ``clip`` and ``scale``, int64 ``keys``, one
+    per segment) in one call; ``packed`` holds each segment's ceil(n/4) bytes in turn."""
+    _check(flat, torch.float32, "terngrad_encode_segments input")
+    _check(clip, torch.float32, "terngrad clips")
+    _check(scale, torch.float32, "terngrad scales")
+    _check(keys, torch.int64, "terngrad keys")
+    _raise_if(_load().hvd_terngrad_encode_segments(_ptr(flat), sizes.numel(), _ptr(_sizes(sizes)), _ptr(clip),
+                                                   _ptr(scale), _ptr(keys), _ptr(packed), _threads()),
+              "terngrad")
+
+
+def terngrad_aggregate_segments(out: torch.Tensor, factors: torch.Tensor, packed: Sequence[torch.Tensor],
+                                sizes: torch.Tensor) -> None:
+    """:func:`terngrad_aggregate` of each segment, ``factors`` float32 (W, len(sizes)) (segment
+    j of payload w: ``factors[w, j]``), into ``out`` (the segments back to back)."""
+    _check(out, torch.float32, "terngrad_aggregate_segments output")
+    _check(factors, torch.float32, "terngrad factors")
+    _raise_if(_load().hvd_terngrad_aggregate_segments(len(packed), _ptr(factors), _ptrs(packed), sizes.numel(),
+                                                      _ptr(_sizes(sizes)), _ptr(out), _threads()), "terngrad")
+
+
+def abs_sums_segments(flat: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """Σ|x| of each segment in float64 (``(len(sizes),)``), each summed as :func:`sign_bits` sums
+    one tensor."""
+    _check(flat, torch.float32, "abs_sums_segments input")
+    out = torch.empty(sizes.numel(), dtype=torch.float64)
+    _raise_if(_load().hvd_abs_sums_segments(_ptr(flat), sizes.numel(), _ptr(_sizes(sizes)), _ptr(out),
+                                            _threads()), "abs sums")
+    return out
+
+
+def scaled_sign_aggregate_segments(out: torch.Tensor, factors: torch.Tensor, packed: Sequence[torch.Tensor],
+                                   sizes: torch.Tensor, decrement: bool = False) -> None:
+    """:func:`scaled_sign_aggregate` with per-segment factors (float32 (W, len(sizes))) over the
+    bits of the whole buffer (element i: bit i)."""
+    _check(out, torch.float32, "scaled_sign_aggregate_segments output")
+    _check(factors, torch.float32, "sign factors")
+    _raise_if(_load().hvd_scaled_sign_aggregate_segments(len(packed), _ptr(factors), _ptrs(packed), sizes.numel(),
+                                                         _ptr(_sizes(sizes)), _ptr(out), int(decrement),
+                                                         _threads()), "sign aggregate")
+
+
+def first_distinct_segments(draws: Sequence, sizes: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
+    """:func:`first_distinct` of each segment (``draws[j]``: the draw function of segment j, or None
+    where ``ks[j]`` is 0), the indices offset by each segment's first element and written back to
+    back: ascending int64 over the whole buffer, Σ ks entries."""
+    lib = _load()
+    n = len(draws)
+    sizes = _sizes(sizes)
+    words = [(s + 63) // 64 for s in sizes.tolist()]
+    bitmaps = torch.zeros(max(1, sum(words)), dtype=torch.int64)
+    wanted = torch.tensor(list(ks), dtype=torch.int64)
+    counts = torch.zeros(n, dtype=torch.int64)
+    lens = torch.zeros(n, dtype=torch.int64)
+    todo = [j for j in range(n) if ks[j] > 0]
+    while todo:
+        streams = [torch.zeros(0, dtype=torch.int64)] * n
+        for j in todo:
+            streams[j] = draws[j]().contiguous()
+            _check(streams[j], torch.int64, "first_distinct draws")
+        lens.copy_(torch.tensor([s.numel() for s in streams], dtype=torch.int64))
+        if lib.hvd_mark_distinct_segments(n, _ptrs(streams), _ptr(lens), _ptr(sizes), _ptr(wanted),
+                                          _ptr(bitmaps), _ptr(counts)):
+            raise ValueError("first_distinct_segments: a draw outside its segment's [0, n)")
+        todo = [j for j, (c, k) in enumerate(zip(counts.tolist(), ks)) if c < k]
+    idx = torch.empty(int(wanted.sum()), dtype=torch.int64)
+    lib.hvd_bitmap_indices_segments(n, _ptr(sizes), _ptr(bitmaps), _ptr(idx))
     return idx
 
 

@@ -10,6 +10,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #ifdef _OPENMP
@@ -99,6 +100,39 @@ static inline void hvd_uniforms(uint64_t key, int64_t i0, int64_t m, float *u) {
         }
     }
 }
+
+/* ---- segmented calls ----------------------------------------------------------------------------
+ * A segmented kernel runs a per-tensor kernel on each of `nseg` tensors laid back to back in one
+ * flat buffer (segment j: sizes[j] elements), in one call: each segment splits into the work units
+ * the per-tensor kernel uses (ceil(sizes[j]/unit) of them), and the units of every segment are
+ * shared among the threads. start[j] is segment j's first unit (prefix sums, nseg + 1 entries, from
+ * hvd_units); hvd_unit_segment finds the segment of unit t. */
+static inline int64_t *hvd_units(int64_t nseg, const int64_t *sizes, int64_t unit) {
+    int64_t *start = (int64_t *)malloc((size_t)(nseg + 1) * sizeof(int64_t));
+    if (!start) return NULL;
+    start[0] = 0;
+    for (int64_t j = 0; j < nseg; j++) start[j + 1] = start[j] + (sizes[j] + unit - 1) / unit;
+    return start;
+}
+
+static inline int64_t hvd_unit_segment(const int64_t *start, int64_t nseg, int64_t t) {
+    int64_t lo = 0, hi = nseg - 1;  /* the last j with start[j] <= t */
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (start[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Prefix sums of f(sizes[j]) (nseg + 1 entries) into out. */
+#define HVD_PREFIX(out, nseg, sizes, EXPR)                          \
+    do {                                                            \
+        (out)[0] = 0;                                               \
+        for (int64_t j_ = 0; j_ < (nseg); j_++) {                   \
+            const int64_t n = (sizes)[j_];                          \
+            (out)[j_ + 1] = (out)[j_] + (EXPR);                     \
+        }                                                           \
+    } while (0)
 
 /* ---- bit packing --------------------------------------------------------------------------------
  * Codes of `bits` bits (1..8) in a little-endian bit stream: code i occupies bits [i·b, (i+1)·b),

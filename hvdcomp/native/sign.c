@@ -96,3 +96,72 @@ HVD_EXPORT void hvd_majority(int32_t W, const uint8_t *const *bits, const int32_
         for (int64_t t = 0; t < m; t++) o[t] = total[t] >= 0 ? 1.0f : -1.0f;
     }
 }
+
+/* Σ|x| in float64 of each of nseg tensors back to back in x (segment j: sizes[j] elements) into
+ * sums[j], each summed as hvd_sign_bits sums one tensor (chunk by chunk, in order). Returns -1 if
+ * out of memory. */
+HVD_EXPORT int hvd_abs_sums_segments(const float *x, int64_t nseg, const int64_t *sizes, double *sums,
+                                     int32_t nthreads) {
+    if (nseg <= 0) return 0;
+    int64_t *start = hvd_units(nseg, sizes, HVD_CHUNK);
+    int64_t *off = (int64_t *)malloc((size_t)(nseg + 1) * sizeof(int64_t));
+    double *part = start ? (double *)malloc((size_t)(start[nseg] + 1) * sizeof(double)) : NULL;
+    if (!start || !off || !part) { free(start); free(off); free(part); return -1; }
+    HVD_PREFIX(off, nseg, sizes, n);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < start[nseg]; t++) {
+        const int64_t j = hvd_unit_segment(start, nseg, t);
+        const int64_t c0 = (t - start[j]) * HVD_CHUNK, c1 = hvd_min64(sizes[j], c0 + HVD_CHUNK);
+        part[t] = hvd_sum_abs_f64(x + off[j] + c0, c1 - c0);
+    }
+    for (int64_t j = 0; j < nseg; j++) {
+        double total = 0.0;
+        for (int64_t t = start[j]; t < start[j + 1]; t++) total += part[t];
+        sums[j] = total;
+    }
+    free(start);
+    free(off);
+    free(part);
+    return 0;
+}
+
+/* hvd_scaled_sign_aggregate of nseg tensors back to back (segment j: sizes[j] elements), each
+ * with its own factors f[w·nseg + j]; the bits are those of the whole buffer (element i: bit i of
+ * packed[w]). With decrement != 0: out -= f[j]·(2·bit - 1) (W must be 1). Returns -1 if out of
+ * memory. */
+HVD_EXPORT int hvd_scaled_sign_aggregate_segments(int32_t W, const float *f, const uint8_t *const *packed,
+                                                  int64_t nseg, const int64_t *sizes, float *out,
+                                                  int32_t decrement, int32_t nthreads) {
+    if (nseg <= 0) return 0;
+    int64_t *off = (int64_t *)malloc((size_t)(nseg + 1) * sizeof(int64_t));
+    if (!off) return -1;
+    HVD_PREFIX(off, nseg, sizes, n);
+    const int64_t total = off[nseg], nchunks = (total + HVD_CHUNK - 1) / HVD_CHUNK;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t ch = 0; ch < nchunks; ch++) {
+        uint8_t codes[HVD_CHUNK];
+        const int64_t c0 = ch * HVD_CHUNK, c1 = hvd_min64(total, c0 + HVD_CHUNK), m = c1 - c0;
+        int64_t first = 0, hi = nseg - 1;  /* the last segment starting at or before c0 */
+        while (first < hi) {
+            const int64_t mid = (first + hi + 1) / 2;
+            if (off[mid] <= c0) first = mid; else hi = mid - 1;
+        }
+        for (int32_t w = 0; w < W; w++) {
+            hvd_unpack(packed[w] + c0 / 8, m, 1, codes);
+            for (int64_t j = first; j < nseg && off[j] < c1; j++) {
+                const int64_t a = off[j] > c0 ? off[j] : c0, b = off[j + 1] < c1 ? off[j + 1] : c1;
+                const float pos = f[w * nseg + j], neg = -f[w * nseg + j];
+                const uint8_t *cc = codes + (a - c0);
+                float *o = out + a;
+                if (decrement)
+                    for (int64_t t = 0; t < b - a; t++) o[t] -= cc[t] ? pos : neg;
+                else if (w == 0)
+                    for (int64_t t = 0; t < b - a; t++) o[t] = 0.0f + (cc[t] ? pos : neg);
+                else
+                    for (int64_t t = 0; t < b - a; t++) o[t] += cc[t] ? pos : neg;
+            }
+        }
+    }
+    free(off);
+    return 0;
+}

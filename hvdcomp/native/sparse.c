@@ -274,3 +274,38 @@ HVD_EXPORT int64_t hvd_keep_top(const float *v, const int64_t *idx, int64_t m, f
     }
     return o;
 }
+
+/* hvd_mark_distinct for each of nseg tensors (segment j: sizes[j] elements, ks[j] wanted,
+ * counts[j] marked so far, its draws streams[j] of lens[j] values, its bitmap at word
+ * Σ_{i<j} ceil(sizes[i]/64) of `bitmaps`); counts is updated. Returns -1 for a value outside
+ * its segment's [0, n), else 0. */
+HVD_EXPORT int hvd_mark_distinct_segments(int64_t nseg, const int64_t *const *streams, const int64_t *lens,
+                                          const int64_t *sizes, const int64_t *ks, uint64_t *bitmaps,
+                                          int64_t *counts) {
+    int64_t word = 0;
+    for (int64_t j = 0; j < nseg; j++) {
+        if (lens[j] > 0 && counts[j] < ks[j]) {
+            const int64_t c = hvd_mark_distinct(streams[j], lens[j], sizes[j], bitmaps + word, counts[j], ks[j]);
+            if (c < 0) return -1;
+            counts[j] = c;
+        }
+        word += (sizes[j] + 63) / 64;
+    }
+    return 0;
+}
+
+/* hvd_bitmap_indices of each segment's bitmap (laid out as in hvd_mark_distinct_segments), each
+ * index plus its segment's first element (Σ_{i<j} sizes[i]), written back to back to idx (so
+ * ascending over the whole buffer). Returns how many were written. */
+HVD_EXPORT int64_t hvd_bitmap_indices_segments(int64_t nseg, const int64_t *sizes, const uint64_t *bitmaps,
+                                               int64_t *idx) {
+    int64_t word = 0, first = 0, o = 0;
+    for (int64_t j = 0; j < nseg; j++) {
+        const int64_t got = hvd_bitmap_indices(bitmaps + word, sizes[j], idx + o);
+        for (int64_t t = o; t < o + got; t++) idx[t] += first;
+        o += got;
+        word += (sizes[j] + 63) / 64;
+        first += sizes[j];
+    }
+    return o;
+}

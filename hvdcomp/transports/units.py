@@ -37,6 +37,7 @@ class Units:
         self.grad_bytes = [n * e for n, e in zip(numel, esize)]
         self.wire_name = [f"{prefix}.{n}" for n in names]
         self.flat: List[Optional[torch.Tensor]] = [None] * len(members)
+        self.views: List[Optional[List[torch.Tensor]]] = [None] * len(members)  # of flat, per member
 
     def __len__(self) -> int:
         return len(self.members)
@@ -61,15 +62,18 @@ class Units:
 
     def tensor(self, u: int) -> torch.Tensor:
         """What unit ``u`` compresses, and where its result is written: the gradient itself, or
-        (a unit of several gradients) a flat buffer they are copied into, in launch order."""
+        (a unit of several gradients) a flat buffer they are copied into, in launch order (one
+        ``_foreach_copy_`` into the buffer's views, made once)."""
         members = self.members[u]
         if len(members) == 1:
             return self.gradient(self.order[members[0]])
-        grads = [self.gradient(self.order[i]).reshape(-1) for i in members]
+        grads = [self.gradient(self.order[i]) for i in members]
         flat = self.flat[u]
         if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
             flat = self.flat[u] = torch.empty(self.numel[u], dtype=grads[0].dtype, device=grads[0].device)
-        return torch.cat(grads, out=flat)
+            self.views[u] = list(torch._C._nn.unflatten_dense_tensors(flat, grads))
+        torch._foreach_copy_(self.views[u], grads)
+        return flat
 
     def target(self, u: int) -> torch.Tensor:
         """Where unit ``u``'s averaged result goes (see :meth:`tensor`)."""
@@ -77,12 +81,8 @@ class Units:
         return self.order[members[0]].grad if len(members) == 1 else self.flat[u]
 
     def write_back(self, u: int) -> None:
-        """Copy a multi-gradient unit's result from its flat buffer into the members' ``.grad``."""
+        """Copy a multi-gradient unit's result from its flat buffer into the members' ``.grad``
+        (one ``_foreach_copy_``)."""
         members = self.members[u]
         if len(members) > 1:
-            start = 0
-            flat = self.flat[u]
-            for i in members:
-                grad = self.order[i].grad
-                grad.copy_(flat[start:start + grad.numel()].view(grad.shape))
-                start += grad.numel()
+            torch._foreach_copy_([self.order[i].grad for i in members], self.views[u])
