@@ -32,8 +32,9 @@ gradients of norm 1e-23 or 1e30 (float32) are approximated as well as gradients 
 """
 from __future__ import annotations
 
+import operator
 import warnings
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -103,6 +104,7 @@ class PowerSGDCompressor(StepMethod):
         self.p: Dict[str, torch.Tensor] = {}  # last orthonormal P per tensor (n × r), for inspection
         self.memory = Residuals(self, "error")  # error feedback: M − P·Qᵀ per tensor
         self._layouts: Dict[tuple, Tuple[int, int, bool]] = {}
+        self._plans: Optional[_Plan] = None  # the last step's batches (see _plan)
         self._gen = torch.Generator().manual_seed(int(np.random.RandomState(self.seed).randint(1_000_000_000)))
 
     def describe(self):
@@ -141,59 +143,92 @@ class PowerSGDCompressor(StepMethod):
         if step < self.start_step:
             flat = torch.cat([g.reshape(-1).to(torch.float32) for _, g in named_grads])
             return self._split(allreduce_mean(flat, "powersgd.dense"), named_grads)
+        plan = self._plan(named_grads)
+        grads = [g for _, g in named_grads]
         with timer.phase("compress"):
-            comp: Dict[tuple, List[int]] = {}  # (n, m, r, device) -> positions: one batch each
-            plain = []
-            for i, (name, g) in enumerate(named_grads):
-                n, m, compress = self._layout(name, g.shape)
-                if not compress:
-                    plain.append(i)
-                    continue
-                comp.setdefault((n, m, min(self.matrix_rank, n, m), g.device), []).append(i)
-            qs = self._warm_starts(named_grads, comp)
-            batches = []  # (key, positions, M (B, n, m), P (B, n, r))
-            for key, idx in comp.items():
-                n, m, r, device = key
-                mats = torch.stack([named_grads[i][1].reshape(n, m) for i in idx]).to(torch.float32)
-                errors = [self.memory.get(named_grads[i][0]) for i in idx]
-                if any(e is not None for e in errors):
-                    mats = mats + torch.stack([torch.zeros(n, m, device=device) if e is None else e
-                                               for e in errors])
-                batches.append((key, idx, mats, torch.bmm(mats, qs[key])))
-            first = torch.cat([b[3].reshape(-1) for b in batches] +
-                              [named_grads[i][1].reshape(-1).to(torch.float32) for i in plain])
+            qs = self._warm_starts(named_grads, plan.groups)
+            batches = []  # (group, M (B, n, m), P (B, n, r))
+            for group in plan.groups:
+                members = [grads[i] for i in group.positions]
+                if group.matrices:            # every gradient is an n × m float32 matrix
+                    mats = torch.stack(members)
+                elif group.shape is not None:  # one shape for all: one stack, one view
+                    mats = torch.stack(members).view(len(members), group.n, group.m).to(torch.float32)
+                else:
+                    mats = torch.stack([g.reshape(group.n, group.m) for g in members]).to(torch.float32)
+                errors = self._get_segments(self.memory.store, group)
+                if errors is not None:        # last step's errors: views of one (B, n, m) tensor
+                    mats = mats + errors
+                else:
+                    kept = self._get_many(self.memory.store, group.names)
+                    if any(e is not None for e in kept):
+                        mats = mats + torch.stack([torch.zeros(group.n, group.m, device=group.device) if e is None
+                                                   else e for e in kept])
+                batches.append((group, mats, torch.bmm(mats, qs[group.key])))
+            plain = [grads[i] for i in plan.plain]
+            first = torch.cat([b[2].reshape(-1) for b in batches] +
+                              (plain if plan.plain_flat else [g.reshape(-1).to(torch.float32) for g in plain]))
         first = allreduce_mean(first, "powersgd.p")
         with timer.phase("compress"):
             out: List[torch.Tensor] = [None] * len(named_grads)  # type: ignore[list-item]
-            pos, reduced = 0, []
-            for key, idx, mats, p_local in batches:
+            pos, reduced, ps = 0, [], []
+            for group, mats, p_local in batches:
                 p = orthogonalize(first[pos:pos + p_local.numel()].view_as(p_local), self.epsilon)
                 pos += p.numel()
-                for b, i in enumerate(idx):
-                    self.p[named_grads[i][0]] = p[b]
+                self.p.update(zip(group.names, p.unbind(0)))
+                ps.append(p)
                 reduced.append(torch.bmm(mats.transpose(1, 2), p))
-            for i in plain:
-                numel = named_grads[i][1].numel()
-                out[i] = cast_saturating(first[pos:pos + numel].view_as(named_grads[i][1]), named_grads[i][1].dtype)
-                pos += numel
+            if plain and plan.plain_flat:    # float32: the averaged values themselves, as views
+                views = torch._C._nn.unflatten_dense_tensors(first[pos:], plain)
+                for i, v in zip(plan.plain, views):
+                    out[i] = v
+            else:
+                for i, g in zip(plan.plain, plain):
+                    out[i] = cast_saturating(first[pos:pos + g.numel()].view_as(g), g.dtype)
+                    pos += g.numel()
             second = torch.cat([q.reshape(-1) for q in reduced]) if reduced else first.new_zeros(0)
         if reduced:
             second = allreduce_mean(second, "powersgd.q")
         with timer.phase("decompress"):
             pos = 0
-            for (key, idx, mats, _), q_local in zip(batches, reduced):
+            for (group, mats, _), q_local, p in zip(batches, reduced, ps):
                 q = second[pos:pos + q_local.numel()].view_as(q_local).clone()
                 pos += q.numel()
-                p = torch.stack([self.p[named_grads[i][0]] for i in idx])
                 approx = torch.bmm(p, q.transpose(1, 2))
-                error = mats - approx
-                for b, i in enumerate(idx):
-                    name, g = named_grads[i]
-                    self._put("q", name, q[b])
-                    self.memory.keep(name, error[b])
-                    # saturating: with the error added, g + e (and so P·Qᵀ) can exceed a float16 g's range
-                    out[i] = cast_saturating(approx[b].reshape(g.shape), g.dtype)
+                self._put_segments("q", group, q)
+                self.memory.keep_segments(mats - approx, group)
+                # saturating: with the error added, g + e (and so P·Qᵀ) can exceed a float16 g's range
+                if group.matrices:
+                    results = approx.unbind(0)
+                elif group.shape is not None and group.dtype == torch.float32:
+                    results = approx.view(len(group.positions), *group.shape).unbind(0)
+                else:
+                    results = [cast_saturating(a.reshape(grads[i].shape), grads[i].dtype)
+                               for a, i in zip(approx.unbind(0), group.positions)]
+                for i, result in zip(group.positions, results):
+                    out[i] = result
         return out
+
+    def _plan(self, named_grads) -> "_Plan":
+        """The step's batches of equal matrix shapes and its uncompressed gradients, cached while
+        the gradients' names, shapes, devices and dtypes stay the same."""
+        names = [n for n, _ in named_grads]
+        signature = [_SIGNATURE(g) for _, g in named_grads]
+        cached = self._plans
+        if cached is not None and cached.names == names and cached.signature == signature:
+            return cached
+        groups: Dict[tuple, List[int]] = {}  # (n, m, r, device) -> positions: one batch each
+        plain = []
+        for i, (name, (shape, device, _)) in enumerate(zip(names, signature)):
+            n, m, compress = self._layout(name, shape)
+            if not compress:
+                plain.append(i)
+                continue
+            groups.setdefault((n, m, min(self.matrix_rank, n, m), device), []).append(i)
+        plan = self._plans = _Plan(names, signature, [
+            _Group(key, idx, [names[i] for i in idx], [signature[i] for i in idx]) for key, idx in groups.items()],
+            plain, all(len(signature[i][0]) == 1 and signature[i][2] == torch.float32 for i in plain))
+        return plan
 
     def _layout(self, name: str, shape) -> Tuple[int, int, bool]:
         """(n, m, compressible) of a gradient, cached per name and shape."""
@@ -204,23 +239,26 @@ class PowerSGDCompressor(StepMethod):
             hit = self._layouts[key] = (n, m, self.compressible(shape))
         return hit
 
-    def _warm_starts(self, named_grads, batches) -> Dict[tuple, torch.Tensor]:
+    def _warm_starts(self, named_grads, groups) -> Dict[tuple, torch.Tensor]:
         """Per batch of equal shapes, the orthonormal Qs (B × m × r, float32) to multiply by.
 
         A name's Q is last step's agreed Q (copied: the committed one stays as it was if the step
-        is rolled back), or fresh columns from the shared generator, drawn in ``named_grads``
-        order. Columns that are zero or not finite, and columns that orthogonalisation leaves at
-        zero, are redrawn (see the module docstring). Deterministic given the Qs and the
-        generator state, so identical on every rank.
+        is rolled back; one copy of the batch's Q tensor while the names' Qs are still its views),
+        or fresh columns from the shared generator, drawn in ``named_grads`` order. Columns that
+        are zero or not finite, and columns that orthogonalisation leaves at zero, are redrawn
+        (see the module docstring). Deterministic given the Qs and the generator state, so
+        identical on every rank.
         """
         out = {}
-        for key, idx in sorted(batches.items(), key=lambda kv: kv[1][0]):
-            n, m, r, device = key
-            qs = []
-            for i in idx:
-                q = self._get("q", named_grads[i][0])
-                qs.append(self._draw(m, r, device) if q is None or tuple(q.shape) != (m, r) else q)
-            q = torch.stack(qs)  # a new tensor
+        for group in groups:  # (in order of their first gradient)
+            n, m, r, device = group.key
+            q = self._get_segments("q", group)
+            if q is not None and tuple(q.shape[1:]) == (m, r):
+                q = q.clone()
+            else:
+                qs = [self._draw(m, r, device) if q is None or tuple(q.shape) != (m, r) else q
+                      for q in self._get_many("q", group.names)]
+                q = torch.stack(qs)  # a new tensor
             for _ in range(3):  # a redrawn random column is dependent with probability 0
                 dead = ~torch.isfinite(q).all(1) | (q == 0).all(1)   # (B, r)
                 if dead.any():
@@ -229,7 +267,7 @@ class PowerSGDCompressor(StepMethod):
                 orthogonalize(q, self.epsilon)
                 if not (q == 0).all(1).any():
                     break
-            out[key] = q
+            out[group.key] = q
         return out
 
     @property
@@ -263,6 +301,52 @@ class PowerSGDCompressor(StepMethod):
         self.memory.load(state.get("error", {}))
         if "rng" in state:
             self._gen.set_state(state["rng"])
+
+
+_SIGNATURE = operator.attrgetter("shape", "device", "dtype")
+
+
+class _Group:
+    """One batch of a step: the gradients whose matrices have one shape (n × m, rank r, one
+    device). Its Qs and errors are kept as views of one (B, m, r) and one (B, n, m) tensor
+    (:meth:`views`), so the next step reads each batch's state in one piece.
+
+    Attributes:
+        key: ``(n, m, r, device)``; positions, names: its gradients in the step's order.
+        shape: the gradients' common shape (None if they differ); dtype: their common dtype
+            (None if they differ); matrices: they are all float32 n × m matrices.
+    """
+
+    __slots__ = ("key", "positions", "names", "n", "m", "device", "shape", "dtype", "matrices")
+
+    def __init__(self, key, positions, names, signature):
+        self.key, self.positions, self.names = key, positions, tuple(names)
+        self.n, self.m, _, self.device = key
+        shapes = {s for s, _, _ in signature}
+        dtypes = {d for _, _, d in signature}
+        self.shape = next(iter(shapes)) if len(shapes) == 1 else None
+        self.dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
+        self.matrices = self.shape == (self.n, self.m) and self.dtype == torch.float32
+
+    def views(self, stacked: torch.Tensor, flat_shapes: bool = False) -> List[torch.Tensor]:
+        """The per-gradient slices of a (B, ...) tensor."""
+        return list(stacked.unbind(0))
+
+    def split(self, stacked: torch.Tensor) -> List[torch.Tensor]:
+        """Each gradient's slice, 1-D."""
+        return [t.reshape(-1) for t in stacked.unbind(0)]
+
+
+class _Plan(NamedTuple):
+    """A step's layout (:meth:`PowerSGDCompressor._plan`): the names and (shape, device, dtype) of
+    the gradients it was made for, the batches, the uncompressed positions, and whether those
+    are all 1-D float32 (sent and returned without a copy)."""
+
+    names: List[str]
+    signature: List[tuple]
+    groups: List[_Group]
+    plain: List[int]
+    plain_flat: bool
 
 
 def _collectives(method, numels, p, bucket_bytes):

@@ -174,6 +174,7 @@ class StepTransport(Transport):
     def __init__(self, wiring: Wiring):
         self.timer, self.compression, self.step_comm = wiring.timer, wiring.compression, wiring.step_comm
         self.units, self.names, self.scale = wiring.units, wiring.names, wiring.scale
+        self.dense_bytes = sum(p.numel() * 4 for p in self.units.order)  # fp32-equivalent, per step
 
     busy = False  # never holds a step in progress between calls
 
@@ -189,12 +190,10 @@ class StepTransport(Transport):
         """Reduce every gradient (``p.grad``, any shape and float dtype) and write the averaged
         result back into ``p.grad``; counts the fp32-equivalent dense bytes."""
         params = self.units.order
-        grads = self.compression.reduce_batch([(n, p.grad) for n, p in zip(self.names, params)],
-                                              self.step_comm, self.timer)
+        targets = [p.grad for p in params]
+        grads = self.compression.reduce_batch(list(zip(self.names, targets)), self.step_comm, self.timer)
         with self.timer.phase("decompress"):
-            for p, g in zip(params, grads):
-                p.grad.copy_(g)
-                if self.scale != 1.0:
-                    p.grad.mul_(self.scale)
-        for p in params:
-            self.timer.add_bytes(dense=p.numel() * 4)
+            torch._foreach_copy_(targets, grads)
+            if self.scale != 1.0:
+                torch._foreach_mul_(targets, self.scale)
+        self.timer.add_bytes(dense=self.dense_bytes)

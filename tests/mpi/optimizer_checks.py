@@ -178,8 +178,9 @@ def check_cost_model_routes():
 
 def check_fused_equals_unfused():
     """fuse_tensors=True (one call per bucket) and False (one call per gradient) give bit-identical
-    parameters and compressor state over 3 steps, allgathered (top-k, bf16, threshold) and
-    allreduced (fp16), with error feedback, at bucket sizes that fuse all or some gradients."""
+    parameters and compressor state over 3 steps, allgathered (top-k, bf16, threshold, QSGD,
+    TernGrad, EF-signSGD, DGC, sampled top-k) and allreduced (fp16, signSGD's votes, random-k),
+    with error feedback, at bucket sizes that fuse all or some gradients."""
     for spec in ("topk:density=0.2", "fp16", "fp16:ef=true", "bf16", "threshold:threshold=0.05"):
         for bucket_bytes in (25 * 2**20, 100):  # one fused unit; three gradients fused + one alone
             runs = []
@@ -201,6 +202,32 @@ def check_fused_equals_unfused():
                 assert torch.equal(a, b), (spec, bucket_bytes, n, (a - b).abs().max())
             s0, s1 = o0.state_dict()["hvdcomp"], o1.state_dict()["hvdcomp"]
             assert hvdcomp.agreement.digest(s0) == hvdcomp.agreement.digest(s1), (spec, s0, s1)
+    # the methods made segmentable for issue 31, on a model whose largest weight (7000 entries)
+    # takes a sampled threshold (select=sample, dgc: 70 samples at 1 %)
+    for spec in ("qsgd:levels=16", "terngrad", "efsignsgd", "signsgd", "randomk:density=0.05",
+                 "dgc:density=0.05", "topk:density=0.05,select=sample"):
+        for bucket_bytes in (25 * 2**20, 1200):  # one fused unit; three gradients fused + one alone
+            runs = []
+            for fuse in (False, True):
+                torch.manual_seed(0)
+                model = torch.nn.Sequential(torch.nn.Linear(100, 70), torch.nn.Tanh(), torch.nn.Linear(70, 3))
+                opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                   named_parameters=model.named_parameters(),
+                                                   compression=spec, cost_model="off",
+                                                   bucket_bytes=bucket_bytes, fuse_tensors=fuse)
+                for step in range(3):
+                    g = torch.Generator().manual_seed(1000 * hvd.rank() + step)
+                    x, y = torch.randn(8, 100, generator=g), torch.randn(8, 3, generator=g)
+                    opt.zero_grad()
+                    (torch.nn.functional.mse_loss(model(x), y) * 10.0 ** step).backward()
+                    opt.step()
+                runs.append((model, opt))
+            (m0, o0), (m1, o1) = runs
+            assert not o0.transport.units and o1.transport.units, (spec, o1.transport.units)
+            for (n, a), b in zip(m0.named_parameters(), m1.parameters()):
+                assert torch.equal(a, b), (spec, bucket_bytes, n, (a - b).abs().max())
+            s0, s1 = o0.state_dict()["hvdcomp"], o1.state_dict()["hvdcomp"]
+            assert hvdcomp.agreement.digest(s0) == hvdcomp.agreement.digest(s1), (spec, bucket_bytes)
 
 
 def check_threshold_with_empty_rank():
