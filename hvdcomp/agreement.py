@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Sequence
 
@@ -31,6 +33,7 @@ import torch
 __all__ = ["NONFINITE_MODES", "StepVerdict", "NonFiniteGuard", "check_consistency", "StateAgreement", "digest"]
 
 NONFINITE_MODES = ("skip", "raise", "ignore")
+_GRAD, _IS_SPARSE = operator.attrgetter("grad"), operator.attrgetter("is_sparse")
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,7 @@ class NonFiniteGuard:
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}; got {mode!r}")
         self.mode = mode
         self._flags: List[torch.Tensor] = []  # per observe() and device: > 0 if non-finite
+        self._layout = None  # (params, their number, [(device, parameters checked)]): observe_gradients
 
     def observe(self, tensors: Sequence[torch.Tensor]) -> None:
         """Fold the finiteness of ``tensors`` (dense or sparse, any devices) into this step's flag:
@@ -80,6 +84,38 @@ class NonFiniteGuard:
             found = torch.zeros((), dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(
                 group, found, torch.ones((), dtype=torch.float32, device=device))
+            self._flags.append(found)
+
+    def observe_gradients(self, params: Sequence[torch.Tensor], exclude=(), only=None) -> None:
+        """:meth:`observe` of the parameters' gradients (``.grad``, those that are not None), all
+        of them or the positions in ``only``, less the positions in ``exclude``.
+
+        Which gradients the fused check takes (floating, non-empty) and on which device is a
+        property of the parameters (a gradient has its parameter's dtype, shape and device), so
+        for all of them it is decided once per ``params`` list and cached: a step then reads the
+        ``.grad`` of each device's parameters and runs one check per device. A sparse gradient
+        goes through :meth:`observe`."""
+        if self.mode == "ignore":
+            return
+        if only is not None or exclude:
+            chosen = sorted(only) if only is not None else [i for i in range(len(params)) if i not in exclude]
+            self.observe([params[i].grad for i in chosen if params[i].grad is not None])
+            return
+        cached = self._layout
+        if cached is None or cached[0] is not params or cached[1] != len(params):
+            by_device: Dict[torch.device, List[torch.Tensor]] = {}
+            for p in params:
+                if p.is_floating_point() and p.numel():
+                    by_device.setdefault(p.device, []).append(p)
+            cached = self._layout = (params, len(params), list(by_device.items()))
+        for device, group in cached[2]:
+            grads = list(map(_GRAD, group))
+            if any(map(operator.is_, grads, itertools.repeat(None))) or any(map(_IS_SPARSE, grads)):
+                self.observe([g for g in grads if g is not None])
+                continue
+            found = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                grads, found, torch.ones((), dtype=torch.float32, device=device))
             self._flags.append(found)
 
     def reset(self) -> None:

@@ -162,12 +162,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         in_place = set() if pipe.summed_agreement else {pipe.units.members[u][0] for t in pipe.transports
                                                         for u in t.in_place_units() if len(pipe.units.members[u]) == 1}
         if not pipe.summed_agreement:
-            self._guard.observe([p.grad for i, p in enumerate(self._order) if p.grad is not None and i not in in_place])
+            self._guard.observe_gradients(self._order, exclude=in_place)
         if not pipe.deferred:
             for t in pipe.transports:
                 t.finish()
-            self._guard.observe([self._order[i].grad for i in (range(len(self._order))
-                                                              if pipe.summed_agreement else sorted(in_place))])
+            self._guard.observe_gradients(self._order, only=None if pipe.summed_agreement else in_place)
         step.restart(self.backward_passes_per_step)
         if self._agree() and pipe.deferred:  # agreed first: a skipped step runs no collective
             for t in pipe.transports:                      # and changes no state

@@ -188,7 +188,7 @@ class DGCCompressor(SparseCompressor):
             v = self.memory.compensate_segments_(u.clone(), segments)
         density = self.density_at(self.epoch)
         idx = select_segments(v, segments, lambda m: num_kept(m, density), self.sample_ratio, self.rng,
-                              self.min_sample)
+                              self.min_sample, key=("dgc", density))
         values = v.index_select(0, idx)
         payload = self.pack(values, idx, n)
         if self.value_coding == "fp32":

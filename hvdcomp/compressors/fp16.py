@@ -152,13 +152,13 @@ def _ldexp_segments(values: torch.Tensor, sizes: List[int], ks: List[int],
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``values`` (1-D, segments of ``sizes`` back to back; float16 or float32) with segment j
     times 2^ks[j], as float32, by the same two multiplications as :func:`_ldexp`: per-element
-    factors written into one scratch buffer, one pass per multiplication. ``out``: a float32
+    factors repeated over the segments (``repeat_interleave``), one pass per multiplication. ``out``: a float32
     tensor of ``values``' length to write into (may be ``values`` itself when float32)."""
-    scratch = torch.empty(values.shape, dtype=torch.float32, device=values.device)
+    counts = torch.tensor(sizes, dtype=torch.int64, device=values.device)
 
-    def factor(powers):
+    def factor(powers):  # each segment's factor repeated over its elements: one op
         table = torch.tensor(powers, dtype=torch.float32, device=values.device)
-        return torch.cat([t.expand(n) for t, n in zip(table.unbind(0), sizes)], out=scratch)
+        return torch.repeat_interleave(table, counts, output_size=values.numel())
     out = torch.mul(values, factor([2.0 ** (k // 2) for k in ks]), out=out)
     return out.mul_(factor([2.0 ** (k - k // 2) for k in ks]))
 
@@ -242,7 +242,7 @@ class FP16Compressor(Compressor):
         if flat.dtype != torch.float32:
             flat = cast_saturating(flat, torch.float32)
         limit = addend_limit(size)
-        agreed = [self._get("exponents", name) for name in segments.names]
+        agreed = self._get_many("exponents", segments.names)
         scaled = [j for j, e in enumerate(agreed) if e is not None]
         probe = [j for j, e in enumerate(agreed) if e is None]
         top = segments.amax(flat)

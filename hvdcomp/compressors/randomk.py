@@ -15,6 +15,7 @@ and a permutation's first k entries are used instead.
 from __future__ import annotations
 
 import zlib
+from functools import partial
 
 import torch
 
@@ -101,30 +102,37 @@ class RandomKCompressor(AggregateInto, Compressor):
             idx = native.first_distinct(draw, numel, k) if native.enabled() else _first_distinct(draw, k)
         return idx.to(device) if device is not None else idx
 
+    def _segment_layout(self, segments):
+        """Per segment, decided once: its k, how its indices are drawn (``"none"``, ``"perm"`` or
+        ``"draw"``, as :meth:`indices`), its batch of draws, its seed before the step is added,
+        and a generator to reseed each step."""
+        def make(seg):
+            rows = []
+            for name, n in zip(seg.names, seg.sizes):
+                k = num_kept(n, self.density)
+                how = "none" if k == 0 else ("perm" if 8 * k > n else "draw")
+                base = (self.seed * 1_000_003 + zlib.crc32(name.encode())) * 1_000_003
+                rows.append((n, k, how, k + k * k // n + k // 16 + 64 if n else 0, base, torch.Generator()))
+            return rows
+        return segments.cached(("randomk", self.density, self.seed), make)
+
     def _segment_indices(self, segments, steps) -> torch.Tensor:
         """Every segment's :meth:`indices` (for ``steps[j]``) as ascending int64 indices into the
         buffer: the same sets, one native call for the draws' first distinct values."""
-        sizes = segments.sizes
-        gens = segments.cached("randomk-generators", lambda seg: [torch.Generator() for _ in seg.sizes])
-        ks = [num_kept(n, self.density) for n in sizes]
-        draws, parts = [None] * len(sizes), []
-        for j, (name, n, k) in enumerate(zip(segments.names, sizes, ks)):
-            if k == 0:
+        layout = self._segment_layout(segments)
+        use_native = native.enabled()
+        draws, ks, parts = [None] * len(layout), [0] * len(layout), []
+        for j, ((n, k, how, batch, base, gen), step) in enumerate(zip(layout, steps)):
+            if how == "none":
                 continue
-            gen = gens[j].manual_seed(shared_seed(self.seed, name, steps[j]))
-            if 8 * k > n:
-                parts.append(torch.randperm(n, generator=gen)[:k].sort().values + segments.offsets[j])
-                ks[j] = 0
-                continue
-            batch = k + k * k // n + k // 16 + 64
-
-            def draw(gen=gen, n=n, batch=batch):
-                return torch.randint(0, n, (batch,), generator=gen)
-            if native.enabled():
-                draws[j] = draw
+            gen.manual_seed((base + step) & _MASK63)  # shared_seed(seed, name, step)
+            start = segments.offsets[j]
+            if how == "perm":
+                parts.append(torch.randperm(n, generator=gen)[:k].sort().values + start)
+            elif use_native:
+                draws[j], ks[j] = partial(torch.randint, 0, n, (batch,), generator=gen), k
             else:
-                parts.append(_first_distinct(draw, k) + segments.offsets[j])
-                ks[j] = 0
+                parts.append(_first_distinct(partial(torch.randint, 0, n, (batch,), generator=gen), k) + start)
         if any(ks):
             parts.append(native.first_distinct_segments(draws, segments.sizes_tensor(), ks))
         if not parts:

@@ -260,7 +260,7 @@ def sampled_threshold_topk(flat: torch.Tensor, k: int, sample_ratio: float,
 
 
 def select_segments(flat: torch.Tensor, segments, kept, sample_ratio=None, generator=None,
-                    min_sample: int = MIN_SAMPLE) -> torch.Tensor:
+                    min_sample: int = MIN_SAMPLE, key=None) -> torch.Tensor:
     """Each segment's selection, as one call per segment would make it: ascending int64 indices
     into ``flat``.
 
@@ -271,37 +271,45 @@ def select_segments(flat: torch.Tensor, segments, kept, sample_ratio=None, gener
         sample_ratio: None for :func:`exact_topk` of every segment; else
             :func:`sampled_threshold_topk` with this ratio, ``generator`` and ``min_sample``
             (which falls back to :func:`exact_topk` below ``min_sample`` samples).
+        key: a hashable value that determines ``kept`` (e.g. the density): how each segment is
+            selected is then decided once and cached on ``segments``.
 
     Segments whose selection is an exact top-k of fewer than :data:`EXACT_MIN_NUMEL` elements
     are ranked together: one ``torch.topk`` over the rows of each distinct size. The sampled
     ones draw from ``generator`` one after the other, in segment order (the order of one call
     per segment).
     """
-    def how(n: int) -> str:
-        k = kept(n)
-        if k >= n:
-            return "all"
-        if sample_ratio is not None and math.ceil(sample_ratio * n) >= min_sample:
-            return "sample"
-        return "large" if n >= EXACT_MIN_NUMEL else "rows"
+    def plan(seg):
+        def how(n: int) -> str:
+            k = kept(n)
+            if k >= n:
+                return "all"
+            if sample_ratio is not None and math.ceil(sample_ratio * n) >= min_sample:
+                return "sample"
+            return "large" if n >= EXACT_MIN_NUMEL else "rows"
+        sampled = [(start, n, kept(n)) for n, start in zip(seg.sizes, seg.offsets) if n and how(n) == "sample"]
+        classes = [(how(n), n, kept(n), positions, starts)
+                   for n, positions, _, starts in seg.size_classes(flat.device)]
+        return sampled, [c for c in classes if c[0] != "sample"]
 
+    if key is None:
+        sampled, classes = plan(segments)
+    else:
+        sampled, classes = segments.cached(("select", key, sample_ratio, min_sample, flat.device), plan)
     picked, mags = [], None
-    if sample_ratio is not None:  # in segment order: the generator's draws
-        for n, start in zip(segments.sizes, segments.offsets):
-            if n and how(n) == "sample":
-                picked.append(sampled_threshold_topk(flat[start:start + n], kept(n), sample_ratio, generator,
-                                                     magnitudes=False, min_sample=min_sample) + start)
-    for n, positions, _, starts in segments.size_classes(flat.device):
-        way = how(n)
+    for start, n, k in sampled:  # in segment order: the generator's draws
+        picked.append(sampled_threshold_topk(flat[start:start + n], k, sample_ratio, generator,
+                                             magnitudes=False, min_sample=min_sample) + start)
+    for way, n, k, positions, starts in classes:
         if way == "all":
             picked.append((torch.arange(n, device=flat.device).expand(len(positions), n) + starts).reshape(-1))
         elif way == "large":  # the O(n) threshold kernel, per segment
-            picked += [exact_topk(flat[o:o + n], kept(n), magnitudes=False) + o
+            picked += [exact_topk(flat[o:o + n], k, magnitudes=False) + o
                        for o in (segments.offsets[j] for j in positions)]
-        elif way == "rows":
+        else:
             mags = flat.abs() if mags is None else mags
             rows = segments.rows(mags, positions, n)
-            picked.append((rows.topk(kept(n), dim=1, sorted=False).indices + starts).reshape(-1))
+            picked.append((rows.topk(k, dim=1, sorted=False).indices + starts).reshape(-1))
     if not picked:
         return _empty_index(flat.device)
     return torch.cat(picked).sort().values

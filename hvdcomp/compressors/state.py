@@ -135,9 +135,15 @@ class StagedState:
 
     def commit(self) -> None:
         """Apply the staged updates of the open step and close it (children too)."""
+        stores: Dict[str, dict] = {}
         for (store, name), value in (self._pending or {}).items():
-            committed = getattr(self, store)
-            self._recycle(store, name, committed.get(name))
+            committed = stores.get(store)
+            if committed is None:
+                committed = stores[store] = getattr(self, store)
+            if store in self.recycled_stores:
+                old = committed.get(name)
+                if isinstance(old, torch.Tensor) and old._base is None:  # (views are never recycled)
+                    self._recycle(store, name, old)
             committed[name] = value
         self._pending = None
         self._generator_snapshot = None
@@ -154,7 +160,8 @@ class StagedState:
             else:
                 gen.load_state_dict(state)
         for (store, name), value in (self._pending or {}).items():
-            self._recycle(store, name, value)
+            if store in self.recycled_stores and isinstance(value, torch.Tensor) and value._base is None:
+                self._recycle(store, name, value)
         self._pending = None
         self._generator_snapshot = None
         for child in self.staged_children():

@@ -111,7 +111,8 @@ class TopKCompressor(SparseCompressor):
         segment by segment); indices ascending over the flat buffer, as :meth:`select` gives
         them."""
         idx = select_segments(flat, segments, lambda n: num_kept(n, self.density),
-                              self.sample_ratio if self.select_mode == "sample" else None, self.rng)
+                              self.sample_ratio if self.select_mode == "sample" else None, self.rng,
+                              key=("topk", self.density))
         values = flat.index_select(0, idx).to(torch.float32)
         return self.pack(values, idx, flat.numel()), (flat.shape, flat.dtype)
 

@@ -547,11 +547,13 @@ def first_distinct_segments(draws: Sequence, sizes: torch.Tensor, ks: Sequence[i
     counts = torch.zeros(n, dtype=torch.int64)
     lens = torch.zeros(n, dtype=torch.int64)
     todo = [j for j in range(n) if ks[j] > 0]
+    empty = torch.zeros(0, dtype=torch.int64)
     while todo:
-        streams = [torch.zeros(0, dtype=torch.int64)] * n
+        streams = [empty] * n
         for j in todo:
-            streams[j] = draws[j]().contiguous()
-            _check(streams[j], torch.int64, "first_distinct draws")
+            streams[j] = draws[j]()
+        if any(s.dtype != torch.int64 or not s.is_contiguous() or s.device.type != "cpu" for s in streams):
+            raise ValueError("first_distinct_segments: the draws must be contiguous CPU int64 tensors")
         lens.copy_(torch.tensor([s.numel() for s in streams], dtype=torch.int64))
         if lib.hvd_mark_distinct_segments(n, _ptrs(streams), _ptr(lens), _ptr(sizes), _ptr(wanted),
                                           _ptr(bitmaps), _ptr(counts)):

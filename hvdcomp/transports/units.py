@@ -1,11 +1,15 @@
 """The compression units of an optimizer: what each compresses and where its result goes."""
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import List, Optional, Sequence
 
 import torch
 
 __all__ = ["Units"]
+
+_GRAD, _IS_SPARSE = operator.attrgetter("grad"), operator.attrgetter("is_sparse")
 
 
 class Units:
@@ -38,6 +42,7 @@ class Units:
         self.wire_name = [f"{prefix}.{n}" for n in names]
         self.flat: List[Optional[torch.Tensor]] = [None] * len(members)
         self.views: List[Optional[List[torch.Tensor]]] = [None] * len(members)  # of flat, per member
+        self.params = [[order[i] for i in m] for m in members]  # per unit, its parameters
 
     def __len__(self) -> int:
         return len(self.members)
@@ -67,7 +72,9 @@ class Units:
         members = self.members[u]
         if len(members) == 1:
             return self.gradient(self.order[members[0]])
-        grads = [self.gradient(self.order[i]) for i in members]
+        grads = list(map(_GRAD, self.params[u]))
+        if any(map(operator.is_, grads, itertools.repeat(None))) or any(map(_IS_SPARSE, grads)):
+            grads = [self.gradient(p) for p in self.params[u]]
         flat = self.flat[u]
         if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
             flat = self.flat[u] = torch.empty(self.numel[u], dtype=grads[0].dtype, device=grads[0].device)
@@ -85,4 +92,4 @@ class Units:
         (one ``_foreach_copy_``)."""
         members = self.members[u]
         if len(members) > 1:
-            torch._foreach_copy_([self.order[i].grad for i in members], self.views[u])
+            torch._foreach_copy_(list(map(_GRAD, self.params[u])), self.views[u])
