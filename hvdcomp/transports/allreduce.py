@@ -92,10 +92,11 @@ class AllreduceTransport(Transport):
         with self.timer.phase("communicate"):
             for u in sorted(self.inflight):
                 kind, handles, ctx, sent, dtypes = self.inflight.pop(u)
-                outputs = [self.group.synchronize(h) for h in handles]
+                outputs = list(map(self.group.synchronize, handles))
                 nbytes += sent
                 dense += self.units.dense_bytes[u]
-                done.append((u, kind, outputs, ctx, dtypes))
+                if kind != "in-place" or len(self.units.members[u]) > 1:  # (a gradient reduced in
+                    done.append((u, kind, outputs, ctx, dtypes))         # place is in .grad already)
         with self.timer.phase("decompress"):
             for u, kind, outputs, ctx, dtypes in done:
                 if kind == "allreduce":
