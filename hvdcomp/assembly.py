@@ -18,7 +18,8 @@ from .comm import make_allgatherer
 from .comm.costmodel import CostModel, measure_cost_model
 from .comm.exchange import MPIExchange
 from .comm.step import StepComm
-from .compressors.segments import Segments, needs_consecutive
+from .compressors.rng import DrawOrder
+from .compressors.segments import Segments, needs_draw_order
 from .plan import (TransportPlan, choose_transport, fuse_units, make_units, plan_transport, routes, split_groups,
                    step_route_of)
 from .spec import is_per_tensor
@@ -49,6 +50,10 @@ class Pipeline:
         summed_agreement: every gradient is reduced in place by one allreduce (``none`` on
             float32/float64): the per-step agreement travels as sums with them
             (:meth:`hvdcomp.agreement.NonFiniteGuard.agree_summed`).
+        draw_order: where fused units hold gradients of a method that draws from a generator
+            at each call, the step's order of one call per gradient
+            (:class:`hvdcomp.compressors.rng.DrawOrder`, kept by the optimizer's
+            :class:`hvdcomp.step.StepState`), else None.
     """
 
     compression: object
@@ -63,6 +68,7 @@ class Pipeline:
     deferred: bool = False
     summed_agreement: bool = False
     choice: Dict[str, float] = field(default_factory=dict)
+    draw_order: Optional[DrawOrder] = None
 
 
 def _measure_horovod_latency(group, gatherer, prefix: str, calls: int = 5) -> float:
@@ -178,7 +184,7 @@ def assemble(settings, compression, group, order: List[torch.nn.Parameter], name
     if fuse:  # routes and buckets per gradient, then the fused units within them
         plan = plan_transport([p[:3] for p in params], compression, cost_model, group.size,
                               settings.bucket_bytes, groups, allgather, group.ranks)
-        units = fuse_units(params, plan, settings.bucket_bytes, groups, consecutive=needs_consecutive(compression))
+        units = fuse_units(params, plan, settings.bucket_bytes, groups)
     else:
         units = make_units(params, settings.granularity, settings.bucket_bytes, groups)
     members = [m for _, m in units]
@@ -217,6 +223,16 @@ def assemble(settings, compression, group, order: List[torch.nn.Parameter], name
     flush_order = [u for u in range(len(units)) if u not in in_buckets] + [u for b in buckets for u in b]
     summed = (wiring.direct and settings.nonfinite != "ignore" and group.size > 1
               and all(p.dtype in (torch.float32, torch.float64) for p in order))
+    draw_order = None
+    if fuse and needs_draw_order(compression):  # fused units take the draws one call per gradient takes
+        gathered = {n for b in plan.buckets for n in b}
+        position = {n: i for i, n in enumerate(unit_names)}
+        flush = ([i for i, n in enumerate(unit_names) if n not in gathered]
+                 + [position[n] for b in plan.buckets for n in b])
+        draw_order = DrawOrder(unit_names, [p.numel() for p in order], [p.device for p in order], flush)
+    if hasattr(compression, "bind_draw_order"):
+        compression.bind_draw_order(draw_order)
     return Pipeline(compression, plan, cost_model, unit_set, list(by_route.values()),
                     [by_route[r] for r in route_of], [step_route is None] * len(units), flush_order,
-                    gatherer, deferred=step_route is not None, summed_agreement=summed, choice=choice)
+                    gatherer, deferred=step_route is not None, summed_agreement=summed, choice=choice,
+                    draw_order=draw_order)

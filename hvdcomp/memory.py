@@ -185,6 +185,13 @@ class Wrapper(Compressor):
     def set_epoch(self, epoch):
         self.inner.set_epoch(epoch)
 
+    def bind_draw_order(self, order) -> None:
+        """The inner method's ``bind_draw_order`` (:class:`hvdcomp.compressors.rng.DrawOrder`),
+        where it has one."""
+        bind = getattr(self.inner, "bind_draw_order", None)
+        if bind is not None:
+            bind(order)
+
     def expected_payload_bytes(self, numel):
         return self.inner.expected_payload_bytes(numel)
 

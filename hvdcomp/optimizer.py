@@ -85,7 +85,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               f"{self._prefix}.consistency")
         pipe = self._pipe = assemble(s, compression, self.group, self._order, self._names, self._prefix, self.timer)
         self.compression, self.transport, self.cost_model = pipe.compression, pipe.plan, pipe.cost_model
-        self._step = StepState(pipe.units.members, self.backward_passes_per_step)
+        self._step = StepState(pipe.units.members, self.backward_passes_per_step, pipe.draw_order)
         log.info("hvdcomp: %s", self.transport)
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._order]
 

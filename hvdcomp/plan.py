@@ -218,7 +218,7 @@ def make_units(params: Sequence[Tuple[str, int, int, str]], granularity: str, bu
 
 
 def fuse_units(params: Sequence[Tuple[str, int, int, str]], plan: "TransportPlan", bucket_bytes: int,
-               groups: Optional[List[List[str]]] = None, consecutive: bool = False) -> List[Tuple[str, List[int]]]:
+               groups: Optional[List[List[str]]] = None) -> List[Tuple[str, List[int]]]:
     """Gradients compressed together in one call (a segmentable compressor, ``granularity="tensor"``).
 
     Each gradient keeps its own compression (per-tensor semantics, see
@@ -232,9 +232,6 @@ def fuse_units(params: Sequence[Tuple[str, int, int, str]], plan: "TransportPlan
         plan: the per-gradient :class:`TransportPlan` (routes and allgather buckets by name).
         bucket_bytes: cap on a fused unit's gradient bytes (a larger gradient is alone).
         groups: Horovod's ``groups`` as lists of names, or None.
-        consecutive: a unit holds consecutive positions only (a bucket whose gradients another
-            route or layout interleaves is split into runs): for methods that draw from a
-            generator at each call (:func:`hvdcomp.compressors.segments.needs_consecutive`).
 
     Returns:
         ``(unit name, member positions)`` covering every parameter once, sorted by first member;
@@ -253,15 +250,7 @@ def fuse_units(params: Sequence[Tuple[str, int, int, str]], plan: "TransportPlan
     for i, key in enumerate(keys):  # buckets: one unit per bucket and layout
         if key[0] in bucketed:
             runs.setdefault(key, []).append(i)
-    for members in runs.values():
-        if not consecutive:
-            units.append(members)
-            continue
-        start = 0
-        for k in range(1, len(members) + 1):
-            if k == len(members) or members[k] != members[k - 1] + 1:
-                units.append(members[start:k])
-                start = k
+    units += list(runs.values())
     start = 0
     for i in range(1, len(params) + 1):  # other routes: consecutive runs of one key, capped
         if i == len(params) or keys[i] != keys[start]:

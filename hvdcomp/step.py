@@ -32,6 +32,9 @@ class StepState:
         members: per compression unit, the positions of its parameters (in expected backward
             order); every parameter is in exactly one unit.
         passes: ``backward_passes_per_step``.
+        draw_order: a :class:`hvdcomp.compressors.rng.DrawOrder` to keep the order in which
+            gradients are completed in (a fused pipeline of a method that draws at each call),
+            or None.
 
     Attributes:
         status: a :class:`Status`.
@@ -41,7 +44,7 @@ class StepState:
         started: per unit, whether its transport has started it this step.
     """
 
-    def __init__(self, members: Sequence[Sequence[int]], passes: int):
+    def __init__(self, members: Sequence[Sequence[int]], passes: int, draw_order=None):
         self.unit_of = [0] * sum(len(m) for m in members)  # per parameter, its unit
         for u, m in enumerate(members):
             for i in m:
@@ -50,6 +53,7 @@ class StepState:
         self.status = Status.IDLE
         self.staged = False
         self.sync_on_step = True
+        self.draw_order = draw_order
         self.restart(passes)
 
     def restart(self, passes: int) -> None:
@@ -58,6 +62,10 @@ class StepState:
         self.delay: List[int] = [passes] * len(self.unit_of)
         self.waiting: List[int] = list(self.sizes)  # per unit: gradients still to come
         self.started: List[bool] = [False] * len(self.sizes)
+        self.ready: Optional[List[int]] = None  # with a draw order: the gradients completed, in order
+        if self.draw_order is not None:
+            self.ready = []
+            self.draw_order.restart(self.ready)
 
     @property
     def synced(self) -> bool:
@@ -81,6 +89,8 @@ class StepState:
         self.status = Status.BACKWARD
         if self.delay[i]:
             return None
+        if self.ready is not None:
+            self.ready.append(i)
         u = self.unit_of[i]
         self.waiting[u] -= 1
         return u if self.waiting[u] == 0 else None

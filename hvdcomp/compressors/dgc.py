@@ -28,7 +28,7 @@ import torch
 from ..memory import Residuals
 from .registry import register
 from .rng import RankGenerators
-from .selection import MIN_SAMPLE, check_sample_ratio, sampled_threshold_topk, select_segments
+from .selection import MIN_SAMPLE, check_sample_ratio, sample_positions, sampled_threshold_topk, select_segments
 from .sparse import SparseCompressor
 from .topk import check_density, num_kept
 
@@ -113,9 +113,24 @@ class DGCCompressor(SparseCompressor):
         n = flat.numel()
         if n == 0:
             return torch.zeros(0, dtype=torch.long, device=flat.device)
+        positions = self._draws([name], [(n, flat.device)])[0]
         return sampled_threshold_topk(flat, num_kept(n, self.density_at(self.epoch)), self.sample_ratio,
                                       self.rng, magnitudes=False,
-                                      min_sample=self.min_sample)
+                                      min_sample=self.min_sample, positions=positions)
+
+    def _draws(self, names, items):
+        """Each gradient's sampled positions for its threshold, in the order one call per gradient
+        draws them (:meth:`hvdcomp.compressors.rng.RankGenerators.ordered`)."""
+        density = self.density_at(self.epoch)
+        return self.rng.ordered(names, items, lambda todo: [
+            sample_positions(n, num_kept(n, density), self.sample_ratio, self.rng, device, self.min_sample)
+            for n, device in todo])
+
+    def bind_draw_order(self, order) -> None:
+        """Take the sampling generator's draws in ``order`` (a
+        :class:`~hvdcomp.compressors.rng.DrawOrder`, or None: in call order); set by the optimizer
+        on fused pipelines."""
+        self.rng.order = order
 
     def threshold_select(self, mag: torch.Tensor, k: int) -> torch.Tensor:
         """Indices (int64) of about k entries of ``mag`` (1-D, >= 0) via a sampled threshold
@@ -187,7 +202,8 @@ class DGCCompressor(SparseCompressor):
             torch.mul(u_old, self.momentum, out=u).add_(g)
             v = self.memory.compensate_segments_(u.clone(), segments)
         density = self.density_at(self.epoch)
-        idx = select_segments(v, segments, lambda m: num_kept(m, density), self.sample_ratio, self.rng,
+        draws = self._draws(names, [(m, v.device) for m in segments.sizes])
+        idx = select_segments(v, segments, lambda m: num_kept(m, density), self.sample_ratio, draws,
                               self.min_sample, key=("dgc", density))
         values = v.index_select(0, idx)
         payload = self.pack(values, idx, n)

@@ -33,7 +33,7 @@ from .. import native
 from .base import AggregateInto, Compressor, float32_flat, write_back, PayloadKind
 from .bitpack import bits_for_levels, pack_bits, packed_nbytes, unpack_bits, unpack_codes
 from .registry import register
-from .rng import RankGenerators
+from .rng import RankGenerators, rounding_draws
 from .segments import SegmentsContext
 
 FP32_MAX = torch.finfo(torch.float32).max
@@ -102,14 +102,29 @@ class QSGDCompressor(AggregateInto, Compressor):
         flat = tensor.reshape(-1).to(torch.float32).contiguous()
         n = flat.numel()
         ctx = (tensor.shape, tensor.dtype, n)
+        draw = self._draws([name], [(n, flat.device)])[0]
         if self.bits <= 8 and native.usable(flat):
             scales = torch.empty(math.ceil(n / self.block), dtype=torch.float32)
             packed = torch.empty(packed_nbytes(n, self.bits), dtype=torch.uint8)
             if n:
                 native.qsgd_encode(flat, self.block, self.levels, self.scale == "max", self.bits,
-                                   self.rng.key(), scales, packed)
+                                   draw, scales, packed)
             return [scales, packed], ctx
-        return self._encode_torch(flat), ctx
+        return self._encode_torch(flat, draw), ctx
+
+    def _native_on(self, device) -> bool:
+        return self.bits <= 8 and native.usable_on(device)
+
+    def _draws(self, names, items):
+        """Each gradient's rounding draw (a native key, or the torch uniforms), in the order one
+        call per gradient takes them (:meth:`hvdcomp.compressors.rng.RankGenerators.ordered`)."""
+        return self.rng.ordered(names, items, lambda todo: rounding_draws(
+            self.rng, todo, self._native_on, lambda n: (math.ceil(n / self.block), self.block)))
+
+    def bind_draw_order(self, order) -> None:
+        """Take the generator's draws in ``order`` (a :class:`~hvdcomp.compressors.rng.DrawOrder`,
+        or None: in call order); set by the optimizer on fused pipelines."""
+        self.rng.order = order
 
     def _layout(self, segments):
         """Per segment: where its scales and its code bytes start in a segmented payload
@@ -124,22 +139,21 @@ class QSGDCompressor(AggregateInto, Compressor):
 
     def _encode_segments(self, flat, segments):
         """Every segment as :meth:`_encode` would encode it alone, one native call for all (one
-        key per non-empty segment, drawn in segment order); elsewhere the torch encode per
-        segment."""
+        key per non-empty segment, each the draw one call per gradient gets); elsewhere the torch
+        encode per segment."""
         dtype = flat.dtype
         flat = flat.to(torch.float32).contiguous()
         scale_at, code_at = self._layout(segments)
         ctx = SegmentsContext(flat.shape, dtype, segments)
+        draws = self._draws(segments.names, [(n, flat.device) for n in segments.sizes])
         if self.bits <= 8 and native.usable(flat):
-            keys = torch.zeros(len(segments), dtype=torch.int64)
-            if segments.nonempty:
-                keys[segments.nonempty] = self.rng.keys(len(segments.nonempty))
+            keys = torch.tensor([0 if k is None else k for k in draws], dtype=torch.int64)
             scales = torch.empty(scale_at[-1], dtype=torch.float32)
             packed = torch.empty(code_at[-1], dtype=torch.uint8)
             native.qsgd_encode_segments(flat, segments.sizes_tensor(), keys, self.block, self.levels,
                                         self.scale == "max", self.bits, scales, packed)
             return [scales, packed], ctx
-        parts = [self._encode_torch(v) for v in segments.split(flat)]
+        parts = [self._encode_torch(v, u) for v, u in zip(segments.split(flat), draws)]
         return [torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])], ctx
 
     def _segment_payloads(self, payloads, ctx, j):
@@ -147,8 +161,9 @@ class QSGDCompressor(AggregateInto, Compressor):
         scale_at, code_at = self._layout(ctx.segments)
         return [[p[0][scale_at[j]:scale_at[j + 1]], p[1][code_at[j]:code_at[j + 1]]] for p in payloads]
 
-    def _encode_torch(self, flat: torch.Tensor):
-        """Vectorised torch encode (CUDA; CPU without native kernels)."""
+    def _encode_torch(self, flat: torch.Tensor, u: torch.Tensor):
+        """Vectorised torch encode (CUDA; CPU without native kernels), with the uniforms ``u``
+        (``(ceil(n/d), d)``, from the per-rank generator)."""
         n, d, s = flat.numel(), self.block, self.levels
         nb = math.ceil(n / d)
         if n % d:
@@ -164,7 +179,6 @@ class QSGDCompressor(AggregateInto, Compressor):
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         r = v.abs().div_(safe[:, None]).mul_(s).clamp_(max=s).nan_to_num_(nan=float(s))
         low = r.floor()
-        u = torch.rand(r.shape, generator=self.rng.get(flat.device), device=flat.device)
         level = low.add_(u.lt_(r.sub_(low)))              # floor(r) + [u < r - floor(r)]
         codes = level.copysign_(v).add_(s).reshape(-1)[:n]
         return [scale, pack_bits(codes.to(torch.uint8 if self.bits <= 8 else torch.int32), self.bits)]

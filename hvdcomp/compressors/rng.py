@@ -1,13 +1,59 @@
-"""Per-rank random generators for stochastic compressors (never the global RNG)."""
+"""Per-rank random generators for stochastic compressors (never the global RNG), and the order
+in which a fused pipeline takes their draws.
+
+Order of draws. A method that draws from its per-rank generator at each call (QSGD's and
+TernGrad's rounding, the sampled thresholds of ``topk:select=sample`` and DGC) gets, with one call
+per gradient, the draws in the order the gradients are encoded: the order backward completes them
+(its hooks), then the rest in the order ``synchronize()`` sends them. A fused bucket encodes
+several gradients in one call, later than some of them were complete. So that its draws are the
+same, the optimizer hands such a method a :class:`DrawOrder` (the step's order of one call per
+gradient, kept by :class:`hvdcomp.step.StepState`) and the method takes its draws through
+:meth:`RankGenerators.ordered`: each gradient's draw is the one it would have had, whatever
+order the fused units are encoded in (draws for gradients of units encoded later are made in
+order and held until then).
+"""
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..comm.world import rank
 
-__all__ = ["RankGenerators"]
+__all__ = ["RankGenerators", "DrawOrder", "rounding_draws"]
+
+
+class DrawOrder:
+    """The order in which one call per gradient would encode the gradients of the current step
+    (see the module docstring).
+
+    Args:
+        names, sizes, devices: per gradient, in the optimizer's launch order: its parameter name,
+            its number of elements, its device.
+        flush: gradient positions in the order ``synchronize()`` starts those backward did not
+            complete (one call per gradient: other routes first, then the bucketed ones).
+
+    Attributes:
+        ready: positions of the gradients backward completed this step, in that order: a list
+            :class:`hvdcomp.step.StepState` appends to and replaces at each step
+            (:meth:`restart`).
+    """
+
+    def __init__(self, names: Sequence[str], sizes: Sequence[int], devices: Sequence[torch.device],
+                 flush: Sequence[int]):
+        self.names, self.sizes, self.devices = list(names), list(sizes), list(devices)
+        self.position = {n: i for i, n in enumerate(self.names)}
+        self.flush = list(flush)
+        self.ready: List[int] = []
+
+    def restart(self, ready: List[int]) -> None:
+        """A new step: ``ready`` is its (empty) list of completed gradients."""
+        self.ready = ready
+
+    def complete(self) -> List[int]:
+        """The whole step's order, once backward is over: ``ready``, then ``flush`` without them."""
+        seen = set(self.ready)
+        return self.ready + [i for i in self.flush if i not in seen]
 
 
 class RankGenerators:
@@ -22,6 +68,10 @@ class RankGenerators:
         self.seed = int(seed)
         self._gens: Dict[str, torch.Generator] = {}
         self._pending: Dict[str, torch.Tensor] = {}
+        self.order: Optional[DrawOrder] = None  # set on fused pipelines (the module docstring)
+        self._step: Optional[list] = None  # the step (its DrawOrder.ready list) the draws below are of
+        self._done = 0                      # draws made in the step's order so far
+        self._held: Dict[int, Any] = {}     # position -> draw made ahead, for a unit encoded later
 
     def get(self, device: torch.device) -> torch.Generator:
         """The generator for ``device`` (created and seeded on first use)."""
@@ -49,8 +99,62 @@ class RankGenerators:
         gen = self.get(device)
         return torch.randint(0, 2**63 - 1, (count,), generator=gen, device=gen.device).cpu()
 
+    def ordered(self, names: Sequence[Optional[str]], items: Sequence[Tuple[int, torch.device]],
+                draw: Callable[[List[Tuple[int, torch.device]]], List[Any]]) -> List[Any]:
+        """Each named gradient's draw, as one call per gradient takes it.
+
+        Args:
+            names: the gradients encoded now (parameter names).
+            items: their ``(numel, device)``.
+            draw: ``draw(items) -> values``: one draw per item from these generators, taken in
+                the items' order (a value may be None for an item that draws nothing).
+
+        Without a :attr:`order` (or for a name it does not know) the draws are taken now, in
+        ``names`` order. With one, the step's draws are taken in its order (:class:`DrawOrder`)
+        up to the last of ``names``; those of other gradients are held for their own call.
+        """
+        order = self.order
+        if order is None or not all(n in order.position for n in names):
+            return draw(list(items))
+        if order.ready is not self._step:  # a new step
+            self._step, self._done, self._held = order.ready, 0, {}
+        want = [order.position[n] for n in names]
+        missing = [p for p in want if p not in self._held]
+        if missing:
+            rest = order.ready[self._done:]
+            where = {p: k for k, p in enumerate(rest)}
+            if any(p not in where for p in missing):  # a gradient backward did not complete
+                rest = order.complete()[self._done:]
+                where = {p: k for k, p in enumerate(rest)}
+            if all(p in where for p in missing):
+                end = max(where[p] for p in missing) + 1
+                ahead = rest[:end]
+                self._held.update(zip(ahead, draw([(order.sizes[p], order.devices[p]) for p in ahead])))
+                self._done += end
+            else:  # encoded twice in one step: draw now
+                self._held.update(zip(missing, draw([items[want.index(p)] for p in missing])))
+        return [self._held.pop(p) for p in want]
+
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {**self._pending, **{k: g.get_state() for k, g in self._gens.items()}}
 
     def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
         self._gens, self._pending = {}, {k: v.clone() for k, v in state.items()}
+
+
+def rounding_draws(rng: RankGenerators, items: Sequence[Tuple[int, torch.device]], native_on: Callable,
+                   shape_of: Callable[[int], Tuple[int, ...]]) -> List[Any]:
+    """The stochastic-rounding draws of QSGD and TernGrad, one per gradient ``(numel, device)``:
+    where ``native_on(device)``, the native kernels' key (none for an empty gradient; every key
+    of the call from one draw, :meth:`RankGenerators.keys`), else ``torch.rand(shape_of(n))``
+    from the device's generator, in order."""
+    out: List[Any] = [None] * len(items)
+    keyed = [j for j, (n, device) in enumerate(items) if n and native_on(device)]
+    for j, (n, device) in enumerate(items):
+        if not native_on(device):
+            gen = rng.get(device)
+            out[j] = torch.rand(shape_of(n), generator=gen, device=device)
+    if keyed:
+        for j, key in zip(keyed, rng.keys(len(keyed)).tolist()):
+            out[j] = key
+    return out

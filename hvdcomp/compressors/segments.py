@@ -10,8 +10,8 @@ bucket, see each method's docstring).
 
 Which methods are segmentable, and how (each method's ``_encode_segments``):
 
-* element-wise methods (``fp16`` per segment scale aside: ``bf16``, ``threshold``, ``signsgd``):
-  the buffer is one tensor;
+* element-wise methods (``bf16``, ``threshold``, ``signsgd``): the buffer is one tensor;
+* ``fp16``: each segment's own power-of-two scale, a few operations over the buffer;
 * ``topk`` (both selections), ``dgc``: each segment's own selection (small segments of one size
   by one batched ``torch.topk``, sampled thresholds segment by segment), one payload of indices
   into the buffer; DGC's momentum and accumulation as flat buffers;
@@ -20,12 +20,11 @@ Which methods are segmentable, and how (each method's ``_encode_segments``):
 * ``randomk``: each segment's indices from its own (seed, name, step) generator, one gather.
 
 Random draws. Methods that draw from a per-rank generator at each call (QSGD's and TernGrad's
-rounding keys, the sampled thresholds of ``topk:select=sample`` and DGC) draw for the segments
-in segment order, which is the order one call per gradient draws them when the gradients become
-ready in the order the optimizer expects (its launch order, the reverse of the parameters'):
-:func:`needs_consecutive` makes the planner fuse only consecutive gradients for them. A gradient
-produced out of that order (an unused parameter sent at ``synchronize()``, a model whose
-backward visits its layers in another order) gets another draw of the same distribution.
+rounding, the sampled thresholds of ``topk:select=sample`` and DGC) take each segment's draw as
+one call per gradient would take it: under the optimizer, in the order backward completes the
+gradients (then the rest in the order ``synchronize()`` sends them), whatever the order the
+fused units are encoded in (:class:`hvdcomp.compressors.rng.DrawOrder`,
+:func:`needs_draw_order`); called directly, in segment order.
 """
 from __future__ import annotations
 
@@ -33,13 +32,13 @@ from typing import Any, Callable, Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
 
-__all__ = ["Segments", "SegmentsContext", "needs_consecutive"]
+__all__ = ["Segments", "SegmentsContext", "needs_draw_order"]
 
 
-def needs_consecutive(method) -> bool:
-    """Whether a fused unit of ``method`` must hold consecutive gradients (in launch order): its
-    encoding draws from a per-rank generator at each call (``draws_per_call``), so the segments'
-    draws follow one call per gradient only if no other gradient is encoded in between."""
+def needs_draw_order(method) -> bool:
+    """Whether ``method`` draws from a per-rank generator at each call (``draws_per_call``), so
+    that its fused units need the step's order of one call per gradient
+    (:class:`hvdcomp.compressors.rng.DrawOrder`) to draw what one call per gradient draws."""
     return bool(getattr(method, "draws_per_call", False))
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "check_select",
     "exact_topk",
     "indices_at_least",
+    "sample_positions",
     "sampled_threshold_topk",
     "select_segments",
 ]
@@ -204,9 +205,25 @@ def indices_at_least(flat: torch.Tensor, thr: torch.Tensor, *, magnitudes: bool 
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def sample_positions(n: int, k: int, sample_ratio: float, generator, device=None,
+                     min_sample: int = MIN_SAMPLE):
+    """The positions :func:`sampled_threshold_topk` samples for a tensor of ``n`` elements and
+    target ``k``: ``ceil(sample_ratio·n)`` draws in [0, n) from ``generator`` (a
+    ``torch.Generator`` or :class:`~hvdcomp.compressors.rng.RankGenerators`), or None (nothing
+    drawn) where it takes the whole tensor or the exact top-k instead."""
+    samples = math.ceil(sample_ratio * n)
+    if k >= n or samples < min_sample or k <= 0:
+        return None
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if not isinstance(generator, torch.Generator):
+        generator = generator.get(device)
+    return torch.randint(0, n, (samples,), generator=generator, device=device)
+
+
 def sampled_threshold_topk(flat: torch.Tensor, k: int, sample_ratio: float,
                            generator, *, magnitudes: bool = True,
-                           min_sample: int = MIN_SAMPLE, max_tries: int = 10) -> torch.Tensor:
+                           min_sample: int = MIN_SAMPLE, max_tries: int = 10,
+                           positions: torch.Tensor = None) -> torch.Tensor:
     """Indices (int64, 1-D) of about k entries of largest magnitude, by DGC's sampled threshold.
 
     Args:
@@ -220,6 +237,8 @@ def sampled_threshold_topk(flat: torch.Tensor, k: int, sample_ratio: float,
             from it and nothing else is, so the result is reproducible and checkpointable.
         min_sample: below this many samples the exact top-k is used instead (no draw).
         max_tries: scans before giving up lowering the threshold.
+        positions: the sampled positions, drawn beforehand (:func:`sample_positions`, e.g. in
+            the order of one call per gradient); ``generator`` is then not used.
 
     Returns:
         Every index whose magnitude is at least the final threshold, in ascending order, when
@@ -233,9 +252,8 @@ def sampled_threshold_topk(flat: torch.Tensor, k: int, sample_ratio: float,
         return torch.arange(n, device=flat.device)
     if samples < min_sample or k <= 0:
         return exact_topk(flat, k, magnitudes=magnitudes)
-    if not isinstance(generator, torch.Generator):
-        generator = generator.get(flat.device)
-    pos = torch.randint(0, n, (samples,), generator=generator, device=flat.device)
+    pos = positions if positions is not None else sample_positions(n, k, sample_ratio, generator, flat.device,
+                                                                   min_sample)
     # index_select, not flat[pos]: the same values, several times faster for a random gather on CPU
     sampled = flat.index_select(0, pos)
     if not magnitudes:
@@ -259,7 +277,7 @@ def sampled_threshold_topk(flat: torch.Tensor, k: int, sample_ratio: float,
     return idx
 
 
-def select_segments(flat: torch.Tensor, segments, kept, sample_ratio=None, generator=None,
+def select_segments(flat: torch.Tensor, segments, kept, sample_ratio=None, draws=None,
                     min_sample: int = MIN_SAMPLE, key=None) -> torch.Tensor:
     """Each segment's selection, as one call per segment would make it: ascending int64 indices
     into ``flat``.
@@ -269,15 +287,15 @@ def select_segments(flat: torch.Tensor, segments, kept, sample_ratio=None, gener
         segments: a :class:`hvdcomp.compressors.segments.Segments`.
         kept: ``kept(n) -> k``, the target count of a segment of n elements.
         sample_ratio: None for :func:`exact_topk` of every segment; else
-            :func:`sampled_threshold_topk` with this ratio, ``generator`` and ``min_sample``
-            (which falls back to :func:`exact_topk` below ``min_sample`` samples).
+            :func:`sampled_threshold_topk` with this ratio and ``min_sample`` (which falls back
+            to :func:`exact_topk` below ``min_sample`` samples), each sampled segment ``j`` with
+            the positions ``draws[j]`` (:func:`sample_positions`).
         key: a hashable value that determines ``kept`` (e.g. the density): how each segment is
             selected is then decided once and cached on ``segments``.
 
     Segments whose selection is an exact top-k of fewer than :data:`EXACT_MIN_NUMEL` elements
-    are ranked together: one ``torch.topk`` over the rows of each distinct size. The sampled
-    ones draw from ``generator`` one after the other, in segment order (the order of one call
-    per segment).
+    are ranked together: one ``torch.topk`` over the rows of each distinct size; the sampled
+    ones are thresholded one by one.
     """
     def plan(seg):
         def how(n: int) -> str:
@@ -287,7 +305,8 @@ def select_segments(flat: torch.Tensor, segments, kept, sample_ratio=None, gener
             if sample_ratio is not None and math.ceil(sample_ratio * n) >= min_sample:
                 return "sample"
             return "large" if n >= EXACT_MIN_NUMEL else "rows"
-        sampled = [(start, n, kept(n)) for n, start in zip(seg.sizes, seg.offsets) if n and how(n) == "sample"]
+        sampled = [(j, start, n, kept(n)) for j, (n, start) in enumerate(zip(seg.sizes, seg.offsets))
+                   if n and how(n) == "sample"]
         classes = [(how(n), n, kept(n), positions, starts)
                    for n, positions, _, starts in seg.size_classes(flat.device)]
         return sampled, [c for c in classes if c[0] != "sample"]
@@ -297,9 +316,9 @@ def select_segments(flat: torch.Tensor, segments, kept, sample_ratio=None, gener
     else:
         sampled, classes = segments.cached(("select", key, sample_ratio, min_sample, flat.device), plan)
     picked, mags = [], None
-    for start, n, k in sampled:  # in segment order: the generator's draws
-        picked.append(sampled_threshold_topk(flat[start:start + n], k, sample_ratio, generator,
-                                             magnitudes=False, min_sample=min_sample) + start)
+    for j, start, n, k in sampled:
+        picked.append(sampled_threshold_topk(flat[start:start + n], k, sample_ratio, None, magnitudes=False,
+                                             min_sample=min_sample, positions=draws[j]) + start)
     for way, n, k, positions, starts in classes:
         if way == "all":
             picked.append((torch.arange(n, device=flat.device).expand(len(positions), n) + starts).reshape(-1))

@@ -23,7 +23,7 @@ from .. import native
 from .base import AggregateInto, Compressor, float32_flat, write_back, PayloadKind
 from .bitpack import pack_bits, packed_nbytes, unpack_codes
 from .registry import register
-from .rng import RankGenerators
+from .rng import RankGenerators, rounding_draws
 from .segments import SegmentsContext
 
 
@@ -71,17 +71,29 @@ class TernGradCompressor(AggregateInto, Compressor):
     def _encode(self, tensor, name=None):
         g = tensor.reshape(-1).to(torch.float32).contiguous()
         ctx = (tensor.shape, tensor.dtype, g.numel())
+        draw = self._draws([name], [(g.numel(), g.device)])[0]
         if native.usable(g):
-            return self._encode_native(g), ctx
-        return self._encode_torch(g), ctx
+            return self._encode_native(g, draw), ctx
+        return self._encode_torch(g, draw), ctx
 
-    def _encode_native(self, g):
+    def _draws(self, names, items):
+        """Each gradient's rounding draw (a native key, or the torch uniforms), in the order one
+        call per gradient takes them (:meth:`hvdcomp.compressors.rng.RankGenerators.ordered`)."""
+        return self.rng.ordered(names, items, lambda todo: rounding_draws(
+            self.rng, todo, native.usable_on, lambda n: (n,)))
+
+    def bind_draw_order(self, order) -> None:
+        """Take the generator's draws in ``order`` (a :class:`~hvdcomp.compressors.rng.DrawOrder`,
+        or None: in call order); set by the optimizer on fused pipelines."""
+        self.rng.order = order
+
+    def _encode_native(self, g, key):
         n = g.numel()
         packed = torch.empty(packed_nbytes(n, 2), dtype=torch.uint8)
         if n == 0:
             return [torch.zeros(1), packed]
         clip, s = self._clip_and_scale(np.array([native.moments(g)]), np.array([n]))
-        native.terngrad_encode(g, float(clip[0]), float(s[0]), self.rng.key(), packed)
+        native.terngrad_encode(g, float(clip[0]), float(s[0]), key, packed)
         return [torch.tensor([float(s[0])], dtype=torch.float32), packed]
 
     def _clip_and_scale(self, moments: np.ndarray, n: np.ndarray):
@@ -116,34 +128,34 @@ class TernGradCompressor(AggregateInto, Compressor):
 
     def _encode_segments(self, flat, segments):
         """Every segment as :meth:`_encode` would encode it alone: one native call for the
-        moments, one for the codes (one key per non-empty segment, drawn in segment order);
+        moments, one for the codes (one key per non-empty segment, each the draw one call per
+        gradient gets);
         elsewhere the torch encode per segment."""
         dtype = flat.dtype
         g = flat.to(torch.float32).contiguous()
         ctx = SegmentsContext(g.shape, dtype, segments)
+        draws = self._draws(segments.names, [(n, g.device) for n in segments.sizes])
         if not native.usable(g):
-            parts = [self._encode_torch(v) for v in segments.split(g)]
+            parts = [self._encode_torch(v, u) for v, u in zip(segments.split(g), draws)]
             return [torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])], ctx
         sizes = segments.sizes_tensor()
         moments = native.moments_segments(g, sizes).numpy()
         clip, s = self._clip_and_scale(moments, np.maximum(sizes.numpy(), 1))
         s[sizes.numpy() == 0] = 0.0                            # an empty gradient's scale (as alone)
-        keys = torch.zeros(len(segments), dtype=torch.int64)
-        if segments.nonempty:
-            keys[segments.nonempty] = self.rng.keys(len(segments.nonempty))
+        keys = torch.tensor([0 if k is None else k for k in draws], dtype=torch.int64)
         packed = torch.empty(self._layout(segments)[-1], dtype=torch.uint8)
         scales = torch.from_numpy(s)
         native.terngrad_encode_segments(g, sizes, torch.from_numpy(clip), scales, keys, packed)
         return [scales, packed], ctx
 
-    def _encode_torch(self, g):
-        """Vectorised torch encode (CUDA; CPU without native kernels)."""
+    def _encode_torch(self, g, u):
+        """Vectorised torch encode (CUDA; CPU without native kernels), with the uniforms ``u``
+        (``(n,)``, from the per-rank generator)."""
         if self.clip_sigmas > 0 and g.numel() > 1:
             c = self.clip_sigmas * torch.maximum(g.std(), g.mean().abs())
             g = torch.maximum(torch.minimum(g, c), -c)
         s = g.abs().max() if g.numel() else g.new_zeros(())
         safe = torch.where(s > 0, s, torch.ones_like(s))
-        u = torch.rand(g.shape, generator=self.rng.get(g.device), device=g.device)
         keep = u.lt_(g.abs().div_(safe)).mul_(s > 0)
         codes = keep.mul_(torch.sign(g)).add_(1).nan_to_num_(nan=1.0).to(torch.uint8)
         return [s.reshape(1), pack_bits(codes, 2)]

@@ -20,6 +20,7 @@ from .selection import (
     check_sample_ratio,
     check_select,
     exact_topk,
+    sample_positions,
     sampled_threshold_topk,
     select_segments,
 )
@@ -110,9 +111,10 @@ class TopKCompressor(SparseCompressor):
         small gradients of one size by one ``torch.topk`` over their rows, the sampled thresholds
         segment by segment); indices ascending over the flat buffer, as :meth:`select` gives
         them."""
+        sample = self.select_mode == "sample"
+        draws = self._draws(segments.names, [(n, flat.device) for n in segments.sizes]) if sample else None
         idx = select_segments(flat, segments, lambda n: num_kept(n, self.density),
-                              self.sample_ratio if self.select_mode == "sample" else None, self.rng,
-                              key=("topk", self.density))
+                              self.sample_ratio if sample else None, draws, key=("topk", self.density))
         values = flat.index_select(0, idx).to(torch.float32)
         return self.pack(values, idx, flat.numel()), (flat.shape, flat.dtype)
 
@@ -124,8 +126,22 @@ class TopKCompressor(SparseCompressor):
     def select(self, flat, name=None):
         k = num_kept(flat.numel(), self.density)
         if self.select_mode == "sample":
-            return sampled_threshold_topk(flat, k, self.sample_ratio, self.rng, magnitudes=False)
+            positions = self._draws([name], [(flat.numel(), flat.device)])[0]
+            return sampled_threshold_topk(flat, k, self.sample_ratio, self.rng, magnitudes=False,
+                                          positions=positions)
         return exact_topk(flat, k, magnitudes=False)
+
+    def _draws(self, names, items):
+        """Each gradient's sampled positions (``select=sample``), in the order one call per
+        gradient draws them (:meth:`hvdcomp.compressors.rng.RankGenerators.ordered`)."""
+        return self.rng.ordered(names, items, lambda todo: [
+            sample_positions(n, num_kept(n, self.density), self.sample_ratio, self.rng, device) for n, device in todo])
+
+    def bind_draw_order(self, order) -> None:
+        """Take the sampling generator's draws in ``order`` (a
+        :class:`~hvdcomp.compressors.rng.DrawOrder`, or None: in call order); set by the optimizer
+        on fused pipelines."""
+        self.rng.order = order
 
     def state_dict(self):
         return {"rng": self.rng.state_dict()} if self.select_mode == "sample" else {}

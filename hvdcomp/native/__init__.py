@@ -57,7 +57,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["available", "usable", "set_enabled", "enabled", "build", "library_path", "status",
+__all__ = ["available", "usable", "usable_on", "set_enabled", "enabled", "build", "library_path", "status",
            "qsgd_encode", "qsgd_aggregate", "moments", "terngrad_encode", "terngrad_aggregate",
            "sign_bits", "sign_votes", "scaled_sign_aggregate", "majority", "count_at_least",
            "compact_at_least", "select_at_least", "keep_top", "sparse_aggregate", "first_distinct",
@@ -216,6 +216,11 @@ def usable(*tensors: torch.Tensor) -> bool:
     """Native kernels are on (``HVDCOMP_NATIVE``, :func:`set_enabled`), the library loads, and
     every tensor in ``tensors`` is on the CPU; compressors fall back to torch kernels otherwise."""
     return _enabled and all(t.device.type == "cpu" for t in tensors) and available()
+
+
+def usable_on(device) -> bool:
+    """:func:`usable` for tensors on ``device``."""
+    return _enabled and torch.device(device).type == "cpu" and available()
 
 
 def status() -> dict:
