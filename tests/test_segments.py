@@ -197,3 +197,57 @@ def test_residual_buffer_added_once(beta):
             reference[name] = new.view(shape)
         for name in seg.names:
             assert torch.equal(memory.committed[name], reference[name]), (step, name)
+
+
+@pytest.mark.parametrize("spec", ["qsgd:levels=16", "terngrad", "topk:density=0.01,select=sample",
+                                  "dgc:density=0.01"])
+def test_fused_units_draw_in_per_tensor_order(spec, kernels):
+    """Gradients completed out of launch order, one never (sent at synchronize()): one call per
+    gradient draws in that order; fused units encoded later, in another order, with the step's
+    DrawOrder, get the same draws (payloads and generator states bit-identical)."""
+    from hvdcomp.compressors.rng import DrawOrder
+
+    shapes = [(9000,), (40,), (3, 7), (9000,), (5,), (120, 80)]
+    names = [f"g{i}" for i in range(len(shapes))]
+    units = [[0, 1, 2], [3, 4], [5]]                     # fused units (launch order 0..5)
+    completed = [4, 0, 5, 2, 1]                           # backward's order; gradient 3 is unused
+    flush = list(range(len(shapes)))                      # synchronize(): one route, launch order
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    per, fused = hvdcomp.get_compressor(spec), hvdcomp.get_compressor(spec)
+    order = DrawOrder(names, [g.numel() for g in grads], [g.device for g in grads], flush)
+    fused.bind_draw_order(order)
+    for step in range(2):
+        per.begin_step()
+        fused.begin_step()
+        sequence = completed + [i for i in flush if i not in completed]
+        expect = {i: per.encode(grads[i] * (step + 1), names[i]) for i in sequence}
+        ready = []
+        order.restart(ready)
+        got = {}
+        for i in completed:                               # a unit starts when its last gradient is ready
+            ready.append(i)
+            for u, members in enumerate(units):
+                if u not in got and all(m in ready for m in members):
+                    got[u] = members
+        for u, members in enumerate(units):               # synchronize(): the rest
+            got.setdefault(u, members)
+        for u in [u for u in got][::-1]:                  # encoded last-first: out of order
+            members = got[u]
+            seg = Segments([names[i] for i in members], [shapes[i] for i in members])
+            payload, ctx = fused.encode(torch.cat([grads[i].reshape(-1) * (step + 1) for i in members]), None, seg)
+            decoded = fused.decode(payload, ctx)
+            for i, part in zip(members, seg.split(decoded)):
+                assert torch.equal(part, per.decode(*expect[i]).reshape(-1)), (spec, step, i)
+        per.commit()
+        fused.commit()
+    assert _same_state(per.state_dict(), fused.state_dict()), spec
+
+
+def _same_state(a, b) -> bool:
+    """Equal state dicts, whatever the order of their keys (names enter them in encoding order)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and sorted(a) == sorted(b) and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b

@@ -228,6 +228,38 @@ def check_fused_equals_unfused():
                 assert torch.equal(a, b), (spec, bucket_bytes, n, (a - b).abs().max())
             s0, s1 = o0.state_dict()["hvdcomp"], o1.state_dict()["hvdcomp"]
             assert hvdcomp.agreement.digest(s0) == hvdcomp.agreement.digest(s1), (spec, bucket_bytes)
+    # rank 1 never uses the second head (its gradients are sent at synchronize()): the fused units
+    # still take each gradient's random draw as one call per gradient does
+    for spec, bucket_bytes in (("qsgd:levels=16", 25 * 2**20), ("topk:density=0.05,select=sample", 25 * 2**20),
+                               ("qsgd:levels=16", 1200)):
+        runs = []
+        for fuse in (False, True):
+            torch.manual_seed(0)
+            model = torch.nn.ModuleDict({"body": torch.nn.Linear(100, 70), "a": torch.nn.Linear(70, 3),
+                                         "b": torch.nn.Linear(70, 100)})
+            opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                               named_parameters=model.named_parameters(), compression=spec,
+                                               cost_model="off", bucket_bytes=bucket_bytes, fuse_tensors=fuse)
+            for step in range(3):
+                g = torch.Generator().manual_seed(1000 * hvd.rank() + step)
+                x, y = torch.randn(8, 100, generator=g), torch.randn(8, 3, generator=g)
+                opt.zero_grad()
+                h = torch.tanh(model["body"](x))
+                out = model["a"](h) if hvd.rank() == 1 else model["a"](h) + model["b"](h).sum(1, keepdim=True)
+                torch.nn.functional.mse_loss(out, y).backward()
+                opt.step()
+            runs.append((model, opt))
+        (m0, o0), (m1, o1) = runs
+        assert o1.transport.units, spec
+        for (n, a), b in zip(m0.named_parameters(), m1.parameters()):
+            assert torch.equal(a, b), (spec, "unused head", n, (a - b).abs().max())
+        s0, s1 = o0.state_dict()["hvdcomp"], o1.state_dict()["hvdcomp"]
+        assert hvdcomp.agreement.digest(_sorted(s0)) == hvdcomp.agreement.digest(_sorted(s1)), spec
+
+
+def _sorted(state):
+    """A state dict with every dict's keys sorted (names enter it in the order they are encoded)."""
+    return {k: _sorted(state[k]) for k in sorted(state)} if isinstance(state, dict) else state
 
 
 def check_threshold_with_empty_rank():
