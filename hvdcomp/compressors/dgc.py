@@ -28,7 +28,7 @@ import torch
 from ..memory import Residuals
 from .registry import register
 from .rng import RankGenerators
-from .selection import MIN_SAMPLE, check_sample_ratio, sample_positions, sampled_threshold_topk, select_segments
+from .selection import MIN_SAMPLE, check_sample_ratio, sample_draws, sampled_threshold_topk, select_segments
 from .sparse import SparseCompressor
 from .topk import check_density, num_kept
 
@@ -122,9 +122,9 @@ class DGCCompressor(SparseCompressor):
         """Each gradient's sampled positions for its threshold, in the order one call per gradient
         draws them (:meth:`hvdcomp.compressors.rng.RankGenerators.ordered`)."""
         density = self.density_at(self.epoch)
-        return self.rng.ordered(names, items, lambda todo: [
-            sample_positions(n, num_kept(n, density), self.sample_ratio, self.rng, device, self.min_sample)
-            for n, device in todo])
+        counts = self.__dict__.setdefault("_sample_counts", {}).setdefault(density, {})
+        return self.rng.ordered(names, items, lambda todo: sample_draws(
+            self.rng, todo, lambda n: num_kept(n, density), self.sample_ratio, self.min_sample, counts))
 
     def bind_draw_order(self, order) -> None:
         """Take the sampling generator's draws in ``order`` (a

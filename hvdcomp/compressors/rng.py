@@ -114,26 +114,27 @@ class RankGenerators:
         up to the last of ``names``; those of other gradients are held for their own call.
         """
         order = self.order
-        if order is None or not all(n in order.position for n in names):
+        if order is None or not all(map(order.position.__contains__, names)):
             return draw(list(items))
         if order.ready is not self._step:  # a new step
             self._step, self._done, self._held = order.ready, 0, {}
-        want = [order.position[n] for n in names]
-        missing = [p for p in want if p not in self._held]
+        want = list(map(order.position.__getitem__, names))
+        held = self._held
+        missing = [p for p in want if p not in held]
         if missing:
             rest = order.ready[self._done:]
             where = {p: k for k, p in enumerate(rest)}
-            if any(p not in where for p in missing):  # a gradient backward did not complete
+            if not all(map(where.__contains__, missing)):  # a gradient backward did not complete
                 rest = order.complete()[self._done:]
                 where = {p: k for k, p in enumerate(rest)}
-            if all(p in where for p in missing):
-                end = max(where[p] for p in missing) + 1
+            if all(map(where.__contains__, missing)):
+                end = max(map(where.__getitem__, missing)) + 1
                 ahead = rest[:end]
                 self._held.update(zip(ahead, draw([(order.sizes[p], order.devices[p]) for p in ahead])))
                 self._done += end
             else:  # encoded twice in one step: draw now
                 self._held.update(zip(missing, draw([items[want.index(p)] for p in missing])))
-        return [self._held.pop(p) for p in want]
+        return list(map(held.pop, want))
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {**self._pending, **{k: g.get_state() for k, g in self._gens.items()}}
@@ -149,9 +150,10 @@ def rounding_draws(rng: RankGenerators, items: Sequence[Tuple[int, torch.device]
     of the call from one draw, :meth:`RankGenerators.keys`), else ``torch.rand(shape_of(n))``
     from the device's generator, in order."""
     out: List[Any] = [None] * len(items)
-    keyed = [j for j, (n, device) in enumerate(items) if n and native_on(device)]
+    native = {device: native_on(device) for device in {device for _, device in items}}
+    keyed = [j for j, (n, device) in enumerate(items) if n and native[device]]
     for j, (n, device) in enumerate(items):
-        if not native_on(device):
+        if not native[device]:
             gen = rng.get(device)
             out[j] = torch.rand(shape_of(n), generator=gen, device=device)
     if keyed:

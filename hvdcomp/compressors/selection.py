@@ -45,6 +45,7 @@ __all__ = [
     "check_select",
     "exact_topk",
     "indices_at_least",
+    "sample_draws",
     "sample_positions",
     "sampled_threshold_topk",
     "select_segments",
@@ -218,6 +219,26 @@ def sample_positions(n: int, k: int, sample_ratio: float, generator, device=None
     if not isinstance(generator, torch.Generator):
         generator = generator.get(device)
     return torch.randint(0, n, (samples,), generator=generator, device=device)
+
+
+def sample_draws(generator, items, kept, sample_ratio: float, min_sample: int = MIN_SAMPLE,
+                 counts=None) -> list:
+    """:func:`sample_positions` of each ``(n, device)`` in ``items`` (target ``kept(n)``), in
+    order; ``counts``: a dict caching each n's sample count (0: nothing drawn)."""
+    counts = {} if counts is None else counts
+    out = []
+    for n, device in items:
+        s = counts.get(n)
+        if s is None:
+            k = kept(n)
+            s = counts[n] = 0 if (k >= n or k <= 0 or math.ceil(sample_ratio * n) < min_sample) \
+                else math.ceil(sample_ratio * n)
+        if not s:
+            out.append(None)
+            continue
+        gen = generator if isinstance(generator, torch.Generator) else generator.get(device)
+        out.append(torch.randint(0, n, (s,), generator=gen, device=device))
+    return out
 
 
 def sampled_threshold_topk(flat: torch.Tensor, k: int, sample_ratio: float,

@@ -20,7 +20,7 @@ from .selection import (
     check_sample_ratio,
     check_select,
     exact_topk,
-    sample_positions,
+    sample_draws,
     sampled_threshold_topk,
     select_segments,
 )
@@ -134,8 +134,9 @@ class TopKCompressor(SparseCompressor):
     def _draws(self, names, items):
         """Each gradient's sampled positions (``select=sample``), in the order one call per
         gradient draws them (:meth:`hvdcomp.compressors.rng.RankGenerators.ordered`)."""
-        return self.rng.ordered(names, items, lambda todo: [
-            sample_positions(n, num_kept(n, self.density), self.sample_ratio, self.rng, device) for n, device in todo])
+        counts = self.__dict__.setdefault("_sample_counts", {})
+        return self.rng.ordered(names, items, lambda todo: sample_draws(
+            self.rng, todo, lambda n: num_kept(n, self.density), self.sample_ratio, counts=counts))
 
     def bind_draw_order(self, order) -> None:
         """Take the sampling generator's draws in ``order`` (a
