@@ -77,8 +77,9 @@ ARGUMENTS_DOC = """    Args:
             the casts are unchanged up to their scales. Refused for PowerSGD (it needs each
             gradient's matrix shape); no effect on gtopk and cltk (they select over the whole
             model).
-        fuse_tensors: with ``granularity="tensor"`` and a method that can (``segmentable``: top-k
-            with ``select=exact``, fp16, bf16, threshold, and these with error feedback), the
+        fuse_tensors: with ``granularity="tensor"`` and a method that can (``segmentable``: top-k,
+            DGC, random-k, threshold, QSGD, TernGrad, signSGD, EF-signSGD, fp16, bf16, with or
+            without error feedback; ``docs/fused-compression.md``), the
             gradients of one bucket (one allgather bucket, or up to ``bucket_bytes`` of
             consecutive allreduced gradients) are copied into one flat buffer and compressed in
             one vectorised call, each gradient still by its own rules (its own top-k, fp16
