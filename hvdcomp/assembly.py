@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -62,7 +62,6 @@ class Pipeline:
     gatherer: object = None
     deferred: bool = False
     summed_agreement: bool = False
-    choice: Dict[str, float] = field(default_factory=dict)
 
 
 def _measure_horovod_latency(group, gatherer, prefix: str, calls: int = 5) -> float:
@@ -219,4 +218,4 @@ def assemble(settings, compression, group, order: List[torch.nn.Parameter], name
               and all(p.dtype in (torch.float32, torch.float64) for p in order))
     return Pipeline(compression, plan, cost_model, unit_set, list(by_route.values()),
                     [by_route[r] for r in route_of], [step_route is None] * len(units), flush_order,
-                    gatherer, deferred=step_route is not None, summed_agreement=summed, choice=choice)
+                    gatherer, deferred=step_route is not None, summed_agreement=summed)

@@ -89,6 +89,18 @@ def write_back(out: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
 
 
 
+def check_floating(tensor: torch.Tensor, method: str) -> None:
+    """Refuse an integer or bool tensor for ``method``.
+
+    Raises:
+        TypeError: such tensors have no gradients (the message says how to send them).
+    """
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(f"'{method}' compresses floating-point gradients, got a {tensor.dtype} "
+                        "tensor; integer and bool tensors have no gradients: send them "
+                        "uncompressed with hvd.allreduce or hvd.broadcast")
+
+
 class Method(StagedState):
     """What every hvdcomp method has, whatever carries it: a name, a description, staged state
     (:class:`hvdcomp.compressors.state.StagedState`), checkpoints and the size of the group it
@@ -237,10 +249,7 @@ class Compressor(Method, _HorovodCompressor, metaclass=abc.ABCMeta):
             ValueError: ``segments`` given to a method that is not :attr:`segmentable`, or not
                 matching ``tensor``.
         """
-        if not (tensor.is_floating_point() or tensor.is_complex()):
-            raise TypeError(f"'{self.name}' compresses floating-point gradients, got a {tensor.dtype} "
-                            "tensor; integer and bool tensors have no gradients: send them "
-                            "uncompressed with hvd.allreduce or hvd.broadcast")
+        check_floating(tensor, self.name)
         if segments is None:
             return self._encode(tensor, name)
         if not self.segmentable:

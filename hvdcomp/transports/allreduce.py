@@ -146,4 +146,5 @@ register_route(Route("allreduce", carries=lambda m: m.payload_kind in (PayloadKi
                      collectives=_fused_allreduce, build=AllreduceTransport))
 register_route(Route("decoded-allreduce", preferred=False, collectives=_dense_allreduce,
                      carries=lambda m: m.payload_kind is PayloadKind.GATHERED and m.aggregate_is_mean,
+                     take_if=lambda cost, payload, dense, p: cost.choose(payload, dense, p) == "allreduce",
                      build=DecodedAllreduceTransport))
