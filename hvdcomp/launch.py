@@ -13,7 +13,29 @@ from typing import Optional
 
 import torch
 
-__all__ = ["LaunchInfo", "detect_launch", "check_launch", "select_device", "abort_on_uncaught_exception"]
+__all__ = ["LaunchInfo", "detect_launch", "check_launch", "select_device", "abort_on_uncaught_exception",
+           "require_horovod", "HOROVOD_MISSING"]
+
+#: what the Horovod front-end says where Horovod cannot be imported
+HOROVOD_MISSING = ("hvdcomp.DistributedOptimizer is the Horovod front-end and needs Horovod, which is not "
+                   "importable here ({error}). Build it with `make install` (scripts/install.sh; "
+                   "HVDCOMP_HOROVOD=0 skips it), or use the DDP front-end, which needs no Horovod: "
+                   "hvdcomp.ddp.register(DistributedDataParallel(model), 'topk:density=0.01', optimizer=opt) "
+                   "(docs/ddp.md)")
+
+
+def require_horovod():
+    """``horovod.torch``, imported.
+
+    Raises:
+        ImportError: Horovod is not installed (or its extension does not load); the message names
+            the two fixes (build it, or use :mod:`hvdcomp.ddp`).
+    """
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        raise ImportError(HOROVOD_MISSING.format(error=exc)) from exc
+    return hvd
 
 # (launcher, rank, size, local rank) variable names, most specific first
 _SCHEMES = [

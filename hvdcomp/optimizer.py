@@ -57,7 +57,7 @@ from .compressors.fp16 import FP16Compressor
 from .compressors.none import NoneCompressor
 from .compressors.segments import Segments
 from .guard import NONFINITE_MODES, NonFiniteGuard
-from .launch import check_launch
+from .launch import check_launch, require_horovod
 from .metrics import PhaseTimer
 from .plan import (TransportPlan, choose_transport, fuse_units, make_buckets, make_units, plan_transport,
                    split_groups)
@@ -867,6 +867,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             (DGC) with an optimizer that also does, or ranks that disagree on any setting
             (raised on every rank, naming the difference).
         TypeError: unsupported ``compression`` or ``grad_scaler``.
+        ImportError: Horovod is not installed (the message names the fixes: build it, or use the
+            DDP front-end :func:`hvdcomp.ddp.register`).
         RuntimeError: Horovod is not initialised, the launcher started several tasks but
             Horovod sees one (see :func:`hvdcomp.launch.check_launch`), or a method that messages
             ranks directly (gtopk, twophase) in a job without MPI (``horovodrun --gloo``).
@@ -878,7 +880,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                                            named_parameters=model.named_parameters(),
                                            compression="topk:density=0.01")
     """
-    import horovod.torch as hvd
+    hvd = require_horovod()  # ImportError naming the fix where Horovod is missing
     from horovod.torch.optimizer import _DistributedOptimizer as _HorovodOptimizer
 
     if not hvd.is_initialized():

@@ -68,14 +68,19 @@ def _horovod_or(getter: str, default: int) -> int:
             return getattr(hvd, getter)()
     except ImportError:  # pragma: no cover
         pass
+    import torch.distributed as dist  # the DDP front-end (hvdcomp.ddp): no Horovod
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() if getter == "size" else dist.get_rank()
     return default
 
 
 def world_size() -> int:
-    """Number of ranks in Horovod's global process set, read now (never cached).
+    """Number of ranks in Horovod's global process set (else in ``torch.distributed``'s default
+    group), read now (never cached).
 
-    Returns 1 when Horovod is not installed or not initialised, so compressors can be used in a
-    single process; inside :func:`simulated_world`, the simulated size.
+    Returns 1 when neither is initialised, so compressors can be used in a single process;
+    inside :func:`simulated_world`, the simulated size.
     """
     if _simulated is not None:
         return _simulated[0]
@@ -83,8 +88,8 @@ def world_size() -> int:
 
 
 def rank() -> int:
-    """This process's Horovod rank (0 when Horovod is not initialised; the simulated rank inside
-    :func:`simulated_world`)."""
+    """This process's Horovod rank (else its ``torch.distributed`` rank; 0 when neither is
+    initialised; the simulated rank inside :func:`simulated_world`)."""
     if _simulated is not None:
         return _simulated[1]
     return _horovod_or("rank", 0)
