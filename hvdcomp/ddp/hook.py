@@ -47,6 +47,7 @@ the compress / communicate / decompress slices are charged to their own phases.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import logging
@@ -171,6 +172,12 @@ class HookState:
                "gather": "counts exchange + padded all_gather_into_tensor, aggregated on every rank",
                "batched": f"the method's own collectives ({self.compression.collective}) once per step"}[self.kind]
         return f"torch.distributed {self.group.backend}: {how}; per DDP bucket, granularity {self.granularity}"
+
+    @property
+    def buckets(self) -> Dict[int, Tuple[str, ...]]:
+        """The DDP buckets seen so far: index -> parameter names in buffer order (DDP's layout after
+        its rebuild, once the second backward has run)."""
+        return {k: layout.names for k, layout in sorted(self._layouts.items())}
 
     def describe(self) -> dict:
         """JSON-able summary: compressor, transport, group, granularity."""
@@ -543,6 +550,27 @@ class HookState:
             for (_, view), g in zip(named, grads):
                 if g.data_ptr() != view.data_ptr():
                     view.copy_(g)
+
+    # ---- loops written for the Horovod front-end ------------------------------------------------
+    def synchronize(self) -> None:
+        """What ``optimizer.synchronize()`` is to the Horovod front-end, for loops written for it
+        (``synchronize(); clip; with skip_synchronize(): step()``): DDP's backward returns only
+        after every bucket's future is complete, so the averaged gradients are in ``p.grad``
+        already and there is nothing to wait for.
+
+        Raises:
+            RuntimeError: called while a backward's buckets are still being reduced (from a
+                hook or another thread).
+        """
+        if self._buckets:
+            raise RuntimeError("synchronize() during a backward: DDP is still reducing buckets; call it "
+                               "after loss.backward() returns")
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """The Horovod front-end's ``with optimizer.skip_synchronize(): optimizer.step()``; with
+        DDP, ``step()`` never synchronizes, so the block runs as it is."""
+        yield
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

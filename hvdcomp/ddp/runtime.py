@@ -13,6 +13,7 @@ import datetime
 import os
 import re
 import shutil
+import socket
 import subprocess
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -66,7 +67,8 @@ def launch_info(environ=None) -> DistLaunch:
     """Rank, world size, local rank and rendezvous address from the launcher's environment.
 
     ``MASTER_ADDR`` / ``MASTER_PORT`` always win where set. Otherwise: under ``srun`` the step's
-    first node and port ``20000 + job id mod 40000``; under another launcher whose ranks all run
+    first node (``SLURM_LAUNCH_NODE_IPADDR`` where that name does not resolve) and port
+    ``20000 + job id mod 40000``; under another launcher whose ranks all run
     on one host, 127.0.0.1 and :data:`DEFAULT_PORT`.
 
     Raises:
@@ -86,7 +88,12 @@ def launch_info(environ=None) -> DistLaunch:
     if info.launcher == "slurm":
         size = int(env.get("SLURM_STEP_NUM_TASKS", size))
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
-        addr = addr or _first_host(nodelist)
+        if addr is None:
+            addr = _first_host(nodelist)
+            try:
+                socket.gethostbyname(addr)
+            except OSError:  # a node name that does not resolve: the host srun was started on
+                addr = env.get("SLURM_LAUNCH_NODE_IPADDR", addr)
         port = port or 20000 + int(env.get("SLURM_JOB_ID", "0") or 0) % 40000
     elif addr is None:
         local = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", env.get("MPI_LOCALNRANKS", size)))
