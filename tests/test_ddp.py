@@ -218,3 +218,25 @@ def test_train_lm_under_torchrun_and_srun_equals_the_horovod_run(tmp_path):
     for r in (t, s):
         assert r["per_step"]["bytes_sent"] == h["per_step"]["bytes_sent"]
         assert r["per_step"]["dense_bytes"] == h["per_step"]["dense_bytes"]
+
+
+def test_benchmark_report_states_both_targets(tmp_path):
+    """benchmarks/ddp_hooks.py's table from cells written here: top-k through DDP 2.0 s, DDP's fp16
+    hook 3.0 s and PowerSGD hook 2.5 s, the Horovod front-end's top-k 1.9 s at 100 Mbit/s."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import ddp_hooks
+    from netem_e2e import slug
+
+    steps = {"ddp:fp16": 3.0, "ddp:powersgd": 2.5, "hvdcomp-ddp:topk:density=0.01": 2.0,
+             "hvdcomp:topk:density=0.01": 1.9}
+    cells = tmp_path / "medium" / "cells" / "100mbit"
+    cells.mkdir(parents=True)
+    for c, sec in steps.items():
+        (cells / f"{slug(c)}.json").write_text(json.dumps({"status": "ok", "timing": {"step": {"median": sec}}}))
+    args = ddp_hooks.parse_args(["--output", str(tmp_path), "--models", "medium", "--rates", "100mbit"])
+    text = ddp_hooks.report(args)
+    assert "DDP's fastest built-in hook 2.500 s: faster (1.25x)" in text
+    assert "top-k 1 % 1.900 s: 1.05x (target <= 1.10)" in text
+    assert "| `ddp:none` | failed / not run |" in text
+    cmd = ddp_hooks.driver_command(args, "medium")
+    assert cmd[cmd.index("--contenders") + 1:cmd.index("--np")] == ddp_hooks.CONTENDERS
