@@ -85,6 +85,7 @@ class Exchange:
         sent, received: bytes this rank puts on / takes off the wire (see the module docstring).
         payload: the payload tensors (a gather: this rank's, to pack once the counts are known).
         counts: a gather's gathered element counts, ``(size, tensors)`` int64, once exchanged.
+        data_started: a gather's data phase has started (:meth:`TorchDistGroup.start_gather_data`).
     """
 
     works: List[Any] = field(default_factory=list)
@@ -134,6 +135,8 @@ class TorchDistGroup:
         self.backend = str(dist.get_backend(process_group))
         self.device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
                        else torch.device("cpu"))
+        # one output buffer for all ranks (torch 2.13 renames all_gather_into_tensor to this)
+        self._gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._p2p = None
 
     def describe(self) -> dict:
@@ -164,7 +167,7 @@ class TorchDistGroup:
             ex.counts = mine.view(1, -1)
             return ex
         every = torch.empty(self.size * len(payload), dtype=torch.int64, device=self.device)
-        ex.works.append(self.dist.all_gather_into_tensor(every, mine, group=self.process_group, async_op=True))
+        ex.works.append(self._gather_into(every, mine, group=self.process_group, async_op=True))
         ex.counts = every.view(self.size, len(payload))
         ex.sent += mine.numel() * 8
         ex.received += (self.size - 1) * mine.numel() * 8
@@ -196,7 +199,7 @@ class TorchDistGroup:
         if width:
             if GATHER_INTO_TENSOR:
                 out = torch.empty(self.size * width, dtype=torch.uint8, device=device)
-                ex.works.append(self.dist.all_gather_into_tensor(out, mine, group=self.process_group,
+                ex.works.append(self._gather_into(out, mine, group=self.process_group,
                                                                  async_op=True))
             else:
                 pieces = [torch.empty(width, dtype=torch.uint8, device=device) for _ in range(self.size)]
@@ -239,7 +242,7 @@ class TorchDistGroup:
         if self.size == 1:
             return [mine.tolist()]
         every = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=self.device)
-        self.dist.all_gather_into_tensor(every, mine, group=self.process_group)
+        self._gather_into(every, mine, group=self.process_group)
         return every.view(self.size, -1).tolist()
 
     def allgather_object(self, obj: Any) -> List[Any]:
