@@ -350,6 +350,8 @@ def main(argv=None):
               f"val_ppl={epochs[-1]['val_ppl']:.2f} test_ppl={test_ppl:.2f} step={across['wall']['mean']:.3f}s "
               f"({ph}) sent={across['bytes_sent']['mean'] / 1e3:.1f}KB/step "
               f"ratio={measured_ratio:.1f}x (nominal {'n/a' if nominal is None else f'{nominal:.1f}x'}) -> {path}", flush=True)
+    if args.frontend == "ddp":  # (a process group left to interpreter exit can abort the process)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -598,9 +598,9 @@ class HookState:
         self._discard()
         self.compression.load_state_dict(state["compression"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        # (granularity "bucket": a new process's DDP model rebuilds its buckets after its first
+        # backward, which is again uncompressed; the layouts compressed after it must be these)
         self._bucket_keys = {int(k): tuple(v) for k, v in state.get("bucket_layouts", {}).items()}
-        if self._bucket_keys:  # restored per-bucket state: compress from the first step
-            self._backward_steps = max(self._backward_steps, 1)
         self._loaded = True
         self._loaded_since_step = self._state_agreed
 

@@ -340,7 +340,7 @@ def recipe_unused(front_cls, spec):
 
 
 RECIPE_SPECS = ["topk:density=0.3", "qsgd:levels=4,bucket=8", "dgc:density=0.3", "fp16:ef=true",
-                "powersgd:rank=1", "cltk:density=0.3"]
+                "powersgd:rank=1"]
 STOCHASTIC = ("qsgd", "terngrad", "randomk")
 RECIPES = {"accumulate": recipe_accumulate, "clip": recipe_clip, "amp": recipe_amp, "resume": recipe_resume,
            "resume-rank0": recipe_resume_rank0, "unused": recipe_unused}
