@@ -129,7 +129,7 @@ def comm_wait_s(cell, last_rank: bool = False) -> Optional[float]:
     if not ok(cell):
         return None
     t = cell["timing"]
-    rec = (t.get("phases") or {}).get("communicate") if cell.get("family") == "hvdcomp" else None
+    rec = (t.get("phases") or {}).get("communicate") if cell.get("family") in ("hvdcomp", "hvdcomp-ddp") else None
     if rec is None and cell.get("family") == "horovod":
         rec = t.get("parts", {}).get("sync")
     if rec is None:

@@ -4,6 +4,11 @@
 Launch with any number of ranks, e.g.::
 
     mpirun -np 4 python mpi_scripts/train_lm.py --compressor topk:density=0.01 --epochs 1
+    torchrun --nproc_per_node 4 mpi_scripts/train_lm.py --frontend ddp --compressor topk:density=0.01
+
+``--frontend horovod`` (default) trains with :func:`hvdcomp.DistributedOptimizer` under Horovod;
+``--frontend ddp`` with PyTorch ``DistributedDataParallel`` and hvdcomp's communication hook
+(:mod:`hvdcomp.ddp`), launched by ``torchrun`` or ``srun`` (no Horovod needed).
 
 The global batch (``--batch-size`` sequences of ``--bptt`` tokens) is split evenly over the
 ranks, so 1, 2 and 4 ranks train the same model on the same data per step. Plain SGD; gradients
@@ -28,20 +33,20 @@ import platform
 import sys
 import time
 
-# mpi4py first, so MPI is initialised with MPI_THREAD_MULTIPLE before Horovod attaches to it
-try:
-    from mpi4py import MPI  # noqa: F401
-except ImportError:  # Horovod-only runs (e.g. horovodrun --gloo) use Horovod's allgather
-    pass
 import torch
-import horovod.torch as hvd
+try:
+    import horovod.torch as hvd
+except ImportError:  # --frontend ddp needs no Horovod
+    hvd = None
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hvdcomp  # noqa: E402
+import hvdcomp.ddp  # noqa: E402
 import hvdcomp.native  # noqa: E402
 from hvdcomp.lm import (ARCHITECTURES, MODEL_SIZES, PlateauSchedule, batchify, load_corpus,  # noqa: E402
                         loss_sums, make_lm, rank_columns, window_loss)
+from hvdcomp.comm.group import horovod as require_horovod  # noqa: E402
 from hvdcomp.launch import abort_on_uncaught_exception, detect_launch, recorded_env, select_device  # noqa: E402
 from hvdcomp.lowrank import ABTraining  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
@@ -53,6 +58,9 @@ log = logging.getLogger("train_lm")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--frontend", choices=["horovod", "ddp"], default="horovod",
+                   help="horovod: hvdcomp.DistributedOptimizer (mpirun/horovodrun); ddp: "
+                        "DistributedDataParallel with hvdcomp's comm hook (torchrun/srun, no Horovod)")
     p.add_argument("--compressor", default="none",
                    help=f"method spec NAME[:key=value,...]; methods: {', '.join(hvdcomp.available())}")
     p.add_argument("--ab-training", default=None, metavar="KEY=VALUE,...",
@@ -130,6 +138,8 @@ def parse_args(argv=None):
                     "seconds and seconds per byte), e.g. 5e-5,8e-10")
     if args.transport == "auto" and args.cost_model == "off":
         p.error("--transport auto lets the cost model choose: use --cost-model measure or ALPHA,BETA")
+    if args.frontend == "ddp" and (args.ab_training is not None or args.transport == "auto"):
+        p.error("--ab-training and --transport auto run on the Horovod front-end only (--frontend horovod)")
     if args.ab_training is not None and args.compressor != "none":
         p.error("--ab-training replaces gradient compression: leave --compressor at 'none'")
     if args.ab_training is not None and args.warmup_steps:
@@ -153,9 +163,46 @@ def evaluate(model, stream, eval_batch, bptt):
     return math.exp(loss) if loss < 709.0 else math.inf  # (a diverged run: the schedule stops it)
 
 
+def start(args):
+    """Join the job: Horovod (with mpi4py first, so MPI starts with MPI_THREAD_MULTIPLE before
+    Horovod attaches to it), or for ``--frontend ddp`` torch.distributed from torchrun's or srun's
+    variables, with Horovod's few calls of this script served over it."""
+    global hvd
+    if args.frontend == "ddp":
+        info = hvdcomp.ddp.runtime.launch_info()
+        backend = "nccl" if select_device(args.device, info.local_rank).type == "cuda" else "gloo"
+        hvd = hvdcomp.ddp.runtime.TorchDistCollectives(hvdcomp.ddp.init_process_group(backend))
+        return
+    try:
+        from mpi4py import MPI  # noqa: F401
+    except ImportError:  # Horovod-only runs (e.g. horovodrun --gloo) use Horovod's allgather
+        pass
+    hvd = require_horovod()
+    hvd.init()
+
+
+def build_optimizer(args, model, compressor, device):
+    """``(module to call for training, optimizer, front)``: ``front`` is what synchronizes and
+    times (the hvdcomp optimizer itself, or the DDP hook's state)."""
+    if args.frontend == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                      bucket_cap_mb=args.bucket_mb)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+        return ddp, opt, hvdcomp.ddp.register(ddp, compressor, optimizer=opt, granularity=args.granularity)
+    opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
+                                       named_parameters=model.named_parameters(),
+                                       compression=compressor, allgather=args.allgather,
+                                       bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
+                                       cost_model=args.cost_model, granularity=args.granularity,
+                                       transport=args.transport)
+    return model, opt, opt
+
+
 def main(argv=None):
     args = parse_args(argv)
-    hvd.init()
+    start(args)
     abort_on_uncaught_exception()  # a failing rank ends the whole job instead of hanging it
     rank, size = hvd.rank(), hvd.size()
     logging.basicConfig(level=args.log_level if rank == 0 else "WARNING",
@@ -180,23 +227,19 @@ def main(argv=None):
     if args.ab_training is not None:
         _, ab_kwargs = hvdcomp.parse_spec("ab:" + args.ab_training)
         ab = ABTraining(model, lambda params: torch.optim.SGD(params, lr=args.lr), base_lr=args.lr, **ab_kwargs)
-        opt = ab
+        opt = front = ab
+        forward = model
     else:
         ab = None
-        opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
-                                           named_parameters=model.named_parameters(),
-                                           compression=compressor, allgather=args.allgather,
-                                           bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
-                                           cost_model=args.cost_model, granularity=args.granularity,
-                                           transport=args.transport)
-        compressor = opt.compression  # (the chosen one, with --transport auto)
-    timer = opt.timer
+        forward, opt, front = build_optimizer(args, model, compressor, device)
+        compressor = front.compression  # (the chosen one, with --transport auto)
+    timer = front.timer
     ratios = [None if ab else compressor.nominal_ratio(p.numel()) for p in model.parameters()]
     nominal = None if None in ratios else n_params / sum(p.numel() / r for p, r in zip(model.parameters(), ratios))
     log.info("%s on %d rank(s): %s model, %d parameters, nominal ratio %s, transport %s",
              method, size, args.model, n_params,
              "data-dependent" if nominal is None else f"{nominal:.1f}x",
-             transport_of(opt, compressor))
+             transport_of(front, compressor))
 
     steps_per_epoch = len(range(0, train.shape[0] - 1, args.bptt))
     if args.max_steps:
@@ -222,13 +265,13 @@ def main(argv=None):
                     g["lr"] = lr
             timer.begin_step()
             with timer.phase("compute"):
-                loss, state, _ = window_loss(model, train, step * args.bptt, args.bptt, state)
+                loss, state, _ = window_loss(forward, train, step * args.bptt, args.bptt, state)
                 opt.zero_grad()
                 loss.backward()
-            opt.synchronize()
+            front.synchronize()
             with timer.phase("compute"):
                 torch.nn.utils.clip_grad_norm_(ab.parameters() if ab else model.parameters(), args.clip)
-                with opt.skip_synchronize():
+                with front.skip_synchronize():
                     opt.step()
             timer.end_step()
             global_step += 1
@@ -268,7 +311,7 @@ def main(argv=None):
     results = {
         "config": {**vars(args), "data": data_path, "world_size": size, "parameters": n_params,
                    "compressor": compressor.describe(), "compressor_spec": method,
-                   "transport": transport_of(opt, compressor),
+                   "transport": transport_of(front, compressor),
                    "env": recorded_env(),
                    "torch": torch.__version__, "hvdcomp": hvdcomp.__version__, "host": platform.node(),
                    "kernels": hvdcomp.native.status()},
@@ -288,11 +331,11 @@ def main(argv=None):
         "nominal_ratio": nominal,
         "measured_ratio": measured_ratio,
     }
-    model_cm = getattr(opt, "cost_model", None)
+    model_cm = getattr(front, "cost_model", None)
     if model_cm is not None:
         results["cost_model"] = {"alpha_s": model_cm.alpha, "beta_s_per_byte": model_cm.beta,
                                  "routes": opt.transport.routes}
-    if not ab and opt.transport.choice:
+    if not ab and getattr(front.transport, "choice", None):
         results["transport_choice"] = {"chosen": compressor.describe(), "predicted_s": opt.transport.choice}
     if ab:
         results["config"]["compressor"] = ab.describe()
@@ -305,6 +348,8 @@ def main(argv=None):
               f"val_ppl={epochs[-1]['val_ppl']:.2f} test_ppl={test_ppl:.2f} step={across['wall']['mean']:.3f}s "
               f"({ph}) sent={across['bytes_sent']['mean'] / 1e3:.1f}KB/step "
               f"ratio={measured_ratio:.1f}x (nominal {'n/a' if nominal is None else f'{nominal:.1f}x'}) -> {path}", flush=True)
+    if args.frontend == "ddp":  # (a process group left to interpreter exit can abort the process)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

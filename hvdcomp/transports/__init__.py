@@ -22,6 +22,10 @@ route                  transport                                           modul
                                                                            :mod:`.twophase`
 =====================  ==================================================  ============================
 
+The DDP front-end (:mod:`hvdcomp.ddp`) moves its buckets with :mod:`.torchdist` (``all_reduce``
+and a padded ``all_gather_into_tensor`` over ``torch.distributed``, and a
+:class:`~hvdcomp.comm.step.StepComm` for the step-wide methods).
+
 Adding a transport is one new module here: a :class:`~hvdcomp.transports.base.Transport`
 subclass, registered with the plan by :func:`hvdcomp.plan.register_route` (what it carries, what
 it costs, how to build it) or :func:`hvdcomp.plan.register_step_route`, and imported below.
