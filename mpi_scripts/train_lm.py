@@ -64,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--compressor", default="none",
                    help=f"method spec NAME[:key=value,...]; methods: {', '.join(hvdcomp.available())}")
     p.add_argument("--ab-training", default=None, metavar="KEY=VALUE,...",
-                   help="AB-training instead of a compressor, e.g. 'groups=2,warmup_steps=50,"
+                   help="AB-training instead of a compressor, e.g. 'rank_groups=2,warmup_steps=50,"
                         "steps_between_syncs=50,full_rank_steps=5,cutoff=0.1,ramp_steps=10' "
                         "(see hvdcomp.lowrank.ABTraining)")
     p.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="hidden 100/300/500")
