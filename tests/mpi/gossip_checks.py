@@ -60,9 +60,11 @@ def targets(rank):
 def train(params, opt, rank, steps=STEPS):
     c = targets(rank)
     for _ in range(steps):
+        opt.timer.begin_step()
         for n, p in params.items():
             p.grad = p.detach() - c[n]
         opt.step()
+        opt.timer.end_step()
 
 
 def inner(params):
@@ -77,10 +79,12 @@ def check_runs(outdir, process_set=None):
         params = make_params(rank)
         opt = hvdcomp.gossip.GossipOptimizer(inner(params), named_parameters=params.items(), **kwargs)
         train(params, opt, rank)
+        opt.timer.begin_step()
         opt.flush()
-        totals = opt.timer.totals()
+        opt.timer.end_step()
+        timer_sent = sum(rec["bytes_sent"] for rec in opt.timer.history)
         torch.save({"params": {n: p.detach() for n, p in params.items()}, "bytes_sent": opt.transport.bytes_sent,
-                    "bytes_received": opt.transport.bytes_received, "timer_sent": totals.get("bytes_sent", 0.0)},
+                    "bytes_received": opt.transport.bytes_received, "timer_sent": timer_sent},
                    os.path.join(outdir, f"{name}-np{size}-r{rank}.pt"))
         opt.close()
     if process_set is not None:
