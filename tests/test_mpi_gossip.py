@@ -8,6 +8,7 @@ by hand) and the same order of operations, and the MPI run must equal it bit for
 ranks, on a ring, a path (ranks with 1 and 2 neighbours), a time-varying exponential graph and
 inside a process set. Byte counters are checked against the wire formats.
 """
+import json
 import math
 import os
 import time
@@ -20,7 +21,7 @@ from hvdcomp.compressors import simulated_world
 from hvdcomp.compressors.topk import num_kept
 from tests.mpi.gossip_checks import (CONFIGS, PATH4, PROCESS_SET, SET_CONFIG, SHAPES, STEPS, make_params,
                                      targets)
-from tests.mpirun import check, mpirun
+from tests.mpirun import TINY_SHAKESPEARE, check, mpirun
 
 NAMES = list(SHAPES)
 
@@ -349,3 +350,23 @@ def test_stalled_neighbour_is_named_and_the_job_ends(tmp_path):
 def test_neighbor_transport_exact_bytes_and_uneven_degrees(np_):
     out = check(np_, ["tests/mpi/neighbor_checks.py"], timeout=180)
     assert out.count("OK neighbor") == np_, out[-3000:]
+
+
+@pytest.mark.skipif(not os.path.isfile(TINY_SHAKESPEARE), reason="../shared/data not present")
+def test_train_lm_gossip_choco_sign_on_a_ring(tmp_path):
+    """train_lm.py --gossip choco --topology ring --compressor sign --consensus-step 0.45 at 2 ranks:
+    perplexity falls; bytes per step are the scaled sign's wire size per neighbour (one here)."""
+    out = check(2, ["mpi_scripts/train_lm.py", "--gossip", "choco", "--topology", "ring", "--compressor", "sign",
+                    "--consensus-step", "0.45", "--epochs", "1", "--max-steps", "4", "--no-progress",
+                    "--data", TINY_SHAKESPEARE, "--output", str(tmp_path)], timeout=300)
+    assert "SUMMARY method=gossip-choco:sign,gamma=0.45 ranks=2" in out, out[-3000:]
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert r["epochs"][0]["val_ppl"] < 0.5 * r["initial_val_ppl"]
+    assert r["gossip"]["method"] == "choco" and r["gossip"]["eval"] == "average"
+    assert r["gossip"]["consensus_distance"] > 0  # the two local models differ
+    h = 100
+    sizes = [10000 * h] + [4 * h * h] * 4 + [4 * h] * 4
+    message = 8 * (1 + 2 * len(sizes)) + sum(4 + math.ceil(n / 8) for n in sizes)
+    # timed steps skip the first, whose exchange is applied in the second (overlap): one message each
+    assert r["per_step"]["bytes_sent"]["min"] == r["per_step"]["bytes_sent"]["max"] == message
+    assert r["per_step"]["dense_bytes"]["mean"] == 4 * sum(sizes)
