@@ -218,7 +218,17 @@ def test_ecd_estimates_carry_noise_proportional_to_the_model():
         for _ in range(60):
             net.step()
         floors[method] = net.distance()
-    assert floors["ecd"] > 1e3 * floors["dcd"], floors
+    assert floors["ecd"] > 1e6 * floors["dcd"], floors
+
+
+def test_dcd_diverges_with_a_coarse_compressor():
+    """DCD-PSGD's replicas add up the compression noise: s = 2 levels is too coarse (the paper's
+    bound on the compressor's variance), while s = 16 contracts (test above)."""
+    net = Network("dcd", ring(8), random_models(8, [(40, 25)], seed=0), compression="qsgd:levels=2")
+    d0 = net.distance()
+    for _ in range(10):
+        net.step()
+    assert net.distance() > 1e3 * d0
 
 
 # ---- PowerGossip ----------------------------------------------------------------------------------
