@@ -381,3 +381,23 @@ def test_choco_needs_a_gamma_with_compression_and_a_static_graph():
         ChocoGossip([torch.zeros(4)], ["w"], exponential(4), 0, compression="sign", consensus_step=0.5)
     with pytest.raises(ValueError, match="leave the compressor"):
         PowerGossip([torch.zeros(4)], ["w"], ring(4), 0, compression="topk")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("method,kwargs", [("choco", dict(compression="topk:density=0.1", consensus_step=0.3)),
+                                           ("choco", dict(compression="sign", consensus_step=0.45)),
+                                           ("dcd", dict(compression="none")), ("powergossip", {})])
+def test_cuda_parameters_match_cpu(method, kwargs):
+    """The methods on CUDA parameters (the transport stages payloads through host memory) agree
+    with the CPU run to float32 rounding; state stays on the parameters' device."""
+    topo = ring(4)
+    runs = []
+    for device in ("cpu", "cuda"):
+        models = [[t.to(device) for t in m] for m in random_models(4, [(8, 6), (6,)], seed=5)]
+        net = Network(method, topo, models, **kwargs)
+        for _ in range(5):
+            net.step()
+        runs.append(net.stacked())
+        if method == "choco":
+            assert net.methods[0].x_hat[0].device.type == device
+    assert torch.allclose(runs[0], runs[1].cpu(), atol=1e-5, rtol=1e-5)

@@ -336,6 +336,12 @@ def test_per_rank_state_dict_resumes_exactly(runs):
             assert f"OK resume {method} rank {r}" in out
 
 
+def test_one_rank_is_local_training(tmp_path):
+    out = check(1, ["tests/mpi/gossip_checks.py", "single", str(tmp_path)], timeout=120)
+    for method in ("choco", "dcd", "ecd", "powergossip"):
+        assert f"OK single {method}" in out
+
+
 def test_stalled_neighbour_is_named_and_the_job_ends(tmp_path):
     t0 = time.monotonic()
     res = mpirun(4, ["tests/mpi/gossip_checks.py", "stall", str(tmp_path)], timeout=90)

@@ -8,6 +8,7 @@ Checks:
              single-process reference (tests/test_mpi_gossip.py) to compare bit for bit
   bad_input  invalid arguments on all or one rank: every rank raises (prints "OK bad_input ...")
   resume     per-rank state_dict, continue, reload on fresh objects: identical continuation
+  single     one rank: every method reduces to the local optimizer step
   stall      rank 2 stops stepping: its neighbours' next exchange raises NeighborTimeoutError
              naming rank 2 (then abort_on_uncaught_exception ends the job)
 """
@@ -161,6 +162,24 @@ def check_resume(outdir):
         print(f"OK resume {kwargs['method']} rank {rank}", flush=True)
 
 
+def check_single(outdir):
+    """One rank: no neighbours, every method is the local optimizer step (SGD: w − lr·g)."""
+    for method, kwargs in (("choco", dict(compression="sign", consensus_step=0.5)), ("dcd", dict(compression="qsgd")),
+                           ("ecd", dict(compression="qsgd")), ("powergossip", {})):
+        w = torch.nn.Parameter(torch.ones(3, 2))
+        opt = hvdcomp.gossip.GossipOptimizer(torch.optim.SGD([w], lr=0.1), named_parameters=[("w", w)],
+                                             method=method, **kwargs)
+        for _ in range(2):
+            w.grad = torch.ones(3, 2)
+            opt.step()
+        opt.flush()
+        assert torch.allclose(w.detach(), torch.full((3, 2), 0.8)), (method, w)
+        with opt.average_model():
+            assert torch.allclose(w.detach(), torch.full((3, 2), 0.8))
+        assert opt.consensus_distance() == 0.0
+        print(f"OK single {method}", flush=True)
+
+
 def check_stall(outdir):
     rank = hvd.rank()
     params = make_params(rank)
@@ -186,4 +205,5 @@ if __name__ == "__main__":
         if check == "runs":
             check_runs(outdir, ps)
         else:
-            {"bad_input": check_bad_input, "resume": check_resume, "stall": check_stall}[check](outdir)
+            {"bad_input": check_bad_input, "resume": check_resume, "stall": check_stall,
+             "single": check_single}[check](outdir)
