@@ -19,7 +19,7 @@ import torch
 import hvdcomp
 from hvdcomp.compressors import simulated_world
 from hvdcomp.compressors.topk import num_kept
-from tests.mpi.gossip_checks import (CONFIGS, PATH4, PROCESS_SET, SET_CONFIG, SHAPES, STEPS, make_params,
+from tests.mpi.gossip_checks import (CONFIGS, PROCESS_SET, SET_CONFIG, SHAPES, STEPS, make_params,
                                      targets)
 from tests.mpirun import TINY_SHAKESPEARE, check, mpirun
 

@@ -22,9 +22,9 @@ The update keeps the network average: Σ_i (s_i − x̂_i) = Σ_j x̂_j (Σ_i w_
 doubly stochastic W. With ``none`` and γ = 1 it is plain gossip, x ← W x (D-PSGD).
 
 γ trades consensus speed against stability: too large and the copies' errors are amplified
-(divergence), too small and the models drift apart. Starting points from the Choco-SGD paper's
-tuned values on a ring of 8 (ResNet-20, CIFAR-10): scaled sign γ ≈ 0.45 (the authors' example
-script: 0.4), top-k 1 % γ ≈ 0.04; ``docs/gossip.md`` gives the consensus rates measured here.
+(divergence), too small and the models drift apart. Starting points on a ring of 8: scaled sign
+γ ≈ 0.45 (the authors' public example script uses 0.4), top-k 1 % γ ≈ 0.04 (the best γ of the
+consensus sweep in ``docs/gossip.md``, which gives the rates measured here).
 
 Example::
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
