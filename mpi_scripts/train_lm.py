@@ -43,6 +43,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hvdcomp  # noqa: E402
 import hvdcomp.ddp  # noqa: E402
+import hvdcomp.gossip  # noqa: E402
 import hvdcomp.native  # noqa: E402
 from hvdcomp.lm import (ARCHITECTURES, MODEL_SIZES, PlateauSchedule, batchify, load_corpus,  # noqa: E402
                         loss_sums, make_lm, rank_columns, window_loss)
@@ -110,6 +111,14 @@ def parse_args(argv=None):
     p.add_argument("--transport", choices=["planned", "auto"], default="planned",
                    help="auto: the cost model chooses among the transports of the same kind of "
                         "compression (top-k: allgather, gtopk, cltk; quantizers: allgather, twophase)")
+    p.add_argument("--gossip", choices=["choco", "dcd", "ecd", "powergossip"], default=None,
+                   help="decentralized training instead of gradient averaging: gossip with the "
+                        "--topology neighbours, compressing with --compressor (docs/gossip.md)")
+    p.add_argument("--topology", default="ring", help="gossip graph: ring, torus[:RxC], exponential, complete")
+    p.add_argument("--consensus-step", type=float, default=None,
+                   help="Choco-SGD's gamma in (0, 1] (e.g. 0.45 for sign, 0.04 for topk 1%%)")
+    p.add_argument("--gossip-eval", choices=["average", "local"], default="average",
+                   help="evaluate the network-average model, or each rank's own model on its share")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: this rank's local GPU when CUDA is available, else CPU")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
@@ -138,8 +147,10 @@ def parse_args(argv=None):
                     "seconds and seconds per byte), e.g. 5e-5,8e-10")
     if args.transport == "auto" and args.cost_model == "off":
         p.error("--transport auto lets the cost model choose: use --cost-model measure or ALPHA,BETA")
-    if args.frontend == "ddp" and (args.ab_training is not None or args.transport == "auto"):
-        p.error("--ab-training and --transport auto run on the Horovod front-end only (--frontend horovod)")
+    if args.frontend == "ddp" and (args.ab_training is not None or args.transport == "auto" or args.gossip):
+        p.error("--ab-training, --gossip and --transport auto run on the Horovod front-end only (--frontend horovod)")
+    if args.gossip and args.ab_training is not None:
+        p.error("--gossip and --ab-training are two training modes: pick one")
     if args.ab_training is not None and args.compressor != "none":
         p.error("--ab-training replaces gradient compression: leave --compressor at 'none'")
     if args.ab_training is not None and args.warmup_steps:
@@ -208,7 +219,8 @@ def main(argv=None):
     logging.basicConfig(level=args.log_level if rank == 0 else "WARNING",
                         format=f"[%(asctime)s rank {rank}] %(message)s", datefmt="%H:%M:%S")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    compressor = hvdcomp.get_compressor(args.compressor)  # ValueError for a bad spec, on every rank
+    # ValueError for a bad spec, on every rank (gossip builds its own, error feedback off: below)
+    compressor = None if args.gossip else hvdcomp.get_compressor(args.compressor)
     method = args.compressor if args.ab_training is None else f"ab-training:{args.ab_training}"
 
     data_path = args.data or default_data_path()
@@ -224,11 +236,24 @@ def main(argv=None):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     torch.manual_seed(args.seed * 1000 + rank)  # dropout masks differ per rank
     n_params = sum(p.numel() for p in model.parameters())
+    evaluate_model = evaluate
     if args.ab_training is not None:
         _, ab_kwargs = hvdcomp.parse_spec("ab:" + args.ab_training)
         ab = ABTraining(model, lambda params: torch.optim.SGD(params, lr=args.lr), base_lr=args.lr, **ab_kwargs)
         opt = front = ab
         forward = model
+    elif args.gossip:  # decentralized: local SGD step, then compressed gossip with the neighbours
+        ab = None
+        opt = hvdcomp.gossip.GossipOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
+                                             named_parameters=model.named_parameters(), method=args.gossip,
+                                             topology=args.topology, compression=args.compressor,
+                                             consensus_step=args.consensus_step)
+        compressor = opt.compression or hvdcomp.get_compressor("none")
+        method = f"gossip-{args.gossip}:{args.compressor}" + (
+            f",gamma={args.consensus_step}" if args.consensus_step is not None else "")
+        if args.gossip_eval == "average":  # the ranks' models differ: evaluate their average
+            evaluate_model = opt.with_average_model(evaluate)
+        front, forward = opt, model
     else:
         ab = None
         forward, opt, front = build_optimizer(args, model, compressor, device)
@@ -248,7 +273,7 @@ def main(argv=None):
                             early_stop=args.early_stop, warmup_steps=args.warmup_steps,
                             min_improvement=args.min_improvement, min_epochs=args.min_epochs)
     epochs, best_weights, stopped_early, global_step = [], None, False, 0
-    initial_val = evaluate(model, corpus.valid, args.eval_batch_size, args.bptt)
+    initial_val = evaluate_model(model, corpus.valid, args.eval_batch_size, args.bptt)
     log.info("initial valid ppl %.2f", initial_val)
     t_start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
@@ -280,7 +305,7 @@ def main(argv=None):
             bar.set_postfix(loss=f"{loss.item():.3f}")
         bar.close()
         train_loss = hvd.allreduce(torch.tensor(loss_sum / steps_per_epoch), name=f"train.loss.{epoch}").item()
-        val_ppl = evaluate(model, corpus.valid, args.eval_batch_size, args.bptt)
+        val_ppl = evaluate_model(model, corpus.valid, args.eval_batch_size, args.bptt)
         stop = sched.end_epoch(val_ppl)
         if sched.improved:
             best_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -299,7 +324,7 @@ def main(argv=None):
     if best_weights is not None:
         model.load_state_dict(best_weights)  # test the weights with the best validation perplexity
     best_val = sched.best
-    test_ppl = evaluate(model, corpus.test, args.eval_batch_size, args.bptt)
+    test_ppl = evaluate_model(model, corpus.test, args.eval_batch_size, args.bptt)
     launch = detect_launch()
     me = (rank, hvd.local_rank(), os.environ.get("SLURMD_NODENAME", platform.node()), str(device))
     everyone = hvd.allgather_object(me, name="ranks.info")
@@ -335,7 +360,10 @@ def main(argv=None):
     if model_cm is not None:
         results["cost_model"] = {"alpha_s": model_cm.alpha, "beta_s_per_byte": model_cm.beta,
                                  "routes": opt.transport.routes}
-    if not ab and getattr(front.transport, "choice", None):
+    if args.gossip:
+        results["gossip"] = {**opt.describe(), "eval": args.gossip_eval,
+                             "consensus_distance": opt.consensus_distance()}
+    elif not ab and getattr(front.transport, "choice", None):
         results["transport_choice"] = {"chosen": compressor.describe(), "predicted_s": opt.transport.choice}
     if ab:
         results["config"]["compressor"] = ab.describe()
