@@ -182,6 +182,20 @@ class ErrorFeedback(Compressor):
         for name, value in dropped:
             self._keep_spare(name, value)
 
+    def saturation(self, payload, ctx):
+        """The inner method's saturation check (:meth:`hvdcomp.compressors.fp16.FP16Compressor.saturation`;
+        ``None`` for methods without one), with this rank's residuals following a resend: each
+        resent parameter's residual loses what the replacement sends in addition (``delta``), so
+        what this rank sent plus its new residual is still its gradient plus its old residual."""
+        check = getattr(self.inner, "saturation", None)
+        action = None if check is None else check(payload, ctx.inner)
+        if action is None or action.payload is None:
+            return action
+        for name, delta in action.delta.items():
+            old = self._get("residuals", name)
+            self._put("residuals", name, old - delta.to(old.dtype))
+        return action._replace(ctx=_Context(action.ctx, ctx.dtype))
+
     def decode(self, payload, ctx):
         return cast_saturating(self.inner.decode(payload, ctx.inner), ctx.dtype)
 

@@ -537,7 +537,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._allgather.start(flush=True)
         self._allgather.finish()
         self._allreduce.finish([u for u in units if gathered[u] < 0])
-        self._guard.observe([self._order[i].grad for i in in_place])
+        # results identical on every rank: in place, or a saturated payload reported overflowed
+        overflowed = [i for u in self._allreduce.overflowed for i in self._members[u]]
+        self._guard.observe([self._order[i].grad for i in [*in_place, *overflowed]])
         self._end_synchronize()
 
     def _launch_agreement(self) -> None:
@@ -754,6 +756,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 
 _owners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # compressor -> optimizer using it
+ADASUM_METHODS = ("none", "fp16")  # methods op=hvd.Adasum runs with (as stock Horovod's Adasum optimizer)
+
+
+def _adasum_compression(compression):
+    """Horovod's own compression for ``op=hvd.Adasum`` (stock's Adasum optimizer compresses
+    parameter deltas): ``none`` and ``fp16`` (spec, hvdcomp compressor without error feedback, or
+    ``hvd.Compression.none`` / ``fp16``).
+
+    Raises:
+        ValueError: any other method, naming the supported ones.
+    """
+    import horovod.torch as hvd
+
+    if compression in (hvd.Compression.none, hvd.Compression.fp16):
+        return compression
+    comp = resolve_compression(compression)
+    if type(comp) is NoneCompressor:
+        return hvd.Compression.none
+    if type(comp) is FP16Compressor:
+        return hvd.Compression.fp16
+    raise ValueError(f"op=hvd.Adasum combines parameter deltas (Horovod's Adasum optimizer), which "
+                     f"'{comp.name}' ({comp.describe()}) does not compress; Adasum runs with compression "
+                     f"{' or '.join(repr(m) for m in ADASUM_METHODS)} (without error feedback). Use "
+                     "op=hvd.Average (or hvd.Sum) for other methods.")
 _CLOSED = ("this DistributedOptimizer was closed (close() stopped its communication): build a new one "
            "to keep training distributed")
 
@@ -796,8 +822,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             ``hvd.Compression.none`` / ``hvd.Compression.fp16``. One compressor per optimizer.
         backward_passes_per_step: backward passes accumulated locally before communicating.
         op: ``hvd.Average`` (default) or ``hvd.Sum`` (the sum over ranks, for every method).
-            ``hvd.Adasum`` is refused (Horovod's Adasum optimizer combines parameter deltas,
-            which a gradient compressor does not carry).
+            ``hvd.Adasum`` combines parameter deltas, not gradients: with ``none`` or ``fp16``
+            (no error feedback; ``hvd.Compression.none`` / ``fp16`` alike) this returns stock
+            Horovod's own Adasum optimizer (``hvd.DistributedOptimizer(..., op=hvd.Adasum)``;
+            ``fp16`` as stock's float16 cast of the delta), so results are stock's bit for bit,
+            and hvdcomp's keyword-only arguments do not apply to it (no ``timer``; non-finite
+            values are not checked, as stock). Other methods are refused (``ValueError``).
         gradient_predivide_factor: as Horovod: summable payloads are divided by it before the
             allreduce and multiplied by it / size after (``op=Average`` only). Allgathered
             payloads are averaged in float32 locally, where it changes nothing.
@@ -819,7 +849,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         nonfinite: what a NaN/Inf gradient on any rank does: ``"skip"`` (default: every rank
             skips the step; compressor state stays as before it; every ``.grad`` reads NaN so a
             ``GradScaler`` sees the overflow), ``"raise"`` (``FloatingPointError`` on every rank)
-            or ``"ignore"`` (no check and no per-step agreement).
+            or ``"ignore"`` (no check and no per-step agreement). **This is where hvdcomp
+            differs from stock Horovod on purpose**: stock applies a non-finite step (NaN/Inf
+            reach the parameters), the default ``"skip"`` leaves the parameters as they were;
+            ``nonfinite="ignore"`` reproduces stock's behaviour (with ``none``, bit for bit).
         check_consistency: at construction, verify (one allgather) that every rank has the same
             settings and parameter list (names, shapes, dtypes, order).
         bucket_bytes: bytes of dense gradient per allgather bucket (default 25 MiB, as DDP).
@@ -859,16 +892,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             ``optimizer.transport.choice`` holds every candidate's predicted seconds.
 
     Raises:
-        ValueError: bad ``named_parameters``, ``backward_passes_per_step < 1``, unknown
-            ``nonfinite``, ``op`` not Average/Sum, ``gradient_predivide_factor`` with
+        ValueError: Horovod is not initialised (as stock Horovod raises), bad
+            ``named_parameters``, ``backward_passes_per_step < 1``, unknown
+            ``nonfinite``, ``op`` not Average/Sum/Adasum (or Adasum with a method other than
+            ``none``/``fp16``), ``gradient_predivide_factor`` with
             ``op != Average``, bad ``groups``, ``bucket_bytes < 1``, an unknown ``cost_model``
             or ``granularity`` (or ``"bucket"`` with PowerSGD), an unknown ``transport`` (or
             ``"auto"`` with ``cost_model="off"``), a compressor already used by another optimizer, a compressor that applies momentum
             (DGC) with an optimizer that also does, or ranks that disagree on any setting
             (raised on every rank, naming the difference).
         TypeError: unsupported ``compression`` or ``grad_scaler``.
-        RuntimeError: Horovod is not initialised, the launcher started several tasks but
-            Horovod sees one (see :func:`hvdcomp.launch.check_launch`), or a method that messages
+        RuntimeError: the launcher started several tasks but Horovod sees one (see :func:`hvdcomp.launch.check_launch`), or a method that messages
             ranks directly (gtopk, twophase) in a job without MPI (``horovodrun --gloo``).
 
     Example::
@@ -881,8 +915,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     import horovod.torch as hvd
     from horovod.torch.optimizer import _DistributedOptimizer as _HorovodOptimizer
 
-    if not hvd.is_initialized():
-        raise RuntimeError("Horovod is not initialised: call hvd.init() before hvdcomp.DistributedOptimizer")
+    if not hvd.is_initialized():  # ValueError, the type stock Horovod raises here
+        raise ValueError("Horovod is not initialised: call hvd.init() before hvdcomp.DistributedOptimizer")
     check_launch(hvd.size())
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
@@ -890,11 +924,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError(f"nonfinite must be 'skip', 'raise' or 'ignore', got {nonfinite!r}")
     op = hvd.Average if op is None else op
     if op is hvd.Adasum:
-        raise ValueError("op=hvd.Adasum is not supported by hvdcomp: Horovod's Adasum optimizer "
-                         "combines parameter deltas, which a gradient compressor does not carry. "
-                         "Use op=hvd.Average (or hvd.Sum), or stock hvd.DistributedOptimizer for Adasum.")
+        return hvd.DistributedOptimizer(optimizer, named_parameters, _adasum_compression(compression),
+                                        backward_passes_per_step, op, gradient_predivide_factor, num_groups,
+                                        groups, sparse_as_dense,
+                                        hvd.global_process_set if process_set is None else process_set)
     if op not in (hvd.Average, hvd.Sum):
-        raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
+        raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum, got {op!r}")
     gradient_predivide_factor = float(gradient_predivide_factor)
     if gradient_predivide_factor != 1.0 and op is not hvd.Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average (as in Horovod)")
