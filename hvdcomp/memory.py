@@ -12,15 +12,20 @@ so that ``sum_t sent_t + e_T == sum_t g_t`` (the residual telescopes).
 float16 and bfloat16 gradients are upcast to float32 before ``p = g + e``: the residual of a
 half-precision gradient is kept in float32 (a float16 residual would itself round away what the
 compressor dropped), the inner method compresses the float32 ``p``, and decoded gradients are
-cast back to the gradient's dtype (saturating at its largest finite value).
+cast back to the gradient's dtype, saturating at its largest finite value. ``p`` may exceed that
+range (a float16 gradient plus its residual); the averaged result then cannot be delivered in
+full, and the part beyond the range is added to the residual on every rank alike (each rank
+decodes the same average), so the mean over ranks of ``delivered + residual`` still equals the
+mean of ``g + e``: the excess is sent at later steps, never dropped. ±inf stays ±inf.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, NamedTuple
 
 import torch
 
-from .compressors.base import Compressor, cast_saturating
+from .compressors.base import Compressor, cast_saturating, copy_saturating_
 
 __all__ = ["ErrorFeedback"]
 
@@ -30,6 +35,8 @@ _HALF = (torch.float16, torch.bfloat16)
 class _Context(NamedTuple):
     inner: Any            # the inner method's context
     dtype: torch.dtype    # the gradient's dtype (decoded outputs are cast back to it)
+    names: tuple = ()     # the residuals the decoded result belongs to (one, or a bucket's segments)
+    shapes: tuple = ()    # their shapes, in the order of the (flat) result
 
 
 class ErrorFeedback(Compressor):
@@ -133,7 +140,7 @@ class ErrorFeedback(Compressor):
         self._put("residuals", name, residual)
         if self._pending is None and e is not None:
             self._keep_spare(name, e)
-        return payload, _Context(ctx, dtype)
+        return payload, _Context(ctx, dtype, (name,), (tensor.shape,))
 
     def _encode_segments(self, flat, segments):
         """Several gradients in one call: ``p = g + e`` per segment on the flat buffer, the inner
@@ -152,7 +159,7 @@ class ErrorFeedback(Compressor):
         kept = self.inner.residual_(p, payload, ctx)
         for name, shape, view in zip(segments.names, segments.shapes, segments.split(kept)):
             self._put("residuals", name, view.view(shape))
-        return payload, _Context(ctx, dtype)
+        return payload, _Context(ctx, dtype, segments.names, segments.shapes)
 
     def _keep_spare(self, name: str, tensor) -> None:
         """Keep a no-longer-needed residual's memory for the next step (CPU only: CUDA's caching
@@ -194,18 +201,38 @@ class ErrorFeedback(Compressor):
         for name, delta in action.delta.items():
             old = self._get("residuals", name)
             self._put("residuals", name, old - delta.to(old.dtype))
-        return action._replace(ctx=_Context(action.ctx, ctx.dtype))
+        return action._replace(ctx=ctx._replace(inner=action.ctx))
+
+    def _deliver(self, value: torch.Tensor, ctx) -> torch.Tensor:
+        """``value`` (the averaged result, float32) cast to the gradient's dtype, saturating; for
+        a half-precision gradient the finite part beyond its range is added to the residuals of
+        ``ctx.names`` (see the module docstring; one host read)."""
+        if ctx.dtype in _HALF and ctx.names and value.dtype != ctx.dtype:
+            limit = torch.finfo(ctx.dtype).max
+            excess = torch.where(value.isfinite(), value - value.clamp(-limit, limit), torch.zeros_like(value))
+            if bool(excess.any()):
+                flat, start = excess.reshape(-1), 0
+                for name, shape in zip(ctx.names, ctx.shapes):
+                    n = math.prod(shape)
+                    old = self._get("residuals", name)
+                    self._put("residuals", name, old + flat[start:start + n].view(old.shape).to(old.dtype))
+                    start += n
+        return cast_saturating(value, ctx.dtype)
 
     def decode(self, payload, ctx):
-        return cast_saturating(self.inner.decode(payload, ctx.inner), ctx.dtype)
+        return self._deliver(self.inner.decode(payload, ctx.inner), ctx)
 
     def aggregate(self, payloads, ctx):
-        return cast_saturating(self.inner.aggregate(payloads, ctx.inner), ctx.dtype)
+        return self._deliver(self.inner.aggregate(payloads, ctx.inner), ctx)
 
     def decode_into(self, out, payload, ctx):
+        if out.dtype in _HALF and ctx.names:  # through float32: the excess goes to the residual
+            return copy_saturating_(out, self.decode(payload, ctx).view(out.shape))
         return self.inner.decode_into(out, payload, ctx.inner)
 
     def aggregate_into(self, out, payloads, ctx):
+        if out.dtype in _HALF and ctx.names:
+            return copy_saturating_(out, self.aggregate(payloads, ctx).view(out.shape))
         return self.inner.aggregate_into(out, payloads, ctx.inner)
 
     def reset(self, name: str | None = None) -> None:

@@ -189,8 +189,9 @@ class SimulatedRanks:
 
         Summable payloads are reduced once by :func:`horovod_allreduce` and decoded on every
         rank (decoding may record state, e.g. fp16's agreed exponent). Other payloads are
-        aggregated on ``ranks`` only (default: the first and the last rank; aggregation records
-        nothing, and every rank holds the same payloads).
+        aggregated on ``ranks`` only (default: the first and the last rank; every rank holds the
+        same payloads, and aggregation records nothing, except error feedback's excess of a
+        half-precision result beyond its dtype's range, which only those ranks then record).
         """
         comp0 = self.comps[0]
         if comp0.summable:

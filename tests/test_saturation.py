@@ -244,3 +244,39 @@ def test_through_the_optimizer_at_two_ranks():
                  "error_feedback_residual_follows_the_resend", "op_sum_and_predivide",
                  "fused_unit_resends_only_the_saturated_gradient", "static_mode_is_loud_like_stock"):
         assert f"OK {name}" in out, out[-3000:]
+
+
+# ---- error feedback on half-precision gradients --------------------------------------------
+def test_error_feedback_keeps_what_a_float16_gradient_cannot_hold():
+    """top-k (k = 1 of 2) with error feedback, float16 gradients, 2 ranks, by hand: step 1 sends
+    60000 of [60000, 60000] (residual [0, 60000]); step 2, g = [0, 60000]: p = [0, 120000], the
+    mean 120000 does not fit float16: 65504 is delivered and the excess 54496 joins the residual
+    (on both ranks), so delivered + residual is still 120000; step 3 (g = 0) delivers 54496."""
+    world = 2
+    sim = SimulatedRanks(lambda: hvdcomp.get_compressor("topk:density=0.5"), world)
+    h = torch.float16
+    outs = [sim.step([torch.tensor(g, dtype=h)] * world) for g in ([60000.0, 60000.0], [0.0, 60000.0], [0.0, 0.0])]
+    assert outs[1].tolist() == [0.0, 65504.0] and outs[1].dtype == h
+    assert outs[2].tolist() == [0.0, 54496.0]
+    for comp in sim.comps:
+        assert comp.residuals["w"].tolist() == [0.0, 0.0]
+
+
+def test_regenerating_the_numerics_tables_keeps_the_saturation_section(tmp_path):
+    """docs/numerics.md's tables are generated; `make numerics` must not drop the hand-written
+    section on saturation (scripts/numerics_table.py keeps everything from its marker on)."""
+    import json
+
+    from scripts.numerics_table import KEEP_MARKER, main
+
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "numerics.md")).read()
+    assert KEEP_MARKER in doc and "## Saturation and clipping: what each method does" in doc.split(KEEP_MARKER)[1]
+    cell = {"spec": "none", "input": "zeros", "dtype": "float32", "world": 1, "step": 0, "measured": 0.0, "bound": 1.0}
+    data = {"inputs": ["zeros"], "dtypes": ["float32"], "worlds": [1], "cells": [cell],
+            "rows": [{"method": "none", "ef": "off", "spec": "none", "bound": "b", "zeros": "elementwise", "steps": 1}]}
+    (tmp_path / "m.json").write_text(json.dumps(data))
+    out = tmp_path / "numerics.md"
+    out.write_text("old tables\n" + KEEP_MARKER + "\nkept section\n")
+    main([str(tmp_path / "m.json"), str(out)])
+    text = out.read_text()
+    assert "old tables" not in text and text.endswith(KEEP_MARKER + "\nkept section\n") and "`none`" in text
