@@ -780,6 +780,8 @@ def _adasum_compression(compression):
                      f"'{comp.name}' ({comp.describe()}) does not compress; Adasum runs with compression "
                      f"{' or '.join(repr(m) for m in ADASUM_METHODS)} (without error feedback). Use "
                      "op=hvd.Average (or hvd.Sum) for other methods.")
+
+
 _CLOSED = ("this DistributedOptimizer was closed (close() stopped its communication): build a new one "
            "to keep training distributed")
 
@@ -902,8 +904,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             (DGC) with an optimizer that also does, or ranks that disagree on any setting
             (raised on every rank, naming the difference).
         TypeError: unsupported ``compression`` or ``grad_scaler``.
-        RuntimeError: the launcher started several tasks but Horovod sees one (see :func:`hvdcomp.launch.check_launch`), or a method that messages
-            ranks directly (gtopk, twophase) in a job without MPI (``horovodrun --gloo``).
+        RuntimeError: the launcher started several tasks but Horovod sees one (see
+            :func:`hvdcomp.launch.check_launch`), or a method that messages ranks directly (gtopk, twophase) in a job without MPI (``horovodrun --gloo``).
 
     Example::
 
