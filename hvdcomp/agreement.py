@@ -122,6 +122,28 @@ class NonFiniteGuard:
                 "then shares the state at the first step).")
         return self._verdict([r for r, row in enumerate(every) if row[0]])
 
+    def decide(self, group, gatherer, summed, loaded: bool, backward_passes: int) -> StepVerdict:
+        """This step's verdict in ``group`` (a :class:`hvdcomp.comm.group.Group`): from the
+        summed row started by :meth:`launch_summed` (``summed``, a Horovod handle) where there is
+        one, else by the small allgather of ``gatherer``
+        (:meth:`hvdcomp.comm.allgather.Allgatherer.allgather_ints`); alone when one rank.
+
+        Raises:
+            As :meth:`agree`.
+        """
+        if summed is not None:
+            return self.agree_summed(group.synchronize(summed).tolist(), gatherer.allgather_ints, loaded,
+                                     backward_passes)
+        if group.size > 1:
+            return self.agree(gatherer.allgather_ints, loaded, backward_passes)
+        return self.agree(lambda v: [list(v)], loaded, backward_passes)
+
+    def launch_summed(self, group, loaded: bool, backward_passes: int, name: str):
+        """Start this rank's :meth:`summary` row as a summed Horovod allreduce in ``group`` (which
+        Horovod fuses with the gradients' allreduces); returns the handle for :meth:`decide`."""
+        row = self.summary(loaded, backward_passes)
+        return group.allreduce_async(torch.tensor(row, dtype=torch.float64), name, group.hvd.Sum)
+
     # ---- the same decision from sums (gradients reduced in place) ------------------------------
     def summary(self, loaded: bool, backward_passes: int) -> List[float]:
         """This rank's row for :meth:`agree_summed`, to be summed over ranks (exact in float64

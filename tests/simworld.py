@@ -160,10 +160,17 @@ class SimulatedRanks:
         make: builds one compressor (called once per simulated rank, inside its
             ``simulated_world``).
         world: N, the simulated world size.
+        saturation: also model the allreduce transport's saturation check
+            (:meth:`hvdcomp.transports.allreduce.AllreduceTransport.resend_saturated`): a summable
+            payload whose method reports saturation is replaced by the method's resend (reduced
+            and decoded instead), or decodes to NaN where the method reports an overflow. Off:
+            the reduced payload is decoded as it is (the codec alone).
     """
 
-    def __init__(self, make: Callable[[], object], world: int):
+    def __init__(self, make: Callable[[], object], world: int, saturation: bool = False):
         self.world = world
+        self.saturation = saturation
+        self.actions: list = []  # with saturation: each rank's last Saturation (None: none)
         self.comps = []
         for r in range(world):
             with simulated_world(world, r):
@@ -183,18 +190,35 @@ class SimulatedRanks:
 
         Summable payloads are reduced once by :func:`horovod_allreduce` and decoded on every
         rank (decoding may record state, e.g. fp16's agreed exponent). Other payloads are
-        aggregated on ``ranks`` only (default: the first and the last rank; aggregation records
-        nothing, and every rank holds the same payloads).
+        aggregated on ``ranks`` only (default: the first and the last rank; every rank holds the
+        same payloads, and aggregation records nothing, except error feedback's excess of a
+        half-precision result beyond its dtype's range, which only those ranks then record).
         """
         comp0 = self.comps[0]
         if comp0.payload_kind is not PayloadKind.GATHERED:
             op = "sum" if comp0.payload_kind is PayloadKind.SUM else "average"
             reduced = [horovod_allreduce([enc[0][i] for enc in encoded], op)
                        for i in range(len(encoded[0][0]))]
+            ctxs = [enc[1] for enc in encoded]
+            overflow = False
+            self.actions = [None] * self.world
+            if self.saturation and hasattr(comp0, "saturation"):
+                for r, comp in enumerate(self.comps):
+                    with simulated_world(self.world, r):
+                        self.actions[r] = comp.saturation([t.clone() for t in reduced], ctxs[r])
+                found = [a is not None for a in self.actions]
+                assert all(found) or not any(found), "simulated ranks disagree on saturation"
+                if found[0] and self.actions[0].payload is None:
+                    overflow = True
+                elif found[0]:
+                    reduced = [horovod_allreduce([a.payload[i] for a in self.actions], op)
+                               for i in range(len(self.actions[0].payload))]
+                    ctxs = [a.ctx for a in self.actions]
             outs = []
             for r, comp in enumerate(self.comps):
                 with simulated_world(self.world, r):
-                    outs.append(comp.decode([t.clone() for t in reduced], encoded[r][1]))
+                    out = comp.decode([t.clone() for t in reduced], ctxs[r])
+                outs.append(out.fill_(float("nan")) if overflow else out)
             return outs
         payloads = [enc[0] for enc in encoded]
         ranks = sorted({0, self.world - 1}) if ranks is None else ranks

@@ -52,8 +52,9 @@ class PayloadKind(str, enum.Enum):
 
 
 def cast_saturating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``tensor.to(dtype)``, clamped to ``dtype``'s finite range first when ``dtype`` is a narrower
-    floating type (float32 → float16: 1e5 becomes 65504, not inf). NaN stays NaN.
+    """``tensor.to(dtype)``, finite values clamped to ``dtype``'s finite range first when ``dtype``
+    is a narrower floating type (float32 → float16: 1e5 becomes 65504, not inf). NaN stays NaN,
+    and ±inf stays ±inf: an overflow upstream stays loud instead of becoming a finite value.
 
     A decoded gradient can exceed its own dtype's range although every input was finite (QSGD's
     level rounding, error feedback adding a float32 residual to a float16 gradient); saturating
@@ -62,7 +63,7 @@ def cast_saturating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if (dtype.is_floating_point and tensor.is_floating_point() and dtype != tensor.dtype
             and torch.finfo(dtype).max < torch.finfo(tensor.dtype).max):
         limit = torch.finfo(dtype).max
-        tensor = tensor.clamp(-limit, limit)
+        tensor = torch.where(tensor.isinf(), tensor, tensor.clamp(-limit, limit))
     return tensor.to(dtype)
 
 

@@ -128,7 +128,7 @@ class TopKCompressor(SparseCompressor):
             picked.append((idx + offsets).reshape(-1))
         idx = torch.cat(picked).sort().values if picked else torch.zeros(0, dtype=torch.int64, device=flat.device)
         values = flat.index_select(0, idx).to(torch.float32)
-        return self.pack(values, idx, flat.numel()), (flat.shape, flat.dtype)
+        return self.pack(values, idx, flat.numel(), overflow="inf"), (flat.shape, flat.dtype)
 
     def select(self, flat, name=None):
         k = num_kept(flat.numel(), self.density)
