@@ -238,8 +238,112 @@ def _ldexp_segments(values: torch.Tensor, sizes: List[int], ks: List[int],
     return out.mul_(factor([2.0 ** (k - k // 2) for k in ks]))
 
 
+class SaturationCheck:
+    """The part of :class:`FP16Compressor` that never lets a saturated value through: reading,
+    from the averaged payload's histogram, whether some rank's values left the scale's window
+    (per tensor, per segment of a fused bucket), and building the float32 resend (or reporting
+    the overflow) that the allreduce transport runs (``on_saturation``, see the class docstring).
+    """
+
+    def _flagged_offset(self, offset: torch.Tensor, clamped: torch.Tensor) -> torch.Tensor:
+        """e_r − E as the histogram counts it: at least h + 2 where this rank clamped (the
+        saturation flag, see the module docstring). Tensors of any shape, no host sync."""
+        return torch.where(clamped, offset.clamp(min=self.headroom + 2), offset)
+
+    def _saturated(self, top_bin: Optional[int]) -> bool:
+        """Whether the highest occupied bin of a reduced scaled histogram says some rank clamped."""
+        return top_bin is not None and top_bin >= SPAN + self.headroom + 2
+
+    def saturation(self, payload, ctx) -> Optional[Saturation]:
+        """Whether some rank's values of a scaled tensor (or segment) were clamped at C_N this step,
+        read from the reduced ``payload`` (every rank reads the same, so every rank decides the
+        same; one host read), and what to do about it (``on_saturation``).
+
+        Args:
+            payload: the reduced (averaged, or summed for ``op=Sum``) payload, before
+                :meth:`decode`.
+            ctx: this rank's context from :meth:`encode`.
+
+        Returns:
+            ``None`` when nothing saturated (decode ``payload`` as usual); else a
+            :class:`Saturation`: with ``"resend"``, a float32 probe payload of the saturated
+            tensors (this rank's encoded values: the mean comes out exact to float32 rounding,
+            and its histogram re-learns E) to reduce and decode instead; with ``"skip"``, no
+            payload (report the step as overflowed); the agreed exponent of the saturated
+            tensors is then moved up at once (kept even though the step is rolled back), so the
+            next step's scale fits.
+        """
+        if isinstance(ctx, FP16SegmentsContext):
+            return self._segments_saturation(payload, ctx)
+        if ctx.mode != SCALED:
+            return None
+        top = _highest_bins(payload[0][ctx.numel:].view(1, 2 * SPAN + 1))[0]
+        if not self._saturated(top):
+            return None
+        if self.on_saturation == "skip":
+            self.exponents[ctx.name] = ctx.exponent + top - SPAN
+            return Saturation((ctx.name,), None, None, {})
+        flat = ctx.source
+        local, present, _ = _max_exponent(flat)
+        hist = _one_hot(local - EXP_MIN, present, EXP_MAX - EXP_MIN + 1, torch.float32)
+        delta = flat - _sent_scaled(flat, ctx.k, addend_limit(ctx.world))
+        probe = ctx._replace(mode=PROBE, k=0, exponent=0, source=None)
+        return Saturation((ctx.name,), [torch.cat([flat, hist])], probe, {ctx.name: delta.reshape(ctx.shape)})
+
+    def _segments_saturation(self, payload, ctx) -> Optional[Saturation]:
+        """:meth:`saturation` of a segmented payload: per scaled segment; a resend carries the
+        saturated segments only (float32, then 277 bins each)."""
+        if not ctx.scaled:
+            return None
+        sizes, names = ctx.segments.sizes, ctx.segments.names
+        count = sum(sizes[j] for j in ctx.scaled)
+        tops = _highest_bins(payload[0][count:].view(len(ctx.scaled), 2 * SPAN + 1))
+        hit = [(i, j, t) for i, (j, t) in enumerate(zip(ctx.scaled, tops)) if self._saturated(t)]
+        if not hit:
+            return None
+        saturated = tuple(names[j] for _, j, _ in hit)
+        if self.on_saturation == "skip":
+            for i, j, t in hit:
+                self.exponents[names[j]] = ctx.exponents[i] + t - SPAN
+            return Saturation(saturated, None, None, {})
+        views = ctx.segments.split(ctx.source)
+        values = [views[j] for _, j, _ in hit]
+        top = torch.stack([v.abs().amax() for v in values])
+        _, local = torch.frexp(top)
+        hist = _one_hot(local.to(torch.int64) - 1 - EXP_MIN, top > 0, EXP_MAX - EXP_MIN + 1, torch.float32)
+        limit = addend_limit(ctx.world)
+        delta = {names[j]: (v - _sent_scaled(v, ctx.ks[i], limit)).view(ctx.segments.shapes[j])
+                 for (i, j, _), v in zip(hit, values)}
+        resend = FP16ResendContext(ctx, list(payload), [j for _, j, _ in hit])
+        return Saturation(saturated, [torch.cat(values + [hist.reshape(-1)])], resend, delta)
+
+    def _resend_values(self, payload, ctx: FP16ResendContext, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Flat float32 values of a resend: the first payload's segments, the resent ones
+        replaced by the reduced float32 replacement ``payload``; recording nothing."""
+        out = self._segment_values(ctx.averaged, ctx.base, out=out)
+        segments, pos = ctx.base.segments, 0
+        for j in ctx.resent:
+            size, at = segments.sizes[j], segments.offsets[j]
+            out[at:at + size].copy_(payload[0][pos:pos + size])
+            pos += size
+        return out
+
+    def _record_resend(self, payload, ctx: FP16ResendContext) -> None:
+        """The first payload's exponents, then the resent segments' from the replacement's probe
+        histograms."""
+        self._record_segments(ctx.averaged, ctx.base)
+        segments = ctx.base.segments
+        count = sum(segments.sizes[j] for j in ctx.resent)
+        bins = payload[0][count:].view(len(ctx.resent), EXP_MAX - EXP_MIN + 1)
+        for j, top in zip(ctx.resent, _highest_bins(bins)):
+            if top is not None:
+                self._put("exponents", segments.names[j], EXP_MIN + top)
+
+    # ---- decode ----------------------------------------------------------------------------
+
+
 @register("fp16")
-class FP16Compressor(Compressor):
+class FP16Compressor(SaturationCheck, Compressor):
     """Float16 transport with a per-tensor power-of-two scale agreed across ranks (see the module
     docstring for the scheme, its guarantee and trade-offs).
 
@@ -328,15 +432,6 @@ class FP16Compressor(Compressor):
         return [torch.cat([values, hist])], FP16Context(tensor.shape, tensor.dtype, SCALED, n, size, k,
                                                          exponent, name, flat)
 
-    def _flagged_offset(self, offset: torch.Tensor, clamped: torch.Tensor) -> torch.Tensor:
-        """e_r − E as the histogram counts it: at least h + 2 where this rank clamped (the
-        saturation flag, see the module docstring). Tensors of any shape, no host sync."""
-        return torch.where(clamped, offset.clamp(min=self.headroom + 2), offset)
-
-    def _saturated(self, top_bin: Optional[int]) -> bool:
-        """Whether the highest occupied bin of a reduced scaled histogram says some rank clamped."""
-        return top_bin is not None and top_bin >= SPAN + self.headroom + 2
-
     def _encode_segments(self, flat, segments):
         """Each segment scaled by its own agreed exponent (probing where it has none), in a few
         vectorised operations over the buffer; one payload tensor per mode."""
@@ -408,92 +503,6 @@ class FP16Compressor(Compressor):
                     self._put("exponents", names[j], EXP_MIN + top)
 
     # ---- saturation (after the first allreduce) ------------------------------------------------
-    def saturation(self, payload, ctx) -> Optional[Saturation]:
-        """Whether some rank's values of a scaled tensor (or segment) were clamped at C_N this step,
-        read from the reduced ``payload`` (every rank reads the same, so every rank decides the
-        same; one host read), and what to do about it (``on_saturation``).
-
-        Args:
-            payload: the reduced (averaged, or summed for ``op=Sum``) payload, before
-                :meth:`decode`.
-            ctx: this rank's context from :meth:`encode`.
-
-        Returns:
-            ``None`` when nothing saturated (decode ``payload`` as usual); else a
-            :class:`Saturation`: with ``"resend"``, a float32 probe payload of the saturated
-            tensors (this rank's encoded values: the mean comes out exact to float32 rounding,
-            and its histogram re-learns E) to reduce and decode instead; with ``"skip"``, no
-            payload (report the step as overflowed); the agreed exponent of the saturated
-            tensors is then moved up at once (kept even though the step is rolled back), so the
-            next step's scale fits.
-        """
-        if isinstance(ctx, FP16SegmentsContext):
-            return self._segments_saturation(payload, ctx)
-        if ctx.mode != SCALED:
-            return None
-        top = _highest_bins(payload[0][ctx.numel:].view(1, 2 * SPAN + 1))[0]
-        if not self._saturated(top):
-            return None
-        if self.on_saturation == "skip":
-            self.exponents[ctx.name] = ctx.exponent + top - SPAN
-            return Saturation((ctx.name,), None, None, {})
-        flat = ctx.source
-        local, present, _ = _max_exponent(flat)
-        hist = _one_hot(local - EXP_MIN, present, EXP_MAX - EXP_MIN + 1, torch.float32)
-        delta = flat - _sent_scaled(flat, ctx.k, addend_limit(ctx.world))
-        probe = ctx._replace(mode=PROBE, k=0, exponent=0, source=None)
-        return Saturation((ctx.name,), [torch.cat([flat, hist])], probe, {ctx.name: delta.reshape(ctx.shape)})
-
-    def _segments_saturation(self, payload, ctx) -> Optional[Saturation]:
-        """:meth:`saturation` of a segmented payload: per scaled segment; a resend carries the
-        saturated segments only (float32, then 277 bins each)."""
-        if not ctx.scaled:
-            return None
-        sizes, names = ctx.segments.sizes, ctx.segments.names
-        count = sum(sizes[j] for j in ctx.scaled)
-        tops = _highest_bins(payload[0][count:].view(len(ctx.scaled), 2 * SPAN + 1))
-        hit = [(i, j, t) for i, (j, t) in enumerate(zip(ctx.scaled, tops)) if self._saturated(t)]
-        if not hit:
-            return None
-        saturated = tuple(names[j] for _, j, _ in hit)
-        if self.on_saturation == "skip":
-            for i, j, t in hit:
-                self.exponents[names[j]] = ctx.exponents[i] + t - SPAN
-            return Saturation(saturated, None, None, {})
-        views = ctx.segments.split(ctx.source)
-        values = [views[j] for _, j, _ in hit]
-        top = torch.stack([v.abs().amax() for v in values])
-        _, local = torch.frexp(top)
-        hist = _one_hot(local.to(torch.int64) - 1 - EXP_MIN, top > 0, EXP_MAX - EXP_MIN + 1, torch.float32)
-        limit = addend_limit(ctx.world)
-        delta = {names[j]: (v - _sent_scaled(v, ctx.ks[i], limit)).view(ctx.segments.shapes[j])
-                 for (i, j, _), v in zip(hit, values)}
-        resend = FP16ResendContext(ctx, list(payload), [j for _, j, _ in hit])
-        return Saturation(saturated, [torch.cat(values + [hist.reshape(-1)])], resend, delta)
-
-    def _resend_values(self, payload, ctx: FP16ResendContext, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Flat float32 values of a resend: the first payload's segments, the resent ones
-        replaced by the reduced float32 replacement ``payload``; recording nothing."""
-        out = self._segment_values(ctx.averaged, ctx.base, out=out)
-        segments, pos = ctx.base.segments, 0
-        for j in ctx.resent:
-            size, at = segments.sizes[j], segments.offsets[j]
-            out[at:at + size].copy_(payload[0][pos:pos + size])
-            pos += size
-        return out
-
-    def _record_resend(self, payload, ctx: FP16ResendContext) -> None:
-        """The first payload's exponents, then the resent segments' from the replacement's probe
-        histograms."""
-        self._record_segments(ctx.averaged, ctx.base)
-        segments = ctx.base.segments
-        count = sum(segments.sizes[j] for j in ctx.resent)
-        bins = payload[0][count:].view(len(ctx.resent), EXP_MAX - EXP_MIN + 1)
-        for j, top in zip(ctx.resent, _highest_bins(bins)):
-            if top is not None:
-                self._put("exponents", segments.names[j], EXP_MIN + top)
-
-    # ---- decode ----------------------------------------------------------------------------
     def _values(self, payload, ctx) -> torch.Tensor:
         """The dense float32 values of ``payload`` (shape of the gradient), recording nothing."""
         if isinstance(ctx, FP16SegmentsContext):
