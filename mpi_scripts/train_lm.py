@@ -6,7 +6,8 @@ Launch with any number of ranks, e.g.::
     mpirun -np 4 python mpi_scripts/train_lm.py --compressor topk:density=0.01 --epochs 1
 
 The global batch (``--batch-size`` sequences of ``--bptt`` tokens) is split evenly over the
-ranks, so 1, 2 and 4 ranks train the same model on the same data per step. Plain SGD; gradients
+ranks, so 1, 2 and 4 ranks train the same model on the same data per step. SGD (or Adam, or an
+optimizer of hvdcomp.adaptive_opt: ``--optimizer``, ``--freeze-step``); gradients
 are averaged by hvdcomp, then clipped to norm ``--clip``. The schedule
 (:class:`hvdcomp.lm.PlateauSchedule`): optional linear warm-up (``--warmup-steps``), the learning
 rate divided by ``--anneal`` (4) after an epoch whose validation perplexity did not improve (by
@@ -43,6 +44,7 @@ import hvdcomp.native  # noqa: E402
 from hvdcomp.lm import (ARCHITECTURES, MODEL_SIZES, PlateauSchedule, batchify, load_corpus,  # noqa: E402
                         loss_sums, make_lm, rank_columns, window_loss)
 from hvdcomp.launch import abort_on_uncaught_exception, detect_launch, recorded_env, select_device  # noqa: E402
+from hvdcomp.adaptive_opt import OPTIMIZERS, make_optimizer  # noqa: E402
 from hvdcomp.lowrank import ABTraining  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
 from hvdcomp.metrics import PHASES, reduce_across_ranks, write_json_atomic  # noqa: E402
@@ -55,6 +57,13 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--compressor", default="none",
                    help=f"method spec NAME[:key=value,...]; methods: {', '.join(hvdcomp.available())}")
+    p.add_argument("--optimizer", choices=["sgd", "adam", *OPTIMIZERS], default="sgd",
+                   help="sgd or adam, through hvdcomp.DistributedOptimizer with --compressor; or one of "
+                        "hvdcomp.adaptive_opt (docs/adaptive-optimizers.md), which compresses by itself")
+    p.add_argument("--freeze-step", type=int, default=0,
+                   help="1-bit Adam / 1-bit LAMB: warm-up steps; 0/1 Adam: var_freeze_step (0: its default)")
+    p.add_argument("--optimizer-args", default="", metavar="KEY=VALUE,...",
+                   help="other arguments of an hvdcomp.adaptive_opt optimizer, e.g. local_step_scaler=1000")
     p.add_argument("--ab-training", default=None, metavar="KEY=VALUE,...",
                    help="AB-training instead of a compressor, e.g. 'groups=2,warmup_steps=50,"
                         "steps_between_syncs=50,full_rank_steps=5,cutoff=0.1,ramp_steps=10' "
@@ -132,6 +141,8 @@ def parse_args(argv=None):
         p.error("--transport auto lets the cost model choose: use --cost-model measure or ALPHA,BETA")
     if args.ab_training is not None and args.compressor != "none":
         p.error("--ab-training replaces gradient compression: leave --compressor at 'none'")
+    if args.optimizer in OPTIMIZERS and (args.compressor != "none" or args.ab_training is not None):
+        p.error(f"--optimizer {args.optimizer} compresses by itself: leave --compressor at 'none', no --ab-training")
     if args.ab_training is not None and args.warmup_steps:
         p.error("--warmup-steps does not apply to AB-training, which ramps the learning rate after "
                 "every switch itself: set ramp_steps in --ab-training instead")
@@ -163,6 +174,8 @@ def main(argv=None):
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     compressor = hvdcomp.get_compressor(args.compressor)  # ValueError for a bad spec, on every rank
     method = args.compressor if args.ab_training is None else f"ab-training:{args.ab_training}"
+    if args.optimizer != "sgd":  # (the optimizer names the method: adam+<spec>, onebit-adam, ...)
+        method = args.optimizer if args.optimizer in OPTIMIZERS else f"{args.optimizer}+{method}"
 
     data_path = args.data or default_data_path()
     corpus = load_corpus(data_path, vocab_size=args.vocab_size)
@@ -181,9 +194,15 @@ def main(argv=None):
         _, ab_kwargs = hvdcomp.parse_spec("ab:" + args.ab_training)
         ab = ABTraining(model, lambda params: torch.optim.SGD(params, lr=args.lr), base_lr=args.lr, **ab_kwargs)
         opt = ab
+    elif args.optimizer in OPTIMIZERS:  # hvdcomp.adaptive_opt: averages (and compresses) by itself
+        ab = None
+        opt = make_optimizer(args.optimizer, model.named_parameters(), lr=args.lr, freeze_step=args.freeze_step,
+                             **hvdcomp.parse_spec("args:" + args.optimizer_args)[1])
+        compressor = opt.compression
     else:
         ab = None
-        opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
+        inner = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
+        opt = hvdcomp.DistributedOptimizer(inner(model.parameters(), lr=args.lr),
                                            named_parameters=model.named_parameters(),
                                            compression=compressor, allgather=args.allgather,
                                            bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
@@ -284,6 +303,8 @@ def main(argv=None):
         "anneals": sched.anneals,
         "seconds_total": time.perf_counter() - t_start,
         "per_step": across,  # seconds and bytes per optimizer step, min/mean/max over ranks
+        "run_bytes": reduce_across_ranks({k: float(sum(r[k] for r in timer.history))  # every step
+                                          for k in ("bytes_sent", "bytes_received", "dense_bytes")}),
         "timed_steps": per_step["steps"],
         "nominal_ratio": nominal,
         "measured_ratio": measured_ratio,

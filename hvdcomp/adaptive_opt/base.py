@@ -139,6 +139,8 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                              f"float32 (or float64) parameters (autocast for half-precision compute); "
                              f"not float32/float64: {bad[:5]}")
         self.order = [p for g in self.param_groups for p in g["params"]]  # the same on every rank
+        if self.warmup_steps:  # the warm-up optimizer's group keys, now: every rank's groups then hold
+            self._make_warmup()  # the same keys whether or not it ran (hvd.broadcast_optimizer_state)
         self.nonfinite, self.warmup_compression = nonfinite, warmup_compression
         self.process_set = process_set
         self.timer = timer if timer is not None else PhaseTimer()
