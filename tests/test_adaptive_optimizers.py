@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hvdcomp.adaptive_opt import (Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam, is_sync_step, is_variance_step,
-                                  make_optimizer)
+                                  make_optimizer, step_kinds)
 from hvdcomp.adaptive_opt.base import ONEBIT_SPEC
 from hvdcomp.comm.exchange import unpack_payload
 from hvdcomp.comm.step import StepComm
@@ -48,9 +48,13 @@ def run_threads(n, fn):
     return results
 
 
+_MODEL_LOCK = threading.Lock()  # (simulated ranks build models at once: torch's global generator)
+
+
 def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    with _MODEL_LOCK:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
 
 
 def backward(model, rank, step):
@@ -251,6 +255,9 @@ def test_zeroone_sync_schedule_matches_closed_form(alpha, clip_exp):
     want = sync_closed_form(freeze + 1, alpha, clip_exp, 400)
     assert {t for t in range(1, 401) if is_sync_step(t, freeze, alpha, 2 ** clip_exp)} == want
     assert min(want) == freeze + 1
+    full = len(variance_closed_form(16, freeze))
+    assert step_kinds(400, freeze, 16, alpha, 2 ** clip_exp) == {"full": full, "onebit": freeze - full,
+                                                                 "sync": len(want), "local": 400 - freeze - len(want)}
 
 
 def test_zeroone_adam_runs_its_schedule_for_300_steps():
@@ -296,6 +303,44 @@ def test_zeroone_adam_runs_its_schedule_for_300_steps():
             assert not torch.equal(params, other[3]), f"step {t}: a local step left the ranks identical"
         assert kind == ("full" if t in var_steps else "onebit" if t <= freeze else "sync" if t in sync_steps
                         else "local")
+
+
+def test_zeroone_adam_first_steps_are_adam():
+    """With bias correction, 0/1 Adam's first steps (all variance steps: the gradient averaged in
+    fp32) are torch.optim.Adam's on the averaged gradient. Without it (DeepSpeed's), the first step
+    moves every coordinate by lr·(1 − β1)/sqrt(1 − β2) = 3.16·lr instead of Adam's lr."""
+    lr, steps = 1e-2, 5
+
+    def rank_fn(r, comm):
+        out = {}
+        for bias_correction in (True, False):
+            model = tiny_model()
+            x0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            opt = ZeroOneAdam(model.named_parameters(), lr=lr, var_freeze_step=100, bias_correction=bias_correction,
+                              comm=comm)
+            for t in range(1, (steps if bias_correction else 1) + 1):
+                backward(model, r, t)
+                opt.step()
+                assert opt.last_step_kind == "full"
+            out[bias_correction] = (x0, torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        return out
+
+    got = run_threads(2, rank_fn)[0]
+    ref, probe = tiny_model(), tiny_model()
+    adam = torch.optim.Adam(ref.parameters(), lr=lr)
+    for t in range(1, steps + 1):
+        grads = []
+        for r in range(2):
+            probe.load_state_dict(ref.state_dict())
+            backward(probe, r, t)
+            grads.append([p.grad.clone() for p in probe.parameters()])
+        for p, g0, g1 in zip(ref.parameters(), *grads):
+            p.grad = (g0 + g1) * 0.5
+        adam.step()
+    torch.testing.assert_close(got[True][1], torch.cat([p.detach().reshape(-1) for p in ref.parameters()]),
+                               rtol=1e-5, atol=1e-6)
+    x0, x1 = got[False]
+    torch.testing.assert_close((x1 - x0).abs(), torch.full_like(x0, lr * 0.1 / 0.001 ** 0.5), rtol=1e-4, atol=1e-6)
 
 
 # ---- 1-bit LAMB --------------------------------------------------------------------------------------
@@ -410,6 +455,7 @@ def test_resume_continues_exactly(make, start, cut):
     def rank_fn(r, comm):
         model = tiny_model()
         opt = make(model, comm)
+        assert opt.compression.name == "twophase"  # (reading it keeps the checkpoint loadable)
         if start:
             _warm_state(opt, model)
         ckpt = None

@@ -3,7 +3,7 @@ the warm-up optimizer, the compressed allreduce of a whole model, checkpoints.
 
 An optimizer of :mod:`hvdcomp.adaptive_opt` is a ``torch.optim.Optimizer`` that averages over
 Horovod ranks by itself (do not wrap it in :func:`hvdcomp.DistributedOptimizer`). Each of its
-steps is one of four kinds (:attr:`AdaptiveOptimizer.last_step_kind`):
+steps is one of these kinds (:attr:`AdaptiveOptimizer.last_step_kind`):
 
 * ``"warmup"``: an uncompressed step of the warm-up optimizer (AdamW for 1-bit Adam, LAMB for
   1-bit LAMB) through a :func:`hvdcomp.DistributedOptimizer` with compression
@@ -14,7 +14,14 @@ steps is one of four kinds (:attr:`AdaptiveOptimizer.last_step_kind`):
 * ``"onebit"``: one compressed allreduce of a whole model's worth of tensors at ``step()``
   (:class:`hvdcomp.transports.twophase.TwoPhaseCompressor` with ``base="efsignsgd"``: 1 bit and
   one float32 scale per chunk, worker and server error feedback);
-* ``"local"``: no communication (0/1 Adam between synchronisations).
+* ``"local"``: no communication (0/1 Adam between synchronisations);
+* ``"sync"``: a local step, then the update since the last synchronisation averaged by a
+  compressed allreduce (0/1 Adam).
+
+Collectives: the warm-up's are its :func:`hvdcomp.DistributedOptimizer`'s; the others run within
+``step()``, in the same order on every rank, through a :class:`hvdcomp.comm.step.StepComm` (Horovod
+allreduce and broadcast, MPI point-to-point messages on a duplicate of the process set's
+communicator). Every compressed step sends about n/8 bytes per rank for n parameters.
 
 State. ``state_dict()["state"]`` is torch's per-parameter state: everything the ranks share
 (step counter, moments, the frozen variance, LAMB's coefficients), plus 0/1 Adam's per-rank
@@ -50,7 +57,7 @@ from ..metrics import PhaseTimer
 from ..plan import BATCHED, TransportPlan
 from ..spec import get_compressor
 
-__all__ = ["AdaptiveOptimizer", "named_groups", "ONEBIT_SPEC"]
+__all__ = ["AdaptiveOptimizer", "named_groups", "check_masks", "ONEBIT_SPEC"]
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +118,11 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     Raises:
         ValueError: ``backward_passes_per_step != 1``, an unknown ``nonfinite``, parameters that
-            are not float32/float64, sparse-gradient layers are found at ``step()`` (TypeError),
-            ranks that disagree on the set-up (on every rank).
-        RuntimeError: Horovod is not initialised, this process is outside ``process_set``, or a
-            job of several ranks without MPI point-to-point messages (``horovodrun --gloo``).
+            are not float32/float64, ranks that disagree on the set-up (on every rank, naming
+            the difference).
+        RuntimeError: Horovod is not initialised (without ``comm``), this process is outside
+            ``process_set``, or a job of several ranks without MPI point-to-point messages
+            (``horovodrun --gloo``).
     """
 
     #: leading steps run by the warm-up optimizer (set by subclasses)
@@ -213,7 +221,7 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     @property
     def compression(self):
         """The method averaging now: the warm-up's while it runs, else the compressed allreduce."""
-        return self._warm.compression if self._warm is not None else self._reducer("momentum")
+        return self._warm.compression if self._warm is not None else self._reducer(self._reducer_keys[-1])
 
     @property
     def transport(self) -> TransportPlan:

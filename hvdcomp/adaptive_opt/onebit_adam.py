@@ -115,7 +115,8 @@ class OneBitAdam(AdaptiveOptimizer):
     """
 
     def __init__(self, named_parameters, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, *, freeze_step: int, momentum_masks: Optional[Dict[str, torch.Tensor]] = None,
+                 weight_decay: float = 0.0, *, freeze_step: int,
+                 momentum_masks: Optional[Dict[str, torch.Tensor]] = None,
                  mask_zero_variance: bool = True, warmup_compression: str = "none", process_set=None, timer=None,
                  nonfinite: str = "skip", backward_passes_per_step: int = 1, comm=None):
         check_adam_hyper(lr, betas, eps, weight_decay)

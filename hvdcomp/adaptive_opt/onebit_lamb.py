@@ -3,8 +3,8 @@ frozen, and the momentum averaged by a 1-bit compressed allreduce with worker an
 feedback; a fresh variance, rebuilt from the averaged momenta, rescales each frozen ratio within
 clamps.
 
-Li, Awan, Tang, Rajbhandari, Wang, Lian, Liu, Zhang and He, "1-bit LAMB: Communication Efficient
-Large-Scale Large-Batch Training with LAMB's Convergence Speed", HiPC 2022 (arXiv:2104.06069);
+Li, Awan, Tang, Rajbhandari and He, "1-bit LAMB: Communication Efficient Large-Scale
+Large-Batch Training with LAMB's Convergence Speed", arXiv:2104.06069, 2021;
 LAMB: You et al., "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes",
 ICLR 2020. The steps and defaults follow the authors' implementation (DeepSpeed's
 ``OnebitLamb``), read for this module.
@@ -118,7 +118,8 @@ class Lamb(torch.optim.Optimizer):
                     update.add_(p, alpha=g["weight_decay"])
                 ratio = _trust_ratio(float(p.norm()), float(update.norm()), g["min_coeff"], g["max_coeff"])
                 if ratio != 1.0:
-                    st["lamb_coeff_freeze"] = self.coeff_beta * st["lamb_coeff_freeze"] + (1.0 - self.coeff_beta) * ratio
+                    beta_c = self.coeff_beta
+                    st["lamb_coeff_freeze"] = beta_c * st["lamb_coeff_freeze"] + (1.0 - beta_c) * ratio
                 p.add_(update, alpha=-g["lr"] * ratio)
         return loss
 

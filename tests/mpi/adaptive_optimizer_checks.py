@@ -107,7 +107,8 @@ def check_resume_before_at_after_freeze():
             ckpts[step] = saved({"model": model.state_dict(), "opt": opt.state_dict()})
     straight = flat(model)
     opt.close()
-    for cut, ckpt in ckpts.items():
+    for cut in (2, 3, 4):
+        ckpt = saved(ckpts[cut])  # (a copy: the loaded optimizer updates its tensors in place, as torch's)
         m2 = small_model(seed=5)
         o2 = OneBitAdam(m2.named_parameters(), lr=0.01, freeze_step=3)
         m2.load_state_dict(ckpt["model"])
@@ -116,6 +117,19 @@ def check_resume_before_at_after_freeze():
         assert torch.equal(flat(m2), straight), f"resumed after step {cut}: differs"
         assert o2.step_count() == 7
         o2.close()
+    # a checkpoint past the warm-up loaded (on every rank) into a running warm-up: the step that
+    # follows finishes what the hooks started, uses the averaged gradient, and closes the warm-up
+    m3 = small_model()
+    o3 = OneBitAdam(m3.named_parameters(), lr=0.01, freeze_step=3)
+    run(o3, m3, 1, 3)
+    ckpt = saved(ckpts[4])
+    m3.load_state_dict(ckpt["model"])
+    o3.load_state_dict(ckpt["opt"])
+    run(o3, m3, 5, 7)
+    got = (o3.step_count(), o3.last_step_kind, o3._warm)
+    assert got == (6, "onebit", None), got
+    same_on_every_rank(flat(m3), "abandoned")
+    o3.close()
 
 
 def check_rank0_recipe():
