@@ -18,6 +18,7 @@ from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["PhaseTimer", "PHASES", "write_json_atomic", "reduce_across_ranks"]
 
@@ -192,8 +193,6 @@ def reduce_across_ranks(values: Dict[str, float]) -> Dict[str, Dict[str, float]]
     if horovod:
         allv = hvd.allgather(local, name="hvdcomp.metrics.reduce") if hvd.size() > 1 else local
     else:
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, local)

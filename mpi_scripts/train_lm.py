@@ -11,7 +11,8 @@ Launch with any number of ranks, e.g.::
 (:mod:`hvdcomp.ddp`), launched by ``torchrun`` or ``srun`` (no Horovod needed).
 
 The global batch (``--batch-size`` sequences of ``--bptt`` tokens) is split evenly over the
-ranks, so 1, 2 and 4 ranks train the same model on the same data per step. Plain SGD; gradients
+ranks, so 1, 2 and 4 ranks train the same model on the same data per step. SGD (or Adam, or an
+optimizer of hvdcomp.adaptive_opt: ``--optimizer``, ``--freeze-step``); gradients
 are averaged by hvdcomp, then clipped to norm ``--clip``. The schedule
 (:class:`hvdcomp.lm.PlateauSchedule`): optional linear warm-up (``--warmup-steps``), the learning
 rate divided by ``--anneal`` (4) after an epoch whose validation perplexity did not improve (by
@@ -49,6 +50,7 @@ from hvdcomp.lm import (ARCHITECTURES, MODEL_SIZES, PlateauSchedule, batchify, l
                         loss_sums, make_lm, rank_columns, window_loss)
 from hvdcomp.comm.group import horovod as require_horovod  # noqa: E402
 from hvdcomp.launch import abort_on_uncaught_exception, detect_launch, recorded_env, select_device  # noqa: E402
+from hvdcomp.adaptive_opt import OPTIMIZERS, make_optimizer  # noqa: E402
 from hvdcomp.lowrank import ABTraining  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
 from hvdcomp.metrics import PHASES, reduce_across_ranks, write_json_atomic  # noqa: E402
@@ -64,6 +66,13 @@ def parse_args(argv=None):
                         "DistributedDataParallel with hvdcomp's comm hook (torchrun/srun, no Horovod)")
     p.add_argument("--compressor", default="none",
                    help=f"method spec NAME[:key=value,...]; methods: {', '.join(hvdcomp.available())}")
+    p.add_argument("--optimizer", choices=["sgd", "adam", *OPTIMIZERS], default="sgd",
+                   help="sgd or adam, through hvdcomp.DistributedOptimizer with --compressor; or one of "
+                        "hvdcomp.adaptive_opt (docs/adaptive-optimizers.md), which compresses by itself")
+    p.add_argument("--freeze-step", type=int, default=0,
+                   help="1-bit Adam / 1-bit LAMB: warm-up steps; 0/1 Adam: var_freeze_step (0: its default)")
+    p.add_argument("--optimizer-args", default="", metavar="KEY=VALUE,...",
+                   help="other arguments of an hvdcomp.adaptive_opt optimizer, e.g. local_step_scaler=1000")
     p.add_argument("--ab-training", default=None, metavar="KEY=VALUE,...",
                    help="AB-training instead of a compressor, e.g. 'rank_groups=2,warmup_steps=50,"
                         "steps_between_syncs=50,full_rank_steps=5,cutoff=0.1,ramp_steps=10' "
@@ -153,6 +162,8 @@ def parse_args(argv=None):
         p.error("--gossip and --ab-training are two training modes: pick one")
     if args.ab_training is not None and args.compressor != "none":
         p.error("--ab-training replaces gradient compression: leave --compressor at 'none'")
+    if args.optimizer in OPTIMIZERS and (args.compressor != "none" or args.ab_training is not None):
+        p.error(f"--optimizer {args.optimizer} compresses by itself: leave --compressor at 'none', no --ab-training")
     if args.ab_training is not None and args.warmup_steps:
         p.error("--warmup-steps does not apply to AB-training, which ramps the learning rate after "
                 "every switch itself: set ramp_steps in --ab-training instead")
@@ -192,6 +203,11 @@ def start(args):
     hvd.init()
 
 
+def inner_optimizer(args):
+    """The torch.optim class of the inner optimizer (``--optimizer sgd`` or ``adam``)."""
+    return torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
+
+
 def build_optimizer(args, model, compressor, device):
     """``(module to call for training, optimizer, front)``: ``front`` is what synchronizes and
     times (the hvdcomp optimizer itself, or the DDP hook's state)."""
@@ -200,9 +216,9 @@ def build_optimizer(args, model, compressor, device):
 
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                       bucket_cap_mb=args.bucket_mb)
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+        opt = inner_optimizer(args)(model.parameters(), lr=args.lr)
         return ddp, opt, hvdcomp.ddp.register(ddp, compressor, optimizer=opt, granularity=args.granularity)
-    opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
+    opt = hvdcomp.DistributedOptimizer(inner_optimizer(args)(model.parameters(), lr=args.lr),
                                        named_parameters=model.named_parameters(),
                                        compression=compressor, allgather=args.allgather,
                                        bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
@@ -222,6 +238,8 @@ def main(argv=None):
     # ValueError for a bad spec, on every rank (gossip builds its own, error feedback off: below)
     compressor = None if args.gossip else hvdcomp.get_compressor(args.compressor)
     method = args.compressor if args.ab_training is None else f"ab-training:{args.ab_training}"
+    if args.optimizer != "sgd":  # (the optimizer names the method: adam+<spec>, onebit-adam, ...)
+        method = args.optimizer if args.optimizer in OPTIMIZERS else f"{args.optimizer}+{method}"
 
     data_path = args.data or default_data_path()
     corpus = load_corpus(data_path, vocab_size=args.vocab_size)
@@ -254,6 +272,12 @@ def main(argv=None):
         if args.gossip_eval == "average":  # the ranks' models differ: evaluate their average
             evaluate_model = opt.with_average_model(evaluate)
         front, forward = opt, model
+    elif args.optimizer in OPTIMIZERS:  # hvdcomp.adaptive_opt: averages (and compresses) by itself
+        ab = None
+        opt = front = make_optimizer(args.optimizer, model.named_parameters(), lr=args.lr,
+                                     freeze_step=args.freeze_step,
+                                     **hvdcomp.parse_spec("args:" + args.optimizer_args)[1])
+        forward, compressor = model, opt.compression
     else:
         ab = None
         forward, opt, front = build_optimizer(args, model, compressor, device)
@@ -352,6 +376,8 @@ def main(argv=None):
         "anneals": sched.anneals,
         "seconds_total": time.perf_counter() - t_start,
         "per_step": across,  # seconds and bytes per optimizer step, min/mean/max over ranks
+        "run_bytes": reduce_across_ranks({k: float(sum(r[k] for r in timer.history))  # every step
+                                          for k in ("bytes_sent", "bytes_received", "dense_bytes")}),
         "timed_steps": per_step["steps"],
         "nominal_ratio": nominal,
         "measured_ratio": measured_ratio,

@@ -26,7 +26,7 @@ from hvdcomp.compressors import PayloadKind
 from hvdcomp.compressors import simulated_world
 from hvdcomp.metrics import PhaseTimer
 
-__all__ = ["horovod_allreduce", "SimulatedRanks", "fp16_sequential_sum", "ThreadNetwork", "run_ranks"]
+__all__ = ["horovod_allreduce", "SimulatedRanks", "fp16_sequential_sum", "ThreadNetwork", "run_ranks", "step_comms"]
 
 TIMEOUT_S = 60  # a simulated rank waiting longer than this for a message fails the test
 
@@ -91,6 +91,45 @@ class ThreadNetwork:
                 return self.alltoall([data] * net.size)
 
         return Endpoint()
+
+
+def step_comms(size: int, nodes=None) -> List[StepComm]:
+    """One :class:`StepComm` per simulated rank, for ranks running in threads (:func:`run_ranks`):
+    ``allreduce_mean`` and ``broadcast`` meet at a barrier (the mean by :func:`horovod_allreduce`),
+    point-to-point messages go through one :class:`ThreadNetwork`. Every comm has ``barrier``
+    (abort it when a rank fails) and ``network`` attributes."""
+    barrier = threading.Barrier(size)
+    contributions: List[Optional[torch.Tensor]] = [None] * size
+    shared = {}
+    network = ThreadNetwork(size, nodes)
+
+    def allreduce_mean_for(r):
+        def allreduce_mean(flat, name):
+            contributions[r] = flat.clone()
+            if barrier.wait() == 0:
+                shared["out"] = horovod_allreduce(contributions, "average")
+            barrier.wait()
+            out = shared["out"].clone()
+            barrier.wait()  # everyone has its copy before the next round overwrites it
+            return out
+        return allreduce_mean
+
+    def broadcast_for(r):
+        def broadcast(tensor, root, name):
+            if r == root:
+                shared["bcast"] = tensor.clone()
+            barrier.wait()
+            out = shared["bcast"].clone()
+            barrier.wait()
+            return out
+        return broadcast
+
+    comms = []
+    for r in range(size):
+        comm = StepComm(allreduce_mean_for(r), r, size, broadcast_for(r), network.endpoint(r))
+        comm.barrier, comm.network = barrier, network
+        comms.append(comm)
+    return comms
 
 
 def run_ranks(size: int, fn) -> list:
@@ -247,39 +286,15 @@ class SimulatedRanks:
         Returns every rank's list of averaged gradients.
         """
         n = self.world
-        barrier = threading.Barrier(n)
-        contributions: List[Optional[torch.Tensor]] = [None] * n
-        shared = {}
         results: List[Optional[list]] = [None] * n
         errors: List[BaseException] = []
-
-        def allreduce_mean_for(r):
-            def allreduce_mean(flat, name):
-                contributions[r] = flat.clone()
-                if barrier.wait() == 0:
-                    shared["out"] = horovod_allreduce(contributions, "average")
-                barrier.wait()
-                out = shared["out"].clone()
-                barrier.wait()  # everyone has its copy before the next round overwrites it
-                return out
-            return allreduce_mean
-
-        def broadcast_for(r):
-            def broadcast(tensor, root, name):
-                if r == root:
-                    shared["bcast"] = tensor.clone()
-                barrier.wait()
-                out = shared["bcast"].clone()
-                barrier.wait()
-                return out
-            return broadcast
-
-        network = self.last_network = ThreadNetwork(n, nodes)
+        comms = step_comms(n, nodes)
+        barrier = comms[0].barrier
+        self.last_network = comms[0].network
 
         def run(r):
             try:
-                comm = StepComm(allreduce_mean_for(r), r, n, broadcast_for(r), network.endpoint(r))
-                results[r] = self.comps[r].reduce_batch(list(named_grads_per_rank[r]), comm,
+                results[r] = self.comps[r].reduce_batch(list(named_grads_per_rank[r]), comms[r],
                                                         PhaseTimer(cuda_sync=False))
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 errors.append(exc)

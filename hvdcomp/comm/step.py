@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["StepComm"]
+__all__ = ["StepComm", "horovod_step_comm"]
 
 
 class StepComm:
@@ -49,3 +49,35 @@ class StepComm:
         if self._broadcast is None:
             raise RuntimeError("this StepComm has no broadcast")
         return self._broadcast(tensor, root, name)
+
+
+def horovod_step_comm(group, timer, prefix: str, point_to_point=None) -> StepComm:
+    """The :class:`StepComm` of a Horovod process set: blocking Horovod allreduce (mean) and
+    broadcast within ``group``, each timed as ``communicate`` on ``timer`` and counted there
+    (bytes of the tensor sent and received; a broadcast counts as sent on its root only).
+
+    Args:
+        group: a :class:`hvdcomp.comm.group.Group`.
+        timer: a :class:`hvdcomp.metrics.PhaseTimer`.
+        prefix: the caller's collective-name prefix (unique per caller, the same on every rank);
+            the collectives are named ``prefix.name``.
+        point_to_point: a :class:`~hvdcomp.comm.exchange.PointToPoint` among the group's ranks
+            (e.g. :class:`~hvdcomp.comm.exchange.MPIExchange`), or None.
+    """
+    hvd = group.hvd
+
+    def allreduce_mean(tensor, name):
+        with timer.phase("communicate"):
+            out = group.allreduce(tensor, f"{prefix}.{name}", hvd.Average)
+        nbytes = tensor.numel() * tensor.element_size()
+        timer.add_bytes(sent=nbytes, received=nbytes)
+        return out
+
+    def broadcast(tensor, root, name):
+        with timer.phase("communicate"):
+            out = group.broadcast(tensor, root, f"{prefix}.{name}")
+        nbytes = tensor.numel() * tensor.element_size()
+        timer.add_bytes(sent=nbytes if group.rank == root else 0, received=nbytes)
+        return out
+
+    return StepComm(allreduce_mean, group.rank, group.size, broadcast, point_to_point)

@@ -48,6 +48,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..compressors.base import Compressor
+from ..memory import ErrorFeedback
 from ..spec import get_compressor, parse_spec
 from .topology import Topology
 
@@ -114,8 +115,6 @@ def compressor_kind(comp: Compressor) -> CompressorKind:
         ValueError: a refused method (the message says why and what to use), an unclassified
             registered method, a compressor wrapped in error feedback.
     """
-    from ..memory import ErrorFeedback
-
     if isinstance(comp, ErrorFeedback):
         raise ValueError(f"'{comp.name}' is wrapped in error feedback; gossip's public copies already keep what "
                          "compression drops: build it with ef=false (or pass the spec string)")

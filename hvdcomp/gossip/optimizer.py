@@ -41,6 +41,8 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 
 from ..metrics import PhaseTimer
+from ..transports.neighbor import NeighborTransport
+from ..comm.group import Group
 from .base import GossipMethod, copy_params
 from .choco import ChocoGossip
 from .dcd import DCDGossip, ECDGossip
@@ -106,8 +108,6 @@ class GossipOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None, method: str = "choco",
                  topology="ring", compression=None, consensus_step: Optional[float] = None, process_set=None,
                  weights: str = "metropolis", overlap: bool = True, timeout: float = 300.0, **method_kwargs):
-        from ..comm.group import Group
-
         self.optimizer = optimizer
         self.timer = PhaseTimer()
         self.overlap = bool(overlap)
@@ -123,8 +123,6 @@ class GossipOptimizer:
         if not self.group.included:
             return  # (as Horovod: a rank outside the process set trains on its own)
         comm = self._communicator()
-        from ..transports.neighbor import NeighborTransport
-
         self.transport = NeighborTransport(comm, timeout=timeout)
         error, record = None, None
         try:
