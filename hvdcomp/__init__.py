@@ -9,6 +9,7 @@ from .metrics import PhaseTimer
 from .spec import get_compressor, parse_spec
 from . import transports  # noqa: F401  (registers the transports and the step-wide methods)
 from .optimizer import DistributedOptimizer
+from . import local  # noqa: F401,E402  (local-update training: hvdcomp.local)
 
 __version__ = "0.1.0"
 __all__ = ["Compressor", "ErrorFeedback", "DistributedOptimizer", "PhaseTimer", "available",
