@@ -223,12 +223,15 @@ class CO2(LocalUpdate):
         """Join the reduction in flight and apply it, then reduce and apply the current round's
         inner steps (if any) without overlap: the model then holds θ with every round in.
         Collective: call it on every rank at the same step."""
+        with self.timer.phase("outer"):
+            delta = self._delta_aside() if self.round_step else {}  # (relative to this round's start)
         self._join()
         with self.timer.phase("outer"):
             self._apply_pending()
-        if self.round_step:
-            with self.timer.phase("outer"):
-                self._compute_delta()
+        if delta:
+            with torch.no_grad():
+                for n, d in delta.items():
+                    self._delta[n].copy_(d)
             self._start()
             self._join()
             with self.timer.phase("outer"):
