@@ -14,6 +14,10 @@ rate divided by ``--anneal`` (4) after an epoch whose validation perplexity did 
 ``--early-stop`` such epochs in a row (not before ``--min-epochs``), at most ``--epochs`` epochs.
 The test perplexity is that of the weights with the best validation perplexity.
 
+With ``--local-steps H`` the ranks train locally and communicate every H steps (DiLoCo, SparseLoCo,
+CO2 or Local AdaAlter by ``--outer-opt``; the pseudo-gradient travels by ``--compressor``;
+``docs/local-update.md``); validation then uses the global parameters.
+
 Writes ``OUTPUT/results.json`` (config, per-epoch perplexities, per-phase seconds per step with
 min/mean/max over ranks, bytes per step, measured and nominal compression ratios) and prints a
 one-line summary. Rank 0 shows progress.
@@ -21,6 +25,7 @@ one-line summary. Rank 0 shows progress.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -102,6 +107,16 @@ def parse_args(argv=None):
     p.add_argument("--transport", choices=["planned", "auto"], default="planned",
                    help="auto: the cost model chooses among the transports of the same kind of "
                         "compression (top-k: allgather, gtopk, cltk; quantizers: allgather, twophase)")
+    p.add_argument("--local-steps", type=int, default=0, metavar="H",
+                   help="local-update training (docs/local-update.md): H inner steps without communication, "
+                        "then the pseudo-gradient through --compressor and an outer step (0: synchronous)")
+    p.add_argument("--outer-opt", default="diloco", metavar="SPEC",
+                   help=f"with --local-steps: {', '.join(sorted(hvdcomp.local.ALGORITHMS))}, with arguments, "
+                        "e.g. 'diloco:outer_lr=0.7,outer_momentum=0.9', 'average', 'co2:gap_penalty=2,clip=0.1', "
+                        "'sparseloco:beta=0.999', 'adaalter:eps=1,warmup_steps=1' (AdaAlter is also the inner optimizer)")
+    p.add_argument("--inner-opt", choices=["sgd", "adamw"], default="sgd",
+                   help="the optimizer of every step (the inner optimizer with --local-steps); adamw: DiLoCo's")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="the optimizer's weight decay (DiLoCo: 0.1)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: this rank's local GPU when CUDA is available, else CPU")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
@@ -130,6 +145,12 @@ def parse_args(argv=None):
                     "seconds and seconds per byte), e.g. 5e-5,8e-10")
     if args.transport == "auto" and args.cost_model == "off":
         p.error("--transport auto lets the cost model choose: use --cost-model measure or ALPHA,BETA")
+    if args.local_steps < 0 or args.weight_decay < 0:
+        p.error("--local-steps and --weight-decay must be >= 0")
+    if args.local_steps and args.ab_training is not None:
+        p.error("--ab-training is not a local-update method: drop --local-steps")
+    if args.outer_opt != "diloco" and not args.local_steps:
+        p.error("--outer-opt applies to local-update training: give --local-steps H")
     if args.ab_training is not None and args.compressor != "none":
         p.error("--ab-training replaces gradient compression: leave --compressor at 'none'")
     if args.ab_training is not None and args.warmup_steps:
@@ -143,6 +164,26 @@ def transport_of(opt, compressor) -> str:
     if isinstance(opt, ABTraining):
         return "mpi4py-allreduce (world + group sub-communicators)"
     return str(opt.transport)
+
+
+def inner_optimizer(args, params):
+    """--inner-opt: the optimizer of every step."""
+    if args.inner_opt == "adamw":
+        return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    return torch.optim.SGD(params, lr=args.lr, weight_decay=args.weight_decay)
+
+
+def local_update_optimizer(args, model, compressor, **pipeline):
+    """--local-steps H --outer-opt SPEC: the hvdcomp.local wrapper around the inner optimizer
+    (AdaAlter's spec also sets its inner optimizer's eps)."""
+    name, spec = hvdcomp.parse_spec(args.outer_opt)
+    if name == "adaalter":
+        inner = hvdcomp.local.AdaAlter(model.parameters(), lr=args.lr, eps=spec.pop("eps", 1e-7),
+                                       weight_decay=args.weight_decay)
+    else:
+        inner = inner_optimizer(args, model.parameters())
+    return hvdcomp.local.from_spec(name, inner, model.named_parameters(), local_steps=args.local_steps,
+                                   compression=compressor, **spec, **pipeline)
 
 
 def evaluate(model, stream, eval_batch, bptt):
@@ -183,12 +224,14 @@ def main(argv=None):
         opt = ab
     else:
         ab = None
-        opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
-                                           named_parameters=model.named_parameters(),
-                                           compression=compressor, allgather=args.allgather,
-                                           bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
-                                           cost_model=args.cost_model, granularity=args.granularity,
-                                           transport=args.transport)
+        pipeline = dict(allgather=args.allgather, bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
+                        cost_model=args.cost_model, granularity=args.granularity, transport=args.transport)
+        if args.local_steps:
+            opt = local_update_optimizer(args, model, compressor, **pipeline)
+        else:
+            opt = hvdcomp.DistributedOptimizer(inner_optimizer(args, model.parameters()),
+                                               named_parameters=model.named_parameters(),
+                                               compression=compressor, **pipeline)
         compressor = opt.compression  # (the chosen one, with --transport auto)
     timer = opt.timer
     ratios = [None if ab else compressor.nominal_ratio(p.numel()) for p in model.parameters()]
@@ -237,10 +280,11 @@ def main(argv=None):
             bar.set_postfix(loss=f"{loss.item():.3f}")
         bar.close()
         train_loss = hvd.allreduce(torch.tensor(loss_sum / steps_per_epoch), name=f"train.loss.{epoch}").item()
-        val_ppl = evaluate(model, corpus.valid, args.eval_batch_size, args.bptt)
-        stop = sched.end_epoch(val_ppl)
-        if sched.improved:
-            best_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        with opt.global_parameters() if args.local_steps else contextlib.nullcontext():  # (mid-round: θ_start)
+            val_ppl = evaluate(model, corpus.valid, args.eval_batch_size, args.bptt)
+            stop = sched.end_epoch(val_ppl)
+            if sched.improved:
+                best_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
         epochs.append({"epoch": epoch, "train_loss": train_loss,
                        "train_ppl": math.exp(min(train_loss, 700.0)), "val_ppl": val_ppl, "lr": lr,
                        "steps": steps_per_epoch, "seconds": time.perf_counter() - t_epoch,
@@ -253,6 +297,8 @@ def main(argv=None):
                 log.info("stopping after epoch %d: no improvement for %d epoch(s) (best %.2f at epoch %d)",
                          epoch, sched.bad_epochs, sched.best, sched.best_epoch)
             break
+    if args.local_steps:
+        opt.flush()  # (the last round in; the model holds the global parameters)
     if best_weights is not None:
         model.load_state_dict(best_weights)  # test the weights with the best validation perplexity
     best_val = sched.best
@@ -294,6 +340,11 @@ def main(argv=None):
                                  "routes": opt.transport.routes}
     if not ab and opt.transport.choice:
         results["transport_choice"] = {"chosen": compressor.describe(), "predicted_s": opt.transport.choice}
+    if args.local_steps:  # bytes per round and per inner step, seconds per phase (CO2: hidden behind compute)
+        local = opt.report()
+        results["config"]["local_update"] = opt.describe()
+        results["local_update"] = {**local, "across_ranks": reduce_across_ranks(local)}
+        opt.close()
     if ab:
         results["config"]["compressor"] = ab.describe()
         results["ab_training"] = ab.communication_report()
@@ -304,7 +355,9 @@ def main(argv=None):
         print(f"SUMMARY method={method} ranks={size} model={args.model} epochs={args.epochs} "
               f"val_ppl={epochs[-1]['val_ppl']:.2f} test_ppl={test_ppl:.2f} step={across['wall']['mean']:.3f}s "
               f"({ph}) sent={across['bytes_sent']['mean'] / 1e3:.1f}KB/step "
-              f"ratio={measured_ratio:.1f}x (nominal {'n/a' if nominal is None else f'{nominal:.1f}x'}) -> {path}", flush=True)
+              f"ratio={measured_ratio:.1f}x (nominal {'n/a' if nominal is None else f'{nominal:.1f}x'})"
+              + (f" local={args.outer_opt}:H={args.local_steps} rounds={local['rounds']}" if args.local_steps else "")
+              + f" -> {path}", flush=True)
 
 
 if __name__ == "__main__":

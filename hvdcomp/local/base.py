@@ -413,6 +413,8 @@ class LocalUpdate:
             total = sum(r.get(k, 0.0) for r in rows)
             out[f"{k}_per_round"] = total / max(1, len(rows))
             out[f"{k}_per_step"] = total / steps
+        if out.get("bytes_sent_per_step"):  # fp32 bytes synchronous training sends per step / these
+            out["ratio_vs_dense_per_step"] = out["dense_bytes_per_round"] / out["bytes_sent_per_step"]
         if self.timer.history:
             out["compute_s_per_step"] = sum(r.get("compute", 0.0) for r in self.timer.history) / len(self.timer.history)
             out["outer_s_per_step"] = sum(r.get("outer", 0.0) for r in self.timer.history) / len(self.timer.history)
