@@ -194,24 +194,30 @@ def simulate(config):
     return [torch.stack(t) for t in traces], final
 
 
+CHECKS_2 = ["equivalence", "co2_hand_worked", "co2_no_training_on_inflight_tensors", "bad_input",
+            "resume_mid_round", "resume_broadcast", "grad_scaler"]
+
+
 @pytest.fixture(scope="module")
-def mpi_traces(tmp_path_factory):
+def mpi_run(tmp_path_factory):
+    """One 2-rank launch: the traces of every GRID configuration, then the checks of CHECKS_2."""
     out = tmp_path_factory.mktemp("local-traces")
     grid = out / "grid.json"
     grid.write_text(json.dumps(GRID))
-    check(WORLD, ["tests/mpi/local_checks.py", "traces", "--grid", str(grid), "--out", str(out)], timeout=240)
-    return [torch.load(out / f"traces.{r}.pt", weights_only=True) for r in range(WORLD)]
+    log = check(WORLD, ["tests/mpi/local_checks.py", "traces", *CHECKS_2, "--grid", str(grid), "--out", str(out)],
+                timeout=300)
+    return [torch.load(out / f"traces.{r}.pt", weights_only=True) for r in range(WORLD)], log
 
 
 @pytest.mark.parametrize("index", range(len(GRID)), ids=[
     f"{c['algorithm']}-H{c['local_steps']}-lr{c.get('outer_lr', 1.0)}-m{c.get('outer_momentum', 0)}-{c['compression'].split(':')[0]}"
     + (f"-pen{c['gap_penalty']}-clip{c['clip']}" if c["algorithm"] == "co2" else "") for c in GRID])
-def test_golden_traces(mpi_traces, index):
+def test_golden_traces(mpi_run, index):
     """Every rank's parameters after every inner step, and the final ones, bitwise as the
     simulation computes them from the formulas."""
     traces, final = simulate(GRID[index])
     for rank in range(WORLD):
-        got = mpi_traces[rank][index]
+        got = mpi_run[0][rank][index]
         for step, (a, b) in enumerate(zip(got["steps"], traces[rank])):
             assert torch.equal(a, b), (rank, step, (a - b).abs().max().item())
         assert torch.equal(got["final"], final)
@@ -234,14 +240,10 @@ def test_simulation_sees_delay_penalty_and_clip():
 
 
 # ---- multi-rank checks ----------------------------------------------------------------------------
-CHECKS_2 = ["equivalence", "co2_hand_worked", "co2_no_training_on_inflight_tensors", "bad_input",
-            "resume_mid_round", "resume_broadcast", "grad_scaler"]
-
-
-def test_local_checks_2_ranks():
-    out = check(2, ["tests/mpi/local_checks.py", *CHECKS_2], timeout=240)
-    for name in CHECKS_2:
-        assert f"OK {name}" in out, out[-3000:]
+def test_local_checks_2_ranks(mpi_run):
+    """tests/mpi/local_checks.py's checks at 2 ranks (each asserts its own reference: see there)."""
+    for name in ["traces", *CHECKS_2]:
+        assert f"OK {name}" in mpi_run[1], mpi_run[1][-3000:]
 
 
 def test_equivalence_4_ranks():
