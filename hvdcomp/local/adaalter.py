@@ -118,6 +118,8 @@ class LocalAdaAlter(LocalUpdate):
         if self._closed or self.steps >= self.warmup_steps:
             self.inner.synchronous = False
             return super().step(closure)
+        if not self._started:
+            self._start_training()
         loss = None
         if closure is not None:
             with torch.enable_grad():

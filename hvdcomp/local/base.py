@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from ..agreement import digest
 from ..comm.group import horovod
 from ..compressors.base import Compressor, PayloadKind
 from ..config import check_method, name_parameters
@@ -161,6 +162,7 @@ class LocalUpdate:
         self.steps = self.round_step = self.rounds = self.skipped_rounds = 0
         self.history: List[Dict[str, Any]] = []  # one record per round
         self._closed = False
+        self._started = False  # θ_start taken from the model (at the first step: after the user's broadcast)
 
     # ---- construction helpers ------------------------------------------------------------------
     def _make_carriers(self):
@@ -235,12 +237,34 @@ class LocalUpdate:
         """
         if self._closed:
             raise RuntimeError("this local-update optimizer was closed; build a new one to keep training")
+        if not self._started:
+            self._start_training()
         loss = self.inner.step(closure)
         self.steps += 1
         self.round_step += 1
         if self.round_step >= self.local_steps:
             self._end_round()
         return loss
+
+    def _start_training(self) -> None:
+        """At the first step: θ_start ← the model's parameters (``hvd.broadcast_parameters`` may
+        have run after construction), and every rank must have the same ones.
+
+        Raises:
+            RuntimeError: on every rank, when the ranks' parameters differ.
+        """
+        with torch.no_grad():
+            for n, p in self._params:
+                self._anchor[n].copy_(p)
+        self._started = True
+        group = self.sync.group
+        if group.size > 1:
+            every = group.allgather_object(digest({n: a.detach() for n, a in self._anchor.items()}),
+                                           name=f"{self.prefix}.start")
+            if len(set(every)) > 1:
+                raise RuntimeError("the ranks start local-update training from different parameters (rank(s) "
+                                   f"{[r for r, d in enumerate(every) if d != every[0]]} differ from rank 0): "
+                                   "broadcast them first, hvd.broadcast_parameters(model.state_dict(), root_rank=0)")
 
     # ---- the round -------------------------------------------------------------------------------
     def _end_round(self) -> None:
@@ -361,6 +385,7 @@ class LocalUpdate:
                 a.copy_(state["anchor"][n])
         for k, v in state["counters"].items():
             setattr(self, k, int(v))
+        self._started = True
 
     def _global_state(self) -> Dict[str, Any]:
         """What :meth:`broadcast_state` sends besides tensors (counters)."""
@@ -390,6 +415,7 @@ class LocalUpdate:
                 t.copy_(hvd.broadcast(t.detach(), root_rank, name=f"{self.prefix}.{n}"))
         for k, v in hvd.broadcast_object(self._global_state(), root_rank, name=f"{self.prefix}.counters").items():
             setattr(self, k, v)
+        self._started = True
 
     # ---- description and instrumentation -----------------------------------------------------------
     def describe(self) -> Dict[str, Any]:

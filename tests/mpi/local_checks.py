@@ -207,6 +207,12 @@ def check_bad_input():
             make()
     with pytest.raises(TypeError, match="wraps hvdcomp.local.AdaAlter"):
         LocalAdaAlter(sgd(), names())
+    # ranks that start from different parameters (no broadcast): refused at the first step, on every rank
+    other = tiny_model(seed=hvd.rank())
+    opt = DiLoCo(torch.optim.SGD(other.parameters(), lr=0.1), other.named_parameters(), local_steps=2)
+    with pytest.raises(RuntimeError, match=r"different parameters .* hvd.broadcast_parameters"):
+        inner_step(other, opt, 0)
+    opt.close()
     # nothing was left half-built: a good one still works and agrees across ranks
     opt = DiLoCo(sgd(), names(), local_steps=2)
     for step in range(2):
