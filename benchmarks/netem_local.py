@@ -31,7 +31,6 @@ The full grid (``benchmarks/README.md``, "Local-update training")::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os

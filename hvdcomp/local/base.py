@@ -44,8 +44,9 @@ from ..config import check_method, name_parameters
 from ..memory import Wrapper
 from ..metrics import PhaseTimer
 from ..spec import resolve_compression
+from .checkpoint import Checkpoints
 
-__all__ = ["LocalUpdate", "check_carries_delta", "check_outer_lr"]
+__all__ = ["LocalUpdate", "check_carries_delta", "check_outer_lr", "round_report"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _ids = itertools.count()  # creation order of local-update optimizers: the same on every rank, names collectives
@@ -91,7 +92,7 @@ class _Mailbox(torch.optim.Optimizer):
         return None
 
 
-class LocalUpdate:
+class LocalUpdate(Checkpoints):
     """Base of the local-update wrappers (:class:`hvdcomp.local.DiLoCo`, ``SparseLoCo``, ``CO2``,
     ``LocalAdaAlter``): see the module docstring for the round.
 
@@ -357,66 +358,6 @@ class LocalUpdate:
                 for (_, p), s in zip(self._params, saved):
                     p.copy_(s)
 
-    # ---- checkpoints -----------------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, Any]:
-        """Inner, outer and method state, θ_start and the round counters (tensors, numbers and
-        strings only: loads with ``weights_only=True``). Save it with the model's own
-        ``state_dict()`` (the local parameters). Per-rank files resume exactly, mid-round too."""
-        return {"inner": self.inner.state_dict(), "outer": self.outer.state_dict(),
-                "sync": self.sync.state_dict(), "anchor": {n: a.detach().clone() for n, a in self._anchor.items()},
-                "counters": {"steps": self.steps, "round_step": self.round_step, "rounds": self.rounds,
-                             "skipped_rounds": self.skipped_rounds},
-                "algorithm": self.algorithm}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict`.
-
-        Raises:
-            ValueError: a checkpoint of another algorithm or of other parameters.
-        """
-        if state.get("algorithm") != self.algorithm or set(state["anchor"]) != set(self._anchor):
-            raise ValueError(f"this checkpoint is of {state.get('algorithm')!r} over parameters "
-                             f"{sorted(state['anchor'])[:5]}..., not of this {self.algorithm!r} optimizer's")
-        self.inner.load_state_dict(state["inner"])
-        self.outer.load_state_dict(state["outer"])
-        self.sync.load_state_dict(state["sync"])
-        with torch.no_grad():
-            for n, a in self._anchor.items():
-                a.copy_(state["anchor"][n])
-        for k, v in state["counters"].items():
-            setattr(self, k, int(v))
-        self._started = True
-
-    def _global_state(self) -> Dict[str, Any]:
-        """What :meth:`broadcast_state` sends besides tensors (counters)."""
-        return {"steps": self.steps, "round_step": self.round_step, "rounds": self.rounds,
-                "skipped_rounds": self.skipped_rounds}
-
-    def _global_tensors(self) -> Dict[str, torch.Tensor]:
-        """Tensors :meth:`broadcast_state` sends: θ_start."""
-        return dict(self._anchor)
-
-    def broadcast_state(self, root_rank: int = 0) -> None:
-        """Horovod's resume recipe (rank ``root_rank`` loaded the checkpoint): θ_start, the round
-        counters and the outer and inner optimizers' state are broadcast from it; the method's
-        shared state follows at the next round, its per-rank residuals start fresh elsewhere (as
-        :func:`hvdcomp.DistributedOptimizer`). Broadcast the model too
-        (``hvd.broadcast_parameters(model.state_dict(), root_rank)``). Collective."""
-        hvd = horovod()
-        with torch.no_grad():
-            saved = [p.detach().clone() for _, p in self._params]
-        hvd.broadcast_optimizer_state(self.inner, root_rank)  # (a fresh optimizer's state is made by a
-        with torch.no_grad():                                  # zero-gradient step: keep the parameters)
-            for (_, p), s in zip(self._params, saved):
-                p.copy_(s)
-        hvd.broadcast_optimizer_state(self.outer, root_rank)
-        for n, t in sorted(self._global_tensors().items()):
-            with torch.no_grad():
-                t.copy_(hvd.broadcast(t.detach(), root_rank, name=f"{self.prefix}.{n}"))
-        for k, v in hvd.broadcast_object(self._global_state(), root_rank, name=f"{self.prefix}.counters").items():
-            setattr(self, k, v)
-        self._started = True
-
     # ---- description and instrumentation -----------------------------------------------------------
     def describe(self) -> Dict[str, Any]:
         """JSON-able description: algorithm, H, the outer optimizer and the method."""
@@ -425,29 +366,35 @@ class LocalUpdate:
                 "outer": {"class": type(self.outer).__name__, **outer}, "compression": self.compression.describe()}
 
     def report(self) -> Dict[str, float]:
-        """Per-round and per-step figures of the rounds so far: bytes sent / received / dense
-        (their fp32 size) per round and per inner step, seconds per round of each phase of the
-        reduction, of the outer phase, and (CO2) of communication exposed and hidden behind the
-        inner steps; the inner steps' ``compute`` seconds per step where :attr:`timer` recorded
-        steps. Numbers only (same keys on every rank)."""
-        rows, steps = self.history, max(1, self.steps)
-        out: Dict[str, float] = {"inner_steps": self.steps, "rounds": self.rounds, "local_steps": self.local_steps,
-                                 "skipped_rounds": self.skipped_rounds}
-        keys = sorted({k for r in rows for k, v in r.items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool)} - {"round", "step", "inner_steps"})
-        for k in keys:
-            total = sum(r.get(k, 0.0) for r in rows)
-            out[f"{k}_per_round"] = total / max(1, len(rows))
-            out[f"{k}_per_step"] = total / steps
-        if out.get("bytes_sent_per_step"):  # fp32 bytes synchronous training sends per step / these
-            out["ratio_vs_dense_per_step"] = out["dense_bytes_per_round"] / out["bytes_sent_per_step"]
-        if self.timer.history:
-            out["compute_s_per_step"] = sum(r.get("compute", 0.0) for r in self.timer.history) / len(self.timer.history)
-            out["outer_s_per_step"] = sum(r.get("outer", 0.0) for r in self.timer.history) / len(self.timer.history)
-        return out
+        """Per-round and per-step figures of the rounds so far (:func:`round_report`)."""
+        return round_report(self.history, self.steps, self.rounds, self.local_steps, self.skipped_rounds, self.timer)
 
     def close(self) -> None:
         """Stop communicating (the pipeline's :meth:`close`); idempotent. Collective."""
         if not self._closed:
             self.sync.close()
             self._closed = True
+
+
+def round_report(history: List[Dict[str, Any]], steps: int, rounds: int, local_steps: int, skipped: int,
+                 timer: PhaseTimer) -> Dict[str, float]:
+    """Per-round and per-step figures of the rounds so far: bytes sent / received / dense
+    (their fp32 size) per round and per inner step, seconds per round of each phase of the
+    reduction, of the outer phase, and (CO2) of communication exposed and hidden behind the
+    inner steps; the inner steps' ``compute`` seconds per step where ``timer`` recorded
+    steps. Numbers only (same keys on every rank)."""
+    rows, per = history, max(1, steps)
+    out: Dict[str, float] = {"inner_steps": steps, "rounds": rounds, "local_steps": local_steps,
+                             "skipped_rounds": skipped}
+    keys = sorted({k for r in rows for k, v in r.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)} - {"round", "step", "inner_steps"})
+    for k in keys:
+        total = sum(r.get(k, 0.0) for r in rows)
+        out[f"{k}_per_round"] = total / max(1, len(rows))
+        out[f"{k}_per_step"] = total / per
+    if out.get("bytes_sent_per_step"):  # fp32 bytes synchronous training sends per step / these
+        out["ratio_vs_dense_per_step"] = out["dense_bytes_per_round"] / out["bytes_sent_per_step"]
+    if timer.history:
+        out["compute_s_per_step"] = sum(r.get("compute", 0.0) for r in timer.history) / len(timer.history)
+        out["outer_s_per_step"] = sum(r.get("outer", 0.0) for r in timer.history) / len(timer.history)
+    return out
