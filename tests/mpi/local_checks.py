@@ -320,7 +320,29 @@ def check_grad_scaler():
     opt.close()
 
 
+def check_half_precision():
+    """bfloat16 parameters: θ_start and Δ are kept in float32 (the outer step does not round to
+    bfloat16 every round), the model gets θ_start rounded to bfloat16; DiLoCo and CO2 alike."""
+    for cls in (DiLoCo, CO2):
+        model = tiny_model().to(torch.bfloat16)
+        opt = cls(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(), local_steps=2,
+                  outer_lr=0.7, outer_momentum=0.5, **({"nesterov": False} if cls is DiLoCo else {}))
+        for step in range(6):
+            x, y = batch(hvd.rank(), step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+            opt.step()
+        opt.flush()
+        for n, p in model.named_parameters():
+            a = opt._anchor[n]
+            assert a.dtype == torch.float32 and opt._delta[n].dtype == torch.float32
+            assert torch.equal(p.detach(), a.detach().to(torch.bfloat16))
+        assert opt.rounds == 3 and same_on_all_ranks(flat(model).float(), f"half.{cls.__name__}")
+        opt.close()
+
+
 CHECKS = {f.__name__[len("check_"):]: f for f in [
+    check_half_precision,
     check_equivalence, check_co2_hand_worked, check_co2_no_training_on_inflight_tensors, check_bad_input,
     check_resume_mid_round, check_resume_broadcast, check_grad_scaler]}
 
