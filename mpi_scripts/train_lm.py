@@ -20,6 +20,10 @@ rate divided by ``--anneal`` (4) after an epoch whose validation perplexity did 
 ``--early-stop`` such epochs in a row (not before ``--min-epochs``), at most ``--epochs`` epochs.
 The test perplexity is that of the weights with the best validation perplexity.
 
+With ``--local-steps H`` the ranks train locally and communicate every H steps (DiLoCo, SparseLoCo,
+CO2 or Local AdaAlter by ``--outer-opt``; the pseudo-gradient travels by ``--compressor``;
+``docs/local-update.md``); validation then uses the global parameters.
+
 Writes ``OUTPUT/results.json`` (config, per-epoch perplexities, per-phase seconds per step with
 min/mean/max over ranks, bytes per step, measured and nominal compression ratios) and prints a
 one-line summary. Rank 0 shows progress.
@@ -27,6 +31,7 @@ one-line summary. Rank 0 shows progress.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -45,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hvdcomp  # noqa: E402
 import hvdcomp.ddp  # noqa: E402
 import hvdcomp.gossip  # noqa: E402
+import hvdcomp.local  # noqa: E402
 import hvdcomp.native  # noqa: E402
 from hvdcomp.lm import (ARCHITECTURES, MODEL_SIZES, PlateauSchedule, batchify, load_corpus,  # noqa: E402
                         loss_sums, make_lm, rank_columns, window_loss)
@@ -66,9 +72,10 @@ def parse_args(argv=None):
                         "DistributedDataParallel with hvdcomp's comm hook (torchrun/srun, no Horovod)")
     p.add_argument("--compressor", default="none",
                    help=f"method spec NAME[:key=value,...]; methods: {', '.join(hvdcomp.available())}")
-    p.add_argument("--optimizer", choices=["sgd", "adam", *OPTIMIZERS], default="sgd",
-                   help="sgd or adam, through hvdcomp.DistributedOptimizer with --compressor; or one of "
-                        "hvdcomp.adaptive_opt (docs/adaptive-optimizers.md), which compresses by itself")
+    p.add_argument("--optimizer", choices=["sgd", "adam", "adamw", *OPTIMIZERS], default="sgd",
+                   help="sgd, adam or adamw (DiLoCo's inner optimizer), the optimizer of every step, with "
+                        "--compressor (or the inner one with --local-steps); or one of hvdcomp.adaptive_opt "
+                        "(docs/adaptive-optimizers.md), which compresses by itself")
     p.add_argument("--freeze-step", type=int, default=0,
                    help="1-bit Adam / 1-bit LAMB: warm-up steps; 0/1 Adam: var_freeze_step (0: its default)")
     p.add_argument("--optimizer-args", default="", metavar="KEY=VALUE,...",
@@ -128,6 +135,14 @@ def parse_args(argv=None):
                    help="Choco-SGD's gamma in (0, 1] (e.g. 0.45 for sign, 0.04 for topk 1%%)")
     p.add_argument("--gossip-eval", choices=["average", "local"], default="average",
                    help="evaluate the network-average model, or each rank's own model on its share")
+    p.add_argument("--local-steps", type=int, default=0, metavar="H",
+                   help="local-update training (docs/local-update.md): H inner steps without communication, "
+                        "then the pseudo-gradient through --compressor and an outer step (0: synchronous)")
+    p.add_argument("--outer-opt", default="diloco", metavar="SPEC",
+                   help=f"with --local-steps: {', '.join(sorted(hvdcomp.local.ALGORITHMS))}, with arguments, "
+                        "e.g. 'diloco:outer_lr=0.7,outer_momentum=0.9', 'average', 'co2:gap_penalty=2,clip=0.1', "
+                        "'sparseloco:beta=0.999', 'adaalter:eps=1,warmup_steps=1' (AdaAlter is also the inner optimizer)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="the optimizer's weight decay (DiLoCo: 0.1)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: this rank's local GPU when CUDA is available, else CPU")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
@@ -156,10 +171,20 @@ def parse_args(argv=None):
                     "seconds and seconds per byte), e.g. 5e-5,8e-10")
     if args.transport == "auto" and args.cost_model == "off":
         p.error("--transport auto lets the cost model choose: use --cost-model measure or ALPHA,BETA")
-    if args.frontend == "ddp" and (args.ab_training is not None or args.transport == "auto" or args.gossip):
-        p.error("--ab-training, --gossip and --transport auto run on the Horovod front-end only (--frontend horovod)")
-    if args.gossip and args.ab_training is not None:
-        p.error("--gossip and --ab-training are two training modes: pick one")
+    if args.frontend == "ddp" and (args.ab_training is not None or args.transport == "auto" or args.gossip
+                                   or args.local_steps):
+        p.error("--ab-training, --gossip, --local-steps and --transport auto run on the Horovod front-end only "
+                "(--frontend horovod)")
+    if sum(bool(x) for x in (args.gossip, args.ab_training is not None, args.local_steps,
+                             args.optimizer in OPTIMIZERS)) > 1:
+        p.error("--gossip, --ab-training, --local-steps and an hvdcomp.adaptive_opt --optimizer are training "
+                "modes: pick one")
+    if args.local_steps < 0 or args.weight_decay < 0:
+        p.error("--local-steps and --weight-decay must be >= 0")
+    if args.local_steps and args.ab_training is not None:
+        p.error("--ab-training is not a local-update method: drop --local-steps")
+    if args.outer_opt != "diloco" and not args.local_steps:
+        p.error("--outer-opt applies to local-update training: give --local-steps H")
     if args.ab_training is not None and args.compressor != "none":
         p.error("--ab-training replaces gradient compression: leave --compressor at 'none'")
     if args.optimizer in OPTIMIZERS and (args.compressor != "none" or args.ab_training is not None):
@@ -175,6 +200,25 @@ def transport_of(opt, compressor) -> str:
     if isinstance(opt, ABTraining):
         return "mpi4py-allreduce (world + group sub-communicators)"
     return str(opt.transport)
+
+
+def inner_optimizer(args, params):
+    """--optimizer sgd / adam / adamw (with --weight-decay): the optimizer of every step."""
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}.get(args.optimizer, torch.optim.SGD)
+    return cls(params, lr=args.lr, weight_decay=args.weight_decay)
+
+
+def local_update_optimizer(args, model, compressor, **pipeline):
+    """--local-steps H --outer-opt SPEC: the hvdcomp.local wrapper around the inner optimizer
+    (AdaAlter's spec also sets its inner optimizer's eps)."""
+    name, spec = hvdcomp.parse_spec(args.outer_opt)
+    if name == "adaalter":
+        inner = hvdcomp.local.AdaAlter(model.parameters(), lr=args.lr, eps=spec.pop("eps", 1e-7),
+                                       weight_decay=args.weight_decay)
+    else:
+        inner = inner_optimizer(args, model.parameters())
+    return hvdcomp.local.from_spec(name, inner, model.named_parameters(), local_steps=args.local_steps,
+                                   compression=compressor, **spec, **pipeline)
 
 
 def evaluate(model, stream, eval_batch, bptt):
@@ -203,11 +247,6 @@ def start(args):
     hvd.init()
 
 
-def inner_optimizer(args):
-    """The torch.optim class of the inner optimizer (``--optimizer sgd`` or ``adam``)."""
-    return torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
-
-
 def build_optimizer(args, model, compressor, device):
     """``(module to call for training, optimizer, front)``: ``front`` is what synchronizes and
     times (the hvdcomp optimizer itself, or the DDP hook's state)."""
@@ -216,14 +255,16 @@ def build_optimizer(args, model, compressor, device):
 
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                       bucket_cap_mb=args.bucket_mb)
-        opt = inner_optimizer(args)(model.parameters(), lr=args.lr)
+        opt = inner_optimizer(args, model.parameters())
         return ddp, opt, hvdcomp.ddp.register(ddp, compressor, optimizer=opt, granularity=args.granularity)
-    opt = hvdcomp.DistributedOptimizer(inner_optimizer(args)(model.parameters(), lr=args.lr),
-                                       named_parameters=model.named_parameters(),
-                                       compression=compressor, allgather=args.allgather,
-                                       bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
-                                       cost_model=args.cost_model, granularity=args.granularity,
-                                       transport=args.transport)
+    pipeline = dict(allgather=args.allgather, bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
+                    cost_model=args.cost_model, granularity=args.granularity, transport=args.transport)
+    if args.local_steps:
+        opt = local_update_optimizer(args, model, compressor, **pipeline)
+    else:
+        opt = hvdcomp.DistributedOptimizer(inner_optimizer(args, model.parameters()),
+                                           named_parameters=model.named_parameters(), compression=compressor,
+                                           **pipeline)
     return model, opt, opt
 
 
@@ -329,10 +370,11 @@ def main(argv=None):
             bar.set_postfix(loss=f"{loss.item():.3f}")
         bar.close()
         train_loss = hvd.allreduce(torch.tensor(loss_sum / steps_per_epoch), name=f"train.loss.{epoch}").item()
-        val_ppl = evaluate_model(model, corpus.valid, args.eval_batch_size, args.bptt)
-        stop = sched.end_epoch(val_ppl)
-        if sched.improved:
-            best_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        with opt.global_parameters() if args.local_steps else contextlib.nullcontext():  # (mid-round: θ_start)
+            val_ppl = evaluate_model(model, corpus.valid, args.eval_batch_size, args.bptt)
+            stop = sched.end_epoch(val_ppl)
+            if sched.improved:
+                best_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
         epochs.append({"epoch": epoch, "train_loss": train_loss,
                        "train_ppl": math.exp(min(train_loss, 700.0)), "val_ppl": val_ppl, "lr": lr,
                        "steps": steps_per_epoch, "seconds": time.perf_counter() - t_epoch,
@@ -345,6 +387,8 @@ def main(argv=None):
                 log.info("stopping after epoch %d: no improvement for %d epoch(s) (best %.2f at epoch %d)",
                          epoch, sched.bad_epochs, sched.best, sched.best_epoch)
             break
+    if args.local_steps:
+        opt.flush()  # (the last round in; the model holds the global parameters)
     if best_weights is not None:
         model.load_state_dict(best_weights)  # test the weights with the best validation perplexity
     best_val = sched.best
@@ -391,6 +435,11 @@ def main(argv=None):
                              "consensus_distance": opt.consensus_distance()}
     elif not ab and getattr(front.transport, "choice", None):
         results["transport_choice"] = {"chosen": compressor.describe(), "predicted_s": opt.transport.choice}
+    if args.local_steps:  # bytes per round and per inner step, seconds per phase (CO2: hidden behind compute)
+        local = opt.report()
+        results["config"]["local_update"] = opt.describe()
+        results["local_update"] = {**local, "across_ranks": reduce_across_ranks(local)}
+        opt.close()
     if ab:
         results["config"]["compressor"] = ab.describe()
         results["ab_training"] = ab.communication_report()
@@ -401,7 +450,9 @@ def main(argv=None):
         print(f"SUMMARY method={method} ranks={size} model={args.model} epochs={args.epochs} "
               f"val_ppl={epochs[-1]['val_ppl']:.2f} test_ppl={test_ppl:.2f} step={across['wall']['mean']:.3f}s "
               f"({ph}) sent={across['bytes_sent']['mean'] / 1e3:.1f}KB/step "
-              f"ratio={measured_ratio:.1f}x (nominal {'n/a' if nominal is None else f'{nominal:.1f}x'}) -> {path}", flush=True)
+              f"ratio={measured_ratio:.1f}x (nominal {'n/a' if nominal is None else f'{nominal:.1f}x'})"
+              + (f" local={args.outer_opt}:H={args.local_steps} rounds={local['rounds']}" if args.local_steps else "")
+              + f" -> {path}", flush=True)
     if args.frontend == "ddp":  # (a process group left to interpreter exit can abort the process)
         torch.distributed.destroy_process_group()
 
