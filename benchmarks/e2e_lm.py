@@ -70,6 +70,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import hvdcomp  # noqa: E402
+import hvdcomp.ddp  # noqa: E402
 from hvdcomp.launch import abort_on_uncaught_exception, recorded_env  # noqa: E402
 from hvdcomp.lm import LSTMLM, MODEL_SIZES, batchify, load_corpus, loss_sums, rank_columns  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
@@ -371,7 +372,6 @@ def build(args, raw: torch.nn.Module, comm) -> Setup:
         s.info["rendezvous"] = init_gloo(comm, args)
         s.module = DDP(raw)  # broadcasts rank 0's parameters
         if args.family == "hvdcomp-ddp":
-            import hvdcomp.ddp
 
             spec, options = peers.hvdcomp_options(args.variant)
             compressor = hvdcomp.get_compressor(spec)

@@ -339,7 +339,8 @@ class Driver:
         cmd = self.mpirun_command(cell, out_json)
         env = {**self.base_env(), **self.netem_env, "NETEM_TIMEOUT": str(int(timeout))}
         attempts: List[dict] = []
-        machine_before = hygiene.wait_quiet(a.max_wait_quiet, log=log.warning)
+        limit = a.load_limit or None
+        machine_before = hygiene.wait_quiet(a.max_wait_quiet, log=log.warning, limit=limit)
         for attempt in range(1, a.attempts + 1):
             if os.path.exists(out_json):
                 os.remove(out_json)
@@ -368,7 +369,7 @@ class Driver:
                 log.warning("cell %s/%s failed (%s): retrying", cell["rate"], cell["name"], reason)
         elapsed = sum(r["elapsed_s"] for r in attempts)
         machine = {"before": machine_before, "after": hygiene.machine_state(),
-                   "loaded": hygiene.is_loaded(machine_before)}
+                   "loaded": hygiene.is_loaded(machine_before, limit)}
         res["driver"] = {"machine": machine, "command": cmd, "cell_env": self.cell_env, "netem_timeout_s": int(timeout),
                          **{k: attempts[-1][k] for k in ("returncode", "timed_out", "hung_at_exit")},
                          "elapsed_s": elapsed, "attempts": attempts, "log": os.path.abspath(log_path),
@@ -499,6 +500,9 @@ def parse_args(argv=None):
     p.add_argument("--max-wait-quiet", type=float, default=600.0,
                    help="seconds to wait before a cell for the load average to drop to the core count; a cell "
                         "started on a loaded machine is marked loaded (hygiene.py) and left out of verdicts")
+    p.add_argument("--load-limit", type=float, default=0.0,
+                   help="load average above which a cell counts as loaded (0: the number of cores); a test "
+                        "of the harness itself, which times nothing, raises it")
     p.add_argument("--exit-grace", type=float, default=60.0,
                    help="seconds a job may take to exit after writing its results before it is stopped")
     p.add_argument("--tail-chars", type=int, default=6000, help="output kept in a failed cell's JSON")

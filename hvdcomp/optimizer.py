@@ -28,7 +28,7 @@ import itertools
 import logging
 import warnings
 import weakref
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Iterable, Optional, Tuple
 
 import torch
 
