@@ -55,11 +55,13 @@ def parse_args(argv=None):
 
 def run_one(tree: str, args, out_dir: str) -> dict:
     """One overhead.py run of checkout ``tree``; its overhead.json plus the machine state."""
+    out_dir = os.path.abspath(out_dir)
     before = hygiene.wait_quiet(args.max_wait)
     cmd = ["mpirun", "-np", str(args.np), "--oversubscribe", "--bind-to", "none", args.python,
            os.path.join(tree, "benchmarks", "overhead.py"), "--models", *args.models, "--contenders",
            *args.contenders, "--steps", str(args.steps), "--rounds", str(args.inner_rounds), "--output", out_dir]
-    env = {**os.environ, **MPI_ENV, "PYTHONPATH": os.path.abspath(tree)}
+    # (the response cache holds every contender's tensor names, as it holds one model's in a real job)
+    env = {**os.environ, **MPI_ENV, "HOROVOD_CACHE_CAPACITY": "16384", "PYTHONPATH": os.path.abspath(tree)}
     subprocess.run(cmd, check=True, env=env, cwd=tree, stdout=subprocess.DEVNULL, timeout=3600)
     after = hygiene.machine_state()
     with open(os.path.join(out_dir, "overhead.json")) as f:
