@@ -17,7 +17,7 @@ import torch
 from .comm import make_allgatherer
 from .comm.costmodel import CostModel, measure_cost_model
 from .comm.exchange import MPIExchange
-from .comm.step import StepComm
+from .comm.step import StepComm, timed_step_comm
 from .compressors.segments import Segments
 from .plan import (TransportPlan, choose_transport, fuse_units, make_units, plan_transport, routes, split_groups,
                    step_route_of)
@@ -98,22 +98,6 @@ def _step_comm(compression, group, timer, gatherer, prefix: str) -> StepComm:
     Raises:
         RuntimeError: the method's transport needs point-to-point messages and the ranks have no MPI.
     """
-    hvd = group.hvd
-
-    def allreduce_mean(tensor, name):
-        with timer.phase("communicate"):
-            out = group.allreduce(tensor, f"{prefix}.{name}", hvd.Average)
-        nbytes = tensor.numel() * tensor.element_size()
-        timer.add_bytes(sent=nbytes, received=nbytes)
-        return out
-
-    def broadcast(tensor, root, name):
-        with timer.phase("communicate"):
-            out = group.broadcast(tensor, root, f"{prefix}.{name}")
-        nbytes = tensor.numel() * tensor.element_size()
-        timer.add_bytes(sent=nbytes if group.rank == root else 0, received=nbytes)
-        return out
-
     p2p = None
     comm = getattr(gatherer, "comm", None)
     if step_route_of(compression).needs_point_to_point and group.size > 1:
@@ -123,7 +107,9 @@ def _step_comm(compression, group, timer, gatherer, prefix: str) -> StepComm:
                                "gloo, or allgather='horovod'): launch with mpirun or horovodrun --mpi "
                                "with mpi4py installed, or use cltk or topk")
         p2p = MPIExchange(comm.Dup())
-    return StepComm(allreduce_mean, group.rank, group.size, broadcast, p2p)
+    return timed_step_comm(lambda tensor, name: group.allreduce(tensor, f"{prefix}.{name}", group.hvd.Average),
+                           lambda tensor, root, name: group.broadcast(tensor, root, f"{prefix}.{name}"),
+                           group.rank, group.size, timer, p2p)
 
 
 def assemble(settings, compression, group, order: List[torch.nn.Parameter], names: Dict, prefix: str,

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["StepComm"]
+__all__ = ["StepComm", "timed_step_comm"]
 
 
 class StepComm:
@@ -49,3 +49,35 @@ class StepComm:
         if self._broadcast is None:
             raise RuntimeError("this StepComm has no broadcast")
         return self._broadcast(tensor, root, name)
+
+
+def timed_step_comm(allreduce_mean: Callable[[torch.Tensor, str], torch.Tensor],
+                    broadcast: Optional[Callable[[torch.Tensor, int, str], torch.Tensor]], rank: int, size: int,
+                    timer, point_to_point=None) -> StepComm:
+    """A :class:`StepComm` over the given blocking collectives, each charged to ``timer``'s
+    ``communicate`` phase and counted as the front-ends count: an allreduce of B bytes sends and
+    receives B; a broadcast of B bytes is received by every rank and sent by ``root``.
+
+    Args:
+        allreduce_mean: ``f(tensor, name) -> mean over ranks`` (one collective, no timing).
+        broadcast: ``f(tensor, root, name) -> root's tensor``, or None.
+        rank, size: this process's rank in the group and the group's size.
+        timer: a :class:`hvdcomp.metrics.PhaseTimer`.
+        point_to_point: as for :class:`StepComm` (its own byte counters).
+    """
+
+    def mean(tensor: torch.Tensor, name: str) -> torch.Tensor:
+        with timer.phase("communicate"):
+            out = allreduce_mean(tensor, name)
+        nbytes = tensor.numel() * tensor.element_size()
+        timer.add_bytes(sent=nbytes, received=nbytes)
+        return out
+
+    def bcast(tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
+        with timer.phase("communicate"):
+            out = broadcast(tensor, root, name)
+        nbytes = tensor.numel() * tensor.element_size()
+        timer.add_bytes(sent=nbytes if rank == root else 0, received=nbytes)
+        return out
+
+    return StepComm(mean, rank, size, bcast if broadcast is not None else None, point_to_point)
