@@ -242,6 +242,9 @@ def name_parameters(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
 def check_method(compression, optimizer, granularity: str) -> None:
     """Combinations of a method with the optimizer's settings that cannot work.
 
+    Args:
+        optimizer: the wrapped ``torch.optim.Optimizer``, or None (only ``granularity`` is checked).
+
     Raises:
         ValueError: ``granularity="bucket"`` with a method that needs each gradient's matrix shape
             (PowerSGD); a method that applies momentum itself (DGC) with an optimizer that also
@@ -250,7 +253,7 @@ def check_method(compression, optimizer, granularity: str) -> None:
     if granularity == "bucket" and getattr(compression, "needs_shapes", False):
         raise ValueError(f"granularity='bucket' flattens gradients, but '{compression.name}' needs "
                          "each gradient's matrix shape: use granularity='tensor'")
-    if compression.owns_momentum:
+    if compression.owns_momentum and optimizer is not None:
         for group in optimizer.param_groups:
             beta = group.get("momentum", 0.0) or (group.get("betas") or (0.0,))[0]
             if beta:

@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..launch import detect_launch
+from ..comm.torchdist import TorchDistGroup
+from ..launch import LaunchInfo, detect_launch
 
 __all__ = ["DistLaunch", "launch_info", "init_process_group", "TorchDistCollectives", "DEFAULT_PORT"]
 
@@ -28,8 +29,9 @@ DEFAULT_PORT = 29500  # torchrun's default rendezvous port
 
 
 @dataclass
-class DistLaunch:
-    """Where this process sits in the job, and where the ranks meet.
+class DistLaunch(LaunchInfo):
+    """Where this process sits in the job (:class:`hvdcomp.launch.LaunchInfo`), and where the
+    ranks meet.
 
     Attributes:
         launcher: ``"torchrun"``, ``"slurm"``, ``"openmpi"``, ... or ``"none"`` (one rank).
@@ -37,10 +39,6 @@ class DistLaunch:
         master_addr, master_port: the rendezvous host and TCP port (rank 0 listens there).
     """
 
-    launcher: str
-    rank: int
-    size: int
-    local_rank: int
     master_addr: str
     master_port: int
 
@@ -153,8 +151,8 @@ class TorchDistCollectives:
         import torch.distributed as dist
 
         self.dist, self.info = dist, info
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if str(dist.get_backend()) == "nccl" else torch.device("cpu")
+        self.group = TorchDistGroup()  # the default group
+        self.device = self.group.device
 
     def rank(self) -> int:
         return self.dist.get_rank()
@@ -176,9 +174,7 @@ class TorchDistCollectives:
 
     def allgather_object(self, obj: Any, name: Optional[str] = None) -> List[Any]:
         """Every rank's ``obj`` (picklable), in rank order."""
-        out: List[Any] = [None] * self.size()
-        self.dist.all_gather_object(out, obj)
-        return out
+        return self.group.allgather_object(obj, name)
 
     def broadcast_parameters(self, params: Dict[str, torch.Tensor], root_rank: int = 0) -> None:
         """Overwrite ``params`` (a state dict) with rank ``root_rank``'s values, in place."""

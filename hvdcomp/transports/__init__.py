@@ -23,8 +23,8 @@ route                  transport                                           modul
 =====================  ==================================================  ============================
 
 The DDP front-end (:mod:`hvdcomp.ddp`) moves its buckets with :mod:`.torchdist` (``all_reduce``
-and a padded ``all_gather_into_tensor`` over ``torch.distributed``, and a
-:class:`~hvdcomp.comm.step.StepComm` for the step-wide methods).
+and a padded ``all_gather_into_tensor`` over the group of :mod:`hvdcomp.comm.torchdist`, whose
+:class:`~hvdcomp.comm.step.StepComm` carries the step-wide methods).
 
 The decentralized front-end (:mod:`hvdcomp.gossip`) moves each rank's payload to its graph
 neighbours only with :mod:`.neighbor` (point-to-point per edge on a background thread, exact

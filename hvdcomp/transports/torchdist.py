@@ -15,8 +15,8 @@ kind            collectives on the group                                        
 ``gather``      counts exchange (``all_gather_into_tensor`` of int64 element counts), then    top-k, DGC,
                 every rank's payload bytes padded to the largest rank's and gathered with     QSGD, ...
                 one ``all_gather_into_tensor``; aggregated on every rank
-``batched``     the method's own step-wide collectives through a                              PowerSGD,
-                :class:`~hvdcomp.comm.step.StepComm` built here (``all_reduce``,              gtopk, cltk,
+``batched``     the method's own step-wide collectives through the group's                    PowerSGD,
+                :class:`~hvdcomp.comm.step.StepComm` (``all_reduce``,                         gtopk, cltk,
                 ``broadcast``, point-to-point messages)                                       twophase
 ==============  ==========================================================================  =============
 
@@ -25,6 +25,9 @@ into a list of tensors (:data:`GATHER_INTO_TENSOR`): a quick ratio on gloo, 2 an
 loaded 2-core machine (not evidence of speed), put the two within noise of each other (list /
 into-tensor 0.6–1.4 from 4 KiB to 4 MiB); one contiguous output is also NCCL's native form. Top-k
 payloads have the same size on every rank, so they carry no padding.
+
+The group and its collectives are :class:`hvdcomp.comm.torchdist.TorchDistGroup`; the step-wide
+methods' :class:`~hvdcomp.comm.step.StepComm` comes from it (``TorchDistGroup.step_comm``).
 
 Byte counters (:class:`Exchange` results) count what each collective moves for this rank, as
 the Horovod front-end counts: an ``all_reduce`` of B bytes sends and receives B; a gather sends
@@ -37,19 +40,26 @@ which run on gloo's worker threads in completion order, is what makes collective
 """
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
 import torch
 
-from ..comm.exchange import node_ids
-from ..comm.step import StepComm
-from ..compressors.base import Compressor, PayloadKind
+from ..comm.torchdist import TorchDistGroup
+from ..compressors.base import PayloadKind
+from ..plan import step_route_of
+from .stepwide import StepMethod
 
-__all__ = ["payload_kind", "KINDS", "TorchDistGroup", "Exchange", "TorchDistExchange", "GATHER_INTO_TENSOR"]
+__all__ = ["payload_kind", "KINDS", "IN_PLACE_DTYPES", "describe", "Exchange", "TorchDistTransport",
+           "GATHER_INTO_TENSOR"]
 
 KINDS = ("gradient", "average", "sum", "gather", "batched")
+
+#: dtypes ``none`` reduces in place as DDP does (half-precision gradients travel as ``average``,
+#: in float32, as under the Horovod front-end: their sums could overflow)
+IN_PLACE_DTYPES = (torch.float32, torch.float64)
+
+_BY_PAYLOAD = {PayloadKind.MEAN: "average", PayloadKind.SUM: "sum", PayloadKind.GATHERED: "gather"}
 
 #: data phase of a gather: True: padded ``all_gather_into_tensor`` (one output buffer); False:
 #: ``all_gather`` into a list of per-rank tensors (same padding; gloo needs equal sizes either way)
@@ -61,13 +71,25 @@ _ALIGN = 8  # bytes: each payload tensor starts at a multiple of 8, so a uint8 s
 def payload_kind(compression) -> str:
     """How ``compression``'s payloads travel (one of :data:`KINDS`, see the module docstring).
 
-    The one place that reads what the method's payloads are (a step-wide method, or its
-    :class:`~hvdcomp.compressors.base.PayloadKind`)."""
-    if not isinstance(compression, Compressor):
+    The one place that reads what the method's payloads are, in the core's terms: a
+    :class:`~hvdcomp.transports.stepwide.StepMethod` (``batched``), a payload that is the gradient
+    itself (``Compressor.payload_is_gradient``: ``none``, reduced in place, as the core's allreduce
+    transport does), else its :class:`~hvdcomp.compressors.base.PayloadKind`."""
+    if isinstance(compression, StepMethod):
         return "batched"
     if compression.payload_is_gradient:
         return "gradient"
-    return {PayloadKind.SUM: "sum", PayloadKind.MEAN: "average"}.get(compression.payload_kind, "gather")
+    return _BY_PAYLOAD[compression.payload_kind]
+
+
+def describe(kind: str, compression) -> str:
+    """How payloads of ``kind`` travel (one phrase, for logs and results files)."""
+    if kind == "batched":
+        return f"the method's own collectives ({step_route_of(compression).collective}) once per step"
+    return {"gradient": "all_reduce of the bucket (DDP's arithmetic)",
+            "average": "summed all_reduce of the payload, then 1/N",
+            "sum": "summed all_reduce of the payload (votes)",
+            "gather": "counts exchange + padded all_gather_into_tensor, aggregated on every rank"}[kind]
 
 
 def _padded(nbytes: int) -> int:
@@ -102,45 +124,19 @@ class Exchange:
         self.works = []
 
 
-class TorchDistGroup:
-    """The ranks a DDP model averages over, and the collectives hvdcomp runs among them.
+class TorchDistTransport:
+    """How payloads of each kind travel over a :class:`~hvdcomp.comm.torchdist.TorchDistGroup`
+    (see the module docstring): the summed ``all_reduce`` of summable payloads, and the counts
+    exchange and padded data gather of variable-size ones; every call starts collectives and
+    returns an :class:`Exchange` (bytes counted as the module docstring says).
 
     Args:
-        process_group: a ``torch.distributed`` process group (the default group when None),
-            usually the DDP model's own (``ddp_model.process_group``).
-
-    Attributes:
-        size, rank: the group's size and this process's rank in it.
-        ranks: global ranks of the members (group rank order).
-        backend: ``"gloo"``, ``"nccl"``, ...
-        device: where the group's collectives want tensors (``cuda:<current>`` for NCCL, else CPU).
-
-    Raises:
-        RuntimeError: ``torch.distributed`` is not initialised.
+        group: the :class:`~hvdcomp.comm.torchdist.TorchDistGroup` averaged over.
     """
 
-    def __init__(self, process_group=None):
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group"
-                               "(backend) first (torchrun and srun set the rank variables it reads; see "
-                               "hvdcomp.ddp.init_process_group)")
-        self.dist = dist
-        self.process_group = process_group
-        self.size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
-        self.ranks: List[int] = list(dist.get_process_group_ranks(process_group or dist.group.WORLD))
-        self.backend = str(dist.get_backend(process_group))
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
-                       else torch.device("cpu"))
-        # one output buffer for all ranks (torch 2.13 renames all_gather_into_tensor to this)
-        self._gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self._p2p = None
-
-    def describe(self) -> dict:
-        """JSON-able: backend and global ranks of the members."""
-        return {"backend": self.backend, "ranks": self.ranks}
+    def __init__(self, group: TorchDistGroup):
+        self.group = group
+        self.size, self.rank, self.device = group.size, group.rank, group.device
 
     # ---- summable payloads ----------------------------------------------------------------------
     def allreduce(self, tensors: Sequence[torch.Tensor]) -> Exchange:
@@ -151,7 +147,7 @@ class TorchDistGroup:
             ex.sent += nbytes
             ex.received += nbytes
             if self.size > 1:
-                ex.works.append(self.dist.all_reduce(t, group=self.process_group, async_op=True))
+                ex.works.append(self.group.all_reduce_async(t))
         return ex
 
     # ---- variable-size payloads -------------------------------------------------------------------
@@ -166,7 +162,7 @@ class TorchDistGroup:
             ex.counts = mine.view(1, -1)
             return ex
         every = torch.empty(self.size * len(payload), dtype=torch.int64, device=self.device)
-        ex.works.append(self._gather_into(every, mine, group=self.process_group, async_op=True))
+        ex.works.append(self.group.all_gather_into_async(every, mine))
         ex.counts = every.view(self.size, len(payload))
         ex.sent += mine.numel() * 8
         ex.received += (self.size - 1) * mine.numel() * 8
@@ -198,11 +194,10 @@ class TorchDistGroup:
         if width:
             if GATHER_INTO_TENSOR:
                 out = torch.empty(self.size * width, dtype=torch.uint8, device=device)
-                ex.works.append(self._gather_into(out, mine, group=self.process_group,
-                                                                 async_op=True))
+                ex.works.append(self.group.all_gather_into_async(out, mine))
             else:
                 pieces = [torch.empty(width, dtype=torch.uint8, device=device) for _ in range(self.size)]
-                ex.works.append(self.dist.all_gather(pieces, mine, group=self.process_group, async_op=True))
+                ex.works.append(self.group.all_gather_async(pieces, mine))
                 out = pieces
             ex.outputs = [out]
         ex.sent += width
@@ -233,150 +228,3 @@ class TorchDistGroup:
                 pos += _padded(c * s)
             out.append(tensors)
         return out
-
-    # ---- small blocking collectives -----------------------------------------------------------------
-    def all_gather_ints(self, values: Sequence[int]) -> List[List[int]]:
-        """Every rank's ``values`` (same length everywhere), in rank order (one blocking gather)."""
-        mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
-        if self.size == 1:
-            return [mine.tolist()]
-        every = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=self.device)
-        self._gather_into(every, mine, group=self.process_group)
-        return every.view(self.size, -1).tolist()
-
-    def allgather_object(self, obj: Any) -> List[Any]:
-        """Every rank's ``obj`` (picklable), in rank order."""
-        if self.size == 1:
-            return [obj]
-        out: List[Any] = [None] * self.size
-        self.dist.all_gather_object(out, obj, group=self.process_group)
-        return out
-
-    def broadcast_object(self, obj: Any, root: int) -> Any:
-        """``obj`` of the member whose group rank is ``root``, on every member."""
-        if self.size == 1:
-            return obj
-        box = [obj]
-        self.dist.broadcast_object_list(box, src=self.ranks[root], group=self.process_group)
-        return box[0]
-
-    # ---- a batched method's collectives -------------------------------------------------------------
-    def step_comm(self, timer, point_to_point: bool = False) -> StepComm:
-        """The collectives of a batched compressor's step: mean by summed ``all_reduce`` then
-        ``× 1/N``, broadcast, and (``point_to_point``) messages over a gloo group
-        (:class:`TorchDistExchange`; made once, collectively, on first use). Timed as
-        ``communicate``; bytes go to ``timer``."""
-        p2p = None
-        if point_to_point and self.size > 1:
-            if self._p2p is None:
-                self._p2p = TorchDistExchange(self)
-            p2p = self._p2p
-        return StepComm(lambda t, name: self._mean(t, timer), self.rank, self.size,
-                        lambda t, root, name: self._broadcast(t, root, timer), p2p)
-
-    def _mean(self, tensor: torch.Tensor, timer) -> torch.Tensor:
-        out = tensor.detach().clone()
-        nbytes = out.numel() * out.element_size()
-        if self.size > 1:
-            with timer.phase("communicate"):
-                self.dist.all_reduce(out, group=self.process_group)
-                out.mul_(1.0 / self.size)
-        timer.add_bytes(sent=nbytes, received=nbytes)
-        return out
-
-    def _broadcast(self, tensor: torch.Tensor, root: int, timer) -> torch.Tensor:
-        out = tensor.detach().clone()
-        nbytes = out.numel() * out.element_size()
-        if self.size > 1:
-            with timer.phase("communicate"):
-                self.dist.broadcast(out, src=self.ranks[root], group=self.process_group)
-        timer.add_bytes(sent=nbytes if self.rank == root else 0, received=nbytes)
-        return out
-
-
-class TorchDistExchange:
-    """:class:`hvdcomp.comm.exchange.PointToPoint` over ``torch.distributed``: byte messages
-    among the ranks of a :class:`TorchDistGroup`, on a gloo process group over the same ranks (host
-    memory whatever the devices; callers move tensors with ``.cpu()`` / ``.to(device)``, as for
-    MPI). Each message is an int64 size header, then the bytes.
-
-    Made collectively by every member (it creates the gloo group, unless the group is gloo
-    already, and gathers the host names once).
-
-    Attributes:
-        rank, size: as the group's.
-        bytes_sent, bytes_received: message bytes this rank moved, headers included.
-        nodes: node id of every rank (ranks of one host share one: :func:`hvdcomp.comm.exchange.node_ids`).
-    """
-
-    def __init__(self, group: TorchDistGroup):
-        dist = group.dist
-        self.dist, self.ranks = dist, group.ranks
-        self.rank, self.size = group.rank, group.size
-        if group.backend == "gloo":
-            self.group = group.process_group
-        else:
-            self.group = dist.new_group(group.ranks, backend="gloo", use_local_synchronization=True)
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        hosts: List[Any] = [None] * self.size
-        dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
-        self.nodes = node_ids(hosts)
-
-    def _header(self, n: int) -> torch.Tensor:
-        return torch.tensor([n], dtype=torch.int64)
-
-    def send(self, data, dest):
-        data = data.detach().cpu().contiguous().view(torch.uint8)
-        self.dist.send(self._header(data.numel()), self.ranks[dest], group=self.group)
-        if data.numel():
-            self.dist.send(data, self.ranks[dest], group=self.group)
-        self.bytes_sent += 8 + data.numel()
-
-    def recv(self, source, max_bytes):
-        head = torch.empty(1, dtype=torch.int64)
-        self.dist.recv(head, self.ranks[source], group=self.group)
-        n = int(head[0])
-        if n > max_bytes:
-            raise RuntimeError(f"a message of {n} bytes from rank {source} exceeds the {max_bytes} expected")
-        buf = torch.empty(n, dtype=torch.uint8)
-        if n:
-            self.dist.recv(buf, self.ranks[source], group=self.group)
-        self.bytes_received += 8 + n
-        return buf
-
-    def _exchange(self, outgoing: dict, sources: Sequence[int]) -> dict:
-        """Send ``outgoing[dest]`` to each dest and receive one message from each source,
-        without deadlock (non-blocking sends and receives: headers first, then the bytes)."""
-        d = self.dist
-        out = {k: v.detach().cpu().contiguous().view(torch.uint8) for k, v in outgoing.items()}
-        heads = {s: torch.empty(1, dtype=torch.int64) for s in sources}
-        works = [d.isend(self._header(v.numel()), self.ranks[k], group=self.group) for k, v in out.items()]
-        works += [d.irecv(h, self.ranks[s], group=self.group) for s, h in heads.items()]
-        for w in works:
-            w.wait()
-        bufs = {s: torch.empty(int(h[0]), dtype=torch.uint8) for s, h in heads.items()}
-        works = [d.isend(v, self.ranks[k], group=self.group) for k, v in out.items() if v.numel()]
-        works += [d.irecv(b, self.ranks[s], group=self.group) for s, b in bufs.items() if b.numel()]
-        for w in works:
-            w.wait()
-        self.bytes_sent += sum(8 + v.numel() for v in out.values())
-        self.bytes_received += sum(8 + b.numel() for b in bufs.values())
-        return bufs
-
-    def sendrecv(self, data, partner, max_bytes):
-        got = self._exchange({partner: data}, [partner])[partner]
-        if got.numel() > max_bytes:
-            raise RuntimeError(f"a message of {got.numel()} bytes from rank {partner} exceeds the {max_bytes} expected")
-        return got
-
-    def alltoall(self, parts):
-        if len(parts) != self.size:
-            raise ValueError(f"alltoall needs one part per rank ({self.size}), got {len(parts)}")
-        others = [j for j in range(self.size) if j != self.rank]
-        got = self._exchange({j: parts[j] for j in others}, others)
-        own = parts[self.rank].detach().cpu().contiguous().view(torch.uint8).clone()
-        return [own if j == self.rank else got[j] for j in range(self.size)]
-
-    def allgather(self, data):
-        return self.alltoall([data] * self.size)
