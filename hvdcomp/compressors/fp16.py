@@ -367,7 +367,7 @@ class FP16Compressor(SaturationCheck, Compressor):
     payload, so ``decode(average of payloads)`` is the averaged gradient, under hvdcomp and under
     stock ``hvd.DistributedOptimizer(compression=FP16Compressor())`` (``op=Average``). On its
     own, ``decode`` of a saturated scaled payload gives the clamped values: a transport asks
-    :meth:`saturation` first (hvdcomp's allreduce transport does, so a saturated value is never
+    :meth:`saturation` first (hvdcomp's allreduce transport and DDP hook do, so a saturated value is never
     delivered; a decoder without that check must call it too). ``decode`` also
     records the agreed exponent of named tensors, so call it once per step on the *averaged*
     payload (error feedback uses :meth:`residual_`, which records nothing).

@@ -1,5 +1,6 @@
 """One DDP bucket's path through the hook: compress its units, start its collectives
-(:mod:`hvdcomp.transports.torchdist`), and at the step's last bucket wait, then decompress every
+(:mod:`hvdcomp.transports.torchdist`), and at the step's last bucket wait, check summed payloads
+for saturation (sending a saturated one again, or reporting it overflowed), then decompress every
 bucket into its buffer (or hand the whole step to a step-wide method's ``reduce_batch``).
 
 How a bucket travels this step (:attr:`Bucket.kind`): one of
@@ -35,6 +36,9 @@ class Bucket:
         ctxs, lengths: per unit, its decoding context and its payload's tensor count.
         placed: summable: per payload tensor, ``(dtype, start, numel)`` in the reduced flat of
             its dtype; ``dtypes``: the dtype of each reduced flat.
+        reduced: summable, once the collectives are in (:meth:`BucketPath.check_saturation`): per
+            unit, its reduced payload (averaged for ``"average"``) to decode with its entry of
+            ``ctxs``; None where the method reported the unit overflowed (its view reads NaN).
     """
 
     index: int
@@ -47,6 +51,7 @@ class Bucket:
     lengths: List[int] = field(default_factory=list)
     placed: List[tuple] = field(default_factory=list)
     dtypes: List[torch.dtype] = field(default_factory=list)
+    reduced: List[Optional[List[torch.Tensor]]] = field(default_factory=list)
 
 
 class BucketPath:
@@ -131,8 +136,71 @@ class BucketPath:
                 if b.exchange is not None:
                     b.exchange.wait()
 
+    def check_saturation(self, buckets: List[Bucket]) -> List[torch.Tensor]:
+        """After :meth:`wait`, before the step's agreement: each summable bucket's reduced payload
+        per unit (``× 1/N`` for ``"average"``, as Horovod's ``op=Average``; into
+        :attr:`Bucket.reduced`), then, where the method can saturate (fp16's scaled steps, with or
+        without error feedback), its check: a saturated payload is never decoded as is.
+
+        The method reads from the reduced payload whether some rank's values left its window
+        (``compression.saturation(payload, ctx)``: the same on every rank, since every rank reads
+        the same reduced payload) and decides, as under the Horovod front-end
+        (:meth:`hvdcomp.transports.allreduce.AllreduceTransport.resend_saturated`): a replacement
+        payload is reduced now (a summed ``all_reduce`` per tensor, ``× 1/N`` as the first; bucket
+        and unit order, from the hook's thread, so every rank issues the same ones) and decoded
+        with the new context instead; no replacement (fp16's ``on_saturation="skip"``): the unit
+        is overflowed, its view of the buffer reads NaN.
+
+        Returns:
+            The NaN views of overflowed units, for the non-finite guard (the step is then skipped
+            on every rank, or raises, by ``nonfinite``); the resends' bytes are added to their
+            bucket's :class:`~hvdcomp.transports.torchdist.Exchange`.
+        """
+        size = self.group.size
+        summed = [b for b in buckets if b.kind in ("average", "sum")]
+        with self.timer.phase("decompress"):
+            for b in summed:
+                flats = dict(zip(b.dtypes, b.exchange.outputs))
+                if b.kind == "average" and size > 1:
+                    for flat in flats.values():
+                        flat.mul_(1.0 / size)
+                outputs = [flats[dtype][start:start + n] for dtype, start, n in b.placed]
+                pos = 0
+                for length in b.lengths:
+                    b.reduced.append(outputs[pos:pos + length])
+                    pos += length
+        check = getattr(self.compression, "saturation", None)
+        if check is None:
+            return []
+        overflowed, resends = [], []
+        with self.timer.phase("communicate"):
+            for b in summed:
+                for i, ctx in enumerate(b.ctxs):
+                    action = check(b.reduced[i], ctx)
+                    if action is None:
+                        continue
+                    if action.payload is None:
+                        b.reduced[i] = None
+                        overflowed.append(b.layout.units[i].view(b.buffer))
+                        continue
+                    ex = self.transport.allreduce(list(action.payload))
+                    b.exchange.sent += ex.sent
+                    b.exchange.received += ex.received
+                    b.ctxs[i] = action.ctx
+                    resends.append((b, i, ex))
+            for b, i, ex in resends:
+                ex.wait()
+                if b.kind == "average" and size > 1:
+                    for t in ex.outputs:
+                        t.mul_(1.0 / size)
+                b.reduced[i] = ex.outputs
+        for view in overflowed:  # (after every resend: a check may read this rank's gradient)
+            view.fill_(float("nan"))
+        return overflowed
+
     def decompress(self, buckets: List[Bucket]) -> None:
-        """Write every bucket's averaged result into its buffer."""
+        """Write every bucket's averaged result into its buffer (summable buckets: after
+        :meth:`check_saturation`; an overflowed unit keeps its NaN)."""
         gathered = {}
         with self.timer.phase("communicate"):
             for b in buckets:
@@ -141,23 +209,15 @@ class BucketPath:
         size = self.group.size
         with self.timer.phase("decompress"):
             for b in buckets:
-                if b.kind == "gradient":
-                    continue
                 if b.kind == "gather":
                     self._aggregate(b, gathered[b.index])
-                    continue
-                flats = dict(zip(b.dtypes, b.exchange.outputs))
-                if b.kind in ("average", "plain") and size > 1:
-                    for flat in flats.values():
-                        flat.mul_(1.0 / size)
-                if b.kind == "plain":
-                    b.buffer.copy_(flats[torch.float32])
-                    continue
-                outputs = [flats[dtype][start:start + n] for dtype, start, n in b.placed]
-                pos = 0
-                for unit, ctx, length in zip(b.layout.units, b.ctxs, b.lengths):
-                    self.compression.decode_into(unit.view(b.buffer), outputs[pos:pos + length], ctx)
-                    pos += length
+                elif b.kind == "plain":
+                    flat = b.exchange.outputs[0]
+                    b.buffer.copy_(flat.mul_(1.0 / size) if size > 1 else flat)
+                elif b.kind in ("average", "sum"):
+                    for unit, ctx, reduced in zip(b.layout.units, b.ctxs, b.reduced):
+                        if reduced is not None:
+                            self.compression.decode_into(unit.view(b.buffer), reduced, ctx)
 
     def _aggregate(self, b: Bucket, per_rank: List[List[torch.Tensor]]) -> None:
         pos = 0

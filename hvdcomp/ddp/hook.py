@@ -13,7 +13,9 @@ backward, in bucket order, with a ``torch.distributed.GradBucket``; the hook ret
    at the next bucket's hook (when the counts are in); batched methods (PowerSGD, gtopk, cltk,
    twophase) wait for the last bucket and reduce every gradient of the step in one call of their
    ``reduce_batch`` (their own collectives over ``torch.distributed``);
-3. at the **last bucket** (``bucket.is_last()``) the hook waits for the step's collectives, agrees
+3. at the **last bucket** (``bucket.is_last()``) the hook waits for the step's collectives, lets
+   a method that can saturate (fp16) check the reduced payloads (a saturated one is reduced again
+   as the method's replacement, or reported overflowed: NaN, so the step is skipped), agrees
    with every rank on the step (non-finite gradients, restored state: :mod:`hvdcomp.ddp.cycle`
    over :mod:`hvdcomp.agreement`),
    **decompresses** every bucket into its buffer (``decode`` / ``aggregate``), and completes every
@@ -223,11 +225,14 @@ class HookState:
         return entry.future
 
     def _finish(self) -> None:
-        """The last bucket: wait, agree on the step, decompress every bucket, complete the futures."""
+        """The last bucket: wait, check for saturation (:meth:`BucketPath.check_saturation`), agree
+        on the step, decompress every bucket, complete the futures."""
         cycle, path = self._cycle, self._path
         buckets = cycle.buckets
         try:
             path.wait(buckets)
+            if self.kind != "batched":  # a saturated payload is sent again, or reads NaN (overflowed)
+                cycle.guard.observe(path.check_saturation(buckets))
             if cycle.agree():
                 cycle.skip()
             elif self.kind == "batched":

@@ -20,6 +20,12 @@ kind            collectives on the group                                        
                 ``broadcast``, point-to-point messages)                                       twophase
 ==============  ==========================================================================  =============
 
+A method that can saturate (fp16's scaled steps, with or without error feedback) is asked after
+the ``average`` / ``sum`` all_reduce whether the reduced payload saturated
+(``compression.saturation``, as the Horovod front-end's allreduce transport asks): a replacement
+payload travels by one more summed :meth:`TorchDistTransport.allreduce` (``× 1/N`` as the first),
+issued in bucket and unit order (:meth:`hvdcomp.ddp.buckets.BucketPath.check_saturation`).
+
 The gather's data phase uses ``all_gather_into_tensor`` with padding rather than ``all_gather``
 into a list of tensors (:data:`GATHER_INTO_TENSOR`): a quick ratio on gloo, 2 and 4 ranks on a
 loaded 2-core machine (not evidence of speed), put the two within noise of each other (list /
