@@ -10,6 +10,8 @@ Checks (each raises on failure on every rank; the oracle is named in its docstri
   topk-bytes        top-k's payload bytes as counted = worked out from the tensor sizes
   bucket-granularity  granularity="bucket" = a reference written here from plain collectives
   one-rank          a job of one rank: top-k = its own encode/decode; none = the local gradient
+  fp16-saturation   (2 ranks) fp16 never delivers a saturated gradient: the values and bytes worked out
+                    by hand in tests/mpi/saturation_checks.py (the Horovod front-end's twin)
   errors            bad set-ups raise clearly on every rank (no hang)
   no-horovod        (run with horovod unimportable) the Horovod front-end names the fix; topk trains
   nccl-none-bitwise, nccl-methods   the same on NCCL (one GPU per rank)
@@ -262,6 +264,110 @@ def check_one_rank():
         _sync([topk, local, ours])
     assert hook.group.size == 1
     return "none and top-k"
+
+
+# ---- fp16 saturation (issue 29): the Horovod front-end's tests/mpi/saturation_checks.py, through DDP
+SAT_STEPS = [1.0, 1.0, 100.0, 100.0]
+PROBE, SCALED = 4 * (8 + 277), 2 * (8 + 25)  # bytes of one 8-element fp16 payload: probe / scaled step
+U16 = 2.0 ** -11
+
+
+class Vectors(torch.nn.Module):
+    """Parameters of 8 zeros named ``names``; ``loss(values)`` = sum_i (p_i · values_i).sum(), so
+    p_i's gradient is values_i on every element."""
+
+    def __init__(self, names):
+        super().__init__()
+        for name in names:
+            self.register_parameter(name, torch.nn.Parameter(torch.zeros(8, device=BACKEND["device"])))
+
+    def forward(self, values):
+        return sum((p * v).sum() for p, v in zip(self.parameters(), values))
+
+
+def _saturation_run(spec, names=("w",), lr=0.0, coeffs=None, **kw):
+    """One DDP model of ``Vectors(names)`` with hook ``spec``; one backward per SAT_STEPS value v
+    (parameter i's gradient v·coeffs[i][step], 1 without coeffs, the same on every rank), then
+    ``opt.step()``. Returns the model, the hook, the averaged gradients (clones) and the bytes
+    this rank sent, per step."""
+    model = DDP(Vectors(names))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    hook = hvdcomp.ddp.register(model, spec, optimizer=opt, **kw)
+    grads, sent = [], []
+    for step, v in enumerate(SAT_STEPS):
+        hook.timer.begin_step()
+        opt.zero_grad()
+        model([v * (1.0 if coeffs is None else coeffs[i][step]) for i in range(len(names))]).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+        sent.append(hook.timer.end_step()["bytes_sent"])
+    return model, hook, grads, sent
+
+
+def check_fp16_saturation():
+    """fp16 through the DDP hook never delivers a saturated gradient (issue 29, 2 ranks, one
+    8-element parameter, every rank's gradient 1, 1, 100, 100; 100 lands beyond the window of the
+    scale agreed at E = 0, headroom 3, and was delivered as 31.98). Expected values by hand, as in
+    tests/mpi/saturation_checks.py:
+
+    * "fp16": averaged gradients 1, 1, 100, 100 exactly (the resend is the float32 probe; 1 is
+      exact in float16); bytes sent: probe, scaled, scaled + one probe-sized resend, scaled; the
+      resend re-learned E = 6 (100 = 1.5625·2^6);
+    * two gradients in one bucket (one segmented unit): a grows 1 -> 100, b stays 3: only a is
+      resent (one probe of 8 values), b keeps its scaled value (3 exact); also with ef=true,
+      both residuals 0 after;
+    * "fp16:ef=true", g = v + 2^-13: at the saturated step the delivered gradient is this rank's
+      float32 g + old residual and the new residual 0; delivered + residual = g + old residual
+      exactly at every step;
+    * "fp16:on_saturation=skip", lr 0.5: step 3 skipped on every rank (every .grad NaN, the
+      parameter unchanged, skipped_steps 1, no extra bytes); step 4 fits (the exponent moved up):
+      100 within (N + 2)·2^-11; the parameter moved by -lr·(1 + 1 + step 4's gradient);
+      with nonfinite="raise", step 3 raises FloatingPointError on every rank.
+    """
+    n = dist.get_world_size()
+    assert n == 2, "the hand-worked bytes and values are for 2 ranks"
+    _, hook, grads, sent = _saturation_run("fp16")
+    assert [g[0].tolist() for g in grads] == [[v] * 8 for v in SAT_STEPS], grads
+    assert sent == [PROBE, SCALED, SCALED + PROBE, SCALED], sent
+    assert hook.compression.exponents == {"w": 6}, hook.compression.exponents
+
+    for spec in ("fp16", "fp16:ef=true"):
+        _, hook, grads, sent = _saturation_run(spec, names=("a", "b"), coeffs=[[1.0] * 4, [3.0 / v for v in SAT_STEPS]])
+        assert [sorted(names) for names in hook.buckets.values()] == [["a", "b"]], hook.buckets  # one bucket
+        assert [g[0].tolist() for g in grads] == [[v] * 8 for v in SAT_STEPS], (spec, grads)
+        assert all(g[1].tolist() == [3.0] * 8 for g in grads), (spec, grads)
+        assert sent == [2 * PROBE, 2 * SCALED, 2 * SCALED + PROBE, 2 * SCALED], (spec, sent)
+        if spec.endswith("ef=true"):
+            res = hook.compression.residuals
+            assert torch.equal(res["a"], torch.zeros(8)) and torch.equal(res["b"], torch.zeros(8)), res
+
+    model = DDP(Vectors(("w",)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    hook = hvdcomp.ddp.register(model, "fp16:ef=true", optimizer=opt)
+    w, tail = model.module.w, 2.0 ** -13
+    for step, v in enumerate(SAT_STEPS):
+        old = hook.compression.residuals.get("w", torch.zeros(8))
+        opt.zero_grad()
+        model([v + tail]).backward()
+        g = torch.full((8,), v + tail)
+        residual = hook.compression._get("residuals", "w")
+        if step == 2:
+            assert torch.equal(w.grad, g + old), (w.grad, g + old)
+            assert torch.equal(residual, torch.zeros(8)), residual
+        assert torch.equal(w.grad + residual, g + old), (step, w.grad, residual, g, old)
+        opt.step()
+    assert torch.equal(hook.compression.residuals["w"], residual)  # committed with the step
+
+    model, hook, grads, sent = _saturation_run("fp16:on_saturation=skip", lr=0.5)
+    assert torch.isnan(grads[2][0]).all(), grads[2]
+    assert hook.skipped_steps == 1
+    assert sent == [PROBE, SCALED, SCALED, SCALED], sent
+    assert (grads[3][0] - 100.0).abs().max().item() <= (n + 2) * U16 * 100.0, grads[3]
+    assert torch.equal(model.module.w.detach(), -0.5 * (1.0 + 1.0 + grads[3][0])), model.module.w
+
+    e = everywhere(lambda: _saturation_run("fp16:on_saturation=skip", nonfinite="raise"))
+    assert isinstance(e, FloatingPointError), e
+    return "resend, segments, error feedback, skip, raise"
 
 
 def check_errors():

@@ -104,6 +104,13 @@ def test_four_ranks_none_fp16_powersgd_and_bytes():
     ddp_checks(4, "none-bitwise", "fp16-vs-pytorch", "powersgd-vs-pytorch", "topk-bytes")
 
 
+def test_fp16_never_delivers_a_saturated_gradient_through_ddp():
+    """Issue 29 through the DDP hook, 2 ranks: gradients 1, 1, 100, 100 averaged to exactly
+    1, 1, 100, 100 (a resend), with the bytes of tests/mpi/saturation_checks.py; fused gradients,
+    error feedback, the skip policy and nonfinite="raise" (tests/ddp_checks.py docstring)."""
+    ddp_checks(2, "fp16-saturation")
+
+
 def test_a_job_of_one_rank():
     ddp_checks(1, "one-rank")
 
