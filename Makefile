@@ -8,7 +8,8 @@ COMPRESSOR?= topk:density=0.01
 MODEL     ?= small
 EPOCHS    ?= 1
 DATA      ?= ../shared/data/tinyshakespeare/input.txt
-OUTPUT    ?= runs/$(subst :,_,$(subst =,-,$(subst $(comma),_,$(COMPRESSOR))))-np$(NP)
+FRONTEND  ?= horovod
+OUTPUT    ?= runs/$(subst :,_,$(subst =,-,$(subst $(comma),_,$(COMPRESSOR))))-np$(NP)$(if $(filter ddp,$(FRONTEND)),-ddp)
 comma     := ,
 
 # Open MPI settings used for every run (ranks may outnumber cores; root is allowed in containers):
@@ -23,12 +24,18 @@ STUDY_OUT ?= docs/results/study-small
 install: $(VENV)/.hvdcomp-installed
 
 $(VENV)/.hvdcomp-installed: scripts/install.sh setup.cfg pyproject.toml
-	HVDCOMP_VENV=$(abspath $(VENV)) bash scripts/install.sh
+	HVDCOMP_VENV=$(abspath $(VENV)) HVDCOMP_HOROVOD=$(if $(HVDCOMP_HOROVOD),$(HVDCOMP_HOROVOD),1) bash scripts/install.sh
 	touch $@
 
+# FRONTEND=ddp: the same run on DistributedDataParallel + hvdcomp's comm hook, started by torchrun
 run: install
+ifeq ($(FRONTEND),ddp)
+	$(VENV)/bin/torchrun --nproc_per_node $(NP) mpi_scripts/train_lm.py --frontend ddp \
+	  --compressor '$(COMPRESSOR)' --model $(MODEL) --epochs $(EPOCHS) --data '$(DATA)' --output '$(OUTPUT)'
+else
 	mpirun -np $(NP) --oversubscribe --bind-to none $(PY) mpi_scripts/train_lm.py \
 	  --compressor '$(COMPRESSOR)' --model $(MODEL) --epochs $(EPOCHS) --data '$(DATA)' --output '$(OUTPUT)'
+endif
 
 test: install
 	$(PY) -m pytest -v tests

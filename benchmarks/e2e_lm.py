@@ -27,6 +27,8 @@ Contenders (all train the same model on the same data, global batch, learning ra
   ``hvd.Compression.none`` / ``hvd.Compression.fp16``;
 * ``horovod-ring:none`` / ``horovod-ring:fp16`` - the same, launched with Open MPI's ring allreduce
   (``peers.RING_ALLREDUCE_ENV``); the worker refuses to start unless every rank has those settings;
+* ``hvdcomp-ddp:<spec>`` - PyTorch ``DistributedDataParallel`` on gloo with hvdcomp's communication
+  hook (:func:`hvdcomp.ddp.register`, the optimizer attached; ``@bucket`` for ``granularity="bucket"``);
 * ``ddp:none`` / ``ddp:fp16`` / ``ddp:powersgd`` - PyTorch ``DistributedDataParallel`` on the gloo
   backend, without a communication hook, with ``fp16_compress_hook``, or with ``powerSGD_hook``
   (rank 2, ``start_powerSGD_iter=2``, warm start, error feedback). DDP runs do not initialise
@@ -68,6 +70,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import hvdcomp  # noqa: E402
+import hvdcomp.ddp  # noqa: E402
 from hvdcomp.launch import abort_on_uncaught_exception, recorded_env  # noqa: E402
 from hvdcomp.lm import LSTMLM, MODEL_SIZES, batchify, load_corpus, loss_sums, rank_columns  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
@@ -94,7 +97,7 @@ def parse_contender(text: str) -> Tuple[str, str]:
     """
     _, variant = peers.split(text)
     family = peers.code_path(text)
-    if family == "hvdcomp":
+    if family in ("hvdcomp", "hvdcomp-ddp"):
         hvdcomp.get_compressor(peers.hvdcomp_options(variant)[0])  # validates (ValueError names the problem)
     return family, variant
 
@@ -368,7 +371,17 @@ def build(args, raw: torch.nn.Module, comm) -> Setup:
 
         s.info["rendezvous"] = init_gloo(comm, args)
         s.module = DDP(raw)  # broadcasts rank 0's parameters
-        if args.variant == "fp16":
+        if args.family == "hvdcomp-ddp":
+
+            spec, options = peers.hvdcomp_options(args.variant)
+            compressor = hvdcomp.get_compressor(spec)
+            compressor.set_epoch(0)  # DGC's density warm-up, as train_lm's first epoch
+            hook = hvdcomp.ddp.register(s.module, compressor, optimizer=sgd,
+                                        granularity=options.get("granularity", "tensor"))
+            s.timer = hook.timer
+            s.info["compressor"] = compressor.describe()
+            s.info["transport"] = hook.transport
+        elif args.variant == "fp16":
             s.module.register_comm_hook(state=None, hook=default_hooks.fp16_compress_hook)
             s.payload_bytes_est = 2 * n_params
         elif args.variant == "powersgd":
@@ -381,7 +394,7 @@ def build(args, raw: torch.nn.Module, comm) -> Setup:
         else:
             s.payload_bytes_est = 4 * n_params
         s.opt = sgd
-        s.info["transport"] = "gloo-allreduce (DDP buckets)"
+        s.info.setdefault("transport", "gloo-allreduce (DDP buckets)")
         s.evaluate = lambda model, stream: evaluate_gloo(model, stream, args.eval_batch_size, args.bptt,
                                                          comm.rank, comm.size)
     return s
@@ -597,7 +610,7 @@ def main(argv=None) -> int:
               f"comm_critical={critical if critical is not None else float('nan'):.3f}s "
               f"{'(' + ph + ') ' if ph else ''}val_ppl={curve[-1][1] if curve else float('nan'):.2f} "
               f"-> {args.output}", flush=True)
-    if args.family == "ddp":
+    if args.family in ("ddp", "hvdcomp-ddp"):
         import torch.distributed as dist
 
         dist.destroy_process_group()

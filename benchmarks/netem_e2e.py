@@ -45,6 +45,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
+import hygiene
 import peers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -338,6 +339,8 @@ class Driver:
         cmd = self.mpirun_command(cell, out_json)
         env = {**self.base_env(), **self.netem_env, "NETEM_TIMEOUT": str(int(timeout))}
         attempts: List[dict] = []
+        limit = a.load_limit or None
+        machine_before = hygiene.wait_quiet(a.max_wait_quiet, log=log.warning, limit=limit)
         for attempt in range(1, a.attempts + 1):
             if os.path.exists(out_json):
                 os.remove(out_json)
@@ -365,7 +368,9 @@ class Driver:
                 os.replace(log_path, f"{log_path[:-4]}.attempt{attempt}.log")
                 log.warning("cell %s/%s failed (%s): retrying", cell["rate"], cell["name"], reason)
         elapsed = sum(r["elapsed_s"] for r in attempts)
-        res["driver"] = {"command": cmd, "cell_env": self.cell_env, "netem_timeout_s": int(timeout),
+        machine = {"before": machine_before, "after": hygiene.machine_state(),
+                   "loaded": hygiene.is_loaded(machine_before, limit)}
+        res["driver"] = {"machine": machine, "command": cmd, "cell_env": self.cell_env, "netem_timeout_s": int(timeout),
                          **{k: attempts[-1][k] for k in ("returncode", "timed_out", "hung_at_exit")},
                          "elapsed_s": elapsed, "attempts": attempts, "log": os.path.abspath(log_path),
                          "rate": cell["rate"], "np": cell["np"]}
@@ -375,6 +380,7 @@ class Driver:
         entry = {"status": res["status"], "rate": cell["rate"], "np": cell["np"], "contender": cell["contender"],
                  "json": os.path.relpath(out_json, a.output), "elapsed_s": round(elapsed, 1),
                  "attempts": len(attempts), "hung_at_exit": attempts[-1]["hung_at_exit"],
+                 "loaded": machine["loaded"], "load_before": machine_before["load_1min"],
                  "command": " ".join(map(shlex.quote, cmd))}
         if res["status"] == "ok" and a.bench == "e2e":
             entry["step_median_s"] = res["timing"]["step"]["median"]
@@ -491,6 +497,12 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=0, help="seconds per cell (0: estimated per cell)")
     p.add_argument("--attempts", type=int, default=1,
                    help="launches per cell while it fails (every attempt is recorded)")
+    p.add_argument("--max-wait-quiet", type=float, default=600.0,
+                   help="seconds to wait before a cell for the load average to drop to the core count; a cell "
+                        "started on a loaded machine is marked loaded (hygiene.py) and left out of verdicts")
+    p.add_argument("--load-limit", type=float, default=0.0,
+                   help="load average above which a cell counts as loaded (0: the number of cores); a test "
+                        "of the harness itself, which times nothing, raises it")
     p.add_argument("--exit-grace", type=float, default=60.0,
                    help="seconds a job may take to exit after writing its results before it is stopped")
     p.add_argument("--tail-chars", type=int, default=6000, help="output kept in a failed cell's JSON")

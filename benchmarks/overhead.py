@@ -44,6 +44,7 @@ from hvdcomp.launch import recorded_env  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_models  # noqa: E402
+import hygiene  # noqa: E402
 import peers  # noqa: E402
 
 
@@ -102,6 +103,7 @@ def main(argv=None):
     hvd.init()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     comm = MPI.COMM_WORLD
+    before = comm.bcast(hygiene.machine_state() if comm.Get_rank() == 0 else None, root=0)
     results: Dict[str, Dict] = {}
     for model_name in args.models:
         runs = {}
@@ -138,6 +140,8 @@ def main(argv=None):
         info = {"settings": vars(args), "ranks": comm.Get_size(), "host": platform.node(),
                 "torch": torch.__version__, "hvdcomp": hvdcomp.__version__,
                 "env": recorded_env(),
+                "machine": {"before": before, "after": hygiene.machine_state(),
+                            "loaded": hygiene.is_loaded(before)},
                 "load_average": os.getloadavg(), "models": results}
         with open(os.path.join(args.output, "overhead.json"), "w") as f:
             json.dump(info, f, indent=2)

@@ -16,6 +16,9 @@ Peers:
   neighbour only, float32 and float16 alike);
 * ``ddp:none`` / ``ddp:fp16`` / ``ddp:powersgd``: PyTorch DDP on gloo (not affected by Open MPI
   settings).
+
+hvdcomp itself runs as ``hvdcomp:<spec>`` (the Horovod front-end) or ``hvdcomp-ddp:<spec>`` (DDP
+on gloo with hvdcomp's communication hook, :mod:`hvdcomp.ddp`; ``@bucket`` as for hvdcomp).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ FAMILIES: Dict[str, Tuple[str, Dict[str, str]]] = {
     "horovod": ("horovod", {}),
     "horovod-ring": ("horovod", RING_ALLREDUCE_ENV),
     "ddp": ("ddp", {}),
+    "hvdcomp-ddp": ("hvdcomp-ddp", {}),
 }
 
 #: every peer, in report order
@@ -58,7 +62,7 @@ def split(contender: str) -> Tuple[str, str]:
     family, _, variant = contender.partition(":")
     if family not in FAMILIES:
         raise ValueError(f"unknown contender {contender!r}: use hvdcomp:<spec> or one of {', '.join(PEERS)}")
-    if family != "hvdcomp" and contender not in PEERS:
+    if family not in ("hvdcomp", "hvdcomp-ddp") and contender not in PEERS:
         raise ValueError(f"unknown contender {contender!r}: use hvdcomp:<spec> or one of {', '.join(PEERS)}")
     return family, variant
 
@@ -81,7 +85,8 @@ def hvdcomp_options(variant: str) -> Tuple[str, Dict[str, str]]:
 
 
 def code_path(contender: str) -> str:
-    """Which training path the worker runs: ``"hvdcomp"``, ``"horovod"`` or ``"ddp"``."""
+    """Which training path the worker runs: ``"hvdcomp"``, ``"horovod"``, ``"ddp"`` or
+    ``"hvdcomp-ddp"``."""
     return FAMILIES[split(contender)[0]][0]
 
 
@@ -103,7 +108,7 @@ def foreign_env_keys(contender: str) -> Tuple[str, ...]:
 
 def label(contender: str) -> str:
     """Display name: ``"horovod-ring:fp16"`` -> ``"Horovod ring fp16"``."""
-    for prefix, shown in (("hvdcomp:", "hvdcomp "), ("horovod-ring:", "Horovod ring "),
+    for prefix, shown in (("hvdcomp-ddp:", "hvdcomp DDP "), ("hvdcomp:", "hvdcomp "), ("horovod-ring:", "Horovod ring "),
                           ("horovod:", "Horovod "), ("ddp:", "DDP ")):
         if contender.startswith(prefix):
             return shown + contender[len(prefix):]

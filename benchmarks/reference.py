@@ -53,7 +53,7 @@ class QSGDReference(Reference):
 
     def __init__(self, comp, error_feedback, seed=0):
         super().__init__(comp, error_feedback, seed)
-        self.s, self.d, self.max = comp.levels, comp.bucket, comp.scale == "max"
+        self.s, self.d, self.max = comp.levels, comp.block, comp.scale == "max"
 
     def _encode(self, x):
         n, d = x.numel(), self.d

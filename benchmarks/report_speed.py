@@ -99,8 +99,15 @@ def order(e2e) -> List[str]:
     return sorted(e2e, key=key)
 
 
+def loaded(cell: Optional[dict]) -> bool:
+    """The cell started on a loaded machine (load average above the core count; ``hygiene.py``):
+    its figures are not evidence and it is left out of every table and verdict."""
+    return bool(cell) and bool(((cell.get("driver") or {}).get("machine") or {}).get("loaded"))
+
+
 def ok(cell: Optional[dict]) -> bool:
-    return bool(cell) and cell.get("status") == "ok"
+    """A cell that finished and ran on a quiet machine."""
+    return bool(cell) and cell.get("status") == "ok" and not loaded(cell)
 
 
 def step_s(cell) -> Optional[float]:
@@ -122,7 +129,7 @@ def comm_wait_s(cell, last_rank: bool = False) -> Optional[float]:
     if not ok(cell):
         return None
     t = cell["timing"]
-    rec = (t.get("phases") or {}).get("communicate") if cell.get("family") == "hvdcomp" else None
+    rec = (t.get("phases") or {}).get("communicate") if cell.get("family") in ("hvdcomp", "hvdcomp-ddp") else None
     if rec is None and cell.get("family") == "horovod":
         rec = t.get("parts", {}).get("sync")
     if rec is None:
@@ -253,6 +260,11 @@ def e2e_section(e2e, figdir, prefix: str = "") -> (List[str], dict):
             f"- {label(c)} at {RATE_LABEL.get(r, r)}: `{failure(cell)}`"
             for c, cells in e2e.items() for r, cell in cells.items()], summary
     title = model_title(any_cell)
+    left_out = [f"{label(c)} at {RATE_LABEL.get(r, r)}" for c, cells in e2e.items() for r, cell in cells.items()
+                if loaded(cell)]
+    if left_out:
+        lines += [f"Left out, started on a loaded machine (load average above the core count): "
+                  f"{', '.join(left_out)}.", ""]
     synthetic = any_cell["config"].get("data") == "synthetic"
     lines += [f"{title} ({any_cell['config']['parameters']:,} parameters"
               + (f" in {any_cell['config']['tensors']} tensors" if "tensors" in any_cell["config"] else "")
@@ -285,7 +297,7 @@ def e2e_section(e2e, figdir, prefix: str = "") -> (List[str], dict):
             b, s = refs[r][1], step_s(cells.get(r))
             speed.append(fmt(b / s if b and s else None, ".2f") + ("x" if b and s else ""))
         lines.append(f"| {label(c)} | " + " | ".join(vals) + " | " + ", ".join(speed) + " |")
-    fails = [(c, r, cell) for c, cells in e2e.items() for r, cell in cells.items() if not ok(cell)]
+    fails = [(c, r, cell) for c, cells in e2e.items() for r, cell in cells.items() if not ok(cell) and not loaded(cell)]
     if fails:
         lines += ["", "Failed cells (error as recorded):", ""]
         lines += [f"- {label(c)} at {RATE_LABEL.get(r, r)}: `{failure(cell)}`" for c, r, cell in fails]
@@ -440,7 +452,7 @@ def transformer_target(e2e) -> (List[str], List[dict]):
             return None, f"{label(c)} ran at {cell.get('world_size')} ranks"
         if cell is None:
             return None, f"{label(c)} not run"
-        return (step_s(cell), None) if ok(cell) else (None, f"{label(c)} failed: {failure(cell)}")
+        return (step_s(cell), None) if ok(cell) else (None, f"{label(c)} " + ("ran on a loaded machine" if loaded(cell) else f"failed: {failure(cell)}"))
 
     ref, ref_s = fastest_horovod(e2e, rate, lambda c: step_s(c) if ok(c) and c.get("world_size") == t["ranks"]
                                  else None)
@@ -652,18 +664,26 @@ def overhead_section(directory: Optional[str]) -> List[str]:
     targets = ["| ranks | contender | target | measured | verdict |", "|---:|---|---|---:|---|"]
     for path in runs:
         run = read_json(path)
-        lines.append(f"Run `{os.path.relpath(path, directory)}`: {run['ranks']} ranks, load average "
-                     f"{', '.join(f'{x:.1f}' for x in run.get('load_average', []))} at the end.")
+        machine = run.get("machine")
+        if machine:
+            b, a = machine["before"], machine["after"]
+            state = (f"load average {b['load_1min']:.1f} before (others {100 * b['others_cpu_share']:.0f} % "
+                     f"CPU), {a['load_1min']:.1f} after, on {b['cores']} cores"
+                     + (": **loaded, left out of the targets**" if machine["loaded"] else ": quiet"))
+        else:  # (runs from before hygiene.py recorded no state before the run)
+            state = f"load average {', '.join(f'{x:.1f}' for x in run.get('load_average', []))} at the end"
+        lines.append(f"Run `{os.path.relpath(path, directory)}`: {run['ranks']} ranks, {state}.")
         lines.append("")
         for model, result in run["models"].items():
             lines += table(model, result, run["ranks"])
         stack = run["models"].get("stack", {}).get("contenders", {})
+        judged = not (machine or {}).get("loaded")
         for contender, key, limit, text in OVERHEAD_TARGETS:
             for name in (contender, contender + "@unfused", contender + "@bucket"):
                 if name in stack and key in stack[name]:
                     value = stack[name][key]
-                    targets.append(f"| {run['ranks']} | {name} | {text} | {value:.2f} | "
-                                   f"{'met' if value <= limit else 'missed'} |")
+                    verdict = ("met" if value <= limit else "missed") if judged else "not judged (loaded machine)"
+                    targets.append(f"| {run['ranks']} | {name} | {text} | {value:.2f} | {verdict} |")
     return ["Targets on the 400-tensor stack:", ""] + targets + [""] + lines
 
 

@@ -42,8 +42,8 @@ sys.path.insert(0, ROOT)
 from hvdcomp import get_compressor  # noqa: E402
 from hvdcomp.comm.costmodel import CostModel  # noqa: E402
 from hvdcomp.compressors.topk import num_kept  # noqa: E402
-from hvdcomp.optimizer import DEFAULT_BUCKET_BYTES as BUCKET_BYTES  # noqa: E402
-from hvdcomp.plan import HOROVOD_KINDS  # noqa: E402
+from hvdcomp.config import DEFAULT_BUCKET_BYTES as BUCKET_BYTES  # noqa: E402
+from hvdcomp.plan import HOROVOD_KINDS, step_collectives  # noqa: E402
 
 N_MEDIUM = 10000 * 300 + 2 * (8 * 300 * 300 + 8 * 300)   # the medium LSTM's parameters (4,444,800)
 POWERSGD_BYTES = 149_600                                 # measured (speed report), rank 2, per step
@@ -54,7 +54,7 @@ PER_NODE = 8                                             # GPUs per node, for th
 
 def row_functions(n: int) -> Dict[str, Callable]:
     """Name -> f(fits, p) seconds per step (see the module docstring). The methods' collectives and
-    bytes are their own (:meth:`hvdcomp.Compressor.step_collectives` on the model as one
+    bytes are their own (:func:`hvdcomp.plan.step_collectives` on the model as one
     gradient of n elements): one place for the formulas the optimizer's ``transport="auto"`` also
     prices."""
     def hvd(fits, kind, p, nbytes, calls=1):
@@ -74,7 +74,7 @@ def row_functions(n: int) -> Dict[str, Callable]:
         def seconds(fits, p):
             q = ranks(p)
             return sum((hvd if kind in HOROVOD_KINDS else mpi)(fits, kind, q, nbytes, calls)
-                       for kind, nbytes, calls in comp.step_collectives([n], q, BUCKET_BYTES))
+                       for kind, nbytes, calls in step_collectives(comp, [n], q, BUCKET_BYTES))
         return seconds
 
     return {

@@ -158,6 +158,29 @@ class NonFiniteGuard:
                 "then shares the state at the first step).")
         return self._verdict([r for r, row in enumerate(every) if row[0]])
 
+    def decide(self, group, gatherer, summed, loaded: bool, backward_passes: int) -> StepVerdict:
+        """This step's verdict in ``group`` (a :class:`hvdcomp.comm.group.Group`, or any group
+        with ``size``): from the summed row started by :meth:`launch_summed` (``summed``, a
+        Horovod handle) where there is one, else by the small allgather of ``gatherer``
+        (``allgather_ints``: :meth:`hvdcomp.comm.allgather.Allgatherer.allgather_ints`,
+        :meth:`hvdcomp.comm.torchdist.TorchDistGroup.allgather_ints`); alone when one rank.
+
+        Raises:
+            As :meth:`agree`.
+        """
+        if summed is not None:
+            return self.agree_summed(group.synchronize(summed).tolist(), gatherer.allgather_ints, loaded,
+                                     backward_passes)
+        if group.size > 1:
+            return self.agree(gatherer.allgather_ints, loaded, backward_passes)
+        return self.agree(lambda v: [list(v)], loaded, backward_passes)
+
+    def launch_summed(self, group, loaded: bool, backward_passes: int, name: str):
+        """Start this rank's :meth:`summary` row as a summed Horovod allreduce in ``group`` (which
+        Horovod fuses with the gradients' allreduces); returns the handle for :meth:`decide`."""
+        row = self.summary(loaded, backward_passes)
+        return group.allreduce_async(torch.tensor(row, dtype=torch.float64), name, group.hvd.Sum)
+
     # ---- the same decision from sums (gradients reduced in place) ------------------------------
     def summary(self, loaded: bool, backward_passes: int) -> List[float]:
         """This rank's row for :meth:`agree_summed`, to be summed over ranks (exact in float64
@@ -195,9 +218,17 @@ class NonFiniteGuard:
 
 
 # ---- at construction: the set-up ----------------------------------------------------------------
-def check_consistency(group, signature: dict, name: str) -> None:
-    """All ranks of ``group`` (a :class:`hvdcomp.comm.group.Group`) must have the same
-    ``signature`` (settings and the parameter list: names, shapes, order; one object allgather).
+_SETUP = ("the training set-up (build the same model, compressor and optimizer settings on every rank, "
+          "in the same order)")
+
+
+def check_consistency(group, signature: dict, name: str, setup: str = _SETUP) -> None:
+    """All ranks of ``group`` must have the same ``signature`` (settings and the parameter list:
+    names, shapes, order; one object allgather). ``group``: any group with ``allgather_object(obj,
+    name)`` (:class:`hvdcomp.comm.group.Group`, :class:`hvdcomp.comm.torchdist.TorchDistGroup`).
+
+    Args:
+        setup: what is compared and how to fix it, for the error message.
 
     Raises:
         ValueError: on every rank, naming the first differences.
@@ -217,9 +248,7 @@ def check_consistency(group, signature: dict, name: str) -> None:
         if first is not None:
             diffs.append(f"parameter #{first}: rank {rank} {b[first]} != rank 0 {a[first]}")
     if diffs:
-        raise ValueError("ranks disagree on the training set-up (build the same model, "
-                         "compressor and optimizer settings on every rank, in the same order): "
-                         + "; ".join(diffs[:10]))
+        raise ValueError(f"ranks disagree on {setup}: " + "; ".join(diffs[:10]))
 
 
 def digest(obj) -> str:
@@ -250,6 +279,8 @@ class StateAgreement:
 
     def agree(self, group, compression, skipped_steps: int, name: str) -> int:
         """At the first step: make compressor state that must be identical on every rank so.
+        ``group``: any group with ``size``, ``rank``, ``allgather_object(obj, name)`` and
+        ``broadcast_object(obj, root, name)``.
 
         Horovod's resume recipe loads a checkpoint on rank 0 only, then broadcasts parameters and
         optimizer state. Compressor state has two parts (:meth:`hvdcomp.Compressor.shared_state`):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -17,7 +17,7 @@ import torch
 from .comm import make_allgatherer
 from .comm.costmodel import CostModel, measure_cost_model
 from .comm.exchange import MPIExchange
-from .comm.step import StepComm
+from .comm.step import StepComm, horovod_step_comm
 from .compressors.rng import DrawOrder
 from .compressors.segments import Segments, needs_draw_order
 from .plan import (TransportPlan, choose_transport, fuse_units, make_units, plan_transport, routes, split_groups,
@@ -67,7 +67,6 @@ class Pipeline:
     gatherer: object = None
     deferred: bool = False
     summed_agreement: bool = False
-    choice: Dict[str, float] = field(default_factory=dict)
     draw_order: Optional[DrawOrder] = None
 
 
@@ -98,29 +97,13 @@ def _routing_cost_model(settings, compression, group, order, gatherer) -> Option
 
 
 def _step_comm(compression, group, timer, gatherer, prefix: str) -> StepComm:
-    """The collectives of a step-wide method's step (:class:`hvdcomp.comm.step.StepComm`): Horovod
-    allreduce and broadcast within the group (timed and counted), point-to-point messages on a
-    duplicate of the mpi4py allgather's communicator (under MPI).
+    """The collectives of a step-wide method's step (:func:`hvdcomp.comm.step.horovod_step_comm`):
+    Horovod allreduce and broadcast within the group (timed and counted), point-to-point messages
+    on a duplicate of the mpi4py allgather's communicator (under MPI).
 
     Raises:
         RuntimeError: the method's transport needs point-to-point messages and the ranks have no MPI.
     """
-    hvd = group.hvd
-
-    def allreduce_mean(tensor, name):
-        with timer.phase("communicate"):
-            out = group.allreduce(tensor, f"{prefix}.{name}", hvd.Average)
-        nbytes = tensor.numel() * tensor.element_size()
-        timer.add_bytes(sent=nbytes, received=nbytes)
-        return out
-
-    def broadcast(tensor, root, name):
-        with timer.phase("communicate"):
-            out = group.broadcast(tensor, root, f"{prefix}.{name}")
-        nbytes = tensor.numel() * tensor.element_size()
-        timer.add_bytes(sent=nbytes if group.rank == root else 0, received=nbytes)
-        return out
-
     p2p = None
     comm = getattr(gatherer, "comm", None)
     if step_route_of(compression).needs_point_to_point and group.size > 1:
@@ -130,7 +113,7 @@ def _step_comm(compression, group, timer, gatherer, prefix: str) -> StepComm:
                                "gloo, or allgather='horovod'): launch with mpirun or horovodrun --mpi "
                                "with mpi4py installed, or use cltk or topk")
         p2p = MPIExchange(comm.Dup())
-    return StepComm(allreduce_mean, group.rank, group.size, broadcast, p2p)
+    return horovod_step_comm(group, timer, prefix, p2p)
 
 
 def assemble(settings, compression, group, order: List[torch.nn.Parameter], names: Dict, prefix: str,
@@ -234,5 +217,5 @@ def assemble(settings, compression, group, order: List[torch.nn.Parameter], name
         compression.bind_draw_order(draw_order)
     return Pipeline(compression, plan, cost_model, unit_set, list(by_route.values()),
                     [by_route[r] for r in route_of], [step_route is None] * len(units), flush_order,
-                    gatherer, deferred=step_route is not None, summed_agreement=summed, choice=choice,
+                    gatherer, deferred=step_route is not None, summed_agreement=summed,
                     draw_order=draw_order)

@@ -11,6 +11,9 @@ import torch
 
 from .agreement import NONFINITE_MODES
 from .comm.costmodel import CostModel
+from .compressors.fp16 import FP16Compressor
+from .compressors.none import NoneCompressor
+from .spec import resolve_compression
 
 __all__ = ["Settings", "DEFAULT_BUCKET_BYTES", "OPTIMIZER_ENV", "GRANULARITIES", "TRANSPORT_CHOICES"]
 
@@ -30,8 +33,12 @@ ARGUMENTS_DOC = """    Args:
             ``hvd.Compression.none`` / ``hvd.Compression.fp16``. One compressor per optimizer.
         backward_passes_per_step: backward passes accumulated locally before communicating.
         op: ``hvd.Average`` (default) or ``hvd.Sum`` (the sum over ranks, for every method).
-            ``hvd.Adasum`` is refused (Horovod's Adasum optimizer combines parameter deltas,
-            which a gradient compressor does not carry).
+            ``hvd.Adasum`` combines parameter deltas, not gradients: with ``none`` or ``fp16``
+            (no error feedback; ``hvd.Compression.none`` / ``fp16`` alike) this returns stock
+            Horovod's own Adasum optimizer (``hvd.DistributedOptimizer(..., op=hvd.Adasum)``;
+            ``fp16`` as stock's float16 cast of the delta), so results are stock's bit for bit,
+            and hvdcomp's keyword-only arguments do not apply to it (no ``timer``; non-finite
+            values are not checked, as stock). Other methods are refused (``ValueError``).
         gradient_predivide_factor: as Horovod: ``MEAN`` payloads are divided by it before the
             allreduce and multiplied by it / size after (``op=Average`` only). Allgathered
             payloads are averaged in float32 locally, where it changes nothing.
@@ -54,7 +61,10 @@ ARGUMENTS_DOC = """    Args:
         nonfinite: what a NaN/Inf gradient on any rank does: ``"skip"`` (default: every rank
             skips the step; compressor state stays as before it; every ``.grad`` reads NaN so a
             ``GradScaler`` sees the overflow), ``"raise"`` (``FloatingPointError`` on every rank)
-            or ``"ignore"`` (no check and no per-step agreement).
+            or ``"ignore"`` (no check and no per-step agreement). **This is where hvdcomp
+            differs from stock Horovod on purpose**: stock applies a non-finite step (NaN/Inf
+            reach the parameters), the default ``"skip"`` leaves the parameters as they were;
+            ``nonfinite="ignore"`` reproduces stock's behaviour (with ``none``, bit for bit).
         check_consistency: at construction, verify (one allgather) that every rank has the same
             settings and parameter list (names, shapes, dtypes, order).
         bucket_bytes: bytes of dense gradient per allgather bucket (default 25 MiB, as DDP).
@@ -141,12 +151,8 @@ class Settings:
         if nonfinite not in NONFINITE_MODES:
             raise ValueError(f"nonfinite must be 'skip', 'raise' or 'ignore', got {nonfinite!r}")
         op = hvd.Average if op is None else op
-        if op is hvd.Adasum:
-            raise ValueError("op=hvd.Adasum is not supported by hvdcomp: Horovod's Adasum optimizer "
-                             "combines parameter deltas, which a gradient compressor does not carry. "
-                             "Use op=hvd.Average (or hvd.Sum), or stock hvd.DistributedOptimizer for Adasum.")
-        if op not in (hvd.Average, hvd.Sum):
-            raise ValueError(f"op must be hvd.Average or hvd.Sum, got {op!r}")
+        if op not in (hvd.Average, hvd.Sum):  # (hvd.Adasum is handed to stock Horovod before this)
+            raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum, got {op!r}")
         gradient_predivide_factor = float(gradient_predivide_factor)
         if gradient_predivide_factor != 1.0 and op is not hvd.Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average (as in Horovod)")
@@ -237,6 +243,9 @@ def name_parameters(param_groups, named_parameters) -> Dict[torch.Tensor, str]:
 def check_method(compression, optimizer, granularity: str) -> None:
     """Combinations of a method with the optimizer's settings that cannot work.
 
+    Args:
+        optimizer: the wrapped ``torch.optim.Optimizer``, or None (only ``granularity`` is checked).
+
     Raises:
         ValueError: ``granularity="bucket"`` with a method that needs each gradient's matrix shape
             (PowerSGD); a method that applies momentum itself (DGC) with an optimizer that also
@@ -245,7 +254,7 @@ def check_method(compression, optimizer, granularity: str) -> None:
     if granularity == "bucket" and getattr(compression, "needs_shapes", False):
         raise ValueError(f"granularity='bucket' flattens gradients, but '{compression.name}' needs "
                          "each gradient's matrix shape: use granularity='tensor'")
-    if compression.owns_momentum:
+    if compression.owns_momentum and optimizer is not None:
         for group in optimizer.param_groups:
             beta = group.get("momentum", 0.0) or (group.get("betas") or (0.0,))[0]
             if beta:
@@ -253,3 +262,28 @@ def check_method(compression, optimizer, granularity: str) -> None:
                     f"'{compression.name}' applies momentum itself (momentum correction), but the "
                     f"optimizer also applies momentum {beta}: momentum would be applied twice. Create "
                     "the optimizer without momentum, e.g. torch.optim.SGD(params, lr=..., momentum=0).")
+
+
+#: methods ``op=hvd.Adasum`` runs with (as stock Horovod's Adasum optimizer)
+ADASUM_METHODS = ("none", "fp16")
+
+
+def adasum_compression(compression, hvd):
+    """Horovod's own compression for ``op=hvd.Adasum`` (stock's Adasum optimizer compresses
+    parameter deltas): ``none`` and ``fp16`` (spec, hvdcomp compressor without error feedback, or
+    ``hvd.Compression.none`` / ``fp16``).
+
+    Raises:
+        ValueError: any other method, naming the supported ones.
+    """
+    if compression in (hvd.Compression.none, hvd.Compression.fp16):
+        return compression
+    comp = resolve_compression(compression)
+    if type(comp) is NoneCompressor:
+        return hvd.Compression.none
+    if type(comp) is FP16Compressor:
+        return hvd.Compression.fp16
+    raise ValueError(f"op=hvd.Adasum combines parameter deltas (Horovod's Adasum optimizer), which "
+                     f"'{comp.name}' ({comp.describe()}) does not compress; Adasum runs with compression "
+                     f"{' or '.join(repr(m) for m in ADASUM_METHODS)} (without error feedback). Use "
+                     "op=hvd.Average (or hvd.Sum) for other methods.")

@@ -21,15 +21,20 @@ error) keep theirs in it too.
 float16 and bfloat16 gradients are upcast to float32 before ``p = g + e``: the residual of a
 half-precision gradient is kept in float32 (a float16 residual would itself round away what the
 compressor dropped), the inner method compresses the float32 ``p``, and decoded gradients are
-cast back to the gradient's dtype (saturating at its largest finite value).
+cast back to the gradient's dtype, saturating at its largest finite value. ``p`` may exceed that
+range (a float16 gradient plus its residual); the averaged result then cannot be delivered in
+full, and the part beyond the range is added to the residual on every rank alike (each rank
+decodes the same average), so the mean over ranks of ``delivered + residual`` still equals the
+mean of ``g + e``: the excess is sent at later steps, never dropped. ±inf stays ±inf.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, NamedTuple, Optional, Sequence
 
 import torch
 
-from .compressors.base import Compressor, cast_saturating
+from .compressors.base import Compressor, cast_saturating, copy_saturating_
 from .compressors.state import StagedState
 
 __all__ = ["ErrorFeedback", "Residuals"]
@@ -128,6 +133,12 @@ class Residuals:
         self.owner._put(self.store, name, r)
         return r
 
+    def add(self, name: str, delta: torch.Tensor) -> None:
+        """Stage ``e + delta`` for ``name`` (a correction outside the step's own update, e.g. what
+        a resend or a saturated delivery moved; a new tensor, in the residual's dtype)."""
+        e = self.get(name)
+        self.owner._put(self.store, name, e + delta.reshape(e.shape).to(e.dtype))
+
     def keep_flat(self, flat: torch.Tensor, names: Sequence[str], shapes: Sequence[torch.Size]) -> None:
         """:meth:`keep` for each slice of ``flat`` (views of it, in ``shapes``)."""
         start = 0
@@ -160,6 +171,8 @@ class Residuals:
 class _Context(NamedTuple):
     inner: Any            # the inner method's context
     dtype: torch.dtype    # the gradient's dtype (decoded outputs are cast back to it)
+    names: tuple = ()     # the residuals the decoded result belongs to (one, or a bucket's segments)
+    shapes: tuple = ()    # their shapes, in the order of the (flat) result
 
 
 class Wrapper(Compressor):
@@ -256,7 +269,7 @@ class ErrorFeedback(Wrapper):
             p = self.memory.compensate(name, tensor)
         payload, ctx = self.inner.encode(p, name)
         self.memory.keep(name, self.inner.residual_(p, payload, ctx))  # p is ours: may be reused in place
-        return payload, _Context(ctx, dtype)
+        return payload, _Context(ctx, dtype, (name,), (tensor.shape,))
 
     def _encode_segments(self, flat, segments):
         """Several gradients in one call: ``p = g + e`` per segment on a copy of the flat buffer,
@@ -267,18 +280,50 @@ class ErrorFeedback(Wrapper):
         self.memory.compensate_segments_(p, segments)
         payload, ctx = self.inner.encode(p, None, segments)
         self.memory.keep_segments(self.inner.residual_(p, payload, ctx), segments)
-        return payload, _Context(ctx, dtype)
+        return payload, _Context(ctx, dtype, segments.names, segments.shapes)
+
+    def saturation(self, payload, ctx):
+        """The inner method's saturation check (:meth:`hvdcomp.compressors.fp16.FP16Compressor.saturation`;
+        ``None`` for methods without one), with this rank's residuals following a resend: each
+        resent parameter's residual loses what the replacement sends in addition (``delta``), so
+        what this rank sent plus its new residual is still its gradient plus its old residual."""
+        check = getattr(self.inner, "saturation", None)
+        action = None if check is None else check(payload, ctx.inner)
+        if action is None or action.payload is None:
+            return action
+        for name, delta in action.delta.items():
+            self.memory.add(name, -delta)
+        return action._replace(ctx=ctx._replace(inner=action.ctx))
+
+    def _deliver(self, value: torch.Tensor, ctx) -> torch.Tensor:
+        """``value`` (the averaged result, float32) cast to the gradient's dtype, saturating; for
+        a half-precision gradient the finite part beyond its range is added to the residuals of
+        ``ctx.names`` (see the module docstring; one host read)."""
+        if ctx.dtype in _HALF and ctx.names and value.dtype != ctx.dtype:
+            limit = torch.finfo(ctx.dtype).max
+            excess = torch.where(value.isfinite(), value - value.clamp(-limit, limit), torch.zeros_like(value))
+            if bool(excess.any()):
+                flat, start = excess.reshape(-1), 0
+                for name, shape in zip(ctx.names, ctx.shapes):
+                    n = math.prod(shape)
+                    self.memory.add(name, flat[start:start + n])
+                    start += n
+        return cast_saturating(value, ctx.dtype)
 
     def decode(self, payload, ctx):
-        return cast_saturating(self.inner.decode(payload, ctx.inner), ctx.dtype)
+        return self._deliver(self.inner.decode(payload, ctx.inner), ctx)
 
     def aggregate(self, payloads, ctx):
-        return cast_saturating(self.inner.aggregate(payloads, ctx.inner), ctx.dtype)
+        return self._deliver(self.inner.aggregate(payloads, ctx.inner), ctx)
 
     def decode_into(self, out, payload, ctx):
+        if out.dtype in _HALF and ctx.names:  # through float32: the excess goes to the residual
+            return copy_saturating_(out, self.decode(payload, ctx).view(out.shape))
         return self.inner.decode_into(out, payload, ctx.inner)
 
     def aggregate_into(self, out, payloads, ctx):
+        if out.dtype in _HALF and ctx.names:
+            return copy_saturating_(out, self.aggregate(payloads, ctx).view(out.shape))
         return self.inner.aggregate_into(out, payloads, ctx.inner)
 
     def reset(self, name: str | None = None) -> None:

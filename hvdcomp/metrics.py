@@ -18,6 +18,7 @@ from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["PhaseTimer", "PHASES", "write_json_atomic", "reduce_across_ranks"]
 
@@ -175,15 +176,29 @@ class _Phase:
 
 
 def reduce_across_ranks(values: Dict[str, float]) -> Dict[str, Dict[str, float]]:
-    """min / mean / max over ranks of each numeric value (Horovod allgather; collective).
+    """min / mean / max over ranks of each numeric value (collective: a Horovod allgather, or a
+    ``torch.distributed`` object gather where Horovod is not initialised, e.g. under the DDP
+    front-end).
 
     Every rank must call it with the same keys. Returns ``{key: {"min", "mean", "max"}}``.
     """
-    import horovod.torch as hvd
-
     keys = sorted(values)
     local = torch.tensor([[float(values[k]) for k in keys]], dtype=torch.float64)
-    allv = hvd.allgather(local, name="hvdcomp.metrics.reduce") if hvd.size() > 1 else local
+    try:
+        import horovod.torch as hvd
+
+        horovod = hvd.is_initialized()
+    except ImportError:
+        horovod = False
+    if horovod:
+        allv = hvd.allgather(local, name="hvdcomp.metrics.reduce") if hvd.size() > 1 else local
+    else:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, local)
+            allv = torch.cat(every)
+        else:
+            allv = local
     return {k: {"min": float(allv[:, i].min()), "mean": float(allv[:, i].mean()),
                 "max": float(allv[:, i].max())} for i, k in enumerate(keys)}
 

@@ -28,7 +28,7 @@ import itertools
 import logging
 import warnings
 import weakref
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Iterable, Optional, Tuple
 
 import torch
 
@@ -36,7 +36,8 @@ from .agreement import NonFiniteGuard, StateAgreement, check_consistency
 from .amp import LossScaleTracker
 from .assembly import assemble
 from .comm.group import Group, horovod
-from .config import ARGUMENTS_DOC, DEFAULT_BUCKET_BYTES, OPTIMIZER_ENV, Settings, check_method, name_parameters
+from .config import (ARGUMENTS_DOC, DEFAULT_BUCKET_BYTES, OPTIMIZER_ENV, Settings, adasum_compression, check_method,
+                     name_parameters)
 from .launch import check_launch
 from .metrics import PhaseTimer
 from .plan import TransportPlan
@@ -123,11 +124,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._open()
         self._step.started[u] = True
         self._pipe.transport_of[u].start(u)
-        if self._pipe.summed_agreement and self._agreement is None:  # this step's agreement as a small
-            # summed allreduce that Horovod fuses with the gradients' (see hvdcomp.agreement)
-            row = self._guard.summary(self._state.loaded_since_step, self.backward_passes_per_step)
-            self._agreement = self.group.allreduce_async(torch.tensor(row, dtype=torch.float64),
-                                                         f"{self._prefix}.agree", self.group.hvd.Sum)
+        if self._pipe.summed_agreement and self._agreement is None:  # (fused with the gradients')
+            self._agreement = self._guard.launch_summed(self.group, self._state.loaded_since_step,
+                                                        self.backward_passes_per_step, f"{self._prefix}.agree")
 
     def _hook(self, p: torch.Tensor) -> None:
         if self._step.synced:  # a new backward after synchronize() without step(): that update is dropped
@@ -166,7 +165,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not pipe.deferred:
             for t in pipe.transports:
                 t.finish()
-            self._guard.observe_gradients(self._order, only=None if pipe.summed_agreement else in_place)
+            overflowed = [i for t in pipe.transports for u in t.overflowed_units() for i in pipe.units.members[u]]
+            self._guard.observe_gradients(self._order, only=None if pipe.summed_agreement else {*in_place, *overflowed})
         step.restart(self.backward_passes_per_step)
         if self._agree() and pipe.deferred:  # agreed first: a skipped step runs no collective
             for t in pipe.transports:                      # and changes no state
@@ -180,17 +180,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._step.status = Status.SYNCED
         if self.nonfinite == "ignore":
             return True
-        loaded, passes = self._state.loaded_since_step, self.backward_passes_per_step
         with self.timer.phase("communicate") if self.group.size > 1 else contextlib.nullcontext():
-            if self._agreement is not None:
-                sums = self.group.synchronize(self._agreement).tolist()
-                self._agreement = None
-                verdict = self._guard.agree_summed(sums, self._pipe.gatherer.allgather_ints, loaded, passes)
-            elif self.group.size > 1:
-                verdict = self._guard.agree(self._pipe.gatherer.allgather_ints, loaded, passes)
-            else:
-                verdict = self._guard.agree(lambda v: [list(v)], loaded, passes)
-        self._state.loaded_since_step = False
+            verdict = self._guard.decide(self.group, self._pipe.gatherer, self._agreement,
+                                         self._state.loaded_since_step, self.backward_passes_per_step)
+        self._agreement, self._state.loaded_since_step = None, False
         if not verdict.skip:
             return True
         if self._step.staged:
@@ -337,9 +330,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          cost_model="measure", grad_scaler=None, granularity: str = "tensor",
                          fuse_tensors: bool = True, transport: str = "planned") -> torch.optim.Optimizer:
     hvd = horovod()
-    if not hvd.is_initialized():
-        raise RuntimeError("Horovod is not initialised: call hvd.init() before hvdcomp.DistributedOptimizer")
+    if not hvd.is_initialized():  # ValueError, the type stock Horovod raises here
+        raise ValueError("Horovod is not initialised: call hvd.init() before hvdcomp.DistributedOptimizer")
     check_launch(hvd.size())
+    if op is hvd.Adasum:  # stock's Adasum optimizer: it combines parameter deltas (none / fp16 only)
+        return hvd.DistributedOptimizer(optimizer, named_parameters, adasum_compression(compression, hvd),
+                                        backward_passes_per_step, op, gradient_predivide_factor, num_groups, groups,
+                                        sparse_as_dense, hvd.global_process_set if process_set is None else process_set)
     settings = Settings.validate(
         hvd, backward_passes_per_step=backward_passes_per_step, op=op,
         gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups, groups=groups,
@@ -376,16 +373,16 @@ DistributedOptimizer.__doc__ = """Wrap ``optimizer`` so that gradients are compr
 
 {arguments}
     Raises:
-        ValueError: bad ``named_parameters``, ``backward_passes_per_step < 1``, unknown
-            ``nonfinite``, ``op`` not Average/Sum, ``gradient_predivide_factor`` with
+        ValueError: Horovod is not initialised (as stock Horovod), bad ``named_parameters``,
+            ``backward_passes_per_step < 1``, unknown ``nonfinite``, ``op`` not Average/Sum/Adasum
+            (or Adasum with a method other than ``none``/``fp16``), ``gradient_predivide_factor`` with
             ``op != Average``, bad ``groups``, ``bucket_bytes < 1``, an unknown ``cost_model``
             or ``granularity`` (or ``"bucket"`` with PowerSGD), an unknown ``transport`` (or
             ``"auto"`` with ``cost_model="off"``), a compressor already used by another
             optimizer, a compressor that applies momentum (DGC) with an optimizer that also does,
             or ranks that disagree on any setting (raised on every rank, naming the difference).
         TypeError: unsupported ``compression`` or ``grad_scaler``.
-        RuntimeError: Horovod is not initialised, the launcher started several tasks but
-            Horovod sees one (see :func:`hvdcomp.launch.check_launch`), or a method that messages
+        RuntimeError: the launcher started several tasks but Horovod sees one (see :func:`hvdcomp.launch.check_launch`), or a method that messages
             ranks directly (gtopk, twophase) in a job without MPI (``horovodrun --gloo``).
 
     Example::

@@ -51,8 +51,10 @@ class Route:
         carries: ``f(method) -> bool``: whether it can carry this per-tensor method's payloads.
         collectives: ``f(payload_bytes, dense_bytes, bucket_bytes) -> Collectives``: what the
             gradients routed here cost in one step (payload and fp32 dense bytes per gradient).
-        preferred: the route a method it carries takes unless the cost model prices another one
-            cheaper (False: only where it is cheaper, and only with a cost model).
+        preferred: the route a method it carries takes unless another route's ``take_if`` says
+            otherwise for that gradient.
+        take_if: for a route that is not preferred, ``f(cost_model, payload_bytes, dense_bytes,
+            p) -> bool``: take it for this gradient (only with a cost model).
         bucketed: its gradients travel in buckets of ``bucket_bytes`` dense bytes (one
             collective per bucket).
         build: ``f(wiring) -> transport`` (see :mod:`hvdcomp.transports`).
@@ -64,6 +66,7 @@ class Route:
     preferred: bool = True
     bucketed: bool = False
     build: Optional[Callable] = None
+    take_if: Optional[Callable[[Any, float, float, int], bool]] = None
 
 
 @dataclass(frozen=True)
@@ -132,22 +135,15 @@ def route_names() -> List[str]:
 
 def _route_gradient(compression, numel: int, payload: Optional[float], cost_model, p: int) -> str:
     """The route of one gradient of a per-tensor method: its preferred route, unless ``cost_model``
-    prices another route that carries it cheaper alone (by more than a relative 1e-6: ties stay)."""
+    makes another route that carries it take the gradient (that route's ``take_if``)."""
     candidates = [r for r in _ROUTES.values() if r.carries(compression)]
     if not candidates:
         raise ValueError(f"no transport carries '{compression.name}' ({compression.payload_kind.value} payloads)")
-    best = next((r for r in candidates if r.preferred), candidates[0])
-    if cost_model is None or payload is None or len(candidates) == 1:
-        return best.name
-
-    def seconds(route):
-        return sum(cost_model.seconds(kind, p, nbytes, calls)
-                   for kind, nbytes, calls in route.collectives([payload], [4.0 * numel], 2**62))
-    best_s = seconds(best)
-    for route in candidates:
-        if route is not best and seconds(route) < best_s * (1 - 1e-6):
-            best, best_s = route, seconds(route)
-    return best.name
+    if cost_model is not None and payload is not None:
+        for route in candidates:
+            if not route.preferred and route.take_if is not None and route.take_if(cost_model, payload, 4.0 * numel, p):
+                return route.name
+    return next((r for r in candidates if r.preferred), candidates[0]).name
 
 
 def make_buckets(sizes: List[int], bucket_bytes: int) -> List[List[int]]:

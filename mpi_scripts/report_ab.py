@@ -27,14 +27,18 @@ import glob
 import json
 import math
 import os
+import sys
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (run as a script)
+from hvdcomp.lowrank.schedule import STAGES  # noqa: E402  (the stage names' one definition)
+from hvdcomp.lowrank.traffic import read  # noqa: E402  (results before and after the stage rename)
 
 #: the paper's model-compression figure (VGG16 on CIFAR-10)
 PAPER_MODEL_RATIO = 44.14
 #: the paper's traffic reductions: 50 % (arXiv v1 abstract) and 70.31 % (v2, mean over its runs)
 PAPER_TRAFFIC_REDUCTION = (0.50, 0.7031)
-PHASES = ("warmup", "grouped", "sync", "full-rank")
 #: the authors' VGG16/CIFAR-10 run (configs/cifar10/vgg16/common.yaml and ab_2nodes.yaml of
 #: Helmholtz-AI-Energy/AB-Training): 150 "epochs" of 100 iterations, AdamW at 3e-3 with weight
 #: decay 0.1, 10 epochs of linear warm-up from 1e-5, a cosine to 1e-5, AB warm-up 4,330 steps,
@@ -149,21 +153,21 @@ def accuracy_table(by: Dict[str, List[dict]]) -> str:
 
 def full_rank_share(run: dict) -> float:
     """Share of the run's steps that average every gradient over all ranks."""
-    s = run["steps_by_phase"]
+    s = read(run, "steps_by_stage")
     return (s.get("warmup", 0) + s.get("full-rank", 0)) / run["steps"]
 
 
 def traffic_table(by: Dict[str, List[dict]]) -> str:
-    lines = ["| model | method | " + " | ".join(f"MB {p}" for p in PHASES) + " | MB total | ratio, mean over ranks | "
+    lines = ["| model | method | " + " | ".join(f"MB {p}" for p in STAGES) + " | MB total | ratio, mean over ranks | "
              "MB between nodes | ratio between nodes | reduction between nodes | full-rank steps | 1 / share |",
-             "|---|---|" + "---|" * (len(PHASES) + 7)]
+             "|---|---|" + "---|" * (len(STAGES) + 7)]
     for label, runs in by.items():
         t = [r["traffic"] for r in runs]
-        phase = [_pm([x["bytes_by_phase_mean"].get(p, 0) for x in t], "{:.1f}", 1e-6) for p in PHASES]
+        stage = [_pm([read(x, "bytes_by_stage_mean").get(p, 0) for x in t], "{:.1f}", 1e-6) for p in STAGES]
         between = [x["ratio_between_nodes"] for x in t]
         share = full_rank_share(runs[0])
         lines.append(
-            f"| {runs[0]['config']['model']} | {label} | " + " | ".join(phase) +
+            f"| {runs[0]['config']['model']} | {label} | " + " | ".join(stage) +
             f" | {_pm([x['bytes_sent_mean'] for x in t], '{:.1f}', 1e-6)} | {_pm([x['ratio_mean'] for x in t])}:1 | "
             f"{_pm([x['bytes_between_nodes_mean'] for x in t], '{:.1f}', 1e-6)} | "
             + (f"{_pm(between)}:1 | {_pm([x['reduction_between_nodes'] for x in t], '{:.1f}', 100)} % | "
@@ -376,7 +380,8 @@ def render(by: Dict[str, List[dict]], command: str = "", plots: Tuple[str, ...] 
     kept_full = {v[0]["config"]["model"]: v[0]["config"]["ab"]["full_rank"] for v in by.values() if is_ab(v)}
     if ab_cfg:
         setup += (f" AB-training: mode {ab_cfg['mode']} (sync {ab_cfg['sync']}), {ab_cfg['orientation']} factors, "
-                  f"groups {ab_cfg['groups']} ({ab_cfg['n_groups']} groups), warm-up {ab_cfg['warmup_steps']} steps, "
+                  f"rank groups {read(ab_cfg, 'rank_groups')} ({read(ab_cfg, 'n_rank_groups')} rank groups), "
+                  f"warm-up {ab_cfg['warmup_steps']} steps, "
                   f"cycles of {ab_cfg['steps_between_syncs']} grouped + {ab_cfg['full_rank_steps']} full-rank steps, "
                   f"rebound {ab_cfg['ramp_steps']} steps, cutoff {ab_cfg['cutoff']:g} "
                   f"({'cut' if ab_cfg['cut_first'] else 'exact'} at the first factorisation); never factorised "

@@ -29,22 +29,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
-import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from typing import Dict, List, Optional
-
-import yaml
+from typing import Dict, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (run as a script)
 from mpi_scripts.grid import (ROOT, Cell, cells_of, choose_lr, load_grid, resolve_lr,  # noqa: E402,F401
                                search_cells_of)
 from mpi_scripts import report  # noqa: E402
 from hvdcomp.launch import MPI_ENV  # noqa: E402
+
+log = logging.getLogger("sweep")
 
 def run_cell(cell: Cell, out_root: str, data: Optional[str], timeout: float, subdir: str = "cells") -> str:
     """Run one cell unless its results exist. Returns "done", "skipped" or "failed".

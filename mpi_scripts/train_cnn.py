@@ -25,8 +25,8 @@ The split is fixed (a seeded permutation: 1,397 training and 400 test images); t
 1e-5 over ``--lr-warmup-epochs``, then follows a cosine to ``--min-lr``. Writes
 ``OUTPUT/results.json``: config, per-epoch loss and accuracy, test accuracy, the sum of the applied
 learning rates (``lr_sum``; with AdamW also the product of its decay factors 1 − lr·wd, the share
-of a weight left by decay alone), ``traffic`` (bytes
-per rank by phase, mean over ranks and between nodes, against full-rank data parallelism, see
+of a weight left by decay alone), ``traffic`` (bytes per rank by AB-training stage, mean over
+ranks and between nodes, against full-rank data parallelism, see
 :func:`hvdcomp.lowrank.traffic_summary`), ``model_compression`` (parameters of the factorised
 model against the full one, at every factorisation) and the singular values of every weight at
 the end.
@@ -183,7 +183,7 @@ def parse_args(argv=None):
     p.add_argument("--init", choices=["he", "ortho-sigma"], default="he",
                    help="ortho-sigma: every weight's singular values set to 1 (the authors' init_method)")
     p.add_argument("--ranks-per-node", type=int, default=None,
-                   help="emulated node layout for AB-training's groups and the between-node bytes "
+                   help="emulated node layout for AB-training's rank groups and the between-node bytes "
                         "(ranks [i*R, (i+1)*R) on node i); default: the machine's own")
     p.add_argument("--seed", type=int, default=1, help="initialisation, dropout and shuffling")
     p.add_argument("--output", default="runs/cnn", help="directory for results.json")
@@ -296,10 +296,10 @@ def main(argv=None):
         record = {"epoch": epoch, "train_loss": train_loss, "test_accuracy": acc, "lr": lr,
                   "elapsed_seconds": time.perf_counter() - t0}
         if isinstance(opt, ABTraining):
-            record.update(phase=opt.phase, model_compression=opt.model_compression()["ratio"])
+            record.update(stage=opt.stage, model_compression=opt.model_compression()["ratio"])
         epochs.append(record)
         log.info("epoch %d: train loss %.4f, test accuracy %.4f%s", epoch, train_loss, acc,
-                 f", {opt.phase}, model {record['model_compression']:.2f}:1" if isinstance(opt, ABTraining) else "")
+                 f", {opt.stage}, model {record['model_compression']:.2f}:1" if isinstance(opt, ABTraining) else "")
     per_step = opt.timer.totals(skip_first=1)
     across = reduce_across_ranks({k: per_step.get(k, 0.0) for k in ("wall", "bytes_sent", "dense_bytes")})
     if isinstance(opt, ABTraining):
@@ -310,9 +310,9 @@ def main(argv=None):
         sent = sum(r["bytes_sent"] for r in opt.timer.history)
         report = {"bytes_sent": sent, "internode_bytes_sent": sent if nodes > 1 else 0,
                   "dense_bytes": sum(r["dense_bytes"] for r in opt.timer.history), "nodes": nodes,
-                  "bytes_by_phase": {"full-rank": sent},
-                  "internode_bytes_by_phase": {"full-rank": sent} if nodes > 1 else {},
-                  "steps_by_phase": {"full-rank": step}}
+                  "bytes_by_stage": {"full-rank": sent},
+                  "internode_bytes_by_stage": {"full-rank": sent} if nodes > 1 else {},
+                  "steps_by_stage": {"full-rank": step}}
         compression = {"final": {"full_parameters": n_params, "parameters": n_params, "ratio": 1.0},
                        "history": [], "ranks_kept": {}}
     reports = hvd.allgather_object(report, name="train_cnn.reports")
@@ -320,7 +320,7 @@ def main(argv=None):
                           "data": "sklearn.datasets.load_digits (1397 train / 400 test)"},
                "epochs": epochs, "test_accuracy": epochs[-1]["test_accuracy"],
                "seconds_total": time.perf_counter() - t0, "per_step": across, "steps": step,
-               "steps_by_phase": report["steps_by_phase"], "traffic": traffic_summary(reports),
+               "steps_by_stage": report["steps_by_stage"], "traffic": traffic_summary(reports),
                "lr_sum": lr_sum, "adamw_decay_factor": decay if args.optimizer == "adamw" else None,
                "model_compression": compression, "singular_values": spectra(model)}
     if isinstance(opt, ABTraining):

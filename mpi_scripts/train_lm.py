@@ -4,15 +4,25 @@
 Launch with any number of ranks, e.g.::
 
     mpirun -np 4 python mpi_scripts/train_lm.py --compressor topk:density=0.01 --epochs 1
+    torchrun --nproc_per_node 4 mpi_scripts/train_lm.py --frontend ddp --compressor topk:density=0.01
+
+``--frontend horovod`` (default) trains with :func:`hvdcomp.DistributedOptimizer` under Horovod;
+``--frontend ddp`` with PyTorch ``DistributedDataParallel`` and hvdcomp's communication hook
+(:mod:`hvdcomp.ddp`), launched by ``torchrun`` or ``srun`` (no Horovod needed).
 
 The global batch (``--batch-size`` sequences of ``--bptt`` tokens) is split evenly over the
-ranks, so 1, 2 and 4 ranks train the same model on the same data per step. Plain SGD; gradients
+ranks, so 1, 2 and 4 ranks train the same model on the same data per step. SGD (or Adam, or an
+optimizer of hvdcomp.adaptive_opt: ``--optimizer``, ``--freeze-step``); gradients
 are averaged by hvdcomp, then clipped to norm ``--clip``. The schedule
 (:class:`hvdcomp.lm.PlateauSchedule`): optional linear warm-up (``--warmup-steps``), the learning
 rate divided by ``--anneal`` (4) after an epoch whose validation perplexity did not improve (by
 ``--min-improvement``; as in PyTorch's word_language_model), early stopping after
 ``--early-stop`` such epochs in a row (not before ``--min-epochs``), at most ``--epochs`` epochs.
 The test perplexity is that of the weights with the best validation perplexity.
+
+With ``--local-steps H`` the ranks train locally and communicate every H steps (DiLoCo, SparseLoCo,
+CO2 or Local AdaAlter by ``--outer-opt``; the pseudo-gradient travels by ``--compressor``;
+``docs/local-update.md``); validation then uses the global parameters.
 
 Writes ``OUTPUT/results.json`` (config, per-epoch perplexities, per-phase seconds per step with
 min/mean/max over ranks, bytes per step, measured and nominal compression ratios) and prints a
@@ -21,6 +31,7 @@ one-line summary. Rank 0 shows progress.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -28,21 +39,24 @@ import platform
 import sys
 import time
 
-# mpi4py first, so MPI is initialised with MPI_THREAD_MULTIPLE before Horovod attaches to it
-try:
-    from mpi4py import MPI  # noqa: F401
-except ImportError:  # Horovod-only runs (e.g. horovodrun --gloo) use Horovod's allgather
-    pass
 import torch
-import horovod.torch as hvd
+try:
+    import horovod.torch as hvd
+except ImportError:  # --frontend ddp needs no Horovod
+    hvd = None
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hvdcomp  # noqa: E402
+import hvdcomp.ddp  # noqa: E402
+import hvdcomp.gossip  # noqa: E402
+import hvdcomp.local  # noqa: E402
 import hvdcomp.native  # noqa: E402
 from hvdcomp.lm import (ARCHITECTURES, MODEL_SIZES, PlateauSchedule, batchify, load_corpus,  # noqa: E402
                         loss_sums, make_lm, rank_columns, window_loss)
+from hvdcomp.comm.group import horovod as require_horovod  # noqa: E402
 from hvdcomp.launch import abort_on_uncaught_exception, detect_launch, recorded_env, select_device  # noqa: E402
+from hvdcomp.adaptive_opt import OPTIMIZERS, make_optimizer  # noqa: E402
 from hvdcomp.lowrank import ABTraining  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
 from hvdcomp.metrics import PHASES, reduce_across_ranks, write_json_atomic  # noqa: E402
@@ -53,10 +67,21 @@ log = logging.getLogger("train_lm")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--frontend", choices=["horovod", "ddp"], default="horovod",
+                   help="horovod: hvdcomp.DistributedOptimizer (mpirun/horovodrun); ddp: "
+                        "DistributedDataParallel with hvdcomp's comm hook (torchrun/srun, no Horovod)")
     p.add_argument("--compressor", default="none",
                    help=f"method spec NAME[:key=value,...]; methods: {', '.join(hvdcomp.available())}")
+    p.add_argument("--optimizer", choices=["sgd", "adam", "adamw", *OPTIMIZERS], default="sgd",
+                   help="sgd, adam or adamw (DiLoCo's inner optimizer), the optimizer of every step, with "
+                        "--compressor (or the inner one with --local-steps); or one of hvdcomp.adaptive_opt "
+                        "(docs/adaptive-optimizers.md), which compresses by itself")
+    p.add_argument("--freeze-step", type=int, default=0,
+                   help="1-bit Adam / 1-bit LAMB: warm-up steps; 0/1 Adam: var_freeze_step (0: its default)")
+    p.add_argument("--optimizer-args", default="", metavar="KEY=VALUE,...",
+                   help="other arguments of an hvdcomp.adaptive_opt optimizer, e.g. local_step_scaler=1000")
     p.add_argument("--ab-training", default=None, metavar="KEY=VALUE,...",
-                   help="AB-training instead of a compressor, e.g. 'groups=2,warmup_steps=50,"
+                   help="AB-training instead of a compressor, e.g. 'rank_groups=2,warmup_steps=50,"
                         "steps_between_syncs=50,full_rank_steps=5,cutoff=0.1,ramp_steps=10' "
                         "(see hvdcomp.lowrank.ABTraining)")
     p.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="hidden 100/300/500")
@@ -102,6 +127,22 @@ def parse_args(argv=None):
     p.add_argument("--transport", choices=["planned", "auto"], default="planned",
                    help="auto: the cost model chooses among the transports of the same kind of "
                         "compression (top-k: allgather, gtopk, cltk; quantizers: allgather, twophase)")
+    p.add_argument("--gossip", choices=["choco", "dcd", "ecd", "powergossip"], default=None,
+                   help="decentralized training instead of gradient averaging: gossip with the "
+                        "--topology neighbours, compressing with --compressor (docs/gossip.md)")
+    p.add_argument("--topology", default="ring", help="gossip graph: ring, torus[:RxC], exponential, complete")
+    p.add_argument("--consensus-step", type=float, default=None,
+                   help="Choco-SGD's gamma in (0, 1] (e.g. 0.45 for sign, 0.04 for topk 1%%)")
+    p.add_argument("--gossip-eval", choices=["average", "local"], default="average",
+                   help="evaluate the network-average model, or each rank's own model on its share")
+    p.add_argument("--local-steps", type=int, default=0, metavar="H",
+                   help="local-update training (docs/local-update.md): H inner steps without communication, "
+                        "then the pseudo-gradient through --compressor and an outer step (0: synchronous)")
+    p.add_argument("--outer-opt", default="diloco", metavar="SPEC",
+                   help=f"with --local-steps: {', '.join(sorted(hvdcomp.local.ALGORITHMS))}, with arguments, "
+                        "e.g. 'diloco:outer_lr=0.7,outer_momentum=0.9', 'average', 'co2:gap_penalty=2,clip=0.1', "
+                        "'sparseloco:beta=0.999', 'adaalter:eps=1,warmup_steps=1' (AdaAlter is also the inner optimizer)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="the optimizer's weight decay (DiLoCo: 0.1)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: this rank's local GPU when CUDA is available, else CPU")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
@@ -130,8 +171,24 @@ def parse_args(argv=None):
                     "seconds and seconds per byte), e.g. 5e-5,8e-10")
     if args.transport == "auto" and args.cost_model == "off":
         p.error("--transport auto lets the cost model choose: use --cost-model measure or ALPHA,BETA")
+    if args.frontend == "ddp" and (args.ab_training is not None or args.transport == "auto" or args.gossip
+                                   or args.local_steps):
+        p.error("--ab-training, --gossip, --local-steps and --transport auto run on the Horovod front-end only "
+                "(--frontend horovod)")
+    if sum(bool(x) for x in (args.gossip, args.ab_training is not None, args.local_steps,
+                             args.optimizer in OPTIMIZERS)) > 1:
+        p.error("--gossip, --ab-training, --local-steps and an hvdcomp.adaptive_opt --optimizer are training "
+                "modes: pick one")
+    if args.local_steps < 0 or args.weight_decay < 0:
+        p.error("--local-steps and --weight-decay must be >= 0")
+    if args.local_steps and args.ab_training is not None:
+        p.error("--ab-training is not a local-update method: drop --local-steps")
+    if args.outer_opt != "diloco" and not args.local_steps:
+        p.error("--outer-opt applies to local-update training: give --local-steps H")
     if args.ab_training is not None and args.compressor != "none":
         p.error("--ab-training replaces gradient compression: leave --compressor at 'none'")
+    if args.optimizer in OPTIMIZERS and (args.compressor != "none" or args.ab_training is not None):
+        p.error(f"--optimizer {args.optimizer} compresses by itself: leave --compressor at 'none', no --ab-training")
     if args.ab_training is not None and args.warmup_steps:
         p.error("--warmup-steps does not apply to AB-training, which ramps the learning rate after "
                 "every switch itself: set ramp_steps in --ab-training instead")
@@ -145,6 +202,25 @@ def transport_of(opt, compressor) -> str:
     return str(opt.transport)
 
 
+def inner_optimizer(args, params):
+    """--optimizer sgd / adam / adamw (with --weight-decay): the optimizer of every step."""
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}.get(args.optimizer, torch.optim.SGD)
+    return cls(params, lr=args.lr, weight_decay=args.weight_decay)
+
+
+def local_update_optimizer(args, model, compressor, **pipeline):
+    """--local-steps H --outer-opt SPEC: the hvdcomp.local wrapper around the inner optimizer
+    (AdaAlter's spec also sets its inner optimizer's eps)."""
+    name, spec = hvdcomp.parse_spec(args.outer_opt)
+    if name == "adaalter":
+        inner = hvdcomp.local.AdaAlter(model.parameters(), lr=args.lr, eps=spec.pop("eps", 1e-7),
+                                       weight_decay=args.weight_decay)
+    else:
+        inner = inner_optimizer(args, model.parameters())
+    return hvdcomp.local.from_spec(name, inner, model.named_parameters(), local_steps=args.local_steps,
+                                   compression=compressor, **spec, **pipeline)
+
+
 def evaluate(model, stream, eval_batch, bptt):
     """Perplexity of ``stream``: each rank takes columns rank, rank+N, ...; sums are allreduced."""
     total = loss_sums(model, stream, eval_batch, bptt, hvd.rank(), hvd.size())
@@ -153,16 +229,58 @@ def evaluate(model, stream, eval_batch, bptt):
     return math.exp(loss) if loss < 709.0 else math.inf  # (a diverged run: the schedule stops it)
 
 
+def start(args):
+    """Join the job: Horovod (with mpi4py first, so MPI starts with MPI_THREAD_MULTIPLE before
+    Horovod attaches to it), or for ``--frontend ddp`` torch.distributed from torchrun's or srun's
+    variables, with Horovod's few calls of this script served over it."""
+    global hvd
+    if args.frontend == "ddp":
+        info = hvdcomp.ddp.runtime.launch_info()
+        backend = "nccl" if select_device(args.device, info.local_rank).type == "cuda" else "gloo"
+        hvd = hvdcomp.ddp.runtime.TorchDistCollectives(hvdcomp.ddp.init_process_group(backend))
+        return
+    try:
+        from mpi4py import MPI  # noqa: F401
+    except ImportError:  # Horovod-only runs (e.g. horovodrun --gloo) use Horovod's allgather
+        pass
+    hvd = require_horovod()
+    hvd.init()
+
+
+def build_optimizer(args, model, compressor, device):
+    """``(module to call for training, optimizer, front)``: ``front`` is what synchronizes and
+    times (the hvdcomp optimizer itself, or the DDP hook's state)."""
+    if args.frontend == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                      bucket_cap_mb=args.bucket_mb)
+        opt = inner_optimizer(args, model.parameters())
+        return ddp, opt, hvdcomp.ddp.register(ddp, compressor, optimizer=opt, granularity=args.granularity)
+    pipeline = dict(allgather=args.allgather, bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
+                    cost_model=args.cost_model, granularity=args.granularity, transport=args.transport)
+    if args.local_steps:
+        opt = local_update_optimizer(args, model, compressor, **pipeline)
+    else:
+        opt = hvdcomp.DistributedOptimizer(inner_optimizer(args, model.parameters()),
+                                           named_parameters=model.named_parameters(), compression=compressor,
+                                           **pipeline)
+    return model, opt, opt
+
+
 def main(argv=None):
     args = parse_args(argv)
-    hvd.init()
+    start(args)
     abort_on_uncaught_exception()  # a failing rank ends the whole job instead of hanging it
     rank, size = hvd.rank(), hvd.size()
     logging.basicConfig(level=args.log_level if rank == 0 else "WARNING",
                         format=f"[%(asctime)s rank {rank}] %(message)s", datefmt="%H:%M:%S")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    compressor = hvdcomp.get_compressor(args.compressor)  # ValueError for a bad spec, on every rank
+    # ValueError for a bad spec, on every rank (gossip builds its own, error feedback off: below)
+    compressor = None if args.gossip else hvdcomp.get_compressor(args.compressor)
     method = args.compressor if args.ab_training is None else f"ab-training:{args.ab_training}"
+    if args.optimizer != "sgd":  # (the optimizer names the method: adam+<spec>, onebit-adam, ...)
+        method = args.optimizer if args.optimizer in OPTIMIZERS else f"{args.optimizer}+{method}"
 
     data_path = args.data or default_data_path()
     corpus = load_corpus(data_path, vocab_size=args.vocab_size)
@@ -177,26 +295,41 @@ def main(argv=None):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     torch.manual_seed(args.seed * 1000 + rank)  # dropout masks differ per rank
     n_params = sum(p.numel() for p in model.parameters())
+    evaluate_model = evaluate
     if args.ab_training is not None:
         _, ab_kwargs = hvdcomp.parse_spec("ab:" + args.ab_training)
         ab = ABTraining(model, lambda params: torch.optim.SGD(params, lr=args.lr), base_lr=args.lr, **ab_kwargs)
-        opt = ab
+        opt = front = ab
+        forward = model
+    elif args.gossip:  # decentralized: local SGD step, then compressed gossip with the neighbours
+        ab = None
+        opt = hvdcomp.gossip.GossipOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
+                                             named_parameters=model.named_parameters(), method=args.gossip,
+                                             topology=args.topology, compression=args.compressor,
+                                             consensus_step=args.consensus_step)
+        compressor = opt.compression or hvdcomp.get_compressor("none")
+        method = f"gossip-{args.gossip}:{args.compressor}" + (
+            f",gamma={args.consensus_step}" if args.consensus_step is not None else "")
+        if args.gossip_eval == "average":  # the ranks' models differ: evaluate their average
+            evaluate_model = opt.with_average_model(evaluate)
+        front, forward = opt, model
+    elif args.optimizer in OPTIMIZERS:  # hvdcomp.adaptive_opt: averages (and compresses) by itself
+        ab = None
+        opt = front = make_optimizer(args.optimizer, model.named_parameters(), lr=args.lr,
+                                     freeze_step=args.freeze_step,
+                                     **hvdcomp.parse_spec("args:" + args.optimizer_args)[1])
+        forward, compressor = model, opt.compression
     else:
         ab = None
-        opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
-                                           named_parameters=model.named_parameters(),
-                                           compression=compressor, allgather=args.allgather,
-                                           bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
-                                           cost_model=args.cost_model, granularity=args.granularity,
-                                           transport=args.transport)
-        compressor = opt.compression  # (the chosen one, with --transport auto)
-    timer = opt.timer
+        forward, opt, front = build_optimizer(args, model, compressor, device)
+        compressor = front.compression  # (the chosen one, with --transport auto)
+    timer = front.timer
     ratios = [None if ab else compressor.nominal_ratio(p.numel()) for p in model.parameters()]
     nominal = None if None in ratios else n_params / sum(p.numel() / r for p, r in zip(model.parameters(), ratios))
     log.info("%s on %d rank(s): %s model, %d parameters, nominal ratio %s, transport %s",
              method, size, args.model, n_params,
              "data-dependent" if nominal is None else f"{nominal:.1f}x",
-             transport_of(opt, compressor))
+             transport_of(front, compressor))
 
     steps_per_epoch = len(range(0, train.shape[0] - 1, args.bptt))
     if args.max_steps:
@@ -205,7 +338,7 @@ def main(argv=None):
                             early_stop=args.early_stop, warmup_steps=args.warmup_steps,
                             min_improvement=args.min_improvement, min_epochs=args.min_epochs)
     epochs, best_weights, stopped_early, global_step = [], None, False, 0
-    initial_val = evaluate(model, corpus.valid, args.eval_batch_size, args.bptt)
+    initial_val = evaluate_model(model, corpus.valid, args.eval_batch_size, args.bptt)
     log.info("initial valid ppl %.2f", initial_val)
     t_start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
@@ -222,13 +355,13 @@ def main(argv=None):
                     g["lr"] = lr
             timer.begin_step()
             with timer.phase("compute"):
-                loss, state, _ = window_loss(model, train, step * args.bptt, args.bptt, state)
+                loss, state, _ = window_loss(forward, train, step * args.bptt, args.bptt, state)
                 opt.zero_grad()
                 loss.backward()
-            opt.synchronize()
+            front.synchronize()
             with timer.phase("compute"):
                 torch.nn.utils.clip_grad_norm_(ab.parameters() if ab else model.parameters(), args.clip)
-                with opt.skip_synchronize():
+                with front.skip_synchronize():
                     opt.step()
             timer.end_step()
             global_step += 1
@@ -237,10 +370,11 @@ def main(argv=None):
             bar.set_postfix(loss=f"{loss.item():.3f}")
         bar.close()
         train_loss = hvd.allreduce(torch.tensor(loss_sum / steps_per_epoch), name=f"train.loss.{epoch}").item()
-        val_ppl = evaluate(model, corpus.valid, args.eval_batch_size, args.bptt)
-        stop = sched.end_epoch(val_ppl)
-        if sched.improved:
-            best_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        with opt.global_parameters() if args.local_steps else contextlib.nullcontext():  # (mid-round: θ_start)
+            val_ppl = evaluate_model(model, corpus.valid, args.eval_batch_size, args.bptt)
+            stop = sched.end_epoch(val_ppl)
+            if sched.improved:
+                best_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
         epochs.append({"epoch": epoch, "train_loss": train_loss,
                        "train_ppl": math.exp(min(train_loss, 700.0)), "val_ppl": val_ppl, "lr": lr,
                        "steps": steps_per_epoch, "seconds": time.perf_counter() - t_epoch,
@@ -253,10 +387,12 @@ def main(argv=None):
                 log.info("stopping after epoch %d: no improvement for %d epoch(s) (best %.2f at epoch %d)",
                          epoch, sched.bad_epochs, sched.best, sched.best_epoch)
             break
+    if args.local_steps:
+        opt.flush()  # (the last round in; the model holds the global parameters)
     if best_weights is not None:
         model.load_state_dict(best_weights)  # test the weights with the best validation perplexity
     best_val = sched.best
-    test_ppl = evaluate(model, corpus.test, args.eval_batch_size, args.bptt)
+    test_ppl = evaluate_model(model, corpus.test, args.eval_batch_size, args.bptt)
     launch = detect_launch()
     me = (rank, hvd.local_rank(), os.environ.get("SLURMD_NODENAME", platform.node()), str(device))
     everyone = hvd.allgather_object(me, name="ranks.info")
@@ -268,7 +404,7 @@ def main(argv=None):
     results = {
         "config": {**vars(args), "data": data_path, "world_size": size, "parameters": n_params,
                    "compressor": compressor.describe(), "compressor_spec": method,
-                   "transport": transport_of(opt, compressor),
+                   "transport": transport_of(front, compressor),
                    "env": recorded_env(),
                    "torch": torch.__version__, "hvdcomp": hvdcomp.__version__, "host": platform.node(),
                    "kernels": hvdcomp.native.status()},
@@ -284,16 +420,26 @@ def main(argv=None):
         "anneals": sched.anneals,
         "seconds_total": time.perf_counter() - t_start,
         "per_step": across,  # seconds and bytes per optimizer step, min/mean/max over ranks
+        "run_bytes": reduce_across_ranks({k: float(sum(r[k] for r in timer.history))  # every step
+                                          for k in ("bytes_sent", "bytes_received", "dense_bytes")}),
         "timed_steps": per_step["steps"],
         "nominal_ratio": nominal,
         "measured_ratio": measured_ratio,
     }
-    model_cm = getattr(opt, "cost_model", None)
+    model_cm = getattr(front, "cost_model", None)
     if model_cm is not None:
         results["cost_model"] = {"alpha_s": model_cm.alpha, "beta_s_per_byte": model_cm.beta,
                                  "routes": opt.transport.routes}
-    if not ab and opt.transport.choice:
+    if args.gossip:
+        results["gossip"] = {**opt.describe(), "eval": args.gossip_eval,
+                             "consensus_distance": opt.consensus_distance()}
+    elif not ab and getattr(front.transport, "choice", None):
         results["transport_choice"] = {"chosen": compressor.describe(), "predicted_s": opt.transport.choice}
+    if args.local_steps:  # bytes per round and per inner step, seconds per phase (CO2: hidden behind compute)
+        local = opt.report()
+        results["config"]["local_update"] = opt.describe()
+        results["local_update"] = {**local, "across_ranks": reduce_across_ranks(local)}
+        opt.close()
     if ab:
         results["config"]["compressor"] = ab.describe()
         results["ab_training"] = ab.communication_report()
@@ -304,7 +450,11 @@ def main(argv=None):
         print(f"SUMMARY method={method} ranks={size} model={args.model} epochs={args.epochs} "
               f"val_ppl={epochs[-1]['val_ppl']:.2f} test_ppl={test_ppl:.2f} step={across['wall']['mean']:.3f}s "
               f"({ph}) sent={across['bytes_sent']['mean'] / 1e3:.1f}KB/step "
-              f"ratio={measured_ratio:.1f}x (nominal {'n/a' if nominal is None else f'{nominal:.1f}x'}) -> {path}", flush=True)
+              f"ratio={measured_ratio:.1f}x (nominal {'n/a' if nominal is None else f'{nominal:.1f}x'})"
+              + (f" local={args.outer_opt}:H={args.local_steps} rounds={local['rounds']}" if args.local_steps else "")
+              + f" -> {path}", flush=True)
+    if args.frontend == "ddp":  # (a process group left to interpreter exit can abort the process)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,12 @@
 # On an HPC login node without root: apt is skipped (the MPI already loaded with `module load`
 # is used), and a torch that is already importable (e.g. a CUDA build) is kept.
 #
+# Without Horovod (HVDCOMP_HOROVOD=0): no Horovod build and no MPI needed; the DDP front-end
+# (hvdcomp.ddp: torchrun / srun, torch.distributed over gloo or NCCL) is all that is checked. The
+# Horovod front-end then raises an ImportError naming the fix.
+#
 # Environment overrides:
+#   HVDCOMP_HOROVOD      1 (default): build Horovod and require MPI; 0: neither (DDP front-end only)
 #   HVDCOMP_VENV         virtualenv path (default: <repo>/.venv)
 #   HVDCOMP_SYSTEM_SITE  1: create the venv with --system-site-packages (to reuse a site torch)
 #   HVDCOMP_WHEEL_CACHE  where built Horovod wheels are kept (default: ~/.cache/hvdcomp/wheels)
@@ -26,11 +31,15 @@ CACHE=${HVDCOMP_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdcomp/wheels}
 TORCH_SPEC=${HVDCOMP_TORCH_SPEC:-torch==2.13.0}
 HOROVOD_VERSION=0.28.1
 JOBS=${HVDCOMP_BUILD_JOBS:-$(nproc 2>/dev/null || echo 2)}
+WITH_HOROVOD=${HVDCOMP_HOROVOD:-1}
+case "$WITH_HOROVOD" in 0|1) ;; *) echo "[install] error: HVDCOMP_HOROVOD must be 0 or 1, got '$WITH_HOROVOD'" >&2; exit 2 ;; esac
 
 log() { printf '[install] %s\n' "$*"; }
 
-# --- 1. MPI ---------------------------------------------------------------------------------
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+# --- 1. MPI (for Horovod and mpi4py; not with HVDCOMP_HOROVOD=0) -----------------------------
+if [ "$WITH_HOROVOD" = 0 ]; then
+  log "HVDCOMP_HOROVOD=0: no MPI and no Horovod (the DDP front-end uses torch.distributed)"
+elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   if ! dpkg -s openmpi-bin libopenmpi-dev libpmix-dev >/dev/null 2>&1; then
     log "installing Open MPI from Debian packages"
     export DEBIAN_FRONTEND=noninteractive
@@ -40,9 +49,10 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
 else
   log "not root or no apt-get: using the MPI on PATH"
 fi
-if ! command -v mpicc >/dev/null 2>&1 || ! command -v mpirun >/dev/null 2>&1; then
+if [ "$WITH_HOROVOD" = 1 ] && { ! command -v mpicc >/dev/null 2>&1 || ! command -v mpirun >/dev/null 2>&1; }; then
   echo "[install] error: mpicc/mpirun not found. Install Open MPI (as root: apt-get install" \
-       "openmpi-bin libopenmpi-dev) or load your site's MPI module (module load openmpi)." >&2
+       "openmpi-bin libopenmpi-dev) or load your site's MPI module (module load openmpi); or install" \
+       "without Horovod (HVDCOMP_HOROVOD=0: the DDP front-end only)." >&2
   exit 1
 fi
 
@@ -66,11 +76,18 @@ else
   "${PIP[@]}" "$TORCH_SPEC"
 fi
 TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)')
-# the project and its runtime, test, plot and study (scikit-learn's digits) dependencies; torch is already satisfied above
-"${PIP[@]}" -e "$ROOT[test,plot,study]"
+# the project and its runtime, test, plot and study (scikit-learn's digits) dependencies, and mpi4py
+# for the Horovod front-end; torch is already satisfied above
+if [ "$WITH_HOROVOD" = 1 ]; then
+  "${PIP[@]}" -e "$ROOT[test,plot,study,mpi]"
+else
+  "${PIP[@]}" -e "$ROOT[test,plot,study]"
+fi
 
 # --- 3. Horovod, built once and cached ------------------------------------------------------
-if "$PY" -c "import horovod.torch, sys; import horovod; sys.exit(horovod.__version__ != '$HOROVOD_VERSION')" >/dev/null 2>&1; then
+if [ "$WITH_HOROVOD" = 0 ]; then
+  log "skipping Horovod (HVDCOMP_HOROVOD=0)"
+elif "$PY" -c "import horovod.torch, sys; import horovod; sys.exit(horovod.__version__ != '$HOROVOD_VERSION')" >/dev/null 2>&1; then
   log "horovod $HOROVOD_VERSION already installed"
 else
   PYTAG=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
@@ -107,6 +124,12 @@ if ! "$PY" -m hvdcomp.native --build --check; then
 fi
 
 # --- 5. check --------------------------------------------------------------------------------
+if [ "$WITH_HOROVOD" = 0 ]; then
+  "$PY" -c 'import torch.distributed as d, hvdcomp.ddp; assert d.is_available() and d.is_gloo_available(), "torch.distributed with gloo is missing"' \
+    || { echo "[install] error: the DDP front-end does not import (see above)" >&2; exit 1; }
+  log "done (DDP front-end only: torchrun --nproc_per_node N mpi_scripts/train_lm.py --frontend ddp ...)"
+  exit 0
+fi
 log "horovodrun --check-build:"
 "$VENV/bin/horovodrun" --check-build | tee "$VENV/.horovod-check-build.txt"
 grep -q '\[X\] PyTorch' "$VENV/.horovod-check-build.txt" && grep -q '\[X\] MPI' "$VENV/.horovod-check-build.txt" || {

@@ -26,7 +26,7 @@ from hvdcomp.compressors import PayloadKind
 from hvdcomp.compressors import simulated_world
 from hvdcomp.metrics import PhaseTimer
 
-__all__ = ["horovod_allreduce", "SimulatedRanks", "fp16_sequential_sum", "ThreadNetwork", "run_ranks"]
+__all__ = ["horovod_allreduce", "SimulatedRanks", "fp16_sequential_sum", "ThreadNetwork", "run_ranks", "step_comms"]
 
 TIMEOUT_S = 60  # a simulated rank waiting longer than this for a message fails the test
 
@@ -91,6 +91,45 @@ class ThreadNetwork:
                 return self.alltoall([data] * net.size)
 
         return Endpoint()
+
+
+def step_comms(size: int, nodes=None) -> List[StepComm]:
+    """One :class:`StepComm` per simulated rank, for ranks running in threads (:func:`run_ranks`):
+    ``allreduce_mean`` and ``broadcast`` meet at a barrier (the mean by :func:`horovod_allreduce`),
+    point-to-point messages go through one :class:`ThreadNetwork`. Every comm has ``barrier``
+    (abort it when a rank fails) and ``network`` attributes."""
+    barrier = threading.Barrier(size)
+    contributions: List[Optional[torch.Tensor]] = [None] * size
+    shared = {}
+    network = ThreadNetwork(size, nodes)
+
+    def allreduce_mean_for(r):
+        def allreduce_mean(flat, name):
+            contributions[r] = flat.clone()
+            if barrier.wait() == 0:
+                shared["out"] = horovod_allreduce(contributions, "average")
+            barrier.wait()
+            out = shared["out"].clone()
+            barrier.wait()  # everyone has its copy before the next round overwrites it
+            return out
+        return allreduce_mean
+
+    def broadcast_for(r):
+        def broadcast(tensor, root, name):
+            if r == root:
+                shared["bcast"] = tensor.clone()
+            barrier.wait()
+            out = shared["bcast"].clone()
+            barrier.wait()
+            return out
+        return broadcast
+
+    comms = []
+    for r in range(size):
+        comm = StepComm(allreduce_mean_for(r), r, size, broadcast_for(r), network.endpoint(r))
+        comm.barrier, comm.network = barrier, network
+        comms.append(comm)
+    return comms
 
 
 def run_ranks(size: int, fn) -> list:
@@ -160,10 +199,17 @@ class SimulatedRanks:
         make: builds one compressor (called once per simulated rank, inside its
             ``simulated_world``).
         world: N, the simulated world size.
+        saturation: also model the allreduce transport's saturation check
+            (:meth:`hvdcomp.transports.allreduce.AllreduceTransport.resend_saturated`): a summable
+            payload whose method reports saturation is replaced by the method's resend (reduced
+            and decoded instead), or decodes to NaN where the method reports an overflow. Off:
+            the reduced payload is decoded as it is (the codec alone).
     """
 
-    def __init__(self, make: Callable[[], object], world: int):
+    def __init__(self, make: Callable[[], object], world: int, saturation: bool = False):
         self.world = world
+        self.saturation = saturation
+        self.actions: list = []  # with saturation: each rank's last Saturation (None: none)
         self.comps = []
         for r in range(world):
             with simulated_world(world, r):
@@ -183,18 +229,35 @@ class SimulatedRanks:
 
         Summable payloads are reduced once by :func:`horovod_allreduce` and decoded on every
         rank (decoding may record state, e.g. fp16's agreed exponent). Other payloads are
-        aggregated on ``ranks`` only (default: the first and the last rank; aggregation records
-        nothing, and every rank holds the same payloads).
+        aggregated on ``ranks`` only (default: the first and the last rank; every rank holds the
+        same payloads, and aggregation records nothing, except error feedback's excess of a
+        half-precision result beyond its dtype's range, which only those ranks then record).
         """
         comp0 = self.comps[0]
         if comp0.payload_kind is not PayloadKind.GATHERED:
             op = "sum" if comp0.payload_kind is PayloadKind.SUM else "average"
             reduced = [horovod_allreduce([enc[0][i] for enc in encoded], op)
                        for i in range(len(encoded[0][0]))]
+            ctxs = [enc[1] for enc in encoded]
+            overflow = False
+            self.actions = [None] * self.world
+            if self.saturation and hasattr(comp0, "saturation"):
+                for r, comp in enumerate(self.comps):
+                    with simulated_world(self.world, r):
+                        self.actions[r] = comp.saturation([t.clone() for t in reduced], ctxs[r])
+                found = [a is not None for a in self.actions]
+                assert all(found) or not any(found), "simulated ranks disagree on saturation"
+                if found[0] and self.actions[0].payload is None:
+                    overflow = True
+                elif found[0]:
+                    reduced = [horovod_allreduce([a.payload[i] for a in self.actions], op)
+                               for i in range(len(self.actions[0].payload))]
+                    ctxs = [a.ctx for a in self.actions]
             outs = []
             for r, comp in enumerate(self.comps):
                 with simulated_world(self.world, r):
-                    outs.append(comp.decode([t.clone() for t in reduced], encoded[r][1]))
+                    out = comp.decode([t.clone() for t in reduced], ctxs[r])
+                outs.append(out.fill_(float("nan")) if overflow else out)
             return outs
         payloads = [enc[0] for enc in encoded]
         ranks = sorted({0, self.world - 1}) if ranks is None else ranks
@@ -223,39 +286,15 @@ class SimulatedRanks:
         Returns every rank's list of averaged gradients.
         """
         n = self.world
-        barrier = threading.Barrier(n)
-        contributions: List[Optional[torch.Tensor]] = [None] * n
-        shared = {}
         results: List[Optional[list]] = [None] * n
         errors: List[BaseException] = []
-
-        def allreduce_mean_for(r):
-            def allreduce_mean(flat, name):
-                contributions[r] = flat.clone()
-                if barrier.wait() == 0:
-                    shared["out"] = horovod_allreduce(contributions, "average")
-                barrier.wait()
-                out = shared["out"].clone()
-                barrier.wait()  # everyone has its copy before the next round overwrites it
-                return out
-            return allreduce_mean
-
-        def broadcast_for(r):
-            def broadcast(tensor, root, name):
-                if r == root:
-                    shared["bcast"] = tensor.clone()
-                barrier.wait()
-                out = shared["bcast"].clone()
-                barrier.wait()
-                return out
-            return broadcast
-
-        network = self.last_network = ThreadNetwork(n, nodes)
+        comms = step_comms(n, nodes)
+        barrier = comms[0].barrier
+        self.last_network = comms[0].network
 
         def run(r):
             try:
-                comm = StepComm(allreduce_mean_for(r), r, n, broadcast_for(r), network.endpoint(r))
-                results[r] = self.comps[r].reduce_batch(list(named_grads_per_rank[r]), comm,
+                results[r] = self.comps[r].reduce_batch(list(named_grads_per_rank[r]), comms[r],
                                                         PhaseTimer(cuda_sync=False))
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 errors.append(exc)

@@ -1,6 +1,6 @@
 """AB-training: factorisation, orientation, the model-compression and traffic metrics (single
 process), the algorithm under mpirun (4 ranks; 8 ranks for the 2 x 4 node layout), and the LM job
-with AB-training at 4 ranks (2 groups of 2)."""
+with AB-training at 4 ranks (2 rank groups of 2)."""
 import json
 import os
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hvdcomp.lowrank import factorize, kept_rank, matrix_view, model_compression, traffic_summary, unit_singular_values_
-from hvdcomp.lowrank.ab import _pad_or_truncate
+from hvdcomp.lowrank.layout import RankLayout
+from hvdcomp.lowrank.weights import pad_or_truncate as _pad_or_truncate
 from tests.mpirun import TINY_SHAKESPEARE, check
 
 
@@ -71,18 +72,56 @@ def test_model_compression_equals_a_hand_count():
 def test_traffic_summary_mean_over_ranks_and_between_nodes():
     dense = 1000
     reports = [{"dense_bytes": dense, "nodes": 2, "bytes_sent": 500, "internode_bytes_sent": 300,
-                "bytes_by_phase": {"warmup": 300, "grouped": 200}, "internode_bytes_by_phase": {"warmup": 300}},
+                "bytes_by_stage": {"warmup": 300, "grouped": 200}, "internode_bytes_by_stage": {"warmup": 300}},
                {"dense_bytes": dense, "nodes": 2, "bytes_sent": 300, "internode_bytes_sent": 100,
-                "bytes_by_phase": {"warmup": 100, "grouped": 200}, "internode_bytes_by_phase": {"warmup": 100}}]
+                "bytes_by_stage": {"warmup": 100, "grouped": 200}, "internode_bytes_by_stage": {"warmup": 100}}]
     s = traffic_summary(reports)
     assert s["bytes_sent_mean"] == 400 and s["bytes_between_nodes_mean"] == 200
     assert s["ratio_mean"] == 2.5 and s["ratio_between_nodes"] == 5.0 and s["reduction_between_nodes"] == 0.8
-    assert s["bytes_by_phase_mean"] == {"warmup": 200, "grouped": 200}
-    assert s["between_nodes_by_phase_mean"] == {"warmup": 200}
+    assert s["bytes_by_stage_mean"] == {"warmup": 200, "grouped": 200}
+    assert s["between_nodes_by_stage_mean"] == {"warmup": 200}
     one = traffic_summary([{**r, "nodes": 1, "internode_bytes_sent": 0} for r in reports])
     assert one["ratio_between_nodes"] is None and one["ratio_mean"] == 2.5
     with pytest.raises(ValueError, match="disagree"):
         traffic_summary([reports[0], {**reports[1], "dense_bytes": 7}])
+
+
+def test_traffic_summary_reads_results_written_before_the_stage_rename():
+    """Reports with the old keys (bytes_by_phase, ...) give the same summary; the summary answers
+    the old keys with a DeprecationWarning and holds only the new ones."""
+    new = [{"dense_bytes": 1000, "nodes": 2, "bytes_sent": 500, "internode_bytes_sent": 300,
+            "bytes_by_stage": {"warmup": 300, "sync": 200}, "internode_bytes_by_stage": {"warmup": 300}},
+           {"dense_bytes": 1000, "nodes": 2, "bytes_sent": 100, "internode_bytes_sent": 100,
+            "bytes_by_stage": {"warmup": 100}, "internode_bytes_by_stage": {"warmup": 100}}]
+    before = {"bytes_by_stage": "bytes_by_phase", "internode_bytes_by_stage": "internode_bytes_by_phase"}
+    old = [{before.get(k, k): v for k, v in r.items()} for r in new]
+    s = traffic_summary(new)
+    assert traffic_summary(old) == s and s["bytes_by_stage_mean"] == {"warmup": 200, "sync": 100}
+    assert s["between_nodes_by_stage_mean"] == {"warmup": 200}
+    with pytest.warns(DeprecationWarning, match="renamed 'bytes_by_stage_mean'"):
+        assert s["bytes_by_phase_mean"] == {"warmup": 200, "sync": 100}
+    with pytest.warns(DeprecationWarning):
+        assert s.get("between_nodes_by_phase_mean") == {"warmup": 200}
+    assert "bytes_by_phase_mean" not in json.loads(json.dumps(s)) and s.get("no_such_key", 7) == 7
+    with pytest.raises(KeyError):
+        s["no_such_key"]
+
+
+def test_rank_layout_of_2x4_nodes():
+    """8 ranks on 2 nodes of 4: rank groups "node" are the nodes; 4 rank groups of 2 in mode ab:
+    rank groups 0, 1 (ranks 0-3) train A, rank groups 2, 3 (ranks 4-7) train B."""
+    nodes = [0, 0, 0, 0, 1, 1, 1, 1]
+    by_node = RankLayout.build(nodes, 5, "node", "only-b")
+    assert by_node.rank_group_of == nodes and by_node.trainer_of == ["B"] * 8
+    assert by_node.rank_group_members() == [4, 5, 6, 7] and by_node.n_rank_groups == 2 and by_node.n_nodes == 2
+    ab = RankLayout.build(nodes, 2, 4, "ab")
+    assert ab.rank_group_of == [0, 0, 1, 1, 2, 2, 3, 3] and ab.trainer_of == ["A"] * 4 + ["B"] * 4
+    assert ab.rank_group_members() == [2, 3] and ab.trainers() == [0, 1, 2, 3] and ab.trainer_rank_groups() == 2
+    assert ab.first_trainer() == {"A": 0, "B": 4} and ab.trains == "A"
+    with pytest.raises(ValueError, match="must divide"):
+        RankLayout.build(nodes, 0, 3, "only-b")
+    with pytest.raises(ValueError, match="rank_groups >= 2"):
+        RankLayout.build([0, 0], 0, "node", "ab")
 
 
 def test_optimizer_state_padded_or_truncated():
@@ -110,6 +149,7 @@ def test_algorithm_on_4_ranks():
                  "orientation_every_cnn_layer", "cut_keeps_large_singular_values", "only_b_updates_no_a",
                  "sync_values", "closed_form_bytes", "optimizer_state_and_rebound", "process_set"):
         assert f"OK {name}" in out, out[-3000:]
+    assert "OK deprecated_spellings" in out, out[-3000:]
 
 
 def test_closed_form_bytes_on_2x4_node_groups():
@@ -119,14 +159,14 @@ def test_closed_form_bytes_on_2x4_node_groups():
 
 @pytest.mark.skipif(not os.path.isfile(TINY_SHAKESPEARE), reason="../shared/data not present")
 def test_train_lm_with_ab_training_at_4_ranks(tmp_path):
-    spec = "groups=2,warmup_steps=2,steps_between_syncs=2,full_rank_steps=1,cutoff=0.3,ramp_steps=2"
+    spec = "rank_groups=2,warmup_steps=2,steps_between_syncs=2,full_rank_steps=1,cutoff=0.3,ramp_steps=2"
     check(4, ["mpi_scripts/train_lm.py", "--ab-training", spec, "--epochs", "1", "--max-steps", "6",
               "--no-progress", "--data", TINY_SHAKESPEARE, "--output", str(tmp_path)], timeout=300)
     r = json.loads((tmp_path / "results.json").read_text())
     ab = r["ab_training"]
-    assert ab["steps_by_phase"] == {"warmup": 2, "grouped": 3, "full-rank": 1}   # 2 + [2 + 1] + 1
-    assert set(ab["bytes_by_phase"]) == {"warmup", "grouped", "sync", "full-rank"}
+    assert ab["steps_by_stage"] == {"warmup": 2, "grouped": 3, "full-rank": 1}   # 2 + [2 + 1] + 1
+    assert set(ab["bytes_by_stage"]) == {"warmup", "grouped", "sync", "full-rank"}
     dense = 4 * 1_161_600
-    assert ab["bytes_by_phase"]["warmup"] == 2 * dense and ab["dense_bytes"] == 6 * dense
+    assert ab["bytes_by_stage"]["warmup"] == 2 * dense and ab["dense_bytes"] == 6 * dense
     assert ab["traffic_ratio"] == pytest.approx(ab["dense_bytes"] / ab["bytes_sent"])
-    assert r["config"]["compressor"]["groups"] == 2 and r["config"]["compressor"]["cutoff"] == 0.3
+    assert r["config"]["compressor"]["rank_groups"] == 2 and r["config"]["compressor"]["cutoff"] == 0.3

@@ -458,3 +458,21 @@ def test_adaptive_error_small_run(tmp_path):
     assert row["adaptive_bytes_per_step"] <= row["uniform_bytes_per_step"]
     assert set(row["plan"].values()) <= {0.0025, 0.005, 0.01, 0.02, 0.04}
     assert 0 <= row["adaptive_rel_error"] <= 1 and 0 <= row["uniform_rel_error"] <= 1
+
+
+def test_hygiene_marks_a_loaded_machine_and_the_report_leaves_its_cells_out():
+    """A run is loaded when the load average before it exceeded the core count (hand-made
+    states); the CPU share is a fraction; a loaded e2e cell is not 'ok' (left out of verdicts)
+    and says so in the transformer target row."""
+    hygiene = _benchmarks_module("hygiene")
+    report_speed = _benchmarks_module("report_speed")
+    assert hygiene.is_loaded({"load_1min": 2.5, "cores": 2})
+    assert not hygiene.is_loaded({"load_1min": 2.0, "cores": 2})
+    share = hygiene.cpu_busy_share(0.2)
+    assert 0.0 <= share <= 1.0
+    state = hygiene.machine_state(0.2)
+    assert set(state) == {"load_1min", "load_5min", "cores", "others_cpu_share"} and state["cores"] >= 1
+    cell = _e2e_cell("hvdcomp:none", "hvdcomp", 2.9, 2.8, 0.1, 0.05)
+    assert report_speed.ok(cell) and not report_speed.loaded(cell)
+    cell["driver"] = {"machine": {"before": {"load_1min": 9.0, "cores": 2}, "loaded": True}}
+    assert report_speed.loaded(cell) and not report_speed.ok(cell) and report_speed.step_s(cell) is None

@@ -29,7 +29,8 @@ def test_netem_harness_small(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "netem_e2e.py"), "--output", str(out),
            "--model", "small", "--rates", "100mbit", "--steps", "2", "--warmup", "1",
            "--compute-ref-steps", "1", "--netem-prefix", PREFIX, "--netem", NETEM, "--python", sys.executable,
-           "--contenders", "hvdcomp:topk:density=0.01", "ddp:fp16", "--timeout", "600"]
+           "--contenders", "hvdcomp:topk:density=0.01", "ddp:fp16", "--timeout", "600",
+           "--load-limit", "1000"]  # (the harness, not a speed figure: no waiting for a quiet machine)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert PREFIX not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

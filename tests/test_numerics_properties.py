@@ -87,7 +87,15 @@ def test_aggregate_equals_the_mean_of_decodes(spec, case):
     floor = {torch.float32: 2.0**-149, torch.float16: 2.0**-24, torch.bfloat16: 2.0**-133}[dtype]
     if spec == "fp16":   # float16 steps also flush below the window: (N+2)·2^-25 / s absolute
         floor = max(floor, (world + 2) * 2.0**-25 * 2.0**-encoded[0][1].k)
-    assert out.shape == grads[0].shape and torch.isfinite(out).all()
+    assert out.shape == grads[0].shape
+    # finite everywhere, except float16 sparse values without a residual: a value float16 cannot
+    # hold travels as ±inf (loud, issue 29), and then exactly where the mean of the decodes is too
+    loud = "values=fp16" in spec and "ef=false" in spec
+    assert torch.equal(torch.isfinite(out), torch.isfinite(mean)) if loud else torch.isfinite(out).all()
+    if loud:
+        beyond = torch.stack([g.double().abs() >= 65520 for g in grads]).any(0)
+        assert not (~torch.isfinite(out) & ~beyond).any(), (spec, grads, out)   # only out-of-range values
+        out, mean, mean_abs = (t[torch.isfinite(mean)] for t in (out, mean, mean_abs))
     # each decode is rounded to the dtype, and so is the aggregate: two roundings apart at most
     assert ((out - mean).abs() <= (wire + 2 * unit) * mean_abs + floor).all(), (spec, grads, out, mean)
 

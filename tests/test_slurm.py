@@ -76,6 +76,18 @@ def test_batch_job_runs_4_ranks_on_2_nodes(cluster, tmp_path):
     assert r["config"]["transport"].startswith("mpi4py-allgather (") and "done:" in logs
 
 
+def test_ddp_front_end_batch_job_runs_4_ranks_on_2_nodes_without_mpi(cluster, tmp_path):
+    """HVDCOMP_FRONTEND=ddp: srun --mpi=none starts the tasks; torch.distributed (gloo) meets at
+    the step's first node; hvdcomp's DDP hook carries top-k."""
+    job, logs = sbatch(tmp_path, COMPRESSOR="topk:density=0.01", HVDCOMP_FRONTEND="ddp")
+    r = load(tmp_path / "results" / f"{job}_0" / "results.json")
+    assert r["config"]["world_size"] == 4 and r["config"]["frontend"] == "ddp"
+    assert sorted(x["rank"] for x in r["ranks"]) == [0, 1, 2, 3]
+    assert sorted({x["node"] for x in r["ranks"]}) == ["n1", "n2"]
+    assert r["config"]["transport"].startswith("torch.distributed gloo: counts exchange")
+    assert "(ddp front-end)" in logs and "done:" in logs
+
+
 def test_job_array_writes_one_result_per_cell(cluster, tmp_path):
     cells = tmp_path / "cells.txt"
     cells.write_text("--compressor none\n--compressor topk:density=0.01\n")
@@ -89,6 +101,8 @@ def test_job_array_writes_one_result_per_cell(cluster, tmp_path):
     ({"HVDCOMP_VENV": "/nonexistent/venv"}, "no virtualenv at '/nonexistent/venv'"),
     ({"DATA": "/nonexistent/corpus.txt"}, "data path '/nonexistent/corpus.txt' does not exist"),
     ({"HVDCOMP_LAUNCHER": "ssh"}, "HVDCOMP_LAUNCHER must be srun, mpirun or horovodrun"),
+    ({"HVDCOMP_FRONTEND": "tf"}, "HVDCOMP_FRONTEND must be horovod or ddp"),
+    ({"HVDCOMP_FRONTEND": "ddp", "HVDCOMP_LAUNCHER": "horovodrun"}, "HVDCOMP_FRONTEND=ddp runs without Horovod"),
 ])
 def test_script_refuses_bad_set_up_clearly(tmp_path, env, message):
     full = dict(os.environ, HVDCOMP_VENV=VENV, OUTPUT_ROOT=str(tmp_path), DATA=__file__)

@@ -1,5 +1,5 @@
 """AB-training's models on scikit-learn's digits (mpi_scripts/train_cnn.py) and its report: the
-models' sizes in closed form, the bytes of each phase (mean over ranks and between the nodes of a
+models' sizes in closed form, the bytes of each AB-training stage (mean over ranks and between the nodes of a
 2 x 2 layout) and the model compression against the schedule, under mpirun with a timeout."""
 import json
 import os
@@ -53,19 +53,19 @@ def test_ab_training_bytes_and_model_compression_follow_the_schedule(tmp_path):
     t, P, dense_step = r["traffic"], 99178, 4 * 99178
     U = P - sum(n * m for n, m in VGG_FACTORS.values())             # 1-D, first layer, classifier: 1,898
     assert U == 1898 and r["steps"] == 42 and t["nodes"] == 2 and t["ranks"] == 4
-    assert r["steps_by_phase"] == {"warmup": 5, "grouped": 4 * 6 + 5, "full-rank": 4 * 2}
+    assert r["steps_by_stage"] == {"warmup": 5, "grouped": 4 * 6 + 5, "full-rank": 4 * 2}
     hist = r["model_compression"]["history"]
     assert [h["step"] for h in hist] == [5, 13, 21, 29, 37]
     assert hist[0]["ranks"] == {k: m for k, (n, m) in VGG_FACTORS.items()}   # the first factorisation is exact
     b_size = [sum(h["ranks"][k] * m for k, (n, m) in VGG_FACTORS.items()) for h in hist]
-    mean = t["bytes_by_phase_mean"]
+    mean = t["bytes_by_stage_mean"]
     assert mean["warmup"] == 5 * dense_step and mean["full-rank"] == 8 * dense_step   # every fp32 gradient
     # grouped: B's gradient, the 1-D parameters and the full-rank layers inside the node, every step
     assert mean["grouped"] == sum(steps * 4 * (b + U) for steps, b in zip([6, 6, 6, 6, 5], b_size))
     # four syncs: B over all ranks; rank 0's unfactorised parameters broadcast (one rank of 4 sends);
     # four cuts agree 4 kept ranks (int64)
     assert mean["sync"] == sum(4 * b for b in b_size[:4]) + 4 * 4 * U / 4 + 4 * 4 * 8
-    assert t["between_nodes_by_phase_mean"] == {k: mean[k] for k in ("warmup", "full-rank", "sync")}
+    assert t["between_nodes_by_stage_mean"] == {k: mean[k] for k in ("warmup", "full-rank", "sync")}
     assert t["dense_bytes"] == 42 * dense_step
     assert t["ratio_mean"] == pytest.approx(42 * dense_step / sum(mean.values()))
     assert t["ratio_between_nodes"] == pytest.approx(42 * dense_step / (sum(mean.values()) - mean["grouped"]))
@@ -84,8 +84,9 @@ def test_ab_training_bytes_and_model_compression_follow_the_schedule(tmp_path):
     assert f["traffic"]["ratio_between_nodes"] == pytest.approx(1.0) and f["model_compression"]["final"]["ratio"] == 1.0
 
 
-def fake(seed, acc, ab):
-    """A results.json of train_cnn.py: 1,000 parameters, one factorised 40 x 10 weight "w"."""
+def fake(seed, acc, ab, old_keys=False):
+    """A results.json of train_cnn.py: 1,000 parameters, one factorised 40 x 10 weight "w"; with
+    ``old_keys``, as written before the stage rename (bytes_by_phase_mean, steps_by_phase, groups)."""
     cfg = {"seed": seed, "model": "vgg", "weight_decay": 0.1, "parameters": 1000, "data": "digits", "world_size": 4,
            "nodes": 2, "batch_size": 64, "epochs": 2, "optimizer": "adamw", "lr": 3e-3, "clip": 1.0,
            "label_smoothing": 0.1, "init": "ortho-sigma", "lr_warmup_epochs": 0.0, "min_lr": 1e-5,
@@ -93,28 +94,36 @@ def fake(seed, acc, ab):
     sv = {"w": {"view": [40, 10], "sigma": [4.0, 2.0, 0.5] + [0.1] * 7}}
     if ab:
         cfg["ab"] = {"factorized": ["w"], "cutoff": 0.15, "full_rank": ["first"], "mode": "only-b", "sync": "b",
-                     "orientation": "tall", "groups": "node", "n_groups": 2, "warmup_steps": 10,
+                     "orientation": "tall", "rank_groups": "node", "n_rank_groups": 2, "warmup_steps": 10,
                      "steps_between_syncs": 5, "full_rank_steps": 1, "ramp_steps": 2, "cut_first": False}
-        phases = {"warmup": 1e6, "grouped": 2e6, "sync": 0.1e6, "full-rank": 0.4e6}
-        traffic = {"bytes_by_phase_mean": phases, "bytes_sent_mean": 3.5e6, "ratio_mean": 6 / 3.5,
+        stages = {"warmup": 1e6, "grouped": 2e6, "sync": 0.1e6, "full-rank": 0.4e6}
+        traffic = {"bytes_by_stage_mean": stages, "bytes_sent_mean": 3.5e6, "ratio_mean": 6 / 3.5,
                    "bytes_between_nodes_mean": 1.5e6, "ratio_between_nodes": 4.0, "reduction_between_nodes": 0.75}
         steps = {"warmup": 10, "grouped": 25, "full-rank": 5}
         hist = [{"step": 10, "ratio": 1000 / 1100, "ranks": {"w": 10}},
                 {"step": 16, "ratio": 1000 / 700, "ranks": {"w": 2}}]
         comp = {"final": {"ratio": 1000 / 700}, "history": hist, "ranks_kept": {"w": 2}}
     else:
-        traffic = {"bytes_by_phase_mean": {"full-rank": 6e6}, "bytes_sent_mean": 6e6, "ratio_mean": 1.0,
+        traffic = {"bytes_by_stage_mean": {"full-rank": 6e6}, "bytes_sent_mean": 6e6, "ratio_mean": 1.0,
                    "bytes_between_nodes_mean": 6e6, "ratio_between_nodes": 1.0, "reduction_between_nodes": 0.0}
         steps = {"full-rank": 40}
         comp = {"final": {"ratio": 1.0}, "history": [], "ranks_kept": {}}
-    return {"config": cfg, "epochs": [{"test_accuracy": acc - 0.1}, {"test_accuracy": acc}], "test_accuracy": acc,
-            "steps": 40, "steps_by_phase": steps, "traffic": traffic, "model_compression": comp,
-            "singular_values": sv, "adamw_decay_factor": 0.9}
+    out = {"config": cfg, "epochs": [{"test_accuracy": acc - 0.1}, {"test_accuracy": acc}], "test_accuracy": acc,
+           "steps": 40, "steps_by_stage": steps, "traffic": traffic, "model_compression": comp,
+           "singular_values": sv, "adamw_decay_factor": 0.9}
+    if old_keys:
+        out["steps_by_phase"] = out.pop("steps_by_stage")
+        traffic["bytes_by_phase_mean"] = traffic.pop("bytes_by_stage_mean")
+        for new, old in (("rank_groups", "groups"), ("n_rank_groups", "n_groups")) if ab else ():
+            cfg["ab"][old] = cfg["ab"].pop(new)
+    return out
 
 
-def test_report_keeps_traffic_and_model_compression_apart(tmp_path):
+@pytest.mark.parametrize("old_keys", [False, True], ids=["stage-keys", "phase-keys-before-the-rename"])
+def test_report_keeps_traffic_and_model_compression_apart(tmp_path, old_keys):
     for seed, (acc_ab, acc_full) in ((1, (0.96, 0.97)), (2, (0.98, 0.99))):
-        for label, r in (("vgg-ab", fake(seed, acc_ab, True)), ("vgg-full-rank", fake(seed, acc_full, False))):
+        for label, r in (("vgg-ab", fake(seed, acc_ab, True, old_keys)),
+                         ("vgg-full-rank", fake(seed, acc_full, False, old_keys))):
             d = tmp_path / "cells" / f"digits-np4-{label}-seed{seed}"
             os.makedirs(d)
             (d / "results.json").write_text(json.dumps(r))
@@ -132,6 +141,7 @@ def test_report_keeps_traffic_and_model_compression_apart(tmp_path):
     assert "| 16 | 1.43:1 | 2 |" in text
     assert "| vgg | vgg-ab | 75.0 % (4.00:1) | above | within the seed spread of vgg-full-rank | met | 1.43:1 |" in text
     assert "44.14:1" in text and "70.31 %" in text
+    assert "rank groups node (2 rank groups)" in text                 # the configuration, either spelling
     assert "| vgg | vgg-ab | 0.1 | 0.90 | w (40 x 10) | 4.00 | 2 / 10 | 0.025 |" in text   # 4, 2 > 0.6; 0.1 / 4
     for png in ("ab_accuracy.png", "ab_compression.png", "ab_spectra.png"):
         assert (tmp_path / png).stat().st_size > 1000

@@ -1,4 +1,5 @@
-"""Collectives: Horovod's (:mod:`.group`), mpi4py's byte layer (:mod:`.allgather`,
+"""Collectives: Horovod's (:mod:`.group`), ``torch.distributed``'s (:mod:`.torchdist`, the DDP
+front-end's), mpi4py's byte layer (:mod:`.allgather`,
 :mod:`.hierarchical`, :mod:`.exchange`, :mod:`.sparse_allreduce`), the world (:mod:`.world`) and the
 α-β cost model (:mod:`.costmodel`)."""
 from __future__ import annotations

@@ -29,7 +29,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Allgatherer", "MPIAllgatherer", "HorovodAllgatherer", "make_allgatherer"]
+__all__ = ["Allgatherer", "MPIAllgatherer", "HorovodAllgatherer"]
 
 COUNT_BYTES = 8  # one int64 element count per payload tensor
 MAX_COUNT = 2**31 - 1  # MPI counts and displacements are C ints

@@ -1,14 +1,16 @@
-"""Byte messages among the ranks of a group over mpi4py: point to point, all-to-all, allgather.
+"""Byte messages among the ranks of an mpi4py communicator: point to point, all-to-all,
+allgather, and the in-place reductions and broadcasts of dense buffers.
 
 The scale-out transports (:mod:`hvdcomp.comm.sparse_allreduce`, the compressed allreduce of
-:mod:`hvdcomp.transports.twophase`) move variable-size byte messages; this module is their one
-MPI layer, and the :class:`PointToPoint` protocol is what they need (tests run them on simulated
-ranks in threads, ``tests/simworld.py``). Payloads of several tensors travel as one message with
-:func:`pack_payload` / :func:`unpack_payload`.
+:mod:`hvdcomp.transports.twophase`) move variable-size byte messages; AB-training
+(:mod:`hvdcomp.lowrank`) reduces and broadcasts packed fp32 buffers. This module is their one
+mpi4py layer and its byte counters; the :class:`PointToPoint` protocol is what the transports need
+(tests run them on simulated ranks in threads, ``tests/simworld.py``). Payloads of several
+tensors travel as one message with :func:`pack_payload` / :func:`unpack_payload`.
 """
 from __future__ import annotations
 
-from typing import List, Protocol, Sequence
+from typing import List, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -50,14 +52,19 @@ class MPIExchange:
     Args:
         comm: an mpi4py communicator (the optimizer passes its own duplicate of the process
             set's).
+        nodes: node id of every rank of ``comm``, when the caller knows the layout (e.g. an
+            emulated one); None: :func:`node_ids` of the processor names, gathered at
+            construction (collective).
 
     Attributes:
         bytes_sent, bytes_received: payload bytes this rank moved (headers of sizes included).
-        nodes: node id of every rank (ranks of one host share one: :func:`node_ids` of the
-            processor names, gathered once at construction; collective).
+        nodes: node id of every rank (ranks of one host share one).
+
+    Raises:
+        ValueError: ``nodes`` does not give one id per rank of ``comm``.
     """
 
-    def __init__(self, comm):
+    def __init__(self, comm, nodes: Optional[Sequence[int]] = None):
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -66,7 +73,50 @@ class MPIExchange:
         self.size = comm.Get_size()
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.nodes = node_ids(comm.allgather(MPI.Get_processor_name()))
+        if nodes is not None and len(nodes) != self.size:
+            raise ValueError(f"nodes gives {len(nodes)} node ids for a communicator of {self.size} ranks")
+        self.nodes = list(nodes) if nodes is not None else node_ids(comm.allgather(MPI.Get_processor_name()))
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether the communicator holds ranks of more than one node."""
+        return len(set(self.nodes)) > 1
+
+    def allreduce_(self, data: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce ``data`` in place over every rank with one MPI Allreduce; returns it.
+
+        ``data``: a contiguous CPU tensor of a dtype NumPy holds (e.g. a packed float32 buffer,
+        int64 counts), the same shape on every rank; ``op``: ``"sum"``, ``"max"`` or ``"min"``.
+        Counts ``data``'s bytes as sent and as received (hvdcomp's convention: a reduction of n
+        bytes sends n and receives n on every rank, whatever algorithm MPI runs).
+
+        Raises:
+            ValueError: an unknown ``op``, or ``data`` not a contiguous CPU tensor.
+        """
+        ops = {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN}
+        if op not in ops:
+            raise ValueError(f"allreduce_ op must be one of {sorted(ops)}, got {op!r}")
+        buf = _host_buffer(data)
+        self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=ops[op])
+        self.bytes_sent += buf.nbytes
+        self.bytes_received += buf.nbytes
+        return data
+
+    def broadcast_(self, data: torch.Tensor, root: int) -> torch.Tensor:
+        """Rank ``root``'s ``data`` written into ``data`` on every rank (one MPI Bcast); returns it.
+
+        ``data``: a contiguous CPU tensor, the same shape and dtype on every rank. Counts its bytes
+        as sent at ``root`` and as received on every rank, the root's included (the buffer the
+        collective fills).
+
+        Raises:
+            ValueError: ``data`` not a contiguous CPU tensor.
+        """
+        buf = _host_buffer(data)
+        self.comm.Bcast(buf, root=root)
+        self.bytes_sent += buf.nbytes if self.rank == root else 0
+        self.bytes_received += buf.nbytes
+        return data
 
     def send(self, data, dest):
         buf = data.cpu().numpy()
@@ -119,6 +169,14 @@ class MPIExchange:
         self.bytes_received += int(counts.sum() - counts[self.rank]) + 8 * (self.size - 1)
         out = torch.from_numpy(rbuf)
         return [out[int(o):int(o + c)] for o, c in zip(dis, counts)]
+
+
+def _host_buffer(data: torch.Tensor) -> np.ndarray:
+    """The NumPy view MPI writes into (no copy)."""
+    if data.device.type != "cpu" or not data.is_contiguous():
+        raise ValueError("the mpi4py collectives take a contiguous CPU tensor: pass t.contiguous().cpu() "
+                         "and copy the result back")
+    return data.numpy()
 
 
 def node_ids(hosts: Sequence[str]) -> List[int]:

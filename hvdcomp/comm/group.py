@@ -30,9 +30,11 @@ def horovod():
     try:
         import horovod.torch as hvd
     except ImportError as exc:
-        raise ImportError("hvdcomp.DistributedOptimizer needs Horovod (horovod.torch): install it with "
-                          "`make install` (scripts/install.sh builds Horovod 0.28.1), or use the DDP "
-                          "front-end (docs/ddp.md), which needs none") from exc
+        raise ImportError(f"hvdcomp.DistributedOptimizer is the Horovod front-end and needs Horovod, which is "
+                          f"not importable here ({exc}). Build it with `make install` (scripts/install.sh; "
+                          "HVDCOMP_HOROVOD=0 skips it), or use the DDP front-end, which needs no Horovod: "
+                          "hvdcomp.ddp.register(DistributedDataParallel(model), 'topk:density=0.01', "
+                          "optimizer=opt) (docs/ddp.md)") from exc
     return hvd
 
 

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["StepComm"]
+__all__ = ["StepComm", "timed_step_comm", "horovod_step_comm"]
 
 
 class StepComm:
@@ -49,3 +49,51 @@ class StepComm:
         if self._broadcast is None:
             raise RuntimeError("this StepComm has no broadcast")
         return self._broadcast(tensor, root, name)
+
+
+def timed_step_comm(allreduce_mean: Callable[[torch.Tensor, str], torch.Tensor],
+                    broadcast: Optional[Callable[[torch.Tensor, int, str], torch.Tensor]], rank: int, size: int,
+                    timer, point_to_point=None) -> StepComm:
+    """A :class:`StepComm` over the given blocking collectives, each charged to ``timer``'s
+    ``communicate`` phase and counted as the front-ends count: an allreduce of B bytes sends and
+    receives B; a broadcast of B bytes is received by every rank and sent by ``root``.
+
+    Args:
+        allreduce_mean: ``f(tensor, name) -> mean over ranks`` (one collective, no timing).
+        broadcast: ``f(tensor, root, name) -> root's tensor``, or None.
+        rank, size: this process's rank in the group and the group's size.
+        timer: a :class:`hvdcomp.metrics.PhaseTimer`.
+        point_to_point: as for :class:`StepComm` (its own byte counters).
+    """
+
+    def mean(tensor: torch.Tensor, name: str) -> torch.Tensor:
+        with timer.phase("communicate"):
+            out = allreduce_mean(tensor, name)
+        nbytes = tensor.numel() * tensor.element_size()
+        timer.add_bytes(sent=nbytes, received=nbytes)
+        return out
+
+    def bcast(tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
+        with timer.phase("communicate"):
+            out = broadcast(tensor, root, name)
+        nbytes = tensor.numel() * tensor.element_size()
+        timer.add_bytes(sent=nbytes if rank == root else 0, received=nbytes)
+        return out
+
+    return StepComm(mean, rank, size, bcast if broadcast is not None else None, point_to_point)
+
+
+def horovod_step_comm(group, timer, prefix: str, point_to_point=None) -> StepComm:
+    """The :class:`StepComm` of a Horovod process set (:func:`timed_step_comm` over blocking
+    Horovod allreduce (mean) and broadcast within ``group``, named ``prefix.name``).
+
+    Args:
+        group: a :class:`hvdcomp.comm.group.Group`.
+        timer: a :class:`hvdcomp.metrics.PhaseTimer`.
+        prefix: the caller's collective-name prefix (unique per caller, the same on every rank).
+        point_to_point: a :class:`~hvdcomp.comm.exchange.PointToPoint` among the group's ranks
+            (e.g. :class:`~hvdcomp.comm.exchange.MPIExchange`), or None.
+    """
+    return timed_step_comm(lambda tensor, name: group.allreduce(tensor, f"{prefix}.{name}", group.hvd.Average),
+                           lambda tensor, root, name: group.broadcast(tensor, root, f"{prefix}.{name}"),
+                           group.rank, group.size, timer, point_to_point)

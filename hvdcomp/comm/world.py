@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional, Tuple
 
+import torch.distributed as dist
+
 __all__ = ["world_size", "rank", "simulated_world"]
 
 #: (world size, rank) set by :func:`simulated_world`; consulted before Horovod.
@@ -37,20 +39,26 @@ def simulated_world(size: int, rank: int) -> Iterator[None]:
 
 
 def _horovod_or(getter: str, default: int) -> int:
-    """Horovod's ``size()`` / ``rank()`` when Horovod is installed and initialised, else ``default``
-    (Horovod is optional here: the DDP front-end and single-process tests run without it)."""
+    """Horovod's ``size()`` / ``rank()`` when Horovod is installed and initialised, else
+    ``torch.distributed``'s default group's (the DDP front-end), else ``default`` (Horovod is
+    optional here: the DDP front-end and single-process tests run without it)."""
     try:
         import horovod.torch as hvd
     except ImportError:
-        return default
-    return getattr(hvd, getter)() if hvd.is_initialized() else default
+        hvd = None
+    if hvd is not None and hvd.is_initialized():
+        return getattr(hvd, getter)()
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() if getter == "size" else dist.get_rank()
+    return default
 
 
 def world_size() -> int:
-    """Number of ranks in Horovod's global process set, read now (never cached).
+    """Number of ranks in Horovod's global process set (else in ``torch.distributed``'s default
+    group), read now (never cached).
 
-    Returns 1 when Horovod is not installed or not initialised, so compressors can be used in a
-    single process; inside :func:`simulated_world`, the simulated size.
+    Returns 1 when neither is initialised, so compressors can be used in a single process; inside
+    :func:`simulated_world`, the simulated size.
     """
     if _simulated is not None:
         return _simulated[0]
@@ -58,8 +66,8 @@ def world_size() -> int:
 
 
 def rank() -> int:
-    """This process's Horovod rank (0 when Horovod is not initialised; the simulated rank inside
-    :func:`simulated_world`)."""
+    """This process's Horovod rank (else its ``torch.distributed`` rank; 0 when neither is
+    initialised; the simulated rank inside :func:`simulated_world`)."""
     if _simulated is not None:
         return _simulated[1]
     return _horovod_or("rank", 0)

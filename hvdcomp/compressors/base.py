@@ -52,8 +52,9 @@ class PayloadKind(str, enum.Enum):
 
 
 def cast_saturating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``tensor.to(dtype)``, clamped to ``dtype``'s finite range first when ``dtype`` is a narrower
-    floating type (float32 → float16: 1e5 becomes 65504, not inf). NaN stays NaN.
+    """``tensor.to(dtype)``, finite values clamped to ``dtype``'s finite range first when ``dtype``
+    is a narrower floating type (float32 → float16: 1e5 becomes 65504, not inf). NaN stays NaN,
+    and ±inf stays ±inf: an overflow upstream stays loud instead of becoming a finite value.
 
     A decoded gradient can exceed its own dtype's range although every input was finite (QSGD's
     level rounding, error feedback adding a float32 residual to a float16 gradient); saturating
@@ -62,7 +63,7 @@ def cast_saturating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if (dtype.is_floating_point and tensor.is_floating_point() and dtype != tensor.dtype
             and torch.finfo(dtype).max < torch.finfo(tensor.dtype).max):
         limit = torch.finfo(dtype).max
-        tensor = tensor.clamp(-limit, limit)
+        tensor = torch.where(tensor.isinf(), tensor, tensor.clamp(-limit, limit))
     return tensor.to(dtype)
 
 
@@ -87,6 +88,18 @@ def write_back(out: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         copy_saturating_(out, flat.view(out.shape))
     return out
 
+
+
+def check_floating(tensor: torch.Tensor, method: str) -> None:
+    """Refuse an integer or bool tensor for ``method``.
+
+    Raises:
+        TypeError: such tensors have no gradients (the message says how to send them).
+    """
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(f"'{method}' compresses floating-point gradients, got a {tensor.dtype} "
+                        "tensor; integer and bool tensors have no gradients: send them "
+                        "uncompressed with hvd.allreduce or hvd.broadcast")
 
 
 class Method(StagedState):
@@ -237,10 +250,7 @@ class Compressor(Method, _HorovodCompressor, metaclass=abc.ABCMeta):
             ValueError: ``segments`` given to a method that is not :attr:`segmentable`, or not
                 matching ``tensor``.
         """
-        if not (tensor.is_floating_point() or tensor.is_complex()):
-            raise TypeError(f"'{self.name}' compresses floating-point gradients, got a {tensor.dtype} "
-                            "tensor; integer and bool tensors have no gradients: send them "
-                            "uncompressed with hvd.allreduce or hvd.broadcast")
+        check_floating(tensor, self.name)
         if segments is None:
             return self._encode(tensor, name)
         if not self.segmentable:

@@ -165,7 +165,7 @@ class DGCCompressor(SparseCompressor):
             v = self.memory.compensate(name, u)                # v = v + u
         idx = self.select(v, name)
         values = v.index_select(0, idx)
-        payload = self.pack(values, idx, n)
+        payload = self.pack(values, idx, n)  # float16 values saturate: the excess stays in the velocity
         if self.value_coding == "fp32":
             v.index_fill_(0, idx, 0.0)
         else:  # keep the rounding error of the fp16 values in the accumulation

@@ -25,15 +25,39 @@ Scheme (tensors with a name, i.e. under :class:`hvdcomp.DistributedOptimizer`):
 2. **Scaled steps**: s = 2^k with k = ⌊log2(65504/N)⌋ − (E + 1) − ``headroom``, so the largest
    value of the previous step lands ``headroom`` binades below the overflow limit. The payload is
    float16 ``[clamp(s·x, ±C_N) (n), one-hot(e_r − E) (2J+1 = 25)]`` with C_N the largest
-   float16 ≤ 65504/N (partial sums can never overflow: values that grew more than 2^headroom
-   since the previous step saturate instead of becoming inf). The histogram, summed by the same
+   float16 ≤ 65504/N (partial sums can never overflow). The histogram, summed by the same
    allreduce, gives this step's E (exactly, within ±J = 12 binades of the previous one; beyond,
    E moves by 12 per step), used by the next step. Decoding divides by s (exact, a power of 2).
    No extra collective, no host synchronisation in ``encode``; ``decode`` (after the allreduce)
    reads the histogram (one synchronisation on GPU).
-3. **Static** (no name: stock ``hvd.DistributedOptimizer(compression=...)``, which keeps no
-   per-tensor state): s = 1/N as before, saturating at ±C_N (no partial sum can overflow; the
-   old clamp at ±65504 let three ranks of 65504 overflow to inf).
+3. **Saturation is detected, never delivered.** A value that grew more than about 2^headroom
+   since the previous step lands above C_N and is clamped there: finite and wrong. Each rank
+   knows exactly whether it clamped (s·max|x_r| > C_N, from the maximum ``encode`` computes
+   anyway: a 0-d tensor, no extra pass) and says so in its histogram: a rank that clamped counts
+   its exponent as at least E + h + 2, a bin no unclamped rank can reach (an unclamped rank has
+   s·max|x_r| ≤ C_N < 2^(L+1), L = ⌊log2(65504/N)⌋, so e_r ≤ E + h + 1; a clamped one has
+   e_r ≥ E + h + 1, and only that binade is bumped up by one). After the allreduce every rank
+   reads the same histogram, so every rank knows identically, per tensor, whether some rank
+   saturated (:meth:`FP16Compressor.saturation`). Then, by ``on_saturation``:
+
+   * ``"resend"`` (default): the transport allreduces that tensor again as a float32 probe
+     payload (one more collective, only on such steps, only for the tensors that saturated):
+     the delivered mean is the probe step's, exact to float32 rounding, and its histogram
+     re-learns E at once. With error feedback the residual follows what was sent (this rank's
+     float32 values: the residual of a resent float32 gradient becomes 0).
+   * ``"skip"``: the step is reported as overflowed: the tensor's averaged gradient reads NaN
+     on every rank, so the optimizer's non-finite guard skips the step on every rank (state as
+     before it; every ``.grad`` NaN, so a ``GradScaler`` backs off), as an overflow of stock
+     Horovod's float16 would. The agreed exponent still moves up (by up to J binades per such
+     step) so that the next step fits.
+
+   The histogram carries the flag: the payload is the same size as before.
+4. **Static** (no name: stock ``hvd.DistributedOptimizer(compression=...)``, which keeps no
+   per-tensor state and cannot resend): s = 1/N; |x/N| is clamped at C_N only where x itself is
+   a float16 value (|x| < 65520, so the clamp is at most 2^-10 relative: within the bound
+   below); a value float16 cannot hold (|x| ≥ 65520) travels as ±inf, so the averaged gradient
+   is ±inf (or NaN), loud, as stock Horovod's ``Compression.fp16`` makes it. No partial sum of
+   finite addends can overflow (the old clamp at ±65504 let three ranks of 65504 overflow).
 
 Guarantee (``headroom`` h = 3, per element i, per step, against the exact mean m_i over ranks;
 M = the largest |x| over ranks and elements of the previous step, and this step's values
@@ -46,8 +70,10 @@ at most 2^h·M):
   measured worst case about half of that: 0.8 % at N = 64, 12 % at N = 1024 — float16 addition
   itself, whatever the scale). ρ_N = 6e-8 at N = 2, 1.9e-6 at N = 64, 3.1e-5 at N = 1024.
   Smaller elements keep an absolute error of at most (N + 2)·2^-25/s;
-* static: the same relative bound for |x| ≥ 2^-14·N; a rank's |x| above N·C_N ≥ 65504·(1 − 2^-10)
-  saturates.
+* saturated scaled steps: as the probe step (``"resend"``), or a NaN gradient (``"skip"``);
+  never a clamped value;
+* static: the same relative bound for 2^-14·N ≤ |x| < 65520 (|x| in [N·C_N, 65520) is clamped,
+  within it); |x| ≥ 65520 gives ±inf.
 
 The lagged, agreed power-of-two scale is the dynamic loss scaling of mixed-precision training
 (Micikevicius et al., "Mixed Precision Training", ICLR 2018) applied per tensor to the allreduce,
@@ -55,8 +81,10 @@ with the overflow check replaced by an exponent histogram that keeps the scale a
 
 Trade-offs: a tensor's first non-zero step costs 4 bytes per element instead of 2; every scaled
 payload carries 25 extra float16 (50 bytes); a gradient that grows by more than 2^h = 8 times in
-one step saturates for that step (with ``ef=true`` the excess stays in the residual and is sent
-later); larger ``headroom`` tolerates faster growth and costs one binade of ρ_N per unit. The
+one step (at least; up to 2^(h+2) where max|x| of the previous step sat low in its binade and
+C_N high in its own) costs that tensor a second allreduce of 4·(n + 277) bytes (``"resend"``) or
+the step (``"skip"``); larger ``headroom`` tolerates faster growth and costs one binade of ρ_N
+per unit. The
 compressor keeps one integer per tensor (``state_dict()["exponents"]``); it must be identical on
 every rank (it is, when each rank decodes the same allreduced payloads or loads the same
 checkpoint).
@@ -78,6 +106,10 @@ EXP_MIN, EXP_MAX = -149, 127
 SPAN = 12
 
 STATIC, PROBE, SCALED = "static", "probe", "scaled"
+#: What a saturated scaled step does (see the module docstring): the first is the default.
+ON_SATURATION = ("resend", "skip")
+#: |x| from which float16's own (round-to-nearest) cast gives ±inf.
+FP16_OVERFLOW = 65520.0
 
 
 class FP16Context(NamedTuple):
@@ -93,6 +125,7 @@ class FP16Context(NamedTuple):
     k: int
     exponent: int
     name: Optional[str]
+    source: Optional[torch.Tensor] = None  # scaled: the float32 values encoded (a resend sends them)
 
 
 def limit_exponent(world: int) -> int:
@@ -114,10 +147,11 @@ def _ldexp(t: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _max_exponent(flat: torch.Tensor):
-    """(⌊log2 max|flat|⌋ as a 0-d int64 tensor, whether max|flat| > 0): no host synchronisation."""
+    """(⌊log2 max|flat|⌋ as a 0-d int64 tensor, whether max|flat| > 0, max|flat|): no host
+    synchronisation."""
     top = flat.abs().amax() if flat.numel() else flat.new_zeros(())
     _, exponent = torch.frexp(top)  # top = mantissa·2^exponent, mantissa in [0.5, 1)
-    return exponent.to(torch.int64) - 1, top > 0
+    return exponent.to(torch.int64) - 1, top > 0, top
 
 
 def _one_hot(index: torch.Tensor, present: torch.Tensor, bins: int, dtype) -> torch.Tensor:
@@ -146,6 +180,47 @@ class FP16SegmentsContext(NamedTuple):
     ks: List[int]
     exponents: List[int]
     probe: List[int]
+    source: Optional[torch.Tensor] = None  # the float32 flat buffer encoded (a resend sends parts)
+
+
+class FP16ResendContext(NamedTuple):
+    """Decodes a resend of segments that saturated (:meth:`FP16Compressor.saturation`): the
+    reduced first payload ``averaged`` (its context ``base``) gives every segment but those in
+    ``resent`` (segment indices), which come from the reduced float32 replacement."""
+
+    base: FP16SegmentsContext
+    averaged: list
+    resent: List[int]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.dtype
+
+
+class Saturation(NamedTuple):
+    """What :meth:`FP16Compressor.saturation` found: some rank's values of ``names`` (parameter
+    names) left the agreed scale's window this step.
+
+    Attributes:
+        names: the tensors (or segments) that saturated on some rank.
+        payload: the replacement to allreduce (same op, prescale and postscale as the first
+            payload) and decode with ``ctx`` instead of the first; ``None``: the step overflowed
+            (``on_saturation="skip"``): report it non-finite, decode nothing.
+        ctx: the context that decodes the reduced replacement.
+        delta: per name, what this rank's replacement sends minus what its first payload sent
+            (float32, the gradient's shape): error feedback subtracts it from the residual.
+    """
+
+    names: tuple
+    payload: Optional[list]
+    ctx: object
+    delta: dict
+
+
+def _sent_scaled(values: torch.Tensor, k: int, limit: float) -> torch.Tensor:
+    """What a scaled payload of float32 ``values`` decodes to locally (the clamp and float16
+    rounding of ``encode``, undone by 2^-k), float32."""
+    return _ldexp(_ldexp(values, k).clamp(-limit, limit).to(torch.float16).to(torch.float32), -k)
 
 
 def _ldexp_segments(values: torch.Tensor, sizes: List[int], ks: List[int],
@@ -163,15 +238,125 @@ def _ldexp_segments(values: torch.Tensor, sizes: List[int], ks: List[int],
     return out.mul_(factor([2.0 ** (k - k // 2) for k in ks]))
 
 
+class SaturationCheck:
+    """The part of :class:`FP16Compressor` that never lets a saturated value through: reading,
+    from the averaged payload's histogram, whether some rank's values left the scale's window
+    (per tensor, per segment of a fused bucket), and building the float32 resend (or reporting
+    the overflow) that the allreduce transport runs (``on_saturation``, see the class docstring).
+    """
+
+    def _flagged_offset(self, offset: torch.Tensor, clamped: torch.Tensor) -> torch.Tensor:
+        """e_r − E as the histogram counts it: at least h + 2 where this rank clamped (the
+        saturation flag, see the module docstring). Tensors of any shape, no host sync."""
+        return torch.where(clamped, offset.clamp(min=self.headroom + 2), offset)
+
+    def _saturated(self, top_bin: Optional[int]) -> bool:
+        """Whether the highest occupied bin of a reduced scaled histogram says some rank clamped."""
+        return top_bin is not None and top_bin >= SPAN + self.headroom + 2
+
+    def saturation(self, payload, ctx) -> Optional[Saturation]:
+        """Whether some rank's values of a scaled tensor (or segment) were clamped at C_N this step,
+        read from the reduced ``payload`` (every rank reads the same, so every rank decides the
+        same; one host read), and what to do about it (``on_saturation``).
+
+        Args:
+            payload: the reduced (averaged, or summed for ``op=Sum``) payload, before
+                :meth:`decode`.
+            ctx: this rank's context from :meth:`encode`.
+
+        Returns:
+            ``None`` when nothing saturated (decode ``payload`` as usual); else a
+            :class:`Saturation`: with ``"resend"``, a float32 probe payload of the saturated
+            tensors (this rank's encoded values: the mean comes out exact to float32 rounding,
+            and its histogram re-learns E) to reduce and decode instead; with ``"skip"``, no
+            payload (report the step as overflowed); the agreed exponent of the saturated
+            tensors is then moved up at once (kept even though the step is rolled back), so the
+            next step's scale fits.
+        """
+        if isinstance(ctx, FP16SegmentsContext):
+            return self._segments_saturation(payload, ctx)
+        if ctx.mode != SCALED:
+            return None
+        top = _highest_bins(payload[0][ctx.numel:].view(1, 2 * SPAN + 1))[0]
+        if not self._saturated(top):
+            return None
+        if self.on_saturation == "skip":
+            self.exponents[ctx.name] = ctx.exponent + top - SPAN
+            return Saturation((ctx.name,), None, None, {})
+        flat = ctx.source
+        local, present, _ = _max_exponent(flat)
+        hist = _one_hot(local - EXP_MIN, present, EXP_MAX - EXP_MIN + 1, torch.float32)
+        delta = flat - _sent_scaled(flat, ctx.k, addend_limit(ctx.world))
+        probe = ctx._replace(mode=PROBE, k=0, exponent=0, source=None)
+        return Saturation((ctx.name,), [torch.cat([flat, hist])], probe, {ctx.name: delta.reshape(ctx.shape)})
+
+    def _segments_saturation(self, payload, ctx) -> Optional[Saturation]:
+        """:meth:`saturation` of a segmented payload: per scaled segment; a resend carries the
+        saturated segments only (float32, then 277 bins each)."""
+        if not ctx.scaled:
+            return None
+        sizes, names = ctx.segments.sizes, ctx.segments.names
+        count = sum(sizes[j] for j in ctx.scaled)
+        tops = _highest_bins(payload[0][count:].view(len(ctx.scaled), 2 * SPAN + 1))
+        hit = [(i, j, t) for i, (j, t) in enumerate(zip(ctx.scaled, tops)) if self._saturated(t)]
+        if not hit:
+            return None
+        saturated = tuple(names[j] for _, j, _ in hit)
+        if self.on_saturation == "skip":
+            for i, j, t in hit:
+                self.exponents[names[j]] = ctx.exponents[i] + t - SPAN
+            return Saturation(saturated, None, None, {})
+        views = ctx.segments.split(ctx.source)
+        values = [views[j] for _, j, _ in hit]
+        top = torch.stack([v.abs().amax() for v in values])
+        _, local = torch.frexp(top)
+        hist = _one_hot(local.to(torch.int64) - 1 - EXP_MIN, top > 0, EXP_MAX - EXP_MIN + 1, torch.float32)
+        limit = addend_limit(ctx.world)
+        delta = {names[j]: (v - _sent_scaled(v, ctx.ks[i], limit)).view(ctx.segments.shapes[j])
+                 for (i, j, _), v in zip(hit, values)}
+        resend = FP16ResendContext(ctx, list(payload), [j for _, j, _ in hit])
+        return Saturation(saturated, [torch.cat(values + [hist.reshape(-1)])], resend, delta)
+
+    def _resend_values(self, payload, ctx: FP16ResendContext, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Flat float32 values of a resend: the first payload's segments, the resent ones
+        replaced by the reduced float32 replacement ``payload``; recording nothing."""
+        out = self._segment_values(ctx.averaged, ctx.base, out=out)
+        segments, pos = ctx.base.segments, 0
+        for j in ctx.resent:
+            size, at = segments.sizes[j], segments.offsets[j]
+            out[at:at + size].copy_(payload[0][pos:pos + size])
+            pos += size
+        return out
+
+    def _record_resend(self, payload, ctx: FP16ResendContext) -> None:
+        """The first payload's exponents, then the resent segments' from the replacement's probe
+        histograms."""
+        self._record_segments(ctx.averaged, ctx.base)
+        segments = ctx.base.segments
+        count = sum(segments.sizes[j] for j in ctx.resent)
+        bins = payload[0][count:].view(len(ctx.resent), EXP_MAX - EXP_MIN + 1)
+        for j, top in zip(ctx.resent, _highest_bins(bins)):
+            if top is not None:
+                self._put("exponents", segments.names[j], EXP_MIN + top)
+
+    # ---- decode ----------------------------------------------------------------------------
+
+
 @register("fp16")
-class FP16Compressor(Compressor):
+class FP16Compressor(SaturationCheck, Compressor):
     """Float16 transport with a per-tensor power-of-two scale agreed across ranks (see the module
     docstring for the scheme, its guarantee and trade-offs).
 
     Args:
-        headroom: h ≥ 0 binades between the previous step's largest value and the overflow limit:
-            values may grow 2^h-fold in one step without saturating; each binade costs one binade
-            of small-value range (ρ_N doubles).
+        headroom: h in [0, 10] binades between the previous step's largest value and the
+            overflow limit: values may grow 2^h-fold in one step without saturating; each binade
+            costs one binade of small-value range (ρ_N doubles). (At most ``SPAN − 2``: the
+            saturation flag needs the histogram bin E + h + 2.)
+        on_saturation: what a step does where some rank's values grew past the scale's window:
+            ``"resend"`` (default: that tensor is allreduced again in float32, one more
+            collective on such steps only) or ``"skip"`` (the step is reported non-finite and
+            skipped on every rank, as an overflow; cheaper on the wire, costs the step). See the
+            module docstring.
 
     Payload (one tensor, as stock Horovod needs): float32 ``(n + 277,)`` on a probe step, float16
     ``(n + 25,)`` on a scaled step, float16 ``(n,)`` without a name. Several gradients in one call
@@ -180,31 +365,41 @@ class FP16Compressor(Compressor):
     histogram each)]`` followed by ``[float32 (values of the probing ones, then 277 bins each)]``,
     either omitted when empty. ``decode`` is linear in the
     payload, so ``decode(average of payloads)`` is the averaged gradient, under hvdcomp and under
-    stock ``hvd.DistributedOptimizer(compression=FP16Compressor())`` (``op=Average``); it also
+    stock ``hvd.DistributedOptimizer(compression=FP16Compressor())`` (``op=Average``). On its
+    own, ``decode`` of a saturated scaled payload gives the clamped values: a transport asks
+    :meth:`saturation` first (hvdcomp's allreduce transport and DDP hook do, so a saturated value is never
+    delivered; a decoder without that check must call it too). ``decode`` also
     records the agreed exponent of named tensors, so call it once per step on the *averaged*
     payload (error feedback uses :meth:`residual_`, which records nothing).
 
     State: ``exponents`` (parameter name → agreed exponent E, an int).
 
     Raises:
-        ValueError: ``headroom`` not an integer in [0, 16].
+        ValueError: ``headroom`` not an integer in [0, 10]; ``on_saturation`` not one of
+            ``"resend"``, ``"skip"``.
     """
 
     name = "fp16"
     shared_state_keys = ("exponents",)  # agreed: identical on every rank
     wire_dtype = torch.float16
 
-    def __init__(self, headroom: int = 3):
-        if not isinstance(headroom, int) or not 0 <= headroom <= 16:
-            raise ValueError(f"headroom must be an integer in [0, 16] (binades of growth tolerated "
+    def __init__(self, headroom: int = 3, on_saturation: str = "resend"):
+        if isinstance(headroom, bool) or not isinstance(headroom, int) or not 0 <= headroom <= SPAN - 2:
+            raise ValueError(f"headroom must be an integer in [0, {SPAN - 2}] (binades of growth tolerated "
                              f"per step, e.g. headroom=3); got {headroom!r}")
+        if on_saturation not in ON_SATURATION:
+            raise ValueError(f"on_saturation must be 'resend' (send a saturated tensor again in float32) or "
+                             f"'skip' (report the step as overflowed); got {on_saturation!r}")
         self.headroom = headroom
+        self.on_saturation = on_saturation
         self.exponents: dict = {}
 
     def describe(self):
         out = {"name": self.name}
         if self.headroom != 3:
             out["headroom"] = self.headroom
+        if self.on_saturation != ON_SATURATION[0]:
+            out["on_saturation"] = self.on_saturation
         return out
 
     def nominal_ratio(self, numel):
@@ -218,29 +413,31 @@ class FP16Compressor(Compressor):
     def _encode(self, tensor, name=None):
         n, size = tensor.numel(), self.group_size()
         flat = tensor.reshape(-1)
-        if flat.dtype != torch.float32:  # float64 beyond float32's range saturates, like float16 does
-            flat = cast_saturating(flat, torch.float32)
+        if flat.dtype != torch.float32:  # float64 beyond float32's range becomes ±inf (loud)
+            flat = flat.to(torch.float32)
         limit = addend_limit(size)
         exponent = None if name is None else self._get("exponents", name)
         if name is None:
-            wire = flat.div(size).clamp(-limit, limit).to(self.wire_dtype)
-            return [wire], FP16Context(tensor.shape, tensor.dtype, STATIC, n, size, 0, 0, None)
-        local, present = _max_exponent(flat)
+            # |x| float16 can hold: clamped at C_N (≤ 2^-10 relative); beyond: ±inf, as float16 casts it
+            wire = torch.where(flat.abs() >= FP16_OVERFLOW, flat, flat.div(size).clamp(-limit, limit))
+            return [wire.to(self.wire_dtype)], FP16Context(tensor.shape, tensor.dtype, STATIC, n, size, 0, 0, None)
+        local, present, top = _max_exponent(flat)
         if exponent is None:
             hist = _one_hot(local - EXP_MIN, present, EXP_MAX - EXP_MIN + 1, torch.float32)
             return [torch.cat([flat, hist])], FP16Context(tensor.shape, tensor.dtype, PROBE, n, size, 0, 0, name)
         k = self.scale_exponent(exponent, size)
         values = _ldexp(flat, k).clamp(-limit, limit).to(self.wire_dtype)
-        hist = _one_hot(local - exponent + SPAN, present, 2 * SPAN + 1, self.wire_dtype)
+        hist = _one_hot(self._flagged_offset(local - exponent, _ldexp(top, k) > limit) + SPAN, present,
+                        2 * SPAN + 1, self.wire_dtype)
         return [torch.cat([values, hist])], FP16Context(tensor.shape, tensor.dtype, SCALED, n, size, k,
-                                                         exponent, name)
+                                                         exponent, name, flat)
 
     def _encode_segments(self, flat, segments):
         """Each segment scaled by its own agreed exponent (probing where it has none), in a few
         vectorised operations over the buffer; one payload tensor per mode."""
         size, dtype = self.group_size(), flat.dtype
         if flat.dtype != torch.float32:
-            flat = cast_saturating(flat, torch.float32)
+            flat = flat.to(torch.float32)
         limit = addend_limit(size)
         agreed = self._get_many("exponents", segments.names)
         scaled = [j for j, e in enumerate(agreed) if e is not None]
@@ -256,14 +453,16 @@ class FP16Compressor(Compressor):
             values = flat if len(scaled) == len(segments) else torch.cat([views[j] for j in scaled])
             values = _ldexp_segments(values, [segments.sizes[j] for j in scaled], ks).clamp_(-limit, limit)
             pick = torch.tensor(scaled, device=flat.device)
-            hist = _one_hot(local[pick] - torch.tensor(exps, device=flat.device) + SPAN, present[pick],
-                            2 * SPAN + 1, self.wire_dtype)
+            clamped = _ldexp_segments(top[pick], [1] * len(scaled), ks) > limit
+            offset = self._flagged_offset(local[pick] - torch.tensor(exps, device=flat.device), clamped)
+            hist = _one_hot(offset + SPAN, present[pick], 2 * SPAN + 1, self.wire_dtype)
             payload.append(torch.cat([values.to(self.wire_dtype), hist.reshape(-1)]))
         if probe:
             pick = torch.tensor(probe, device=flat.device)
             hist = _one_hot(local[pick] - EXP_MIN, present[pick], EXP_MAX - EXP_MIN + 1, torch.float32)
             payload.append(torch.cat([views[j] for j in probe] + [hist.reshape(-1)]))
-        return payload, FP16SegmentsContext(flat.numel(), dtype, size, segments, scaled, ks, exps, probe)
+        return payload, FP16SegmentsContext(flat.numel(), dtype, size, segments, scaled, ks, exps, probe,
+                                            flat if scaled else None)
 
     def _segment_values(self, payload, ctx, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The flat float32 values of a segmented payload (segment order), recording nothing;
@@ -303,11 +502,13 @@ class FP16Compressor(Compressor):
                 if top is not None:
                     self._put("exponents", names[j], EXP_MIN + top)
 
-    # ---- decode ----------------------------------------------------------------------------
+    # ---- saturation (after the first allreduce) ------------------------------------------------
     def _values(self, payload, ctx) -> torch.Tensor:
         """The dense float32 values of ``payload`` (shape of the gradient), recording nothing."""
         if isinstance(ctx, FP16SegmentsContext):
             return self._segment_values(payload, ctx)
+        if isinstance(ctx, FP16ResendContext):
+            return self._resend_values(payload, ctx)
         wire = payload[0]
         if ctx.mode == STATIC:
             out = wire.to(torch.float32) * ctx.world
@@ -321,6 +522,9 @@ class FP16Compressor(Compressor):
         """Read the averaged exponent histogram and keep the agreed exponent for the next step."""
         if isinstance(ctx, FP16SegmentsContext):
             self._record_segments(payload, ctx)
+            return
+        if isinstance(ctx, FP16ResendContext):
+            self._record_resend(payload, ctx)
             return
         if ctx.mode == STATIC:
             return
@@ -340,9 +544,13 @@ class FP16Compressor(Compressor):
     def decode_into(self, out, payload, ctx):
         """:meth:`decode` written into ``out``; a segmented payload is decoded in ``out``'s memory
         (contiguous float32 ``out``: no temporary)."""
-        if isinstance(ctx, FP16SegmentsContext) and out.dtype == torch.float32 and out.is_contiguous():
+        if (isinstance(ctx, (FP16SegmentsContext, FP16ResendContext)) and out.dtype == torch.float32
+                and out.is_contiguous()):
             self._record(payload, ctx)
-            self._segment_values(payload, ctx, out=out.view(-1))
+            if isinstance(ctx, FP16ResendContext):
+                self._resend_values(payload, ctx, out=out.view(-1))
+            else:
+                self._segment_values(payload, ctx, out=out.view(-1))
             return out
         return super().decode_into(out, payload, ctx)
 

@@ -4,7 +4,11 @@ Default coding: values float32 and indices int32 (int64 when n >= 2^31), 8 bytes
 element. Two options (spec keys, accepted by every sparsifier through
 :func:`hvdcomp.get_compressor`) shrink it:
 
-* ``values=fp16``: values travel as float16 (saturated to ±65504), 2 bytes;
+* ``values=fp16``: values travel as float16, 2 bytes. A value float16 cannot hold (|v| ≥
+  65520) travels as ±inf (loud: the averaged gradient is non-finite, as float16 makes it)
+  unless a residual keeps what the wire drops: under error feedback (:class:`hvdcomp.ErrorFeedback`'s
+  :meth:`SparseCompressor.residual_`, DGC's velocity) it is sent as ±65504 and the excess stays
+  in the residual, sent at later steps (nothing is lost: sent + residual = input, exactly);
 * ``index=compact``: each index travels in the fewest whole bytes that hold n-1
   (b = 1, 2 or 3 bytes for n <= 2^8, 2^16, 2^24; a uint8 tensor of k·b bytes, little-endian).
 
@@ -103,10 +107,15 @@ class SparseCompressor(AggregateInto, Compressor):
         kept = max(1, round(numel / (2.0 * ratio)))  # nominal ratio = n / (2k) (32-bit value + index)
         return self.payload_bytes(numel, kept)
 
-    def pack(self, values: torch.Tensor, idx: torch.Tensor, numel: int) -> list:
-        """Encode kept ``values`` (m,) at ``idx`` (m,) int64 of an n-element tensor into a payload."""
+    def pack(self, values: torch.Tensor, idx: torch.Tensor, numel: int, overflow: str = "saturate") -> list:
+        """Encode kept ``values`` (m,) at ``idx`` (m,) int64 of an n-element tensor into a payload.
+
+        ``overflow``: what float16 values do with |v| ≥ 65520: ``"saturate"`` (±65504: for a
+        caller that keeps the excess, as DGC's velocity does) or ``"inf"`` (±inf, float16's own
+        cast: what the methods' ``encode`` sends; :meth:`residual_` saturates it under error
+        feedback). float32 values are unaffected."""
         vdt = _VALUE_DTYPES[self.value_coding]
-        if vdt == torch.float16:
+        if vdt == torch.float16 and overflow == "saturate":
             values = values.clamp(-FP16_MAX, FP16_MAX)
         m = idx.numel()
         vb, ib = self._value_bytes(), self._index_bytes(numel)
@@ -119,6 +128,14 @@ class SparseCompressor(AggregateInto, Compressor):
         else:
             code = idx.to(index_dtype(numel))
         return [values.to(vdt), code]
+
+    @staticmethod
+    def saturate_values_(payload) -> None:
+        """Clamp a payload's float16 values to ±65504 in place (inf from a value float16 cannot
+        hold becomes the largest finite one; NaN stays). For the callers that keep the excess in
+        a residual (:meth:`residual_`, DGC); no-op for float32 values."""
+        if payload[0].dtype == torch.float16:
+            payload[0].clamp_(-FP16_MAX, FP16_MAX)
 
     def unpack(self, payload, numel: int):
         """Inverse of :meth:`pack`: ``(values float32 (m,), indices int64 (m,))``, or
@@ -139,7 +156,7 @@ class SparseCompressor(AggregateInto, Compressor):
         flat = tensor.reshape(-1)
         idx = self.select(flat, name)
         values = flat.index_select(0, idx).to(torch.float32)
-        return self.pack(values, idx, flat.numel()), (tensor.shape, tensor.dtype)
+        return self.pack(values, idx, flat.numel(), overflow="inf"), (tensor.shape, tensor.dtype)
 
     def aggregate_into(self, out, payloads, ctx):
         """Scatter-add every rank's payload, scaled by 1/(number of payloads), into ``out``
@@ -172,7 +189,12 @@ class SparseCompressor(AggregateInto, Compressor):
 
     def residual_(self, p, payload, ctx):
         """``p - decode(payload)`` in ``p``'s memory (contiguous float32 ``p``): the sent values
-        are subtracted at their indices. Payload values are always new tensors, never views of ``p``."""
+        are subtracted at their indices. Payload values are always new tensors, never views of ``p``.
+
+        Error feedback calls it on the payload before it travels: float16 values beyond float16's
+        range are first saturated to ±65504 in the payload (:meth:`saturate_values_`), so the
+        excess stays in the residual instead of travelling as ±inf."""
+        self.saturate_values_(payload)
         if p.dtype != torch.float32 or not p.is_contiguous():
             return super().residual_(p, payload, ctx)
         flat = p.view(-1)

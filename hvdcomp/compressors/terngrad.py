@@ -14,7 +14,6 @@ once. On CUDA (or with the native kernels off) vectorised torch ops with ``torch
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch

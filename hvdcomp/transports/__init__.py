@@ -22,6 +22,14 @@ route                  transport                                           modul
                                                                            :mod:`.twophase`
 =====================  ==================================================  ============================
 
+The DDP front-end (:mod:`hvdcomp.ddp`) moves its buckets with :mod:`.torchdist` (``all_reduce``
+and a padded ``all_gather_into_tensor`` over the group of :mod:`hvdcomp.comm.torchdist`, whose
+:class:`~hvdcomp.comm.step.StepComm` carries the step-wide methods).
+
+The decentralized front-end (:mod:`hvdcomp.gossip`) moves each rank's payload to its graph
+neighbours only with :mod:`.neighbor` (point-to-point per edge on a background thread, exact
+bytes, a timeout naming a silent neighbour).
+
 Adding a transport is one new module here: a :class:`~hvdcomp.transports.base.Transport`
 subclass, registered with the plan by :func:`hvdcomp.plan.register_route` (what it carries, what
 it costs, how to build it) or :func:`hvdcomp.plan.register_step_route`, and imported below.

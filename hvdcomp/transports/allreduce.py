@@ -44,6 +44,7 @@ class AllreduceTransport(Transport):
         self.scale = w.scale
         self.direct = w.direct
         self.inflight: Dict[int, tuple] = {}  # unit -> (kind, handles, ctx, bytes sent, payload dtypes)
+        self.overflowed: List[int] = []  # units of the last finish() reported overflowed (NaN)
 
     @property
     def busy(self) -> bool:
@@ -51,6 +52,10 @@ class AllreduceTransport(Transport):
 
     def reset(self) -> None:
         self.inflight = {}
+        self.overflowed = []
+
+    def overflowed_units(self) -> List[int]:
+        return self.overflowed
 
     def in_place_units(self) -> List[int]:
         """Units reduced in place this step (their inputs are gone once reduced)."""
@@ -89,6 +94,7 @@ class AllreduceTransport(Transport):
         """Wait for every started allreduce (one ``communicate`` slice), then write each averaged
         result into its target (one ``decompress`` slice); counts the bytes."""
         done, nbytes, dense = [], 0, 0
+        self.overflowed = []
         with self.timer.phase("communicate"):
             for u in sorted(self.inflight):
                 kind, handles, ctx, sent, dtypes = self.inflight.pop(u)
@@ -97,9 +103,12 @@ class AllreduceTransport(Transport):
                 dense += self.units.dense_bytes[u]
                 if kind != "in-place" or len(self.units.members[u]) > 1:  # (a gradient reduced in
                     done.append((u, kind, outputs, ctx, dtypes))         # place is in .grad already)
+            nbytes += self.resend_saturated(done)
         with self.timer.phase("decompress"):
             for u, kind, outputs, ctx, dtypes in done:
-                if kind == "allreduce":
+                if kind == "overflow":  # a saturated payload the method reports as overflowed
+                    self.units.target(u).fill_(float("nan"))
+                elif kind == "allreduce":
                     target = self.units.target(u)
                     outputs = [o if o.dtype == dt else o.to(dt) for o, dt in zip(outputs, dtypes)]
                     self.compression.decode_into(target, outputs, ctx)
@@ -109,6 +118,49 @@ class AllreduceTransport(Transport):
                     self.units.target(u).copy_(outputs[0])
                 self.units.write_back(u)  # (an in-place result is in its target already)
         self.timer.add_bytes(sent=nbytes, received=nbytes, dense=dense)
+
+    def resend_saturated(self, done: List[tuple]) -> int:
+        """After the first allreduce of a step: payloads whose method can saturate (fp16's scaled
+        steps) are checked, and a saturated one is never decoded as is.
+
+        The method reads from the reduced payload whether some rank's values left its scale's
+        window (``compression.saturation``: identical on every rank) and decides: a replacement
+        payload is allreduced now (same op, prescale and postscale; one blocking collective per
+        such unit, in unit order, so every rank runs the same ones) and replaces the first in
+        ``done``; no replacement (fp16's ``on_saturation="skip"``) marks the unit overflowed: its
+        target reads NaN and it is listed in :attr:`overflowed`, for the optimizer's non-finite
+        guard to skip the step on every rank.
+
+        Args:
+            done: ``(unit, kind, reduced outputs, ctx, payload dtypes)`` per finished unit;
+                updated in place.
+
+        Returns:
+            Bytes this rank sent (and received) in the extra allreduces.
+        """
+        check = getattr(self.compression, "saturation", None)
+        if check is None:
+            return 0
+        op, pre, post = self.reduce_args
+        extra = 0
+        for i, (u, kind, outputs, ctx, dtypes) in enumerate(done):
+            if kind != "allreduce":
+                continue
+            outputs = [o if o.dtype == dt else o.to(dt) for o, dt in zip(outputs, dtypes)]
+            action = check(outputs, ctx)
+            if action is None:
+                continue
+            if action.payload is None:
+                done[i] = (u, "overflow", None, None, None)
+                self.overflowed.append(u)
+                continue
+            name = self.units.wire_name[u]
+            handles = [self.group.allreduce_async(t, f"{name}.resend.{k}", op, pre, post)
+                       for k, t in enumerate(action.payload)]
+            done[i] = (u, kind, [self.group.synchronize(h) for h in handles], action.ctx,
+                       [t.dtype for t in action.payload])
+            extra += sum(t.numel() * t.element_size() for t in action.payload)
+        return extra
 
 
 class DecodedAllreduceTransport(AllreduceTransport):
@@ -147,4 +199,5 @@ register_route(Route("allreduce", carries=lambda m: m.payload_kind in (PayloadKi
                      collectives=_fused_allreduce, build=AllreduceTransport))
 register_route(Route("decoded-allreduce", preferred=False, collectives=_dense_allreduce,
                      carries=lambda m: m.payload_kind is PayloadKind.GATHERED and m.aggregate_is_mean,
+                     take_if=lambda cost, payload, dense, p: cost.choose(payload, dense, p) == "allreduce",
                      build=DecodedAllreduceTransport))

@@ -83,5 +83,10 @@ class Transport(abc.ABC):
         """Units whose inputs this step's collectives overwrite in place (none by default)."""
         return []
 
+    def overflowed_units(self) -> List[int]:
+        """Units of the last :meth:`finish` whose method reported an overflow (their targets read
+        NaN on every rank: the step's agreement skips it); none by default."""
+        return []
+
     def close(self) -> None:
         """Release what the transport holds beyond a step (threads); no-op by default."""

@@ -17,7 +17,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from ..compressors.base import Method, cast_saturating
+from ..compressors.base import Method, cast_saturating, check_floating
 from ..compressors.topk import check_density, num_kept
 from ..memory import Residuals
 from .base import Transport, Wiring
@@ -37,8 +37,11 @@ class StepMethod(Method):
         """Refused: a step-wide method has no per-tensor payload.
 
         Raises:
-            TypeError: always (naming :meth:`reduce_batch` and the optimizer that calls it).
+            TypeError: always (naming :meth:`reduce_batch` and the optimizer that calls it; an
+                integer or bool tensor first as every method refuses it).
         """
+        if isinstance(tensor, torch.Tensor):
+            check_floating(tensor, self.name)
         raise TypeError(f"{self.name} compresses all gradients of a step together and reduces them "
                         "with its own collectives: use it through hvdcomp.DistributedOptimizer, which "
                         "calls reduce_batch()")

@@ -5,6 +5,7 @@ At 4 ranks every check runs (process sets {0, 1} and {2, 3} are registered for
 prints ``OK <name>`` on rank 0."""
 import copy
 import sys
+import warnings
 
 from mpi4py import MPI
 import torch
@@ -62,10 +63,10 @@ def mean_over(t, ranks):
 def check_group_averaging():
     """mode ab, rows orientation, unfactorised parameters over the world (hvdcomp's earlier layout)."""
     model = tiny()
-    ab = ABTraining(model, sgd, groups=2, warmup_steps=0, steps_between_syncs=5, full_rank_steps=1,
+    ab = ABTraining(model, sgd, rank_groups=2, warmup_steps=0, steps_between_syncs=5, full_rank_steps=1,
                     cutoff=0.0, full_rank=["2.weight"], base_lr=0.1, mode="ab", orientation="rows",
                     unfactorized_scope="world")
-    assert ab.phase == "grouped" and [f.name for f in ab.factorized] == ["0.weight"]
+    assert ab.stage == "grouped" and [f.name for f in ab.factorized] == ["0.weight"]
     f = ab.factorized[0]
     ab.zero_grad()
     loss_of(model, 0).backward()
@@ -73,23 +74,23 @@ def check_group_averaging():
     local = gw @ f.b.detach().t() if ab.trains() == "A" else f.a.detach().t() @ gw
     full_local = {n: p.grad.clone() for n, p in ab.always_full}
     ab.synchronize()
-    group = [r for r in range(COMM.size) if r * 2 // COMM.size == ab.group_index]
+    group = [r for r in range(COMM.size) if r * 2 // COMM.size == ab.rank_group_index]
     got = f.a.grad if ab.trains() == "A" else f.b.grad
     assert torch.allclose(got, mean_over(local, group), atol=1e-6)
     for n, p in ab.always_full:
         assert torch.allclose(p.grad, mean_over(full_local[n], range(COMM.size)), atol=1e-6), n
-    assert ab.trains() == ("A" if ab.group_index == 0 else "B")
+    assert ab.trains() == ("A" if ab.rank_group_index == 0 else "B")
 
 
 def check_full_rank_matches_data_parallel():
     model = tiny()
     twin = copy.deepcopy(model)
-    ab = ABTraining(model, sgd, groups=2, warmup_steps=3, steps_between_syncs=2, full_rank_steps=1,
+    ab = ABTraining(model, sgd, rank_groups=2, warmup_steps=3, steps_between_syncs=2, full_rank_steps=1,
                     cutoff=0.0, base_lr=0.1, ramp_steps=0)
     dp = hvdcomp.DistributedOptimizer(torch.optim.SGD(twin.parameters(), lr=0.1),
                                       named_parameters=twin.named_parameters(), compression="none")
     for step in range(3):
-        assert ab.phase == "warmup"
+        assert ab.stage == "warmup"
         run(ab, model, 1, step)
         dp.zero_grad()
         loss_of(twin, step).backward()
@@ -101,26 +102,26 @@ def check_full_rank_matches_data_parallel():
 def check_schedule_and_sync():
     """hvdcomp's earlier variant: W averaged at the sync, rows orientation, a cut every time."""
     model = tiny()
-    ab = ABTraining(model, sgd, groups=2, warmup_steps=2, steps_between_syncs=3, full_rank_steps=1,
+    ab = ABTraining(model, sgd, rank_groups=2, warmup_steps=2, steps_between_syncs=3, full_rank_steps=1,
                     cutoff=0.2, base_lr=0.1, ramp_steps=2, mode="ab", sync="full", orientation="rows",
                     unfactorized_scope="world", cut_first=True)
-    phases = []
+    stages = []
     for step in range(12):
-        phases.append(ab.phase)
+        stages.append(ab.stage)
         run(ab, model, 1, step)
-        if phases[-1] == "grouped" and ab.phase == "full-rank":
+        if stages[-1] == "grouped" and ab.stage == "full-rank":
             w = model[0].weight.detach()
             assert all(torch.equal(w, o) for o in COMM.allgather(w))   # synced: the same W everywhere
     cycle = ["grouped"] * 3 + ["full-rank"]
-    assert phases == ["warmup"] * 2 + cycle * 2 + ["grouped"] * 2
+    assert stages == ["warmup"] * 2 + cycle * 2 + ["grouped"] * 2
     rep = ab.communication_report()
-    assert set(rep["bytes_by_phase"]) == {"warmup", "grouped", "sync", "full-rank"}
-    assert rep["steps_by_phase"] == {"warmup": 2, "grouped": 8, "full-rank": 2}
+    assert set(rep["bytes_by_stage"]) == {"warmup", "grouped", "sync", "full-rank"}
+    assert rep["steps_by_stage"] == {"warmup": 2, "grouped": 8, "full-rank": 2}
     dense = 4 * sum(p.numel() for p in model.parameters())
-    assert rep["bytes_by_phase"]["warmup"] == 2 * dense and rep["bytes_by_phase"]["full-rank"] == 2 * dense
+    assert rep["bytes_by_stage"]["warmup"] == 2 * dense and rep["bytes_by_stage"]["full-rank"] == 2 * dense
     # two syncs of both weights (fp32), and three cuts agreeing 2 kept ranks (int64) each
-    assert rep["bytes_by_phase"]["sync"] == 2 * 4 * (30 + 15) + 3 * 2 * 8
-    assert rep["traffic_ratio"] == 12 * dense / sum(rep["bytes_by_phase"].values())
+    assert rep["bytes_by_stage"]["sync"] == 2 * 4 * (30 + 15) + 3 * 2 * 8
+    assert rep["traffic_ratio"] == 12 * dense / sum(rep["bytes_by_stage"].values())
 
 
 # ---- the authors' algorithm ---------------------------------------------------------------------
@@ -160,11 +161,11 @@ def check_cut_keeps_large_singular_values():
 
 def check_only_b_updates_no_a():
     model = three_layer()
-    ab = ABTraining(model, sgd, groups=2, warmup_steps=1, steps_between_syncs=4, full_rank_steps=1,
+    ab = ABTraining(model, sgd, rank_groups=2, warmup_steps=1, steps_between_syncs=4, full_rank_steps=1,
                     cutoff=0.0, full_rank=["4.weight"], ramp_steps=0)
     assert ab.mode == "only-b" and ab.sync_mode == "b" and ab.trains() == "B"
     run(ab, model, 1)
-    assert ab.phase == "grouped"
+    assert ab.stage == "grouped"
     a0 = [f.a.detach().clone() for f in ab.factorized]
     b0 = [f.b.detach().clone() for f in ab.factorized]
     for step in range(1, 4):
@@ -173,7 +174,7 @@ def check_only_b_updates_no_a():
         local = {f.name: f.a.detach().t() @ f.view(f.param.grad) for f in ab.factorized}
         local_full = {n: p.grad.clone() for n, p in ab.always_full}
         ab.synchronize()
-        group = [r for r in range(COMM.size) if r * 2 // COMM.size == ab.group_index]
+        group = [r for r in range(COMM.size) if r * 2 // COMM.size == ab.rank_group_index]
         for f in ab.factorized:
             assert f.a.grad is None and f.param.grad is None
             assert torch.allclose(f.b.grad, mean_over(local[f.name], group), atol=1e-6)
@@ -211,11 +212,11 @@ def check_sync_values():
     for kwargs in ({}, {"mode": "ab", "sync": "with-stale"}, {"mode": "ab", "sync": "only-learned"},
                    {"mode": "ab", "sync": "full"}):
         model, box = three_layer(), []
-        ab = ABTraining(model, sgd, groups=2, warmup_steps=1, steps_between_syncs=2, full_rank_steps=1,
+        ab = ABTraining(model, sgd, rank_groups=2, warmup_steps=1, steps_between_syncs=2, full_rank_steps=1,
                         cutoff=0.0, full_rank=["4.weight"], ramp_steps=0, **kwargs)
         _spy_sync(ab, box)
         run(ab, model, 3)
-        assert ab.phase == "full-rank" and len(box) == 1, kwargs
+        assert ab.stage == "full-rank" and len(box) == 1, kwargs
         before, after = box[0]
         a_ranks = [r for r in everyone if r < COMM.size // 2]
         b_ranks = [r for r in everyone if r >= COMM.size // 2]
@@ -241,23 +242,23 @@ def check_sync_values():
 
 
 def closed_form(kwargs, ranks_per_node):
-    """Per-rank bytes by phase, all and between nodes, of 12 steps of :func:`three_layer` (warm-up
+    """Per-rank bytes by stage, all and between nodes, of 12 steps of :func:`three_layer` (warm-up
     2, then cycles of 3 grouped + 1 full-rank; cutoff 0 keeps every rank), from the shapes, the
-    node layout and the group rule alone."""
+    node layout and the rank-group rule alone."""
     P, U, B, A, W = 107, 27, 6 * 6 + 4 * 4, 8 * 6 + 8 * 4, 6 * 8 + 4 * 8
     S, r = COMM.size, COMM.rank
     R = ranks_per_node or S
     node = [q // R for q in range(S)]
-    groups = kwargs.get("groups", "node")
-    group = node if groups == "node" else [q * groups // S for q in range(S)]
+    rank_groups = kwargs.get("rank_groups", "node")
+    group = node if rank_groups == "node" else [q * rank_groups // S for q in range(S)]
     n_groups = len(set(group))
     mode, sync = kwargs.get("mode", "only-b"), kwargs.get("sync", "b")
     factor = ["A" if mode == "ab" and group[q] < n_groups // 2 else "B" for q in range(S)]
     size = {"A": A, "B": B}
     peers = [q for q in range(S) if factor[q] == factor[r]]
-    spans = {"world": len(set(node)) > 1, "group": len({node[q] for q in range(S) if group[q] == group[r]}) > 1,
+    spans = {"world": len(set(node)) > 1, "rank-group": len({node[q] for q in range(S) if group[q] == group[r]}) > 1,
              "trainers": len({node[q] for q in peers}) > 1}
-    parts = [("warmup", 2 * 4 * P, "world"), ("grouped", 8 * 4 * (size[factor[r]] + U), "group"),
+    parts = [("warmup", 2 * 4 * P, "world"), ("grouped", 8 * 4 * (size[factor[r]] + U), "rank-group"),
              ("full-rank", 2 * 4 * P, "world"), ("sync", 2 * 2 * 8, "world")]   # two cuts agree 2 ranks
     if sync == "only-learned":
         first = {f: min(q for q in range(S) if factor[q] == f) for f in "AB"}
@@ -269,10 +270,10 @@ def closed_form(kwargs, ranks_per_node):
         per_sync.append((4 * U if r == 0 else 0, "world") if mode == "only-b" else (4 * U, "world"))
     parts += [("sync", 2 * b, scope) for b, scope in per_sync]
     want, between = {}, {}
-    for phase, b, scope in parts:
-        want[phase] = want.get(phase, 0) + b
+    for stage, b, scope in parts:
+        want[stage] = want.get(stage, 0) + b
         if spans[scope]:
-            between[phase] = between.get(phase, 0) + b
+            between[stage] = between.get(stage, 0) + b
     return want, {k: v for k, v in between.items() if v}, len(set(node))
 
 
@@ -283,9 +284,9 @@ def _check_bytes(kwargs, ranks_per_node, label):
     run(ab, model, 12)
     rep = ab.communication_report()
     want, between, nodes = closed_form(kwargs, ranks_per_node)
-    got_between = {k: v for k, v in rep["internode_bytes_by_phase"].items() if v}
-    assert rep["steps_by_phase"] == {"warmup": 2, "grouped": 8, "full-rank": 2}, label
-    assert rep["bytes_by_phase"] == want, (label, COMM.rank, rep["bytes_by_phase"], want)
+    got_between = {k: v for k, v in rep["internode_bytes_by_stage"].items() if v}
+    assert rep["steps_by_stage"] == {"warmup": 2, "grouped": 8, "full-rank": 2}, label
+    assert rep["bytes_by_stage"] == want, (label, COMM.rank, rep["bytes_by_stage"], want)
     assert got_between == between, (label, COMM.rank, got_between, between)
     assert rep["dense_bytes"] == 12 * 4 * 107 and rep["nodes"] == nodes
     summary = traffic_summary(COMM.allgather(rep))
@@ -299,20 +300,20 @@ def _check_bytes(kwargs, ranks_per_node, label):
 
 
 def check_closed_form_bytes():
-    """4 ranks: one node (the machine), 2 x 2 nodes (groups = nodes), 4 nodes of one rank (groups
-    of 2 then span nodes), and the A/B modes."""
+    """4 ranks: one node (the machine), 2 x 2 nodes (rank groups = nodes), 4 nodes of one rank
+    (rank groups of 2 then span nodes), and the A/B modes."""
     _check_bytes({}, None, "one node")
-    _check_bytes({}, 2, "2x2, groups=node")
-    _check_bytes({"groups": 2}, 1, "4 nodes, 2 groups")
+    _check_bytes({}, 2, "2x2, rank_groups=node")
+    _check_bytes({"rank_groups": 2}, 1, "4 nodes, 2 rank groups")
     for sync in ("full", "with-stale", "only-learned"):
         _check_bytes({"mode": "ab", "sync": sync}, 2, f"2x2 ab {sync}")
-    _check_bytes({"mode": "ab", "sync": "only-learned", "groups": 4}, 1, "4 nodes, ab only-learned, 4 groups")
+    _check_bytes({"mode": "ab", "sync": "only-learned", "rank_groups": 4}, 1, "4 nodes, ab only-learned, 4 rank groups")
 
 
 def check_closed_form_bytes_2x4():
-    """8 ranks in the emulated 2 x 4 cluster's layout: groups are the nodes."""
-    _check_bytes({}, 4, "2x4, groups=node")
-    _check_bytes({"mode": "ab", "sync": "only-learned", "groups": 4}, 4, "2x4 ab only-learned, 4 groups")
+    """8 ranks in the emulated 2 x 4 cluster's layout: rank groups are the nodes."""
+    _check_bytes({}, 4, "2x4, rank_groups=node")
+    _check_bytes({"mode": "ab", "sync": "only-learned", "rank_groups": 4}, 4, "2x4 ab only-learned, 4 rank groups")
 
 
 def check_optimizer_state_and_rebound():
@@ -321,13 +322,13 @@ def check_optimizer_state_and_rebound():
     for reset in (False, True):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-        ab = ABTraining(model, lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1), groups=2,
+        ab = ABTraining(model, lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1), rank_groups=2,
                         warmup_steps=2, steps_between_syncs=3, full_rank_steps=1, cutoff=0.9,
                         full_rank=["2.weight"], ramp_steps=3, ramp_start_lr=0.001, base_lr=0.01,
                         reset_optimizer=reset)
         f, lrs = ab.factorized[0], []
         run(ab, model, 5, hook=lambda s: lrs.append(ab.current_lr()))
-        assert ab.phase == "full-rank" and f.b.shape == (6, 6)
+        assert ab.stage == "full-rank" and f.b.shape == (6, 6)
         b_state = {k: v.clone() for k, v in ab.optimizer.state[f.b].items()}
         run(ab, model, 1, 5, hook=lambda s: lrs.append(ab.current_lr()))
         w_state = ab.optimizer.state[model[0].weight]
@@ -335,7 +336,7 @@ def check_optimizer_state_and_rebound():
             assert len(w_state) == 0
         else:
             assert float(w_state["step"]) == 3                       # warm-up 2 + full-rank 1
-        assert ab.phase == "grouped" and f.b.shape[0] == ab.ranks_kept["0.weight"] < 6
+        assert ab.stage == "grouped" and f.b.shape[0] == ab.ranks_kept["0.weight"] < 6
         k = f.b.shape[0]
         if reset:
             assert len(ab.optimizer.state[f.b]) == 0
@@ -362,11 +363,11 @@ def check_process_set():
     model = three_layer()
     ab = ABTraining(model, sgd, warmup_steps=1, steps_between_syncs=3, full_rank_steps=1, cutoff=0.0,
                     full_rank=["4.weight"], process_set=mine)
-    assert ab.world.Get_size() == 2 and ab.n_groups == 1
+    assert ab.world.Get_size() == 2 and ab.n_rank_groups == 1
     for step in range(2):
         ab.zero_grad()
         loss_of(model, step).backward()
-        if ab.phase == "warmup":
+        if ab.stage == "warmup":
             local = [p.grad.clone() for _, p in ab.named]
             ab.synchronize()
             for (n, p), g in zip(ab.named, local):
@@ -379,12 +380,43 @@ def check_process_set():
                 assert torch.allclose(f.b.grad, mean_over(local[f.name], members), atol=1e-6)
                 assert not torch.allclose(f.b.grad, mean_over(local[f.name], range(4)), atol=1e-6)
         ab.step()
-    assert ab.communication_report()["bytes_by_phase"]["warmup"] == 4 * 107
+    assert ab.communication_report()["bytes_by_stage"]["warmup"] == 4 * 107
+
+
+def check_deprecated_spellings():
+    """The spellings before the stage / rank-group rename still work for one release, each with a
+    DeprecationWarning, and train exactly as the new ones: same weights and the same report."""
+    kwargs = dict(warmup_steps=1, steps_between_syncs=2, full_rank_steps=1, cutoff=0.0, full_rank=["4.weight"])
+    model, old_model = three_layer(), three_layer()
+    ab = ABTraining(model, sgd, rank_groups=2, unfactorized_scope="rank-group", **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = ABTraining(old_model, sgd, groups=2, unfactorized_scope="group", **kwargs)
+        run(ab, model, 4)
+        run(old, old_model, 4)
+        rep, old_rep = ab.communication_report(), old.communication_report()
+        assert old.phase == old.stage == "grouped" and old.phase_at(3) == ab.stage_at(3) == ("full-rank", 0)
+        assert old.groups == old.rank_groups == 2 and old.n_groups == old.n_rank_groups == 2
+        assert old.group_index == old.rank_group_index and old.unfactorized_scope == "rank-group"
+        assert old.bytes_by_phase is old.bytes_by_stage and old.steps_by_phase is old.steps_by_stage
+        assert old.internode_bytes_by_phase is old.internode_bytes_by_stage and old.PHASES == ab.STAGES
+        assert old_rep["bytes_by_phase"] == rep["bytes_by_stage"] and old_rep["group"] == rep["rank_group"]
+        assert old.describe()["groups"] == 2 and old.describe()["n_groups"] == 2
+    assert sum(issubclass(w.category, DeprecationWarning) for w in caught) == 14, [str(w.message) for w in caught]
+    assert dict(old_rep) == dict(rep) and old.describe() == ab.describe()
+    for a, b in zip(model.parameters(), old_model.parameters()):
+        assert torch.equal(a, b)
+    try:
+        ABTraining(three_layer(), sgd, rank_groups=2, groups=2)
+    except ValueError as exc:
+        assert "not both" in str(exc)
+    else:
+        raise AssertionError("rank_groups and groups together must raise")
 
 
 CHECKS_4 = ("group_averaging", "full_rank_matches_data_parallel", "schedule_and_sync", "orientation_every_cnn_layer",
             "cut_keeps_large_singular_values", "only_b_updates_no_a", "sync_values", "closed_form_bytes",
-            "optimizer_state_and_rebound", "process_set")
+            "optimizer_state_and_rebound", "process_set", "deprecated_spellings")
 
 if __name__ == "__main__":
     names = sys.argv[1:] or list(CHECKS_4)

@@ -309,12 +309,15 @@ def check_compressor_shared_between_optimizers_refused():
 
 
 def check_adasum_refused():
+    """op=hvd.Adasum: methods other than none/fp16 are refused, naming those (none and fp16 run
+    stock Horovod's Adasum optimizer: tests/mpi/parity_checks.py compares them with stock)."""
     model = mlp()
     try:
         hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=model.named_parameters(), op=hvd.Adasum)
+                                     named_parameters=model.named_parameters(), op=hvd.Adasum,
+                                     compression="topk:density=0.3")
     except ValueError as exc:
-        assert "Adasum" in str(exc)
+        assert "Adasum" in str(exc) and "'none' or 'fp16'" in str(exc), exc
     else:
         raise AssertionError("Adasum accepted")
 

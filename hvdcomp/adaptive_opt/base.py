@@ -1,0 +1,508 @@
+"""What the compressed adaptive optimizers share: parameters and their names, the collectives,
+the warm-up optimizer, the compressed allreduce of a whole model, checkpoints.
+
+An optimizer of :mod:`hvdcomp.adaptive_opt` is a ``torch.optim.Optimizer`` that averages over
+Horovod ranks by itself (do not wrap it in :func:`hvdcomp.DistributedOptimizer`). Each of its
+steps is one of these kinds (:attr:`AdaptiveOptimizer.last_step_kind`):
+
+* ``"warmup"``: an uncompressed step of the warm-up optimizer (AdamW for 1-bit Adam, LAMB for
+  1-bit LAMB) through a :func:`hvdcomp.DistributedOptimizer` with compression
+  ``warmup_compression`` (default ``"none"``: Horovod's allreduce, launched from backward's
+  hooks). That optimizer is built at the first warm-up step and closed after the last one;
+* ``"full"``: one Horovod allreduce (mean) of all gradients as one flat float32 vector, at
+  ``step()`` (0/1 Adam's variance steps);
+* ``"onebit"``: one compressed allreduce of a whole model's worth of tensors at ``step()``
+  (:class:`hvdcomp.transports.twophase.TwoPhaseCompressor` with ``base="efsignsgd"``: 1 bit and
+  one float32 scale per chunk, worker and server error feedback);
+* ``"local"``: no communication (0/1 Adam between synchronisations);
+* ``"sync"``: a local step, then the update since the last synchronisation averaged by a
+  compressed allreduce (0/1 Adam).
+
+Collectives: the warm-up's are its :func:`hvdcomp.DistributedOptimizer`'s; the others run within
+``step()``, in the same order on every rank, through a :class:`hvdcomp.comm.step.StepComm` (Horovod
+allreduce and broadcast, MPI point-to-point messages on a duplicate of the process set's
+communicator). Every compressed step sends about n/8 bytes per rank for n parameters.
+
+State. ``state_dict()["state"]`` is torch's per-parameter state: everything the ranks share
+(step counter, moments, the frozen variance, LAMB's coefficients), plus 0/1 Adam's per-rank
+buffers between synchronisations; ``hvd.broadcast_optimizer_state`` copies it from rank 0.
+``state_dict()["hvdcomp"]`` holds the per-rank state: the worker and server residuals of each
+compressed allreduce (``reducers``) and the warm-up compression's state. Saved and loaded on
+every rank (``ckpt.<rank>.pt``) a run resumes exactly; with Horovod's rank-0 recipe (rank 0
+loads, then ``hvd.broadcast_parameters`` and ``hvd.broadcast_optimizer_state``) every rank shares
+rank 0's state and the other ranks' residuals start from zero. The first step after
+construction or ``load_state_dict`` checks that every rank is at the same step (``RuntimeError``
+on every rank otherwise).
+
+Non-finite gradients: every averaged result is identical on every rank (a NaN or Inf on one
+rank reaches every rank's result), so the ranks agree without an extra collective: with
+``nonfinite="skip"`` the step is skipped on every rank (no state changes, ``step()`` returns
+None), with ``"raise"`` every rank raises ``FloatingPointError``.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+import itertools
+import logging
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..agreement import NONFINITE_MODES, check_consistency
+from ..comm.exchange import MPIExchange
+from ..comm.group import Group
+from ..comm.step import StepComm, horovod_step_comm
+from ..metrics import PhaseTimer
+from ..plan import BATCHED, TransportPlan
+from ..spec import get_compressor
+
+__all__ = ["AdaptiveOptimizer", "named_groups", "check_masks", "ONEBIT_SPEC"]
+
+log = logging.getLogger(__name__)
+
+#: the compressed allreduce every optimizer of this package uses (1-bit Adam's)
+ONEBIT_SPEC = "twophase:base=efsignsgd"
+_ids = itertools.count()  # creation order, identical on every rank: names the collectives
+_FLOATS = (torch.float32, torch.float64)
+
+
+def named_groups(named_parameters) -> Tuple[List[dict], Dict[torch.Tensor, str]]:
+    """Parameter groups and parameter names from ``model.named_parameters()``, or from a list of
+    group dicts whose ``"params"`` are ``(name, parameter)`` pairs (other keys: per-group
+    hyper-parameters, as for any torch optimizer).
+
+    Raises:
+        ValueError: not (name, parameter) pairs, repeated names or parameters, no parameters.
+    """
+    items = list(named_parameters)
+    groups = items if items and isinstance(items[0], dict) else [{"params": items}]
+    names: Dict[torch.Tensor, str] = {}
+    out = []
+    for g in groups:
+        pairs = list(g.get("params", ()))
+        if any(not isinstance(t, tuple) or len(t) != 2 or not isinstance(t[1], torch.Tensor) for t in pairs):
+            raise ValueError("pass model.named_parameters() (or groups whose 'params' are (name, parameter) "
+                             "pairs): the compressed allreduce keeps its residuals by parameter name")
+        for n, p in pairs:
+            if n in names.values() or p in names:
+                raise ValueError(f"parameter {n!r} is named or listed twice")
+            names[p] = n
+        out.append({**g, "params": [p for _, p in pairs if p.requires_grad]})
+    if not names:
+        raise ValueError("the optimizer got no parameters")
+    return out, names
+
+
+class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
+    """Base of the optimizers of :mod:`hvdcomp.adaptive_opt` (see the module docstring).
+
+    Subclasses give :meth:`_init_state` (a parameter's fresh state), :attr:`warmup_steps`
+    (leading warm-up steps, 0 for none), :meth:`_make_warmup` (the local warm-up optimizer) and
+    :meth:`_step_after_warmup` (one step after the warm-up).
+
+    Args:
+        named_parameters: see :func:`named_groups`.
+        defaults: the hyper-parameters of every group (``lr``, ``betas``, ...).
+        process_set: the Horovod process set to average over (the global one by default).
+        timer: a :class:`hvdcomp.metrics.PhaseTimer` (one is made by default), shared with the
+            warm-up optimizer: seconds per phase and bytes sent, received and ``dense`` (4 bytes
+            per parameter and step: what an fp32 allreduce would carry).
+        nonfinite: ``"skip"`` (default), ``"raise"`` or ``"ignore"`` (no check).
+        warmup_compression: the warm-up's :func:`hvdcomp.DistributedOptimizer` compression (a spec).
+        backward_passes_per_step: must be 1.
+        comm: the collectives of the steps after the warm-up, a
+            :class:`hvdcomp.comm.step.StepComm` (with point-to-point messages where it has more
+            than one rank); default: Horovod's within ``process_set``, with an MPI duplicate of
+            its communicator.
+
+    Raises:
+        ValueError: ``backward_passes_per_step != 1``, an unknown ``nonfinite``, parameters that
+            are not float32/float64, ranks that disagree on the set-up (on every rank, naming
+            the difference).
+        RuntimeError: Horovod is not initialised (without ``comm``), this process is outside
+            ``process_set``, or a job of several ranks without MPI point-to-point messages
+            (``horovodrun --gloo``).
+    """
+
+    #: leading steps run by the warm-up optimizer (set by subclasses)
+    warmup_steps = 0
+    #: mask coordinates whose variance is exactly 0 (:meth:`momentum_mask`)
+    mask_zero_variance = True
+
+    def __init__(self, named_parameters, defaults: dict, *, process_set=None, timer: Optional[PhaseTimer] = None,
+                 nonfinite: str = "skip", warmup_compression: str = "none", backward_passes_per_step: int = 1,
+                 comm: Optional[StepComm] = None):
+        if backward_passes_per_step != 1:
+            raise ValueError(f"{type(self).__name__} averages the momentum once per step() and does not "
+                             "accumulate: use backward_passes_per_step=1 (to accumulate, run several "
+                             "backward passes and call step() once; the gradients add up in p.grad)")
+        if nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}; got {nonfinite!r}")
+        groups, self._names = named_groups(named_parameters)
+        super().__init__(groups, defaults)
+        bad = [n for p, n in self._names.items() if p.dtype not in _FLOATS]
+        if bad:
+            raise ValueError(f"{type(self).__name__} keeps its moments in the parameters' dtype: train with "
+                             f"float32 (or float64) parameters (autocast for half-precision compute); "
+                             f"not float32/float64: {bad[:5]}")
+        self.order = [p for g in self.param_groups for p in g["params"]]  # the same on every rank
+        if self.warmup_steps:  # the warm-up optimizer's group keys, now: every rank's groups then hold
+            self._make_warmup()  # the same keys whether or not it ran (hvd.broadcast_optimizer_state)
+        self.nonfinite, self.warmup_compression = nonfinite, warmup_compression
+        self.process_set = process_set
+        self.timer = timer if timer is not None else PhaseTimer()
+        self.skipped_steps, self.last_step_kind = 0, None
+        self._prefix = f"hvdcomp.adaptive.{next(_ids)}"
+        self._warm = None              # the warm-up hvdcomp.DistributedOptimizer, while it runs
+        self._warm_state: dict = {}    # its compression state, loaded from a checkpoint
+        self._sync_on_step, self._agreed, self._masks = True, False, {}
+        self.group = None if comm is not None else Group(process_set)
+        if self.group is not None and not self.group.included:
+            raise RuntimeError(f"this process is not in process_set: build {type(self).__name__} on its "
+                               "members only")
+        self.comm = comm if comm is not None else self._horovod_comm()
+        self._reducers: Dict[str, object] = {}
+        for p in self.order:
+            self.state[p].update(self._init_state(p))  # never empty: hvd.broadcast_optimizer_state
+            # then broadcasts it instead of stepping the fresh ranks alone
+        if self.group is not None and self.group.size > 1:
+            check_consistency(self.group, self._signature(), f"{self._prefix}.consistency")
+        self.user_masks: Dict[str, torch.Tensor] = {}  # by parameter name (1: keep, 0: drop)
+        self._built = True
+        self._plan = TransportPlan({self._names[p]: BATCHED for p in self.order}, collective="alltoall+allgather",
+                                   ranks=self.group.ranks if self.group is not None else list(range(self.comm.size)))
+
+    # ---- what subclasses give -------------------------------------------------------------------
+    @abc.abstractmethod
+    def _init_state(self, p: torch.Tensor) -> dict:
+        """A fresh per-parameter state (with ``step``: a 0-d float tensor, as torch's Adam keeps)."""
+
+    def _make_warmup(self) -> torch.optim.Optimizer:
+        """The local warm-up optimizer over ``self.param_groups`` (only where :attr:`warmup_steps`)."""
+        raise TypeError(f"{type(self).__name__} has no warm-up")
+
+    @abc.abstractmethod
+    def _step_after_warmup(self, t: int, grads: List[torch.Tensor]) -> Optional[str]:
+        """Step ``t + 1`` after the warm-up with this rank's gradients (``grads``, one per
+        parameter of :attr:`order`, zeros where ``p.grad`` is None); returns the step's kind, or
+        None where it was skipped (non-finite)."""
+
+    def _hyper(self) -> dict:
+        """Settings every rank must share (beyond ``defaults``), for the set-up check."""
+        return {}
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    def _horovod_comm(self) -> StepComm:
+        hvd, group = self.group.hvd, self.group
+        p2p = None
+        if group.size > 1:
+            comm = group.mpi_comm() if hvd.mpi_enabled() else None
+            if comm is None:
+                raise RuntimeError(f"{type(self).__name__}'s compressed allreduce exchanges chunks all-to-all "
+                                   "through MPI: launch with mpirun or horovodrun --mpi, with mpi4py installed")
+            p2p = MPIExchange(comm.Dup())
+        return horovod_step_comm(group, self.timer, self._prefix, p2p)
+
+    def _signature(self) -> dict:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {"optimizer": type(self).__name__, "groups": repr(groups), "hyper": repr(self._hyper()),
+                "nonfinite": self.nonfinite, "warmup_compression": str(self.warmup_compression),
+                "parameters": [(self._names[p], tuple(p.shape), str(p.dtype)) for p in self.order]}
+
+    def _reducer(self, key: str):
+        """The compressed allreduce ``key`` (one per quantity averaged: each keeps its own worker
+        and server residuals), made on first use."""
+        if key not in self._reducers:
+            self._reducers[key] = get_compressor(ONEBIT_SPEC)
+            self._reducers[key].bind_group(self.comm.size)
+        return self._reducers[key]
+
+    @property
+    def compression(self):
+        """The method averaging now: the warm-up's while it runs, else the compressed allreduce."""
+        return self._warm.compression if self._warm is not None else self._reducer(self._reducer_keys[-1])
+
+    @property
+    def transport(self) -> TransportPlan:
+        """How the gradients travel now (:class:`hvdcomp.plan.TransportPlan`)."""
+        return self._warm.transport if self._warm is not None else self._plan
+
+    def step_count(self) -> int:
+        """Applied steps so far (the per-parameter ``step`` of torch's Adam state)."""
+        return int(self.state[self.order[0]]["step"])
+
+    # ---- the warm-up ----------------------------------------------------------------------------
+    def _warm_optimizer(self):
+        if self._warm is None:
+            from ..optimizer import DistributedOptimizer
+
+            if self.group is None:
+                raise RuntimeError("the warm-up runs over Horovod (hvdcomp.DistributedOptimizer): build the "
+                                   "optimizer without comm=, after hvd.init()")
+            warm = DistributedOptimizer(self._make_warmup(), named_parameters=[(self._names[p], p) for p in self.order],
+                                        compression=self.warmup_compression, process_set=self.process_set,
+                                        timer=self.timer, nonfinite=self.nonfinite)
+            warm.state = self.state  # one state for both stages (torch's per-parameter dict)
+            if self._warm_state:
+                warm.compression.load_state_dict(self._warm_state)
+                self._warm_state = {}
+            self._warm = warm
+        return self._warm
+
+    def _end_warmup(self) -> None:
+        """After the last warm-up step (the warm-up optimizer is idle): close it."""
+        self._warm.close()
+        self._warm = None
+        self._variance_changed()
+
+    def _abandon_warmup(self) -> None:
+        """A checkpoint past the warm-up was loaded into a running warm-up (on every rank alike,
+        as every rank has it open): finish what backward's hooks started, keep the averaged
+        gradient as this step's gradient, drop the warm-up's update and close it."""
+        warm = self._warm
+        warm.synchronize()
+        kept = [None if p.grad is None else p.grad.clone() for p in self.order]
+        warm.zero_grad(set_to_none=False)  # (discards the synchronized update: nothing stays staged)
+        warm.close()
+        for p, g in zip(self.order, kept):
+            p.grad = g
+        self._warm = None
+        log.warning("%s: a checkpoint past the warm-up was loaded while the warm-up ran: this step uses the "
+                    "averaged gradient", type(self).__name__)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def _agree_state(self) -> None:
+        """Once after construction or loading: every rank is at the same step."""
+        if self._agreed:
+            return
+        self._agreed = True
+        if self.comm.size == 1:
+            return
+        mine = torch.tensor([float(self.step_count())], dtype=torch.float64)
+        first = self.comm.broadcast(mine.clone(), 0, "agree.step")
+        differs = self.comm.allreduce_mean(torch.tensor([float(first.item() != mine.item())],
+                                                        dtype=torch.float64), "agree.differs")
+        if differs.item() > 0:
+            raise RuntimeError(f"ranks are at different optimizer steps (rank 0: {int(first.item())}, this rank: "
+                               f"{int(mine.item())}): load the checkpoint on every rank, or on rank 0 followed by "
+                               "hvd.broadcast_parameters(...) and hvd.broadcast_optimizer_state(opt, root_rank=0)")
+
+    def _check_dense(self) -> None:
+        """Raises TypeError for a sparse gradient (before anything is sent)."""
+        for p in self.order:
+            if p.grad is not None and p.grad.is_sparse:
+                raise TypeError(f"{type(self).__name__} does not take sparse gradients "
+                                f"({self._names[p]!r}): use nn.Embedding(sparse=False)")
+
+    def _local_gradients(self) -> List[torch.Tensor]:
+        """This rank's gradient of every parameter of :attr:`order` (zeros where unused)."""
+        return [torch.zeros_like(p) if p.grad is None else p.grad for p in self.order]
+
+    def _verdict(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether averaged results (identical on every rank) are finite; raises for
+        ``nonfinite="raise"``."""
+        if self.nonfinite == "ignore" or all(bool(torch.isfinite(t).all()) for t in tensors):
+            return True
+        if self.nonfinite == "raise":
+            raise FloatingPointError(f"{type(self).__name__}: non-finite averaged values at step "
+                                     f"{self.step_count() + 1} (a rank had a NaN/Inf gradient)")
+        self.skipped_steps += 1
+        log.warning("%s: non-finite averaged values: step %d skipped on every rank", type(self).__name__,
+                    self.step_count() + 1)
+        return False
+
+    def _compressed_allreduce(self, key: str, tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        """The mean over ranks of ``tensors`` (one per parameter of :attr:`order`) through the
+        compressed allreduce ``key``; None (nothing changed) where it is not finite."""
+        red = self._reducer(key)
+        red.begin_step()
+        try:
+            out = red.reduce_batch([(self._names[p], t) for p, t in zip(self.order, tensors)], self.comm, self.timer)
+            ok = self._verdict(out)
+        except BaseException:
+            red.rollback()
+            raise
+        if not ok:
+            red.rollback()
+            return None
+        red.commit()
+        return out
+
+    def _full_allreduce(self, tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        """The mean over ranks of ``tensors`` by one float32 Horovod allreduce; None where not finite."""
+        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
+        mean = self.comm.allreduce_mean(flat, "full") if self.comm.size > 1 else flat
+        if not self._verdict([mean]):
+            return None
+        out, start = [], 0
+        for t in tensors:
+            out.append(mean[start:start + t.numel()].view(t.shape).to(t.dtype))
+            start += t.numel()
+        return out
+
+    def momentum_mask(self, p: torch.Tensor) -> torch.Tensor:
+        """1 where ``p``'s variance is non-zero, 0 where it is exactly zero (no rank ever had a
+        gradient there: 1 bit cannot send a zero, and the update would divide by ``eps``),
+        times the user's mask for ``p`` where one was given (``momentum_masks``). Cached until
+        the variance changes (:meth:`_variance_changed`)."""
+        mask = self._masks.get(p)
+        if mask is None:
+            mask = ((self.state[p]["exp_avg_sq"] != 0) if self.mask_zero_variance
+                    else torch.ones_like(p, dtype=torch.bool)).to(p.dtype)
+            user = self.user_masks.get(self._names[p])
+            if user is not None:
+                mask = mask * user.to(device=p.device, dtype=p.dtype)
+            self._masks[p] = mask
+        return mask
+
+    def _variance_changed(self) -> None:
+        self._masks = {}
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Let ``step()`` skip ``synchronize()`` (call it yourself first, e.g. to clip gradients)."""
+        self._sync_on_step = False
+        try:
+            yield
+        finally:
+            self._sync_on_step = True
+
+    def synchronize(self) -> None:
+        """During the warm-up: average the gradients into ``p.grad`` (the warm-up optimizer's
+        ``synchronize``). Afterwards nothing is averaged before ``step()``: ``p.grad`` stays
+        this rank's gradient (clipping between ``synchronize()`` and ``step()`` clips it)."""
+        self._agree_state()
+        if self.step_count() < self.warmup_steps:
+            self._warm_optimizer().synchronize()
+
+    def zero_grad(self, set_to_none: bool = True):
+        """As torch's (during the warm-up, the warm-up optimizer's, which refuses while a
+        backward's gradients are in flight)."""
+        if self._warm is not None:
+            return self._warm.zero_grad(set_to_none=set_to_none)
+        return super().zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step, of the kind the schedule gives (:attr:`last_step_kind`: see the
+        module docstring; None where the step was skipped). Returns None.
+
+        Raises:
+            ValueError: a ``closure`` (compute the loss and call ``backward()`` before ``step()``).
+            TypeError: a sparse gradient.
+            FloatingPointError: ``nonfinite="raise"`` and a non-finite averaged value.
+            RuntimeError: ranks at different steps (first step after construction or loading).
+        """
+        if closure is not None:
+            raise ValueError(f"{type(self).__name__}.step() takes no closure: compute the loss and call "
+                             "backward() before step()")
+        self._check_dense()
+        self._agree_state()
+        t = self.step_count()
+        if t < self.warmup_steps:
+            warm = self._warm_optimizer()
+            if self._sync_on_step:
+                warm.step()
+            else:
+                with warm.skip_synchronize():
+                    warm.step()
+            kind = "warmup" if self.step_count() > t else None
+            if kind is None:
+                self.skipped_steps += 1
+            elif self.step_count() >= self.warmup_steps:
+                self._end_warmup()
+                log.info("%s: warm-up done after %d steps", type(self).__name__, t + 1)
+        else:
+            if self._warm is not None:
+                self._abandon_warmup()
+            kind = self._step_after_warmup(t, self._local_gradients())
+            self.timer.add_bytes(dense=4 * sum(p.numel() for p in self.order))
+        self.last_step_kind = kind
+
+    def each(self):
+        """``(parameter, its group)`` in :attr:`order`."""
+        return [(p, g) for g in self.param_groups for p in g["params"]]
+
+    def _advance(self) -> None:
+        """Count one applied step on every parameter."""
+        for p in self.order:
+            self.state[p]["step"] += 1
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self):
+        """torch's state (shared and 0/1 Adam's per-rank buffers) plus, under ``"hvdcomp"``, the
+        per-rank residuals of every compressed allreduce and the warm-up compression's state:
+        tensors, numbers and strings only (see the module docstring for the resume recipes)."""
+        sd = super().state_dict()
+        warm = self._warm.compression.state_dict() if self._warm is not None else self._warm_state
+        sd["hvdcomp"] = {"reducers": {k: r.state_dict() for k, r in self._reducers.items()},
+                         "warmup": warm, "skipped_steps": self.skipped_steps}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Inverse of :meth:`state_dict` (a checkpoint of the same optimizer class and settings);
+        load into a freshly built optimizer for an exact resume.
+
+        Raises:
+            ValueError: the checkpoint holds state of an unknown compressed allreduce.
+        """
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("hvdcomp", {"reducers": {}, "warmup": {}, "skipped_steps": 0})
+        unknown = sorted(set(extra["reducers"]) - set(self._reducer_keys))
+        if unknown:
+            raise ValueError(f"checkpoint holds compressed-allreduce state {unknown} that "
+                             f"{type(self).__name__} does not keep ({list(self._reducer_keys)}): "
+                             "load a checkpoint of the same optimizer")
+        super().load_state_dict(state_dict)  # (new group dicts and state: the warm-up shares them)
+        if self._warm is not None:
+            self._warm.param_groups, self._warm.state = self.param_groups, self.state
+        for key in self._reducer_keys:
+            self._reducer(key).load_state_dict(extra["reducers"].get(key, {}))
+        self._warm_state = extra.get("warmup", {})
+        if self._warm is not None and self._warm_state:
+            self._warm.compression.load_state_dict(self._warm_state)
+            self._warm_state = {}
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
+        self._agreed = False
+        self._variance_changed()
+
+    #: the compressed allreduces the optimizer keeps (state_dict keys)
+    _reducer_keys: Tuple[str, ...] = ("momentum",)
+
+    def add_param_group(self, param_group) -> None:
+        """Refused after construction (the parameter order and names are fixed).
+
+        Raises:
+            ValueError: after construction.
+        """
+        if getattr(self, "_built", False):
+            raise ValueError(f"{type(self).__name__} fixes its parameters at construction: build a new one "
+                             "with every group")
+        super().add_param_group(param_group)
+
+    def close(self) -> None:
+        """Stop communicating (the warm-up optimizer's hooks and threads); call between steps on
+        every rank, e.g. before building another optimizer in the same process."""
+        if self._warm is not None:
+            self._warm.close()
+            self._warm = None
+
+
+def check_masks(masks: Optional[Dict[str, torch.Tensor]], names: Iterable[str], shapes: Dict[str, torch.Size]):
+    """The user's momentum masks, checked: known names, parameter shapes, values 0/1.
+
+    Raises:
+        ValueError: an unknown name, a wrong shape, values other than 0 and 1.
+    """
+    masks = dict(masks or {})
+    names = set(names)
+    for n, m in masks.items():
+        if n not in names:
+            raise ValueError(f"momentum_masks names {n!r}, which is not a parameter of the optimizer")
+        if not isinstance(m, torch.Tensor) or tuple(m.shape) != tuple(shapes[n]):
+            raise ValueError(f"momentum_masks[{n!r}] must be a tensor of the parameter's shape {tuple(shapes[n])}")
+        if bool(((m != 0) & (m != 1)).any()):
+            raise ValueError(f"momentum_masks[{n!r}] must hold 0 (drop) and 1 (keep) only")
+    return masks
+

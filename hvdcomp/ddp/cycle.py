@@ -1,0 +1,171 @@
+"""The DDP hook's step in progress: where it is (:class:`hvdcomp.step.Status`), whether its
+compressor state is staged, what the ranks agree on (:mod:`hvdcomp.agreement`), and when the
+state is committed or rolled back.
+
+A step's compressor updates are staged when its first bucket is compressed (``begin_step``),
+committed when the optimizer applies the update (the attached ``optimizer.step``, or the step's
+last bucket without an optimizer), and rolled back otherwise (``rollback``): a step that was
+never applied, when the next backward reaches its first bucket; a step some rank found
+non-finite, at once on every rank. The hook (:mod:`hvdcomp.ddp.hook`) drives it:
+
+==================  ===========================  =========================================
+call                from                         status after
+==================  ===========================  =========================================
+:meth:`open`        a backward's first bucket    ``BACKWARD`` (state staged)
+:meth:`agree`       the last bucket              (the per-step verdict; raises or skips)
+:meth:`skip`        the last bucket, a skip      ``SKIPPED`` (rolled back, results NaN)
+:meth:`reduced`     the last bucket, done        ``SYNCED`` (or ``SKIPPED``)
+:meth:`apply`       ``optimizer.step()``         committed; a skipped step is not applied
+:meth:`discard`     an error, a loaded state     ``IDLE`` (a skip agreed on stays ``SKIPPED``)
+==================  ===========================  =========================================
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import List
+
+from ..agreement import NonFiniteGuard, StateAgreement
+from ..amp import LossScaleTracker
+from ..step import Status
+from .buckets import Bucket
+
+__all__ = ["StepCycle"]
+
+
+class StepCycle:
+    """The step in progress of one DDP hook.
+
+    Args:
+        compression: the method whose state is staged (``begin_step`` / ``commit`` /
+            ``rollback``).
+        group: the :class:`~hvdcomp.comm.torchdist.TorchDistGroup` the ranks agree in.
+        nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"`` (:class:`hvdcomp.agreement.NonFiniteGuard`).
+        grad_scaler: a ``torch.amp.GradScaler`` to follow, or None (found at the first applied
+            step where the method keeps state in gradient units).
+        timer: a :class:`hvdcomp.metrics.PhaseTimer` (the agreement's exchange is ``communicate``).
+
+    Attributes:
+        status: a :class:`hvdcomp.step.Status`.
+        staged: the step's compressor state is staged.
+        buckets: the :class:`~hvdcomp.ddp.buckets.Bucket` s of the step in progress.
+        guard: the :class:`~hvdcomp.agreement.NonFiniteGuard` (buffers are observed as they come).
+        state: the :class:`~hvdcomp.agreement.StateAgreement` (restored state, once).
+        skipped_steps: steps skipped because some rank had a non-finite gradient.
+        backward_steps: synchronized backward passes reduced so far.
+        optimizer: the attached optimizer, or None.
+    """
+
+    def __init__(self, compression, group, nonfinite: str, grad_scaler, timer):
+        self.compression, self.group, self.nonfinite, self.timer = compression, group, nonfinite, timer
+        self.guard, self.state = NonFiniteGuard(nonfinite), StateAgreement()
+        self.loss_scale = LossScaleTracker(grad_scaler)
+        self.status, self.staged = Status.IDLE, False
+        self.buckets: List[Bucket] = []
+        self.skipped_steps = self.backward_steps = 0
+        self.optimizer = self._original_step = None
+
+    # ---- how the hook learns the step was applied --------------------------------------------------
+    def attach(self, optimizer) -> None:
+        """``optimizer.step`` becomes a bound method (LR schedulers wrap it) calling :meth:`apply`."""
+        original = optimizer.step
+        cycle = self
+
+        def step(opt, *args, **kwargs):
+            return cycle.apply(original, args, kwargs)
+
+        optimizer.step = types.MethodType(step, optimizer)
+        self.optimizer, self._original_step = optimizer, original
+
+    def detach(self) -> None:
+        """Give the attached optimizer its own ``step`` back."""
+        if self.optimizer is not None:
+            self.optimizer.step = self._original_step
+        self.optimizer = self._original_step = None
+
+    def apply(self, original, args, kwargs):
+        """The attached optimizer's step: skipped (None) after a non-finite step, else applied and
+        the step's compressor state committed."""
+        if self.status is Status.SKIPPED:
+            self.status = Status.SYNCED
+            return None
+        result = original(*args, **kwargs)
+        if self.staged and self.status is Status.SYNCED:
+            if self.compression.has_scaled_state:
+                self.loss_scale.discover(self.optimizer)
+            self._commit()
+        return result
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def needs_open(self, index: int) -> bool:
+        """Whether bucket ``index`` starts a new step (the first bucket, or a backward after the
+        last one was reduced)."""
+        return index == 0 or not self.staged or self.status in (Status.SYNCED, Status.SKIPPED)
+
+    def open(self) -> None:
+        """A backward's first bucket: drop a step that was never applied, agree on restored state
+        (once, :meth:`hvdcomp.agreement.StateAgreement.agree`), follow the loss scale, and stage
+        this step's updates."""
+        if self.staged:  # reduced, but the optimizer never applied it
+            self.compression.rollback()
+            self.staged = False
+        self.status = Status.BACKWARD
+        self.buckets = []
+        self.guard.reset()
+        if not self.state.agreed:
+            self.skipped_steps = self.state.agree(self.group, self.compression, self.skipped_steps, "hvdcomp.ddp")
+        factor = self.loss_scale.factor()
+        if factor is not None:
+            self.compression.rescale_state(factor)
+        self.compression.begin_step()
+        self.staged = True
+
+    def agree(self) -> bool:
+        """Whether the ranks skip this step (some rank's gradient was non-finite); raises under
+        ``nonfinite="raise"`` (:meth:`hvdcomp.agreement.NonFiniteGuard.decide`). ``none``'s
+        buckets are checked on their allreduced results, identical on every rank: a step of only
+        those needs no exchange."""
+        loaded, self.state.loaded_since_step = self.state.loaded_since_step, False
+        if self.nonfinite == "ignore":
+            return False
+        direct = [b.buffer for b in self.buckets if b.kind == "gradient"]
+        if direct:
+            self.guard.observe(direct)
+        if len(direct) == len(self.buckets):  # (the results agree)
+            return self.guard.agree(lambda v: [list(v)], loaded, 1).skip
+        with self.timer.phase("communicate") if self.group.size > 1 else contextlib.nullcontext():
+            return self.guard.decide(self.group, self.group, None, loaded, 1).skip
+
+    def skip(self) -> None:
+        """Every rank skips: state rolled back, every result NaN (a GradScaler sees the overflow)."""
+        if self.staged:
+            self.compression.rollback()
+        self.staged = False
+        self.status = Status.SKIPPED
+        self.skipped_steps += 1
+        for b in self.buckets:
+            b.buffer.fill_(float("nan"))
+
+    def reduced(self) -> None:
+        """The last bucket is reduced: the update waits to be applied (without an optimizer,
+        nobody tells: what was reduced counts, committed now)."""
+        self.backward_steps += 1
+        if self.status is not Status.SKIPPED:
+            self.status = Status.SYNCED
+        if self.staged and self.optimizer is None:
+            self._commit()
+
+    def discard(self) -> None:
+        """Drop the step in progress (an error, or a state loaded in the middle of it)."""
+        if self.staged:
+            self.compression.rollback()
+        self.staged = False
+        if self.status is not Status.SKIPPED:
+            self.status = Status.IDLE
+        self.buckets = []
+        self.guard.reset()
+
+    def _commit(self) -> None:
+        self.compression.commit()
+        self.staged = False
+

@@ -1,0 +1,379 @@
+"""hvdcomp's methods as a PyTorch DDP communication hook (the DDP front-end).
+
+``register(ddp_model, "topk:density=0.01", optimizer=opt)`` registers :func:`hvdcomp_hook` with
+``ddp_model.register_comm_hook(state, hook)``. DDP calls the hook once per gradient bucket during
+backward, in bucket order, with a ``torch.distributed.GradBucket``; the hook returns a
+``torch.futures.Future`` of the averaged bucket. One bucket's path:
+
+1. **compress** (:mod:`hvdcomp.ddp.buckets`): the bucket's units (:mod:`hvdcomp.ddp.layout`: each
+   gradient by its own rules, several in one vectorised call where the method can) are encoded
+   with the compressor's own ``encode``, error feedback included, under their parameter names;
+2. **communicate** (:mod:`hvdcomp.transports.torchdist`): summable payloads start a summed
+   ``all_reduce`` at once; other payloads start their counts exchange, and their data gather starts
+   at the next bucket's hook (when the counts are in); batched methods (PowerSGD, gtopk, cltk,
+   twophase) wait for the last bucket and reduce every gradient of the step in one call of their
+   ``reduce_batch`` (their own collectives over ``torch.distributed``);
+3. at the **last bucket** (``bucket.is_last()``) the hook waits for the step's collectives, lets
+   a method that can saturate (fp16) check the reduced payloads (a saturated one is reduced again
+   as the method's replacement, or reported overflowed: NaN, so the step is skipped), agrees
+   with every rank on the step (non-finite gradients, restored state: :mod:`hvdcomp.ddp.cycle`
+   over :mod:`hvdcomp.agreement`),
+   **decompresses** every bucket into its buffer (``decode`` / ``aggregate``), and completes every
+   bucket's future; DDP then copies the buffers into ``p.grad``.
+
+All collectives are issued from the thread that runs the hooks, in bucket order (never from
+future callbacks), so every rank issues the same sequence.
+
+State follows what is applied (:mod:`hvdcomp.ddp.cycle`). A step's compressor updates (residuals, momenta, counters,
+generator states) are staged when its first bucket is compressed (``begin_step``), committed when
+the optimizer applies the update, and rolled back otherwise (``rollback``):
+
+* how the hook learns the step was applied: ``register(..., optimizer=opt)`` (or
+  :meth:`HookState.attach`) replaces ``opt.step`` by a bound method that calls the original step
+  and then commits. ``GradScaler.step(opt)`` calls it only when no gradient overflowed;
+* a step that is not applied (``GradScaler`` found an overflow and skipped ``opt.step``;
+  ``zero_grad()`` and a new backward without ``step()``) is rolled back when the next backward
+  reaches its first bucket;
+* a non-finite gradient on any rank (``nonfinite="skip"``, the default): every rank rolls back,
+  every bucket's result is NaN (a ``GradScaler`` sees the overflow and lowers its scale), and the
+  wrapped ``opt.step()`` returns None without updating; ``nonfinite="raise"`` raises
+  ``FloatingPointError`` on every rank instead;
+* without an optimizer the state is committed when the last bucket is reduced (a finite step the
+  training loop then discards still counts; non-finite steps still leave no trace).
+
+With a ``torch.amp.GradScaler``, state kept in gradient units follows loss-scale changes
+(:mod:`hvdcomp.amp`: given as ``grad_scaler=``, or found at the first applied step).
+
+Time and bytes per phase go to ``state.timer`` (:class:`hvdcomp.metrics.PhaseTimer`); the hooks
+run inside ``loss.backward()``, so wrap forward and backward in ``timer.phase("compute")`` and
+the compress / communicate / decompress slices are charged to their own phases.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Any, Dict, Iterable, Optional, Tuple
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ..comm.torchdist import TorchDistGroup
+from ..config import check_method
+from ..metrics import PhaseTimer
+from ..agreement import NONFINITE_MODES, check_consistency
+from ..spec import resolve_compression
+from ..transports.torchdist import IN_PLACE_DTYPES, TorchDistTransport, describe, payload_kind
+from .buckets import Bucket, BucketPath
+from .cycle import StepCycle
+from .layout import GRANULARITIES, BucketLayout, Layouts
+
+__all__ = ["HookState", "register", "hvdcomp_hook"]
+
+log = logging.getLogger(__name__)
+
+_owners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # compressor -> the state using it
+
+
+def hvdcomp_hook(state, bucket):  # (no annotations: DDP checks them, and this module's are strings)
+    """The communication hook :func:`register` installs: ``state.reduce_bucket(bucket)``, a
+    ``torch.futures.Future[torch.Tensor]`` of the averaged bucket."""
+    return state.reduce_bucket(bucket)
+
+
+class HookState:
+    """Everything the DDP hook keeps: the compressor, the group, the step in progress, the timer.
+
+    Build it with :func:`register` (which validates the arguments and registers the hook). Its
+    parts: the parameters and bucket layouts (:class:`hvdcomp.ddp.layout.Layouts`), the step in
+    progress (:class:`hvdcomp.ddp.cycle.StepCycle`) and a bucket's path
+    (:class:`hvdcomp.ddp.buckets.BucketPath`).
+
+    Attributes:
+        compression: the :class:`hvdcomp.Compressor` (its state: residuals, momenta, ...).
+        group: the :class:`hvdcomp.comm.torchdist.TorchDistGroup` averaged over.
+        kind: how payloads travel (:func:`hvdcomp.transports.torchdist.payload_kind`).
+        granularity: ``"tensor"`` or ``"bucket"`` (:mod:`hvdcomp.ddp.layout`).
+        nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"``.
+        timer: the :class:`hvdcomp.metrics.PhaseTimer` phases and bytes are recorded in.
+        skipped_steps: steps skipped because some rank had a non-finite gradient.
+        transport: one line saying how gradients travel, for logs and results.
+    """
+
+    def __init__(self, ddp_model, compression, process_group, optimizer, granularity: str,
+                 nonfinite: str, timer: Optional[PhaseTimer], grad_scaler, named_parameters,
+                 check_consistency: bool):
+        self.compression = compression
+        self.kind = payload_kind(compression)
+        self.group = TorchDistGroup(process_group)
+        compression.bind_group(self.group.size)
+        self.granularity = granularity
+        self.nonfinite = nonfinite
+        self.timer = timer if timer is not None else PhaseTimer()
+        self._layouts = Layouts(ddp_model.module, named_parameters, getattr(compression, "segmentable", False),
+                                granularity)
+        self._cycle = StepCycle(compression, self.group, nonfinite, grad_scaler, self.timer)
+        self._path = BucketPath(compression, TorchDistTransport(self.group), self.timer,
+                                [n for n, _ in self._layouts.order])
+        self.transport = (f"torch.distributed {self.group.backend}: {describe(self.kind, compression)}; "
+                          f"per DDP bucket, granularity {granularity}")
+        if check_consistency and self.group.size > 1:
+            self._check_consistency()
+        if optimizer is not None:
+            self.attach(optimizer)
+
+    # ---- set-up ----------------------------------------------------------------------------------
+    @property
+    def buckets(self) -> Dict[int, Tuple[str, ...]]:
+        """The DDP buckets seen so far: index -> parameter names in buffer order (DDP's layout after
+        its rebuild, once the second backward has run)."""
+        return self._layouts.seen()
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._cycle.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._cycle.skipped_steps = int(value)
+
+    def describe(self) -> dict:
+        """JSON-able summary: compressor, transport, group, granularity."""
+        return {"compression": self.compression.describe(), "kind": self.kind, "transport": self.transport,
+                "granularity": self.granularity, "nonfinite": self.nonfinite, **self.group.describe()}
+
+    def _check_consistency(self) -> None:
+        """Every rank must register the same method and settings on the same parameters
+        (:func:`hvdcomp.agreement.check_consistency`).
+
+        Raises:
+            ValueError: on every rank, naming the first differences.
+        """
+        mine = {"compression": {"class": type(self.compression).__name__, **self.compression.describe()},
+                "granularity": self.granularity, "nonfinite": self.nonfinite,
+                "parameters": self._layouts.signature()}
+        check_consistency(self.group, mine, "hvdcomp.ddp.consistency",
+                          setup="the DDP hook's set-up (build the same model and call hvdcomp.ddp.register "
+                                "with the same method and settings on every rank)")
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Let ``optimizer.step()`` tell the hook that the step was applied (see the module
+        docstring): ``optimizer.step`` becomes a bound method that skips a step the ranks agreed
+        to skip, else calls the original and commits the compressor state of the step.
+
+        Raises:
+            ValueError: an optimizer is attached already, or the method applies momentum itself
+                (DGC) and ``optimizer`` does too.
+        """
+        if self._cycle.optimizer is not None:
+            raise ValueError("an optimizer is attached to this hook already; detach() it first")
+        check_method(self.compression, optimizer, self.granularity)
+        self._cycle.attach(optimizer)
+
+    def detach(self) -> None:
+        """Give the attached optimizer its own ``step`` back (state then commits at each step's
+        last bucket, as without an optimizer)."""
+        self._cycle.detach()
+
+    # ---- the hook ------------------------------------------------------------------------------
+    def _kind_of(self, layout: BucketLayout, buffer: torch.Tensor) -> str:
+        """How this bucket travels this step: the method's kind; ``"gradient"`` (uncompressed, as
+        DDP) for the first backward with granularity ``"bucket"`` (see :func:`register`); none on
+        half-precision gradients goes by ``"average"`` (as float32, like the Horovod front-end)."""
+        if self.kind == "gradient":
+            return "gradient" if buffer.dtype in IN_PLACE_DTYPES else "average"
+        if self.granularity == "bucket" and self.kind != "batched":
+            if self._cycle.backward_steps == 0:
+                return "gradient" if buffer.dtype in IN_PLACE_DTYPES else "plain"
+            self._layouts.check_recorded(layout)
+        return self.kind
+
+    def reduce_bucket(self, bucket) -> "torch.futures.Future[torch.Tensor]":
+        """The DDP communication hook's body (see the module docstring).
+
+        Args:
+            bucket: a ``torch.distributed.GradBucket``: ``buffer()`` is the flat 1-D buffer of the
+                local gradients of ``parameters()`` (one dtype and device).
+
+        Returns:
+            A future of the averaged buffer (same shape, dtype and device), completed when the
+            step's last bucket has been reduced.
+
+        Raises:
+            TypeError: a sparse gradient bucket (use dense embeddings, or the Horovod front-end).
+            FloatingPointError: ``nonfinite="raise"`` and a non-finite gradient on some rank.
+        """
+        buffer = bucket.buffer()
+        if buffer.is_sparse:
+            raise TypeError("hvdcomp's DDP hook compresses dense gradient buckets; a sparse gradient "
+                            "(Embedding(sparse=True)) reached it: use sparse=False, or the Horovod front-end "
+                            "(hvdcomp.DistributedOptimizer), which makes sparse gradients dense")
+        cycle = self._cycle
+        if cycle.needs_open(bucket.index()):
+            cycle.open()
+        layout = self._layouts.of(bucket)
+        devices = [buffer.device] if buffer.is_cuda else None
+        entry = Bucket(bucket.index(), buffer, layout, torch.futures.Future(devices=devices),
+                       self._kind_of(layout, buffer))
+        previous = cycle.buckets[-1] if cycle.buckets else None
+        cycle.buckets.append(entry)
+        if entry.kind != "gradient":  # (none: checked on the allreduced results instead)
+            cycle.guard.observe([buffer])
+        self._path.start(entry, previous)
+        if bucket.is_last():
+            self._finish()
+        return entry.future
+
+    def _finish(self) -> None:
+        """The last bucket: wait, check for saturation (:meth:`BucketPath.check_saturation`), agree
+        on the step, decompress every bucket, complete the futures."""
+        cycle, path = self._cycle, self._path
+        buckets = cycle.buckets
+        try:
+            path.wait(buckets)
+            if self.kind != "batched":  # a saturated payload is sent again, or reads NaN (overflowed)
+                cycle.guard.observe(path.check_saturation(buckets))
+            if cycle.agree():
+                cycle.skip()
+            elif self.kind == "batched":
+                path.reduce_batched(buckets)
+            else:
+                path.decompress(buckets)
+        except BaseException as exc:
+            for b in buckets:
+                if not b.future.done():
+                    b.future.set_exception(exc)
+            cycle.discard()
+            raise
+        path.count_bytes(buckets)
+        cycle.reduced()
+        for b in buckets:
+            b.future.set_result(b.buffer)
+        cycle.buckets = []
+
+    # ---- loops written for the Horovod front-end ------------------------------------------------
+    def synchronize(self) -> None:
+        """What ``optimizer.synchronize()`` is to the Horovod front-end, for loops written for it
+        (``synchronize(); clip; with skip_synchronize(): step()``): DDP's backward returns only
+        after every bucket's future is complete, so the averaged gradients are in ``p.grad``
+        already and there is nothing to wait for.
+
+        Raises:
+            RuntimeError: called while a backward's buckets are still being reduced (from a
+                hook or another thread).
+        """
+        if self._cycle.buckets:
+            raise RuntimeError("synchronize() during a backward: DDP is still reducing buckets; call it "
+                               "after loss.backward() returns")
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """The Horovod front-end's ``with optimizer.skip_synchronize(): optimizer.step()``; with
+        DDP, ``step()`` never synchronizes, so the block runs as it is."""
+        yield
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's compressor state (committed: a step not yet applied is not included), the
+        skipped-step count and, with granularity ``"bucket"``, the bucket layouts the state was
+        built for: tensors, numbers and strings only (``torch.load(weights_only=True)``).
+
+        Residuals and other per-rank state differ between ranks: save it on every rank
+        (``torch.save(state.state_dict(), f"hook.{rank}.pt")``) to resume bit-identically, or on
+        rank 0 only, in which case the shared part is shared at the first step and the other
+        ranks' per-rank state starts fresh (as with the Horovod front-end)."""
+        return {"compression": self.compression.state_dict(), "skipped_steps": self.skipped_steps,
+                "granularity": self.granularity, "bucket_layouts": self._layouts.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`; drops a step in progress.
+
+        Raises:
+            ValueError: the state was saved with another granularity.
+        """
+        if state.get("granularity", self.granularity) != self.granularity:
+            raise ValueError(f"this hook state was saved with granularity={state['granularity']!r}; "
+                             f"register the hook with the same granularity (now {self.granularity!r})")
+        self._cycle.discard()
+        self.compression.load_state_dict(state["compression"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._layouts.load_state_dict(state.get("bucket_layouts", {}))
+        self._cycle.state.note_load()
+
+    def __repr__(self) -> str:
+        return f"HookState({self.compression!r}, {self.transport})"
+
+
+def register(ddp_model, compression="none", process_group=None, *, optimizer: Optional[torch.optim.Optimizer] = None,
+             granularity: str = "tensor", nonfinite: str = "skip", timer: Optional[PhaseTimer] = None,
+             grad_scaler=None, named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
+             check_consistency: bool = True) -> HookState:
+    """Compress ``ddp_model``'s gradient buckets with an hvdcomp method (a DDP communication hook).
+
+    Call it on every rank after wrapping the model in ``DistributedDataParallel`` and before the
+    first backward; one hook per DDP model (PyTorch allows one).
+
+    Args:
+        ddp_model: a ``torch.nn.parallel.DistributedDataParallel``.
+        compression: a spec such as ``"topk:density=0.01"`` (every registered method, as for the
+            Horovod front-end), or an hvdcomp method (a :class:`hvdcomp.Compressor` or a
+            step-wide method) not used elsewhere (:func:`hvdcomp.spec.resolve_compression`).
+        process_group: the ``torch.distributed`` group to average over; default the DDP model's.
+        optimizer: the optimizer that applies the averaged gradients, so that a step that is not
+            applied leaves no trace in compressor state (see the module docstring; recommended).
+        granularity: ``"tensor"`` (default: each gradient compressed by its own rules, results
+            per tensor as under the Horovod front-end) or ``"bucket"`` (each DDP bucket compressed
+            as one tensor, as PyTorch's own hooks do; state per bucket). DDP rebuilds its buckets
+            after the first backward, so with ``"bucket"`` the first backward is averaged
+            uncompressed and compression starts at the second (as PyTorch's PowerSGD hook asks for
+            ``start_powerSGD_iter >= 2``); a later change of a bucket's parameters raises.
+            Refused for PowerSGD (it needs each gradient's matrix shape).
+        nonfinite: ``"skip"`` (default), ``"raise"`` or ``"ignore"`` (see the module docstring).
+        timer: a :class:`hvdcomp.metrics.PhaseTimer` to record into (a new one by default).
+        grad_scaler: the ``torch.amp.GradScaler`` of an AMP loop, so that state in gradient units
+            follows the loss scale (found at the first applied step when ``optimizer`` is given).
+        named_parameters: names for the parameters (default ``ddp_model.module.named_parameters()``,
+            the names the Horovod front-end is given); compressor state is keyed by them.
+        check_consistency: verify (one object gather) that every rank registers the same method,
+            settings and parameters.
+
+    Returns:
+        The :class:`HookState` (``.timer``, ``.compression``, ``.state_dict()``, ...).
+
+    Raises:
+        TypeError: ``ddp_model`` is not a DistributedDataParallel, or a bad ``compression``.
+        ValueError: unknown ``granularity`` or ``nonfinite`` (or ``"bucket"`` with PowerSGD), a
+            compressor already serving another hook, DGC with an optimizer that applies momentum,
+            unnamed parameters, or ranks that disagree (raised on every rank).
+        RuntimeError: ``torch.distributed`` is not initialised.
+
+    Example::
+
+        torch.distributed.init_process_group("gloo")          # torchrun / srun set the rank variables
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        hook = hvdcomp.ddp.register(model, "topk:density=0.01", optimizer=opt)
+        for x, y in loader:
+            opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(f"hvdcomp.ddp.register needs a torch.nn.parallel.DistributedDataParallel model, got "
+                        f"{type(ddp_model).__name__}: wrap it first, DistributedDataParallel(model)")
+    compression = resolve_compression(compression)
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be 'tensor' or 'bucket', got {granularity!r}")
+    if nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"nonfinite must be 'skip', 'raise' or 'ignore', got {nonfinite!r}")
+    check_method(compression, None, granularity)
+    owner = _owners.get(compression)
+    if owner is not None and owner() is not None:
+        raise ValueError(f"this '{compression.name}' compressor already serves another hook (or optimizer); "
+                         "its state is keyed by parameter name, so give each model its own (pass the spec string)")
+    if process_group is None:
+        process_group = getattr(ddp_model, "process_group", None)
+    state = HookState(ddp_model, compression, process_group, optimizer, granularity, nonfinite, timer,
+                      grad_scaler, named_parameters, check_consistency)
+    ddp_model.register_comm_hook(state, hvdcomp_hook)
+    _owners[compression] = weakref.ref(state)
+    log.info("hvdcomp: DDP hook %s: %s", compression.name, state.transport)
+    return state

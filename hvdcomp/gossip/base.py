@@ -1,0 +1,343 @@
+"""What the gossip methods share: which compressors each may use, and the per-rank method interface.
+
+Compressors in gossip compress *model differences* (Choco-SGD: ``x − x̂``; DCD-PSGD: the step
+``x_{t+½} − x_t``; ECD-PSGD: an extrapolated model), not gradients, and the methods keep their own
+memory of what was sent (public copies, replicas). So:
+
+* error feedback is never added (``get_compressor(..., ef=False)``); ``ef=true`` is refused,
+  because the public copies already carry what compression dropped;
+* which registered method is allowed where is decided in one table, :data:`COMPRESSORS`, read by
+  one function, :func:`compressor_kind`. Choco-SGD needs a *contraction*
+  (E‖C(v) − v‖² ≤ (1 − δ)‖v‖², δ > 0; biased methods such as top-k and the scaled sign qualify)
+  or an *unbiased* method with variance ω‖v‖², which it rescales by 1/(1 + ω) (as the Choco-SGD
+  authors' code does for QSGD); DCD-PSGD and ECD-PSGD need an unbiased one (E[C(v)] = v).
+
+===============  ============  ==========================================================
+method           kind          note
+===============  ============  ==========================================================
+none             exact         C(v) = v
+qsgd             unbiased      ω = min(d/s², √d/s) per bucket of d (scale=l2), or
+                               min(d/(4s²), √d/s) (scale=max)
+terngrad         unbiased      only with ``clip_sigmas=0`` (clipping biases it); ω ≤ √n
+topk, randomk,   contraction   δ ≥ density (randomk: hvdcomp's unscaled form, indices
+sidco, sbc                     shared by all ranks)
+efsignsgd        contraction   ‖v‖₁/n · sign(v) per tensor (Choco's "sign"); alias ``sign``
+fp16, bf16       contraction   deterministic rounding (biased), δ ≈ 1
+signsgd          refused       unscaled signs are not a contraction: use ``efsignsgd``
+threshold        refused       a fixed threshold may send nothing: δ = 0
+lowbit           refused       keeps its own error compensation
+dgc, adaptive    refused       own momentum / residual statistics
+powersgd, gtopk, refused       reduce a whole step with their own collectives
+cltk, twophase
+===============  ============  ==========================================================
+
+Each method (:mod:`.choco`, :mod:`.dcd`, :mod:`.powergossip`) is a :class:`GossipMethod`: the
+state of *one rank*, with no communication of its own. ``outgoing`` returns what to send to each
+neighbour, ``incoming`` takes what the neighbours sent; the front-end
+(:class:`hvdcomp.gossip.GossipOptimizer`) moves the payloads with
+:class:`hvdcomp.transports.neighbor.NeighborTransport`, and a test can move them between N
+simulated ranks in one process.
+"""
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ..compressors.base import Compressor
+from ..memory import ErrorFeedback
+from ..spec import get_compressor, parse_spec
+from .topology import Topology
+
+__all__ = ["COMPRESSORS", "CompressorKind", "compressor_kind", "gossip_compressor", "GossipMethod",
+           "Payload", "Outgoing", "check_consensus_step"]
+
+Payload = List[torch.Tensor]
+#: what :meth:`GossipMethod.outgoing` returns: one payload for every neighbour, or one per neighbour
+Outgoing = Union[Payload, Dict[int, Payload]]
+
+#: registered method -> (kind, reason); kind is "exact", "unbiased", "contraction" or "refused"
+COMPRESSORS: Dict[str, Tuple[str, str]] = {
+    "none": ("exact", "no compression"),
+    "qsgd": ("unbiased", "stochastic rounding, E[Q(v)] = v"),
+    "terngrad": ("unbiased", "stochastic ternarization (unbiased only with clip_sigmas=0)"),
+    "topk": ("contraction", "keeps the largest entries exactly"),
+    "randomk": ("contraction", "keeps random entries exactly (unscaled)"),
+    "sidco": ("contraction", "keeps the entries above an estimated threshold exactly"),
+    "sbc": ("contraction", "replaces the kept entries by their mean"),
+    "efsignsgd": ("contraction", "scaled sign ‖v‖₁/n·sign(v)"),
+    "fp16": ("contraction", "round to nearest (biased, tiny error)"),
+    "bf16": ("contraction", "round to nearest (biased, small error)"),
+    "signsgd": ("refused", "its unscaled signs are not a contraction (‖v − sign(v)‖ can exceed ‖v‖): "
+                           "use efsignsgd (alias 'sign'), the scaled sign Choco-SGD uses"),
+    "threshold": ("refused", "a fixed threshold sends nothing once every difference is below it (δ = 0): "
+                             "use topk"),
+    "lowbit": ("refused", "it keeps its own error compensation, which the gossip copies replace: use qsgd"),
+    "dgc": ("refused", "it applies momentum and keeps a residual itself: use topk"),
+    "adaptive": ("refused", "it adapts its density from error-feedback statistics: use topk"),
+    "powersgd": ("refused", "it reduces a whole step with its own allreduces: use --gossip powergossip"),
+    "gtopk": ("refused", "it reduces a whole step with its own collectives: use topk"),
+    "cltk": ("refused", "it reduces a whole step with its own collectives: use topk"),
+    "twophase": ("refused", "it reduces a whole step with its own collectives: use qsgd or efsignsgd"),
+}
+
+#: short names accepted in place of registered ones
+ALIASES = {"sign": "efsignsgd"}
+
+
+@dataclass(frozen=True)
+class CompressorKind:
+    """How a compressor may be used in gossip (see :data:`COMPRESSORS`).
+
+    Attributes:
+        kind: ``"exact"``, ``"unbiased"`` or ``"contraction"``.
+        omega: for ``"unbiased"``: ``omega(numel) -> ω``, the variance bound E‖Q(v) − v‖² ≤ ω‖v‖²
+            of a tensor of ``numel`` elements; None otherwise.
+    """
+
+    kind: str
+    omega: Optional[Callable[[int], float]] = None
+
+    @property
+    def unbiased(self) -> bool:
+        """Whether E[C(v)] = v (exact or unbiased)."""
+        return self.kind in ("exact", "unbiased")
+
+
+def compressor_kind(comp: Compressor) -> CompressorKind:
+    """Classify ``comp`` for gossip: the one place that reads :data:`COMPRESSORS` and the
+    compressors' attributes.
+
+    Raises:
+        ValueError: a refused method (the message says why and what to use), an unclassified
+            registered method, a compressor wrapped in error feedback.
+    """
+    if isinstance(comp, ErrorFeedback):
+        raise ValueError(f"'{comp.name}' is wrapped in error feedback; gossip's public copies already keep what "
+                         "compression drops: build it with ef=false (or pass the spec string)")
+    name = comp.name
+    if name not in COMPRESSORS:
+        raise ValueError(f"compressor '{name}' is not classified for gossip (unbiased, contraction or refused); "
+                         "add it to hvdcomp.gossip.base.COMPRESSORS")
+    kind, reason = COMPRESSORS[name]
+    if kind == "refused":
+        raise ValueError(f"'{name}' cannot be used for gossip: {reason}")
+    if name == "qsgd":
+        s, d = comp.levels, comp.block
+        if comp.scale == "l2":
+            return CompressorKind("unbiased", lambda n: min(min(d, n) / s**2, math.sqrt(min(d, n)) / s))
+        return CompressorKind("unbiased", lambda n: min(min(d, n) / (4 * s**2), math.sqrt(min(d, n)) / s))
+    if name == "terngrad":
+        if comp.clip_sigmas > 0:
+            raise ValueError("terngrad with clipping (clip_sigmas > 0) is neither unbiased nor a contraction; "
+                             "use terngrad:clip_sigmas=0 (unbiased) or qsgd")
+        return CompressorKind("unbiased", lambda n: math.sqrt(max(1, n)))
+    return CompressorKind(kind)
+
+
+def gossip_compressor(spec: Union[str, Compressor, None]) -> Compressor:
+    """The compressor a gossip method uses, from a spec string (``"topk:density=0.01"``, ``"sign"``)
+    or an instance; ``None`` means ``"none"``. Error feedback is left off.
+
+    Raises:
+        ValueError: ``ef=true`` in the spec, a bad spec, or a compressor :func:`compressor_kind` refuses.
+    """
+    if spec is None:
+        spec = "none"
+    if isinstance(spec, str):
+        name, kwargs = parse_spec(spec)
+        name = ALIASES.get(name, name)
+        if kwargs.pop("ef", False):
+            raise ValueError(f"'{spec}': gossip methods keep public copies of what was sent, which does the "
+                             "job of error feedback; drop ef=true")
+        comp = get_compressor(name, ef=False, **kwargs)
+    elif isinstance(spec, Compressor):
+        comp = spec
+    else:
+        raise ValueError(f"compression must be a spec string like 'topk:density=0.01' or an hvdcomp.Compressor, "
+                         f"got {spec!r}")
+    compressor_kind(comp)
+    return comp
+
+
+def check_consensus_step(gamma, method: str) -> float:
+    """``gamma`` as a float in (0, 1].
+
+    Raises:
+        ValueError: not a finite number in (0, 1].
+    """
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not (0.0 < float(gamma) <= 1.0):
+        raise ValueError(f"{method}: the consensus step size γ must be a number in (0, 1], got {gamma!r} "
+                         "(starting points: docs/gossip.md, 'Tuning γ')")
+    return float(gamma)
+
+
+class GossipMethod(abc.ABC):
+    """One rank's state in a decentralized method; communication is the caller's.
+
+    The caller runs, once per optimizer step, after the local optimizer step::
+
+        for r in range(method.rounds):
+            out = method.outgoing(params, previous, r)    # payload(s) for method.peers()
+            method.incoming(params, {peer: payload received from peer}, r)
+
+    (with overlap, the last round's ``incoming`` may come just before the next step's first
+    ``outgoing``). A neighbour's payload has the dtypes and tensor count of the payload sent to it.
+    Methods with :attr:`needs_setup` first exchange :meth:`setup_payload` once (exactly) and call
+    :meth:`setup` with what the neighbours sent.
+
+    Args:
+        params: the model's parameters (any shapes, one floating dtype per tensor), in the same
+            order on every rank; the method updates them in place.
+        names: their names (state and compressor state are keyed by them).
+        topology: the graph (``topology.size`` ranks).
+        rank: this rank's index in the topology.
+
+    Attributes:
+        steps: gossip steps completed (chooses the round of a time-varying topology; saved).
+        rounds: exchanges per step.
+        needs_previous: ``outgoing`` needs ``previous``, the parameters before the local step.
+        needs_setup: an exact exchange of the initial models is needed before the first step.
+        supports_time_varying: the method works on a time-varying topology.
+
+    Raises:
+        ValueError: names and params of different lengths, a non-floating parameter, a
+            time-varying topology for a method that needs a fixed one, a rank outside the topology.
+    """
+
+    name = "abstract"
+    rounds = 1
+    needs_previous = False
+    needs_setup = False
+    supports_time_varying = False
+
+    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], topology: Topology, rank: int):
+        params = list(params)
+        names = list(names)
+        if len(params) != len(names):
+            raise ValueError(f"{len(params)} parameters but {len(names)} names")
+        for n, p in zip(names, params):
+            if not p.is_floating_point():
+                raise ValueError(f"parameter '{n}' is {p.dtype}; gossip averages floating-point parameters only")
+        if not isinstance(topology, Topology):
+            raise ValueError(f"topology must be a hvdcomp.gossip.topology.Topology, got {topology!r}")
+        if not 0 <= rank < topology.size:
+            raise ValueError(f"rank {rank} is outside the {topology.size}-rank topology")
+        if topology.time_varying and not self.supports_time_varying:
+            raise ValueError(f"{self.name} keeps copies of a fixed set of neighbours' models, so it needs a static "
+                             f"topology; '{topology.name}' changes every step: use ring, torus, complete or an "
+                             "adjacency, or method='powergossip'")
+        self.names = names
+        self.topology = topology
+        self.rank = int(rank)
+        self.steps = 0
+
+    # ---- the graph at this step --------------------------------------------------------------
+    def peers(self) -> Tuple[int, ...]:
+        """The neighbours of this rank at the current step (ascending)."""
+        return self.topology.neighbors(self.rank, self.steps)
+
+    def weight(self, j: int) -> float:
+        """The mixing weight ``W[rank, j]`` at the current step."""
+        return self.topology.weight(self.rank, j, self.steps)
+
+    # ---- protocol ---------------------------------------------------------------------------
+    def setup_payload(self, params: Sequence[torch.Tensor]) -> Payload:
+        """The exact initial models for :meth:`setup` (1-D copies of the parameters)."""
+        return [p.detach().reshape(-1).clone() for p in params]
+
+    def setup(self, params: Sequence[torch.Tensor], received: Dict[int, Payload]) -> None:
+        """Initialise from the neighbours' exact initial models (only where :attr:`needs_setup`)."""
+
+    @abc.abstractmethod
+    def outgoing(self, params: Sequence[torch.Tensor], previous: Optional[Sequence[torch.Tensor]],
+                 round: int = 0) -> Outgoing:
+        """Compute what this rank sends at this step's ``round`` (may update ``params``)."""
+
+    @abc.abstractmethod
+    def incoming(self, params: Sequence[torch.Tensor], received: Dict[int, Payload], round: int = 0) -> None:
+        """Apply what the neighbours sent in ``round`` (updates ``params`` and the state); the last
+        round ends the step (:attr:`steps` + 1)."""
+
+    def describe(self) -> Dict[str, Any]:
+        """JSON-able hyper-parameters (the consistency check compares them across ranks)."""
+        return {"method": self.name}
+
+    # ---- per-rank state ---------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's state (tensors and numbers): restore it on the same rank."""
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (from the same rank)."""
+        self.steps = int(state["steps"])
+
+
+def split_payload(flat: Sequence[torch.Tensor], lengths: Sequence[int]) -> List[List[torch.Tensor]]:
+    """Cut a concatenated list of payload tensors into consecutive pieces of ``lengths``."""
+    out, start = [], 0
+    for n in lengths:
+        out.append(list(flat[start:start + n]))
+        start += n
+    if start != len(flat):
+        raise ValueError(f"a neighbour's payload has {len(flat)} tensors, this rank expected {start}: the ranks "
+                         "run different models or compressors")
+    return out
+
+
+def copy_params(params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Detached copies of ``params`` (the state of what was sent or held)."""
+    return [p.detach().clone() for p in params]
+
+
+class EncodedModel:
+    """One rank's compressed tensors of a step: the payload that travels (all tensors' payloads
+    end to end), and what is kept locally to decode it and the neighbours' payloads.
+
+    Args:
+        compressor: the method's compressor.
+        scales: per tensor, the factor applied after decoding (Choco-SGD's 1/(1 + ω) for an
+            unbiased compressor; 1 otherwise).
+    """
+
+    def __init__(self, compressor: Compressor, scales: Sequence[float]):
+        self.compressor, self.scales = compressor, list(scales)
+        self.payload: Payload = []
+        self.ctxs: List[Any] = []
+        self.lengths: List[int] = []
+
+    def add(self, tensor: torch.Tensor, name: str) -> None:
+        """Compress the next tensor (in parameter order) and append its payload."""
+        q, ctx = self.compressor.encode(tensor, name)
+        self.payload.extend(t.reshape(-1) for t in q)
+        self.ctxs.append(ctx)
+        self.lengths.append(len(q))
+
+    def last(self) -> List[torch.Tensor]:
+        """The payload of the tensor added last."""
+        return self.payload[len(self.payload) - self.lengths[-1]:]
+
+    def pieces(self, flat: Optional[Sequence[torch.Tensor]] = None) -> List[List[torch.Tensor]]:
+        """``flat`` (a neighbour's payload; this rank's own when None) cut per tensor."""
+        return split_payload(self.payload if flat is None else flat, self.lengths)
+
+    def decode(self, piece: Sequence[torch.Tensor], k: int, like: torch.Tensor) -> torch.Tensor:
+        """Tensor ``k``'s dense value from its payload ``piece``: shape, dtype and device of
+        ``like``, times ``scales[k]``."""
+        piece = [t.to(like.device) for t in piece]
+        out = self.compressor.decode(piece, self.ctxs[k]).reshape(like.shape).to(like.dtype)
+        if self.scales[k] != 1.0:
+            out = out.mul_(self.scales[k])
+        return out
+
+
+def decode_scales(compressor: Compressor, params: Sequence[torch.Tensor], rescale_unbiased: bool) -> List[float]:
+    """Per tensor: ``1/(1 + ω(numel))`` for an unbiased compressor when ``rescale_unbiased`` (a
+    contraction, as Choco-SGD needs), else 1."""
+    kind = compressor_kind(compressor)
+    if kind.kind == "unbiased" and rescale_unbiased:
+        return [1.0 / (1.0 + kind.omega(p.numel())) for p in params]
+    return [1.0] * len(params)

@@ -1,0 +1,346 @@
+"""``GossipOptimizer``: decentralized training from a Horovod script, in place of
+``hvdcomp.DistributedOptimizer``.
+
+Gradients are not averaged. Each step, the wrapped optimizer takes its *local* step (momentum,
+weight decay and the learning-rate schedule exactly as in single-process training, as the
+references do: Choco-SGD's and Tang et al.'s code apply ``SGD`` with momentum to the local model,
+then gossip), then the gossip method mixes the model with the neighbours' through the neighbour
+transport. By default (``overlap=True``) the exchange started at the end of a step completes on a
+background thread while the next forward and backward compute, and is applied at the start of the
+next ``step()`` (after that step's local update): exact for DCD-PSGD and ECD-PSGD, and the
+authors' "parallel" form for Choco-SGD and PowerGossip (the mixing applied one step late).
+
+Which model to evaluate: the ranks' models differ by the consensus distance. :meth:`average_model`
+(a context manager) swaps in the network average (one allreduce) and puts the local model back
+after; ``mpi_scripts/train_lm.py`` evaluates the average by default (``--gossip-eval local``: each
+rank its own model). :meth:`consensus_distance` reports Σ_i ‖x_i − x̄‖².
+
+Example::
+
+    from mpi4py import MPI            # first: MPI_THREAD_MULTIPLE for the background thread
+    import torch, horovod.torch as hvd
+    import hvdcomp.gossip
+
+    hvd.init()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvdcomp.gossip.GossipOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4),
+        named_parameters=model.named_parameters(), method="choco", topology="ring",
+        compression="sign", consensus_step=0.45)
+    for x, y in loader:
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    with opt.average_model():
+        evaluate(model)
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+from ..metrics import PhaseTimer
+from ..transports.neighbor import NeighborTransport
+from ..comm.group import Group
+from .base import GossipMethod, copy_params
+from .choco import ChocoGossip
+from .dcd import DCDGossip, ECDGossip
+from .powergossip import PowerGossip
+from .topology import make_topology
+
+__all__ = ["GossipOptimizer", "METHODS", "make_method"]
+
+#: ``method=`` names
+METHODS = {"choco": ChocoGossip, "dcd": DCDGossip, "ecd": ECDGossip, "powergossip": PowerGossip}
+
+
+def make_method(method: str, params, names, topology, rank, compression=None, consensus_step=None,
+                **kwargs) -> GossipMethod:
+    """The :class:`~hvdcomp.gossip.base.GossipMethod` of one rank for ``method`` (a key of
+    :data:`METHODS`); ``kwargs`` go to its constructor (PowerGossip: ``power_iterations``,
+    ``warm_start``, ``seed``).
+
+    Raises:
+        ValueError: unknown method, or what the method's constructor raises.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown gossip method {method!r}; use one of {', '.join(METHODS)}")
+    return METHODS[method](params, names, topology, rank, compression=compression,
+                           consensus_step=consensus_step, **kwargs)
+
+
+class GossipOptimizer:
+    """Local optimizer step, then a compressed gossip step with the neighbours (module docstring).
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` over the model's parameters (stepped locally).
+        named_parameters: the model's ``named_parameters()`` (names key the per-rank state and
+            compressor state; without it parameters are named ``param.<i>``).
+        method: ``"choco"`` (Choco-SGD), ``"dcd"`` (DCD-PSGD), ``"ecd"`` (ECD-PSGD) or
+            ``"powergossip"``.
+        topology: ``"ring"``, ``"torus"``, ``"torus:RxC"``, ``"exponential"`` (PowerGossip only),
+            ``"complete"``, neighbour lists, or a :class:`~hvdcomp.gossip.topology.Topology`, over
+            the process set's ranks.
+        compression: compressor spec or instance (``"sign"``, ``"topk:density=0.01"``, ``"qsgd"``,
+            ...; :data:`hvdcomp.gossip.base.COMPRESSORS`); ``None``/``"none"`` for PowerGossip.
+        consensus_step: Choco-SGD's γ ∈ (0, 1] (required with a compressor); PowerGossip's step
+            (default 1); not accepted by DCD/ECD.
+        process_set: a Horovod process set (default: every rank); ranks outside it train locally.
+        weights: ``"metropolis"`` or ``"uniform"`` mixing weights for a static graph.
+        overlap: run the exchange of a step in the background until the next ``step()``.
+        timeout: seconds to wait for a neighbour before :class:`NeighborTimeoutError` names it.
+        **method_kwargs: PowerGossip's ``power_iterations``, ``warm_start``, ``seed``.
+
+    Attributes:
+        optimizer, method (the :class:`GossipMethod`), topology, transport, compression,
+        timer (:class:`hvdcomp.metrics.PhaseTimer`: compress / communicate / decompress seconds
+        and exact bytes per step), rank, size.
+
+    Raises:
+        ValueError: on every rank of the process set, when any rank's arguments are invalid (an
+            asymmetric or disconnected graph, a rank listed twice, γ ∉ (0, 1], a refused
+            compressor, ...) or the ranks disagree on method, topology, γ, compressor or the
+            parameters' names, shapes and dtypes (the message names the rank and the field).
+        RuntimeError: Horovod not initialised, or no usable mpi4py world matching Horovod's.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None, method: str = "choco",
+                 topology="ring", compression=None, consensus_step: Optional[float] = None, process_set=None,
+                 weights: str = "metropolis", overlap: bool = True, timeout: float = 300.0, **method_kwargs):
+        self.optimizer = optimizer
+        self.timer = PhaseTimer()
+        self.overlap = bool(overlap)
+        self.group = Group(process_set)
+        self._params: List[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
+        self._names = self._parameter_names(named_parameters)
+        self._pending = None
+        self.method: Optional[GossipMethod] = None
+        self.transport = None
+        self.topology = None
+        self.compression = None
+        self.rank, self.size = self.group.rank, self.group.size
+        if not self.group.included:
+            return  # (as Horovod: a rank outside the process set trains on its own)
+        comm = self._communicator()
+        self.transport = NeighborTransport(comm, timeout=timeout)
+        error, record = None, None
+        try:
+            self.topology = make_topology(topology, self.size, weights)
+            self.method = make_method(method, self._params, self._names, self.topology, self.rank,
+                                      compression=compression, consensus_step=consensus_step, **method_kwargs)
+            self.compression = getattr(self.method, "compressor", None)
+            record = {"method": self.method.describe(), "topology": self.topology.fingerprint(),
+                      "overlap": self.overlap,
+                      "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)]}
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has heard of it
+            error = exc
+        self._agree(error, record)
+        if self.method.needs_setup:
+            peers = self.topology.all_neighbors(self.rank)
+            received = self.transport.exchange(self.method.setup_payload(self._params), peers)
+            self.method.setup(self._params, received)
+
+    # ---- construction helpers ----------------------------------------------------------------
+    def _parameter_names(self, named_parameters) -> List[str]:
+        if named_parameters is None:
+            return [f"param.{i}" for i in range(len(self._params))]
+        by_id = {}
+        for name, p in list(named_parameters):
+            by_id.setdefault(id(p), name)
+        missing = [i for i, p in enumerate(self._params) if id(p) not in by_id]
+        if missing:
+            raise ValueError(f"named_parameters does not name {len(missing)} of the optimizer's parameters "
+                             f"(positions {missing[:5]}); pass model.named_parameters() of the optimized model")
+        names = [by_id[id(p)] for p in self._params]
+        if len(set(names)) != len(names):
+            raise ValueError("the optimizer holds the same parameter twice; list each parameter once")
+        return names
+
+    def _communicator(self):
+        import horovod.torch as hvd
+
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:
+            raise RuntimeError(f"gossip needs mpi4py for its neighbour exchanges ({exc}); launch with mpirun") from exc
+        if MPI.COMM_WORLD.Get_size() != hvd.size():
+            raise RuntimeError(f"gossip exchanges through MPI, but the MPI world has {MPI.COMM_WORLD.Get_size()} "
+                               f"ranks and Horovod {hvd.size()}: launch with mpirun or horovodrun --mpi")
+        return self.group.mpi_comm()
+
+    def _agree(self, error: Optional[BaseException], record) -> None:
+        """Every rank learns every rank's construction error and settings; all raise together."""
+        mine = {"error": None if error is None else f"{type(error).__name__}: {error}", "record": record}
+        everyone = self.transport.allgather_object(mine)
+        failed = [(r, e["error"]) for r, e in enumerate(everyone) if e["error"]]
+        if failed:
+            r, msg = failed[0]
+            raise ValueError(f"GossipOptimizer: rank {r} of the process set could not start: {msg}") from error
+        ref = everyone[0]["record"]
+        for r, e in enumerate(everyone[1:], start=1):
+            for field in ref:
+                if e["record"][field] != ref[field]:
+                    raise ValueError(f"GossipOptimizer: rank {r} and rank 0 disagree on {field}: "
+                                     f"{_short(e['record'][field])} vs {_short(ref[field])}; every rank must pass the "
+                                     "same method, topology, consensus_step, compression and model")
+
+    # ---- torch.optim.Optimizer-like facade ----------------------------------------------------
+    @property
+    def param_groups(self):
+        """The wrapped optimizer's parameter groups (set ``lr`` here for schedules)."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        """The wrapped optimizer's state (momentum buffers, ...)."""
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def synchronize(self) -> None:
+        """Nothing to do: gradients stay local in decentralized training (for scripts written for
+        :class:`hvdcomp.DistributedOptimizer`, which call it before clipping)."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """A no-op context (see :meth:`synchronize`)."""
+        yield
+
+    def step(self, closure=None):
+        """The local optimizer step, then the gossip step; returns the closure's loss.
+
+        Raises:
+            NeighborTimeoutError: a neighbour sent nothing within ``timeout`` (names the rank).
+        """
+        gossiping = self.method is not None and self.size > 1
+        previous = copy_params(self._params) if gossiping and self.method.needs_previous else None
+        loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        if not gossiping:
+            return loss
+        self.flush()
+        method = self.method
+        for r in range(method.rounds):
+            with self.timer.phase("compress"):
+                out = method.outgoing(self._params, previous, r)
+            with self.timer.phase("communicate"):
+                handle = self.transport.start(out, method.peers())
+            self._pending = (handle, r, len(method.peers()))
+            if not (self.overlap and r == method.rounds - 1):
+                self.flush()
+        return loss
+
+    def flush(self) -> None:
+        """Finish the exchange in flight (if any) and apply it to the model."""
+        if self._pending is None:
+            return
+        handle, r, degree = self._pending
+        self._pending = None
+        with self.timer.phase("communicate"):
+            received = self.transport.finish(handle)
+        with self.timer.phase("decompress"):
+            self.method.incoming(self._params, received, r)
+        dense = 4 * sum(p.numel() for p in self._params) * degree
+        self.timer.add_bytes(sent=handle.bytes_sent, received=handle.bytes_received, dense=dense)
+
+    # ---- which model to evaluate ------------------------------------------------------------
+    def _mean_of_models(self) -> List[torch.Tensor]:
+        import horovod.torch as hvd
+
+        if not self.group.included or self.size == 1:
+            return [p.detach().clone() for p in self._params]
+        out = []
+        for i, p in enumerate(self._params):
+            out.append(self.group.allreduce(p.detach().clone(), name=f"hvdcomp.gossip.average.{i}", op=hvd.Average))
+        return out
+
+    @contextlib.contextmanager
+    def average_model(self) -> Iterator[None]:
+        """Inside the block, the parameters hold the network average Σ_i x_i / n (identical on every
+        rank; a Horovod allreduce per parameter over the process set); the local model comes back
+        after. Collective: every rank of the set must enter it. The exchange in flight stays in
+        flight."""
+        local = [p.detach().clone() for p in self._params]
+        mean = self._mean_of_models()
+        with torch.no_grad():
+            for p, m in zip(self._params, mean):
+                p.copy_(m)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, x in zip(self._params, local):
+                    p.copy_(x)
+
+    def with_average_model(self, fn):
+        """``fn`` wrapped to run inside :meth:`average_model` (e.g. an evaluation function)."""
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with self.average_model():
+                return fn(*args, **kwargs)
+        return wrapper
+
+    def consensus_distance(self) -> float:
+        """Σ_i ‖x_i − x̄‖² over the process set's ranks (all parameters; float64), the same on every
+        rank. Collective."""
+        import horovod.torch as hvd
+
+        mean = self._mean_of_models()
+        local = sum(float((p.detach().double() - m.double()).pow(2).sum()) for p, m in zip(self._params, mean))
+        if not self.group.included or self.size == 1:
+            return local
+        return float(self.group.allreduce(torch.tensor([local], dtype=torch.float64),
+                                          name="hvdcomp.gossip.consensus", op=hvd.Sum)[0])
+
+    # ---- checkpoints (per rank) ------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's state: the wrapped optimizer's, the method's (public copies, replicas,
+        edge vectors, compressor state), and the rank, size, topology and method it belongs to.
+        Save it per rank and restore it on the same rank. Finishes (and applies) the exchange in
+        flight first, so the saved state is a point the resumed run continues from exactly."""
+        self.flush()
+        out = {"optimizer": self.optimizer.state_dict(), "rank": self.rank, "size": self.size}
+        if self.method is not None:
+            out.update({"gossip": self.method.state_dict(), "method": self.method.describe(),
+                        "topology": self.topology.fingerprint()})
+        return out
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output of this same rank (after ``model.load_state_dict``
+        of that rank's model).
+
+        Raises:
+            ValueError: the state belongs to another rank, size, topology or method.
+        """
+        for key, mine in (("rank", self.rank), ("size", self.size)):
+            if state.get(key) != mine:
+                raise ValueError(f"this gossip state was saved by {key} {state.get(key)}, this is {key} {mine}: "
+                                 "gossip state is per rank; each rank loads the file it saved")
+        if self.method is not None:
+            if state.get("topology") != self.topology.fingerprint() or state.get("method") != self.method.describe():
+                raise ValueError("this gossip state was saved with another topology or method "
+                                 f"({state.get('method')}); resume with the same settings")
+        self.flush()
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.method is not None:
+            self.method.load_state_dict(state["gossip"])
+
+    def describe(self) -> Dict[str, Any]:
+        """JSON-able description (for results files)."""
+        if self.method is None:
+            return {"method": "local (outside the process set)"}
+        return {**self.method.describe(), "topology": self.topology.describe(), "overlap": self.overlap,
+                "transport": str(self.transport)}
+
+    def close(self) -> None:
+        """Finish the exchange in flight and stop the transport's thread."""
+        self.flush()
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _short(value, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

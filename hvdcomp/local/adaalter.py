@@ -1,0 +1,170 @@
+"""Local AdaAlter: AdaGrad-type local steps with the denominator frozen between synchronizations.
+
+Xie, Koyejo, Gupta and Lin, "Local AdaAlter: Communication-Efficient Stochastic Gradient Descent
+with Adaptive Learning Rates", 2019 (arXiv:1911.09030). Every rank keeps, per parameter, the
+denominator b (frozen during a round) and a running accumulator s of squared gradients::
+
+    θ ← θ − η·(g / sqrt(b + ε) + w·θ)       (AdaAlter: b excludes the current g²)
+    s ← s + g²                              (local, no communication)
+
+and every H steps the parameters and the accumulators are averaged over the ranks, and the
+denominator becomes the average: ``b ← s ← mean over ranks of s``. The first ``warmup_steps``
+steps are fully synchronous: gradients are averaged every step and ``b ← s ← s + ḡ²`` after each,
+as in the authors' code, whose language-model script also ramps the learning rate linearly over
+those steps (``--warmup-steps`` of ``mpi_scripts/train_lm.py`` does that here).
+
+Defaults follow the authors' optimizer (``LocalAdaAlter`` in their GluonNLP fork): ε = 1e-7
+inside the square root; the paper's H = 4. With a small ε the first step is as large as
+``η·g/sqrt(ε)``; the authors' language-model script therefore sets ε = 1 ("initial history
+accumulation") and warms the learning rate up.
+
+The parameters are averaged as the other local-update methods' pseudo-gradients are (an outer SGD
+step with lr 1 and no momentum on the average Δ, ``θ_start − mean(Δ)``: the mean of the ranks'
+parameters up to float32 rounding), so Δ may travel compressed; the accumulators are averaged
+uncompressed by Horovod allreduce (they are positive scale estimates, not directions).
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import LocalUpdate
+from .outer import outer_sgd
+
+__all__ = ["AdaAlter", "LocalAdaAlter"]
+
+
+class AdaAlter(torch.optim.Optimizer):
+    """The AdaAlter inner update (see the module docstring).
+
+    Args:
+        params: the model's parameters.
+        lr: η > 0.
+        eps: ε > 0 inside the square root (1e-7).
+        weight_decay: w ≥ 0 (0).
+
+    Attributes:
+        synchronous: the accumulator also becomes the denominator after every step (the
+            synchronous warm-up); set by :class:`LocalAdaAlter`.
+
+    State per parameter: ``denominator`` (b) and ``accumulator`` (s), zeros at first.
+
+    Raises:
+        ValueError: ``lr`` ≤ 0, ``eps`` ≤ 0 or ``weight_decay`` < 0.
+    """
+
+    def __init__(self, params, lr: float = 0.01, eps: float = 1e-7, weight_decay: float = 0.0):
+        if not lr > 0 or not eps > 0 or weight_decay < 0:
+            raise ValueError(f"AdaAlter needs lr > 0, eps > 0 and weight_decay >= 0; got lr={lr!r}, eps={eps!r}, "
+                             f"weight_decay={weight_decay!r}")
+        super().__init__(params, {"lr": float(lr), "eps": float(eps), "weight_decay": float(weight_decay)})
+        self.synchronous = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step of every parameter with a gradient; returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g, state = p.grad, self.state[p]
+                if not state:
+                    state["denominator"] = torch.zeros_like(p)
+                    state["accumulator"] = torch.zeros_like(p)
+                update = g / (state["denominator"] + group["eps"]).sqrt()
+                if group["weight_decay"]:
+                    update.add_(p, alpha=group["weight_decay"])
+                p.add_(update, alpha=-group["lr"])
+                state["accumulator"].addcmul_(g, g)
+                if self.synchronous:
+                    state["denominator"].copy_(state["accumulator"])
+        return loss
+
+
+class LocalAdaAlter(LocalUpdate):
+    """Local AdaAlter (see the module docstring): wraps an :class:`AdaAlter` optimizer.
+
+    Args:
+        optimizer: an :class:`AdaAlter` over the model's parameters.
+        named_parameters: ``model.named_parameters()``.
+        local_steps: H ≥ 1 (4).
+        warmup_steps: fully synchronous steps first (1, the authors' script default).
+        compression: the method that carries the parameters' Δ (default ``"none"``).
+        **kwargs: :class:`~hvdcomp.local.base.LocalUpdate`'s and the pipeline's.
+
+    Raises:
+        TypeError: ``optimizer`` is not an :class:`AdaAlter`.
+        ValueError: ``warmup_steps`` < 0, and :class:`~hvdcomp.local.base.LocalUpdate`'s.
+    """
+
+    algorithm = "adaalter"
+
+    def __init__(self, optimizer: AdaAlter, named_parameters=None, *, local_steps: int = 4, warmup_steps: int = 1,
+                 compression="none", **kwargs):
+        if not isinstance(optimizer, AdaAlter):
+            raise TypeError("LocalAdaAlter wraps hvdcomp.local.AdaAlter(model.parameters(), lr=...), got "
+                            f"{type(optimizer).__name__}; other optimizers go with hvdcomp.local.DiLoCo")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        self.warmup_steps = warmup_steps
+        super().__init__(optimizer, named_parameters, local_steps=local_steps, compression=compression,
+                         outer_optimizer=outer_sgd(1.0, 0.0, False), **kwargs)
+
+    def step(self, closure=None):
+        """A synchronous step during the warm-up (gradients averaged), else a local one."""
+        if self._closed or self.steps >= self.warmup_steps:
+            self.inner.synchronous = False
+            return super().step(closure)
+        if not self._started:
+            self._start_training()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for _, p in self._params:  # (a parameter this rank did not use: zeros, as the pipeline sends)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self._average([p.grad for _, p in self._params], "grad")
+        self.inner.synchronous = True
+        self.inner.step()
+        self.inner.synchronous = False
+        self.steps += 1
+        with torch.no_grad():  # every rank took the same step: the round starts here
+            for n, p in self._params:
+                self._anchor[n].copy_(p)
+        return loss
+
+    def _average(self, tensors, what: str) -> None:
+        """Average ``tensors`` in place over the ranks (Horovod allreduce, charged to
+        ``communicate``; bytes counted)."""
+        group = self.sync.group
+        if group.size == 1 or not tensors:
+            return
+        with self.timer.phase("communicate"):
+            handles = [group.allreduce_async_(t, f"{self.prefix}.{what}.{i}", group.hvd.Average)
+                       for i, t in enumerate(tensors)]
+            for h in handles:
+                group.synchronize(h)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.timer.add_bytes(sent=nbytes, received=nbytes, dense=nbytes)
+
+    def _reduce(self):
+        """The parameters' Δ through the pipeline, then the accumulators by allreduce."""
+        record = super()._reduce()
+        before = self.timer.bytes_sent
+        states = [self.inner.state[p] for _, p in self._params]
+        for (_, p), state in zip(self._params, states):  # (never stepped on this rank: zeros)
+            if not state:
+                state["denominator"], state["accumulator"] = torch.zeros_like(p), torch.zeros_like(p)
+        self._average([state["accumulator"] for state in states], "accumulator")
+        for state in states:
+            state["denominator"].copy_(state["accumulator"])
+        record["accumulator_bytes"] = self.timer.bytes_sent - before
+        return record
+
+    def describe(self):
+        inner = self.inner.defaults
+        return {**super().describe(), "warmup_steps": self.warmup_steps, "eps": inner["eps"], "lr": inner["lr"]}

@@ -1,0 +1,399 @@
+"""What every local-update method shares: H inner steps without communication, then the
+pseudo-gradient Δ = θ_start − θ_local averaged by the hvdcomp pipeline and an outer step on θ_start.
+
+The round, for a model with parameters θ (one rank's view; ``Δ̄`` is the average over ranks)::
+
+    θ_local ← θ_start                           every rank starts the round from the same point
+    H × inner.step()                            the user's torch.optim optimizer, no collective
+    Δ = θ_start − θ_local                       (float32 for half-precision parameters)
+    Δ̄ = mean over ranks of C(Δ + e)            any hvdcomp method C, with its error feedback e
+    θ_start ← outer.step(θ_start, Δ̄)           e.g. SGD: θ_start − α·Δ̄
+    θ_local ← θ_start
+
+How Δ travels. The copy of θ_start is a set of tensors named as the model's parameters; their
+``.grad`` holds Δ, and an :func:`hvdcomp.DistributedOptimizer` wraps a *mailbox* optimizer over
+them (one whose ``step`` does nothing), so the pipeline (plan, transports, error feedback, the
+per-step agreement) carries Δ exactly as it carries a gradient, for every registered method,
+step-wide ones included: its ``synchronize()`` starts every unit (no backward hook fires on these
+tensors), ``step()`` commits the method's state, and the average stays in ``.grad`` for the
+outer optimizer, a plain torch.optim optimizer over the same tensors. Reducing (and committing
+the compressor's state) apart from the outer update is what lets CO2 apply a round's average one
+round later, and a checkpoint taken between the two resume exactly.
+
+A round whose Δ is non-finite on any rank is dropped on every rank (the pipeline's agreement):
+no outer step, every rank restarts from the unchanged θ_start.
+
+Memory: one copy of the parameters (θ_start; float32 for half-precision parameters, on the host
+for a CUDA model unless ``host_copy=False``), the send buffer Δ (one copy), the outer optimizer's
+state (SGD with momentum: one copy) and the method's residuals (error feedback: one copy, two on
+the CPU where the previous step's residual is recycled).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from ..agreement import digest
+from ..comm.group import horovod
+from ..compressors.base import Compressor, PayloadKind
+from ..config import check_method, name_parameters
+from ..memory import Wrapper
+from ..metrics import PhaseTimer
+from ..spec import resolve_compression
+from ..optimizer import DistributedOptimizer
+from .checkpoint import Checkpoints
+
+__all__ = ["LocalUpdate", "check_carries_delta", "check_outer_lr", "round_report"]
+
+_HALF = (torch.float16, torch.bfloat16)
+_ids = itertools.count()  # creation order of local-update optimizers: the same on every rank, names collectives
+
+
+def check_carries_delta(method, outer: torch.optim.Optimizer) -> None:
+    """Refuse a method whose average is not an estimate of the mean pseudo-gradient: the one
+    place that reads how a method's payloads combine.
+
+    Raises:
+        ValueError: a majority vote (``signsgd``: the aggregate is a sign in {−1, +1} per element,
+            whatever Δ's size), or a method that applies momentum itself (DGC) with an outer
+            optimizer that does too.
+    """
+    base = method
+    while isinstance(base, Wrapper):
+        base = base.inner
+    vote = isinstance(base, Compressor) and (base.payload_kind is PayloadKind.SUM or base.name == "signsgd")
+    if vote:
+        raise ValueError(f"'{method.name}' averages by majority vote: its result is a sign per element, not "
+                         "the mean pseudo-gradient (Δ's size is lost). Carry Δ with a method whose average "
+                         "estimates the mean, e.g. 'none', 'fp16', 'topk:density=0.01' or 'efsignsgd'")
+    check_method(method, outer, "tensor")
+
+
+def check_outer_lr(outer: torch.optim.Optimizer) -> None:
+    """Raises ``ValueError`` unless every parameter group of ``outer`` has a learning rate > 0."""
+    for group in outer.param_groups:
+        lr = group.get("lr")
+        if not isinstance(lr, (int, float)) or not lr > 0:
+            raise ValueError(f"the outer learning rate must be > 0, got {lr!r} (1.0 with momentum 0 is plain "
+                             "averaging of the ranks' parameters)")
+
+
+class _Mailbox(torch.optim.Optimizer):
+    """The optimizer the hvdcomp pipeline wraps: its parameters carry Δ in ``.grad``; its step
+    does nothing, so the average stays in ``.grad``."""
+
+    def __init__(self, carriers: List[torch.Tensor]):
+        super().__init__(carriers, {})
+
+    def step(self, closure=None):  # noqa: D401 - the average is the result
+        return None
+
+
+class LocalUpdate(Checkpoints):
+    """Base of the local-update wrappers (:class:`hvdcomp.local.DiLoCo`, ``SparseLoCo``, ``CO2``,
+    ``LocalAdaAlter``): see the module docstring for the round.
+
+    Args:
+        optimizer: the inner optimizer, any ``torch.optim.Optimizer`` over the model's parameters;
+            it runs every step with no communication.
+        named_parameters: ``model.named_parameters()`` (names key the method's state; the same on
+            every rank); parameters are named by position without it.
+        local_steps: H ≥ 1, inner steps per round (``step()`` calls; a step a ``GradScaler`` skips
+            is not counted).
+        outer_optimizer: ``f(tensors) -> torch.optim.Optimizer`` over the copies of θ_start.
+        compression: the method that carries Δ (an :class:`hvdcomp.Compressor`, a spec such as
+            ``"topk:density=0.01"``, a step-wide method, or Horovod's ``hvd.Compression``).
+        host_copy: keep θ_start and Δ in host memory (default: for CUDA parameters); the method
+            then compresses on the host.
+        timer: a :class:`hvdcomp.metrics.PhaseTimer` (new by default; ``.timer``): rounds charge
+            ``outer`` (Δ, the outer step, copies) and the pipeline's phases to it.
+        backward_passes_per_step: accepted for Horovod compatibility, only 1: accumulate by calling
+            ``backward()`` several times before ``step()`` (H counts steps, not backward passes).
+        chunk_size: split each Δ into consecutive chunks of this many elements, each compressed as
+            its own tensor (SparseLoCo's top-k per chunk); None: one tensor per parameter.
+        **pipeline: further :func:`hvdcomp.DistributedOptimizer` arguments for the reduction of Δ
+            (``process_set``, ``allgather``, ``cost_model``, ``bucket_bytes``, ``nonfinite``, ...).
+
+    Raises:
+        ValueError: ``local_steps`` not an integer ≥ 1, ``backward_passes_per_step`` ≠ 1, an outer
+            learning rate ≤ 0, ``chunk_size`` < 1, a method that cannot carry Δ
+            (:func:`check_carries_delta`), or anything :func:`hvdcomp.DistributedOptimizer` refuses.
+            Each is raised on every rank (the arguments are the same), before any collective.
+        RuntimeError: Horovod is not initialised.
+    """
+
+    algorithm = "local"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None, *, local_steps: int,
+                 outer_optimizer: Callable[[List[torch.Tensor]], torch.optim.Optimizer], compression="none",
+                 host_copy: Optional[bool] = None, timer: Optional[PhaseTimer] = None,
+                 backward_passes_per_step: int = 1, chunk_size: Optional[int] = None, **pipeline):
+        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+            raise ValueError(f"local_steps (H, inner steps per round) must be an integer >= 1, got {local_steps!r}")
+        if backward_passes_per_step != 1:
+            raise ValueError("backward_passes_per_step must be 1 with local-update training: no step "
+                             "communicates, so accumulate locally by calling backward() several times before "
+                             f"step() (local_steps counts step() calls); got {backward_passes_per_step!r}")
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"chunk_size must be an integer >= 1 (elements) or None, got {chunk_size!r}")
+        hvd = horovod()
+        if not hvd.is_initialized():
+            raise RuntimeError("Horovod is not initialised: call hvd.init() before building a local-update optimizer")
+        self.inner, self.local_steps, self.chunk_size = optimizer, local_steps, chunk_size
+        self.prefix = f"hvdcomp.local.{next(_ids)}"
+        self.timer = timer if timer is not None else PhaseTimer()
+        names = name_parameters(optimizer.param_groups, named_parameters)
+        self._params = [(names[p], p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        if host_copy is None:
+            host_copy = any(p.is_cuda for _, p in self._params)
+        with torch.no_grad():
+            self._anchor = {n: p.detach().to(device="cpu" if host_copy else p.device, copy=True,
+                                              dtype=torch.float32 if p.dtype in _HALF else p.dtype).requires_grad_()
+                            for n, p in self._params}
+        self._delta = {n: torch.zeros_like(a) for n, a in self._anchor.items()}
+        self.outer = outer_optimizer(list(self._anchor.values()))
+        check_outer_lr(self.outer)
+        method = resolve_compression(compression)
+        check_carries_delta(method, self.outer)
+        names_c, self._carriers, self._carrier_grads = self._make_carriers()
+        self.sync = self._make_sync(method, names_c, pipeline)
+        self.steps = self.round_step = self.rounds = self.skipped_rounds = 0
+        self.history: List[Dict[str, Any]] = []  # one record per round
+        self._closed = False
+        self._started = False  # θ_start taken from the model (at the first step: after the user's broadcast)
+
+    # ---- construction helpers ------------------------------------------------------------------
+    def _make_carriers(self):
+        """(names, tensors, their ``.grad``) the pipeline reduces: the copies of θ_start with Δ,
+        or, with ``chunk_size``, views of them cut into chunks (no extra memory)."""
+        names, carriers, grads = [], [], []
+        for n, a in self._anchor.items():
+            if self.chunk_size is None or a.numel() <= self.chunk_size:
+                names.append(n)
+                carriers.append(a)
+                grads.append(self._delta[n])
+                continue
+            flat, dflat = a.detach().view(-1), self._delta[n].view(-1)
+            for k, start in enumerate(range(0, a.numel(), self.chunk_size)):
+                stop = min(start + self.chunk_size, a.numel())
+                names.append(f"{n}#{k}")
+                carriers.append(flat[start:stop].requires_grad_())
+                grads.append(dflat[start:stop])
+        return names, carriers, grads
+
+    def _sync_timer(self) -> PhaseTimer:
+        """The timer the reduction records into (the caller's thread: ``self.timer``)."""
+        return self.timer
+
+    def _make_sync(self, method, names: List[str], pipeline: Dict[str, Any]):
+        return DistributedOptimizer(_Mailbox(self._carriers), named_parameters=list(zip(names, self._carriers)),
+                                    compression=method, timer=self._sync_timer(), **pipeline)
+
+    # ---- torch.optim-like surface ----------------------------------------------------------------
+    @property
+    def param_groups(self):
+        """The inner optimizer's parameter groups (learning-rate schedules set them)."""
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        """The inner optimizer's state."""
+        return self.inner.state
+
+    @property
+    def compression(self):
+        """The method that carries Δ (the pipeline's, after ``transport="auto"``)."""
+        return self.sync.compression
+
+    @property
+    def transport(self):
+        """How Δ travels (:class:`hvdcomp.plan.TransportPlan`)."""
+        return self.sync.transport
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The inner optimizer's ``zero_grad``."""
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def synchronize(self) -> None:
+        """Nothing to do: no step communicates (kept so Horovod loops run unchanged)."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """A no-op context (kept so Horovod's clip-after-synchronize recipe runs unchanged)."""
+        yield
+
+    def step(self, closure=None):
+        """One inner step; after the H-th of a round, the round's reduction and outer step.
+
+        Returns:
+            What the inner optimizer's ``step`` returns (the closure's loss).
+
+        Raises:
+            RuntimeError: after :meth:`close`.
+        """
+        if self._closed:
+            raise RuntimeError("this local-update optimizer was closed; build a new one to keep training")
+        if not self._started:
+            self._start_training()
+        loss = self.inner.step(closure)
+        self.steps += 1
+        self.round_step += 1
+        if self.round_step >= self.local_steps:
+            self._end_round()
+        return loss
+
+    def _start_training(self) -> None:
+        """At the first step: θ_start ← the model's parameters (``hvd.broadcast_parameters`` may
+        have run after construction), and every rank must have the same ones.
+
+        Raises:
+            RuntimeError: on every rank, when the ranks' parameters differ.
+        """
+        with torch.no_grad():
+            for n, p in self._params:
+                self._anchor[n].copy_(p)
+        self._started = True
+        group = self.sync.group
+        if group.size > 1:
+            every = group.allgather_object(digest({n: a.detach() for n, a in self._anchor.items()}),
+                                           name=f"{self.prefix}.start")
+            if len(set(every)) > 1:
+                raise RuntimeError("the ranks start local-update training from different parameters (rank(s) "
+                                   f"{[r for r, d in enumerate(every) if d != every[0]]} differ from rank 0): "
+                                   "broadcast them first, hvd.broadcast_parameters(model.state_dict(), root_rank=0)")
+
+    # ---- the round -------------------------------------------------------------------------------
+    def _end_round(self) -> None:
+        """Δ, its reduction, the outer step, and the restart of every rank from θ_start."""
+        with self.timer.phase("outer"):
+            self._compute_delta()
+            self._before_reduce()
+        record = self._reduce()
+        with self.timer.phase("outer"):
+            if not record["skipped"]:
+                self._outer_step()
+            self._restart()
+        self._close_round(record)
+
+    @torch.no_grad()
+    def _compute_delta(self) -> None:
+        """Δ = θ_start − θ_local into the send buffers."""
+        for n, p in self._params:
+            a = self._anchor[n]
+            torch.sub(a, p.detach().to(a.device, a.dtype), out=self._delta[n])
+
+    def _before_reduce(self) -> None:
+        """Between Δ and its reduction (SparseLoCo decays its residuals here); nothing by default."""
+
+    def _reduce(self) -> Dict[str, Any]:
+        """Average Δ over the ranks (the pipeline, in this thread); returns the round's record:
+        bytes and seconds per phase it added to :attr:`timer`, and whether it was skipped."""
+        before_s, before_b = dict(self.timer.seconds), self._bytes(self.timer)
+        t0 = time.perf_counter()
+        skipped = self._run_sync()
+        record = {"wall_s": time.perf_counter() - t0, "skipped": skipped}
+        record.update({f"{k}_s": v - before_s.get(k, 0.0) for k, v in self.timer.seconds.items()
+                       if k in ("compress", "communicate", "decompress")})
+        record.update({k: v - b for (k, v), b in zip(self._bytes(self.timer).items(), before_b.values())})
+        return record
+
+    def _run_sync(self) -> bool:
+        """The pipeline's synchronize + (no-op) step over the carriers; True if the ranks skipped
+        the round (a non-finite Δ somewhere)."""
+        for c, g in zip(self._carriers, self._carrier_grads):
+            c.grad = g
+        skipped = self.sync.skipped_steps
+        self.sync.step()
+        return self.sync.skipped_steps != skipped
+
+    @staticmethod
+    def _bytes(timer: PhaseTimer) -> Dict[str, int]:
+        return {"bytes_sent": timer.bytes_sent, "bytes_received": timer.bytes_received,
+                "dense_bytes": timer.dense_bytes}
+
+    def _outer_step(self) -> None:
+        """The outer optimizer's step with the averaged Δ in ``.grad`` of the copies of θ_start."""
+        for n, a in self._anchor.items():
+            a.grad = self._delta[n]
+        self.outer.step()
+
+    @torch.no_grad()
+    def _restart(self) -> None:
+        """θ_local ← θ_start on every rank."""
+        for n, p in self._params:
+            p.copy_(self._anchor[n])
+
+    def _close_round(self, record: Dict[str, Any]) -> None:
+        self.rounds += 1
+        self.skipped_rounds += bool(record["skipped"])
+        self.history.append({"round": self.rounds, "step": self.steps, "inner_steps": self.round_step, **record})
+        self.round_step = 0
+
+    def flush(self) -> None:
+        """End the current round now (after fewer than H inner steps, if any were taken), so the
+        model holds the global parameters; e.g. before the final evaluation. Collective: call it
+        on every rank at the same step."""
+        if self.round_step:
+            self._end_round()
+
+    # ---- the global model ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def global_parameters(self):
+        """Inside the block the model holds θ_start (the same on every rank), e.g. to evaluate or
+        save the global model mid-round; the local parameters come back on exit. Costs one
+        temporary copy of the parameters."""
+        with torch.no_grad():
+            saved = [p.detach().clone() for _, p in self._params]
+            for n, p in self._params:
+                p.copy_(self._anchor[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for (_, p), s in zip(self._params, saved):
+                    p.copy_(s)
+
+    # ---- description and instrumentation -----------------------------------------------------------
+    def describe(self) -> Dict[str, Any]:
+        """JSON-able description: algorithm, H, the outer optimizer and the method."""
+        outer = {k: v for k, v in self.outer.defaults.items() if isinstance(v, (int, float, bool, str))}
+        return {"algorithm": self.algorithm, "local_steps": self.local_steps, "chunk_size": self.chunk_size,
+                "outer": {"class": type(self.outer).__name__, **outer}, "compression": self.compression.describe()}
+
+    def report(self) -> Dict[str, float]:
+        """Per-round and per-step figures of the rounds so far (:func:`round_report`)."""
+        return round_report(self.history, self.steps, self.rounds, self.local_steps, self.skipped_rounds, self.timer)
+
+    def close(self) -> None:
+        """Stop communicating (the pipeline's :meth:`close`); idempotent. Collective."""
+        if not self._closed:
+            self.sync.close()
+            self._closed = True
+
+
+def round_report(history: List[Dict[str, Any]], steps: int, rounds: int, local_steps: int, skipped: int,
+                 timer: PhaseTimer) -> Dict[str, float]:
+    """Per-round and per-step figures of the rounds so far: bytes sent / received / dense
+    (their fp32 size) per round and per inner step, seconds per round of each phase of the
+    reduction, of the outer phase, and (CO2) of communication exposed and hidden behind the
+    inner steps; the inner steps' ``compute`` seconds per step where ``timer`` recorded
+    steps. Numbers only (same keys on every rank)."""
+    rows, per = history, max(1, steps)
+    out: Dict[str, float] = {"inner_steps": steps, "rounds": rounds, "local_steps": local_steps,
+                             "skipped_rounds": skipped}
+    keys = sorted({k for r in rows for k, v in r.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)} - {"round", "step", "inner_steps"})
+    for k in keys:
+        total = sum(r.get(k, 0.0) for r in rows)
+        out[f"{k}_per_round"] = total / max(1, len(rows))
+        out[f"{k}_per_step"] = total / per
+    if out.get("bytes_sent_per_step"):  # fp32 bytes synchronous training sends per step / these
+        out["ratio_vs_dense_per_step"] = out["dense_bytes_per_round"] / out["bytes_sent_per_step"]
+    if timer.history:
+        out["compute_s_per_step"] = sum(r.get("compute", 0.0) for r in timer.history) / len(timer.history)
+        out["outer_s_per_step"] = sum(r.get("outer", 0.0) for r in timer.history) / len(timer.history)
+    return out

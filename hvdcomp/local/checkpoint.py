@@ -1,0 +1,77 @@
+"""Checkpoints of a local-update optimizer: per-rank files (exact, mid-round too) and Horovod's
+rank-0-save-and-broadcast resume. A mixin of :class:`hvdcomp.local.base.LocalUpdate`, over its
+attributes (``inner``, ``outer``, ``sync``, the copies of θ_start and the round counters)."""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from ..comm.group import horovod
+
+__all__ = ["Checkpoints"]
+
+
+class Checkpoints:
+    """``state_dict`` / ``load_state_dict`` / ``broadcast_state`` of a local-update optimizer."""
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Inner, outer and method state, θ_start and the round counters (tensors, numbers and
+        strings only: loads with ``weights_only=True``). Save it with the model's own
+        ``state_dict()`` (the local parameters). Per-rank files resume exactly, mid-round too."""
+        return {"inner": self.inner.state_dict(), "outer": self.outer.state_dict(),
+                "sync": self.sync.state_dict(), "anchor": {n: a.detach().clone() for n, a in self._anchor.items()},
+                "counters": {"steps": self.steps, "round_step": self.round_step, "rounds": self.rounds,
+                             "skipped_rounds": self.skipped_rounds},
+                "algorithm": self.algorithm}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`.
+
+        Raises:
+            ValueError: a checkpoint of another algorithm or of other parameters.
+        """
+        if state.get("algorithm") != self.algorithm or set(state["anchor"]) != set(self._anchor):
+            raise ValueError(f"this checkpoint is of {state.get('algorithm')!r} over parameters "
+                             f"{sorted(state['anchor'])[:5]}..., not of this {self.algorithm!r} optimizer's")
+        self.inner.load_state_dict(state["inner"])
+        self.outer.load_state_dict(state["outer"])
+        self.sync.load_state_dict(state["sync"])
+        with torch.no_grad():
+            for n, a in self._anchor.items():
+                a.copy_(state["anchor"][n])
+        for k, v in state["counters"].items():
+            setattr(self, k, int(v))
+        self._started = True
+
+    def _global_state(self) -> Dict[str, Any]:
+        """What :meth:`broadcast_state` sends besides tensors (counters)."""
+        return {"steps": self.steps, "round_step": self.round_step, "rounds": self.rounds,
+                "skipped_rounds": self.skipped_rounds}
+
+    def _global_tensors(self) -> Dict[str, torch.Tensor]:
+        """Tensors :meth:`broadcast_state` sends: θ_start."""
+        return dict(self._anchor)
+
+    def broadcast_state(self, root_rank: int = 0) -> None:
+        """Horovod's resume recipe (rank ``root_rank`` loaded the checkpoint): θ_start, the round
+        counters and the outer and inner optimizers' state are broadcast from it; the method's
+        shared state follows at the next round, its per-rank residuals start fresh elsewhere (as
+        :func:`hvdcomp.DistributedOptimizer`). Broadcast the model too
+        (``hvd.broadcast_parameters(model.state_dict(), root_rank)``). Collective."""
+        hvd = horovod()
+        with torch.no_grad():
+            saved = [p.detach().clone() for _, p in self._params]
+        hvd.broadcast_optimizer_state(self.inner, root_rank)  # (a fresh optimizer's state is made by a
+        with torch.no_grad():                                  # zero-gradient step: keep the parameters)
+            for (_, p), s in zip(self._params, saved):
+                p.copy_(s)
+        hvd.broadcast_optimizer_state(self.outer, root_rank)
+        for n, t in sorted(self._global_tensors().items()):
+            with torch.no_grad():
+                t.copy_(hvd.broadcast(t.detach(), root_rank, name=f"{self.prefix}.{n}"))
+        for k, v in hvd.broadcast_object(self._global_state(), root_rank, name=f"{self.prefix}.counters").items():
+            setattr(self, k, v)
+        self._started = True
+

@@ -1,0 +1,280 @@
+"""CO2: local updating with the outer averaging overlapped with the next round's inner steps.
+
+Sun, Qin, Sun, Li, Li, Shen, Qiao and Zhong, "CO2: Efficient Distributed Training with Full
+Communication-Computation Overlap", ICLR 2024. The reduction of round r's pseudo-gradient starts
+when round r ends and runs while every rank computes round r + 1; its average is applied one
+round late, when round r + 1 ends. With θ_r the global parameters round r starts from and Δ̄_r the
+average of round r's pseudo-gradients Δ_r = θ_r − θ_local::
+
+    m ← β·m + Δ̄_{r−1} / λ                 the staleness gap penalty λ ≥ 1 on the stale average
+    m ← clamp(m, −φ, φ)                    outer-momentum clipping (elementwise), if φ is given
+    θ_{r+1} = θ_r − α·m                     (round 0 ends with nothing to apply: θ_1 = θ_0)
+
+so the update applied when round r + 1 ends is round r's average. This is the form of the authors'
+released code (``fairscale-CO2``, ``CO2DistributedDataParallel``: a constant ``co2_gap_penalty``
+dividing the stale pseudo-gradient, ``co2_clip_threshold``; defaults α = 1, β = 0.5, λ = 1,
+clipping off). There the clipping's result is discarded (``torch.clamp`` out of place), so it
+never clips; here it clips in place. Unlike that code, the averaging never reduces the live
+parameters: Δ is copied into a separate send buffer first.
+
+How the overlap is done: the round's reduction (the whole hvdcomp pipeline: compression, error
+feedback, collectives, the per-step agreement) runs on a background thread over the send buffers
+only. The training thread, meanwhile, touches only the live parameters and the inner optimizer;
+everything the reduction uses (the send buffers, the method's state, the copies of θ_start)
+is touched by the training thread only after it has joined the thread, at the end of the next
+round, in :meth:`CO2.state_dict` or in :meth:`CO2.flush`. Horovod collectives may be enqueued
+from any thread (its own thread runs them, and waiting releases the GIL); the mpi4py allgather
+runs on its own thread (``MPI_THREAD_MULTIPLE``: import mpi4py before Horovod). A failure on the
+background thread is raised in the training thread at the next join.
+
+Timing: time the training thread waits at the join is charged to ``communicate`` on the
+optimizer's timer (``exposed_s`` per round); the rest of the reduction's wall time ran behind the
+inner steps (``hidden_s``). The reduction's own phases are recorded per round (``history``).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..metrics import PhaseTimer
+from .base import LocalUpdate
+
+__all__ = ["CO2", "CO2Momentum", "check_co2_arguments"]
+
+
+def check_co2_arguments(lr, momentum, gap_penalty, clip) -> None:
+    """Raises ``ValueError`` unless α > 0, β in [0, 1), λ >= 1 and φ > 0 or None."""
+    if not isinstance(lr, (int, float)) or not lr > 0:
+        raise ValueError(f"the outer learning rate must be > 0, got {lr!r}")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"the outer momentum must be in [0, 1), got {momentum!r}")
+    if not isinstance(gap_penalty, (int, float)) or not gap_penalty >= 1.0:
+        raise ValueError(f"the staleness gap penalty divides the stale average: it must be >= 1 "
+                         f"(1: none), got {gap_penalty!r}")
+    if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
+        raise ValueError(f"clip (the outer momentum's bound) must be > 0, or None for no clipping; got {clip!r}")
+
+
+class CO2Momentum(torch.optim.Optimizer):
+    """CO2's outer update (see the module docstring), with the average pseudo-gradient in ``.grad``.
+
+    Args:
+        params: the copies of θ_start.
+        lr: α > 0.
+        momentum: β in [0, 1).
+        gap_penalty: λ ≥ 1 (1: no penalty).
+        clip: φ > 0, or None for no clipping.
+
+    State: ``momentum_buffer`` per tensor (zeros at first).
+
+    Raises:
+        ValueError: a value out of range.
+    """
+
+    def __init__(self, params, lr: float = 1.0, momentum: float = 0.5, gap_penalty: float = 1.0,
+                 clip: Optional[float] = None):
+        check_co2_arguments(lr, momentum, gap_penalty, clip)
+        super().__init__(params, {"lr": float(lr), "momentum": float(momentum), "gap_penalty": float(gap_penalty),
+                                  "clip": None if clip is None else float(clip)})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """m ← β·m + g/λ; m ← clamp(m, −φ, φ); θ ← θ − α·m, for every tensor with a ``.grad``."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                m = state.get("momentum_buffer")
+                if m is None:
+                    m = state["momentum_buffer"] = torch.zeros_like(p)
+                m.mul_(group["momentum"]).add_(p.grad, alpha=1.0 / group["gap_penalty"])
+                if group["clip"] is not None:
+                    m.clamp_(-group["clip"], group["clip"])
+                p.add_(m, alpha=-group["lr"])
+        return None
+
+
+class CO2(LocalUpdate):
+    """CO2 (see the module docstring): DiLoCo-style rounds whose reduction overlaps the next
+    round and is applied one round late, with the staleness gap penalty and momentum clipping.
+
+    Args:
+        optimizer: the inner optimizer.
+        named_parameters: ``model.named_parameters()``.
+        local_steps: H ≥ 1 (the authors' default: 48); the reduction of a round is hidden when
+            it takes less than H inner steps.
+        compression: the method that carries Δ (default ``"none"``).
+        outer_lr: α > 0 (1.0).
+        outer_momentum: β in [0, 1) (0.5).
+        gap_penalty: λ ≥ 1 (1.0: none).
+        clip: φ > 0 or None (None: no clipping).
+        **kwargs: as :class:`hvdcomp.local.DiLoCo`.
+
+    Call :meth:`flush` (or :meth:`close`) on every rank when training ends: the last round's
+    average is otherwise still in flight.
+
+    Raises:
+        ValueError: as :class:`hvdcomp.local.DiLoCo` and :class:`CO2Momentum`.
+        RuntimeError: at the end of a round, when the previous reduction failed on its thread.
+    """
+
+    algorithm = "co2"
+
+    def __init__(self, optimizer, named_parameters=None, *, local_steps: int, compression="none",
+                 outer_lr: float = 1.0, outer_momentum: float = 0.5, gap_penalty: float = 1.0,
+                 clip: Optional[float] = None, **kwargs):
+        self._round_timer = PhaseTimer(cuda_sync=False)  # the reduction's thread records here only
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._inflight: Dict[str, Any] = {}
+        self.pending = False          # Δ̄ of the previous round is in the send buffers, to apply
+        self.pending_skipped = False  # ... and the ranks dropped it (non-finite Δ somewhere)
+        check_co2_arguments(outer_lr, outer_momentum, gap_penalty, clip)
+        super().__init__(optimizer, named_parameters, local_steps=local_steps, compression=compression,
+                         outer_optimizer=lambda t: CO2Momentum(t, outer_lr, outer_momentum, gap_penalty, clip),
+                         **kwargs)
+
+    def _sync_timer(self) -> PhaseTimer:
+        return self._round_timer
+
+    # ---- the round -------------------------------------------------------------------------------
+    def _end_round(self) -> None:
+        """Join round r − 1's reduction, apply it, start round r's, restart from θ_{r+1}."""
+        with self.timer.phase("outer"):
+            delta = self._delta_aside()
+        self._join()
+        with self.timer.phase("outer"):
+            self._apply_pending()
+            with torch.no_grad():
+                for n, d in delta.items():  # Δ_r into the send buffers, then θ_local ← θ_{r+1}
+                    self._delta[n].copy_(d)
+            self._restart()
+        self._start()
+        self.round_step = 0
+
+    @torch.no_grad()
+    def _delta_aside(self) -> Dict[str, torch.Tensor]:
+        """Δ_r = θ_r − θ_local, kept apart from the send buffers (still in flight): written into
+        the live parameters where they have θ_start's device and dtype (their values are not
+        needed any more: the next round starts from θ_{r+1}), else into a temporary copy."""
+        out = {}
+        for n, p in self._params:
+            a = self._anchor[n]
+            if (a.device, a.dtype) == (p.device, p.dtype):
+                out[n] = p.neg_().add_(a)  # (−θ_local + θ_r is θ_r − θ_local exactly)
+            else:
+                out[n] = torch.sub(a, p.detach().to(a.device, a.dtype))
+        return out
+
+    def _apply_pending(self) -> None:
+        """The outer step with the joined average, unless the ranks dropped that round."""
+        if self.pending and not self.pending_skipped:
+            self._outer_step()
+        self.pending = self.pending_skipped = False
+
+    def _start(self) -> None:
+        """The reduction of the send buffers, on a background thread."""
+        for c, g in zip(self._carriers, self._carrier_grads):
+            c.grad = g
+        self._inflight = {"inner_steps": self.round_step, "step": self.steps}
+        self._error = None
+        self._thread = threading.Thread(target=self._reduce_in_thread, name="hvdcomp-co2", daemon=True)
+        self._thread.start()
+
+    def _reduce_in_thread(self) -> None:
+        try:
+            self._round_timer.begin_step()
+            skipped = self.sync.skipped_steps
+            t0 = time.perf_counter()
+            self.sync.step()
+            wall = time.perf_counter() - t0
+            rec = self._round_timer.end_step()
+            self._inflight.update({"wall_s": wall, "skipped": self.sync.skipped_steps != skipped,
+                                   **{f"{k}_s": rec[k] for k in ("compress", "communicate", "decompress")},
+                                   **{k: rec[k] for k in ("bytes_sent", "bytes_received", "dense_bytes")}})
+        except BaseException as exc:  # noqa: BLE001 - raised in the training thread at the join
+            self._error = exc
+
+    def _join(self) -> None:
+        """Wait for the reduction in flight (charged to ``communicate``), record its round."""
+        if self._thread is None:
+            return
+        t0 = time.perf_counter()
+        with self.timer.phase("communicate"):
+            self._thread.join()
+        exposed = time.perf_counter() - t0
+        self._thread = None
+        if self._error is not None:
+            raise RuntimeError(f"CO2's reduction of round {self.rounds + 1} failed on its thread: "
+                               f"{self._error!r}") from self._error
+        rec = self._inflight
+        rec.update({"exposed_s": exposed, "hidden_s": max(0.0, rec["wall_s"] - exposed)})
+        self.timer.add_bytes(sent=rec["bytes_sent"], received=rec["bytes_received"], dense=rec["dense_bytes"])
+        self.pending, self.pending_skipped = True, rec["skipped"]
+        self.rounds += 1
+        self.skipped_rounds += bool(rec["skipped"])
+        self.history.append({"round": self.rounds, **rec})
+
+    def flush(self) -> None:
+        """Join the reduction in flight and apply it, then reduce and apply the current round's
+        inner steps (if any) without overlap: the model then holds θ with every round in.
+        Collective: call it on every rank at the same step."""
+        with self.timer.phase("outer"):
+            delta = self._delta_aside() if self.round_step else {}  # (relative to this round's start)
+        self._join()
+        with self.timer.phase("outer"):
+            self._apply_pending()
+        if delta:
+            with torch.no_grad():
+                for n, d in delta.items():
+                    self._delta[n].copy_(d)
+            self._start()
+            self._join()
+            with self.timer.phase("outer"):
+                self._apply_pending()
+        self._restart()
+        self.round_step = 0
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """:meth:`LocalUpdate.state_dict` plus the average of the previous round, waiting for its
+        reduction first (so the method's state in it is committed)."""
+        self._join()
+        state = super().state_dict()
+        state["pending"] = {"applies": self.pending, "skipped": self.pending_skipped,
+                            "delta": {n: d.clone() for n, d in self._delta.items()} if self.pending else {}}
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self._join()
+        super().load_state_dict(state)
+        pending = state["pending"]
+        self.pending, self.pending_skipped = bool(pending["applies"]), bool(pending["skipped"])
+        with torch.no_grad():
+            for n, d in pending["delta"].items():
+                self._delta[n].copy_(d)
+
+    def broadcast_state(self, root_rank: int = 0) -> None:
+        self._join()
+        super().broadcast_state(root_rank)
+
+    def _global_state(self) -> Dict[str, Any]:
+        return {**super()._global_state(), "pending": self.pending, "pending_skipped": self.pending_skipped}
+
+    def _global_tensors(self) -> Dict[str, torch.Tensor]:
+        return {**super()._global_tensors(), **{f"{n}.pending": d for n, d in self._delta.items()}}
+
+    def close(self) -> None:
+        """Join the reduction in flight (its average is not applied: :meth:`flush` first to keep
+        it), then :meth:`LocalUpdate.close`."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        super().close()
+
+    def describe(self):
+        return {**super().describe(), "delay_rounds": 1}

@@ -1,0 +1,151 @@
+"""DiLoCo's outer step, and its SparseLoCo variant.
+
+DiLoCo: Douillard, Feng, Rusu, Chhaparia, Donchev, Kuncoro, Ranzato, Szlam and Shen, "DiLoCo:
+Distributed Low-Communication Training of Language Models", 2023. Every rank takes H steps of its
+own inner optimizer (AdamW in the paper), then the pseudo-gradients Δ = θ_start − θ_local are
+averaged and an outer SGD step with Nesterov momentum (lr 0.7, momentum 0.9) moves θ_start
+(:mod:`hvdcomp.local.base` has the round). Here Δ travels through any hvdcomp method, with its
+error feedback (INTELLECT-1's int8 pseudo-gradients, top-k, ...). Outer SGD with lr 1 and no
+momentum is plain parameter averaging (local SGD, FedAvg).
+
+SparseLoCo: Sarfi, Thérien, Lidin and Belilovsky, "Communication Efficient LLM Pre-training with
+SparseLoCo", 2025. No outer momentum; instead each rank keeps an error-feedback accumulator that
+decays::
+
+    e ← β·e + Δ          (the residual of the previous round, decayed, plus this round's Δ)
+    send C(e);  e ← e − C(e)
+    θ_start ← θ_start − α·mean over ranks of C(e)
+
+with C the top-k of each chunk of the flattened Δ, values in low precision. This is
+:class:`hvdcomp.ErrorFeedback` (residual ``e``, p = Δ + e) with its residuals multiplied by β
+before each round (:meth:`hvdcomp.memory.Residuals.rescale`): no second error feedback.
+:class:`hvdcomp.memory.Residuals`' own ``beta`` is another recursion (LoCo's moving average,
+e ← β·e + (1 − β)·(p − C(p))), which with β = 0.999 would keep only 0.1 % of each round's
+dropped part; SparseLoCo's β multiplies the whole accumulator instead.
+
+The default method is ``topk:density=0.02,values=fp16,index=compact`` on chunks of 4096
+elements: each chunk keeps its own ⌈0.02·4096⌉ = 82 largest entries, sent as fp16 values with
+2-byte indices into the chunk (4 bytes per kept entry, 0.08 of fp32's bytes). The paper quantizes
+the kept values to 2 bits; hvdcomp's sparse wire format carries fp32 or fp16 values, so fp16 is
+the lowest available here (the indices dominate the payload either way).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+
+from ..memory import ErrorFeedback
+from ..spec import resolve_compression
+from .base import LocalUpdate
+
+__all__ = ["DiLoCo", "SparseLoCo", "outer_sgd"]
+
+SPARSELOCO_COMPRESSION = "topk:density=0.02,values=fp16,index=compact"
+
+
+def outer_sgd(lr: float, momentum: float, nesterov: bool) -> Callable[[List[torch.Tensor]], torch.optim.SGD]:
+    """The outer optimizer ``f(tensors)``: ``torch.optim.SGD`` (Nesterov only with momentum > 0).
+
+    Raises:
+        ValueError: ``lr`` ≤ 0, ``momentum`` outside [0, 1), Nesterov without momentum.
+    """
+    if not isinstance(lr, (int, float)) or not lr > 0:
+        raise ValueError(f"the outer learning rate must be > 0, got {lr!r} (1.0 with momentum 0 is plain "
+                         "averaging of the ranks' parameters)")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"the outer momentum must be in [0, 1), got {momentum!r}")
+    if nesterov and not momentum:
+        raise ValueError("Nesterov needs an outer momentum > 0: give outer_momentum, or nesterov=False")
+    return lambda tensors: torch.optim.SGD(tensors, lr=float(lr), momentum=float(momentum), nesterov=bool(nesterov))
+
+
+class DiLoCo(LocalUpdate):
+    """DiLoCo: H local steps of ``optimizer``, then an outer Nesterov step on the averaged
+    pseudo-gradient (see the module docstring).
+
+    Args:
+        optimizer: the inner optimizer (DiLoCo: AdamW, lr 4e-4, weight decay 0.1).
+        named_parameters: ``model.named_parameters()``.
+        local_steps: H ≥ 1 (DiLoCo: 500 on its C4 runs; small models and noisy data want fewer,
+            see ``docs/local-update.md``).
+        compression: the method that carries Δ, with its error feedback (default ``"none"``).
+        outer_lr: α > 0 (0.7).
+        outer_momentum: in [0, 1) (0.9).
+        nesterov: Nesterov momentum (True; needs ``outer_momentum`` > 0).
+        outer_optimizer: ``f(tensors) -> torch.optim.Optimizer`` instead of the three above.
+        **kwargs: :class:`~hvdcomp.local.base.LocalUpdate`'s (``host_copy``, ``timer``,
+            ``chunk_size``, ``backward_passes_per_step``) and the pipeline's
+            (``process_set``, ``allgather``, ``cost_model``, ...).
+
+    Raises:
+        ValueError: as :class:`~hvdcomp.local.base.LocalUpdate`, and :func:`outer_sgd`'s.
+
+    Example::
+
+        hvd.init()
+        inner = torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=0.1)
+        opt = hvdcomp.local.DiLoCo(inner, model.named_parameters(), local_steps=32,
+                                   compression="topk:density=0.01")
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        for x, y in loader:
+            opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    """
+
+    algorithm = "diloco"
+
+    def __init__(self, optimizer, named_parameters=None, *, local_steps: int, compression="none",
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
+                 outer_optimizer: Optional[Callable] = None, **kwargs):
+        outer = outer_optimizer or outer_sgd(outer_lr, outer_momentum, nesterov)
+        super().__init__(optimizer, named_parameters, local_steps=local_steps, outer_optimizer=outer,
+                         compression=compression, **kwargs)
+
+
+class SparseLoCo(LocalUpdate):
+    """SparseLoCo: DiLoCo with the outer momentum replaced by a decaying error feedback on Δ,
+    top-k per chunk (see the module docstring).
+
+    Args:
+        optimizer: the inner optimizer.
+        named_parameters: ``model.named_parameters()``.
+        local_steps: H ≥ 1.
+        compression: a method with :class:`hvdcomp.ErrorFeedback` (default
+            ``"topk:density=0.02,values=fp16,index=compact"``); it compresses each chunk.
+        beta: β in [0, 1], the residual's decay per round (0.999; 0: no memory).
+        outer_lr: α > 0 (1.0).
+        chunk_size: elements per chunk (4096).
+        **kwargs: as :class:`DiLoCo`.
+
+    A skipped round (non-finite Δ on some rank) leaves the residuals as they were, decayed by β.
+
+    Raises:
+        ValueError: ``beta`` outside [0, 1], a method without :class:`hvdcomp.ErrorFeedback`
+            (e.g. ``"fp16"`` or ``"topk:ef=false"``), ``transport="auto"``, and :class:`DiLoCo`'s.
+    """
+
+    algorithm = "sparseloco"
+
+    def __init__(self, optimizer, named_parameters=None, *, local_steps: int, compression=SPARSELOCO_COMPRESSION,
+                 beta: float = 0.999, outer_lr: float = 1.0, chunk_size: int = 4096, **kwargs):
+        if not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
+            raise ValueError(f"beta (the residual's decay per round) must be in [0, 1], got {beta!r}")
+        if kwargs.get("transport", "planned") != "planned":
+            raise ValueError("SparseLoCo decays the residual of the method it is given: transport='auto' (which "
+                             "may replace the method) does not apply")
+        method = resolve_compression(compression)
+        if not isinstance(method, ErrorFeedback):
+            raise ValueError(f"SparseLoCo decays an error-feedback residual, but '{method.name}' "
+                             f"({method.describe()}) keeps none: use a method with ef=true, e.g. "
+                             f"'{SPARSELOCO_COMPRESSION}'")
+        self.beta = float(beta)
+        super().__init__(optimizer, named_parameters, local_steps=local_steps, compression=method,
+                         outer_optimizer=outer_sgd(outer_lr, 0.0, False), chunk_size=chunk_size, **kwargs)
+
+    def _before_reduce(self) -> None:
+        """e ← β·e (committed residuals, before this round adds Δ)."""
+        if self.beta != 1.0:
+            self.compression.memory.rescale(self.beta)
+
+    def describe(self):
+        return {**super().describe(), "beta": self.beta}

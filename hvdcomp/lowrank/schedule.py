@@ -1,0 +1,107 @@
+"""AB-training's schedule: which stage an optimizer step is in, and the learning-rate rebound.
+
+Stages (the word "phase" belongs to :class:`hvdcomp.metrics.PhaseTimer`: compute, compress,
+communicate, decompress)::
+
+    warmup      warmup_steps full-rank steps
+    grouped     steps_between_syncs steps inside the rank groups   ┐ one cycle,
+    sync        (no step of its own: the bytes that end a grouped   │ repeated
+                stage, and the kept-rank agreements of a cut)       │
+    full-rank   full_rank_steps steps over all ranks               ┘
+
+Coquelin et al., "AB-Training: A Communication-Efficient Approach for Distributed Low-Rank
+Learning", arXiv:2405.01067 (2024); the rebound is their trainer's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+__all__ = ["STAGES", "Schedule", "Rebound", "check_count"]
+
+#: AB-training's stages, in the order a cycle meets them
+STAGES = ("warmup", "grouped", "sync", "full-rank")
+
+
+def check_count(key: str, val, low: int) -> None:
+    """Raise ValueError unless ``val`` is an integer (not a bool) ≥ ``low``, naming ``key``."""
+    if not isinstance(val, int) or isinstance(val, bool) or val < low:
+        raise ValueError(f"{key} must be an integer >= {low}, got {val!r}")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The stage of every optimizer step (pure).
+
+    Args (fields):
+        warmup_steps: full-rank steps before the first factorisation (≥ 0).
+        steps_between_syncs: grouped steps per cycle (≥ 1).
+        full_rank_steps: full-rank steps after each sync (≥ 0).
+
+    Raises:
+        ValueError: a count that is not an integer in range.
+    """
+
+    warmup_steps: int
+    steps_between_syncs: int
+    full_rank_steps: int
+
+    def __post_init__(self):
+        check_count("warmup_steps", self.warmup_steps, 0)
+        check_count("steps_between_syncs", self.steps_between_syncs, 1)
+        check_count("full_rank_steps", self.full_rank_steps, 0)
+
+    def stage_at(self, step: int) -> Tuple[str, int]:
+        """(stage, cycle) of the 0-based optimizer step ``step``: stage ``"warmup"``, ``"grouped"``
+        or ``"full-rank"``; cycle counts grouped + full-rank rounds (-1 during warm-up)."""
+        if step < self.warmup_steps:
+            return "warmup", -1
+        cycle, pos = divmod(step - self.warmup_steps, self.steps_between_syncs + self.full_rank_steps)
+        return ("grouped" if pos < self.steps_between_syncs else "full-rank"), cycle
+
+    @staticmethod
+    def is_switch(previous: Tuple[Optional[str], Optional[int]], now: Tuple[str, int]) -> bool:
+        """Whether going from ``previous`` (stage, cycle) to ``now`` switches stage: a new grouped
+        cycle always does (a cycle without full-rank steps goes grouped → grouped), any other stage
+        only when it differs from the previous one."""
+        if now == previous:
+            return False
+        return now[0] == "grouped" or now[0] != previous[0]
+
+
+class Rebound:
+    """The authors' learning-rate rebound after each switch: the k-th step after a switch runs at
+    ``min(base_lr, k·(lr_s − ramp_start_lr) / ramp_steps)`` for k = 1 … ramp_steps, lr_s being
+    ``base_lr`` at the switch (slope 0 when lr_s < ramp_start_lr); ``base_lr`` before the first
+    switch, after the ramp, and always when ``ramp_steps`` is 0.
+
+    Args:
+        ramp_steps: steps of the ramp (≥ 0; the authors: 267 on VGG16).
+        ramp_start_lr: where the ramp's line starts (the authors: 1e-5).
+
+    Raises:
+        ValueError: ``ramp_steps`` not an integer ≥ 0.
+    """
+
+    __slots__ = ("ramp_steps", "ramp_start_lr", "since_switch", "slope")
+
+    def __init__(self, ramp_steps: int, ramp_start_lr: float):
+        check_count("ramp_steps", ramp_steps, 0)
+        self.ramp_steps, self.ramp_start_lr = ramp_steps, float(ramp_start_lr)
+        self.since_switch, self.slope = 0, None
+
+    def restart(self, base_lr: float) -> None:
+        """A switch happened with ``base_lr`` as the rate the ramp climbs back to."""
+        self.since_switch = 0
+        self.slope = max(0.0, base_lr - self.ramp_start_lr) / self.ramp_steps if self.ramp_steps else None
+
+    def advance(self) -> None:
+        """One optimizer step was taken."""
+        self.since_switch += 1
+
+    def lr(self, base_lr: float) -> float:
+        """The learning rate of the next step."""
+        k = self.since_switch + 1
+        if self.slope is None or k > self.ramp_steps:
+            return base_lr
+        return min(base_lr, self.slope * k)

@@ -1,0 +1,209 @@
+"""Multi-rank checks of hvdcomp.gossip.GossipOptimizer (decentralized training over MPI).
+
+Usage: mpirun -np N python tests/mpi/gossip_checks.py CHECK[,CHECK...] OUTDIR
+
+Checks:
+  runs       every configuration of CONFIGS (that fits N ranks) for STEPS steps; each rank saves
+             its final parameters and byte counts to OUTDIR/<config>-r<rank>.pt, for the test's
+             single-process reference (tests/test_mpi_gossip.py) to compare bit for bit
+  bad_input  invalid arguments on all or one rank: every rank raises (prints "OK bad_input ...")
+  resume     per-rank state_dict, continue, reload on fresh objects: identical continuation
+  single     one rank: every method reduces to the local optimizer step
+  stall      rank 2 stops stepping: its neighbours' next exchange raises NeighborTimeoutError
+             naming rank 2 (then abort_on_uncaught_exception ends the job)
+"""
+import copy
+import os
+import sys
+import time
+
+from mpi4py import MPI  # noqa: F401  (first: MPI_THREAD_MULTIPLE)
+import torch
+import horovod.torch as hvd
+
+import hvdcomp.gossip
+from hvdcomp.launch import abort_on_uncaught_exception
+
+STEPS = 6
+SHAPES = {"w1": (6, 5), "b1": (5,), "w2": (3, 5)}
+PATH4 = [[1], [0, 2], [1, 3], [2]]  # ranks with 1 and 2 neighbours
+# name -> (ranks it runs at, GossipOptimizer keywords); the reference in the test mirrors these
+CONFIGS = {
+    "choco-sign-ring": ((2, 4), dict(method="choco", topology="ring", compression="sign", consensus_step=0.45)),
+    "choco-topk-ring": ((2, 4), dict(method="choco", topology="ring", compression="topk:density=0.2",
+                                     consensus_step=0.3)),
+    "choco-qsgd-ring": ((2, 4), dict(method="choco", topology="ring", compression="qsgd:levels=4,block=8",
+                                     consensus_step=0.5)),
+    "choco-sign-path": ((4,), dict(method="choco", topology=PATH4, compression="sign", consensus_step=0.4)),
+    "choco-sign-ring-sync": ((2, 4), dict(method="choco", topology="ring", compression="sign", consensus_step=0.45,
+                                          overlap=False)),
+    "dcd-qsgd-ring": ((2, 4), dict(method="dcd", topology="ring", compression="qsgd:levels=16,block=8")),
+    "ecd-qsgd-ring": ((2, 4), dict(method="ecd", topology="ring", compression="qsgd:levels=16,block=8")),
+    "powergossip-ring": ((2, 4), dict(method="powergossip", topology="ring")),
+    "powergossip-exp-2it": ((4,), dict(method="powergossip", topology="exponential", power_iterations=2)),
+}
+PROCESS_SET = [1, 2, 3]  # the 4-rank run also trains one configuration inside this process set
+SET_CONFIG = dict(method="choco", topology="ring", compression="topk:density=0.2", consensus_step=0.3)
+
+
+def make_params(rank):
+    """The test's model: per-rank initial values (seed 10 + global rank)."""
+    g = torch.Generator().manual_seed(10 + rank)
+    return {n: torch.nn.Parameter(torch.randn(*s, generator=g)) for n, s in SHAPES.items()}
+
+
+def targets(rank):
+    """Per-rank minimisers c_r of f_r(x) = ½‖x − c_r‖² (seed 1000 + global rank)."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return {n: torch.randn(*s, generator=g) for n, s in SHAPES.items()}
+
+
+def train(params, opt, rank, steps=STEPS):
+    c = targets(rank)
+    for _ in range(steps):
+        opt.timer.begin_step()
+        for n, p in params.items():
+            p.grad = p.detach() - c[n]
+        opt.step()
+        opt.timer.end_step()
+
+
+def inner(params):
+    return torch.optim.SGD(list(params.values()), lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+
+def check_runs(outdir, process_set=None):
+    rank, size = hvd.rank(), hvd.size()
+    for name, (sizes, kwargs) in CONFIGS.items():
+        if size not in sizes:
+            continue
+        params = make_params(rank)
+        opt = hvdcomp.gossip.GossipOptimizer(inner(params), named_parameters=params.items(), **kwargs)
+        train(params, opt, rank)
+        opt.timer.begin_step()
+        opt.flush()
+        opt.timer.end_step()
+        timer_sent = sum(rec["bytes_sent"] for rec in opt.timer.history)
+        torch.save({"params": {n: p.detach() for n, p in params.items()}, "bytes_sent": opt.transport.bytes_sent,
+                    "bytes_received": opt.transport.bytes_received, "timer_sent": timer_sent},
+                   os.path.join(outdir, f"{name}-np{size}-r{rank}.pt"))
+        opt.close()
+    if process_set is not None:
+        params = make_params(rank)
+        opt = hvdcomp.gossip.GossipOptimizer(inner(params), named_parameters=params.items(),
+                                             process_set=process_set, **SET_CONFIG)
+        train(params, opt, rank)
+        opt.flush()
+        torch.save({"params": {n: p.detach() for n, p in params.items()}},
+                   os.path.join(outdir, f"set-np{size}-r{rank}.pt"))
+    print(f"OK runs rank {rank}", flush=True)
+
+
+def expect_error(label, fn, *words):
+    try:
+        fn()
+    except ValueError as exc:
+        msg = str(exc)
+        assert all(w in msg for w in words), (label, msg)
+        print(f"OK bad_input {label} rank {hvd.rank()}: {msg[:120]}", flush=True)
+        return
+    raise AssertionError(f"{label}: no error on rank {hvd.rank()}")
+
+
+def check_bad_input(outdir):
+    rank = hvd.rank()
+
+    def build(**kwargs):
+        params = make_params(rank)
+        return hvdcomp.gossip.GossipOptimizer(inner(params), named_parameters=params.items(), **kwargs)
+
+    expect_error("gamma_everywhere", lambda: build(compression="sign", consensus_step=1.5), "(0, 1]")
+    expect_error("gamma_one_rank", lambda: build(compression="sign", consensus_step=1.5 if rank == 1 else 0.5),
+                 "rank 1")
+    expect_error("gamma_disagree", lambda: build(compression="sign", consensus_step=0.4 + 0.1 * rank),
+                 "disagree", "consensus_step")
+    expect_error("asymmetric", lambda: build(topology=[[1], []]), "not symmetric")
+    expect_error("listed_twice", lambda: build(topology=[[1, 1], [0]]), "twice")
+    expect_error("disconnected", lambda: build(topology=[[], []]), "disconnected")
+    expect_error("biased_dcd", lambda: build(method="dcd", compression="topk:density=0.1"), "unbiased")
+    expect_error("compression_disagree", lambda: build(compression="sign" if rank == 0 else "topk:density=0.1",
+                                                       consensus_step=0.4), "disagree", "topk")
+
+
+def check_resume(outdir):
+    """6 steps; state_dict per rank; 4 more steps. Fresh objects + load: the same 4 steps."""
+    rank = hvd.rank()
+    for kwargs in (CONFIGS["choco-qsgd-ring"][1], CONFIGS["powergossip-ring"][1], CONFIGS["ecd-qsgd-ring"][1]):
+        params = make_params(rank)
+        opt = hvdcomp.gossip.GossipOptimizer(inner(params), named_parameters=params.items(), **kwargs)
+        train(params, opt, rank)
+        state = copy.deepcopy(opt.state_dict())  # (as torch.save would: SGD's holds live buffers)
+        saved = {n: p.detach().clone() for n, p in params.items()}
+        train(params, opt, rank, steps=4)
+        opt.flush()
+        first = {n: p.detach().clone() for n, p in params.items()}
+        params2 = make_params(rank + 100)  # other values: everything must come from the state
+        with torch.no_grad():
+            for n, p in params2.items():
+                p.copy_(saved[n])
+        opt2 = hvdcomp.gossip.GossipOptimizer(inner(params2), named_parameters=params2.items(), **kwargs)
+        opt2.load_state_dict(state)
+        train(params2, opt2, rank, steps=4)
+        opt2.flush()
+        for n in first:
+            assert torch.equal(first[n], params2[n].detach()), (kwargs["method"], n)
+        wrong = dict(state, rank=(rank + 1) % hvd.size())
+        try:
+            opt2.load_state_dict(wrong)
+        except ValueError as exc:
+            assert "per rank" in str(exc), exc
+        else:
+            raise AssertionError("another rank's state was accepted")
+        print(f"OK resume {kwargs['method']} rank {rank}", flush=True)
+
+
+def check_single(outdir):
+    """One rank: no neighbours, every method is the local optimizer step (SGD: w − lr·g)."""
+    for method, kwargs in (("choco", dict(compression="sign", consensus_step=0.5)), ("dcd", dict(compression="qsgd")),
+                           ("ecd", dict(compression="qsgd")), ("powergossip", {})):
+        w = torch.nn.Parameter(torch.ones(3, 2))
+        opt = hvdcomp.gossip.GossipOptimizer(torch.optim.SGD([w], lr=0.1), named_parameters=[("w", w)],
+                                             method=method, **kwargs)
+        for _ in range(2):
+            w.grad = torch.ones(3, 2)
+            opt.step()
+        opt.flush()
+        assert torch.allclose(w.detach(), torch.full((3, 2), 0.8)), (method, w)
+        with opt.average_model():
+            assert torch.allclose(w.detach(), torch.full((3, 2), 0.8))
+        assert opt.consensus_distance() == 0.0
+        print(f"OK single {method}", flush=True)
+
+
+def check_stall(outdir):
+    rank = hvd.rank()
+    params = make_params(rank)
+    opt = hvdcomp.gossip.GossipOptimizer(inner(params), named_parameters=params.items(), method="choco",
+                                         topology="ring", compression="sign", consensus_step=0.45, timeout=3.0)
+    if rank == 2:
+        print("rank 2 stalls", flush=True)
+        time.sleep(120)
+    train(params, opt, rank, steps=3)
+    print(f"rank {rank} finished without noticing the stalled neighbour", flush=True)
+
+
+if __name__ == "__main__":
+    checks, outdir = sys.argv[1].split(","), sys.argv[2]
+    abort_on_uncaught_exception()  # a failed check ends the job instead of hanging the other ranks
+    ps = None
+    if "runs" in checks and MPI.COMM_WORLD.Get_size() == 4:
+        ps = hvd.ProcessSet(PROCESS_SET)
+        hvd.init(process_sets=[ps])
+    else:
+        hvd.init()
+    for check in checks:
+        if check == "runs":
+            check_runs(outdir, ps)
+        else:
+            {"bad_input": check_bad_input, "resume": check_resume, "stall": check_stall,
+             "single": check_single}[check](outdir)

@@ -1,0 +1,62 @@
+"""benchmarks/adaptive_lm.py without running a cell: each contender's train_lm.py arguments (the
+same schedule for everyone, the warm-up fraction as freeze_step), its launch environment, and the
+table built from finished cells (bytes per step over the whole run, ratio to Adam, seeds)."""
+import argparse
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import adaptive_lm  # noqa: E402
+
+
+def settings(tmp_path, **kw):
+    a = argparse.Namespace(output=str(tmp_path), rates=["local"], contenders=adaptive_lm.CONTENDERS, seeds=[1, 2],
+                           np=4, steps=200, epochs=2, epoch_steps=100, batch_size=32, lr=1e-3, lr_warmup=20,
+                           warmup_fraction=0.15, zeroone_args="", data="corpus.txt", python="python",
+                           netem="netem_mpi.sh", netem_prefix="x", timeout=60.0, force=False, table_only=False)
+    vars(a).update(kw)
+    return a
+
+
+def test_contender_arguments_and_environment(tmp_path):
+    a = settings(tmp_path)
+    common = adaptive_lm.cell_args("adam", 3, "OUT", a)
+    assert common[common.index("--epochs") + 1] == "2" and common[common.index("--max-steps") + 1] == "100"
+    assert common[common.index("--seed") + 1] == "3" and common[common.index("--warmup-steps") + 1] == "20"
+    assert adaptive_lm.contender_args("onebit-adam", a) == ["--optimizer", "onebit-adam", "--freeze-step", "30"]
+    zo = adaptive_lm.contender_args("zeroone-adam", a)
+    assert zo[:4] == ["--optimizer", "zeroone-adam", "--freeze-step", "30"]
+    assert zo[-1] == "var_update_scaler=16,local_step_scaler=30,local_step_clipper=16"
+    assert adaptive_lm.contender_args("adam-topk", a)[-1] == "topk:density=0.01"
+    assert adaptive_lm.contender_env("adam-fp16-ring")["OMPI_MCA_coll_tuned_allreduce_algorithm"] == "4"
+    assert adaptive_lm.contender_env("onebit-adam") == {}
+    cmd = adaptive_lm.Runner(a).command("local", "adam-fp16-ring", 1, "OUT")
+    assert cmd[:6] == ["mpirun", "-np", "4", "--oversubscribe", "--bind-to", "none"]
+    assert "OMPI_MCA_coll_tuned_use_dynamic_rules=1" in cmd
+    with pytest.raises(ValueError, match="unknown contender"):
+        adaptive_lm.contender_args("sgd", a)
+
+
+def _cell(tmp_path, name, seed, sent_per_step, ppl):
+    d = tmp_path / "cells" / "local" / f"{name}-s{seed}"
+    d.mkdir(parents=True)
+    res = {"epochs": [{"steps": 100, "val_ppl": ppl + 10}, {"steps": 100, "val_ppl": ppl}], "test_ppl": ppl + 1,
+           "run_bytes": {"bytes_sent": {"mean": 200 * sent_per_step}, "dense_bytes": {"mean": 200 * 4000.0}},
+           "per_step": {"wall": {"mean": 0.5}}}
+    (d / "results.json").write_text(json.dumps(res))
+
+
+def test_table_from_finished_cells(tmp_path):
+    a = settings(tmp_path, contenders=["adam", "onebit-adam"])
+    for seed, ppl in ((1, 100.0), (2, 104.0)):
+        _cell(tmp_path, "adam", seed, 4000.0, ppl)
+        _cell(tmp_path, "onebit-adam", seed, 800.0, ppl + 2)
+    rows = adaptive_lm.table(a)["rates"]["local"]
+    assert rows["adam"]["ratio_vs_adam"] == 1.0 and rows["onebit-adam"]["ratio_vs_adam"] == 5.0
+    assert rows["onebit-adam"]["val_ppl"] == {"mean": 104.0, "min": 102.0, "max": 106.0, "n": 2}
+    assert rows["adam"]["bytes_per_step"]["mean"] == 4000.0 and rows["adam"]["steps"] == 200
+    md = adaptive_lm.markdown(a)
+    assert "| onebit-adam | 0.8 KB | 5.0x | 0.500 | 104.0 (102.0-106.0) | 105.0 | 2 |" in md

@@ -1,0 +1,245 @@
+"""The DDP front-end (hvdcomp.ddp): bucket layouts and launch set-up (single process), multi-rank
+checks on gloo without Horovod (tests/ddp_checks.py, spawned ranks), parity with the Horovod
+front-end for every method and recipe (tests/mpi/ddp_parity.py under mpirun), NCCL (skipped
+without GPUs), and train_lm.py launched by torchrun and by srun against the Horovod run.
+Every multi-rank run is under a timeout."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hvdcomp
+from hvdcomp.ddp.layout import plan_bucket
+from hvdcomp.ddp.runtime import DEFAULT_PORT, launch_info
+from hvdcomp.transports.torchdist import payload_kind
+from tests.mpirun import ROOT, check
+
+CHECKS = os.path.join(ROOT, "tests", "ddp_checks.py")
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+def run(cmd, timeout, env=None, cwd=ROOT):
+    """``cmd`` with a hard timeout (the whole process group is killed); returns its output."""
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full = {k: v for k, v in full.items() if v is not None}  # (None: unset)
+    full["PYTHONPATH"] = os.pathsep.join(p for p in (full.get("PYTHONPATH"), ROOT) if p)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full,
+                            cwd=cwd, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{proc.communicate()[0][-5000:]}")
+    assert proc.returncode == 0, f"exit {proc.returncode}: {' '.join(cmd)}\n{out[-8000:]}"
+    return out
+
+
+def ddp_checks(nproc, *checks, timeout=240, env=None):
+    out = run([sys.executable, CHECKS, str(nproc), *checks], timeout, env)
+    for c in checks:
+        assert f"OK {c} " in out, out[-4000:]
+    return out
+
+
+# ---- single process: layouts, kinds, launch environments -----------------------------------------
+def test_bucket_units_follow_granularity_and_the_expected_backward_order():
+    names, shapes = ["a.w", "a.b", "b.w"], [(3, 2), (3,), (2, 3)]
+    positions = [2, 1, 0]  # b.w is the last parameter: first in the backward order
+    per = plan_bucket(4, names, shapes, positions, segmentable=False)
+    assert [(u.name, u.start, u.stop, u.shape) for u in per.units] == \
+        [("b.w", 9, 15, (2, 3)), ("a.b", 6, 9, (3,)), ("a.w", 0, 6, (3, 2))]
+    fused = plan_bucket(4, names, shapes, positions, segmentable=True)
+    (unit,) = fused.units
+    assert unit.name is None and unit.segments.names == tuple(names) and unit.segments.sizes == [6, 3, 6]
+    whole = plan_bucket(4, names, shapes, positions, segmentable=True, granularity="bucket")
+    assert [(u.name, u.start, u.stop, u.segments) for u in whole.units] == [("bucket4", 0, 15, None)]
+    one = plan_bucket(0, ["w"], [(2, 2)], [0], segmentable=True)
+    assert [(u.name, u.shape, u.segments) for u in one.units] == [("w", (2, 2), None)]
+    buf = torch.arange(15.0)
+    assert torch.equal(per.units[0].view(buf), torch.arange(9.0, 15.0).view(2, 3))
+    with pytest.raises(ValueError, match="granularity"):
+        plan_bucket(0, names, shapes, positions, True, granularity="layer")
+
+
+def test_payload_kinds_of_every_registered_method():
+    kinds = {name: payload_kind(hvdcomp.get_compressor(name)) for name in hvdcomp.available()}
+    assert kinds["none"] == "gradient" and kinds["fp16"] == "average" and kinds["signsgd"] == "sum"
+    assert kinds["topk"] == kinds["qsgd"] == kinds["bf16"] == "gather"
+    assert {kinds[n] for n in ("powersgd", "gtopk", "cltk", "twophase")} == {"batched"}
+    assert set(kinds.values()) <= {"gradient", "average", "sum", "gather", "batched"}
+
+
+def test_launch_info_reads_torchrun_srun_and_mpirun():
+    t = launch_info({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "1234"})
+    assert (t.launcher, t.rank, t.size, t.local_rank, t.master_addr, t.master_port) == ("torchrun", 3, 4, 1, "h0", 1234)
+    env = {"SLURM_PROCID": "2", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "0",
+           "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "localhost", "SLURM_JOB_ID": "40077",
+           "PATH": "/nonexistent"}  # (no scontrol: the node list is read by hand)
+    s = launch_info(env)
+    assert (s.launcher, s.rank, s.size, s.master_addr, s.master_port) == ("slurm", 2, 4, "localhost", 20077)
+    s = launch_info({**env, "SLURM_STEP_NODELIST": "node-unresolvable-x[3-4]", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.3"})
+    assert s.master_addr == "10.0.0.3"  # a node name that does not resolve: srun's own host
+    m = launch_info({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    assert (m.launcher, m.master_addr, m.master_port) == ("openmpi", "127.0.0.1", DEFAULT_PORT)
+    with pytest.raises(ValueError, match="set MASTER_ADDR"):
+        launch_info({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    assert launch_info({}).size == 1
+
+
+# ---- multi-rank, gloo, no Horovod (spawned ranks) ------------------------------------------------
+def test_two_ranks_none_fp16_powersgd_bytes_bucket_granularity_and_errors():
+    """none = DDP without a hook (bit for bit); fp16 vs fp16_compress_hook and PowerSGD vs
+    powerSGD_hook within their stated bounds; top-k bytes as worked out; granularity="bucket" =
+    its reference; bad set-ups refused on every rank (tests/ddp_checks.py docstrings)."""
+    ddp_checks(2, "none-bitwise", "fp16-vs-pytorch", "powersgd-vs-pytorch", "topk-bytes", "bucket-granularity",
+               "errors")
+
+
+def test_four_ranks_none_fp16_powersgd_and_bytes():
+    ddp_checks(4, "none-bitwise", "fp16-vs-pytorch", "powersgd-vs-pytorch", "topk-bytes")
+
+
+def test_fp16_never_delivers_a_saturated_gradient_through_ddp():
+    """Issue 29 through the DDP hook, 2 ranks: gradients 1, 1, 100, 100 averaged to exactly
+    1, 1, 100, 100 (a resend), with the bytes of tests/mpi/saturation_checks.py; fused gradients,
+    error feedback, the skip policy and nonfinite="raise" (tests/ddp_checks.py docstring)."""
+    ddp_checks(2, "fp16-saturation")
+
+
+def test_a_job_of_one_rank():
+    ddp_checks(1, "one-rank")
+
+
+def test_hvdcomp_and_the_ddp_front_end_work_without_horovod(tmp_path):
+    """horovod shadowed by a package that raises ImportError (on PYTHONPATH, so the spawned ranks
+    see it too): ``import hvdcomp`` works, the Horovod front-end names the fix, top-k trains."""
+    shadow = tmp_path / "horovod"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('horovod is shadowed by tests/test_ddp.py')\n")
+    ddp_checks(2, "no-horovod", env={"PYTHONPATH": str(tmp_path)})
+
+
+# ---- against the Horovod front-end (mpirun: Horovod over MPI and gloo in the same processes) ------
+def parity(np_, *checks, timeout=400):
+    port = str(random.Random().randint(20000, 40000))
+    return check(np_, ["tests/mpi/ddp_parity.py", *checks], timeout=timeout, env={"MASTER_PORT": port})
+
+
+def test_every_method_and_recipe_matches_the_horovod_front_end_at_2_ranks():
+    """Every registered method (tests/mpi/recipes.SPECS and none): averaged gradients, compressor
+    state and parameters bit-identical to the Horovod front-end, 3 steps; recipes (no_sync
+    accumulation, clipping, AMP with an overflow step, resume on every rank and on rank 0 only, a
+    parameter unused on some ranks) likewise."""
+    out = parity(2, "methods", "recipes")
+    assert out.count("OK methods") == 21 and "within" not in out, out[-3000:]
+    assert out.count("OK recipes") == 6
+
+
+def test_methods_match_the_horovod_front_end_at_1_and_4_ranks():
+    """One rank: bit-identical. Four ranks: gathered payloads and point-to-point methods
+    bit-identical; summed ones within the bounds stated in tests/mpi/ddp_parity.py (summation
+    order)."""
+    specs = ["topk:density=0.3", "qsgd:levels=4,block=8", "gtopk:density=0.3", "powersgd:matrix_rank=1", "fp16"]
+    one = parity(1, "methods=" + ";".join(specs[1:4]))
+    assert one.count("OK methods") == 3 and "within" not in one
+    four = parity(4, "methods=" + ";".join(specs))
+    assert four.count("OK methods") == 5
+    for spec in specs[:3]:
+        assert f"OK methods {spec} (bit-identical)" in four
+
+
+# ---- NCCL (one GPU per rank) -------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available() or not torch.distributed.is_nccl_available(),
+                    reason="needs CUDA and NCCL")
+def test_nccl_one_rank():
+    ddp_checks(1, "nccl-none-bitwise", "nccl-methods")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2
+                    or not torch.distributed.is_nccl_available(), reason="needs 2 GPUs and NCCL")
+def test_nccl_two_ranks():
+    ddp_checks(2, "nccl-none-bitwise", "nccl-methods")
+
+
+# ---- train_lm.py without Horovod: torchrun and srun, against the Horovod front-end ---------------
+def small_corpus(path):
+    """A deterministic 24,000-word text of 600 distinct words, 12 words a line (runs in seconds)."""
+    g = random.Random(5)
+    words = [f"w{i}" for i in range(600)]
+    lines = [" ".join(g.choice(words) for _ in range(12)) for _ in range(2000)]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_train_lm_under_torchrun_and_srun_equals_the_horovod_run(tmp_path):
+    """The same 2-rank run three ways: mpirun + Horovod front-end, torchrun --frontend ddp, and
+    slurm/train_lm.sbatch with HVDCOMP_FRONTEND=ddp through a stand-in srun that starts the tasks
+    with SLURM's variables. Top-k is deterministic and a 2-rank sum is exact, so the perplexities
+    and bytes are the same."""
+    data = small_corpus(tmp_path / "corpus.txt")
+    lm_args = ["--compressor", "topk:density=0.01", "--model", "small", "--epochs", "1", "--max-steps", "2",
+               "--batch-size", "16", "--bptt", "10", "--eval-batch-size", "8", "--vocab-size", "1000",
+               "--no-progress", "--data", data]
+    hvd_out = tmp_path / "horovod"
+    check(2, ["mpi_scripts/train_lm.py", *lm_args, "--output", str(hvd_out)], timeout=400)
+    ddp_out = tmp_path / "torchrun"
+    port = str(random.Random().randint(20000, 40000))
+    run([TORCHRUN, "--nproc_per_node", "2", "--master_port", port, "mpi_scripts/train_lm.py", "--frontend", "ddp",
+         *lm_args, "--output", str(ddp_out)], 400)
+    # srun stand-in: starts SLURM_NTASKS copies of the command with the variables srun gives a task
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "srun").write_text(
+        '#!/bin/bash\necho "$@" > "$SRUN_ARGS"\nwhile [ "${1#-}" != "$1" ]; do shift; done\n'
+        'pids=(); for i in $(seq 0 $((SLURM_NTASKS - 1))); do SLURM_PROCID=$i SLURM_LOCALID=$i SLURM_STEP_ID=0 '
+        'SLURM_STEP_NUM_TASKS=$SLURM_NTASKS SLURM_STEP_NODELIST=localhost "$@" & pids+=($!); done\n'
+        'rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done; exit $rc\n')
+    (shim / "srun").chmod(0o755)
+    job = str(random.Random().randint(1000, 39999))
+    env = {"PATH": f"{shim}:{os.environ['PATH']}", "SRUN_ARGS": str(tmp_path / "args"), "SLURM_JOB_ID": job,
+           "SLURM_NTASKS": "2", "SLURM_CPUS_PER_TASK": "1", "HVDCOMP_FRONTEND": "ddp",
+           "HVDCOMP_VENV": os.path.dirname(os.path.dirname(sys.executable)), "HVDCOMP_ROOT": ROOT,
+           "OUTPUT_ROOT": str(tmp_path / "slurm"), "MODEL": "small", "EPOCHS": "1", "DATA": data,
+           "EXTRA_ARGS": " ".join(lm_args[6:-3]), "COMPRESSOR": "topk:density=0.01",
+           **{k: None for k in ("SLURM_ARRAY_TASK_ID", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}}
+    logs = run(["bash", os.path.join(ROOT, "slurm", "train_lm.sbatch")], 400, env)
+    assert "(ddp front-end)" in logs and (tmp_path / "args").read_text().split()[:2] == ["--mpi=none",
+                                                                                         "--kill-on-bad-exit=1"]
+    results = [json.loads((d / "results.json").read_text())
+               for d in (hvd_out, ddp_out, tmp_path / "slurm" / f"{job}_0")]
+    h, t, s = results
+    assert t["config"]["frontend"] == s["config"]["frontend"] == "ddp" and h["config"]["frontend"] == "horovod"
+    assert [r["config"]["world_size"] for r in results] == [2, 2, 2]
+    assert t["config"]["transport"].startswith("torch.distributed gloo: counts exchange")
+    for key in ("initial_val_ppl", "best_val_ppl", "test_ppl"):
+        assert h[key] == t[key] == s[key], (key, h[key], t[key], s[key])
+    for r in (t, s):
+        assert r["per_step"]["bytes_sent"] == h["per_step"]["bytes_sent"]
+        assert r["per_step"]["dense_bytes"] == h["per_step"]["dense_bytes"]
+
+
+def test_benchmark_report_states_both_targets(tmp_path):
+    """benchmarks/ddp_hooks.py's table from cells written here: top-k through DDP 2.0 s, DDP's fp16
+    hook 3.0 s and PowerSGD hook 2.5 s, the Horovod front-end's top-k 1.9 s at 100 Mbit/s."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import ddp_hooks
+    from netem_e2e import slug
+
+    steps = {"ddp:fp16": 3.0, "ddp:powersgd": 2.5, "hvdcomp-ddp:topk:density=0.01": 2.0,
+             "hvdcomp:topk:density=0.01": 1.9}
+    cells = tmp_path / "medium" / "cells" / "100mbit"
+    cells.mkdir(parents=True)
+    for c, sec in steps.items():
+        (cells / f"{slug(c)}.json").write_text(json.dumps({"status": "ok", "timing": {"step": {"median": sec}}}))
+    args = ddp_hooks.parse_args(["--output", str(tmp_path), "--models", "medium", "--rates", "100mbit"])
+    text = ddp_hooks.report(args)
+    assert "DDP's fastest built-in hook 2.500 s: faster (1.25x)" in text
+    assert "top-k 1 % 1.900 s: 1.05x (target <= 1.10)" in text
+    assert "| `ddp:none` | failed / not run |" in text
+    cmd = ddp_hooks.driver_command(args, "medium")
+    assert cmd[cmd.index("--contenders") + 1:cmd.index("--np")] == ddp_hooks.CONTENDERS
