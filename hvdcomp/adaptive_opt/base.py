@@ -1,5 +1,7 @@
-"""What the compressed adaptive optimizers share: parameters and their names, the collectives,
-the warm-up optimizer, the compressed allreduce of a whole model, checkpoints.
+"""What the compressed adaptive optimizers share: parameters and their names, the kinds of step,
+checkpoints. The warm-up optimizer is :mod:`hvdcomp.adaptive_opt.warmup`'s; the collectives after
+it (the compressed allreduce of a whole model, the step agreement, the non-finite verdict) are
+:mod:`hvdcomp.adaptive_opt.averaging`'s.
 
 An optimizer of :mod:`hvdcomp.adaptive_opt` is a ``torch.optim.Optimizer`` that averages over
 Horovod ranks by itself (do not wrap it in :func:`hvdcomp.DistributedOptimizer`). Each of its
@@ -45,7 +47,7 @@ import abc
 import contextlib
 import itertools
 import logging
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -55,14 +57,13 @@ from ..comm.group import Group
 from ..comm.step import StepComm, horovod_step_comm
 from ..metrics import PhaseTimer
 from ..plan import BATCHED, TransportPlan
-from ..spec import get_compressor
+from .averaging import ONEBIT_SPEC, Averaging
+from .warmup import WarmupStage
 
 __all__ = ["AdaptiveOptimizer", "named_groups", "check_masks", "ONEBIT_SPEC"]
 
 log = logging.getLogger(__name__)
 
-#: the compressed allreduce every optimizer of this package uses (1-bit Adam's)
-ONEBIT_SPEC = "twophase:base=efsignsgd"
 _ids = itertools.count()  # creation order, identical on every rank: names the collectives
 _FLOATS = (torch.float32, torch.float64)
 
@@ -154,15 +155,14 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.timer = timer if timer is not None else PhaseTimer()
         self.skipped_steps, self.last_step_kind = 0, None
         self._prefix = f"hvdcomp.adaptive.{next(_ids)}"
-        self._warm = None              # the warm-up hvdcomp.DistributedOptimizer, while it runs
-        self._warm_state: dict = {}    # its compression state, loaded from a checkpoint
-        self._sync_on_step, self._agreed, self._masks = True, False, {}
+        self.warmup = WarmupStage(self)
+        self._sync_on_step, self._masks = True, {}
         self.group = None if comm is not None else Group(process_set)
         if self.group is not None and not self.group.included:
             raise RuntimeError(f"this process is not in process_set: build {type(self).__name__} on its "
                                "members only")
         self.comm = comm if comm is not None else self._horovod_comm()
-        self._reducers: Dict[str, object] = {}
+        self.averaging = Averaging(self)
         for p in self.order:
             self.state[p].update(self._init_state(p))  # never empty: hvd.broadcast_optimizer_state
             # then broadcasts it instead of stepping the fresh ranks alone
@@ -210,84 +210,21 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 "nonfinite": self.nonfinite, "warmup_compression": str(self.warmup_compression),
                 "parameters": [(self._names[p], tuple(p.shape), str(p.dtype)) for p in self.order]}
 
-    def _reducer(self, key: str):
-        """The compressed allreduce ``key`` (one per quantity averaged: each keeps its own worker
-        and server residuals), made on first use."""
-        if key not in self._reducers:
-            self._reducers[key] = get_compressor(ONEBIT_SPEC)
-            self._reducers[key].bind_group(self.comm.size)
-        return self._reducers[key]
-
     @property
     def compression(self):
         """The method averaging now: the warm-up's while it runs, else the compressed allreduce."""
-        return self._warm.compression if self._warm is not None else self._reducer(self._reducer_keys[-1])
+        return self.warmup.optimizer.compression if self.warmup.running else self.averaging.reducer(self._reducer_keys[-1])
 
     @property
     def transport(self) -> TransportPlan:
         """How the gradients travel now (:class:`hvdcomp.plan.TransportPlan`)."""
-        return self._warm.transport if self._warm is not None else self._plan
+        return self.warmup.optimizer.transport if self.warmup.running else self._plan
 
     def step_count(self) -> int:
         """Applied steps so far (the per-parameter ``step`` of torch's Adam state)."""
         return int(self.state[self.order[0]]["step"])
 
-    # ---- the warm-up ----------------------------------------------------------------------------
-    def _warm_optimizer(self):
-        if self._warm is None:
-            from ..optimizer import DistributedOptimizer
-
-            if self.group is None:
-                raise RuntimeError("the warm-up runs over Horovod (hvdcomp.DistributedOptimizer): build the "
-                                   "optimizer without comm=, after hvd.init()")
-            warm = DistributedOptimizer(self._make_warmup(), named_parameters=[(self._names[p], p) for p in self.order],
-                                        compression=self.warmup_compression, process_set=self.process_set,
-                                        timer=self.timer, nonfinite=self.nonfinite)
-            warm.state = self.state  # one state for both stages (torch's per-parameter dict)
-            if self._warm_state:
-                warm.compression.load_state_dict(self._warm_state)
-                self._warm_state = {}
-            self._warm = warm
-        return self._warm
-
-    def _end_warmup(self) -> None:
-        """After the last warm-up step (the warm-up optimizer is idle): close it."""
-        self._warm.close()
-        self._warm = None
-        self._variance_changed()
-
-    def _abandon_warmup(self) -> None:
-        """A checkpoint past the warm-up was loaded into a running warm-up (on every rank alike,
-        as every rank has it open): finish what backward's hooks started, keep the averaged
-        gradient as this step's gradient, drop the warm-up's update and close it."""
-        warm = self._warm
-        warm.synchronize()
-        kept = [None if p.grad is None else p.grad.clone() for p in self.order]
-        warm.zero_grad(set_to_none=False)  # (discards the synchronized update: nothing stays staged)
-        warm.close()
-        for p, g in zip(self.order, kept):
-            p.grad = g
-        self._warm = None
-        log.warning("%s: a checkpoint past the warm-up was loaded while the warm-up ran: this step uses the "
-                    "averaged gradient", type(self).__name__)
-
     # ---- one step -------------------------------------------------------------------------------
-    def _agree_state(self) -> None:
-        """Once after construction or loading: every rank is at the same step."""
-        if self._agreed:
-            return
-        self._agreed = True
-        if self.comm.size == 1:
-            return
-        mine = torch.tensor([float(self.step_count())], dtype=torch.float64)
-        first = self.comm.broadcast(mine.clone(), 0, "agree.step")
-        differs = self.comm.allreduce_mean(torch.tensor([float(first.item() != mine.item())],
-                                                        dtype=torch.float64), "agree.differs")
-        if differs.item() > 0:
-            raise RuntimeError(f"ranks are at different optimizer steps (rank 0: {int(first.item())}, this rank: "
-                               f"{int(mine.item())}): load the checkpoint on every rank, or on rank 0 followed by "
-                               "hvd.broadcast_parameters(...) and hvd.broadcast_optimizer_state(opt, root_rank=0)")
-
     def _check_dense(self) -> None:
         """Raises TypeError for a sparse gradient (before anything is sent)."""
         for p in self.order:
@@ -298,48 +235,6 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _local_gradients(self) -> List[torch.Tensor]:
         """This rank's gradient of every parameter of :attr:`order` (zeros where unused)."""
         return [torch.zeros_like(p) if p.grad is None else p.grad for p in self.order]
-
-    def _verdict(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether averaged results (identical on every rank) are finite; raises for
-        ``nonfinite="raise"``."""
-        if self.nonfinite == "ignore" or all(bool(torch.isfinite(t).all()) for t in tensors):
-            return True
-        if self.nonfinite == "raise":
-            raise FloatingPointError(f"{type(self).__name__}: non-finite averaged values at step "
-                                     f"{self.step_count() + 1} (a rank had a NaN/Inf gradient)")
-        self.skipped_steps += 1
-        log.warning("%s: non-finite averaged values: step %d skipped on every rank", type(self).__name__,
-                    self.step_count() + 1)
-        return False
-
-    def _compressed_allreduce(self, key: str, tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:
-        """The mean over ranks of ``tensors`` (one per parameter of :attr:`order`) through the
-        compressed allreduce ``key``; None (nothing changed) where it is not finite."""
-        red = self._reducer(key)
-        red.begin_step()
-        try:
-            out = red.reduce_batch([(self._names[p], t) for p, t in zip(self.order, tensors)], self.comm, self.timer)
-            ok = self._verdict(out)
-        except BaseException:
-            red.rollback()
-            raise
-        if not ok:
-            red.rollback()
-            return None
-        red.commit()
-        return out
-
-    def _full_allreduce(self, tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:
-        """The mean over ranks of ``tensors`` by one float32 Horovod allreduce; None where not finite."""
-        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
-        mean = self.comm.allreduce_mean(flat, "full") if self.comm.size > 1 else flat
-        if not self._verdict([mean]):
-            return None
-        out, start = [], 0
-        for t in tensors:
-            out.append(mean[start:start + t.numel()].view(t.shape).to(t.dtype))
-            start += t.numel()
-        return out
 
     def momentum_mask(self, p: torch.Tensor) -> torch.Tensor:
         """1 where ``p``'s variance is non-zero, 0 where it is exactly zero (no rank ever had a
@@ -372,15 +267,15 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """During the warm-up: average the gradients into ``p.grad`` (the warm-up optimizer's
         ``synchronize``). Afterwards nothing is averaged before ``step()``: ``p.grad`` stays
         this rank's gradient (clipping between ``synchronize()`` and ``step()`` clips it)."""
-        self._agree_state()
+        self.averaging.agree_step()
         if self.step_count() < self.warmup_steps:
-            self._warm_optimizer().synchronize()
+            self.warmup.open().synchronize()
 
     def zero_grad(self, set_to_none: bool = True):
         """As torch's (during the warm-up, the warm-up optimizer's, which refuses while a
         backward's gradients are in flight)."""
-        if self._warm is not None:
-            return self._warm.zero_grad(set_to_none=set_to_none)
+        if self.warmup.running:
+            return self.warmup.optimizer.zero_grad(set_to_none=set_to_none)
         return super().zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
@@ -398,10 +293,10 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             raise ValueError(f"{type(self).__name__}.step() takes no closure: compute the loss and call "
                              "backward() before step()")
         self._check_dense()
-        self._agree_state()
+        self.averaging.agree_step()
         t = self.step_count()
         if t < self.warmup_steps:
-            warm = self._warm_optimizer()
+            warm = self.warmup.open()
             if self._sync_on_step:
                 warm.step()
             else:
@@ -411,11 +306,12 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             if kind is None:
                 self.skipped_steps += 1
             elif self.step_count() >= self.warmup_steps:
-                self._end_warmup()
+                self.warmup.close()
+                self._variance_changed()
                 log.info("%s: warm-up done after %d steps", type(self).__name__, t + 1)
         else:
-            if self._warm is not None:
-                self._abandon_warmup()
+            if self.warmup.running:
+                self.warmup.abandon(self.order)
             kind = self._step_after_warmup(t, self._local_gradients())
             self.timer.add_bytes(dense=4 * sum(p.numel() for p in self.order))
         self.last_step_kind = kind
@@ -435,9 +331,8 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         per-rank residuals of every compressed allreduce and the warm-up compression's state:
         tensors, numbers and strings only (see the module docstring for the resume recipes)."""
         sd = super().state_dict()
-        warm = self._warm.compression.state_dict() if self._warm is not None else self._warm_state
-        sd["hvdcomp"] = {"reducers": {k: r.state_dict() for k, r in self._reducers.items()},
-                         "warmup": warm, "skipped_steps": self.skipped_steps}
+        sd["hvdcomp"] = {"reducers": {k: r.state_dict() for k, r in self.averaging.reducers.items()},
+                         "warmup": self.warmup.state_dict(), "skipped_steps": self.skipped_steps}
         return sd
 
     def load_state_dict(self, state_dict):
@@ -455,16 +350,11 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                              f"{type(self).__name__} does not keep ({list(self._reducer_keys)}): "
                              "load a checkpoint of the same optimizer")
         super().load_state_dict(state_dict)  # (new group dicts and state: the warm-up shares them)
-        if self._warm is not None:
-            self._warm.param_groups, self._warm.state = self.param_groups, self.state
         for key in self._reducer_keys:
-            self._reducer(key).load_state_dict(extra["reducers"].get(key, {}))
-        self._warm_state = extra.get("warmup", {})
-        if self._warm is not None and self._warm_state:
-            self._warm.compression.load_state_dict(self._warm_state)
-            self._warm_state = {}
+            self.averaging.reducer(key).load_state_dict(extra["reducers"].get(key, {}))
+        self.warmup.load_state_dict(extra.get("warmup", {}))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
-        self._agreed = False
+        self.averaging.agreed = False
         self._variance_changed()
 
     #: the compressed allreduces the optimizer keeps (state_dict keys)
@@ -484,9 +374,7 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def close(self) -> None:
         """Stop communicating (the warm-up optimizer's hooks and threads); call between steps on
         every rank, e.g. before building another optimizer in the same process."""
-        if self._warm is not None:
-            self._warm.close()
-            self._warm = None
+        self.warmup.close()
 
 
 def check_masks(masks: Optional[Dict[str, torch.Tensor]], names: Iterable[str], shapes: Dict[str, torch.Size]):

@@ -147,7 +147,7 @@ class OneBitAdam(AdaptiveOptimizer):
         pairs = self.each()
         local = [self.state[p]["exp_avg"].mul(g["betas"][0]).add_(grad, alpha=1.0 - g["betas"][0])
                  for (p, g), grad in zip(pairs, grads)]
-        averaged = self._compressed_allreduce("momentum", local)
+        averaged = self.averaging.compressed("momentum", local)
         if averaged is None:
             return None
         step = t + 1

@@ -216,7 +216,7 @@ class OneBitLamb(AdaptiveOptimizer):
         pairs = self.each()
         local = [self.state[p]["exp_avg"].mul(g["betas"][0]).add_(grad, alpha=1.0 - g["betas"][0])
                  .mul_(self.state[p]["scaling_coeff"]) for (p, g), grad in zip(pairs, grads)]
-        averaged = self._compressed_allreduce("momentum", local)
+        averaged = self.averaging.compressed("momentum", local)
         if averaged is None:
             return None
         for (p, g), m in zip(pairs, averaged):

@@ -202,7 +202,7 @@ class ZeroOneAdam(AdaptiveOptimizer):
     def _communicating_step(self, step, grads):
         """A step up to F: full precision (variance steps) or 1-bit, then Adam's update."""
         full = self.is_variance_step(step)
-        averaged = self._full_allreduce(grads) if full else self._compressed_allreduce("gradient", grads)
+        averaged = self.averaging.full(grads) if full else self.averaging.compressed("gradient", grads)
         if averaged is None:
             return None
         for (p, g), a in zip(self.each(), averaged):
@@ -260,7 +260,7 @@ class ZeroOneAdam(AdaptiveOptimizer):
             for u in updates:
                 u.fill_(float("nan"))
         self._poisoned = False
-        averaged = self._compressed_allreduce("sync", updates)
+        averaged = self.averaging.compressed("sync", updates)
         if averaged is None:  # skipped on every rank: the local steps go on
             self._advance()
             return "local"

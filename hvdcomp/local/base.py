@@ -205,6 +205,18 @@ class LocalUpdate(Checkpoints):
         return self.inner.state
 
     @property
+    def anchors(self) -> Dict[str, torch.Tensor]:
+        """θ_start by parameter name (float32 or the parameter's dtype; on the host with
+        ``host_copy``): the parameters at the start of the round, that the outer step updates."""
+        return dict(self._anchor)
+
+    @property
+    def pseudo_gradients(self) -> Dict[str, torch.Tensor]:
+        """The send buffers of Δ = θ_start − θ_local by parameter name (the anchors' shapes and
+        dtypes), written at each outer step; never the live parameters."""
+        return dict(self._delta)
+
+    @property
     def compression(self):
         """The method that carries Δ (the pipeline's, after ``transport="auto"``)."""
         return self.sync.compression

@@ -185,6 +185,12 @@ class CO2(LocalUpdate):
         self._thread = threading.Thread(target=self._reduce_in_thread, name="hvdcomp-co2", daemon=True)
         self._thread.start()
 
+    @property
+    def reduction_running(self) -> Optional[bool]:
+        """None when no reduction was started since the last join; else whether its background
+        thread is still running (False: finished, not yet joined)."""
+        return None if self._thread is None else self._thread.is_alive()
+
     def _reduce_in_thread(self) -> None:
         try:
             self._round_timer.begin_step()

@@ -126,8 +126,8 @@ def check_resume_before_at_after_freeze():
     m3.load_state_dict(ckpt["model"])
     o3.load_state_dict(ckpt["opt"])
     run(o3, m3, 5, 7)
-    got = (o3.step_count(), o3.last_step_kind, o3._warm)
-    assert got == (6, "onebit", None), got
+    got = (o3.step_count(), o3.last_step_kind, o3.warmup.running)
+    assert got == (6, "onebit", False), got
     same_on_every_rank(flat(m3), "abandoned")
     o3.close()
 

@@ -166,9 +166,10 @@ def check_co2_no_training_on_inflight_tensors():
         alive = []
         for step in range(9):
             inner_step(model, opt, step)
-            if opt._thread is not None:
-                alive.append(opt._thread.is_alive())
-                touched = {t.untyped_storage().data_ptr() for t in [*opt._delta.values(), *opt._anchor.values()]}
+            if opt.reduction_running is not None:
+                alive.append(opt.reduction_running)
+                touched = {t.untyped_storage().data_ptr() for t in [*opt.pseudo_gradients.values(),
+                                                                    *opt.anchors.values()]}
                 touched |= {e.untyped_storage().data_ptr() for e in opt.compression.memory.committed.values()}
                 live = {p.untyped_storage().data_ptr() for p in model.parameters()}
                 assert not touched & live
@@ -289,9 +290,9 @@ def check_resume_broadcast():
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt.broadcast_state(root_rank=0)
     assert (opt.steps, opt.round_step, opt.rounds, opt.pending) == (4, 1, 1, True)
-    for n, a in opt._anchor.items():
+    for n, a in opt.anchors.items():
         assert same_on_all_ranks(a.detach(), f"bcast.anchor.{n}")
-        assert same_on_all_ranks(opt._delta[n].clone(), f"bcast.pending.{n}")
+        assert same_on_all_ranks(opt.pseudo_gradients[n].clone(), f"bcast.pending.{n}")
     for step in range(4, 10):
         inner_step(model, opt, step)
     opt.flush()
@@ -334,8 +335,8 @@ def check_half_precision():
             opt.step()
         opt.flush()
         for n, p in model.named_parameters():
-            a = opt._anchor[n]
-            assert a.dtype == torch.float32 and opt._delta[n].dtype == torch.float32
+            a = opt.anchors[n]
+            assert a.dtype == torch.float32 and opt.pseudo_gradients[n].dtype == torch.float32
             assert torch.equal(p.detach(), a.detach().to(torch.bfloat16))
         assert opt.rounds == 3 and same_on_all_ranks(flat(model).float(), f"half.{cls.__name__}")
         opt.close()

@@ -1,0 +1,118 @@
+"""The collectives of a compressed adaptive optimizer after its warm-up: compressed allreduces of
+a whole model's worth of tensors, the full-precision allreduce, the step agreement, and the
+non-finite verdict on averaged results.
+
+Every compressed allreduce is a :class:`hvdcomp.transports.twophase.TwoPhaseCompressor` with
+``base="efsignsgd"`` (``ONEBIT_SPEC``: 1 bit and one float32 scale per chunk, worker and server
+error feedback; Tang et al. 2021, "1-bit Adam", Algorithm 2), one per quantity averaged (the
+momentum; 0/1 Adam's gradient and its update since the last synchronisation), each keeping its
+own residuals. Averaged results are identical on every rank, so the non-finite verdict needs no
+extra collective.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from ..spec import get_compressor
+
+__all__ = ["Averaging", "ONEBIT_SPEC"]
+
+log = logging.getLogger(__name__)
+
+#: the compressed allreduce every optimizer of this package uses (1-bit Adam's)
+ONEBIT_SPEC = "twophase:base=efsignsgd"
+
+
+class Averaging:
+    """The averages of an :class:`~hvdcomp.adaptive_opt.base.AdaptiveOptimizer` ``owner`` (its
+    ``comm``, ``timer``, ``order``, parameter names, ``nonfinite``, ``step_count()`` and
+    ``skipped_steps``).
+
+    Tensors passed in are one per parameter of ``owner.order``, in that order, float32 or
+    float64, each in its parameter's shape; results have the same shapes and dtypes.
+    """
+
+    def __init__(self, owner):
+        self.owner = owner
+        self.reducers: Dict[str, object] = {}
+        self.agreed = False
+
+    def reducer(self, key: str):
+        """The compressed allreduce ``key`` (its own worker and server residuals), made on first use."""
+        if key not in self.reducers:
+            self.reducers[key] = get_compressor(ONEBIT_SPEC)
+            self.reducers[key].bind_group(self.owner.comm.size)
+        return self.reducers[key]
+
+    def agree_step(self) -> None:
+        """Once after construction or loading (:attr:`agreed` reset): every rank is at the same step.
+
+        Raises:
+            RuntimeError: on every rank, where ranks are at different steps.
+        """
+        if self.agreed:
+            return
+        self.agreed = True
+        comm, step = self.owner.comm, self.owner.step_count()
+        if comm.size == 1:
+            return
+        mine = torch.tensor([float(step)], dtype=torch.float64)
+        first = comm.broadcast(mine.clone(), 0, "agree.step")
+        differs = comm.allreduce_mean(torch.tensor([float(first.item() != mine.item())], dtype=torch.float64),
+                                      "agree.differs")
+        if differs.item() > 0:
+            raise RuntimeError(f"ranks are at different optimizer steps (rank 0: {int(first.item())}, this rank: "
+                               f"{step}): load the checkpoint on every rank, or on rank 0 followed by "
+                               "hvd.broadcast_parameters(...) and hvd.broadcast_optimizer_state(opt, root_rank=0)")
+
+    def verdict(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether averaged results (identical on every rank) are finite; counts a skipped step
+        on the owner otherwise.
+
+        Raises:
+            FloatingPointError: ``nonfinite="raise"`` and a non-finite value.
+        """
+        o = self.owner
+        if o.nonfinite == "ignore" or all(bool(torch.isfinite(t).all()) for t in tensors):
+            return True
+        name = type(o).__name__
+        if o.nonfinite == "raise":
+            raise FloatingPointError(f"{name}: non-finite averaged values at step {o.step_count() + 1} "
+                                     "(a rank had a NaN/Inf gradient)")
+        o.skipped_steps += 1
+        log.warning("%s: non-finite averaged values: step %d skipped on every rank", name, o.step_count() + 1)
+        return False
+
+    def compressed(self, key: str, tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        """The mean over ranks of ``tensors`` through the compressed allreduce ``key`` (about n/8
+        bytes per rank for n elements); None (its residuals unchanged) where it is not finite."""
+        o, red = self.owner, self.reducer(key)
+        red.begin_step()
+        try:
+            out = red.reduce_batch([(o._names[p], t) for p, t in zip(o.order, tensors)], o.comm, o.timer)
+            ok = self.verdict(out)
+        except BaseException:
+            red.rollback()
+            raise
+        if not ok:
+            red.rollback()
+            return None
+        red.commit()
+        return out
+
+    def full(self, tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        """The mean over ranks of ``tensors`` by one float32 allreduce (4 bytes per element);
+        None where it is not finite."""
+        comm = self.owner.comm
+        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
+        mean = comm.allreduce_mean(flat, "full") if comm.size > 1 else flat
+        if not self.verdict([mean]):
+            return None
+        out, start = [], 0
+        for t in tensors:
+            out.append(mean[start:start + t.numel()].view(t.shape).to(t.dtype))
+            start += t.numel()
+        return out
