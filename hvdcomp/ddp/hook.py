@@ -59,6 +59,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.torchdist import TorchDistGroup
+from ..compressors.segments import needs_draw_order
 from ..config import check_method
 from ..metrics import PhaseTimer
 from ..agreement import NONFINITE_MODES, check_consistency
@@ -110,8 +111,10 @@ class HookState:
         self.granularity = granularity
         self.nonfinite = nonfinite
         self.timer = timer if timer is not None else PhaseTimer()
-        self._layouts = Layouts(ddp_model.module, named_parameters, getattr(compression, "segmentable", False),
-                                granularity)
+        # methods that draw at each call (QSGD, TernGrad, DGC, sampled top-k) compress one gradient
+        # per call in the expected backward order, so they draw what the Horovod front-end draws
+        fused = getattr(compression, "segmentable", False) and not needs_draw_order(compression)
+        self._layouts = Layouts(ddp_model.module, named_parameters, fused, granularity)
         self._cycle = StepCycle(compression, self.group, nonfinite, grad_scaler, self.timer)
         self._path = BucketPath(compression, TorchDistTransport(self.group), self.timer,
                                 [n for n, _ in self._layouts.order])

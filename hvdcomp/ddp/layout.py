@@ -8,8 +8,9 @@ depends on ``granularity``:
 
 * ``"tensor"`` (default): each gradient by its own rules (its own top-k, fp16 scale, residual,
   keyed by the parameter's name), as the Horovod front-end does. A method that can
-  (``segmentable``: top-k ``select=exact``, threshold, fp16, bf16, with or without error
-  feedback) compresses the whole buffer in one vectorised call with per-tensor results
+  (``segmentable`` and drawing no random numbers at each call: top-k ``select=exact``, random-k,
+  threshold, signSGD, EF-signSGD, fp16, bf16, with or without error feedback) compresses the
+  whole buffer in one vectorised call with per-tensor results
   (:class:`hvdcomp.compressors.segments.Segments`); other methods get one call per gradient, on a
   view of the buffer in the gradient's shape, in the expected backward order (the reverse of
   ``model.parameters()``, the order in which the Horovod front-end's hooks fire on a plain
