@@ -52,7 +52,9 @@ def main(argv=None):
     p.add_argument("contender", help="horovod:none or hvdcomp:<spec>[@bucket]")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--blocks", type=int, default=200)
+    p.add_argument("--model", choices=("stack", "transformer", "resnet", "lstm"), default="stack",
+                   help="one of benchmarks/overhead.py's models")
+    p.add_argument("--blocks", type=int, default=200, help="the stack's blocks")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--sort", choices=("tottime", "ncalls"), default="tottime",
                    help="order of the listed functions (ncalls: most often called first)")
@@ -61,7 +63,7 @@ def main(argv=None):
 
     hvd.init()
     torch.manual_seed(0)
-    model = bench_models.make_model("stack", stack_blocks=args.blocks)
+    model = bench_models.make_model(args.model, stack_blocks=args.blocks)
     sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
     if args.contender == "horovod:none":
         opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
@@ -73,8 +75,8 @@ def main(argv=None):
 
     def step():
         opt.zero_grad()
-        x, y = bench_models.synthetic_batch("stack", gen)
-        bench_models.loss("stack", model, x, y).backward()
+        x, y = bench_models.synthetic_batch(args.model, gen)
+        bench_models.loss(args.model, model, x, y).backward()
         opt.step()
 
     for _ in range(args.warmup):

@@ -56,10 +56,9 @@ for np in 2 4; do
     HOROVOD_CYCLE_TIME=1 HOROVOD_CACHE_CAPACITY=16384 timeout 3600 \
     mpirun -np $np --oversubscribe --bind-to none \
     $PY benchmarks/overhead.py --output "$OUT/overhead/np$np" --rounds 8 \
-    --contenders local horovod:none hvdcomp:none hvdcomp:none@bucket hvdcomp:fp16 hvdcomp:fp16@unfused \
-                 hvdcomp:fp16@bucket hvdcomp:topk:density=0.01 hvdcomp:topk:density=0.01@unfused \
-                 hvdcomp:topk:density=0.01@bucket hvdcomp:powersgd:matrix_rank=2 \
-                 hvdcomp:qsgd:levels=16 hvdcomp:qsgd:levels=16@bucket ) || status=1
+    --contenders local horovod:none hvdcomp:none hvdcomp:topk:density=0.01 hvdcomp:topk:density=0.01@bucket \
+                 hvdcomp:dgc:density=0.01 hvdcomp:qsgd:levels=16 hvdcomp:terngrad hvdcomp:efsignsgd \
+                 hvdcomp:randomk:density=0.01 hvdcomp:powersgd:matrix_rank=2 hvdcomp:fp16 hvdcomp:bf16 ) || status=1
 done
 fi
 $PY benchmarks/report_speed.py --e2e "$OUT/netem-e2e" --e2e-transformer "$OUT/netem-e2e-transformer" \

@@ -226,16 +226,19 @@ def _sent_scaled(values: torch.Tensor, k: int, limit: float) -> torch.Tensor:
 def _ldexp_segments(values: torch.Tensor, sizes: List[int], ks: List[int],
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``values`` (1-D, segments of ``sizes`` back to back; float16 or float32) with segment j
-    times 2^ks[j], as float32, by the same two multiplications as :func:`_ldexp`: per-element
-    factors repeated over the segments (``repeat_interleave``), one pass per multiplication. ``out``: a float32
-    tensor of ``values``' length to write into (may be ``values`` itself when float32)."""
-    counts = torch.tensor(sizes, dtype=torch.int64, device=values.device)
-
-    def factor(powers):  # each segment's factor repeated over its elements: one op
-        table = torch.tensor(powers, dtype=torch.float32, device=values.device)
-        return torch.repeat_interleave(table, counts, output_size=values.numel())
-    out = torch.mul(values, factor([2.0 ** (k // 2) for k in ks]), out=out)
-    return out.mul_(factor([2.0 ** (k - k // 2) for k in ks]))
+    times 2^ks[j], as float32, by the same two multiplications as :func:`_ldexp`: ``values`` cast
+    to float32 (exact) into ``out``, then each segment multiplied in place by its two powers of
+    two with one ``_foreach_mul_`` per multiplication (no per-element factor buffer: building one
+    by ``repeat_interleave`` cost ~11 ms per step on the transformer's 400 gradients). ``out``: a
+    float32 tensor of ``values``' length to write into (may be ``values`` itself when float32)."""
+    if out is None:
+        out = values.to(torch.float32, copy=True)
+    elif out.data_ptr() != values.data_ptr():
+        out.copy_(values)
+    parts = list(out.split(sizes))
+    torch._foreach_mul_(parts, [2.0 ** (k // 2) for k in ks])
+    torch._foreach_mul_(parts, [2.0 ** (k - k // 2) for k in ks])
+    return out
 
 
 class SaturationCheck:
