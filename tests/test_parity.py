@@ -8,7 +8,6 @@ or the same exception type; the one exception, stated in the worker, is sparse g
 """
 import os
 
-import pytest
 
 from mpirun import check
 

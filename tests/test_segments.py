@@ -6,7 +6,6 @@ is run twice on the same gradients, once per tensor and once on the flat buffer 
 carries residuals), and the averaged results, the residuals and the agreed exponents must be
 bit-identical. The per-tensor path is itself checked against dense references elsewhere.
 """
-import math
 
 import pytest
 import torch

@@ -100,7 +100,6 @@ def unpack_codes(packed: torch.Tensor, bits: int, m: int) -> torch.Tensor:
     if bits == 8 or m == 0:
         return p[:m]
     if bits in (1, 2, 4):
-        per = 8 // bits
         nbytes = packed_nbytes(m, bits)
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=p.device)
         return ((p[:nbytes, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:m]
