@@ -8,7 +8,6 @@ or the same exception type; the one exception, stated in the worker, is sparse g
 """
 import os
 
-
 from mpirun import check
 
 WORKER = os.path.join(os.path.dirname(__file__), "mpi", "parity_checks.py")
