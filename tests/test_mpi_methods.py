@@ -43,16 +43,19 @@ SIZES = [10000 * H] + [4 * H * H] * 4 + [4 * H] * 4   # small LSTM LM: embedding
 def expected_bytes_sent(spec):
     """Exact bytes one rank sends per step, computed from the wire formats (None: data-dependent)."""
     comp = hvdcomp.get_compressor(spec)
+    # QSGD, TernGrad and EF-signSGD fuse the bucket's gradients (all 9 here, fuse_tensors): one
+    # payload of 2 tensors for the bucket (16 bytes of int64 counts), each gradient's codes and
+    # scales inside it as they would be alone
     if spec.startswith("qsgd"):
-        return sum(comp.wire_bytes(n) + 16 for n in SIZES)          # 2 payload tensors, int64 counts
+        return sum(comp.wire_bytes(n) for n in SIZES) + 16
     if spec.startswith("randomk"):
         return sum(4 * max(1, math.ceil(0.01 * n)) for n in SIZES)  # values only, allreduce
     if spec == "signsgd":
         return sum(4 * n for n in SIZES)                             # int32 votes, allreduce
     if spec == "efsignsgd":
-        return sum(4 + math.ceil(n / 8) + 16 for n in SIZES)
+        return sum(4 + math.ceil(n / 8) for n in SIZES) + 16
     if spec == "terngrad":
-        return sum(4 + math.ceil(n / 4) + 16 for n in SIZES)
+        return sum(4 + math.ceil(n / 4) for n in SIZES) + 16
     if spec == "lowbit:bits=4":     # 2 payload tensors per gradient, as QSGD
         return sum(comp.wire_bytes(n) + 16 for n in SIZES)
     if spec == "bf16":  # a cast: the bucket's gradients (all 9 here) are one payload (fuse_tensors)
