@@ -370,7 +370,15 @@ def build(args, raw: torch.nn.Module, comm) -> Setup:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         s.info["rendezvous"] = init_gloo(comm, args)
-        s.module = DDP(raw)  # broadcasts rank 0's parameters
+        # PyTorch's powerSGD_hook issues its second allreduce from the first one's callback; on gloo
+        # with more than one bucket the ranks then interleave the buckets' collectives in different
+        # orders and gloo aborts ("Received data size doesn't match expected size"). One bucket
+        # (the whole model) keeps the order the same on every rank.
+        one_bucket = args.family == "ddp" and args.variant == "powersgd"
+        cap_mb = 4 * n_params / 2 ** 20 + 1 if one_bucket else 25
+        s.module = DDP(raw, bucket_cap_mb=cap_mb)  # broadcasts rank 0's parameters
+        if one_bucket:
+            s.notes["buckets"] = "one DDP bucket: powerSGD_hook on gloo aborts with several"
         if args.family == "hvdcomp-ddp":
 
             spec, options = peers.hvdcomp_options(args.variant)

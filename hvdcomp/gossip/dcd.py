@@ -76,6 +76,20 @@ class _Replicas(GossipMethod):
     def describe(self):
         return {"method": self.name, "compression": self.compressor.describe()}
 
+    def _send(self, params, previous, message, absorb) -> Payload:
+        """The outgoing loop both methods share: per tensor k, ``z = message(k, p, x)`` is encoded,
+        then ``absorb(k, p, x, C(z))`` updates ``p`` and ``s`` with the decoded value; returns the
+        payload (kept for :meth:`incoming`)."""
+        self._require_setup()
+        if previous is None:
+            raise ValueError(f"{self.title} needs the parameters from before the local step (previous)")
+        sent = EncodedModel(self.compressor, self.scales)
+        for k, (name, p, x) in enumerate(zip(self.names, params, previous)):
+            sent.add(message(k, p, x), name)
+            absorb(k, p, x, sent.decode(sent.last(), k, p))
+        self._sent = sent
+        return sent.payload
+
     @torch.no_grad()
     def setup(self, params, received: Dict[int, Payload]) -> None:
         """``s_i = Σ_j w_ij x_j`` from the exact initial models (j = i and the neighbours)."""
@@ -143,20 +157,16 @@ class DCDGossip(_Replicas):
     @torch.no_grad()
     def outgoing(self, params, previous, round=0) -> Payload:
         """``z = (s − x) + Δ``; ``x ← x + C(z)``; ``s += w_ii C(z)``; returns C(z)'s payload."""
-        self._require_setup()
-        if previous is None:
-            raise ValueError("DCD-PSGD needs the parameters from before the local step (previous)")
-        sent = EncodedModel(self.compressor, self.scales)
         w_self = self.weight(self.rank)
-        for k, (name, p, x) in enumerate(zip(self.names, params, previous)):
-            z = self.s[k] - x
-            z.add_(p.detach() - x)
-            sent.add(z, name)
-            d = sent.decode(sent.last(), k, p)
+
+        def message(k, p, x):
+            return (self.s[k] - x).add_(p.detach() - x)
+
+        def absorb(k, p, x, d):
             p.copy_(x + d)
             self.s[k].add_(d, alpha=w_self)
-        self._sent = sent
-        return sent.payload
+
+        return self._send(params, previous, message, absorb)
 
 
 class ECDGossip(_Replicas):
@@ -183,19 +193,15 @@ class ECDGossip(_Replicas):
     @torch.no_grad()
     def outgoing(self, params, previous, round=0) -> Payload:
         """``x ← s + Δ``; ``z = (1 − t/2)·x_old + (t/2)·x``; ``s ← (1 − 2/t)·s + (2/t)·w_ii C(z)``."""
-        self._require_setup()
-        if previous is None:
-            raise ValueError("ECD-PSGD needs the parameters from before the local step (previous)")
         t = self.steps + 1
-        sent = EncodedModel(self.compressor, self.scales)
         w_self = self.weight(self.rank)
-        for k, (name, p, x) in enumerate(zip(self.names, params, previous)):
+
+        def message(k, p, x):
             new = self.s[k] + (p.detach() - x)
-            z = x * (1.0 - t / 2.0)
-            z.add_(new, alpha=t / 2.0)
             p.copy_(new)
-            sent.add(z, name)
-            d = sent.decode(sent.last(), k, p)
+            return (x * (1.0 - t / 2.0)).add_(new, alpha=t / 2.0)
+
+        def absorb(k, p, x, d):
             self.s[k].mul_(1.0 - 2.0 / t).add_(d, alpha=w_self * 2.0 / t)
-        self._sent = sent
-        return sent.payload
+
+        return self._send(params, previous, message, absorb)
