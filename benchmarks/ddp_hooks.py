@@ -38,7 +38,10 @@ from netem_e2e import DEFAULT_NETEM, DEFAULT_PYTHON, slug  # noqa: E402
 POWERSGD = "powersgd:matrix_rank=2,start_step=2,min_compression_rate=2"  # = e2e_lm's powerSGD_hook settings
 METHODS = ["topk:density=0.01", "dgc:density=0.01", POWERSGD]
 BUILTIN = ["ddp:none", "ddp:fp16", "ddp:powersgd"]
-CONTENDERS = BUILTIN + [f"hvdcomp-ddp:{m}" for m in METHODS] + [f"hvdcomp:{m}" for m in METHODS]
+#: stock Horovod launched with Open MPI's ring allreduce (:func:`peers.launch_env`), Horovod's fastest
+#: configuration in the LSTM study: issue 31 asks for the per-step verdicts against it from one sitting
+RING = ["horovod-ring:none", "horovod-ring:fp16"]
+CONTENDERS = BUILTIN + [f"hvdcomp-ddp:{m}" for m in METHODS] + [f"hvdcomp:{m}" for m in METHODS] + RING
 MODELS = ["medium", "transformer"]
 RATES = ["100mbit", "10mbit"]
 
@@ -70,30 +73,52 @@ def driver_command(args, model: str):
             "--netem", args.netem]
 
 
-def median_step(output: str, model: str, rate: str, contender: str) -> Optional[float]:
-    """The cell's median step in seconds, or None (missing or failed cell)."""
+def read_cell(output: str, model: str, rate: str, contender: str) -> Optional[dict]:
+    """The cell's JSON (:mod:`netem_e2e`'s), or None when it is missing."""
     path = os.path.join(output, model, "cells", rate, slug(contender) + ".json")
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        cell = json.load(f)
-    if cell.get("status") != "ok":
+        return json.load(f)
+
+
+def median_step(output: str, model: str, rate: str, contender: str) -> Optional[float]:
+    """The cell's median step in seconds, or None: missing, failed, or started on a loaded
+    machine (:mod:`hygiene`; such a cell is no evidence and stays out of the verdicts)."""
+    cell = read_cell(output, model, rate, contender)
+    if cell is None or cell.get("status") != "ok" or cell["driver"]["machine"]["loaded"]:
         return None
     return float(cell["timing"]["step"]["median"])
+
+
+def load_line(output: str, models, rates, contenders) -> str:
+    """The sitting's machine state: the range of the 1-minute load average and of the rest of the
+    machine's CPU share before the cells, and how many cells were marked loaded."""
+    before = [c["driver"]["machine"]["before"] for m in models for r in rates for n in contenders
+              if (c := read_cell(output, m, r, n)) is not None and "machine" in c.get("driver", {})]
+    if not before:
+        return "Machine state: no cells."
+    loads = [b["load_1min"] for b in before]
+    others = [100 * b["others_cpu_share"] for b in before]
+    loaded = sum(b["load_1min"] > b["cores"] for b in before)
+    return (f"Machine state before each of the {len(before)} cells: load average {min(loads):.2f}–{max(loads):.2f} "
+            f"on {before[0]['cores']} cores, the rest of the machine {min(others):.0f}–{max(others):.0f} % CPU; "
+            f"{loaded} cell(s) started loaded (left out). Every cell of a table ran in this one sitting.")
 
 
 def report(args) -> str:
     """``OUT/report.md``: the step table and the two targets, per model and rate."""
     lines = ["# hvdcomp's DDP front-end against DDP's hooks and the Horovod front-end", "",
              "Median seconds per step (per step the maximum over the 4 ranks), emulated links, one rank per "
-             "emulated host. Command: `python benchmarks/ddp_hooks.py --output " + args.output + "`.", ""]
+             "emulated host. Command: `python benchmarks/ddp_hooks.py --output " + args.output + "`.", "",
+             load_line(args.output, args.models, args.rates, args.contenders), ""]
     for model in args.models:
         lines += [f"## {model}", "", "| contender | " + " | ".join(args.rates) + " |",
                   "|---|" + "---|" * len(args.rates)]
         table: Dict[str, Dict[str, Optional[float]]] = {}
         for c in args.contenders:
             table[c] = {r: median_step(args.output, model, r, c) for r in args.rates}
-            cells = [f"{v:.3f}" if v is not None else "failed / not run" for v in table[c].values()]
+            cells = [f"{v:.3f}" if v is not None else "failed, loaded or not run" for v in table[c].values()]
             lines.append(f"| `{c}` | " + " | ".join(cells) + " |")
         lines.append("")
         for rate in args.rates:
@@ -110,6 +135,13 @@ def report(args) -> str:
             if horovod is not None:
                 lines.append(f"- {rate}: against the Horovod front-end's top-k 1 % {horovod:.3f} s: "
                              f"{ours / horovod:.2f}x (target <= 1.10)")
+            ring = table.get("horovod-ring:fp16", {}).get(rate)
+            if ring is not None:  # issue 31, item 4: against Horovod's fastest configuration, same sitting
+                for c in ("hvdcomp:topk:density=0.01", "hvdcomp:dgc:density=0.01", "ddp:fp16"):
+                    v = table.get(c, {}).get(rate)
+                    if v is not None:
+                        lines.append(f"- {rate}: `{c}` {v:.3f} s against Horovod ring fp16 {ring:.3f} s: "
+                                     f"{ring / v:.2f}x ({'faster' if v < ring else 'NOT faster'})")
         lines.append("")
     text = "\n".join(lines)
     os.makedirs(args.output, exist_ok=True)
