@@ -10,6 +10,8 @@
 #   accuracy  the small LSTM, 4 ranks (no shaping), EPOCHS (2) epochs, seeds 1 2 3: perplexity of
 #             each contender after the same epochs (gossip runs evaluate the network-average model);
 #   report    benchmarks/gossip_report.py over OUT (tables, targets met or missed).
+# ONLY (labels, space-separated) restricts every part to those contenders; SEEDS (default "1 2 3")
+# the accuracy seeds. Cells already in OUT are kept, so a later call adds the rest.
 # Contenders: dense allreduce (none), top-k 1 % by allgather, gtopk 1 %, and decentralized on a
 # ring: Choco-SGD with the scaled sign (gamma 0.45) and with top-k 1 % (gamma 0.04), PowerGossip,
 # DCD-PSGD with QSGD (s = 16).
@@ -22,6 +24,9 @@ NETEM=${NETEM:-../shared/tools/netem_mpi.sh}
 STEPS=${STEPS:-20}
 SLOW_STEPS=${SLOW_STEPS:-8}
 EPOCHS=${EPOCHS:-2}
+SEEDS=${SEEDS:-1 2 3}
+ONLY=${ONLY:-}
+wanted() { [ -z "$ONLY" ] || [[ " $ONLY " == *" $1 "* ]]; }
 CONTENDERS=(
   "none|--compressor none"
   "topk-allgather|--compressor topk:density=0.01"
@@ -42,6 +47,7 @@ shaped() {  # shaped NAME HOSTS NP RATE MODEL STEPS
   local xs=(); for v in $ENV_VARS; do xs+=(-x "$v"); done
   for c in "${CONTENDERS[@]}"; do
     local label=${c%%|*} args=${c#*|} dir="$OUT/$name/${c%%|*}"
+    wanted "$label" || continue
     [ -f "$dir/results.json" ] && continue
     # shellcheck disable=SC2086
     NETEM_TIMEOUT=1800 bash "$NETEM" mpirun -n "$np" "${xs[@]}" -- "$PY" "$(pwd)/mpi_scripts/train_lm.py" $args \
@@ -59,9 +65,10 @@ if [ "$WHAT" = all ] || [ "$WHAT" = slow ]; then
   shaped slow 4 4 10mbit small "$SLOW_STEPS"
 fi
 if [ "$WHAT" = all ] || [ "$WHAT" = accuracy ]; then
-  for seed in 1 2 3; do
+  for seed in $SEEDS; do
     for c in "${CONTENDERS[@]}"; do
       dir="$OUT/accuracy/${c%%|*}-seed$seed"
+      wanted "${c%%|*}" || continue
       [ -f "$dir/results.json" ] && continue
       # shellcheck disable=SC2086
       mpirun -np 4 --oversubscribe --bind-to none "$PY" mpi_scripts/train_lm.py ${c#*|} --model small \

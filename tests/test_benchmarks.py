@@ -137,7 +137,7 @@ def test_overhead_benchmark_smoke_and_report(tmp_path):
 
     lines = report_speed.overhead_section(str(tmp_path / "overhead"))
     text = "\n".join(lines)
-    assert "| 2 | hvdcomp:none | step ≤ 1.03× stock Horovod |" in text
+    assert "| 2 | stack | hvdcomp:none | step ≤ 1.03× stock Horovod |" in text
     assert "### stack: 8 tensors, 2 ranks" in text
 
 
