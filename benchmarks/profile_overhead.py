@@ -56,8 +56,11 @@ def main(argv=None):
                    help="one of benchmarks/overhead.py's models")
     p.add_argument("--blocks", type=int, default=200, help="the stack's blocks")
     p.add_argument("--top", type=int, default=15)
-    p.add_argument("--sort", choices=("tottime", "ncalls"), default="tottime",
-                   help="order of the listed functions (ncalls: most often called first)")
+    p.add_argument("--sort", choices=("tottime", "cumulative", "ncalls"), default="tottime",
+                   help="order of the listed functions (cumulative: with the time of what they call; "
+                        "ncalls: most often called first)")
+    p.add_argument("--package-only", action="store_true",
+                   help="list only functions in hvdcomp's (or horovod's, for horovod:none) files")
     args = p.parse_args(argv)
     import horovod.torch as hvd
 
@@ -89,14 +92,16 @@ def main(argv=None):
     if hvd.rank() == 0:
         buf = io.StringIO()
         stats = pstats.Stats(prof, stream=buf)
-        tensors = 2 * args.blocks
+        tensors = sum(1 for p in model.parameters() if p.requires_grad)
         print(f"{args.contender} (hvdcomp from {os.path.dirname(os.path.dirname(hvdcomp.__file__))}): "
               f"{stats.total_tt / args.steps * 1e3:.1f} ms profiled per step, "
               f"{stats.total_tt / args.steps / tensors * 1e6:.0f} µs per tensor ({tensors} tensors); "
               f"{stats.total_calls / args.steps:.0f} calls per step "
               f"({stats.total_calls / args.steps / tensors:.1f} per tensor), "
               f"{calls_from(stats, PACKAGE) / args.steps:.0f} of them made by hvdcomp's code")
-        stats.sort_stats(args.sort).print_stats(args.top)
+        restriction = ("horovod" if args.contender.startswith("horovod") else PACKAGE.strip(os.sep) + os.sep,) \
+            if args.package_only else ()
+        stats.sort_stats(args.sort).print_stats(*restriction, args.top)
         print("\n".join(line for line in buf.getvalue().splitlines() if line.strip()))
 
 
