@@ -39,6 +39,12 @@ CONTENDERS=(
 ENV_VARS="OMPI_MCA_mpi_yield_when_idle=1 HOROVOD_CYCLE_TIME=5 OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1"
 export $ENV_VARS OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NETEM_PYTHON=$PY NETEM_SKIP_INSTALL=1
 
+machine_before() {  # machine_before DIR: wait for a quiet machine (benchmarks/hygiene.py), record it
+  mkdir -p "$1"
+  "$PY" -c 'import json, sys; sys.path.insert(0, "benchmarks"); import hygiene
+s = hygiene.wait_quiet(); json.dump({"before": s, "loaded": hygiene.is_loaded(s)}, open(sys.argv[1], "w"))' "$1/machine.json"
+}
+
 shaped() {  # shaped NAME HOSTS NP RATE MODEL STEPS
   local name=$1 hosts=$2 np=$3 rate=$4 model=$5 steps=$6
   trap 'bash "$NETEM" down' EXIT
@@ -49,6 +55,7 @@ shaped() {  # shaped NAME HOSTS NP RATE MODEL STEPS
     local label=${c%%|*} args=${c#*|} dir="$OUT/$name/${c%%|*}"
     wanted "$label" || continue
     [ -f "$dir/results.json" ] && continue
+    machine_before "$dir"
     # shellcheck disable=SC2086
     NETEM_TIMEOUT=1800 bash "$NETEM" mpirun -n "$np" "${xs[@]}" -- "$PY" "$(pwd)/mpi_scripts/train_lm.py" $args \
       --model "$model" --epochs 1 --max-steps "$steps" --no-progress --cost-model off \
