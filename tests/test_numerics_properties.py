@@ -131,6 +131,7 @@ def two_steps():
 @given(steps=two_steps())
 @example(steps=[torch.full((7,), 1e-3, dtype=torch.float16), torch.full((7,), 8000.0, dtype=torch.float16)])
 @example(steps=[torch.tensor([1e-30, 0.0, 3.0]), torch.tensor([1e30, -1e-3, 7.0])])
+@example(steps=[torch.zeros(4), torch.tensor([0.0, 0.0, 0.0, 662510000.0])])
 def test_error_feedback_identity(spec, steps):
     """p = g + e_old (float32 for half-precision g); after encode: float32(sent + e_new) == p.
     (The first example makes fp16 saturate: 8e3 after 1e-3 is far beyond its headroom.)"""
@@ -144,7 +145,10 @@ def test_error_feedback_identity(spec, steps):
         sent = local_sent(comp, payload, ctx).reshape(p.shape)
         new = comp.residuals["w"]
         assert new.dtype == torch.float32 and sent.dtype == torch.float32
-        if spec in EXACT:
+        # float16 values saturate at ±65504 and the residual keeps p ∓ 65504: exact while that is a
+        # float32 (|p| − 65504 < 2^29), else rounded once (found by Hypothesis: p = 6.6251e8)
+        rounded_once = "values=fp16" in spec and bool((p.abs() - 65504.0 >= 2.0**29).any())
+        if spec in EXACT and not rounded_once:
             assert torch.equal(sent + new, p), (spec, g, p, sent, new)
         else:
             gap = (sent.double() + new.double() - p.double()).abs()

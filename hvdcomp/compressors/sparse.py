@@ -8,7 +8,9 @@ element. Two options (spec keys, accepted by every sparsifier through
   65520) travels as ±inf (loud: the averaged gradient is non-finite, as float16 makes it)
   unless a residual keeps what the wire drops: under error feedback (:class:`hvdcomp.ErrorFeedback`'s
   :meth:`SparseCompressor.residual_`, DGC's velocity) it is sent as ±65504 and the excess stays
-  in the residual, sent at later steps (nothing is lost: sent + residual = input, exactly);
+  in the residual, sent at later steps (nothing is lost: sent + residual = input, exactly while
+  |input| − 65504 < 2^29; beyond that the float32 residual input ∓ 65504 is rounded once, a relative
+  error of at most 2^-24);
 * ``index=compact``: each index travels in the fewest whole bytes that hold n-1
   (b = 1, 2 or 3 bytes for n <= 2^8, 2^16, 2^24; a uint8 tensor of k·b bytes, little-endian).
 
