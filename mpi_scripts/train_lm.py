@@ -454,6 +454,10 @@ def main(argv=None):
               + (f" local={args.outer_opt}:H={args.local_steps} rounds={local['rounds']}" if args.local_steps else "")
               + f" -> {path}", flush=True)
     if args.frontend == "ddp":  # (a process group left to interpreter exit can abort the process)
+        # every rank past its last collective first: a rank that tears its gloo pairs down while a
+        # peer still writes results can abort that peer ("terminate called without an active
+        # exception", seen once in CI under load)
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
