@@ -375,8 +375,8 @@ def build(args, raw: torch.nn.Module, comm) -> Setup:
         # orders and gloo aborts ("Received data size doesn't match expected size"). One bucket
         # (the whole model) keeps the order the same on every rank.
         one_bucket = args.family == "ddp" and args.variant == "powersgd"
-        cap_mb = 4 * n_params / 2 ** 20 + 1 if one_bucket else 25
-        s.module = DDP(raw, bucket_cap_mb=cap_mb)  # broadcasts rank 0's parameters
+        buckets = {"bucket_cap_mb": 4 * n_params / 2 ** 20 + 1} if one_bucket else {}  # else DDP's default
+        s.module = DDP(raw, **buckets)  # broadcasts rank 0's parameters
         if one_bucket:
             s.notes["buckets"] = "one DDP bucket: powerSGD_hook on gloo aborts with several"
         if args.family == "hvdcomp-ddp":
