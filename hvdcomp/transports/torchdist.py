@@ -35,10 +35,14 @@ payloads have the same size on every rank, so they carry no padding.
 The group and its collectives are :class:`hvdcomp.comm.torchdist.TorchDistGroup`; the step-wide
 methods' :class:`~hvdcomp.comm.step.StepComm` comes from it (``TorchDistGroup.step_comm``).
 
-Byte counters (:class:`Exchange` results) count what each collective moves for this rank, as
-the Horovod front-end counts: an ``all_reduce`` of B bytes sends and receives B; a gather sends
+Byte counters (:class:`Exchange` results) count what each collective moves for this rank: an
+``all_reduce`` of B bytes sends and receives B (as the Horovod front-end counts it); a gather sends
 its counts (8 bytes per payload tensor) and its padded data, and receives those of the other
-N − 1 ranks. Point-to-point messages count their size headers (8 bytes each).
+N − 1 ranks: the bytes that arrive from the network. The Horovod front-end's allgather counts
+differ here: its ``bytes_received`` is the whole gathered buffer, this rank's own payload included
+(N/(N − 1) times this count for equal payloads; :mod:`hvdcomp.comm.allgather`), so compare
+``bytes_sent`` across the two front-ends. Point-to-point messages count their size headers
+(8 bytes each).
 
 All collectives of a step are issued from the thread that runs DDP's communication hooks, in
 bucket order, so every rank issues them in the same order (issuing them from future callbacks,
