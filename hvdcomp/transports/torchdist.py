@@ -40,7 +40,7 @@ Byte counters (:class:`Exchange` results) count what each collective moves for t
 its counts (8 bytes per payload tensor) and its padded data, and receives those of the other
 N − 1 ranks: the bytes that arrive from the network. The Horovod front-end's allgather counts
 differ here: its ``bytes_received`` is the whole gathered buffer, this rank's own payload included
-(N/(N − 1) times this count for equal payloads; :mod:`hvdcomp.comm.allgather`), so compare
+(N/(N − 1) times this count for equal payloads without padding; :mod:`hvdcomp.comm.allgather`), so compare
 ``bytes_sent`` across the two front-ends. Point-to-point messages count their size headers
 (8 bytes each).
 
