@@ -50,6 +50,7 @@ import sys
 import time
 from typing import Dict, List
 
+import hygiene
 import netem_e2e
 import peers
 
@@ -149,7 +150,10 @@ class Runner:
             netem_e2e.write_json(os.path.join(out_dir, "run.json"), {"command": cmd, **run})
         else:
             env = {**self.netem.base_env(), **self.netem.netem_env, "NETEM_TIMEOUT": str(int(self.args.timeout))}
+            before = hygiene.wait_quiet(self.args.max_wait_quiet, log=log.warning)
             run = self.netem.launch(cmd, env, results, log_path, self.args.timeout)
+            run["machine"] = {"before": before, "after": hygiene.machine_state(), "loaded": hygiene.is_loaded(before)}
+            netem_e2e.write_json(os.path.join(out_dir, "run.json"), {"command": cmd, **run})
         status = "ok" if os.path.exists(results) and run["returncode"] == 0 else "failed"
         if status != "ok":
             with open(log_path, errors="replace") as f:
@@ -204,6 +208,9 @@ def table(a) -> dict:
             res = [r for r in res if r]
             if not res:
                 continue
+            runs = [netem_e2e.read_json(os.path.join(a.output, "cells", rate, f"{name}-s{s}", "run.json"))
+                    for s in a.seeds]
+            machines = [r["machine"] for r in runs if r and "machine" in r]
             steps = [sum(e["steps"] for e in r["epochs"]) for r in res]
             rows[name] = {
                 "steps": steps[0],
@@ -213,6 +220,8 @@ def table(a) -> dict:
                 "val_ppl": _summary([r["epochs"][-1]["val_ppl"] for r in res]),
                 "test_ppl": _summary([r["test_ppl"] for r in res]),
                 "seeds": len(res),
+                "load_before": _summary([m["before"]["load_1min"] for m in machines]),
+                "loaded": sum(bool(m["loaded"]) for m in machines),
             }
         base = rows["adam"]["bytes_per_step"]["mean"] if "adam" in rows else None
         for row in rows.values():
@@ -237,6 +246,11 @@ def markdown(a) -> str:
                          f"{ratio} | {r['seconds_per_step']['mean']:.3f} | "
                          f"{ppl['mean']:.1f} ({ppl['min']:.1f}-{ppl['max']:.1f}) | {r['test_ppl']['mean']:.1f} | "
                          f"{r['seeds']} |")
+        loads = [x for r in rows.values() if r["load_before"] for x in (r["load_before"]["min"], r["load_before"]["max"])]
+        if loads:
+            lines.append(f"\n1-minute load average before each cell: {min(loads):.2f}-{max(loads):.2f}; cells "
+                         f"started on a loaded machine (above the core count): "
+                         f"{sum(r['loaded'] for r in rows.values())}.")
         lines.append("")
     return "\n".join(lines)
 
@@ -259,6 +273,9 @@ def parse_args(argv=None):
     p.add_argument("--zeroone-args", default="", help="0/1 Adam's --optimizer-args (default: see the docstring)")
     p.add_argument("--data", default=default_data_path(), help="corpus (default: Tiny Shakespeare; HVDCOMP_DATA)")
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per cell")
+    p.add_argument("--max-wait-quiet", type=float, default=600.0,
+                   help="emulated links: seconds to wait before a cell for the load average to drop to the core "
+                        "count; the load is recorded in the cell's run.json and shown in the table")
     p.add_argument("--force", action="store_true", help="rerun finished cells")
     p.add_argument("--table-only", action="store_true", help="only rebuild OUTPUT/table.md from finished cells")
     p.add_argument("--netem", default=netem_e2e.DEFAULT_NETEM)

@@ -245,9 +245,18 @@ def write_report(args) -> int:
                 cell = netem_e2e.read_json(os.path.join(folder, name))
                 if cell is not None:
                     cells.append(cell)
-    summary = summarize(cells, args.baseline, args.versus, args.target_factor)
+    machines = [c.get("driver", {}).get("machine", {}) for c in cells]
+    loaded = [c["driver"]["rate"] + "/" + c["contender"] for c, m in zip(cells, machines) if m.get("loaded")]
+    loads = [m["before"]["load_1min"] for m in machines if (m.get("before") or {}).get("load_1min") is not None]
+    summary = summarize([c for c, m in zip(cells, machines) if not m.get("loaded")],
+                        args.baseline, args.versus, args.target_factor)
     netem_e2e.write_json(os.path.join(args.output, "report.json"), summary)
     text = report_markdown(summary, args.baseline, args.versus)
+    if loads:
+        text += (f"\n1-minute load average before each cell: {min(loads):.2f}-{max(loads):.2f} "
+                 f"({len(loads)} cells).\n")
+    if loaded:
+        text += f"Left out, started on a loaded machine: {', '.join(loaded)}.\n"
     with open(os.path.join(args.output, "report.md"), "w") as f:
         f.write(text)
     print(text)
@@ -273,6 +282,11 @@ def parse_args(argv=None):
     p.add_argument("--mpirun-args", default="", help="extra mpirun options (one string)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--timeout", type=float, default=0, help="seconds per cell (0: estimated)")
+    p.add_argument("--max-wait-quiet", type=float, default=600.0,
+                   help="seconds to wait before a cell for the load average to drop to the core count; a cell "
+                        "started on a loaded machine is marked loaded and left out of the report")
+    p.add_argument("--load-limit", type=float, default=0.0,
+                   help="load average above which a cell counts as loaded (0: the number of cores)")
     p.add_argument("--attempts", type=int, default=1)
     p.add_argument("--exit-grace", type=float, default=120.0)
     p.add_argument("--tail-chars", type=int, default=6000)
@@ -286,7 +300,7 @@ def parse_args(argv=None):
                    else sys.executable)
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
-    args.bench, args.hosts, args.worker_args = "local", 0, ""
+    args.bench, args.hosts, args.worker_args, args.model = "local", 0, "", args.workload
     args.netem_dir = args.netem_dir or f"/tmp/{args.netem_prefix}"
     args.output = os.path.abspath(args.output)
     for c in args.contenders:
