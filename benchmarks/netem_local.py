@@ -197,11 +197,17 @@ def targets(rows: Dict[str, dict], baseline: str, rate: str) -> List[str]:
     for c, row in rows.items():
         if c.startswith("sync|") or base is None:
             continue
-        spread = (base["best_val_ppl"]["max"] - base["best_val_ppl"]["min"]) or (base["best_val_ppl"]["std"] or 0.0)
-        within = abs(row["best_val_ppl"]["mean"] - base["best_val_ppl"]["mean"]) <= spread
+        # "within the seed spread" is one-sided: a mean no worse than the baseline's by more than
+        # the baseline's range over seeds (a lower perplexity meets it); one baseline seed has no range
+        spread = base["best_val_ppl"]["max"] - base["best_val_ppl"]["min"]
+        if base["best_val_ppl"]["n"] < 2:
+            verdict = "not judged (the baseline has one seed)"
+        else:
+            verdict = "met" if row["best_val_ppl"]["mean"] <= base["best_val_ppl"]["mean"] + spread else "missed"
         ok_bytes = row["ratio_vs_dense_fp32"] >= 100
-        lines.append(f"- {c}: final perplexity within the baseline's seed spread ({spread:.1f}): "
-                     f"{'met' if within else 'missed'}; >= 100x fewer bytes per step than dense fp32 "
+        lines.append(f"- {c}: final perplexity {row['best_val_ppl']['mean']:.1f} no worse than the baseline's "
+                     f"{base['best_val_ppl']['mean']:.1f} + its seed spread ({spread:.1f}): {verdict}; "
+                     f">= 100x fewer bytes per step than dense fp32 "
                      f"({row['ratio_vs_dense_fp32']:.0f}x): {'met' if ok_bytes else 'missed'}")
         if rate == "10mbit":
             lines.append(f"  step within 1.1x of its compute ({row['step_over_compute']:.2f}x): "

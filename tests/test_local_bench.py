@@ -54,9 +54,21 @@ def test_report_arithmetic():
     assert rows[local]["ratio_vs_dense_fp32"] == pytest.approx(4000 / 30)
     assert rows[local]["best_val_ppl"]["mean"] == 106.0 and rows[local]["best_val_ppl"]["max"] == 108.0
     lines = "\n".join(netem_local.targets(rows, base, "10mbit"))
-    assert "within the baseline's seed spread (10.0): met" in lines      # |106 - 105| <= 110 - 100
+    assert "perplexity 106.0 no worse than the baseline's 105.0 + its seed spread (10.0): met" in lines  # 106 <= 115
     assert "fewer bytes per step than dense fp32 (133x): met" in lines
     assert "step within 1.1x of its compute (1.06x): met" in lines
     assert "time to target >= 5x less than the baseline (9.6x): met" in lines
     assert "less than synchronous top-k (n/a): missed" in lines
     assert "| diloco|8|none | 2 |" in netem_local.report_markdown({"10mbit": rows}, base, vs)
+
+
+def test_perplexity_verdict_is_one_sided_and_needs_baseline_seeds():
+    base, vs = "sync|fp16@ring", "sync|topk:density=0.01"
+    runs = [cell(base, 1, 100.0, [(10, 100)], sent=2000), cell(base, 2, 110.0, [(10, 110)], sent=2000),
+            cell("diloco|8|none", 1, 80.0, [(5, 80)], sent=30),          # better than the baseline: met
+            cell("co2|8|none", 1, 115.5, [(5, 115.5)], sent=30)]         # 115.5 > 105 + 10: missed
+    lines = "\n".join(netem_local.targets(netem_local.summarize(runs, base, vs, 1.1)["10mbit"], base, "10mbit"))
+    assert "perplexity 80.0 no worse than the baseline's 105.0 + its seed spread (10.0): met" in lines
+    assert "perplexity 115.5 no worse than the baseline's 105.0 + its seed spread (10.0): missed" in lines
+    one = netem_local.summarize([runs[0], runs[2]], base, vs, 1.1)["10mbit"]
+    assert "(0.0): not judged (the baseline has one seed)" in "\n".join(netem_local.targets(one, base, "10mbit"))
