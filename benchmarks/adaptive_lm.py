@@ -108,7 +108,8 @@ class Runner:
         self.netem = None
         if any(r != "local" for r in args.rates):
             ns = argparse.Namespace(hosts=args.np, np=[args.np], python=args.python, netem=args.netem,
-                                    netem_prefix=args.netem_prefix, netem_dir=None, env=[], output=args.output,
+                                    netem_prefix=args.netem_prefix, netem_dir=f"/tmp/{args.netem_prefix}", env=[],
+                                    output=args.output,
                                     bench="adaptive", exit_grace=60.0, mpirun_args="")
             self.netem = netem_e2e.Driver(ns)
 

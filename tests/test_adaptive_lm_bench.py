@@ -60,3 +60,15 @@ def test_table_from_finished_cells(tmp_path):
     assert rows["adam"]["bytes_per_step"]["mean"] == 4000.0 and rows["adam"]["steps"] == 200
     md = adaptive_lm.markdown(a)
     assert "| onebit-adam | 0.8 KB | 5.0x | 0.500 | 104.0 (102.0-106.0) | 105.0 | 2 |" in md
+
+
+def test_emulated_links_give_netem_every_setting_it_reads(tmp_path):
+    """Under netem every NETEM_* variable is a string (a None NETEM_DIR crashed the first run at
+    bring-up), and the ranks are launched by netem_mpi.sh with the cell environment exported."""
+    a = settings(tmp_path, rates=["100mbit"], netem_prefix="hvdadapt")
+    runner = adaptive_lm.Runner(a)
+    assert runner.netem.netem_env["NETEM_DIR"] == "/tmp/hvdadapt"
+    assert all(isinstance(v, str) for v in runner.netem.netem_env.values())
+    cmd = runner.command("100mbit", "onebit-adam", 2, "OUT")
+    assert cmd[:5] == ["bash", "netem_mpi.sh", "mpirun", "-n", "4"] and "HOROVOD_CYCLE_TIME" in cmd
+    assert cmd[cmd.index("--seed") + 1] == "2"
