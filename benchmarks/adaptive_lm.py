@@ -108,8 +108,7 @@ class Runner:
         self.netem = None
         if any(r != "local" for r in args.rates):
             ns = argparse.Namespace(hosts=args.np, np=[args.np], python=args.python, netem=args.netem,
-                                    netem_prefix=args.netem_prefix, netem_dir=f"/tmp/{args.netem_prefix}", env=[],
-                                    output=args.output,
+                                    netem_prefix=args.netem_prefix, netem_dir=None, env=[], output=args.output,
                                     bench="adaptive", exit_grace=60.0, mpirun_args="")
             self.netem = netem_e2e.Driver(ns)
 
@@ -151,9 +150,10 @@ class Runner:
             netem_e2e.write_json(os.path.join(out_dir, "run.json"), {"command": cmd, **run})
         else:
             env = {**self.netem.base_env(), **self.netem.netem_env, "NETEM_TIMEOUT": str(int(self.args.timeout))}
-            before = hygiene.wait_quiet(self.args.max_wait_quiet, log=log.warning)
+            limit = self.args.load_limit or None
+            before = hygiene.wait_quiet(self.args.max_wait_quiet, log=log.warning, limit=limit)
             run = self.netem.launch(cmd, env, results, log_path, self.args.timeout)
-            run["machine"] = {"before": before, "after": hygiene.machine_state(), "loaded": hygiene.is_loaded(before)}
+            run["machine"] = {"before": before, "after": hygiene.machine_state(), "loaded": hygiene.is_loaded(before, limit)}
             netem_e2e.write_json(os.path.join(out_dir, "run.json"), {"command": cmd, **run})
         status = "ok" if os.path.exists(results) and run["returncode"] == 0 else "failed"
         if status != "ok":
@@ -274,9 +274,7 @@ def parse_args(argv=None):
     p.add_argument("--zeroone-args", default="", help="0/1 Adam's --optimizer-args (default: see the docstring)")
     p.add_argument("--data", default=default_data_path(), help="corpus (default: Tiny Shakespeare; HVDCOMP_DATA)")
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per cell")
-    p.add_argument("--max-wait-quiet", type=float, default=600.0,
-                   help="emulated links: seconds to wait before a cell for the load average to drop to the core "
-                        "count; the load is recorded in the cell's run.json and shown in the table")
+    netem_e2e.add_quiet_arguments(p)  # (emulated links; the load goes into each cell's run.json and the table)
     p.add_argument("--force", action="store_true", help="rerun finished cells")
     p.add_argument("--table-only", action="store_true", help="only rebuild OUTPUT/table.md from finished cells")
     p.add_argument("--netem", default=netem_e2e.DEFAULT_NETEM)

@@ -149,6 +149,17 @@ def error_lines(text: str, limit: int = 8) -> List[str]:
 
 
 # ---- the driver --------------------------------------------------------------------------------
+def add_quiet_arguments(p: argparse.ArgumentParser) -> None:
+    """``--max-wait-quiet`` and ``--load-limit``, read by :meth:`Driver.run_cell` (and by every
+    driver built on it: netem_local.py, adaptive_lm.py)."""
+    p.add_argument("--max-wait-quiet", type=float, default=600.0,
+                   help="seconds to wait before a cell for the load average to drop to the core count; a cell "
+                        "started on a loaded machine is marked loaded (hygiene.py) and left out of verdicts")
+    p.add_argument("--load-limit", type=float, default=0.0,
+                   help="load average above which a cell counts as loaded (0: the number of cores); a test "
+                        "of the harness itself, which times nothing, raises it")
+
+
 class Driver:
     """Owns the namespaces, the running cell and run.json."""
 
@@ -157,7 +168,8 @@ class Driver:
         self.proc: Optional[subprocess.Popen] = None
         self.hosts = args.hosts or max(args.np)  # one rank per host, or --hosts nodes of several
         self.netem_env = {"NETEM_PYTHON": args.python, "NETEM_SKIP_INSTALL": "1",
-                          "NETEM_PREFIX": args.netem_prefix, "NETEM_DIR": args.netem_dir}
+                          "NETEM_PREFIX": args.netem_prefix,
+                          "NETEM_DIR": args.netem_dir or f"/tmp/{args.netem_prefix}"}
         self.cell_env = {**CELL_ENV, **dict(kv.split("=", 1) for kv in args.env)}
         self.run_path = os.path.join(args.output, "run.json")
         old = read_json(self.run_path) or {}
@@ -497,12 +509,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=0, help="seconds per cell (0: estimated per cell)")
     p.add_argument("--attempts", type=int, default=1,
                    help="launches per cell while it fails (every attempt is recorded)")
-    p.add_argument("--max-wait-quiet", type=float, default=600.0,
-                   help="seconds to wait before a cell for the load average to drop to the core count; a cell "
-                        "started on a loaded machine is marked loaded (hygiene.py) and left out of verdicts")
-    p.add_argument("--load-limit", type=float, default=0.0,
-                   help="load average above which a cell counts as loaded (0: the number of cores); a test "
-                        "of the harness itself, which times nothing, raises it")
+    add_quiet_arguments(p)
     p.add_argument("--exit-grace", type=float, default=60.0,
                    help="seconds a job may take to exit after writing its results before it is stopped")
     p.add_argument("--tail-chars", type=int, default=6000, help="output kept in a failed cell's JSON")

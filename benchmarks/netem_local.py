@@ -300,11 +300,7 @@ def parse_args(argv=None):
     p.add_argument("--mpirun-args", default="", help="extra mpirun options (one string)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--timeout", type=float, default=0, help="seconds per cell (0: estimated)")
-    p.add_argument("--max-wait-quiet", type=float, default=600.0,
-                   help="seconds to wait before a cell for the load average to drop to the core count; a cell "
-                        "started on a loaded machine is marked loaded and left out of the report")
-    p.add_argument("--load-limit", type=float, default=0.0,
-                   help="load average above which a cell counts as loaded (0: the number of cores)")
+    netem_e2e.add_quiet_arguments(p)
     p.add_argument("--attempts", type=int, default=1)
     p.add_argument("--exit-grace", type=float, default=120.0)
     p.add_argument("--tail-chars", type=int, default=6000)

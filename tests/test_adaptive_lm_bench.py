@@ -17,7 +17,7 @@ def settings(tmp_path, **kw):
                            np=4, steps=200, epochs=2, epoch_steps=100, batch_size=32, lr=1e-3, lr_warmup=20,
                            warmup_fraction=0.15, zeroone_args="", data="corpus.txt", python="python",
                            netem="netem_mpi.sh", netem_prefix="x", timeout=60.0, force=False, table_only=False)
-    vars(a).update(kw)
+    vars(a).update(max_wait_quiet=0.0, load_limit=0.0, **kw)
     return a
 
 
