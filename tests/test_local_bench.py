@@ -58,7 +58,10 @@ def test_report_arithmetic():
     assert "fewer bytes per step than dense fp32 (133x): met" in lines
     assert "step within 1.1x of its compute (1.06x): met" in lines
     assert "time to target >= 5x less than the baseline (9.6x): met" in lines
-    assert "less than synchronous top-k (n/a): missed" in lines
+    # top-k never reached 115.5 in its 60 s run: its time is > 60 s, so the speed-up is > 60 / 14
+    assert rows[local]["speedup_vs_versus"] is None
+    assert rows[local]["speedup_vs_versus_at_least"] == pytest.approx(60.0 / 14.0)
+    assert "less than synchronous top-k (at least 4.3x): met" in lines
     assert "| diloco|8|none | 2 |" in netem_local.report_markdown({"10mbit": rows}, base, vs)
 
 
@@ -72,3 +75,28 @@ def test_perplexity_verdict_is_one_sided_and_needs_baseline_seeds():
     assert "perplexity 115.5 no worse than the baseline's 105.0 + its seed spread (10.0): missed" in lines
     one = netem_local.summarize([runs[0], runs[2]], base, vs, 1.1)["10mbit"]
     assert "(0.0): not judged (the baseline has one seed)" in "\n".join(netem_local.targets(one, base, "10mbit"))
+
+
+def test_time_to_target_verdicts_where_a_seed_missed_the_target():
+    base, vs = "sync|fp16@ring", "sync|topk:density=0.01"
+    runs = [cell(base, 1, 100.0, [(100, 120), (150, 100)], sent=2000),   # target 1.1 x 105 = 115.5: at 150 s
+            cell(base, 2, 110.0, [(90, 130), (180, 110)], sent=2000),    # reached at 180 s
+            cell(base, 3, 105.0, [(100, 130), (200, 120)], sent=2000),   # never: > 200 s
+            cell("diloco|8|none", 1, 100.0, [(30, 110)], sent=30),       # 30 s on both seeds
+            cell("diloco|8|none", 2, 100.0, [(30, 112)], sent=30),
+            cell("co2|8|none", 1, 100.0, [(10, 110)], sent=30),          # 10 s and never
+            cell("co2|8|none", 2, 100.0, [(10, 120)], sent=30),
+            cell("diloco|32|none", 1, 100.0, [(45, 110)], sent=30)]      # 45 s
+    rows = netem_local.summarize(runs, base, vs, 1.1)["10mbit"]
+    assert rows[base]["time_to_target_s"] is None
+    assert rows[base]["time_to_target_at_least_s"] == pytest.approx((150 + 180 + 200) / 3)
+    lines = "\n".join(netem_local.targets(rows, base, "10mbit", vs))
+    # (150 + 180 + 200) / 3 / 30 = 5.9 >= 5 even if the third baseline seed had reached it at 200 s
+    assert "- diloco|8|none:" in lines and "baseline (at least 5.9x): met" in lines
+    # 176.7 / 45 = 3.9: the bound cannot tell
+    assert "baseline (at least 3.9x): not judged (sync|fp16@ring missed the target on 1 of 3 seeds)" in lines
+    # a contender that missed the target itself (co2, seed 2) misses the time targets
+    co2 = next(block for block in lines.split("\n- ") if block.startswith("co2|8|none:"))
+    assert "baseline (n/a): missed" in co2
+    assert "less than synchronous top-k (n/a): missed" in co2
+    assert "less than synchronous top-k (n/a): not judged (no sync|topk:density=0.01 cell)" in lines
