@@ -26,7 +26,9 @@ Writes ``OUTPUT/cells/<rate>/<contender>-s<seed>/results.json`` (train_lm's) and
 + ``OUTPUT/table.json``: per rate and contender, over the seeds, bytes sent per step over the
 whole run (mean over ranks; ``run_bytes``, every step), the ratio to ``adam``'s, seconds per step
 (mean of train_lm's per-step wall time, first step excluded), validation and test perplexity
-(mean and min-max over seeds). Finished cells are kept; rerun the same command to resume.
+(mean and min-max over seeds), and the issue's targets met, missed or not judged (:func:`targets`).
+Finished cells are kept; rerun the same command to resume (or with more ``--seeds``: the table
+covers the seeds named).
 
 Example (the issue's grid: 2 rates x 5 contenders x 3 seeds)::
 
@@ -231,6 +233,36 @@ def table(a) -> dict:
     return {"settings": {k: v for k, v in vars(a).items()}, "rates": out}
 
 
+#: the issue's byte targets over the whole run, against Adam's fp32 allreduce
+BYTE_TARGETS = {"onebit-adam": 4.0, "zeroone-adam": 15.0}
+
+
+def targets(rows: Dict[str, dict]) -> List[str]:
+    """The issue's targets at one rate, met / missed / not judged: bytes per step over the whole
+    run ≥ :data:`BYTE_TARGETS` times fewer than ``adam``'s, and a validation perplexity within
+    Adam's seed spread, read one-sided (a mean no worse than Adam's by more than Adam's range over
+    seeds; a lower perplexity meets it; with one Adam seed there is no spread: not judged)."""
+    adam = rows.get("adam")
+    if adam is None:
+        return []
+    lines = []
+    for name, need in BYTE_TARGETS.items():
+        row = rows.get(name)
+        if row is None:
+            continue
+        ratio = row["ratio_vs_adam"]
+        ppl, ref = row["val_ppl"], adam["val_ppl"]
+        spread = ref["max"] - ref["min"]
+        if ref["n"] < 2:
+            verdict = "not judged (adam has one seed)"
+        else:
+            verdict = "met" if ppl["mean"] <= ref["mean"] + spread else "missed"
+        lines.append(f"- {name}: >= {need:g}x fewer bytes than adam fp32 over the run ({ratio:.1f}x): "
+                     f"{'met' if ratio >= need else 'missed'}; val ppl {ppl['mean']:.1f} within adam's "
+                     f"{ref['mean']:.1f} + its seed spread ({spread:.1f}): {verdict}")
+    return lines
+
+
 def markdown(a) -> str:
     t = table(a)
     lines = [f"# Compressed adaptive optimizers, small transformer LM, {a.np} ranks, {a.steps} steps",
@@ -252,6 +284,9 @@ def markdown(a) -> str:
             lines.append(f"\n1-minute load average before each cell: {min(loads):.2f}-{max(loads):.2f}; cells "
                          f"started on a loaded machine (above the core count): "
                          f"{sum(r['loaded'] for r in rows.values())}.")
+        verdicts = targets(rows)
+        if verdicts:
+            lines += ["", *verdicts]
         lines.append("")
     return "\n".join(lines)
 

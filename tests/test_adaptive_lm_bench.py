@@ -60,6 +60,23 @@ def test_table_from_finished_cells(tmp_path):
     assert rows["adam"]["bytes_per_step"]["mean"] == 4000.0 and rows["adam"]["steps"] == 200
     md = adaptive_lm.markdown(a)
     assert "| onebit-adam | 0.8 KB | 5.0x | 0.500 | 104.0 (102.0-106.0) | 105.0 | 2 |" in md
+    # adam 102 (100-104): 104 <= 102 + 4 meets the one-sided spread; 5x >= 4x
+    assert ("- onebit-adam: >= 4x fewer bytes than adam fp32 over the run (5.0x): met; val ppl 104.0 within "
+            "adam's 102.0 + its seed spread (4.0): met") in md
+
+
+def test_targets_missed_and_not_judged(tmp_path):
+    a = settings(tmp_path, contenders=["adam", "onebit-adam", "zeroone-adam"])
+    for seed, ppl in ((1, 100.0), (2, 104.0)):
+        _cell(tmp_path, "adam", seed, 4000.0, ppl)
+        _cell(tmp_path, "onebit-adam", seed, 1100.0, ppl + 5)   # 3.6x; mean 107 > 106
+        _cell(tmp_path, "zeroone-adam", seed, 250.0, ppl)       # 16x
+    lines = "\n".join(adaptive_lm.targets(adaptive_lm.table(a)["rates"]["local"]))
+    assert "onebit-adam: >= 4x fewer bytes than adam fp32 over the run (3.6x): missed" in lines
+    assert "val ppl 107.0 within adam's 102.0 + its seed spread (4.0): missed" in lines
+    assert "zeroone-adam: >= 15x fewer bytes than adam fp32 over the run (16.0x): met" in lines
+    one = adaptive_lm.table(settings(tmp_path, contenders=["adam", "zeroone-adam"], seeds=[1]))["rates"]["local"]
+    assert "(0.0): not judged (adam has one seed)" in "\n".join(adaptive_lm.targets(one))
 
 
 def test_emulated_links_give_netem_every_setting_it_reads(tmp_path):
