@@ -244,8 +244,12 @@ def targets(rows: Dict[str, dict], baseline: str, rate: str,
                          f"{'met' if row['step_over_compute'] <= 1.1 else 'missed'}")
         f1, v1 = speedup_verdict(rows, c, "speedup_vs_baseline", lambda x: x >= 5, baseline)
         f2, v2 = speedup_verdict(rows, c, "speedup_vs_versus", lambda x: x > 1, versus)
-        lines.append(f"  time to target >= 5x less than the baseline ({f1}): {v1}; "
-                     f"less than synchronous top-k ({f2}): {v2}")
+        if rate == "10mbit":
+            lines.append(f"  time to target >= 5x less than the baseline ({f1}): {v1}; "
+                         f"less than synchronous top-k ({f2}): {v2}")
+        else:  # the issue sets its step and time targets for the 10 Mbit/s link
+            lines.append(f"  speed-up to the target over the baseline: {f1}, over synchronous top-k: {f2} "
+                         f"(no verdict: the time targets are for 10 Mbit/s)")
     return lines
 
 

@@ -100,3 +100,12 @@ def test_time_to_target_verdicts_where_a_seed_missed_the_target():
     assert "baseline (n/a): missed" in co2
     assert "less than synchronous top-k (n/a): missed" in co2
     assert "less than synchronous top-k (n/a): not judged (no sync|topk:density=0.01 cell)" in lines
+
+
+def test_time_targets_are_judged_at_10mbit_only():
+    base, vs = "sync|fp16@ring", "sync|topk:density=0.01"
+    runs = [cell(base, s, 100.0, [(100, 100)], sent=2000, rate="100mbit") for s in (1, 2)]
+    runs.append(cell("diloco|8|none", 1, 100.0, [(40, 100)], sent=30, rate="100mbit"))
+    lines = "\n".join(netem_local.targets(netem_local.summarize(runs, base, vs, 1.1)["100mbit"], base, "100mbit", vs))
+    assert "speed-up to the target over the baseline: 2.5x, over synchronous top-k: n/a (no verdict" in lines
+    assert "step within" not in lines and ">= 5x" not in lines
