@@ -22,7 +22,8 @@ part of a step, and the time to the target perplexity (``--target-factor`` × th
 perplexity of ``--baseline``, mean over its seeds at the same rate: the first epoch end at or below
 it, seconds since training started), with the speed-ups over ``--baseline`` and ``--versus``
 (where the reference missed the target on some seed, a lower bound: that seed's last epoch end
-stands for its time), and the issue's targets met, missed or not judged. Writes ``OUTPUT/report.md`` and ``OUTPUT/report.json``.
+stands for its time), and the issue's targets met, missed or not judged. Writes
+``OUTPUT/report.md`` and ``OUTPUT/report.json``.
 
 The full grid (``benchmarks/README.md``, "Local-update training")::
 
@@ -219,9 +220,9 @@ def speedup_verdict(rows: Dict[str, dict], contender: str, key: str, clears, ref
             f"not judged ({ref} missed the target on {missed} of {rows[ref]['seeds']} seeds)")
 
 
-def targets(rows: Dict[str, dict], baseline: str, rate: str,
-            versus: str = "sync|topk:density=0.01") -> List[str]:
-    """The issue's targets, met or missed, for the local-update contenders at one rate."""
+def targets(rows: Dict[str, dict], baseline: str, rate: str, versus: str) -> List[str]:
+    """The issue's targets, met, missed or not judged, for the local-update contenders at one rate
+    (``versus``: the second time-to-target reference, synchronous top-k)."""
     base = rows.get(baseline)
     lines = []
     for c, row in rows.items():

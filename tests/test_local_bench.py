@@ -53,7 +53,7 @@ def test_report_arithmetic():
     assert rows[local]["speedup_vs_baseline"] == pytest.approx(135.0 / 14.0)
     assert rows[local]["ratio_vs_dense_fp32"] == pytest.approx(4000 / 30)
     assert rows[local]["best_val_ppl"]["mean"] == 106.0 and rows[local]["best_val_ppl"]["max"] == 108.0
-    lines = "\n".join(netem_local.targets(rows, base, "10mbit"))
+    lines = "\n".join(netem_local.targets(rows, base, "10mbit", vs))
     assert "perplexity 106.0 no worse than the baseline's 105.0 + its seed spread (10.0): met" in lines  # 106 <= 115
     assert "fewer bytes per step than dense fp32 (133x): met" in lines
     assert "step within 1.1x of its compute (1.06x): met" in lines
@@ -70,11 +70,11 @@ def test_perplexity_verdict_is_one_sided_and_needs_baseline_seeds():
     runs = [cell(base, 1, 100.0, [(10, 100)], sent=2000), cell(base, 2, 110.0, [(10, 110)], sent=2000),
             cell("diloco|8|none", 1, 80.0, [(5, 80)], sent=30),          # better than the baseline: met
             cell("co2|8|none", 1, 115.5, [(5, 115.5)], sent=30)]         # 115.5 > 105 + 10: missed
-    lines = "\n".join(netem_local.targets(netem_local.summarize(runs, base, vs, 1.1)["10mbit"], base, "10mbit"))
+    lines = "\n".join(netem_local.targets(netem_local.summarize(runs, base, vs, 1.1)["10mbit"], base, "10mbit", vs))
     assert "perplexity 80.0 no worse than the baseline's 105.0 + its seed spread (10.0): met" in lines
     assert "perplexity 115.5 no worse than the baseline's 105.0 + its seed spread (10.0): missed" in lines
     one = netem_local.summarize([runs[0], runs[2]], base, vs, 1.1)["10mbit"]
-    assert "(0.0): not judged (the baseline has one seed)" in "\n".join(netem_local.targets(one, base, "10mbit"))
+    assert "(0.0): not judged (the baseline has one seed)" in "\n".join(netem_local.targets(one, base, "10mbit", vs))
 
 
 def test_time_to_target_verdicts_where_a_seed_missed_the_target():
