@@ -252,11 +252,7 @@ def targets(rows: Dict[str, dict]) -> List[str]:
             continue
         ratio = row["ratio_vs_adam"]
         ppl, ref = row["val_ppl"], adam["val_ppl"]
-        spread = ref["max"] - ref["min"]
-        if ref["n"] < 2:
-            verdict = "not judged (adam has one seed)"
-        else:
-            verdict = "met" if ppl["mean"] <= ref["mean"] + spread else "missed"
+        spread, verdict = netem_e2e.spread_verdict(ppl["mean"], ref, "adam")
         lines.append(f"- {name}: >= {need:g}x fewer bytes than adam fp32 over the run ({ratio:.1f}x): "
                      f"{'met' if ratio >= need else 'missed'}; val ppl {ppl['mean']:.1f} within adam's "
                      f"{ref['mean']:.1f} + its seed spread ({spread:.1f}): {verdict}")

@@ -148,6 +148,17 @@ def error_lines(text: str, limit: int = 8) -> List[str]:
     return (first[-limit:] + second[-limit:])[:limit]
 
 
+def spread_verdict(mean: float, ref: dict, ref_name: str):
+    """``(spread, verdict)``: is ``mean`` within the seed spread of a reference, read one-sided —
+    no worse than ``ref["mean"]`` by more than its range over seeds (``ref["max"] - ref["min"]``;
+    a lower value meets it)? With one reference seed (``ref["n"] < 2``) there is no spread: not
+    judged. Used by the local-update and adaptive-optimizer reports for perplexity."""
+    spread = ref["max"] - ref["min"]
+    if ref["n"] < 2:
+        return spread, f"not judged ({ref_name} has one seed)"
+    return spread, "met" if mean <= ref["mean"] + spread else "missed"
+
+
 # ---- the driver --------------------------------------------------------------------------------
 def add_quiet_arguments(p: argparse.ArgumentParser) -> None:
     """``--max-wait-quiet`` and ``--load-limit``, read by :meth:`Driver.run_cell` (and by every
@@ -524,7 +535,6 @@ def parse_args(argv=None):
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     args.np = args.np or ([2, 4] if args.bench == "comm" else [4])
-    args.netem_dir = args.netem_dir or f"/tmp/{args.netem_prefix}"
     args.output = os.path.abspath(args.output)
     if args.methods is None:
         args.methods = [c.split(":", 1)[1] for c in args.contenders if c.startswith("hvdcomp:")]

@@ -228,13 +228,7 @@ def targets(rows: Dict[str, dict], baseline: str, rate: str, versus: str) -> Lis
     for c, row in rows.items():
         if c.startswith("sync|") or base is None:
             continue
-        # "within the seed spread" is one-sided: a mean no worse than the baseline's by more than
-        # the baseline's range over seeds (a lower perplexity meets it); one baseline seed has no range
-        spread = base["best_val_ppl"]["max"] - base["best_val_ppl"]["min"]
-        if base["best_val_ppl"]["n"] < 2:
-            verdict = "not judged (the baseline has one seed)"
-        else:
-            verdict = "met" if row["best_val_ppl"]["mean"] <= base["best_val_ppl"]["mean"] + spread else "missed"
+        spread, verdict = netem_e2e.spread_verdict(row["best_val_ppl"]["mean"], base["best_val_ppl"], "the baseline")
         ok_bytes = row["ratio_vs_dense_fp32"] >= 100
         lines.append(f"- {c}: final perplexity {row['best_val_ppl']['mean']:.1f} no worse than the baseline's "
                      f"{base['best_val_ppl']['mean']:.1f} + its seed spread ({spread:.1f}): {verdict}; "
@@ -339,7 +333,6 @@ def parse_args(argv=None):
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     args.bench, args.hosts, args.worker_args, args.model = "local", 0, "", args.workload
-    args.netem_dir = args.netem_dir or f"/tmp/{args.netem_prefix}"
     args.output = os.path.abspath(args.output)
     for c in args.contenders:
         try:
