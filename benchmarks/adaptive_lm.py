@@ -20,7 +20,10 @@ MPI's ring allreduce, ``peers.RING_ALLREDUCE_ENV``), ``adam-topk`` (Adam over hv
 naive way: compressed gradients into Adam's second moment), ``onebit-adam`` (``--freeze-step``:
 ``--warmup-fraction`` of the steps) and ``zeroone-adam`` (``var_freeze_step`` the same,
 ``var_update_scaler`` 16, ``local_step_clipper`` 16 and ``local_step_scaler`` = var_freeze_step,
-as the authors' BERT example sets them equal; override with ``--zeroone-args``).
+as the authors' BERT example sets them equal; override with ``--zeroone-args``). Not in the default
+grid: ``onebit-adam-exact`` (1-bit Adam's schedule with the momentum averaged by a float32 allreduce:
+Adam with the variance frozen at the same step; what 1-bit Adam loses against it is the
+compression's cost, what it loses against ``adam`` the freeze's).
 
 Writes ``OUTPUT/cells/<rate>/<contender>-s<seed>/results.json`` (train_lm's) and ``OUTPUT/table.md``
 + ``OUTPUT/table.json``: per rate and contender, over the seeds, bytes sent per step over the
@@ -65,6 +68,8 @@ from hvdcomp.lm.data import default_data_path  # noqa: E402
 log = logging.getLogger("adaptive_lm")
 
 CONTENDERS = ["adam", "adam-fp16-ring", "adam-topk", "onebit-adam", "zeroone-adam"]
+#: not in the default grid: 1-bit Adam with the momentum averaged exactly (float32), frozen-variance Adam
+ABLATIONS = ["onebit-adam-exact"]
 
 
 def contender_args(name: str, a) -> List[str]:
@@ -75,6 +80,8 @@ def contender_args(name: str, a) -> List[str]:
         "adam-fp16-ring": ["--optimizer", "adam", "--compressor", "fp16"],
         "adam-topk": ["--optimizer", "adam", "--compressor", "topk:density=0.01"],
         "onebit-adam": ["--optimizer", "onebit-adam", "--freeze-step", str(freeze)],
+        "onebit-adam-exact": ["--optimizer", "onebit-adam", "--freeze-step", str(freeze),
+                              "--optimizer-args", "momentum_averaging=exact"],
         "zeroone-adam": ["--optimizer", "zeroone-adam", "--freeze-step", str(freeze), "--optimizer-args",
                          a.zeroone_args or f"var_update_scaler=16,local_step_scaler={freeze},local_step_clipper=16"],
     }
@@ -292,7 +299,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--output", default="runs/adaptive-lm")
     p.add_argument("--rates", nargs="+", default=["100mbit", "10mbit"], help="link rates, or 'local' (no netem)")
-    p.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
+    p.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS + ABLATIONS)
     p.add_argument("--seeds", nargs="+", type=int, default=[1])
     p.add_argument("--np", type=int, default=4, help="ranks (one per emulated host)")
     p.add_argument("--epochs", type=int, default=5, help="passes over the training text per run")

@@ -27,6 +27,8 @@ def test_contender_arguments_and_environment(tmp_path):
     assert common[common.index("--epochs") + 1] == "2" and common[common.index("--max-steps") + 1] == "100"
     assert common[common.index("--seed") + 1] == "3" and common[common.index("--warmup-steps") + 1] == "20"
     assert adaptive_lm.contender_args("onebit-adam", a) == ["--optimizer", "onebit-adam", "--freeze-step", "30"]
+    assert adaptive_lm.contender_args("onebit-adam-exact", a) == [
+        "--optimizer", "onebit-adam", "--freeze-step", "30", "--optimizer-args", "momentum_averaging=exact"]
     zo = adaptive_lm.contender_args("zeroone-adam", a)
     assert zo[:4] == ["--optimizer", "zeroone-adam", "--freeze-step", "30"]
     assert zo[-1] == "var_update_scaler=16,local_step_scaler=30,local_step_clipper=16"

@@ -212,6 +212,37 @@ def test_onebit_adam_switch_step_worked_by_hand():
     assert torch.equal(out[1][2]["server"]["cpu"], torch.tensor([-0.3125, 0.3125]))
 
 
+def test_onebit_adam_exact_ablation_is_frozen_variance_adam():
+    """The switch step of test_onebit_adam_switch_step_worked_by_hand with
+    ``momentum_averaging="exact"``: m = the plain mean of the local momenta [1, 0, -.25, 1] and
+    [2, -1, .75, 1], [1.5, -.5, .25, 1], masked where v = 0: [1.5, -.5, .25, 0]; x = [1, 2, 3, 4]
+    - .5·[1.5/4, -.5/2, .25/2, 0] = [.8125, 2.125, 2.9375, 4]. One float32 allreduce (a "full"
+    step, 4 bytes per element sent), no compressed-allreduce residuals."""
+    grads = [torch.tensor([1.0, 1, -1, 2]), torch.tensor([3.0, -1, 1, 2])]
+
+    def rank_fn(r, comm):
+        x = torch.nn.Parameter(torch.tensor([1.0, 2, 3, 4]))
+        opt = OneBitAdam([("x", x)], lr=0.375, betas=(0.5, 0.75), eps=1e-8, freeze_step=1, comm=comm,
+                         momentum_averaging="exact")
+        sd = opt.state_dict()
+        sd["state"][0].update(step=torch.tensor(1.0), exp_avg=torch.tensor([1.0, -1, 0.5, 0]),
+                              exp_avg_sq=torch.tensor([4.0, 1, 1, 0]))
+        opt.load_state_dict(sd)
+        x.grad = grads[r].clone()
+        opt.step()
+        return (x.detach().clone(), opt.state[x]["exp_avg"].clone(), opt.last_step_kind,
+                opt.state_dict()["hvdcomp"]["reducers"], opt.compression.name, opt.transport.collective)
+
+    for r, (x, m, kind, reducers, method, collective) in enumerate(run_threads(2, rank_fn)):
+        assert kind == "full" and method == "none" and collective == "allreduce"
+        assert torch.equal(x, torch.tensor([0.8125, 2.125, 2.9375, 4.0])), f"rank {r}: {x}"
+        assert torch.equal(m, torch.tensor([1.5, -0.5, 0.25, 0.0]))
+        assert all(not red.get("residual") for red in reducers.values()), reducers
+    with pytest.raises(ValueError, match="momentum_averaging must be one of"):
+        OneBitAdam([("x", torch.nn.Parameter(torch.zeros(2)))], freeze_step=1, momentum_averaging="fp16",
+                   comm=step_comms(1)[0])
+
+
 # ---- 0/1 Adam's schedules ----------------------------------------------------------------------------
 def variance_closed_form(kappa, last):
     """k_j = 1 + κ(2^b - 1) + r·2^b for j = bκ + r (the sum of the intervals 2^⌊i/κ⌋, i < j)."""

@@ -40,6 +40,10 @@ Documented choices:
   error feedback); one vector for the whole model (as DeepSpeed's fp16 path, one flat buffer);
 * every step is applied (DeepSpeed's first ``step()`` only allocates its buffers).
 
+Ablation: ``momentum_averaging="exact"`` averages the momentum by one float32 allreduce instead
+(4 bytes per element and step, no residuals): Adam with the variance frozen at ``freeze_step`` and
+nothing else changed, which separates what freezing costs from what the 1-bit compression costs.
+
 Wire per rank and compressed step: about n/8 bytes plus 4 bytes per chunk and message headers
 (the all-to-all sends (N−1)/N of the 1-bit model, the allgather one re-quantised chunk), whatever
 N; the warm-up sends 4n per step (fp32). Over a run with a warm-up fraction f the volume is
@@ -56,13 +60,18 @@ Example::
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Dict, Optional
 
 import torch
 
+from ..spec import get_compressor
 from .base import AdaptiveOptimizer, check_masks
 
-__all__ = ["OneBitAdam", "check_adam_hyper"]
+__all__ = ["OneBitAdam", "check_adam_hyper", "MOMENTUM_AVERAGING"]
+
+#: how 1-bit Adam averages the momentum after the warm-up: the compressed allreduce, or the ablation
+MOMENTUM_AVERAGING = ("onebit", "exact")
 
 
 def check_adam_hyper(lr: float, betas, eps: float, weight_decay: float) -> None:
@@ -101,6 +110,8 @@ class OneBitAdam(AdaptiveOptimizer):
         momentum_masks: ``{parameter name: tensor of 0/1}`` (the parameter's shape): coordinates
             whose momentum is dropped after the warm-up, on top of the zero-variance mask.
         mask_zero_variance: also mask coordinates whose frozen variance is exactly 0 (default).
+        momentum_averaging: ``"onebit"`` (default: the compressed allreduce) or ``"exact"`` (the
+            ablation above: a float32 allreduce of the momentum, as many bytes as Adam's).
         warmup_compression: the warm-up's compression (an hvdcomp spec; default ``"none"``).
         process_set, timer, nonfinite, backward_passes_per_step, comm: see
             :class:`hvdcomp.adaptive_opt.base.AdaptiveOptimizer`.
@@ -110,16 +121,21 @@ class OneBitAdam(AdaptiveOptimizer):
     per rank: the compressed allreduce's residuals.
 
     Raises:
-        ValueError: ``freeze_step < 1``, Adam's ranges (:func:`check_adam_hyper`), bad masks, and
-            those of :class:`~hvdcomp.adaptive_opt.base.AdaptiveOptimizer`.
+        ValueError: ``freeze_step < 1``, Adam's ranges (:func:`check_adam_hyper`), bad masks, an
+            unknown ``momentum_averaging``, and those of :class:`~hvdcomp.adaptive_opt.base.AdaptiveOptimizer`.
     """
 
     def __init__(self, named_parameters, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, freeze_step: int,
                  momentum_masks: Optional[Dict[str, torch.Tensor]] = None,
-                 mask_zero_variance: bool = True, warmup_compression: str = "none", process_set=None, timer=None,
+                 mask_zero_variance: bool = True, momentum_averaging: str = "onebit",
+                 warmup_compression: str = "none", process_set=None, timer=None,
                  nonfinite: str = "skip", backward_passes_per_step: int = 1, comm=None):
         check_adam_hyper(lr, betas, eps, weight_decay)
+        if momentum_averaging not in MOMENTUM_AVERAGING:
+            raise ValueError(f"momentum_averaging must be one of {MOMENTUM_AVERAGING}, got {momentum_averaging!r} "
+                             "('exact' is the float32 ablation of the compressed allreduce)")
+        self.momentum_averaging = momentum_averaging
         if not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(f"freeze_step must be an integer >= 1 (the uncompressed warm-up that sets the "
                              f"variance frozen afterwards), got {freeze_step!r}")
@@ -131,9 +147,20 @@ class OneBitAdam(AdaptiveOptimizer):
                          comm=comm)
         self.user_masks = check_masks(momentum_masks, self._names.values(),
                                       {n: p.shape for p, n in self._names.items()})
+        if momentum_averaging == "exact":
+            self._plan = replace(self._plan, collective="allreduce")
 
     def _hyper(self):
-        return {"freeze_step": self.freeze_step, "mask_zero_variance": self.mask_zero_variance}
+        return {"freeze_step": self.freeze_step, "mask_zero_variance": self.mask_zero_variance,
+                "momentum_averaging": self.momentum_averaging}
+
+    @property
+    def compression(self):
+        """The method averaging now: the warm-up's while it runs, else the compressed allreduce
+        (``hvdcomp`` ``none`` with ``momentum_averaging="exact"``)."""
+        if self.momentum_averaging == "exact" and not self.warmup.running:
+            return get_compressor("none")
+        return super().compression
 
     def _init_state(self, p):
         return adam_state(p)
@@ -147,7 +174,8 @@ class OneBitAdam(AdaptiveOptimizer):
         pairs = self.each()
         local = [self.state[p]["exp_avg"].mul(g["betas"][0]).add_(grad, alpha=1.0 - g["betas"][0])
                  for (p, g), grad in zip(pairs, grads)]
-        averaged = self.averaging.compressed("momentum", local)
+        averaged = (self.averaging.full(local) if self.momentum_averaging == "exact"
+                    else self.averaging.compressed("momentum", local))
         if averaged is None:
             return None
         step = t + 1
@@ -161,4 +189,4 @@ class OneBitAdam(AdaptiveOptimizer):
             denom = st["exp_avg_sq"].sqrt().div_((1.0 - beta2 ** self.freeze_step) ** 0.5).add_(g["eps"])
             p.addcdiv_(st["exp_avg"], denom, value=-lr / (1.0 - beta1 ** step))
         self._advance()
-        return "onebit"
+        return "full" if self.momentum_averaging == "exact" else "onebit"
