@@ -106,7 +106,7 @@ def cell_args(name: str, seed: int, out_dir: str, a) -> List[str]:
     return [os.path.join(ROOT, "mpi_scripts", "train_lm.py"), "--arch", "transformer", "--model", "small",
             "--data", a.data, "--batch-size", str(a.batch_size), "--lr", str(a.lr), "--anneal", "1",
             "--warmup-steps", str(a.lr_warmup), "--epochs", str(a.epochs), "--max-steps", str(a.epoch_steps),
-            "--seed", str(seed), "--no-progress", "--output", out_dir, *contender_args(name, a)]
+            "--clip", str(a.clip), "--seed", str(seed), "--no-progress", "--output", out_dir, *contender_args(name, a)]
 
 
 class Runner:
@@ -306,6 +306,9 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=int, default=0, help="cap on steps per epoch (0: whole epochs)")
     p.add_argument("--batch-size", type=int, default=32, help="global batch (sequences of 35 tokens)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--clip", type=float, default=0.25,
+                   help="train_lm.py's gradient-norm clip; after the warm-up it clips each rank's own gradient "
+                        "(docs/adaptive-optimizers.md), during it and for Adam the average")
     p.add_argument("--lr-warmup", type=int, default=0, help="linear learning-rate warm-up steps (0: 10 %% of --steps)")
     p.add_argument("--warmup-fraction", type=float, default=0.15,
                    help="1-bit Adam's freeze_step and 0/1 Adam's var_freeze_step, as a fraction of --steps")

@@ -14,7 +14,7 @@ import adaptive_lm  # noqa: E402
 
 def settings(tmp_path, **kw):
     a = argparse.Namespace(output=str(tmp_path), rates=["local"], contenders=adaptive_lm.CONTENDERS, seeds=[1, 2],
-                           np=4, steps=200, epochs=2, epoch_steps=100, batch_size=32, lr=1e-3, lr_warmup=20,
+                           np=4, steps=200, epochs=2, epoch_steps=100, batch_size=32, lr=1e-3, lr_warmup=20, clip=0.25,
                            warmup_fraction=0.15, zeroone_args="", data="corpus.txt", python="python",
                            netem="netem_mpi.sh", netem_prefix="x", timeout=60.0, force=False, table_only=False)
     vars(a).update(max_wait_quiet=0.0, load_limit=0.0, **kw)
@@ -26,6 +26,7 @@ def test_contender_arguments_and_environment(tmp_path):
     common = adaptive_lm.cell_args("adam", 3, "OUT", a)
     assert common[common.index("--epochs") + 1] == "2" and common[common.index("--max-steps") + 1] == "100"
     assert common[common.index("--seed") + 1] == "3" and common[common.index("--warmup-steps") + 1] == "20"
+    assert common[common.index("--clip") + 1] == "0.25"
     assert adaptive_lm.contender_args("onebit-adam", a) == ["--optimizer", "onebit-adam", "--freeze-step", "30"]
     assert adaptive_lm.contender_args("onebit-adam-exact", a) == [
         "--optimizer", "onebit-adam", "--freeze-step", "30", "--optimizer-args", "momentum_averaging=exact"]
