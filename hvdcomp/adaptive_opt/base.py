@@ -12,7 +12,8 @@ steps is one of these kinds (:attr:`AdaptiveOptimizer.last_step_kind`):
   ``warmup_compression`` (default ``"none"``: Horovod's allreduce, launched from backward's
   hooks). That optimizer is built at the first warm-up step and closed after the last one;
 * ``"full"``: one Horovod allreduce (mean) of all gradients as one flat float32 vector, at
-  ``step()`` (0/1 Adam's variance steps);
+  ``step()`` (0/1 Adam's variance steps; 1-bit Adam's steps after the warm-up with
+  ``momentum_averaging="exact"``, on the momentum);
 * ``"onebit"``: one compressed allreduce of a whole model's worth of tensors at ``step()``
   (:class:`hvdcomp.transports.twophase.TwoPhaseCompressor` with ``base="efsignsgd"``: 1 bit and
   one float32 scale per chunk, worker and server error feedback);

@@ -111,7 +111,8 @@ class OneBitAdam(AdaptiveOptimizer):
             whose momentum is dropped after the warm-up, on top of the zero-variance mask.
         mask_zero_variance: also mask coordinates whose frozen variance is exactly 0 (default).
         momentum_averaging: ``"onebit"`` (default: the compressed allreduce) or ``"exact"`` (the
-            ablation above: a float32 allreduce of the momentum, as many bytes as Adam's).
+            ablation above: a float32 allreduce of the momentum, as many bytes as Adam's; its
+            steps are ``"full"`` in :attr:`last_step_kind`, and no compressed-allreduce residuals).
         warmup_compression: the warm-up's compression (an hvdcomp spec; default ``"none"``).
         process_set, timer, nonfinite, backward_passes_per_step, comm: see
             :class:`hvdcomp.adaptive_opt.base.AdaptiveOptimizer`.
