@@ -31,7 +31,9 @@ whole run (mean over ranks; ``run_bytes``, every step), the ratio to ``adam``'s,
 (mean of train_lm's per-step wall time, first step excluded), validation and test perplexity
 (mean and min-max over seeds), and the issue's targets met, missed or not judged (:func:`targets`).
 Finished cells are kept; rerun the same command to resume (or with more ``--seeds``: the table
-covers the seeds named).
+covers the seeds named). Each cell's ``run.json`` records the command line that ran it
+(``invocation``); the table names those, so a ``--table-only`` rebuild keeps them (cells from
+before they were recorded fall back to the current command line).
 
 Example (the issue's grid: 2 rates x 5 contenders x 3 seeds)::
 
@@ -102,6 +104,25 @@ def steps_per_epoch(data: str, batch_size: int, bptt: int = 35) -> int:
     return len(range(0, batchify(load_corpus(data).train, batch_size).shape[0] - 1, bptt))
 
 
+def invocation(argv: List[str] = None) -> str:
+    """This benchmark's command line as run (``sys.argv`` by default), recorded with every cell."""
+    return "python benchmarks/adaptive_lm.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
+
+
+def invocations(a) -> List[str]:
+    """The distinct command lines that ran the table's cells (their ``run.json``, in table order);
+    this one's where no cell recorded one (cells run before it was recorded, or none yet)."""
+    seen: List[str] = []
+    for rate in a.rates:
+        for name in a.contenders:
+            for s in a.seeds:
+                run = netem_e2e.read_json(os.path.join(a.output, "cells", rate, f"{name}-s{s}", "run.json"))
+                cmd = (run or {}).get("invocation")
+                if cmd and cmd not in seen:
+                    seen.append(cmd)
+    return seen or [invocation()]
+
+
 def cell_args(name: str, seed: int, out_dir: str, a) -> List[str]:
     return [os.path.join(ROOT, "mpi_scripts", "train_lm.py"), "--arch", "transformer", "--model", "small",
             "--data", a.data, "--batch-size", str(a.batch_size), "--lr", str(a.lr), "--anneal", "1",
@@ -156,14 +177,14 @@ class Runner:
             cpu = resource.getrusage(resource.RUSAGE_CHILDREN)  # (the ranks, waited for by mpirun)
             run = {"returncode": rc, "elapsed_s": time.perf_counter() - t0,
                    "cpu_s": cpu.ru_utime + cpu.ru_stime - cpu0.ru_utime - cpu0.ru_stime}
-            netem_e2e.write_json(os.path.join(out_dir, "run.json"), {"command": cmd, **run})
+            netem_e2e.write_json(os.path.join(out_dir, "run.json"), {"command": cmd, "invocation": invocation(), **run})
         else:
             env = {**self.netem.base_env(), **self.netem.netem_env, "NETEM_TIMEOUT": str(int(self.args.timeout))}
             limit = self.args.load_limit or None
             before = hygiene.wait_quiet(self.args.max_wait_quiet, log=log.warning, limit=limit)
             run = self.netem.launch(cmd, env, results, log_path, self.args.timeout)
             run["machine"] = {"before": before, "after": hygiene.machine_state(), "loaded": hygiene.is_loaded(before, limit)}
-            netem_e2e.write_json(os.path.join(out_dir, "run.json"), {"command": cmd, **run})
+            netem_e2e.write_json(os.path.join(out_dir, "run.json"), {"command": cmd, "invocation": invocation(), **run})
         status = "ok" if os.path.exists(results) and run["returncode"] == 0 else "failed"
         if status != "ok":
             with open(log_path, errors="replace") as f:
@@ -269,7 +290,7 @@ def targets(rows: Dict[str, dict]) -> List[str]:
 def markdown(a) -> str:
     t = table(a)
     lines = [f"# Compressed adaptive optimizers, small transformer LM, {a.np} ranks, {a.steps} steps",
-             "", f"Command: `python benchmarks/adaptive_lm.py {' '.join(sys.argv[1:])}`", ""]
+             "", *[f"Command: `{c}`" for c in invocations(a)], ""]
     for rate, rows in t["rates"].items():
         lines += [f"## {rate}" + (" (plain mpirun on one machine: times are not evidence)" if rate == "local" else ""),
                   "", "| contender | bytes/step (whole run) | vs adam fp32 | s/step | val ppl (min-max) | test ppl "

@@ -63,6 +63,14 @@ def test_table_from_finished_cells(tmp_path):
     assert rows["adam"]["bytes_per_step"]["mean"] == 4000.0 and rows["adam"]["steps"] == 200
     md = adaptive_lm.markdown(a)
     assert "| onebit-adam | 0.8 KB | 5.0x | 0.500 | 104.0 (102.0-106.0) | 105.0 | 2 |" in md
+    assert f"Command: `{adaptive_lm.invocation()}`" in md  # (no cell recorded its command line)
+    for name, seed, argv in (("adam", 1, ["--seeds", "1"]), ("onebit-adam", 1, ["--seeds", "1"]),
+                             ("adam", 2, ["--seeds", "2", "3"])):
+        (tmp_path / "cells" / "local" / f"{name}-s{seed}" / "run.json").write_text(
+            json.dumps({"invocation": adaptive_lm.invocation(argv)}))
+    md = adaptive_lm.markdown(a)  # the command lines that ran the cells, each once, in table order
+    assert ("Command: `python benchmarks/adaptive_lm.py --seeds 1`\n"
+            "Command: `python benchmarks/adaptive_lm.py --seeds 2 3`\n") in md
     # adam 102 (100-104): 104 <= 102 + 4 meets the one-sided spread; 5x >= 4x
     assert ("- onebit-adam: >= 4x fewer bytes than adam fp32 over the run (5.0x): met; val ppl 104.0 within "
             "adam's 102.0 + its seed spread (4.0): met") in md
