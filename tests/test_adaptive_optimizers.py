@@ -176,6 +176,23 @@ def _timer():
 
 
 # ---- 1-bit Adam: the switch, worked by hand ------------------------------------------------------
+SWITCH_GRADIENTS = [torch.tensor([1.0, 1, -1, 2]), torch.tensor([3.0, -1, 1, 2])]
+
+
+def switch_step(r, comm, **kwargs):
+    """Rank r's first step after a T = 1 warm-up in the hand-worked switch-step set-up (see
+    test_onebit_adam_switch_step_worked_by_hand): ``(x, opt)`` after ``opt.step()``."""
+    x = torch.nn.Parameter(torch.tensor([1.0, 2, 3, 4]))
+    opt = OneBitAdam([("x", x)], lr=0.375, betas=(0.5, 0.75), eps=1e-8, freeze_step=1, comm=comm, **kwargs)
+    sd = opt.state_dict()
+    sd["state"][0].update(step=torch.tensor(1.0), exp_avg=torch.tensor([1.0, -1, 0.5, 0]),
+                          exp_avg_sq=torch.tensor([4.0, 1, 1, 0]))
+    opt.load_state_dict(sd)
+    x.grad = SWITCH_GRADIENTS[r].clone()
+    opt.step()
+    return x, opt
+
+
 def test_onebit_adam_switch_step_worked_by_hand():
     """2 ranks, one parameter x = [1, 2, 3, 4] after T = 1 warm-up step with m = [1, -1, .5, 0],
     v = [4, 1, 1, 0]; β = (.5, .75), lr = .375, ε = 1e-8; gradients [1, 1, -1, 2] and [3, -1, 1, 2].
@@ -187,17 +204,8 @@ def test_onebit_adam_switch_step_worked_by_hand():
     [.4375, .4375], keeps [-.3125, .3125]. m = [.75, -.75, .4375, .4375], masked where v = 0:
     [.75, -.75, .4375, 0]. Step t = 2: lr/(1 - .5²) = .5; denominator sqrt(v)/sqrt(1 - .75) + ε
     = [4, 2, 2, ε]; x = [1, 2, 3, 4] - .5·[.1875, -.375, .21875, 0] = [.90625, 2.1875, 2.890625, 4]."""
-    grads = [torch.tensor([1.0, 1, -1, 2]), torch.tensor([3.0, -1, 1, 2])]
-
     def rank_fn(r, comm):
-        x = torch.nn.Parameter(torch.tensor([1.0, 2, 3, 4]))
-        opt = OneBitAdam([("x", x)], lr=0.375, betas=(0.5, 0.75), eps=1e-8, freeze_step=1, comm=comm)
-        sd = opt.state_dict()
-        sd["state"][0].update(step=torch.tensor(1.0), exp_avg=torch.tensor([1.0, -1, 0.5, 0]),
-                              exp_avg_sq=torch.tensor([4.0, 1, 1, 0]))
-        opt.load_state_dict(sd)
-        x.grad = grads[r].clone()
-        opt.step()
+        x, opt = switch_step(r, comm)
         red = opt.state_dict()["hvdcomp"]["reducers"]["momentum"]
         return x.detach().clone(), opt.state[x]["exp_avg"].clone(), red, opt.last_step_kind, opt.step_count()
 
@@ -217,19 +225,9 @@ def test_onebit_adam_exact_ablation_is_frozen_variance_adam():
     ``momentum_averaging="exact"``: m = the plain mean of the local momenta [1, 0, -.25, 1] and
     [2, -1, .75, 1], [1.5, -.5, .25, 1], masked where v = 0: [1.5, -.5, .25, 0]; x = [1, 2, 3, 4]
     - .5·[1.5/4, -.5/2, .25/2, 0] = [.8125, 2.125, 2.9375, 4]. One float32 allreduce (a "full"
-    step, 4 bytes per element sent), no compressed-allreduce residuals."""
-    grads = [torch.tensor([1.0, 1, -1, 2]), torch.tensor([3.0, -1, 1, 2])]
-
+    step), no compressed-allreduce residuals."""
     def rank_fn(r, comm):
-        x = torch.nn.Parameter(torch.tensor([1.0, 2, 3, 4]))
-        opt = OneBitAdam([("x", x)], lr=0.375, betas=(0.5, 0.75), eps=1e-8, freeze_step=1, comm=comm,
-                         momentum_averaging="exact")
-        sd = opt.state_dict()
-        sd["state"][0].update(step=torch.tensor(1.0), exp_avg=torch.tensor([1.0, -1, 0.5, 0]),
-                              exp_avg_sq=torch.tensor([4.0, 1, 1, 0]))
-        opt.load_state_dict(sd)
-        x.grad = grads[r].clone()
-        opt.step()
+        x, opt = switch_step(r, comm, momentum_averaging="exact")
         return (x.detach().clone(), opt.state[x]["exp_avg"].clone(), opt.last_step_kind,
                 opt.state_dict()["hvdcomp"]["reducers"], opt.compression.name, opt.transport.collective)
 
