@@ -23,7 +23,11 @@ naive way: compressed gradients into Adam's second moment), ``onebit-adam`` (``-
 as the authors' BERT example sets them equal; override with ``--zeroone-args``). Not in the default
 grid: ``onebit-adam-exact`` (1-bit Adam's schedule with the momentum averaged by a float32 allreduce:
 Adam with the variance frozen at the same step; what 1-bit Adam loses against it is the
-compression's cost, what it loses against ``adam`` the freeze's).
+compression's cost, what it loses against ``adam`` the freeze's) and ``adam-ring``,
+``onebit-adam-ring``, ``zeroone-adam-ring``: the same runs launched with Open MPI's ring allreduce
+like ``adam-fp16-ring`` (their float32 allreduces, Adam's steps and the two methods' warm-up and
+variance steps, otherwise use Open MPI's default algorithm, which is slower on these links; the
+1-bit steps use all-to-all and allgather instead).
 
 Writes ``OUTPUT/cells/<rate>/<contender>-s<seed>/results.json`` (train_lm's) and ``OUTPUT/table.md``
 + ``OUTPUT/table.json``: per rate and contender, over the seeds, bytes sent per step over the
@@ -71,7 +75,8 @@ log = logging.getLogger("adaptive_lm")
 
 CONTENDERS = ["adam", "adam-fp16-ring", "adam-topk", "onebit-adam", "zeroone-adam"]
 #: not in the default grid: 1-bit Adam with the momentum averaged exactly (float32), frozen-variance Adam
-ABLATIONS = ["onebit-adam-exact"]
+#: and the float32 contenders under the ring allreduce that ``adam-fp16-ring`` gets
+ABLATIONS = ["onebit-adam-exact", "adam-ring", "onebit-adam-ring", "zeroone-adam-ring"]
 
 
 def contender_args(name: str, a) -> List[str]:
@@ -87,13 +92,15 @@ def contender_args(name: str, a) -> List[str]:
         "zeroone-adam": ["--optimizer", "zeroone-adam", "--freeze-step", str(freeze), "--optimizer-args",
                          a.zeroone_args or f"var_update_scaler=16,local_step_scaler={freeze},local_step_clipper=16"],
     }
+    if name not in table and name.endswith("-ring") and name[:-len("-ring")] in table:
+        return table[name[:-len("-ring")]]
     if name not in table:
         raise ValueError(f"unknown contender {name!r}: one of {', '.join(table)}")
     return table[name]
 
 
 def contender_env(name: str) -> Dict[str, str]:
-    """What only this contender's ranks get: Open MPI's ring allreduce for ``adam-fp16-ring``."""
+    """What only this contender's ranks get: Open MPI's ring allreduce for the ``-ring`` ones."""
     return dict(peers.RING_ALLREDUCE_ENV) if name.endswith("-ring") else {}
 
 

@@ -36,6 +36,13 @@ def test_contender_arguments_and_environment(tmp_path):
     assert adaptive_lm.contender_args("adam-topk", a)[-1] == "topk:density=0.01"
     assert adaptive_lm.contender_env("adam-fp16-ring")["OMPI_MCA_coll_tuned_allreduce_algorithm"] == "4"
     assert adaptive_lm.contender_env("onebit-adam") == {}
+    # the -ring ablations: the same train_lm arguments, launched with the ring allreduce
+    assert adaptive_lm.contender_args("onebit-adam-ring", a) == ["--optimizer", "onebit-adam", "--freeze-step", "30"]
+    assert adaptive_lm.contender_args("zeroone-adam-ring", a) == zo
+    assert adaptive_lm.contender_args("adam-ring", a) == ["--optimizer", "adam"]
+    assert adaptive_lm.contender_env("zeroone-adam-ring")["OMPI_MCA_coll_tuned_allreduce_algorithm"] == "4"
+    with pytest.raises(ValueError, match="unknown contender 'sgd-ring'"):
+        adaptive_lm.contender_args("sgd-ring", a)
     cmd = adaptive_lm.Runner(a).command("local", "adam-fp16-ring", 1, "OUT")
     assert cmd[:6] == ["mpirun", "-np", "4", "--oversubscribe", "--bind-to", "none"]
     assert "OMPI_MCA_coll_tuned_use_dynamic_rules=1" in cmd
