@@ -77,6 +77,8 @@ CONTENDERS = ["adam", "adam-fp16-ring", "adam-topk", "onebit-adam", "zeroone-ada
 #: not in the default grid: 1-bit Adam with the momentum averaged exactly (float32), frozen-variance Adam
 #: and the float32 contenders under the ring allreduce that ``adam-fp16-ring`` gets
 ABLATIONS = ["onebit-adam-exact", "adam-ring", "onebit-adam-ring", "zeroone-adam-ring"]
+#: a contender named ``<base>-ring`` is launched with Open MPI's ring allreduce (:func:`contender_env`)
+RING_SUFFIX = "-ring"
 
 
 def contender_args(name: str, a) -> List[str]:
@@ -92,16 +94,15 @@ def contender_args(name: str, a) -> List[str]:
         "zeroone-adam": ["--optimizer", "zeroone-adam", "--freeze-step", str(freeze), "--optimizer-args",
                          a.zeroone_args or f"var_update_scaler=16,local_step_scaler={freeze},local_step_clipper=16"],
     }
-    if name not in table and name.endswith("-ring") and name[:-len("-ring")] in table:
-        return table[name[:-len("-ring")]]
-    if name not in table:
+    base = name[:-len(RING_SUFFIX)] if name not in table and name.endswith(RING_SUFFIX) else name
+    if base not in table:  # a -ring contender is its base contender's run, under the ring
         raise ValueError(f"unknown contender {name!r}: one of {', '.join(table)}")
-    return table[name]
+    return table[base]
 
 
 def contender_env(name: str) -> Dict[str, str]:
     """What only this contender's ranks get: Open MPI's ring allreduce for the ``-ring`` ones."""
-    return dict(peers.RING_ALLREDUCE_ENV) if name.endswith("-ring") else {}
+    return dict(peers.RING_ALLREDUCE_ENV) if name.endswith(RING_SUFFIX) else {}
 
 
 def steps_per_epoch(data: str, batch_size: int, bptt: int = 35) -> int:
