@@ -22,7 +22,8 @@ part of a step, and the time to the target perplexity (``--target-factor`` × th
 perplexity of ``--baseline``, mean over its seeds at the same rate: the first epoch end at or below
 it, seconds since training started), with the speed-ups over ``--baseline`` and ``--versus``
 (where the reference missed the target on some seed, a lower bound: that seed's last epoch end
-stands for its time), and the issue's targets met, missed or not judged. Writes
+stands for its time; where the contender missed it and the reference did not, an upper bound, since
+the contender's run ended before it got there), and the issue's targets met, missed or not judged. Writes
 ``OUTPUT/report.md`` and ``OUTPUT/report.json``.
 
 The full grid (``benchmarks/README.md``, "Local-update training")::
@@ -198,23 +199,38 @@ def summarize(cells: List[dict], baseline: str, versus: str, target_factor: floa
                 # (needs this contender's exact time, i.e. every seed of it reached the target)
                 t_ref = rows.get(ref, {}).get("time_to_target_at_least_s")
                 row[key + "_at_least"] = t_ref / t if t and t_ref and row[key] is None else None
+                # where this contender missed the target on some seed and the reference did not: its
+                # time is above its lower bound, so the speed-up is below the reference's exact time
+                # over that bound (an upper bound)
+                t_ref, t_low = rows.get(ref, {}).get("time_to_target_s"), row["time_to_target_at_least_s"]
+                row[key + "_at_most"] = t_ref / t_low if t is None and t_ref and t_low else None
         out[rate] = rows
     return out
 
 
 def speedup_verdict(rows: Dict[str, dict], contender: str, key: str, clears, ref: str):
-    """``(figure, verdict)`` of one time-to-target target of ``contender`` against ``ref``: met or
-    missed on the exact speed-up (``rows[contender][key]``); where ``ref`` missed the target on
-    some seed, met if the lower bound (``key + "_at_least"``) clears it, else not judged; missed
-    where the contender itself missed the target on some seed (its own time is then unknown)."""
+    """``(figure, verdict)`` of one time-to-target target of ``contender`` against ``ref``
+    (``clears``: the target as a predicate on the speed-up, increasing in it).
+
+    Met or missed on the exact speed-up (``rows[contender][key]``, both reached the target on every
+    seed). Where ``ref`` missed the target on some seed, met if the lower bound (``key +
+    "_at_least"``) clears it, else not judged. Where ``contender`` missed it on some seed (its run
+    ended first, so its time is only bounded below) and ``ref`` did not, missed if the upper bound
+    (``key + "_at_most"``) does not clear it, else not judged: a longer run could still reach the
+    target in time. Neither reached it on every seed: not judged."""
     row = rows[contender]
-    exact, at_least = row[key], row[key + "_at_least"]
+    exact, at_least, at_most = row[key], row[key + "_at_least"], row[key + "_at_most"]
     if exact is not None:
         return f"{exact:.1f}x", "met" if clears(exact) else "missed"
-    if row["time_to_target_s"] is None:
-        return "n/a", "missed"
-    if at_least is None:
+    if ref not in rows:
         return "n/a", f"not judged (no {ref} cell)"
+    if row["time_to_target_s"] is None:
+        if at_most is None:
+            return "n/a", f"not judged (neither it nor {ref} reached the target on every seed)"
+        return (f"at most {at_most:.2f}x", "not judged (its run ended before the target; a longer run "
+                "could still clear it)" if clears(at_most) else "missed")
+    if at_least is None:
+        return "n/a", f"not judged (no time to the target for {ref})"
     missed = rows[ref]["seeds"] - int(rows[ref]["reached_target"].split("/")[0])
     return (f"at least {at_least:.1f}x", "met" if clears(at_least) else
             f"not judged ({ref} missed the target on {missed} of {rows[ref]['seeds']} seeds)")
