@@ -94,7 +94,7 @@ def contender_args(name: str, a) -> List[str]:
         "zeroone-adam": ["--optimizer", "zeroone-adam", "--freeze-step", str(freeze), "--optimizer-args",
                          a.zeroone_args or f"var_update_scaler=16,local_step_scaler={freeze},local_step_clipper=16"],
     }
-    base = name[:-len(RING_SUFFIX)] if name not in table and name.endswith(RING_SUFFIX) else name
+    base = name if name in table else name.removesuffix(RING_SUFFIX)
     if base not in table:  # a -ring contender is its base contender's run, under the ring
         raise ValueError(f"unknown contender {name!r}: one of {', '.join(table)}")
     return table[base]

@@ -192,17 +192,16 @@ def summarize(cells: List[dict], baseline: str, versus: str, target_factor: floa
                        "reached_target": f"{len(reached)}/{len(runs)}", "target_ppl": target}
             rows[c]["step_over_compute"] = rows[c]["step_s"] / max(1e-9, rows[c]["compute_s"])
         for c, row in rows.items():
+            t, t_low = row["time_to_target_s"], row["time_to_target_at_least_s"]
             for ref, key in ((baseline, "speedup_vs_baseline"), (versus, "speedup_vs_versus")):
-                t, t_ref = row["time_to_target_s"], rows.get(ref, {}).get("time_to_target_s")
+                t_ref = rows.get(ref, {}).get("time_to_target_s")
+                t_ref_low = rows.get(ref, {}).get("time_to_target_at_least_s")
                 row[key] = t_ref / t if t and t_ref else None
                 # where the reference missed the target on some seed: a lower bound on the speed-up
                 # (needs this contender's exact time, i.e. every seed of it reached the target)
-                t_ref = rows.get(ref, {}).get("time_to_target_at_least_s")
-                row[key + "_at_least"] = t_ref / t if t and t_ref and row[key] is None else None
-                # where this contender missed the target on some seed and the reference did not: its
-                # time is above its lower bound, so the speed-up is below the reference's exact time
-                # over that bound (an upper bound)
-                t_ref, t_low = rows.get(ref, {}).get("time_to_target_s"), row["time_to_target_at_least_s"]
+                row[key + "_at_least"] = t_ref_low / t if t and t_ref_low and row[key] is None else None
+                # where this contender missed it and the reference did not: its time is above its
+                # lower bound, so the speed-up is below the reference's time over it (an upper bound)
                 row[key + "_at_most"] = t_ref / t_low if t is None and t_ref and t_low else None
         out[rate] = rows
     return out
