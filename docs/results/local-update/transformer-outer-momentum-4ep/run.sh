@@ -5,12 +5,16 @@
 # repository root: bash docs/results/local-update/transformer-outer-momentum-4ep/run.sh [OUTPUT_DIR]
 set -u
 OUT=${1:-runs/transformer-outer-momentum-4ep}
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1 OMP_NUM_THREADS=1 HOROVOD_CYCLE_TIME=20 PYTHONUNBUFFERED=1
+PY=${PYTHON:-.venv/bin/python}
+# the launch environment from hvdcomp/mpi.env (its one definition), with the Horovod cycle time
+# the netem benchmark uses (20 ms), as these runs had
+set -a; . hvdcomp/mpi.env; set +a
+export HOROVOD_CYCLE_TIME=20
 COMMON="--arch transformer --model small --optimizer adamw --lr 1e-3 --weight-decay 0.1 --clip 1.0 --epochs 4 --warmup-steps 29 --anneal 1 --seed 1 --no-progress --compressor none"
 run() {
   name=$1; shift
   timeout 900 mpirun -n 4 --oversubscribe -x HOROVOD_CYCLE_TIME -x OMPI_MCA_mpi_yield_when_idle -x OMP_NUM_THREADS -x PYTHONUNBUFFERED \
-    .venv/bin/python mpi_scripts/train_lm.py $COMMON "$@" --output "$OUT/$name" > "$OUT/$name.log" 2>&1
+    "$PY" mpi_scripts/train_lm.py $COMMON "$@" --output "$OUT/$name" > "$OUT/$name.log" 2>&1
   echo "$name rc=$?"
 }
 mkdir -p "$OUT"
