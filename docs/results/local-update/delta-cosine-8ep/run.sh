@@ -11,9 +11,11 @@ OUT=${1:-runs/delta-cosine-8ep}
 TF="--arch transformer --model small --optimizer adamw --lr 1e-3 --weight-decay 0.1 --clip 1.0"
 LSTM="--arch lstm --model small --lr 20"
 COMMON="--epochs 8 --warmup-steps 29 --anneal 1 --early-stop 0 --seed 1 --no-progress --compressor none --local-steps 8"
+# cos NAME ARGS...: one run of delta_cosine.py writing $OUT/NAME.cos.json
+cos() { local name=$1; shift; run "$name" "$HERE/delta_cosine.py $OUT/$name.cos.json -- $COMMON" "$@"; }
 mkdir -p "$OUT"
-run tf_avg8 "$HERE/delta_cosine.py $OUT/tf_avg8.cos.json -- $COMMON" $TF --outer-opt average
-run tf_dl8 "$HERE/delta_cosine.py $OUT/tf_dl8.cos.json -- $COMMON" $TF --outer-opt diloco
-run tf_dl8_lr01 "$HERE/delta_cosine.py $OUT/tf_dl8_lr01.cos.json -- $COMMON" $TF --outer-opt diloco:outer_lr=0.1
-run lstm_avg8 "$HERE/delta_cosine.py $OUT/lstm_avg8.cos.json -- $COMMON" $LSTM --outer-opt average
-run lstm_dl8 "$HERE/delta_cosine.py $OUT/lstm_dl8.cos.json -- $COMMON" $LSTM --outer-opt diloco
+cos tf_avg8 $TF --outer-opt average
+cos tf_dl8 $TF --outer-opt diloco
+cos tf_dl8_lr01 $TF --outer-opt diloco:outer_lr=0.1
+cos lstm_avg8 $LSTM --outer-opt average
+cos lstm_dl8 $LSTM --outer-opt diloco

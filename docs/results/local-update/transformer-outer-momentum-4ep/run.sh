@@ -7,13 +7,14 @@ set -u
 OUT=${1:-runs/transformer-outer-momentum-4ep}
 . docs/results/local-update/untimed.sh   # launch environment and run()
 COMMON="--arch transformer --model small --optimizer adamw --lr 1e-3 --weight-decay 0.1 --clip 1.0 --epochs 4 --warmup-steps 29 --anneal 1 --seed 1 --no-progress --compressor none"
+TRAIN="mpi_scripts/train_lm.py $COMMON"
 mkdir -p "$OUT"
-run sync "mpi_scripts/train_lm.py $COMMON"
-run avg1 "mpi_scripts/train_lm.py $COMMON" --local-steps 1 --outer-opt average
-run avg8 "mpi_scripts/train_lm.py $COMMON" --local-steps 8 --outer-opt average
-run dl8 "mpi_scripts/train_lm.py $COMMON" --local-steps 8 --outer-opt diloco
-run dl8_m05 "mpi_scripts/train_lm.py $COMMON" --local-steps 8 --outer-opt diloco:outer_momentum=0.5
-run dl8_lr07_m0 "mpi_scripts/train_lm.py $COMMON" --local-steps 8 --outer-opt diloco:outer_momentum=0,nesterov=false
-run dl8_heavyball "mpi_scripts/train_lm.py $COMMON" --local-steps 8 --outer-opt diloco:nesterov=false
-run dl32 "mpi_scripts/train_lm.py $COMMON" --local-steps 32 --outer-opt diloco
-run avg32 "mpi_scripts/train_lm.py $COMMON" --local-steps 32 --outer-opt average
+run sync "$TRAIN"
+run avg1 "$TRAIN" --local-steps 1 --outer-opt average
+run avg8 "$TRAIN" --local-steps 8 --outer-opt average
+run dl8 "$TRAIN" --local-steps 8 --outer-opt diloco
+run dl8_m05 "$TRAIN" --local-steps 8 --outer-opt diloco:outer_momentum=0.5
+run dl8_lr07_m0 "$TRAIN" --local-steps 8 --outer-opt diloco:outer_momentum=0,nesterov=false
+run dl8_heavyball "$TRAIN" --local-steps 8 --outer-opt diloco:nesterov=false
+run dl32 "$TRAIN" --local-steps 32 --outer-opt diloco
+run avg32 "$TRAIN" --local-steps 32 --outer-opt average
