@@ -1,14 +1,14 @@
 # Shared by the untimed local-update run.sh scripts in this folder (source it; not a script).
 # Sets the launch environment from hvdcomp/mpi.env (its one definition) with the netem benchmark's
 # Horovod cycle time (20 ms), and defines run NAME PROGRAM ARGS...: PROGRAM (a train_lm.py-style
-# script) on 4 ranks of this machine, writing $OUT/NAME/ and $OUT/NAME.log; PROGRAM's arguments are
+# script) on $NP ranks of this machine (default 4), writing $OUT/NAME/ and $OUT/NAME.log; PROGRAM's arguments are
 # ARGS then --output $OUT/NAME. Needs OUT set; PYTHON overrides the interpreter (.venv/bin/python).
 PY=${PYTHON:-.venv/bin/python}
 set -a; . hvdcomp/mpi.env; set +a
 export HOROVOD_CYCLE_TIME=20
 run() {
   local name=$1 program=$2; shift 2
-  timeout 1200 mpirun -n 4 --oversubscribe -x HOROVOD_CYCLE_TIME -x OMPI_MCA_mpi_yield_when_idle -x OMP_NUM_THREADS \
+  timeout 1200 mpirun -n "${NP:-4}" --oversubscribe -x HOROVOD_CYCLE_TIME -x OMPI_MCA_mpi_yield_when_idle -x OMP_NUM_THREADS \
     -x PYTHONUNBUFFERED "$PY" $program "$@" --output "$OUT/$name" > "$OUT/$name.log" 2>&1
   echo "$name rc=$? $(date +%T) load $(cut -d' ' -f1 /proc/loadavg)"
 }
