@@ -7,8 +7,7 @@
 set -u
 OUT=${1:-runs/transformer-inner-lr-4ep}
 . docs/results/local-update/untimed.sh   # launch environment and run()
-COMMON="--arch transformer --model small --optimizer adamw --weight-decay 0.1 --clip 1.0 --epochs 4 --warmup-steps 29 --anneal 1 --seed 1 --no-progress --compressor none"
-TRAIN="mpi_scripts/train_lm.py $COMMON"
+TRAIN="$TRANSFORMER --epochs 4 --compressor none"
 mkdir -p "$OUT"
 run sync_lr1e-3 "$TRAIN" --lr 1e-3
 run avg1_lr2e-3 "$TRAIN" --lr 2e-3 --local-steps 1 --outer-opt average

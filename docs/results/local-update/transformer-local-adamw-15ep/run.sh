@@ -9,8 +9,7 @@
 set -u
 OUT=${1:-runs/transformer-local-adamw-15ep}
 . docs/results/local-update/untimed.sh   # launch environment and run()
-COMMON="--arch transformer --model small --optimizer adamw --lr 1e-3 --weight-decay 0.1 --clip 1.0 --epochs 15 --warmup-steps 29 --anneal 1 --early-stop 0 --seed 1 --no-progress --compressor none"
-TRAIN="mpi_scripts/train_lm.py $COMMON"
+TRAIN="$TRANSFORMER --lr 1e-3 --epochs 15 --early-stop 0 --compressor none"
 mkdir -p "$OUT"
 run avg1 "$TRAIN" --local-steps 1 --outer-opt average
 run avg4 "$TRAIN" --local-steps 4 --outer-opt average

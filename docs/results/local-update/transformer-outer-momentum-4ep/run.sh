@@ -6,8 +6,7 @@
 set -u
 OUT=${1:-runs/transformer-outer-momentum-4ep}
 . docs/results/local-update/untimed.sh   # launch environment and run()
-COMMON="--arch transformer --model small --optimizer adamw --lr 1e-3 --weight-decay 0.1 --clip 1.0 --epochs 4 --warmup-steps 29 --anneal 1 --seed 1 --no-progress --compressor none"
-TRAIN="mpi_scripts/train_lm.py $COMMON"
+TRAIN="$TRANSFORMER --lr 1e-3 --epochs 4 --compressor none"
 mkdir -p "$OUT"
 run sync "$TRAIN"
 run avg1 "$TRAIN" --local-steps 1 --outer-opt average
