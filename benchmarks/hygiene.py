@@ -12,7 +12,7 @@ import os
 import time
 from typing import Dict, Optional
 
-__all__ = ["cpu_busy_share", "machine_state", "wait_quiet", "is_loaded"]
+__all__ = ["cpu_busy_share", "machine_state", "wait_quiet", "is_loaded", "cpu_identity"]
 
 
 def _cpu_jiffies():
@@ -60,3 +60,28 @@ def wait_quiet(max_wait: float = 600.0, poll: float = 15.0, log=print,
         time.sleep(poll)
         state = machine_state()
     return state
+
+
+#: vector instruction-set flags of /proc/cpuinfo that the math libraries (MKL, oneDNN, ATen) choose kernels by
+VECTOR_ISA = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16")
+
+
+def cpu_identity(path: str = "/proc/cpuinfo") -> Dict[str, object]:
+    """``{"model": str, "vector_isa": [flags]}`` of this machine's first CPU (``"unknown"`` and
+    ``[]`` where ``path`` cannot be read). The math libraries pick their kernels by the CPU, so
+    the same run can differ in the last bits between machines (and a model trained at a high
+    learning rate can turn that into different perplexities): benchmarks record it in run.json
+    so figures from different sittings can be told apart."""
+    model, flags = "unknown", set()
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {"model": model, "vector_isa": [f for f in VECTOR_ISA if f in flags]}

@@ -191,8 +191,9 @@ class Driver:
             "cell_env": self.cell_env,
             "netem_env": self.netem_env,
             "started": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": hygiene.cpu_identity(),
             "cells": old.get("cells", {}),
-            "history": old.get("history", []) + ([{k: old.get(k) for k in ("started", "finished", "argv")}]
+            "history": old.get("history", []) + ([{k: old.get(k) for k in ("started", "finished", "argv", "machine")}]
                                                   if old else []),
         }
         self.up = False

@@ -476,3 +476,15 @@ def test_hygiene_marks_a_loaded_machine_and_the_report_leaves_its_cells_out():
     assert report_speed.ok(cell) and not report_speed.loaded(cell)
     cell["driver"] = {"machine": {"before": {"load_1min": 9.0, "cores": 2}, "loaded": True}}
     assert report_speed.loaded(cell) and not report_speed.ok(cell) and report_speed.step_s(cell) is None
+
+
+def test_cpu_identity_from_a_hand_made_cpuinfo(tmp_path):
+    """The first CPU's model and the vector flags the math libraries choose kernels by, in the
+    table's order; an unreadable file gives 'unknown' rather than an error."""
+    hygiene = _benchmarks_module("hygiene")
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU 9000\nflags\t\t: fpu avx512f sse4_2 avx2 avx fma mmx\n\n"
+                       "processor\t: 1\nmodel name\t: Other\nflags\t\t: fpu amx_bf16\n")
+    assert hygiene.cpu_identity(str(cpuinfo)) == {"model": "Some CPU 9000",
+                                                  "vector_isa": ["sse4_2", "avx", "avx2", "fma", "avx512f"]}
+    assert hygiene.cpu_identity(str(tmp_path / "missing")) == {"model": "unknown", "vector_isa": []}
