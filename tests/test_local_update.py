@@ -195,7 +195,7 @@ def simulate(config):
 
 
 CHECKS_2 = ["equivalence", "co2_hand_worked", "co2_no_training_on_inflight_tensors", "bad_input",
-            "resume_mid_round", "resume_broadcast", "grad_scaler", "half_precision"]
+            "resume_mid_round", "resume_broadcast", "grad_scaler", "half_precision", "adaalter_bytes"]
 
 
 @pytest.fixture(scope="module")

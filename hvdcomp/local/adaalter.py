@@ -110,6 +110,7 @@ class LocalAdaAlter(LocalUpdate):
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         self.warmup_steps = warmup_steps
+        self._warmup_bytes = 0  # sent (= received) by the warm-up's gradient allreduces
         super().__init__(optimizer, named_parameters, local_steps=local_steps, compression=compression,
                          outer_optimizer=outer_sgd(1.0, 0.0, False), **kwargs)
 
@@ -127,7 +128,7 @@ class LocalAdaAlter(LocalUpdate):
         for _, p in self._params:  # (a parameter this rank did not use: zeros, as the pipeline sends)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self._average([p.grad for _, p in self._params], "grad")
+        self._warmup_bytes += self._average([p.grad for _, p in self._params], "grad")
         self.inner.synchronous = True
         self.inner.step()
         self.inner.synchronous = False
@@ -137,12 +138,12 @@ class LocalAdaAlter(LocalUpdate):
                 self._anchor[n].copy_(p)
         return loss
 
-    def _average(self, tensors, what: str) -> None:
+    def _average(self, tensors, what: str) -> int:
         """Average ``tensors`` in place over the ranks (Horovod allreduce, charged to
-        ``communicate``; bytes counted)."""
+        ``communicate``; bytes counted); returns the bytes sent (= received), 0 on one rank."""
         group = self.sync.group
         if group.size == 1 or not tensors:
-            return
+            return 0
         with self.timer.phase("communicate"):
             handles = [group.allreduce_async_(t, f"{self.prefix}.{what}.{i}", group.hvd.Average)
                        for i, t in enumerate(tensors)]
@@ -150,20 +151,27 @@ class LocalAdaAlter(LocalUpdate):
                 group.synchronize(h)
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self.timer.add_bytes(sent=nbytes, received=nbytes, dense=nbytes)
+        return nbytes
 
     def _reduce(self):
-        """The parameters' Δ through the pipeline, then the accumulators by allreduce."""
+        """The parameters' Δ through the pipeline, then the accumulators by allreduce: the
+        round's bytes sent and received count both (``accumulator_bytes``: the accumulators'
+        share), its dense bytes only Δ's fp32 size (what synchronous training sends per step)."""
         record = super()._reduce()
-        before = self.timer.bytes_sent
         states = [self.inner.state[p] for _, p in self._params]
         for (_, p), state in zip(self._params, states):  # (never stepped on this rank: zeros)
             if not state:
                 state["denominator"], state["accumulator"] = torch.zeros_like(p), torch.zeros_like(p)
-        self._average([state["accumulator"] for state in states], "accumulator")
+        nbytes = self._average([state["accumulator"] for state in states], "accumulator")
         for state in states:
             state["denominator"].copy_(state["accumulator"])
-        record["accumulator_bytes"] = self.timer.bytes_sent - before
+        record["accumulator_bytes"] = nbytes
+        record["bytes_sent"] += nbytes
+        record["bytes_received"] += nbytes
         return record
+
+    def _warmup_traffic(self):
+        return {"bytes_sent": self._warmup_bytes, "bytes_received": self._warmup_bytes}
 
     def describe(self):
         inner = self.inner.defaults

@@ -378,7 +378,12 @@ class LocalUpdate(Checkpoints):
 
     def report(self) -> Dict[str, float]:
         """Per-round and per-step figures of the rounds so far (:func:`round_report`)."""
-        return round_report(self.history, self.steps, self.rounds, self.local_steps, self.skipped_rounds, self.timer)
+        return round_report(self.history, self.steps, self.rounds, self.local_steps, self.skipped_rounds, self.timer,
+                            warmup=self._warmup_traffic())
+
+    def _warmup_traffic(self) -> Optional[Dict[str, int]]:
+        """Bytes sent and received by synchronous steps outside the rounds (none by default)."""
+        return None
 
     def close(self) -> None:
         """Stop communicating (the pipeline's :meth:`close`); idempotent. Collective."""
@@ -388,22 +393,35 @@ class LocalUpdate(Checkpoints):
 
 
 def round_report(history: List[Dict[str, Any]], steps: int, rounds: int, local_steps: int, skipped: int,
-                 timer: PhaseTimer) -> Dict[str, float]:
+                 timer: PhaseTimer, warmup: Optional[Dict[str, int]] = None) -> Dict[str, float]:
     """Per-round and per-step figures of the rounds so far: bytes sent / received / dense
     (their fp32 size) per round and per inner step, seconds per round of each phase of the
     reduction, of the outer phase, and (CO2) of communication exposed and hidden behind the
     inner steps; the inner steps' ``compute`` seconds per step where ``timer`` recorded
-    steps. Numbers only (same keys on every rank)."""
-    rows, per = history, max(1, steps)
+    steps. Numbers only (same keys on every rank).
+
+    Args:
+        history: one record per round (``LocalUpdate.history``).
+        steps: inner steps taken (the per-step figures' divisor, warm-up steps included).
+        rounds, local_steps, skipped: the optimizer's counters, copied.
+        timer: the optimizer's :class:`~hvdcomp.metrics.PhaseTimer`.
+        warmup: bytes (``bytes_sent``, ``bytes_received``) of synchronous steps outside the rounds
+            (Local AdaAlter's warm-up): reported as ``warmup_<key>`` and counted in the per-step
+            figures (and so in ``ratio_vs_dense_per_step``), not in the per-round ones.
+    """
+    rows, per, warmup = history, max(1, steps), warmup or {}
     out: Dict[str, float] = {"inner_steps": steps, "rounds": rounds, "local_steps": local_steps,
                              "skipped_rounds": skipped}
     keys = sorted({k for r in rows for k, v in r.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)} - {"round", "step", "inner_steps"})
-    for k in keys:
+    for k in sorted(set(keys) | set(warmup)):
         total = sum(r.get(k, 0.0) for r in rows)
         out[f"{k}_per_round"] = total / max(1, len(rows))
-        out[f"{k}_per_step"] = total / per
-    if out.get("bytes_sent_per_step"):  # fp32 bytes synchronous training sends per step / these
+        out[f"{k}_per_step"] = (total + warmup.get(k, 0)) / per
+    for k, v in warmup.items():
+        out[f"warmup_{k}"] = v
+    # fp32 bytes synchronous training sends per step / these
+    if out.get("bytes_sent_per_step") and "dense_bytes_per_round" in out:
         out["ratio_vs_dense_per_step"] = out["dense_bytes_per_round"] / out["bytes_sent_per_step"]
     if timer.history:
         out["compute_s_per_step"] = sum(r.get("compute", 0.0) for r in timer.history) / len(timer.history)

@@ -342,8 +342,26 @@ def check_half_precision():
         opt.close()
 
 
+def check_adaalter_bytes():
+    """Local AdaAlter's traffic, by hand for Linear(3, 2) (8 float32 values, 32 bytes): 2
+    synchronous warm-up steps allreduce the gradients (2 × 32 bytes), then 2 rounds of H = 3 each
+    average Δ ('none': 32 bytes) and the accumulators (32 bytes). Per step: (64 + 2·64) / 8 = 24
+    bytes against 32 for synchronous fp32 training."""
+    model = tiny_model()
+    opt = LocalAdaAlter(AdaAlter(model.parameters(), lr=0.05, eps=1.0), model.named_parameters(), local_steps=3,
+                        warmup_steps=2, cost_model="off")
+    for step in range(8):
+        inner_step(model, opt, step)
+    r = opt.report()
+    assert (r["rounds"], r["inner_steps"]) == (2, 8), r
+    assert (r["warmup_bytes_sent"], r["bytes_sent_per_round"], r["accumulator_bytes_per_round"]) == (64, 64, 32), r
+    assert r["bytes_sent_per_step"] == r["bytes_received_per_step"] == 24 and r["dense_bytes_per_round"] == 32, r
+    assert r["ratio_vs_dense_per_step"] == 32 / 24, r
+    opt.close()
+
+
 CHECKS = {f.__name__[len("check_"):]: f for f in [
-    check_half_precision,
+    check_half_precision, check_adaalter_bytes,
     check_equivalence, check_co2_hand_worked, check_co2_no_training_on_inflight_tensors, check_bad_input,
     check_resume_mid_round, check_resume_broadcast, check_grad_scaler]}
 
