@@ -287,6 +287,21 @@ def test_adaalter_step_by_hand():
     assert opt.state[theta]["denominator"].tolist() == [18.0, 96.0]
 
 
+def test_adaalter_and_diloco_defaults_are_the_papers():
+    """Local AdaAlter: ε = 1e-7 (the authors' optimizer), H = 4 (the paper), one synchronous
+    warm-up step (their script); DiLoCo: outer SGD with Nesterov momentum 0.9 and lr 0.7;
+    SparseLoCo: error feedback decaying by β = 0.999 per round."""
+    import inspect
+
+    from hvdcomp.local import DiLoCo, LocalAdaAlter, SparseLoCo
+    assert inspect.signature(SparseLoCo).parameters["beta"].default == 0.999
+    assert AdaAlter([torch.nn.Parameter(torch.zeros(1))]).defaults["eps"] == 1e-7
+    local = inspect.signature(LocalAdaAlter).parameters
+    assert (local["local_steps"].default, local["warmup_steps"].default) == (4, 1)
+    outer = inspect.signature(DiLoCo).parameters
+    assert (outer["outer_lr"].default, outer["outer_momentum"].default, outer["nesterov"].default) == (0.7, 0.9, True)
+
+
 def test_from_spec_errors():
     with pytest.raises(ValueError, match="unknown local-update algorithm"):
         from_spec("slowmo", None)
@@ -316,3 +331,41 @@ def test_train_lm_local_steps(tmp_path):
     assert lu["ratio_vs_dense_per_step"] == pytest.approx(2 * 4 * sum(sizes) / sent)
     assert r["config"]["local_update"]["algorithm"] == "diloco"
     assert r["epochs"][0]["val_ppl"] < 0.5 * r["initial_val_ppl"]
+
+
+@pytest.mark.skipif(not os.path.isfile(TINY_SHAKESPEARE), reason="../shared/data not present")
+def test_train_lm_co2_transformer_adamw(tmp_path):
+    """train_lm.py --arch transformer --optimizer adamw --local-steps 2 --outer-opt co2 with dense
+    Δ at 2 ranks: 4 AdamW steps are 2 rounds, each sending the fp32 model (4 bytes per parameter);
+    each round's reduction time is split exactly into exposed and hidden; perplexity falls."""
+    out = check(2, ["mpi_scripts/train_lm.py", "--arch", "transformer", "--optimizer", "adamw", "--lr", "1e-3",
+                    "--local-steps", "2", "--outer-opt", "co2", "--compressor", "none", "--epochs", "1",
+                    "--max-steps", "4", "--batch-size", "64", "--no-progress", "--data", TINY_SHAKESPEARE,
+                    "--output", str(tmp_path)], timeout=400)
+    assert "local=co2:H=2 rounds=2" in out, out[-3000:]
+    r = json.loads((tmp_path / "results.json").read_text())
+    lu, n = r["local_update"], r["config"]["parameters"]
+    assert r["config"]["arch"] == "transformer" and r["config"]["optimizer"] == "adamw"
+    assert r["config"]["local_update"]["algorithm"] == "co2" and r["config"]["local_update"]["delay_rounds"] == 1
+    assert (lu["rounds"], lu["inner_steps"]) == (2, 4)
+    assert lu["bytes_sent_per_round"] == lu["dense_bytes_per_round"] == 4 * n and lu["bytes_sent_per_step"] == 2 * n
+    assert lu["exposed_s_per_round"] + lu["hidden_s_per_round"] == pytest.approx(lu["wall_s_per_round"], abs=1e-9)
+    assert r["epochs"][0]["val_ppl"] < r["initial_val_ppl"]
+
+
+@pytest.mark.skipif(not os.path.isfile(TINY_SHAKESPEARE), reason="../shared/data not present")
+def test_train_lm_adaalter_counts_warmup_and_accumulators(tmp_path):
+    """train_lm.py --outer-opt adaalter:warmup_steps=2,eps=1 --local-steps 2 at 2 ranks, 4 steps:
+    2 synchronous warm-up steps (the gradients, 4 bytes per parameter each), then one round that
+    averages Δ and the squared-gradient accumulators (4 + 4 bytes per parameter): 16 bytes per
+    parameter in 4 steps, as many as synchronous fp32 training sends (ratio 1)."""
+    out = check(2, ["mpi_scripts/train_lm.py", "--local-steps", "2", "--outer-opt", "adaalter:warmup_steps=2,eps=1",
+                    "--lr", "0.5", "--epochs", "1", "--max-steps", "4", "--batch-size", "64", "--no-progress",
+                    "--data", TINY_SHAKESPEARE, "--output", str(tmp_path)], timeout=400)
+    assert "local=adaalter:warmup_steps=2,eps=1:H=2 rounds=1" in out, out[-3000:]
+    r = json.loads((tmp_path / "results.json").read_text())
+    lu, n = r["local_update"], r["config"]["parameters"]
+    assert (lu["rounds"], lu["inner_steps"], lu["warmup_bytes_sent"]) == (1, 4, 2 * 4 * n)
+    assert lu["bytes_sent_per_round"] == 8 * n and lu["accumulator_bytes_per_round"] == 4 * n
+    assert lu["bytes_sent_per_step"] == 4 * n and lu["ratio_vs_dense_per_step"] == 1.0
+    assert r["epochs"][0]["val_ppl"] < r["initial_val_ppl"]

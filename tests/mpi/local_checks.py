@@ -166,6 +166,8 @@ def check_co2_no_training_on_inflight_tensors():
         alive = []
         for step in range(9):
             inner_step(model, opt, step)
+            if slow:
+                time.sleep(0.25)  # a round of inner steps (0.75 s) outlasts the reduction (0.4 s)
             if opt.reduction_running is not None:
                 alive.append(opt.reduction_running)
                 touched = {t.untyped_storage().data_ptr() for t in [*opt.pseudo_gradients.values(),
@@ -175,6 +177,13 @@ def check_co2_no_training_on_inflight_tensors():
                 assert not touched & live
         if slow:
             assert sum(alive) >= 2, alive  # the reduction really overlapped inner steps
+            # rounds 1 and 2's reductions each ran behind a whole round of inner steps: their wall
+            # time (>= the 0.4 s slow-down) is split into hidden and exposed, mostly hidden
+            for rec in opt.history[:2]:
+                assert rec["wall_s"] >= 0.4 and abs(rec["exposed_s"] + rec["hidden_s"] - rec["wall_s"]) < 1e-9, rec
+                assert rec["hidden_s"] > 0.3 and rec["exposed_s"] < rec["hidden_s"], rec
+            report = opt.report()
+            assert report["hidden_s_per_round"] == sum(r["hidden_s"] for r in opt.history) / len(opt.history)
         opt.flush()
         results.append(flat(model))
         opt.close()
@@ -223,6 +232,11 @@ def check_bad_input():
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------
+def _diloco(model):
+    return DiLoCo(torch.optim.AdamW(model.parameters(), lr=0.01), model.named_parameters(), local_steps=3,
+                  compression="topk:density=0.5", cost_model="off")  # (Nesterov momentum 0.9, lr 0.7)
+
+
 def _co2(model):
     return CO2(torch.optim.AdamW(model.parameters(), lr=0.01), model.named_parameters(), local_steps=3,
                compression="topk:density=0.5", outer_lr=0.7, outer_momentum=0.5, clip=0.2, cost_model="off")
@@ -248,7 +262,7 @@ def check_resume_mid_round():
     """Every rank saves its own checkpoint at step 4 (mid-round 2, round 1's average still to
     apply for CO2); a fresh run that loads it (weights_only) and goes on ends bitwise where the
     uninterrupted run ends."""
-    for make in (_co2, _sparseloco, _adaalter):
+    for make in (_diloco, _co2, _sparseloco, _adaalter):
         model = tiny_model()
         opt = make(model)
         for step in range(4):
@@ -272,12 +286,14 @@ def check_resume_mid_round():
 
 
 def check_resume_broadcast():
-    """Horovod's recipe: rank 0 loads the mid-round checkpoint, then broadcast_parameters +
-    broadcast_state: every rank holds rank 0's θ_start, counters and CO2 average to apply, and
-    training goes on to one global model."""
+    """Horovod's recipe: rank 0 loads the mid-round checkpoint (step 7: round 3 begun, round 2's
+    average still to apply, the outer momentum already set by round 1's), then
+    broadcast_parameters + broadcast_state: every rank holds exactly what rank 0's checkpoint
+    holds (θ_start, counters, the average to apply, the outer momentum, the inner AdamW moments,
+    the model), and training goes on to one global model."""
     model = tiny_model()
     opt = _co2(model)
-    for step in range(4):
+    for step in range(7):
         inner_step(model, opt, step)
     saved = _save(model, opt)
     opt.close()
@@ -289,11 +305,20 @@ def check_resume_broadcast():
         opt.load_state_dict(ckpt["opt"])
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt.broadcast_state(root_rank=0)
-    assert (opt.steps, opt.round_step, opt.rounds, opt.pending) == (4, 1, 1, True)
+    assert (opt.steps, opt.round_step, opt.rounds, opt.pending) == (7, 1, 2, True)
+    full = torch.load(io.BytesIO(hvd.broadcast_object(saved, 0, name="bcast.ckpt")), weights_only=True)
+    assert torch.equal(flat(model), torch.cat([v.reshape(-1) for v in full["model"].values()]))
+    ckpt = full["opt"]
     for n, a in opt.anchors.items():
-        assert same_on_all_ranks(a.detach(), f"bcast.anchor.{n}")
-        assert same_on_all_ranks(opt.pseudo_gradients[n].clone(), f"bcast.pending.{n}")
-    for step in range(4, 10):
+        assert torch.equal(a.detach(), ckpt["anchor"][n]), n
+        assert torch.equal(opt.pseudo_gradients[n], ckpt["pending"]["delta"][n]), n
+    outer, inner = ckpt["outer"]["state"], ckpt["inner"]["state"]
+    assert len(outer) == len(inner) == 2
+    for i, (a, p) in enumerate(zip(opt.outer.param_groups[0]["params"], model.parameters())):
+        assert torch.equal(opt.outer.state[a]["momentum_buffer"], outer[i]["momentum_buffer"]), i
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.inner.state[p][k], inner[i][k]), (i, k)
+    for step in range(7, 12):
         inner_step(model, opt, step)
     opt.flush()
     assert same_on_all_ranks(flat(model), "bcast.final")
@@ -303,19 +328,31 @@ def check_resume_broadcast():
 # ---- AMP ---------------------------------------------------------------------------------------------------
 def check_grad_scaler():
     """A GradScaler drives the wrapper as it drives any optimizer: a step it skips (an Inf
-    gradient) is not an inner step, so rounds still take H applied steps."""
+    gradient) is not an inner step, so rounds still take H applied steps. PyTorch's AMP clipping
+    recipe (unscale_, clip, step) clips the inner step: the first step moves θ by exactly
+    −lr·g·c/‖g‖ (g the unscaled gradient, c the clip norm, ‖g‖ > c)."""
     model = tiny_model()
     opt = DiLoCo(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(), local_steps=2)
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    clip = 0.1
     for step in range(5):
         x, y = batch(hvd.rank(), step)
         opt.zero_grad()
         scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
         if step == 1:
             model.bias.grad.fill_(float("inf"))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)  # (clipping the inner step)
+        before = flat(model)
+        if step == 0:  # the reference, from the model's own gradient of the unscaled loss
+            ref = tiny_model()
+            torch.nn.functional.mse_loss(ref(x), y).backward()
+            g = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+            assert g.norm() > clip
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         scaler.step(opt)
         scaler.update()
+        if step == 0:
+            assert torch.allclose(flat(model) - before, -0.05 * g * (clip / g.norm()), rtol=1e-5, atol=1e-7)
     assert (opt.steps, opt.rounds, opt.round_step) == (4, 2, 0), (opt.steps, opt.rounds)
     assert same_on_all_ranks(flat(model), "amp")
     opt.close()
