@@ -83,6 +83,8 @@ class DiLoCo(LocalUpdate):
 
     Example::
 
+        import hvdcomp.local
+
         hvd.init()
         inner = torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=0.1)
         opt = hvdcomp.local.DiLoCo(inner, model.named_parameters(), local_steps=32,
