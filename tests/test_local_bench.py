@@ -139,3 +139,31 @@ def test_time_targets_are_judged_at_10mbit_only():
     lines = "\n".join(netem_local.targets(netem_local.summarize(runs, base, vs, 1.1)["100mbit"], base, "100mbit", vs))
     assert "speed-up to the target over the baseline: 2.5x, over synchronous top-k: n/a (no verdict" in lines
     assert "step within" not in lines and ">= 5x" not in lines
+
+
+def test_run_local_script_launches_the_documented_grid(tmp_path):
+    """benchmarks/run_local.sh (`make speed-local`) through a fake interpreter: per workload and
+    rate, the one-sitting grid's 14 contenders in the documented order (CO2 with λ = 4 on the
+    LSTM, the authors' defaults on the transformer), each launch followed by its report, and
+    every launch's arguments accepted by netem_local's own parser."""
+    import json
+    import subprocess
+
+    log = tmp_path / "argv.jsonl"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    fake.chmod(0o755)
+    subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "run_local.sh"), str(tmp_path / "out"), "lstm transformer",
+                    "10mbit"], check=True, env={**os.environ, "PYTHON": str(fake)}, timeout=60)
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [c[c.index("--output") + 1] for c in calls] == [str(tmp_path / "out" / d) for d in
+                                                           ("lstm-10mbit",) * 2 + ("transformer-10mbit",) * 2]
+    topk = "topk:density=0.01"
+    for call, co2 in ((calls[0], "co2:gap_penalty=4"), (calls[2], "co2")):
+        contenders = call[call.index("--contenders") + 1:call.index("--train-args")]
+        assert contenders == ["sync|fp16@ring", f"diloco|8|{topk}", f"sync|{topk}", "diloco|8|none", "diloco|8|fp16",
+                              "diloco|32|none", "diloco|32|fp16", f"diloco|32|{topk}"] + [
+            f"{co2}|{h}|{d}" for h in (8, 32) for d in ("none", "fp16", topk)]
+        args = netem_local.parse_args(call[1:])
+        assert (args.rates, args.seeds, args.train_args, args.timeout) == (["10mbit"], [1], "--epochs 4", 1800)
+    assert all(c == ["benchmarks/netem_local.py", "--output", c[2], "--report"] for c in calls[1::2])
