@@ -108,3 +108,14 @@ def test_optimizer_end_to_end_on_cuda_matches_cpu(spec):
 
     out = check(2, [os.path.join(os.path.dirname(__file__), "mpi", "cuda_checks.py"), spec], timeout=600)
     assert "OK cuda" in out, out[-3000:]
+
+
+def test_local_update_host_copy_on_cuda_matches_cpu():
+    """Issue 32's host copy: a CUDA model's θ_start and Δ live on the host, the reduction runs
+    there, and DiLoCo and CO2 end where the same runs on the CPU end (2 ranks)."""
+    import os
+
+    from mpirun import check
+
+    out = check(2, [os.path.join(os.path.dirname(__file__), "mpi", "cuda_local_checks.py")], timeout=600)
+    assert "OK cuda local" in out, out[-3000:]
