@@ -56,7 +56,8 @@ def per_rank_gradients(draw, max_world=5, count=None):
 
 
 MEAN_OF_DECODES = ["none", "fp16", "bf16", "topk:density=0.2,ef=false", "topk:density=0.2,select=sample,ef=false",
-                   "topk:density=0.3,values=fp16,index=compact,ef=false", "randomk:density=0.3,ef=false",
+                   "topk:density=0.3,values=fp16,index=compact,ef=false",
+                   "topk:density=0.3,values=int2,index=compact,ef=false", "randomk:density=0.3,ef=false",
                    "threshold:threshold=0.1,ef=false", "dgc:density=0.2", "qsgd:levels=4,block=8",
                    "qsgd:levels=64,scale=max", "terngrad", "efsignsgd:ef=false",
                    "sidco:density=0.2,ef=false", "sbc:density=0.2,ef=false", "lowbit:bits=4,block=8",
@@ -112,7 +113,8 @@ def test_aggregate_mean_property_covers_every_mean_method():
 EXACT = ["none:ef=true", "fp16:ef=true", "bf16:ef=true", "topk:density=0.2", "topk:density=0.2,select=sample",
          "topk:density=0.3,values=fp16,index=compact", "randomk:density=0.3", "threshold:threshold=0.1",
          "threshold:threshold=0.1,values=fp16"]
-ONE_ROUNDING = ["qsgd:levels=4,block=8,ef=true", "terngrad:ef=true", "efsignsgd", "signsgd:ef=true"]
+ONE_ROUNDING = ["qsgd:levels=4,block=8,ef=true", "terngrad:ef=true", "efsignsgd", "signsgd:ef=true",
+                "topk:density=0.3,values=int2,index=compact"]
 
 
 def local_sent(comp, payload, ctx):
@@ -193,7 +195,7 @@ def test_exact_float32_identity_is_impossible_for_quantizers():
 # ---- wire codings ----------------------------------------------------------------------------
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(0, 70000), data=st.data(),
-       values=st.sampled_from(["fp32", "fp16"]), index=st.sampled_from(["int", "compact"]))
+       values=st.sampled_from(["fp32", "fp16", "int2"]), index=st.sampled_from(["int", "compact"]))
 def test_sparse_pack_unpack_round_trip(n, data, values, index):
     comp = hvdcomp.get_compressor("topk", density=0.5, ef=False).set_wire(values=values, index=index)
     m = data.draw(st.integers(0, min(n, 64)))
@@ -204,7 +206,10 @@ def test_sparse_pack_unpack_round_trip(n, data, values, index):
     payload = comp.pack(vals, idx, n)
     assert sum(t.numel() * t.element_size() for t in payload) == comp.payload_bytes(n, idx.numel())
     got_vals, got_idx = comp.unpack(payload, n)
-    expected = vals.clamp(-FP16_MAX, FP16_MAX).half().float() if values == "fp16" else vals
+    if values == "int2":
+        expected = int2_reference(vals, comp.unpack(payload, n)[0])
+    else:
+        expected = vals.clamp(-FP16_MAX, FP16_MAX).half().float() if values == "fp16" else vals
     if got_idx is None:                                          # written densely
         dense = torch.zeros(n)
         dense[idx] = expected
@@ -214,6 +219,20 @@ def test_sparse_pack_unpack_round_trip(n, data, values, index):
     dense = torch.zeros(n)
     dense[idx] = expected
     assert torch.equal(comp.decode(payload, (torch.Size([n]), torch.float32)), dense)
+
+
+def int2_reference(vals, got):
+    """values=int2 by its definition, element by element in float64: s = max |v| (float32), each
+    value a nearest of the levels (−1, −1/3, 1/3, 1)·s; returns ``got`` where it is one (at a tie,
+    either level), else the nearest level (so a wrong code fails the comparison)."""
+    s = max((abs(float(v)) for v in vals.tolist()), default=0.0)
+    levels = [float(torch.tensor(lv, dtype=torch.float32)) * s for lv in (-1.0, -1.0 / 3.0, 1.0 / 3.0, 1.0)]
+    out = []
+    for v, g in zip(vals.tolist(), got.tolist()):
+        dist = sorted((abs(v - lv), float(torch.tensor(lv, dtype=torch.float32))) for lv in levels)
+        near = [lv for d, lv in dist if d <= dist[0][0] * (1 + 1e-6) + 1e-30]
+        out.append(g if g in near else near[0])
+    return torch.tensor(out, dtype=torch.float32)
 
 
 @settings(max_examples=50, deadline=None)

@@ -145,6 +145,43 @@ def test_dgc_fp16_values_keep_rounding_error_in_accumulation():
     assert comp.describe()["values"] == "fp16" and comp.describe()["index"] == "compact"
 
 
+def test_int2_values_by_hand():
+    """values=int2 (SparseLoCo's 2-bit values): s = max |v| = 3, levels (−3, −1, 1, 3); 0.4 → 1,
+    2.1 → 3, −0.1 → −1 (nearest). Bytes: 4 (scale) + ⌈7/4⌉ + 7 indices (4 bytes each, or 1
+    compact); the error feedback keeps v − level exactly where float32 holds it."""
+    x = torch.tensor([3.0, -3.0, 1.0, -1.0, 0.4, 2.1, -0.1])
+    for index, nbytes in (("int", 4 + 2 + 28), ("compact", 4 + 2 + 7)):
+        comp = hvdcomp.get_compressor(f"topk:density=1.0,ef=false,values=int2,index={index}")
+        payload, ctx = comp.encode(x, "w")
+        assert payload[0].dtype == torch.uint8 and sum(t.numel() * t.element_size() for t in payload) == nbytes
+        assert comp.payload_bytes(7, 7) == nbytes
+        assert comp.decode(payload, ctx).tolist() == [3.0, -3.0, 1.0, -1.0, 1.0, 3.0, -1.0]
+    ef = hvdcomp.get_compressor("topk:density=1.0,values=int2")
+    payload, ctx = ef.encode(x, "w")
+    ef.commit()
+    assert torch.equal(ef.residuals["w"], x - torch.tensor([3.0, -3.0, 1.0, -1.0, 1.0, 3.0, -1.0]))
+    assert hvdcomp.get_compressor("topk:density=0.01,values=int2,index=compact").expected_payload_bytes(10_000) == \
+        4 + 25 + 100 * 2
+
+
+def test_int2_aggregate_is_the_mean_of_each_ranks_scale_and_loud_when_non_finite():
+    comp = hvdcomp.get_compressor("topk:density=0.5,ef=false,values=int2")
+    a, ctx = comp.encode(torch.tensor([3.0, 2.0, 0.0, 0.0]), "w")   # s = 3: (3, 1): 2 → 1 (2.5 ties to code 2)
+    b, _ = comp.encode(torch.tensor([0.0, 0.0, -6.0, 1.0]), "w")    # s = 6: (−6, 2)
+    assert comp.decode(a, ctx).tolist() == [3.0, 1.0, 0.0, 0.0]
+    assert comp.aggregate([a, b], ctx).tolist() == [1.5, 0.5, -3.0, 1.0]
+    bad, _ = comp.encode(torch.tensor([float("inf"), 1.0, 0.0, 0.0]), "w")
+    assert not torch.isfinite(comp.decode(bad, ctx)[:2]).any()       # never a finite wrong value
+
+
+def test_dgc_int2_values_keep_rounding_error_in_accumulation():
+    comp = hvdcomp.get_compressor("dgc:density=0.5,momentum=0,values=int2")
+    payload, ctx = comp.encode(torch.tensor([3.0, 2.0, 0.1, 0.0]), "w")  # k = 2: 3 → 3, 2 → 1
+    comp.commit()
+    assert comp.decode(payload, ctx).tolist() == [3.0, 1.0, 0.0, 0.0]
+    assert torch.allclose(comp.v["w"], torch.tensor([0.0, 1.0, 0.1, 0.0]))  # unsent and rounding error stay
+
+
 def test_error_feedback_reuses_two_buffers_and_survives_rollback():
     """Residual e_t = (g_t + e_{t-1}) - sent_t (dense reference, by hand with top-1 of 4), with the
     residual memory alternating between two CPU buffers and a rolled-back step leaving e intact."""

@@ -63,7 +63,7 @@ def create(name: str, **kwargs: Any):
     wire = {k: kwargs.pop(k) for k in WIRE_KEYS if k in kwargs}
     if wire and not hasattr(cls, "set_wire"):
         raise ValueError(f"argument(s) {sorted(wire)} set the sparse wire coding; '{name}' is not "
-                         "a sparsifier (topk, threshold, dgc accept values=fp16 and index=compact)")
+                         "a sparsifier (topk, threshold, sidco, dgc accept values=fp16/int2 and index=compact)")
     params = inspect.signature(cls.__init__).parameters
     accepted = [p for p in params if p != "self" and params[p].kind is not inspect.Parameter.VAR_KEYWORD]
     unknown = [k for k in kwargs if k not in accepted]

@@ -265,7 +265,7 @@ class SIDCoCompressor(SparseCompressor):
 
     Payload: ``[values (m,) float32, indices (m,) int32]`` (int64 when n >= 2^31), ascending
     indices, m varying per rank and step around k (gradient units; 8 bytes per kept element by
-    default; ``values=fp16`` / ``index=compact`` shrink it, see
+    default; ``values=fp16`` or ``int2`` / ``index=compact`` shrink it, see
     :mod:`hvdcomp.compressors.sparse`). Payloads of different ranks are gathered and
     scatter-added into zeros, then divided by the world size. Error feedback is on by default
     (as in the paper), through :class:`hvdcomp.ErrorFeedback`.

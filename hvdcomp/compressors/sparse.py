@@ -11,10 +11,20 @@ element. Two options (spec keys, accepted by every sparsifier through
   in the residual, sent at later steps (nothing is lost: sent + residual = input, exactly while
   |input| − 65504 < 2^29; beyond that the float32 residual input ∓ 65504 is rounded once, a relative
   error of at most 2^-24);
+* ``values=int2``: 2 bits per kept value (SparseLoCo's low-bit values: Sarfi, Thérien, Lidin and
+  Belilovsky, "Communication Efficient LLM Pre-training with SparseLoCo", 2025). The payload's
+  values are a uint8 tensor: the float32 scale s = max |v| of the kept values (4 bytes), then
+  ⌈k/4⌉ bytes of 2-bit codes (:mod:`hvdcomp.compressors.bitpack`'s layout), each value rounded to the
+  nearest of the levels (−1, −1/3, +1/3, +1)·s (ties to the even code). Deterministic, so
+  biased: meant for error feedback (top-k's default, DGC's velocity, SparseLoCo), which keeps
+  v − level·s in the residual (sent + residual = input, to float32 rounding). A non-finite kept
+  value makes s non-finite and every decoded value non-finite: loud, never a finite wrong value.
+  One scale per payload: per gradient (int2 is never fused: :attr:`SparseCompressor.segmentable`),
+  per bucket with ``granularity="bucket"``. No dense fallback: the levels have no zero;
 * ``index=compact``: each index travels in the fewest whole bytes that hold n-1
   (b = 1, 2 or 3 bytes for n <= 2^8, 2^16, 2^24; a uint8 tensor of k·b bytes, little-endian).
 
-Dense fallback (always on): when the sparse payload of a tensor would be larger than
+Dense fallback (fp32 and fp16 values): when the sparse payload of a tensor would be larger than
 its dense encoding (k·(value + index bytes) > n·value bytes), the payload is the *same sparse
 vector* written densely, ``[values (n,), indices (0,)]``. Decoding gives the same tensor either
 way, so error feedback and momentum masking do not notice; only the bytes change.
@@ -27,13 +37,41 @@ import math
 import torch
 
 from .. import native
+from . import bitpack
 from .base import AggregateInto, Compressor, PayloadKind
 
-__all__ = ["SparseCompressor", "index_dtype", "compact_index_bytes"]
+__all__ = ["SparseCompressor", "index_dtype", "compact_index_bytes", "int2_encode", "int2_decode"]
 
 _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+_VALUE_CODINGS = ("fp32", "fp16", "int2")
 _INDEX_CODINGS = ("int", "compact")
 FP16_MAX = 65504.0
+INT2_HEADER = 4  # bytes of the float32 scale in front of an int2 payload's codes
+INT2_LEVELS = (-1.0, -1.0 / 3.0, 1.0 / 3.0, 1.0)  # value of code 0..3, times the scale (float32)
+
+
+def int2_encode(values: torch.Tensor) -> torch.Tensor:
+    """2-bit coding of ``values`` (m,) float32: a uint8 tensor of ``4 + ⌈m/4⌉`` bytes, the
+    float32 scale s = max |v| then the codes (see the module docstring). Same device as ``values``."""
+    v = values.reshape(-1).to(torch.float32)
+    scale = v.abs().max().reshape(1) if v.numel() else torch.zeros(1, device=v.device)
+    q = torch.nan_to_num(v / scale, nan=0.0, posinf=1.0, neginf=-1.0)
+    codes = ((q + 1.0) * 1.5).round_().clamp_(0, 3).to(torch.uint8)  # nearest of (-1, -1/3, 1/3, 1)
+    return torch.cat([scale.view(torch.uint8), bitpack.pack_bits(codes, 2)])
+
+
+def int2_decode(data: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of :func:`int2_encode`: ``count`` float32 values, float32(level)·s (one rounding).
+
+    Raises:
+        ValueError: ``data`` is not a uint8 tensor of ``4 + ⌈count/4⌉`` bytes.
+    """
+    if data.dtype != torch.uint8 or data.numel() != INT2_HEADER + (count + 3) // 4:
+        raise ValueError(f"an int2 payload of {count} values has {INT2_HEADER + (count + 3) // 4} uint8 bytes, got "
+                         f"{data.numel()} of {data.dtype}")
+    scale = data[:INT2_HEADER].clone().view(torch.float32)
+    codes = bitpack.unpack_codes(data[INT2_HEADER:], 2, count)
+    return torch.tensor(INT2_LEVELS, device=data.device).index_select(0, codes.long()) * scale
 
 
 def index_dtype(numel: int) -> torch.dtype:
@@ -66,17 +104,24 @@ class SparseCompressor(AggregateInto, Compressor):
 
     # ---- wire coding ---------------------------------------------------------------------------
     def set_wire(self, values: str = "fp32", index: str = "int") -> "SparseCompressor":
-        """Choose the wire coding: ``values`` in {fp32, fp16}, ``index`` in {int, compact}.
+        """Choose the wire coding: ``values`` in {fp32, fp16, int2}, ``index`` in {int, compact}.
 
         Raises:
             ValueError: an unknown choice (the message lists the valid ones).
         """
-        if values not in _VALUE_DTYPES:
-            raise ValueError(f"values must be one of {sorted(_VALUE_DTYPES)}, got {values!r}")
+        if values not in _VALUE_CODINGS:
+            raise ValueError(f"values must be one of {list(_VALUE_CODINGS)}, got {values!r}")
         if index not in _INDEX_CODINGS:
             raise ValueError(f"index must be one of {list(_INDEX_CODINGS)}, got {index!r}")
         self.value_coding, self.index_coding = values, index
         return self
+
+    @property
+    def segmentable(self) -> bool:
+        """As :attr:`Compressor.segmentable`, except with ``values=int2``: its scale is one per
+        payload, so several gradients in one call would share one scale where one call per
+        gradient gives each its own; int2 gradients are compressed one call each."""
+        return self.value_coding != "int2" and super().segmentable
 
     def wire_options(self) -> dict:
         """The non-default wire options, for :meth:`describe` (empty with the defaults)."""
@@ -97,6 +142,8 @@ class SparseCompressor(AggregateInto, Compressor):
 
     def payload_bytes(self, numel: int, kept: int) -> int:
         """Bytes of one payload that keeps ``kept`` of ``numel`` elements (dense fallback included)."""
+        if self.value_coding == "int2":
+            return INT2_HEADER + (kept + 3) // 4 + kept * self._index_bytes(numel)
         vb = self._value_bytes()
         return min(kept * (vb + self._index_bytes(numel)), numel * vb)
 
@@ -115,20 +162,22 @@ class SparseCompressor(AggregateInto, Compressor):
         ``overflow``: what float16 values do with |v| ≥ 65520: ``"saturate"`` (±65504: for a
         caller that keeps the excess, as DGC's velocity does) or ``"inf"`` (±inf, float16's own
         cast: what the methods' ``encode`` sends; :meth:`residual_` saturates it under error
-        feedback). float32 values are unaffected."""
-        vdt = _VALUE_DTYPES[self.value_coding]
-        if vdt == torch.float16 and overflow == "saturate":
-            values = values.clamp(-FP16_MAX, FP16_MAX)
-        m = idx.numel()
-        vb, ib = self._value_bytes(), self._index_bytes(numel)
-        if numel and m * (vb + ib) > numel * vb:  # dense is smaller: send the same vector densely
-            dense = torch.zeros(numel, dtype=vdt, device=values.device)
-            dense[idx] = values.to(vdt)
-            return [dense, torch.zeros(0, dtype=index_dtype(numel), device=values.device)]
+        feedback). float32 and int2 values are unaffected."""
+        m, ib = idx.numel(), self._index_bytes(numel)
         if self.index_coding == "compact":
             code = idx.to(torch.int64).reshape(-1, 1).view(torch.uint8)[:, :ib].reshape(-1)
         else:
             code = idx.to(index_dtype(numel))
+        if self.value_coding == "int2":
+            return [int2_encode(values), code]
+        vdt = _VALUE_DTYPES[self.value_coding]
+        if vdt == torch.float16 and overflow == "saturate":
+            values = values.clamp(-FP16_MAX, FP16_MAX)
+        vb = self._value_bytes()
+        if numel and m * (vb + ib) > numel * vb:  # dense is smaller: send the same vector densely
+            dense = torch.zeros(numel, dtype=vdt, device=values.device)
+            dense[idx] = values.to(vdt)
+            return [dense, torch.zeros(0, dtype=index_dtype(numel), device=values.device)]
         return [values.to(vdt), code]
 
     @staticmethod
@@ -143,9 +192,13 @@ class SparseCompressor(AggregateInto, Compressor):
         """Inverse of :meth:`pack`: ``(values float32 (m,), indices int64 (m,))``, or
         ``(values float32 (n,), None)`` for a densely written payload."""
         values, code = payload
-        values = values.to(torch.float32)
-        if code.numel() == 0 and values.numel() == numel and numel > 0:
-            return values, None
+        if values.dtype == torch.uint8:  # int2: as many values as indices
+            count = code.numel() // compact_index_bytes(numel) if code.dtype == torch.uint8 else code.numel()
+            values = int2_decode(values, count)
+        else:
+            values = values.to(torch.float32)
+            if code.numel() == 0 and values.numel() == numel and numel > 0:
+                return values, None
         if code.dtype == torch.uint8:  # compact: b little-endian bytes per index
             ib = compact_index_bytes(numel)
             wide = torch.zeros(code.numel() // ib, 8, dtype=torch.uint8, device=code.device)

@@ -68,7 +68,7 @@ class TopKCompressor(SparseCompressor):
     is one ``[values, indices]`` pair over the flat buffer, indices into it.
 
     Payload: ``[values (k,) float32, indices (k,) int32]`` (int64 when n ≥ 2^31), i.e. 8 bytes
-    per kept element by default (``values=fp16`` / ``index=compact`` shrink it, see
+    per kept element by default (``values=fp16`` or ``int2`` / ``index=compact`` shrink it, see
     :mod:`hvdcomp.compressors.sparse`). Payloads of different ranks are gathered and scatter-added into zeros
     (indices chosen by several ranks add up), then divided by the world size.
 
