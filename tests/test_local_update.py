@@ -24,8 +24,9 @@ GRID = (
     + [{"algorithm": "co2", "local_steps": h, "outer_lr": lr, "outer_momentum": mom, "gap_penalty": lam, "clip": phi,
         "compression": comp} for h in (1, 3) for lr, mom, lam, phi in ((1.0, 0.0, 1.0, None), (0.7, 0.5, 2.0, 0.02))
        for comp in ("none", TOPK)]
-    + [{"algorithm": "sparseloco", "local_steps": 3, "compression": TOPK, "beta": 0.9, "outer_lr": 0.8, "chunk_size": 4},
-       {"algorithm": "adaalter", "local_steps": 3, "compression": "none", "eps": 1.0, "warmup_steps": 2}])
+    + [{"algorithm": "sparseloco", "local_steps": 3, "compression": comp, "beta": 0.9, "outer_lr": 0.8, "chunk_size": 4}
+       for comp in (TOPK, TOPK + ",values=int2,index=compact")]
+    + [{"algorithm": "adaalter", "local_steps": 3, "compression": "none", "eps": 1.0, "warmup_steps": 2}])
 for _c in GRID:
     _c.update(steps=7, inner_lr=0.05)
 

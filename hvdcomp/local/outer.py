@@ -23,11 +23,12 @@ before each round (:meth:`hvdcomp.memory.Residuals.rescale`): no second error fe
 e ← β·e + (1 − β)·(p − C(p))), which with β = 0.999 would keep only 0.1 % of each round's
 dropped part; SparseLoCo's β multiplies the whole accumulator instead.
 
-The default method is ``topk:density=0.02,values=fp16,index=compact`` on chunks of 4096
-elements: each chunk keeps its own ⌈0.02·4096⌉ = 82 largest entries, sent as fp16 values with
-2-byte indices into the chunk (4 bytes per kept entry, 0.08 of fp32's bytes). The paper quantizes
-the kept values to 2 bits; hvdcomp's sparse wire format carries fp32 or fp16 values, so fp16 is
-the lowest available here (the indices dominate the payload either way).
+The default method is ``topk:density=0.02,values=int2,index=compact`` on chunks of 4096
+elements: each chunk keeps its own ⌈0.02·4096⌉ = 82 largest entries, sent as 2-bit values (the
+paper's 2-bit quantization: one float32 scale per chunk, each value rounded to ±s/3 or ±s, see
+:mod:`hvdcomp.compressors.sparse`) with 2-byte indices into the chunk: 4 + 21 + 164 = 189 bytes
+per chunk, 1/87 of its 16 384 fp32 bytes (fp16 values: 328 bytes, 1/50). The error feedback keeps
+what the 2-bit rounding drops, as it keeps what top-k drops.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from .base import LocalUpdate
 
 __all__ = ["DiLoCo", "SparseLoCo", "outer_sgd"]
 
-SPARSELOCO_COMPRESSION = "topk:density=0.02,values=fp16,index=compact"
+SPARSELOCO_COMPRESSION = "topk:density=0.02,values=int2,index=compact"
 
 
 def outer_sgd(lr: float, momentum: float, nesterov: bool) -> Callable[[List[torch.Tensor]], torch.optim.SGD]:
@@ -113,7 +114,7 @@ class SparseLoCo(LocalUpdate):
         named_parameters: ``model.named_parameters()``.
         local_steps: H ≥ 1.
         compression: a method with :class:`hvdcomp.ErrorFeedback` (default
-            ``"topk:density=0.02,values=fp16,index=compact"``); it compresses each chunk.
+            ``"topk:density=0.02,values=int2,index=compact"``); it compresses each chunk.
         beta: β in [0, 1], the residual's decay per round (0.999; 0: no memory).
         outer_lr: α > 0 (1.0).
         chunk_size: elements per chunk (4096).
