@@ -208,6 +208,8 @@ def check_bad_input():
         (lambda: CO2(sgd(), names(), local_steps=4, compression="signsgd:vote=allgather"), "majority vote"),
         (lambda: DiLoCo(sgd(), names(), local_steps=4, compression="dgc:density=0.1"), "momentum would be applied twice"),
         (lambda: SparseLoCo(sgd(), names(), local_steps=4, compression="fp16"), "keeps none"),
+        (lambda: SparseLoCo(sgd(), names(), local_steps=4, beta=1.5), r"beta .* must be in \[0, 1\]"),
+        (lambda: SparseLoCo(sgd(), names(), local_steps=4, chunk_size=0), "chunk_size must be an integer >= 1"),
         (lambda: DiLoCo(sgd(), names(), local_steps=4, backward_passes_per_step=2), "backward_passes_per_step"),
         (lambda: CO2(sgd(), names(), local_steps=4, gap_penalty=0.5), "gap penalty"),
         (lambda: from_spec("lookahead", sgd(), names(), local_steps=4), "unknown local-update algorithm"),
