@@ -21,10 +21,12 @@ SHAPES = [(8, 5), (5,), (3, 7), (1,), (8, 5), (0,), (40,), (2, 1 << 14)]  # the 
 NAMES = [f"p{i}" for i in range(len(SHAPES))]
 WORLD = 3
 SPECS = ["topk:density=0.1", "topk:density=0.3,ef=false", "topk:density=0.2,values=fp16,index=compact",
-         "fp16", "fp16:ef=true", "bf16", "threshold:threshold=0.5"]
+         "topk:density=0.2,values=int2,index=compact", "topk:density=0.3,values=int2,ef=false",
+         "fp16", "fp16:ef=true", "bf16", "threshold:threshold=0.5", "threshold:threshold=0.5,values=int2"]
 # made segmentable for issue 31: each with the native kernels and with the torch kernels
 SPECS_31 = ["topk:density=0.01,select=sample", "topk:density=0.05,select=sample,sample_ratio=0.5,values=fp16",
             "dgc:density=0.01", "dgc:density=0.05,nesterov=true,clip_norm=1.0,values=fp16,index=compact",
+            "dgc:density=0.05,values=int2", "topk:density=0.05,select=sample,values=int2,index=compact",
             "qsgd:levels=16", "qsgd:levels=127,block=7", "qsgd:levels=4,scale=max", "qsgd:levels=300",
             "terngrad", "terngrad:clip_sigmas=0", "efsignsgd", "efsignsgd:ef=false", "signsgd",
             "signsgd:vote=allgather", "randomk:density=0.01", "randomk:density=0.3,ef=false"]

@@ -206,11 +206,11 @@ class DGCCompressor(SparseCompressor):
         idx = select_segments(v, segments, lambda m: num_kept(m, density), self.sample_ratio, draws,
                               self.min_sample, key=("dgc", density))
         values = v.index_select(0, idx)
-        payload = self.pack(values, idx, n)
+        payload = self.pack(values, idx, n, segments=segments)
         if self.value_coding == "fp32":
             v.index_fill_(0, idx, 0.0)
         else:
-            sent, sent_idx = self.unpack(payload, n)
+            sent, sent_idx = self.unpack(payload, n, segments)
             if sent_idx is None:
                 sent = sent.index_select(0, idx)
             v.index_copy_(0, idx, values - sent)
@@ -218,7 +218,7 @@ class DGCCompressor(SparseCompressor):
             u.index_fill_(0, idx, 0.0)
         self._put_segments("u", segments, u, flat_shapes=True)
         self.memory.keep_segments(v, segments, flat_shapes=True)
-        return payload, (flat.shape, flat.dtype)
+        return payload, self.segmented_context(flat, segments)
 
     def rescale_state(self, factor):
         """Multiply the momenta u and v (gradient units) by ``factor``."""

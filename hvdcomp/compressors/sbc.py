@@ -394,8 +394,9 @@ class SBCCompressor(SparseCompressor):
         idx, mu = self._choose(flat)
         return self.pack(mu.reshape(1), idx, flat.numel()), (tensor.shape, tensor.dtype)
 
-    def unpack(self, payload, numel: int):
-        """``(mu repeated (m,) float32, positions (m,) int64 ascending)`` of one payload.
+    def unpack(self, payload, numel: int, segments=None):
+        """``(mu repeated (m,) float32, positions (m,) int64 ascending)`` of one payload
+        (``segments``: unused; SBC compresses one gradient per call).
 
         Raises:
             ValueError: not a three-tensor sbc payload, or a corrupt one.

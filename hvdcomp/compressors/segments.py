@@ -148,6 +148,13 @@ class Segments:
             return flat[self.offsets[positions[0]]:self.offsets[positions[0]] + n].unsqueeze(0)
         return torch.stack([flat[self.offsets[j]:self.offsets[j] + n] for j in positions])
 
+    def segment_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """The segment holding each flat position: int64, ``positions``' shape and device (a
+        position in ``[offset_j, offset_j + size_j)`` gives j; empty segments hold none)."""
+        starts = self.cached(("starts", positions.device), lambda s: torch.tensor(
+            s.offsets[1:], dtype=torch.int64, device=positions.device))
+        return torch.bucketize(positions, starts, right=True)
+
     def amax(self, flat: torch.Tensor) -> torch.Tensor:
         """``max |segment|`` per segment: float32 ``(len(self),)``, 0 for an empty segment; NaN
         propagates."""

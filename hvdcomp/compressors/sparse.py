@@ -18,9 +18,11 @@ element. Two options (spec keys, accepted by every sparsifier through
   nearest of the levels (−1, −1/3, +1/3, +1)·s (ties to the even code). Deterministic, so
   biased: meant for error feedback (top-k's default, DGC's velocity, SparseLoCo), which keeps
   v − level·s in the residual (sent + residual = input, to float32 rounding). A non-finite kept
-  value makes s non-finite and every decoded value non-finite: loud, never a finite wrong value.
-  One scale per payload: per gradient (int2 is never fused: :attr:`SparseCompressor.segmentable`),
-  per bucket with ``granularity="bucket"``. No dense fallback: the levels have no zero;
+  value makes s non-finite and every decoded value of its tensor non-finite: loud, never a finite
+  wrong value. One scale per gradient: several gradients compressed in one call (``segments``)
+  send one scale per gradient, 4 bytes each, in segment order before the codes (the receivers
+  know the layout); a bucket of ``granularity="bucket"`` is one tensor, one scale. No dense
+  fallback: the levels have no zero;
 * ``index=compact``: each index travels in the fewest whole bytes that hold n-1
   (b = 1, 2 or 3 bytes for n <= 2^8, 2^16, 2^24; a uint8 tensor of k·b bytes, little-endian).
 
@@ -33,45 +35,65 @@ from __future__ import annotations
 
 import abc
 import math
+from typing import Optional
 
 import torch
 
 from .. import native
 from . import bitpack
 from .base import AggregateInto, Compressor, PayloadKind
+from .segments import Segments, SegmentsContext
 
-__all__ = ["SparseCompressor", "index_dtype", "compact_index_bytes", "int2_encode", "int2_decode"]
+__all__ = ["SparseCompressor", "index_dtype", "compact_index_bytes", "int2_encode", "int2_decode", "segments_of"]
 
 _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 _VALUE_CODINGS = ("fp32", "fp16", "int2")
 _INDEX_CODINGS = ("int", "compact")
 FP16_MAX = 65504.0
 INT2_HEADER = 4  # bytes of the float32 scale in front of an int2 payload's codes
-INT2_LEVELS = (-1.0, -1.0 / 3.0, 1.0 / 3.0, 1.0)  # value of code 0..3, times the scale (float32)
 
 
-def int2_encode(values: torch.Tensor) -> torch.Tensor:
-    """2-bit coding of ``values`` (m,) float32: a uint8 tensor of ``4 + ⌈m/4⌉`` bytes, the
-    float32 scale s = max |v| then the codes (see the module docstring). Same device as ``values``."""
+def segments_of(ctx) -> Optional[Segments]:
+    """The :class:`~hvdcomp.compressors.segments.Segments` of a segmented context, else None."""
+    return ctx.segments if isinstance(ctx, SegmentsContext) else None
+
+
+def int2_encode(values: torch.Tensor, groups: Optional[torch.Tensor] = None, count: int = 1) -> torch.Tensor:
+    """2-bit coding of ``values`` (m,) float32 (see the module docstring): a uint8 tensor of
+    ``4·count + ⌈m/4⌉`` bytes, the float32 scales then the codes. ``groups``: int64 (m,), the
+    group (gradient) 0..count−1 of each value, each group with its own scale s = max |v| over its
+    values (0 for a group without values); None: one group. Same device as ``values``."""
     v = values.reshape(-1).to(torch.float32)
-    scale = v.abs().max().reshape(1) if v.numel() else torch.zeros(1, device=v.device)
-    q = torch.nan_to_num(v / scale, nan=0.0, posinf=1.0, neginf=-1.0)
+    mags = v.abs()
+    if groups is None:
+        scale = mags.max().reshape(1) if v.numel() else mags.new_zeros(1)
+        each = scale
+    else:  # (NaN propagates into its group's scale)
+        scale = mags.new_zeros(count).scatter_reduce_(0, groups, mags, "amax")
+        each = scale.index_select(0, groups)
+    q = torch.nan_to_num(v / each, nan=0.0, posinf=1.0, neginf=-1.0)
+    q = torch.where(torch.isinf(v), torch.sign(v), q)  # ±inf: the outer level of its sign (loud: s = inf)
     codes = ((q + 1.0) * 1.5).round_().clamp_(0, 3).to(torch.uint8)  # nearest of (-1, -1/3, 1/3, 1)
     return torch.cat([scale.view(torch.uint8), bitpack.pack_bits(codes, 2)])
 
 
-def int2_decode(data: torch.Tensor, count: int) -> torch.Tensor:
-    """Inverse of :func:`int2_encode`: ``count`` float32 values, float32(level)·s (one rounding).
+def int2_decode(data: torch.Tensor, count: int, groups: Optional[torch.Tensor] = None,
+                ngroups: int = 1) -> torch.Tensor:
+    """Inverse of :func:`int2_encode`: ``count`` float32 values, ±1 or ±float32(1/3) times the
+    value's scale (one rounding). ``groups`` / ``ngroups``: as the encoder's ``groups`` / ``count``.
 
     Raises:
-        ValueError: ``data`` is not a uint8 tensor of ``4 + ⌈count/4⌉`` bytes.
+        ValueError: ``data`` is not a uint8 tensor of ``4·ngroups + ⌈count/4⌉`` bytes.
     """
-    if data.dtype != torch.uint8 or data.numel() != INT2_HEADER + (count + 3) // 4:
-        raise ValueError(f"an int2 payload of {count} values has {INT2_HEADER + (count + 3) // 4} uint8 bytes, got "
-                         f"{data.numel()} of {data.dtype}")
-    scale = data[:INT2_HEADER].clone().view(torch.float32)
-    codes = bitpack.unpack_codes(data[INT2_HEADER:], 2, count)
-    return torch.tensor(INT2_LEVELS, device=data.device).index_select(0, codes.long()) * scale
+    header = INT2_HEADER * ngroups
+    if data.dtype != torch.uint8 or data.numel() != header + (count + 3) // 4:
+        raise ValueError(f"an int2 payload of {count} values and {ngroups} scale(s) has {header + (count + 3) // 4} "
+                         f"uint8 bytes, got {data.numel()} of {data.dtype}")
+    scale = data[:header].clone().view(torch.float32)
+    codes = bitpack.unpack_codes(data[header:], 2, count)
+    # levels from Python scalars (no host-to-device copy): sign ±1 times 1 (codes 0, 3) or 1/3
+    level = torch.where(codes >= 2, 1.0, -1.0) * torch.where((codes == 0) | (codes == 3), 1.0, 1.0 / 3.0)
+    return level * (scale if groups is None else scale.index_select(0, groups))
 
 
 def index_dtype(numel: int) -> torch.dtype:
@@ -116,13 +138,6 @@ class SparseCompressor(AggregateInto, Compressor):
         self.value_coding, self.index_coding = values, index
         return self
 
-    @property
-    def segmentable(self) -> bool:
-        """As :attr:`Compressor.segmentable`, except with ``values=int2``: its scale is one per
-        payload, so several gradients in one call would share one scale where one call per
-        gradient gives each its own; int2 gradients are compressed one call each."""
-        return self.value_coding != "int2" and super().segmentable
-
     def wire_options(self) -> dict:
         """The non-default wire options, for :meth:`describe` (empty with the defaults)."""
         out = {}
@@ -156,29 +171,40 @@ class SparseCompressor(AggregateInto, Compressor):
         kept = max(1, round(numel / (2.0 * ratio)))  # nominal ratio = n / (2k) (32-bit value + index)
         return self.payload_bytes(numel, kept)
 
-    def pack(self, values: torch.Tensor, idx: torch.Tensor, numel: int, overflow: str = "saturate") -> list:
-        """Encode kept ``values`` (m,) at ``idx`` (m,) int64 of an n-element tensor into a payload.
+    def pack(self, values: torch.Tensor, idx: torch.Tensor, numel: int, overflow: str = "saturate",
+             segments: Optional[Segments] = None) -> list:
+        """Encode kept ``values`` (m,) at ``idx`` (m,) int64 of an n-element tensor into a payload
+        (``segments``: the tensor holds several gradients; int2 values get one scale each).
 
         ``overflow``: what float16 values do with |v| ≥ 65520: ``"saturate"`` (±65504: for a
         caller that keeps the excess, as DGC's velocity does) or ``"inf"`` (±inf, float16's own
         cast: what the methods' ``encode`` sends; :meth:`residual_` saturates it under error
         feedback). float32 and int2 values are unaffected."""
         m, ib = idx.numel(), self._index_bytes(numel)
-        if self.index_coding == "compact":
-            code = idx.to(torch.int64).reshape(-1, 1).view(torch.uint8)[:, :ib].reshape(-1)
-        else:
-            code = idx.to(index_dtype(numel))
         if self.value_coding == "int2":
-            return [int2_encode(values), code]
-        vdt = _VALUE_DTYPES[self.value_coding]
-        if vdt == torch.float16 and overflow == "saturate":
-            values = values.clamp(-FP16_MAX, FP16_MAX)
-        vb = self._value_bytes()
-        if numel and m * (vb + ib) > numel * vb:  # dense is smaller: send the same vector densely
-            dense = torch.zeros(numel, dtype=vdt, device=values.device)
-            dense[idx] = values.to(vdt)
-            return [dense, torch.zeros(0, dtype=index_dtype(numel), device=values.device)]
-        return [values.to(vdt), code]
+            groups = None if segments is None else segments.segment_of(idx)
+            vals = int2_encode(values, groups, 1 if segments is None else len(segments))
+        else:
+            vdt = _VALUE_DTYPES[self.value_coding]
+            if vdt == torch.float16 and overflow == "saturate":
+                values = values.clamp(-FP16_MAX, FP16_MAX)
+            vb = self._value_bytes()
+            if numel and m * (vb + ib) > numel * vb:  # dense is smaller: send the same vector densely
+                dense = torch.zeros(numel, dtype=vdt, device=values.device)
+                dense[idx] = values.to(vdt)
+                return [dense, torch.zeros(0, dtype=index_dtype(numel), device=values.device)]
+            vals = values.to(vdt)
+        if self.index_coding == "compact":
+            return [vals, idx.to(torch.int64).reshape(-1, 1).view(torch.uint8)[:, :ib].reshape(-1)]
+        return [vals, idx.to(index_dtype(numel))]
+
+    def segmented_context(self, flat: torch.Tensor, segments: Segments):
+        """The context of a payload of several gradients (``segments``): a
+        :class:`~hvdcomp.compressors.segments.SegmentsContext` where decoding needs the layout
+        (int2: one scale per gradient), else ``(shape, dtype)`` as one gradient's."""
+        if self.value_coding == "int2":
+            return SegmentsContext(flat.shape, flat.dtype, segments)
+        return flat.shape, flat.dtype
 
     @staticmethod
     def saturate_values_(payload) -> None:
@@ -188,23 +214,25 @@ class SparseCompressor(AggregateInto, Compressor):
         if payload[0].dtype == torch.float16:
             payload[0].clamp_(-FP16_MAX, FP16_MAX)
 
-    def unpack(self, payload, numel: int):
-        """Inverse of :meth:`pack`: ``(values float32 (m,), indices int64 (m,))``, or
-        ``(values float32 (n,), None)`` for a densely written payload."""
+    def unpack(self, payload, numel: int, segments: Optional[Segments] = None):
+        """Inverse of :meth:`pack` (with the same ``segments``): ``(values float32 (m,), indices
+        int64 (m,))``, or ``(values float32 (n,), None)`` for a densely written payload."""
         values, code = payload
-        if values.dtype == torch.uint8:  # int2: as many values as indices
-            count = code.numel() // compact_index_bytes(numel) if code.dtype == torch.uint8 else code.numel()
-            values = int2_decode(values, count)
-        else:
-            values = values.to(torch.float32)
-            if code.numel() == 0 and values.numel() == numel and numel > 0:
-                return values, None
         if code.dtype == torch.uint8:  # compact: b little-endian bytes per index
             ib = compact_index_bytes(numel)
             wide = torch.zeros(code.numel() // ib, 8, dtype=torch.uint8, device=code.device)
             wide[:, :ib] = code.reshape(-1, ib)
-            return values, wide.view(torch.int64).reshape(-1)
-        return values, code.long()
+            idx = wide.view(torch.int64).reshape(-1)
+        else:
+            idx = code.long()
+        if values.dtype == torch.uint8:  # int2: as many values as indices
+            if segments is None:
+                return int2_decode(values, idx.numel()), idx
+            return int2_decode(values, idx.numel(), segments.segment_of(idx), len(segments)), idx
+        values = values.to(torch.float32)
+        if code.numel() == 0 and values.numel() == numel and numel > 0:
+            return values, None
+        return values, idx
 
     # ---- Compressor API ------------------------------------------------------------------------
     def _encode(self, tensor, name=None):
@@ -229,7 +257,7 @@ class SparseCompressor(AggregateInto, Compressor):
         flat = out.view(-1)
         n = flat.numel()
         scale = 1.0 / max(1, len(payloads))
-        unpacked = [self.unpack(p, n) for p in payloads]
+        unpacked = [self.unpack(p, n, segments_of(ctx)) for p in payloads]
         if native.usable(flat, *[t for p in payloads for t in p]) and native.sparse_aggregate(
                 flat, [i if i is None else i.contiguous() for _, i in unpacked],
                 [v.contiguous() for v, _ in unpacked], scale):
@@ -253,7 +281,7 @@ class SparseCompressor(AggregateInto, Compressor):
         if p.dtype != torch.float32 or not p.is_contiguous():
             return super().residual_(p, payload, ctx)
         flat = p.view(-1)
-        values, idx = self.unpack(payload, flat.numel())
+        values, idx = self.unpack(payload, flat.numel(), segments_of(ctx))
         if idx is None:
             flat.sub_(values)
         else:

@@ -22,7 +22,8 @@ class ThresholdCompressor(SparseCompressor):
     Args:
         threshold: λ > 0, in the gradient's units.
 
-    Payload: ``[values (m,) float32, indices (m,) int32]`` with m varying per rank, 0 ≤ m ≤ n.
+    Payload: ``[values (m,) float32, indices (m,) int32]`` with m varying per rank, 0 ≤ m ≤ n
+    (``values=fp16`` or ``int2`` / ``index=compact`` shrink it, see :mod:`hvdcomp.compressors.sparse`).
 
     Raises:
         ValueError: if ``threshold`` is not a positive finite number.
@@ -47,6 +48,14 @@ class ThresholdCompressor(SparseCompressor):
     def nominal_ratio(self, numel):
         """None: how many elements pass the threshold depends on the data (see measured bytes)."""
         return None
+
+    def _encode_segments(self, flat, segments):
+        """Several gradients: one selection over the buffer (the same λ for each), and with
+        ``values=int2`` one scale per gradient, as one call per gradient sends."""
+        idx = self.select(flat)
+        values = flat.index_select(0, idx).to(torch.float32)
+        return (self.pack(values, idx, flat.numel(), overflow="inf", segments=segments),
+                self.segmented_context(flat, segments))
 
     def select(self, flat, name=None):
         """Ascending indices with ``|flat| >= threshold`` (one fused scan on CPU)."""

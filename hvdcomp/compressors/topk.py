@@ -116,7 +116,8 @@ class TopKCompressor(SparseCompressor):
         idx = select_segments(flat, segments, lambda n: num_kept(n, self.density),
                               self.sample_ratio if sample else None, draws, key=("topk", self.density))
         values = flat.index_select(0, idx).to(torch.float32)
-        return self.pack(values, idx, flat.numel(), overflow="inf"), (flat.shape, flat.dtype)
+        return (self.pack(values, idx, flat.numel(), overflow="inf", segments=segments),
+                self.segmented_context(flat, segments))
 
     @property
     def draws_per_call(self) -> bool:

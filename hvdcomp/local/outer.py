@@ -26,9 +26,11 @@ dropped part; SparseLoCo's β multiplies the whole accumulator instead.
 The default method is ``topk:density=0.02,values=int2,index=compact`` on chunks of 4096
 elements: each chunk keeps its own ⌈0.02·4096⌉ = 82 largest entries, sent as 2-bit values (the
 paper's 2-bit quantization: one float32 scale per chunk, each value rounded to ±s/3 or ±s, see
-:mod:`hvdcomp.compressors.sparse`) with 2-byte indices into the chunk: 4 + 21 + 164 = 189 bytes
-per chunk, 1/87 of its 16 384 fp32 bytes (fp16 values: 328 bytes, 1/50). The error feedback keeps
-what the 2-bit rounding drops, as it keeps what top-k drops.
+:mod:`hvdcomp.compressors.sparse`); the error feedback keeps what the rounding drops, as it keeps
+what top-k drops. The chunks of one bucket travel as one payload (``fuse_tensors``), their
+indices into the bucket (3 bytes below 16M elements): about 3.3 bytes per kept entry with the
+scales, against 5.0 with fp16 values (measured on the small LSTM, 4 ranks, H = 8: 484x and 320x
+fewer bytes per step than fp32).
 """
 from __future__ import annotations
 
