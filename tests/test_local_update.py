@@ -338,7 +338,7 @@ def test_train_lm_local_steps(tmp_path):
 def test_train_lm_co2_transformer_adamw(tmp_path):
     """train_lm.py --arch transformer --optimizer adamw --local-steps 2 --outer-opt co2 with dense
     Δ at 2 ranks: 4 AdamW steps are 2 rounds, each sending the fp32 model (4 bytes per parameter);
-    each round's reduction time is split exactly into exposed and hidden; perplexity falls."""
+    perplexity falls."""
     out = check(2, ["mpi_scripts/train_lm.py", "--arch", "transformer", "--optimizer", "adamw", "--lr", "1e-3",
                     "--local-steps", "2", "--outer-opt", "co2", "--compressor", "none", "--epochs", "1",
                     "--max-steps", "4", "--batch-size", "64", "--no-progress", "--data", TINY_SHAKESPEARE,
@@ -350,7 +350,6 @@ def test_train_lm_co2_transformer_adamw(tmp_path):
     assert r["config"]["local_update"]["algorithm"] == "co2" and r["config"]["local_update"]["delay_rounds"] == 1
     assert (lu["rounds"], lu["inner_steps"]) == (2, 4)
     assert lu["bytes_sent_per_round"] == lu["dense_bytes_per_round"] == 4 * n and lu["bytes_sent_per_step"] == 2 * n
-    assert lu["exposed_s_per_round"] + lu["hidden_s_per_round"] == pytest.approx(lu["wall_s_per_round"], abs=1e-9)
     assert r["epochs"][0]["val_ppl"] < r["initial_val_ppl"]
 
 

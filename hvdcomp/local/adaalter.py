@@ -111,6 +111,7 @@ class LocalAdaAlter(LocalUpdate):
             raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         self.warmup_steps = warmup_steps
         self._warmup_bytes = 0  # sent (= received) by the warm-up's gradient allreduces
+        self._accumulator_bytes = 0  # sent (= received) by the last round's accumulator allreduce
         super().__init__(optimizer, named_parameters, local_steps=local_steps, compression=compression,
                          outer_optimizer=outer_sgd(1.0, 0.0, False), **kwargs)
 
@@ -138,9 +139,10 @@ class LocalAdaAlter(LocalUpdate):
                 self._anchor[n].copy_(p)
         return loss
 
-    def _average(self, tensors, what: str) -> int:
+    def _average(self, tensors, what: str, dense: bool = True) -> int:
         """Average ``tensors`` in place over the ranks (Horovod allreduce, charged to
-        ``communicate``; bytes counted); returns the bytes sent (= received), 0 on one rank."""
+        ``communicate``; bytes counted, as dense bytes too where synchronous training sends them:
+        ``dense``); returns the bytes sent (= received), 0 on one rank."""
         group = self.sync.group
         if group.size == 1 or not tensors:
             return 0
@@ -150,28 +152,32 @@ class LocalAdaAlter(LocalUpdate):
             for h in handles:
                 group.synchronize(h)
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        self.timer.add_bytes(sent=nbytes, received=nbytes, dense=nbytes)
+        self.timer.add_bytes(sent=nbytes, received=nbytes, dense=nbytes if dense else 0)
         return nbytes
 
-    def _reduce(self):
-        """The parameters' Δ through the pipeline, then the accumulators by allreduce: the
-        round's bytes sent and received count both (``accumulator_bytes``: the accumulators'
-        share), its dense bytes only Δ's fp32 size (what synchronous training sends per step)."""
-        record = super()._reduce()
+    def _run_sync(self) -> bool:
+        """The parameters' Δ through the pipeline, then the accumulators by allreduce, so the
+        round's record (:meth:`LocalUpdate._reduce`) holds the time and bytes of both; its dense
+        bytes stay Δ's fp32 size (synchronous training sends no accumulators)."""
+        skipped = super()._run_sync()
         states = [self.inner.state[p] for _, p in self._params]
         for (_, p), state in zip(self._params, states):  # (never stepped on this rank: zeros)
             if not state:
                 state["denominator"], state["accumulator"] = torch.zeros_like(p), torch.zeros_like(p)
-        nbytes = self._average([state["accumulator"] for state in states], "accumulator")
+        self._accumulator_bytes = self._average([state["accumulator"] for state in states], "accumulator",
+                                                dense=False)
         for state in states:
             state["denominator"].copy_(state["accumulator"])
-        record["accumulator_bytes"] = nbytes
-        record["bytes_sent"] += nbytes
-        record["bytes_received"] += nbytes
+        return skipped
+
+    def _reduce(self):
+        record = super()._reduce()
+        record["accumulator_bytes"] = self._accumulator_bytes  # (the accumulators' share of bytes_sent)
         return record
 
     def _warmup_traffic(self):
-        return {"bytes_sent": self._warmup_bytes, "bytes_received": self._warmup_bytes}
+        return {"bytes_sent": self._warmup_bytes, "bytes_received": self._warmup_bytes,
+                "dense_bytes": self._warmup_bytes}
 
     def describe(self):
         inner = self.inner.defaults

@@ -405,9 +405,9 @@ def round_report(history: List[Dict[str, Any]], steps: int, rounds: int, local_s
         steps: inner steps taken (the per-step figures' divisor, warm-up steps included).
         rounds, local_steps, skipped: the optimizer's counters, copied.
         timer: the optimizer's :class:`~hvdcomp.metrics.PhaseTimer`.
-        warmup: bytes (``bytes_sent``, ``bytes_received``) of synchronous steps outside the rounds
-            (Local AdaAlter's warm-up): reported as ``warmup_<key>`` and counted in the per-step
-            figures (and so in ``ratio_vs_dense_per_step``), not in the per-round ones.
+        warmup: bytes (``bytes_sent``, ``bytes_received``, ``dense_bytes``) of synchronous steps
+            outside the rounds (Local AdaAlter's warm-up): reported as ``warmup_<key>`` and counted
+            in the per-step figures (and so in ``ratio_vs_dense_per_step``), not in the per-round ones.
     """
     rows, per, warmup = history, max(1, steps), warmup or {}
     out: Dict[str, float] = {"inner_steps": steps, "rounds": rounds, "local_steps": local_steps,

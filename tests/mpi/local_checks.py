@@ -177,13 +177,10 @@ def check_co2_no_training_on_inflight_tensors():
                 assert not touched & live
         if slow:
             assert sum(alive) >= 2, alive  # the reduction really overlapped inner steps
-            # rounds 1 and 2's reductions each ran behind a whole round of inner steps: their wall
-            # time (>= the 0.4 s slow-down) is split into hidden and exposed, mostly hidden
+            # rounds 1 and 2's reductions (>= the 0.4 s slow-down) each ran behind a whole round
+            # of inner steps (0.75 s): mostly hidden, little of it waited for at the join
             for rec in opt.history[:2]:
-                assert rec["wall_s"] >= 0.4 and abs(rec["exposed_s"] + rec["hidden_s"] - rec["wall_s"]) < 1e-9, rec
-                assert rec["hidden_s"] > 0.3 and rec["exposed_s"] < rec["hidden_s"], rec
-            report = opt.report()
-            assert report["hidden_s_per_round"] == sum(r["hidden_s"] for r in opt.history) / len(opt.history)
+                assert rec["wall_s"] >= 0.4 and rec["hidden_s"] > 0.3 and rec["exposed_s"] < rec["hidden_s"], rec
         opt.flush()
         results.append(flat(model))
         opt.close()
@@ -395,6 +392,8 @@ def check_adaalter_bytes():
     assert (r["rounds"], r["inner_steps"]) == (2, 8), r
     assert (r["warmup_bytes_sent"], r["bytes_sent_per_round"], r["accumulator_bytes_per_round"]) == (64, 64, 32), r
     assert r["bytes_sent_per_step"] == r["bytes_received_per_step"] == 24 and r["dense_bytes_per_round"] == 32, r
+    # dense: what synchronous fp32 training sends, the warm-up's 2 × 32 and Δ's 32 per round
+    assert (r["warmup_dense_bytes"], r["dense_bytes_per_step"]) == (64, (64 + 2 * 32) / 8), r
     assert r["ratio_vs_dense_per_step"] == 32 / 24, r
     opt.close()
 
