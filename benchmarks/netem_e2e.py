@@ -191,9 +191,9 @@ class Driver:
             "cell_env": self.cell_env,
             "netem_env": self.netem_env,
             "started": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": hygiene.cpu_identity(),
+            "cpu": hygiene.cpu_identity(),  # (per-cell load states are under each cell's "machine")
             "cells": old.get("cells", {}),
-            "history": old.get("history", []) + ([{k: old.get(k) for k in ("started", "finished", "argv", "machine")}]
+            "history": old.get("history", []) + ([{k: old.get(k) for k in ("started", "finished", "argv", "cpu")}]
                                                   if old else []),
         }
         self.up = False

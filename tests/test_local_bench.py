@@ -141,11 +141,11 @@ def test_time_targets_are_judged_at_10mbit_only():
     assert "step within" not in lines and ">= 5x" not in lines
 
 
-def test_run_local_script_launches_the_documented_grid(tmp_path):
+def test_run_local_script_launches_the_committed_one_sitting_grids(tmp_path):
     """benchmarks/run_local.sh (`make speed-local`) through a fake interpreter: per workload and
-    rate, the one-sitting grid's 14 contenders in the documented order (CO2 with λ = 4 on the
-    LSTM, the authors' defaults on the transformer), each launch followed by its report, and
-    every launch's arguments accepted by netem_local's own parser."""
+    rate, one launch whose arguments (parsed by netem_local's own parser) are the settings the
+    committed one-sitting grids of docs/results/local-update ran with (their run.json), then
+    that directory's report."""
     import json
     import subprocess
 
@@ -153,17 +153,18 @@ def test_run_local_script_launches_the_documented_grid(tmp_path):
     fake = tmp_path / "python"
     fake.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
     fake.chmod(0o755)
-    subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "run_local.sh"), str(tmp_path / "out"), "lstm transformer",
-                    "10mbit"], check=True, env={**os.environ, "PYTHON": str(fake)}, timeout=60)
+    out = tmp_path / "out"
+    subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "run_local.sh"), str(out)], check=True,
+                   env={**os.environ, "PYTHON": str(fake)}, timeout=60)
     calls = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [c[c.index("--output") + 1] for c in calls] == [str(tmp_path / "out" / d) for d in
-                                                           ("lstm-10mbit",) * 2 + ("transformer-10mbit",) * 2]
-    topk = "topk:density=0.01"
-    for call, co2 in ((calls[0], "co2:gap_penalty=4"), (calls[2], "co2")):
-        contenders = call[call.index("--contenders") + 1:call.index("--train-args")]
-        assert contenders == ["sync|fp16@ring", f"diloco|8|{topk}", f"sync|{topk}", "diloco|8|none", "diloco|8|fp16",
-                              "diloco|32|none", "diloco|32|fp16", f"diloco|32|{topk}"] + [
-            f"{co2}|{h}|{d}" for h in (8, 32) for d in ("none", "fp16", topk)]
-        args = netem_local.parse_args(call[1:])
-        assert (args.rates, args.seeds, args.train_args, args.timeout) == (["10mbit"], [1], "--epochs 4", 1800)
-    assert all(c == ["benchmarks/netem_local.py", "--output", c[2], "--report"] for c in calls[1::2])
+    cells = [(w, r) for w in ("lstm", "transformer") for r in ("10mbit", "100mbit")]
+    assert len(calls) == 2 * len(cells)
+    keys = ("workload", "contenders", "rates", "seeds", "train_args", "timeout", "max_wait_quiet")
+    for (workload, rate), launch, report in zip(cells, calls[0::2], calls[1::2]):
+        committed = os.path.join(ROOT, "docs", "results", "local-update", f"{workload}-{rate}-one-sitting", "run.json")
+        with open(committed) as f:
+            ran = json.load(f)["settings"]
+        args = vars(netem_local.parse_args(launch[1:]))
+        assert {k: args[k] for k in keys} == {k: ran[k] for k in keys}, (workload, rate)
+        assert args["output"] == str(out / f"{workload}-{rate}")
+        assert report == ["benchmarks/netem_local.py", "--output", args["output"], "--report"]
