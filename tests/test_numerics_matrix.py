@@ -151,6 +151,11 @@ def bound_threshold(c: Cell) -> float:
     return min(1.0, lam * math.sqrt(c.n) / c.scale) + fp32_sum(c)
 
 
+def bound_int2(c: Cell) -> float:
+    k = num_kept(c.n, inner(c.comp).density)
+    return (math.sqrt(1 - k / c.n) + math.sqrt(k) / 3 if c.n else 0.0) + fp32_sum(c)
+
+
 def bound_qsgd(c: Cell) -> float:
     q = inner(c.comp)
     return math.sqrt(min(q.block, c.n)) / q.levels + fp32_sum(c)
@@ -220,6 +225,12 @@ ROWS = [
         bound_contraction, contraction_formula("ρ = 0.1"), "elementwise"),
     Row("topk", "topk:density=0.1", "on", bound_contraction,
         contraction_formula("ρ = 0.1"), "elementwise", steps=2),
+    # top-k, then each kept value rounded to ±s/3 or ±s (s = max kept |v| ≤ ‖p‖): |error| ≤ s/3 on
+    # at most k entries, so ‖p − C(p)‖ ≤ (√(1 − k/n) + √k/3)·‖p‖ per rank; zeros are never sent
+    Row("topk", "topk:density=0.1,values=int2,ef=false", "off", bound_int2,
+        "√(1 − k/n) + √k/3 + (N+2)·2⁻²⁴ (ρ = 0.1, values at 2 bits)", "elementwise"),
+    Row("topk", "topk:density=0.1,values=int2", "on", bound_int2,
+        "√(1 − k/n) + √k/3 + (N+2)·2⁻²⁴", "elementwise", steps=2),
     Row("randomk", "randomk:density=0.1,ef=false", "off", lambda c: 1.0 + fp32_sum(c),
         "1 + (N+2)·2⁻²⁴ (the mean minus its part on the k shared indices)", "elementwise"),
     Row("randomk", "randomk:density=0.1", "on", lambda c: 1.0 + fp32_sum(c),

@@ -172,6 +172,9 @@ def test_int2_aggregate_is_the_mean_of_each_ranks_scale_and_loud_when_non_finite
     assert comp.aggregate([a, b], ctx).tolist() == [1.5, 0.5, -3.0, 1.0]
     bad, _ = comp.encode(torch.tensor([float("inf"), 1.0, 0.0, 0.0]), "w")
     assert not torch.isfinite(comp.decode(bad, ctx)[:2]).any()       # never a finite wrong value
+    # top-2 of (−5, 0, 0, 0) keeps a zero; no level holds 0, so it is not sent and decodes as 0
+    sparse, _ = comp.encode(torch.tensor([-5.0, 0.0, 0.0, 0.0]), "w")
+    assert sparse[1].numel() == 1 and comp.decode(sparse, ctx).tolist() == [-5.0, 0.0, 0.0, 0.0]
 
 
 def test_dgc_int2_values_keep_rounding_error_in_accumulation():

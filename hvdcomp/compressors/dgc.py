@@ -168,11 +168,12 @@ class DGCCompressor(SparseCompressor):
         payload = self.pack(values, idx, n)  # float16 values saturate: the excess stays in the velocity
         if self.value_coding == "fp32":
             v.index_fill_(0, idx, 0.0)
-        else:  # keep the rounding error of the fp16 values in the accumulation
+        else:  # keep the rounding error of the fp16 / int2 values in the accumulation (v[idx] is values)
             sent, sent_idx = self.unpack(payload, n)
             if sent_idx is None:  # written densely
-                sent = sent.index_select(0, idx)
-            v.index_copy_(0, idx, values - sent)
+                v.index_copy_(0, idx, values - sent.index_select(0, idx))
+            else:  # (int2 sends no exact zeros: fewer entries than idx)
+                v.index_add_(0, sent_idx, sent, alpha=-1)
         if self.momentum_masking:
             u.index_fill_(0, idx, 0.0)
         self._put("u", name, u)
@@ -212,8 +213,9 @@ class DGCCompressor(SparseCompressor):
         else:
             sent, sent_idx = self.unpack(payload, n, segments)
             if sent_idx is None:
-                sent = sent.index_select(0, idx)
-            v.index_copy_(0, idx, values - sent)
+                v.index_copy_(0, idx, values - sent.index_select(0, idx))
+            else:
+                v.index_add_(0, sent_idx, sent, alpha=-1)
         if self.momentum_masking:
             u.index_fill_(0, idx, 0.0)
         self._put_segments("u", segments, u, flat_shapes=True)

@@ -17,7 +17,8 @@ element. Two options (spec keys, accepted by every sparsifier through
   ⌈k/4⌉ bytes of 2-bit codes (:mod:`hvdcomp.compressors.bitpack`'s layout), each value rounded to the
   nearest of the levels (−1, −1/3, +1/3, +1)·s (ties to the even code). Deterministic, so
   biased: meant for error feedback (top-k's default, DGC's velocity, SparseLoCo), which keeps
-  v − level·s in the residual (sent + residual = input, to float32 rounding). A non-finite kept
+  v − level·s in the residual (sent + residual = input, to float32 rounding). Kept entries whose
+  value is exactly 0 are not sent (no level holds 0), so zeros decode as zeros. A non-finite kept
   value makes s non-finite and every decoded value of its tensor non-finite: loud, never a finite
   wrong value. One scale per gradient: several gradients compressed in one call (``segments``)
   send one scale per gradient, 4 bytes each, in segment order before the codes (the receivers
@@ -156,7 +157,8 @@ class SparseCompressor(AggregateInto, Compressor):
         return torch.empty((), dtype=index_dtype(numel)).element_size()
 
     def payload_bytes(self, numel: int, kept: int) -> int:
-        """Bytes of one payload that keeps ``kept`` of ``numel`` elements (dense fallback included)."""
+        """Bytes of one payload that keeps ``kept`` of ``numel`` elements (dense fallback included;
+        int2: ``kept`` non-zero values, one scale)."""
         if self.value_coding == "int2":
             return INT2_HEADER + (kept + 3) // 4 + kept * self._index_bytes(numel)
         vb = self._value_bytes()
@@ -179,9 +181,12 @@ class SparseCompressor(AggregateInto, Compressor):
         ``overflow``: what float16 values do with |v| ≥ 65520: ``"saturate"`` (±65504: for a
         caller that keeps the excess, as DGC's velocity does) or ``"inf"`` (±inf, float16's own
         cast: what the methods' ``encode`` sends; :meth:`residual_` saturates it under error
-        feedback). float32 and int2 values are unaffected."""
+        feedback). float32 and int2 values are unaffected; int2 drops the entries whose value is
+        exactly 0 (no level holds it: they would decode as ±s/3)."""
         m, ib = idx.numel(), self._index_bytes(numel)
         if self.value_coding == "int2":
+            sent = values != 0  # (NaN is sent: it makes its gradient's scale NaN, loud)
+            values, idx = values[sent], idx[sent]
             groups = None if segments is None else segments.segment_of(idx)
             vals = int2_encode(values, groups, 1 if segments is None else len(segments))
         else:
