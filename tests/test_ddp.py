@@ -141,15 +141,16 @@ def test_every_method_and_recipe_matches_the_horovod_front_end_at_2_ranks():
 
 
 def test_methods_match_the_horovod_front_end_at_1_and_4_ranks():
-    """One rank: bit-identical. Four ranks: gathered payloads and point-to-point methods
-    bit-identical; summed ones within the bounds stated in tests/mpi/ddp_parity.py (summation
-    order)."""
-    specs = ["topk:density=0.3", "qsgd:levels=4,block=8", "gtopk:density=0.3", "powersgd:matrix_rank=1", "fp16"]
+    """One rank: bit-identical. Four ranks: gathered payloads (top-k with fp32 and 2-bit values)
+    and point-to-point methods bit-identical; summed ones within the bounds stated in
+    tests/mpi/ddp_parity.py (summation order)."""
+    specs = ["topk:density=0.3", "qsgd:levels=4,block=8", "gtopk:density=0.3", "powersgd:matrix_rank=1", "fp16",
+             "topk:density=0.3,values=int2,index=compact"]
     one = parity(1, "methods=" + ";".join(specs[1:4]))
     assert one.count("OK methods") == 3 and "within" not in one
     four = parity(4, "methods=" + ";".join(specs))
-    assert four.count("OK methods") == 5
-    for spec in specs[:3]:
+    assert four.count("OK methods") == 6
+    for spec in specs[:3] + specs[5:]:
         assert f"OK methods {spec} (bit-identical)" in four
 
 
