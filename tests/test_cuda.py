@@ -10,7 +10,8 @@ from hvdcomp.comm.allgather import _split, _stage
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 SPECS = ["topk:density=0.01", "topk:density=0.01,select=sample,index=compact",
-         "topk:density=0.001,values=fp16", "dgc:density=0.01", "threshold:threshold=2.5",
+         "topk:density=0.001,values=fp16", "topk:density=0.01,values=int2,index=compact", "dgc:density=0.01",
+         "threshold:threshold=2.5",
          "qsgd:levels=16", "terngrad", "efsignsgd", "fp16", "bf16", "randomk:density=0.01"]
 
 
