@@ -29,6 +29,7 @@ from ..memory import Residuals
 from .registry import register
 from .rng import RankGenerators
 from .selection import MIN_SAMPLE, check_sample_ratio, sample_draws, sampled_threshold_topk, select_segments
+from .segments import SegmentsContext
 from .sparse import SparseCompressor
 from .topk import check_density, num_kept
 
@@ -220,7 +221,7 @@ class DGCCompressor(SparseCompressor):
             u.index_fill_(0, idx, 0.0)
         self._put_segments("u", segments, u, flat_shapes=True)
         self.memory.keep_segments(v, segments, flat_shapes=True)
-        return payload, self.segmented_context(flat, segments)
+        return payload, SegmentsContext(flat.shape, flat.dtype, segments)
 
     def rescale_state(self, factor):
         """Multiply the momenta u and v (gradient units) by ``factor``."""

@@ -203,14 +203,6 @@ class SparseCompressor(AggregateInto, Compressor):
             return [vals, idx.to(torch.int64).reshape(-1, 1).view(torch.uint8)[:, :ib].reshape(-1)]
         return [vals, idx.to(index_dtype(numel))]
 
-    def segmented_context(self, flat: torch.Tensor, segments: Segments):
-        """The context of a payload of several gradients (``segments``): a
-        :class:`~hvdcomp.compressors.segments.SegmentsContext` where decoding needs the layout
-        (int2: one scale per gradient), else ``(shape, dtype)`` as one gradient's."""
-        if self.value_coding == "int2":
-            return SegmentsContext(flat.shape, flat.dtype, segments)
-        return flat.shape, flat.dtype
-
     @staticmethod
     def saturate_values_(payload) -> None:
         """Clamp a payload's float16 values to ±65504 in place (inf from a value float16 cannot

@@ -12,6 +12,7 @@ import torch
 
 from .registry import register
 from .selection import indices_at_least
+from .segments import SegmentsContext
 from .sparse import SparseCompressor
 
 
@@ -51,11 +52,12 @@ class ThresholdCompressor(SparseCompressor):
 
     def _encode_segments(self, flat, segments):
         """Several gradients: one selection over the buffer (the same λ for each), and with
-        ``values=int2`` one scale per gradient, as one call per gradient sends."""
+        ``values=int2`` one scale per gradient, as one call per gradient sends; the context
+        carries the layout (:class:`~hvdcomp.compressors.segments.SegmentsContext`)."""
         idx = self.select(flat)
         values = flat.index_select(0, idx).to(torch.float32)
         return (self.pack(values, idx, flat.numel(), overflow="inf", segments=segments),
-                self.segmented_context(flat, segments))
+                SegmentsContext(flat.shape, flat.dtype, segments))
 
     def select(self, flat, name=None):
         """Ascending indices with ``|flat| >= threshold`` (one fused scan on CPU)."""

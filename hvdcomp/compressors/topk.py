@@ -24,6 +24,7 @@ from .selection import (
     sampled_threshold_topk,
     select_segments,
 )
+from .segments import SegmentsContext
 from .sparse import SparseCompressor
 
 DEFAULT_SAMPLE_RATIO = 0.01
@@ -117,7 +118,7 @@ class TopKCompressor(SparseCompressor):
                               self.sample_ratio if sample else None, draws, key=("topk", self.density))
         values = flat.index_select(0, idx).to(torch.float32)
         return (self.pack(values, idx, flat.numel(), overflow="inf", segments=segments),
-                self.segmented_context(flat, segments))
+                SegmentsContext(flat.shape, flat.dtype, segments))
 
     @property
     def draws_per_call(self) -> bool:
