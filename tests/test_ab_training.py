@@ -170,3 +170,79 @@ def test_train_lm_with_ab_training_at_4_ranks(tmp_path):
     assert ab["bytes_by_stage"]["warmup"] == 2 * dense and ab["dense_bytes"] == 6 * dense
     assert ab["traffic_ratio"] == pytest.approx(ab["dense_bytes"] / ab["bytes_sent"])
     assert r["config"]["compressor"]["rank_groups"] == 2 and r["config"]["compressor"]["cutoff"] == 0.3
+
+
+# ---- the learning-rate rebound against the authors' trainer ------------------------------------
+def _authors_rates(schedule, switches_after, n_steps, ramp_steps, warmup_lr=1e-5):
+    """The rate each step runs at in the authors' trainer (madonna/trainers/ab_lowrank.py and
+    base_trainer.py, one parameter group, per-update schedule), simulated as it runs: before
+    each step `_pre_forward` lowers the set rate to k·factor while the rebound lasts; after the
+    step the scheduler sets the next update's rate; then `_post_train_step`, at a switch, takes
+    factor = (that rate − warmup_lr) / ramp_steps and sets the rate to warmup_lr."""
+    lr, in_rebound, k, factor, used = schedule(0), False, 0, 0.0, []
+    for step in range(n_steps):
+        if in_rebound:                                   # _pre_forward
+            k += 1
+            if factor * k < lr:
+                lr = factor * k
+            if k >= ramp_steps:
+                in_rebound = False
+        used.append(lr)                                  # optimizer step
+        lr = schedule(step + 1)                          # lr_scheduler.step_update
+        if step in switches_after:                       # _post_train_step -> _setup_lr_rebound
+            in_rebound, k = True, 0
+            factor = (lr - warmup_lr) / ramp_steps
+            lr = warmup_lr
+    return used
+
+
+def _hvdcomp_rates(schedule, switches_after, n_steps, ramp_steps, ramp_start_lr=1e-5):
+    """hvdcomp's Rebound driven as ABTraining.step drives it."""
+    from hvdcomp.lowrank.schedule import Rebound
+    rebound, used = Rebound(ramp_steps, ramp_start_lr), []
+    for step in range(n_steps):
+        base = schedule(step)
+        used.append(rebound.lr(base))
+        rebound.advance(base)
+        if step in switches_after:
+            rebound.restart()
+    return used
+
+
+@pytest.mark.parametrize("ramp_steps", [1, 3, 15, 267])
+def test_rebound_follows_the_authors_trainer(ramp_steps):
+    """Every step's rate equals the authors' trainer's, under a per-update cosine schedule with
+    switches closer together than the ramp (a new switch restarts it) and far apart; the first
+    step after a switch runs at 1e-5 (before the fix: at the slope, 3.3e-3 at lr 1e-2 and 3
+    ramp steps)."""
+    import math
+    n = 3 * ramp_steps + 40
+    schedule = lambda t: 1e-5 + 0.5 * (1e-2 - 1e-5) * (1 + math.cos(math.pi * t / n))   # noqa: E731
+    switches = {4, 5, 9 + ramp_steps, 10 + 2 * ramp_steps}
+    want = _authors_rates(schedule, switches, n, ramp_steps)
+    got = _hvdcomp_rates(schedule, switches, n, ramp_steps)
+    assert got == pytest.approx(want, rel=1e-12, abs=0)
+    assert got[5] == 1e-5 and got[6] == 1e-5            # the first step after each switch
+    assert got[0] == schedule(0) and got[-1] == schedule(n - 1)
+
+
+def test_rebound_hand_worked():
+    """lr 0.01 held, ramp 3 from 0.001, a switch after step 1: 0.001, then 2·0.003, 3·0.003,
+    then 0.01 again; no switch, no rebound; ramp_steps 0, no rebound."""
+    from hvdcomp.lowrank.schedule import Rebound
+    got = _hvdcomp_rates(lambda t: 0.01, {1}, 7, 3, ramp_start_lr=0.001)
+    assert got == pytest.approx([0.01, 0.01, 0.001, 0.006, 0.009, 0.01, 0.01], abs=1e-15)
+    assert _hvdcomp_rates(lambda t: 0.01, set(), 4, 3) == [0.01] * 4
+    r = Rebound(0, 1e-5)
+    r.restart()
+    assert r.lr(0.02) == 0.02
+    r = Rebound(2, 0.1)                                  # schedule below the start: rate 0 (theirs: negative)
+    r.restart()
+    assert r.lr(0.05) == 0.0
+
+
+def test_default_cutoff_is_the_authors():
+    """The authors' VGG16/CIFAR-10 configuration cuts at 0.15 (configs/cifar10/vgg16/common.yaml)."""
+    import inspect
+    from hvdcomp.lowrank import ABTraining
+    assert inspect.signature(ABTraining).parameters["cutoff"].default == 0.15

@@ -2,8 +2,10 @@
 
 Coquelin, Flügel, Weiel, Kiefer, Öz, Debus, Streit and Götz, "AB-Training: A
 Communication-Efficient Approach for Distributed Low-Rank Learning", arXiv:2405.01067 (2024).
-The defaults follow the authors' code (github.com/Helmholtz-AI-Energy/AB-Training, package
-``madonna``, trainer ``trainers/ab_lowrank.py``, configuration ``configs/cifar10/vgg16/``).
+The method's defaults (mode, sync, orientation, scopes, ``cutoff`` 0.15, the rebound's start
+1e-5) follow the authors' code (github.com/Helmholtz-AI-Energy/AB-Training, package ``madonna``,
+trainer ``trainers/ab_lowrank.py``, configuration ``configs/cifar10/vgg16/``); the step counts
+depend on the run (theirs for VGG16/CIFAR-10 are in :class:`ABTraining`'s arguments).
 
 Stages over optimizer steps (:mod:`hvdcomp.lowrank.schedule`; all counts configurable, recorded
 by :meth:`ABTraining.describe`)::
@@ -161,7 +163,8 @@ class ABTraining:
             ``rank_groups="node"`` and the between-node byte counts); None: the machine's own.
         warmup_steps, steps_between_syncs, full_rank_steps: the stages (see the module doc).
             The authors' VGG16/CIFAR-10 run: 4330, 699 (= 759 − 60) and 60.
-        cutoff: keep σ_i > cutoff·σ_1 when factorising after a full-rank stage (authors: 0.15).
+        cutoff: keep σ_i > cutoff·σ_1 when factorising after a full-rank stage (default 0.15,
+            the authors' VGG16/CIFAR-10 configuration).
         cut_first: also cut at the first factorisation after warm-up (the authors' is exact).
         mode: ``"only-b"`` or ``"ab"`` (see the module doc).
         sync: what the sync averages: ``"b"`` (only-b's default) or ``"full"`` (W) in mode
@@ -173,8 +176,8 @@ class ABTraining:
             rank groups: ``"broadcast"`` (from rank 0; default in mode only-b) or ``"average"``
             (default in mode ab).
         reset_optimizer: clear the optimizer state at every switch instead of carrying it.
-        ramp_steps, ramp_start_lr: the learning-rate rebound after each switch (authors: 267
-            steps from 1e-5 on VGG16).
+        ramp_steps, ramp_start_lr: the learning-rate rebound after each switch
+            (:class:`hvdcomp.lowrank.schedule.Rebound`; the authors: 267 steps from 1e-5 on VGG16).
         full_rank: parameter names that are never factorised (the authors keep the first layer
             and the classifier).
         base_lr: the rate the rebound climbs back to (update it for schedules).
@@ -198,7 +201,7 @@ class ABTraining:
     def __init__(self, model: torch.nn.Module,
                  optimizer_factory: Callable[[List[torch.nn.Parameter]], torch.optim.Optimizer],
                  rank_groups: Union[int, str] = "node", warmup_steps: int = 100, steps_between_syncs: int = 100,
-                 full_rank_steps: int = 10, cutoff: float = 0.1, mode: str = "only-b", sync: Optional[str] = None,
+                 full_rank_steps: int = 10, cutoff: float = 0.15, mode: str = "only-b", sync: Optional[str] = None,
                  orientation: str = "tall", unfactorized_scope: str = "rank-group",
                  unfactorized_sync: Optional[str] = None, cut_first: bool = False, reset_optimizer: bool = False,
                  ramp_steps: int = 20, ramp_start_lr: float = 1e-5, full_rank: Sequence[str] = (),
@@ -345,7 +348,7 @@ class ABTraining:
             self._factorize_all(cut=self.cut_first or not first)
         if self.stage is not None:
             self.switches += 1
-            self.rebound.restart(self.base_lr)
+            self.rebound.restart()
             if self.reset_optimizer:
                 self.optimizer.state.clear()
         self.stage, self.cycle = now
@@ -409,7 +412,7 @@ class ABTraining:
                 f.apply_factors()
         self.traffic.steps_by_stage[self.stage] += 1
         self.step_count += 1
-        self.rebound.advance()
+        self.rebound.advance(self.base_lr)
         self._enter(self.stage_at(self.step_count))
 
     def model_compression(self) -> dict:

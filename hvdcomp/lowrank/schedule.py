@@ -70,38 +70,55 @@ class Schedule:
 
 
 class Rebound:
-    """The authors' learning-rate rebound after each switch: the k-th step after a switch runs at
-    ``min(base_lr, k·(lr_s − ramp_start_lr) / ramp_steps)`` for k = 1 … ramp_steps, lr_s being
-    ``base_lr`` at the switch (slope 0 when lr_s < ramp_start_lr); ``base_lr`` before the first
-    switch, after the ramp, and always when ``ramp_steps`` is 0.
+    """The authors' learning-rate rebound after each switch. With
+    ``slope = (lr_s − ramp_start_lr) / ramp_steps``, lr_s being ``base_lr`` at the first step
+    after the switch, that step runs at ``min(ramp_start_lr, slope)`` and the k-th
+    (k = 2 … ramp_steps) at ``min(base_lr, k·slope)``; ``base_lr`` before the first switch, after
+    the ramp, and always when ``ramp_steps`` is 0.
+
+    This is what the authors' trainer does (``_setup_lr_rebound`` / ``_pre_forward`` of
+    ``madonna/trainers/ab_lowrank.py``, with the per-update learning-rate schedule of their
+    configurations): at the switch it reads the rate the schedule has set for the next step
+    (lr_s) and sets the rate to ``ramp_start_lr``; before each of the next ``ramp_steps`` steps
+    it lowers the rate that is set (the first step: still ``ramp_start_lr``; later ones: the
+    schedule's, ``base_lr`` here) to ``k·slope`` where that is lower. One deliberate difference:
+    where lr_s < ``ramp_start_lr`` their slope is negative (a negative learning rate); here it is
+    0, so the rebound's steps run at rate 0.
 
     Args:
         ramp_steps: steps of the ramp (≥ 0; the authors: 267 on VGG16).
-        ramp_start_lr: where the ramp's line starts (the authors: 1e-5).
+        ramp_start_lr: the first step's rate, and where the ramp's slope is measured from (the
+            authors: 1e-5).
 
     Raises:
         ValueError: ``ramp_steps`` not an integer ≥ 0.
     """
 
-    __slots__ = ("ramp_steps", "ramp_start_lr", "since_switch", "slope")
+    __slots__ = ("ramp_steps", "ramp_start_lr", "since_switch", "active", "switch_lr")
 
     def __init__(self, ramp_steps: int, ramp_start_lr: float):
         check_count("ramp_steps", ramp_steps, 0)
         self.ramp_steps, self.ramp_start_lr = ramp_steps, float(ramp_start_lr)
-        self.since_switch, self.slope = 0, None
+        self.since_switch, self.active, self.switch_lr = 0, False, None
 
-    def restart(self, base_lr: float) -> None:
-        """A switch happened with ``base_lr`` as the rate the ramp climbs back to."""
-        self.since_switch = 0
-        self.slope = max(0.0, base_lr - self.ramp_start_lr) / self.ramp_steps if self.ramp_steps else None
+    def restart(self) -> None:
+        """A switch happened: the next step is the rebound's first."""
+        self.since_switch, self.active, self.switch_lr = 0, self.ramp_steps > 0, None
 
-    def advance(self) -> None:
-        """One optimizer step was taken."""
+    def advance(self, base_lr: float) -> None:
+        """One optimizer step was taken with ``base_lr`` as the schedule's rate (the first step
+        after a switch fixes lr_s)."""
+        if self.active and self.since_switch == 0:
+            self.switch_lr = float(base_lr)
         self.since_switch += 1
 
     def lr(self, base_lr: float) -> float:
-        """The learning rate of the next step."""
+        """The learning rate of the next step, ``base_lr`` being the schedule's rate for it."""
         k = self.since_switch + 1
-        if self.slope is None or k > self.ramp_steps:
+        if not self.active or k > self.ramp_steps:
             return base_lr
-        return min(base_lr, self.slope * k)
+        lr_s = base_lr if self.switch_lr is None else self.switch_lr
+        slope = max(0.0, lr_s - self.ramp_start_lr) / self.ramp_steps
+        if k == 1:
+            return min(self.ramp_start_lr, slope)
+        return min(base_lr, k * slope)
