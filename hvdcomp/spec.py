@@ -39,7 +39,7 @@ def parse_spec(spec: str) -> tuple:
     """Split ``"topk:density=0.01,ef=false"`` into ``("topk", {"density": 0.01, "ef": False})``.
 
     Raises:
-        ValueError: for an empty name or an argument without ``=``.
+        ValueError: for an empty name, an argument without ``=``, or a key given twice.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"compressor spec must be a non-empty string like 'topk:density=0.01', got {spec!r}")
@@ -50,7 +50,10 @@ def parse_spec(spec: str) -> tuple:
         if not eq or not key.strip() or not value.strip():
             raise ValueError(f"malformed argument '{item}' in compressor spec '{spec}': "
                              "write key=value pairs separated by commas, e.g. 'topk:density=0.01'")
-        kwargs[key.strip()] = _parse_value(value)
+        key = key.strip()
+        if key in kwargs:
+            raise ValueError(f"'{key}' is given twice in compressor spec '{spec}': give each argument once")
+        kwargs[key] = _parse_value(value)
     return name.strip(), kwargs
 
 

@@ -139,6 +139,8 @@ def test_compressor_class_is_the_registered_class():
     ("topk:ef=maybe", "ef must be true or false"),
     ("threshold:threshold=-1", "positive"),
     ("", "non-empty"),
+    ("topk:density=0.1,density=0.2", "'density' is given twice"),   # (took 0.2 before)
+    ("topk:density=0.1, density =0.1", "'density' is given twice"),
 ])
 def test_bad_specs_raise_clear_errors(spec, match):
     with pytest.raises(ValueError, match=match):
@@ -160,3 +162,14 @@ def test_nominal_ratio_study_convention():
     comp = hvdcomp.get_compressor("topk:density=0.01")
     assert comp.nominal_ratio(4_444_800) == pytest.approx(50.0, rel=1e-4)
     assert hvdcomp.get_compressor("topk:density=0.001").nominal_ratio(10**6) == pytest.approx(500.0)
+
+
+def test_duplicate_spec_keys_raise_in_every_front_end():
+    """One parser for every spec: a key given twice is refused by get_compressor, the DDP hook's
+    and the local-update modes' spec strings alike (each took the last value before)."""
+    import hvdcomp.local
+    with pytest.raises(ValueError, match="'density' is given twice"):
+        hvdcomp.spec.resolve_compression("topk:density=0.1,density=0.2")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    with pytest.raises(ValueError, match="'outer_lr' is given twice"):
+        hvdcomp.local.from_spec("diloco:outer_lr=0.7,outer_lr=0.5", opt, local_steps=2)
