@@ -6,6 +6,12 @@ up to its wall time and ``compute`` is forward+backward without the hook work.
 
 Standard phase names: ``compute`` (forward + backward), ``compress``, ``communicate`` (time this
 rank spends in, or waiting for, collectives), ``decompress`` (decode and aggregation).
+
+Under a profiler every phase is also a labelled range, ``hvdcomp.<phase>`` (e.g.
+``hvdcomp.compress``), so the compression phases of both front-ends show up in
+``torch.profiler`` traces and, under ``torch.autograd.profiler.emit_nvtx()``, as NVTX ranges in
+Nsight Systems. Without a profiler running this costs one check per phase boundary (about
+0.1 µs), not a range.
 """
 from __future__ import annotations
 
@@ -19,6 +25,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
+
+_profiling = torch._C._autograd._profiler_enabled  # (a C call: whether torch.profiler / emit_nvtx records)
 
 __all__ = ["PhaseTimer", "PHASES", "write_json_atomic", "reduce_across_ranks"]
 
@@ -54,7 +63,7 @@ class PhaseTimer:
             self._event_factory = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
         self.history: List[Dict[str, Any]] = []
         self._phases: Dict[str, "_Phase"] = {}
-        self._stack: List[list] = []  # [name, start_of_current_slice]
+        self._stack: List[list] = []  # [name, start_of_current_slice, profiler range or None]
         self._marks: List[tuple] = []  # events mode: (event, phase charged for the slice ending here)
         self._begin_step_values()
 
@@ -107,14 +116,20 @@ class PhaseTimer:
             torch.cuda.synchronize()
         now = self.clock()
         self._boundary(now)
-        self._stack.append([name, now])
+        span = None
+        if _profiling():
+            span = record_function(f"hvdcomp.{name}")
+            span.__enter__()
+        self._stack.append([name, now, span])
 
     def _exit(self) -> None:
         if self.cuda_sync:
             torch.cuda.synchronize()
         now = self.clock()
         self._boundary(now)
-        self._stack.pop()
+        span = self._stack.pop()[2]
+        if span is not None:
+            span.__exit__(None, None, None)
         if self._stack:
             self._stack[-1][1] = now
 

@@ -1,6 +1,8 @@
 """PhaseTimer accounting (with a fake clock) and atomic JSON writes."""
 import json
 
+import torch
+
 from hvdcomp.metrics import PhaseTimer, write_json_atomic
 
 
@@ -74,3 +76,29 @@ def test_event_timing_charges_device_time_between_boundaries_without_syncs():
     with t.phase("compute"):
         dev[0] = 16.5
     assert abs(t.end_step()["compute"] - 0.0015) < 1e-12
+
+
+def test_phases_are_profiler_ranges_only_while_a_profiler_runs():
+    """Under torch.profiler each phase is a range named hvdcomp.<phase>, nested as the phases
+    are; without a profiler no range is opened (the timer's stack holds None)."""
+    timer = PhaseTimer(cuda_sync=False)
+    with timer.phase("compress"):
+        assert timer._stack[-1][2] is None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        timer.begin_step()
+        with timer.phase("compute"):
+            with timer.phase("compress"):
+                torch.ones(3).sum()
+            with timer.phase("communicate"):
+                pass
+        timer.end_step()
+    events = {e.name: e for e in prof.events() if e.name.startswith("hvdcomp.")}
+    assert set(events) == {"hvdcomp.compute", "hvdcomp.compress", "hvdcomp.communicate"}
+    outer, inner = events["hvdcomp.compute"].time_range, events["hvdcomp.compress"].time_range
+    assert outer.start <= inner.start and inner.end <= outer.end
+
+
+def test_both_front_ends_show_their_phases_in_a_profiler_trace():
+    from tests.mpirun import check
+    out = check(2, ["tests/mpi/profiler_checks.py"], timeout=180)
+    assert "OK horovod" in out and "OK ddp" in out, out[-3000:]
