@@ -49,12 +49,34 @@ class PhaseTimer:
         event_factory: makes the boundary events in events mode (default
             ``torch.cuda.Event(enable_timing=True)``; tests pass a fake). Each needs
             ``record()``, ``synchronize()`` and ``elapsed_time(later) -> milliseconds``.
+        history_limit: step records kept in :attr:`history` (the most recent ones; default
+            1000, None: every one). Older records are rolled up into per-key sums, so
+            :meth:`totals` and :meth:`sums` cover every step while memory stays flat over
+            arbitrarily long runs.
 
     Use ``begin_step()``, ``with timer.phase(name): ...``, ``add_bytes(...)``, ``end_step()``;
-    ``history`` holds one dict per finished step.
+    ``history`` holds one dict per finished step (the last ``history_limit``), ``steps`` counts
+    them all. A loop that never ends a step keeps nothing per step: in events mode the events are
+    resolved into :attr:`seconds` every :attr:`MAX_MARKS` boundaries (one host sync each time).
+
+    Raises:
+        ValueError: ``history_limit`` not an integer ≥ 1 (or None).
     """
 
-    def __init__(self, cuda_sync: Optional[bool] = None, clock=time.perf_counter, event_factory=None):
+    #: events mode: boundaries recorded before they are resolved without an end_step()
+    MAX_MARKS = 4096
+    #: first step records kept aside, so totals(skip_first) can leave out warm-up steps
+    HEAD = 8
+
+    def __init__(self, cuda_sync: Optional[bool] = None, clock=time.perf_counter, event_factory=None,
+                 history_limit: Optional[int] = 1000):
+        if history_limit is not None and (isinstance(history_limit, bool) or not isinstance(history_limit, int)
+                                          or history_limit < 1):
+            raise ValueError(f"history_limit must be an integer >= 1 or None (keep every record), got {history_limit!r}")
+        self.history_limit = history_limit
+        self._head: List[Dict[str, Any]] = []      # once records are rolled up: the first HEAD ones
+        self._rolled: Dict[str, float] = defaultdict(float)  # sums over records dropped from history
+        self._rolled_steps = 0
         self.clock = clock
         self.cuda_sync = bool(cuda_sync)
         use_events = event_factory is not None or (cuda_sync is None and torch.cuda.is_available())
@@ -95,6 +117,8 @@ class PhaseTimer:
         top = self._stack[-1]
         if self._event_factory is not None:
             self._marks.append((self._record(), top[0]))
+            if len(self._marks) > self.MAX_MARKS:  # (no end_step in sight: resolve, keep the last)
+                self._charge_marks()
         else:
             self.seconds[top[0]] += now - top[1]
 
@@ -135,12 +159,17 @@ class PhaseTimer:
 
     def _resolve_events(self) -> None:
         """Events mode: charge the device time between consecutive boundaries (one sync)."""
-        last = self._record()
-        self._marks.append((last, self._stack[-1][0] if self._stack else None))
-        last.synchronize()
+        self._marks.append((self._record(), self._stack[-1][0] if self._stack else None))
+        self._charge_marks()
+
+    def _charge_marks(self) -> None:
+        """Charge the slices between the recorded boundaries (waits for the last), keeping only
+        the last boundary as the start of the next slice."""
+        self._marks[-1][0].synchronize()
         for (start, _), (end, phase) in zip(self._marks, self._marks[1:]):
             if phase is not None:
                 self.seconds[phase] += start.elapsed_time(end) / 1000.0
+        self._marks = self._marks[-1:]
 
     def add_bytes(self, sent: int = 0, received: int = 0, dense: int = 0) -> None:
         """Record bytes this rank put on / took off the wire, and the dense fp32 equivalent."""
@@ -159,17 +188,51 @@ class PhaseTimer:
         rec["bytes_received"] = self.bytes_received
         rec["dense_bytes"] = self.dense_bytes
         self.history.append(rec)
+        if self.history_limit is not None and len(self.history) >= 2 * self.history_limit:
+            if not self._rolled_steps:
+                self._head = self.history[:self.HEAD]
+            dropped, self.history = self.history[:-self.history_limit], self.history[-self.history_limit:]
+            self._rolled_steps += len(dropped)
+            for r in dropped:
+                for k, v in r.items():
+                    self._rolled[k] += v
         self._begin_step_values()
         return rec
 
+    @property
+    def steps(self) -> int:
+        """Steps ended so far (in :attr:`history` or rolled up)."""
+        return self._rolled_steps + len(self.history)
+
+    def sums(self, skip_first: int = 0) -> Dict[str, float]:
+        """Per-key sums (seconds, bytes) over every ended step but the first ``skip_first``.
+
+        Raises:
+            ValueError: ``skip_first`` larger than :attr:`HEAD` once old records were rolled up.
+        """
+        out: Dict[str, float] = defaultdict(float, self._rolled)
+        for r in self.history:
+            for k, v in r.items():
+                out[k] += v
+        if skip_first:
+            if skip_first > self.HEAD and self._rolled_steps:
+                raise ValueError(f"skip_first={skip_first}: only the first {self.HEAD} step records are kept "
+                                 "once older ones are rolled up (history_limit)")
+            for r in (self._head if self._rolled_steps else self.history)[:skip_first]:
+                for k, v in r.items():
+                    out[k] -= v
+        return dict(out)
+
     def totals(self, skip_first: int = 0) -> Dict[str, float]:
-        """Per-step means over ``history[skip_first:]`` (seconds, bytes) and ``steps``."""
-        rows = self.history[skip_first:] or self.history
-        if not rows:
+        """Per-step means (seconds, bytes) over every ended step but the first ``skip_first``
+        (all of them when there are no more), and ``steps``, the count averaged over."""
+        if skip_first >= self.steps:
+            skip_first = 0
+        if not self.steps:
             return {"steps": 0}
-        keys = sorted({k for r in rows for k in r})
-        out = {k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys}
-        out["steps"] = len(rows)
+        n = self.steps - skip_first
+        out = {k: v / n for k, v in sorted(self.sums(skip_first).items())}
+        out["steps"] = n
         return out
 
 

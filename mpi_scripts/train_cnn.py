@@ -307,9 +307,10 @@ def main(argv=None):
         compression = {"final": report["model_compression"], "history": report["compression_history"],
                        "ranks_kept": report["ranks_kept"]}
     else:
-        sent = sum(r["bytes_sent"] for r in opt.timer.history)
+        run = opt.timer.sums()
+        sent = run.get("bytes_sent", 0)
         report = {"bytes_sent": sent, "internode_bytes_sent": sent if nodes > 1 else 0,
-                  "dense_bytes": sum(r["dense_bytes"] for r in opt.timer.history), "nodes": nodes,
+                  "dense_bytes": run.get("dense_bytes", 0), "nodes": nodes,
                   "bytes_by_stage": {"full-rank": sent},
                   "internode_bytes_by_stage": {"full-rank": sent} if nodes > 1 else {},
                   "steps_by_stage": {"full-rank": step}}

@@ -397,7 +397,7 @@ def main(argv=None):
     me = (rank, hvd.local_rank(), os.environ.get("SLURMD_NODENAME", platform.node()), str(device))
     everyone = hvd.allgather_object(me, name="ranks.info")
 
-    per_step = timer.totals(skip_first=1 if len(timer.history) > 1 else 0)
+    per_step = timer.totals(skip_first=1)
     keys = [*PHASES, "wall", "bytes_sent", "bytes_received", "dense_bytes"]
     across = reduce_across_ranks({k: per_step.get(k, 0.0) for k in keys})
     measured_ratio = across["dense_bytes"]["mean"] / max(1.0, across["bytes_sent"]["mean"])
@@ -420,7 +420,7 @@ def main(argv=None):
         "anneals": sched.anneals,
         "seconds_total": time.perf_counter() - t_start,
         "per_step": across,  # seconds and bytes per optimizer step, min/mean/max over ranks
-        "run_bytes": reduce_across_ranks({k: float(sum(r[k] for r in timer.history))  # every step
+        "run_bytes": reduce_across_ranks({k: float(timer.sums().get(k, 0))  # every step
                                           for k in ("bytes_sent", "bytes_received", "dense_bytes")}),
         "timed_steps": per_step["steps"],
         "nominal_ratio": nominal,

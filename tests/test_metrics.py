@@ -1,6 +1,7 @@
 """PhaseTimer accounting (with a fake clock) and atomic JSON writes."""
 import json
 
+import pytest
 import torch
 
 from hvdcomp.metrics import PhaseTimer, write_json_atomic
@@ -102,3 +103,42 @@ def test_both_front_ends_show_their_phases_in_a_profiler_trace():
     from tests.mpirun import check
     out = check(2, ["tests/mpi/profiler_checks.py"], timeout=180)
     assert "OK horovod" in out and "OK ddp" in out, out[-3000:]
+
+
+def test_history_is_bounded_and_totals_cover_every_step():
+    """10 000 steps of step i sending i bytes, history_limit 100: at most 200 records are ever
+    held, yet sums and totals are the closed forms over all steps (Σi = n(n−1)/2), skipping the
+    first ones too; the last records are the newest."""
+    n = 10_000
+    t = PhaseTimer(cuda_sync=False, clock=lambda: 0.0, history_limit=100)
+    held = 0
+    for i in range(n):
+        t.add_bytes(sent=i)
+        t.end_step()
+        held = max(held, len(t.history))
+    assert held <= 200 and t.steps == n and t.history[-1]["bytes_sent"] == n - 1
+    assert t.sums()["bytes_sent"] == n * (n - 1) // 2
+    tot = t.totals(skip_first=3)
+    assert tot["steps"] == n - 3 and tot["bytes_sent"] == (n * (n - 1) // 2 - 3) / (n - 3)
+    with pytest.raises(ValueError, match="skip_first=9"):
+        t.sums(skip_first=9)
+    with pytest.raises(ValueError, match="history_limit"):
+        PhaseTimer(history_limit=0)
+    assert len(PhaseTimer(history_limit=None).history) == 0
+
+
+def test_events_never_resolved_by_end_step_stay_bounded():
+    """A loop that never calls begin_step()/end_step() (the local-update and adaptive examples)
+    keeps at most MAX_MARKS + 1 events; the device time is still charged: 3 ms of compress per
+    iteration over 5000 iterations."""
+    dev = _FakeEvent.device_clock
+    dev[0] = 0.0
+    t = PhaseTimer(event_factory=_FakeEvent, clock=lambda: 0.0)
+    most = 0
+    for _ in range(5000):
+        with t.phase("compress"):
+            dev[0] += 3.0
+        dev[0] += 1.0
+        most = max(most, len(t._marks))
+    assert most <= PhaseTimer.MAX_MARKS + 1
+    assert abs(t.end_step()["compress"] - 5000 * 0.003) < 1e-9
