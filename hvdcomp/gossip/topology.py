@@ -6,7 +6,8 @@ W (``size × size`` float64): rank i's gossip average is ``Σ_j W[i, j] x_j``. E
 * symmetric (``W[i, j] = W[j, i]``: an edge is used in both directions with one weight),
 * doubly stochastic (rows and columns sum to 1, entries ≥ 0): uncompressed gossip ``x ← W x``
   keeps the average of the ranks' models exactly (up to float rounding),
-* connected (over one period, for a time-varying graph): repeated gossip reaches consensus.
+* connected (over one period, for a time-varying graph) and aperiodic (spectral gap ρ > 0, below):
+  repeated gossip reaches consensus.
 
 These are checked when a topology is constructed; a violation raises ``ValueError`` naming the
 rank or edge at fault and the fix. The *spectral gap* ρ = 1 − max(|λ₂(W)|, |λₙ(W)|) says how fast
@@ -48,6 +49,10 @@ __all__ = ["Topology", "ring", "torus", "exponential", "complete", "from_adjacen
 
 #: tolerance of the symmetric / doubly stochastic checks (float64 sums of a row)
 TOLERANCE = 1e-12
+#: smallest spectral gap accepted: a gap at or below it is a periodic (or disconnected) W, whose
+#: gossip never reaches consensus (float64 eigenvalues of such a W are within ~1e-15 of ±1); a
+#: Metropolis ring of n ranks has ρ ≈ 13/n², above this bound up to n ≈ 360,000
+GAP_TOLERANCE = 1e-10
 
 
 class Topology:
@@ -71,8 +76,10 @@ class Topology:
 
     Raises:
         ValueError: a matrix that is not square ``size × size``, not symmetric, not doubly
-            stochastic, with a negative entry, or a disconnected union graph (the message names the
-            offending rank, edge or components).
+            stochastic, with a negative entry, a disconnected union graph (the message names the
+            offending rank, edge or components), or a spectral gap ρ ≤ :data:`GAP_TOLERANCE`
+            (a periodic W, e.g. a bipartite graph with zero self-weights: eigenvalue −1, no
+            consensus; the message gives ρ and |λ₂|).
     """
 
     def __init__(self, name: str, matrices: Sequence[np.ndarray]):
@@ -93,6 +100,7 @@ class Topology:
                            for w in mats]
         _check_connected([sorted(set().union(*(set(nb[i]) for nb in self._neighbors))) for i in range(size)], name)
         self.spectral_gap = _spectral_gap(mats)
+        _check_gap(self.spectral_gap, name, self.period)
         self.beta = max(float(np.linalg.norm(np.eye(size) - w, 2)) for w in mats) if size else 0.0
 
     # ---- queries ------------------------------------------------------------------------------
@@ -188,6 +196,22 @@ def _check_connected(adjacency: List[Sequence[int]], name: str) -> None:
         shown = "; ".join(str(p) if len(p) <= 8 else f"[{p[0]}, ... {len(p)} ranks]" for p in parts[:4])
         raise ValueError(f"{name}: the graph is disconnected ({count} components: {shown}); models in "
                          "different components never agree: add an edge between them")
+
+
+def _check_gap(gap: float, name: str, period: int) -> None:
+    """Raise unless the spectral gap ``gap`` is above :data:`GAP_TOLERANCE`."""
+    if gap > GAP_TOLERANCE:
+        return
+    gap_text, rate_text = f"{round(gap, 12):.3g}", f"{round(1 - gap, 12):.12g}"  # (float64 noise of ±1 shown as 0, 1)
+    what = (f"W has spectral gap {gap_text} (|λ₂| = {rate_text}, the second-largest eigenvalue modulus)"
+            if period == 1 else
+            f"the product of the {period} rounds' matrices contracts the disagreement by {rate_text} per step "
+            f"(spectral gap {gap_text})")
+    raise ValueError(f"{name}: {what}: gossip x ← W x never reaches consensus. A connected W with an eigenvalue "
+                     "−1 is periodic: a bipartite graph with zero self-weights (e.g. a ring of 4 where each rank "
+                     "gives ½ to each neighbour and 0 to itself) swaps values between its halves for ever. Give "
+                     "every rank a positive self-weight, e.g. the lazy matrix (I + W)/2, or build the weights with "
+                     "weights='metropolis'")
 
 
 def _spectral_gap(mats: Sequence[np.ndarray]) -> float:
