@@ -44,6 +44,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from .scalars import as_scalar
+
 __all__ = ["Topology", "ring", "torus", "exponential", "complete", "from_adjacency", "from_weights",
            "make_topology", "TOPOLOGIES"]
 
@@ -147,9 +149,10 @@ class Topology:
                 f"spectral_gap={self.spectral_gap:.4g})")
 
     def _rank(self, rank: int) -> int:
-        if not (isinstance(rank, (int, np.integer)) and 0 <= rank < self.size):
+        value = as_scalar(rank, integer=True)
+        if value is None or not 0 <= value < self.size:
             raise ValueError(f"rank {rank!r} is outside this {self.size}-rank topology")
-        return int(rank)
+        return value
 
 
 # ---- checks ---------------------------------------------------------------------------------------
@@ -338,7 +341,7 @@ def ring(size: int, weights: str = "metropolis") -> Topology:
     Raises:
         ValueError: ``size < 1``.
     """
-    _check_size(size)
+    size = _check_size(size)
     adj = [sorted({(i - 1) % size, (i + 1) % size} - {i}) for i in range(size)]
     return from_adjacency(adj, weights, name="ring")
 
@@ -352,11 +355,14 @@ def torus(size: int, shape: Optional[Tuple[int, int]] = None, weights: str = "me
     Raises:
         ValueError: ``size < 1``, or ``shape`` whose product is not ``size``.
     """
-    _check_size(size)
+    size = _check_size(size)
     if shape is None:
         rows = max(d for d in range(1, int(math.isqrt(size)) + 1) if size % d == 0)
         shape = (rows, size // rows)
-    rows, cols = (int(s) for s in shape)
+    sides = [as_scalar(s, integer=True) for s in shape]
+    if len(sides) != 2 or None in sides:
+        raise ValueError(f"torus shape must be two integers (rows, cols), got {shape!r}")
+    rows, cols = sides
     if rows < 1 or cols < 1 or rows * cols != size:
         raise ValueError(f"torus shape {shape} must have rows * cols == {size} ranks")
     adj = []
@@ -377,7 +383,7 @@ def exponential(size: int) -> Topology:
     Raises:
         ValueError: ``size`` not a power of two (use ``ring`` or ``torus``).
     """
-    _check_size(size)
+    size = _check_size(size)
     if size & (size - 1):
         raise ValueError(f"the one-peer exponential graph needs a power-of-two number of ranks, got {size}; "
                          "use topology='ring' or 'torus' (or a user adjacency)")
@@ -398,13 +404,16 @@ def complete(size: int) -> Topology:
     Raises:
         ValueError: ``size < 1``.
     """
-    _check_size(size)
+    size = _check_size(size)
     return Topology("complete", [np.full((size, size), 1.0 / size)])
 
 
-def _check_size(size) -> None:
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+def _check_size(size) -> int:
+    """``size`` (a Python, numpy or 0-d tensor integer) as an int >= 1."""
+    value = as_scalar(size, integer=True)
+    if value is None or value < 1:
         raise ValueError(f"a topology needs an integer number of ranks >= 1, got {size!r}")
+    return value
 
 
 #: names :func:`make_topology` accepts

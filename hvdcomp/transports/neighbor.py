@@ -35,6 +35,7 @@ allgather's ``(p−1)·α + (p−1)·m·β``.
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -137,7 +138,8 @@ class NeighborTransport:
             process set, ``hvdcomp.comm.group.Group(process_set).mpi_comm()``). Ranks and peers
             are ranks in this communicator. Collective over it (the duplication).
         timeout: seconds an exchange may wait for any one neighbour before
-            :class:`NeighborTimeoutError` (default 300; a neighbour's step may be slow).
+            :class:`NeighborTimeoutError` (default 300; a neighbour's step may be slow); a Python
+            or numpy number.
         threaded: force the background thread on/off (default: on with ``MPI_THREAD_MULTIPLE``).
 
     Attributes:
@@ -147,7 +149,8 @@ class NeighborTransport:
     Interface: ``start(payload, peers) -> handle`` (``payload``: a list of 1-D tensors sent to
     every peer, or a dict peer -> list); ``finish(handle) -> {peer: list of tensors}`` (each
     neighbour's payload has the dtypes of the payload this rank sent it, on its device);
-    ``busy``; ``reset()``; ``close()``. Every rank must call ``start`` in the same order with
+    ``busy``; ``reset()``; ``close()``; the small collectives ``allgather_object`` and
+    ``allgather_ints`` (the gossip front-end's set-up and per-step agreement). Every rank must call ``start`` in the same order with
     matching peers (j is in i's peers at an exchange iff i is in j's).
 
     Raises:
@@ -160,7 +163,7 @@ class NeighborTransport:
     def __init__(self, comm=None, timeout: float = 300.0, threaded: Optional[bool] = None):
         from mpi4py import MPI
 
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
+        if isinstance(timeout, bool) or not (isinstance(timeout, numbers.Real) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.MPI = MPI
         self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
@@ -311,10 +314,20 @@ class NeighborTransport:
             except Exception as exc:  # noqa: BLE001 - dropped on purpose, but worth a line
                 log.warning("hvdcomp gossip: dropped exchange %d failed: %s", h.index, exc)
 
-    # ---- small collectives for set-up -----------------------------------------------------
+    # ---- small collectives: set-up, and each step's non-finite verdict -------------------------
     def allgather_object(self, obj):
         """Every rank's ``obj`` (picklable; blocking, collective), in rank order."""
         return self.comm.allgather(obj)
+
+    def allgather_ints(self, values: Sequence[int]) -> List[List[int]]:
+        """Every rank's ``values`` (a few integers, the same count on every rank; one int64
+        ``Allgather``, blocking, collective), in rank order. Runs on the caller's thread beside
+        the exchange in flight on the transport's (``MPI_THREAD_MULTIPLE``; a collective never
+        matches the exchanges' point-to-point messages)."""
+        mine = np.asarray(list(values), dtype=np.int64)
+        out = np.empty((self.size, mine.size), dtype=np.int64)
+        self.comm.Allgather(mine, out)
+        return out.tolist()
 
     def close(self) -> None:
         """Stop the background thread (waits for exchanges in flight); idempotent. The duplicated
