@@ -445,8 +445,9 @@ def test_valid_mixing_matrix_spectral_gap_closed_form(n, a):
 # ---- issue 57: PowerGossip on non-contiguous parameters (item 11) ---------------------------------
 @pytest.mark.parametrize("method,kwargs", [("powergossip", {}), ("powergossip", dict(power_iterations=2)),
                                            ("choco", dict(compression="topk:density=0.3", consensus_step=0.4)),
-                                           ("dcd", dict(compression="qsgd:levels=16,block=8"))],
-                         ids=["powergossip", "powergossip-2it", "choco-topk", "dcd-qsgd"])
+                                           ("dcd", dict(compression="qsgd:levels=16,block=8")),
+                                           ("ecd", dict(compression="qsgd:levels=16,block=8"))],
+                         ids=["powergossip", "powergossip-2it", "choco-topk", "dcd-qsgd", "ecd-qsgd"])
 def test_channels_last_conv_weight_equals_the_contiguous_run(method, kwargs):
     """A ``channels_last`` conv weight (4-D, non-contiguous in the logical order) gossips to the
     same values, bit for bit, as the same weight stored contiguously, and stays channels_last."""

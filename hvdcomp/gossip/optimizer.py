@@ -247,6 +247,8 @@ class GossipOptimizer:
 
         Raises:
             NeighborTimeoutError: a neighbour sent nothing within ``timeout`` (names the rank).
+            CollectiveTimeoutError: the non-finite agreement did not complete within ``timeout``
+                (some rank stopped stepping; cannot name it).
             FloatingPointError: ``nonfinite="raise"`` and a non-finite gradient on some rank (on
                 every rank, naming the ranks; nothing was changed).
         """
@@ -272,17 +274,19 @@ class GossipOptimizer:
     def _agree_step(self) -> bool:
         """This step's non-finite verdict, the same on every rank of the process set
         (:class:`hvdcomp.agreement.NonFiniteGuard`: one fused check of the gradients per device,
-        then one ``Allgather`` of three integers per rank over the neighbour transport's
-        communicator; a rank alone decides alone). Returns whether the step goes ahead; counts
-        skipped steps.
+        then one ``Iallgather`` of three integers per rank over the neighbour transport's
+        communicator, waited for up to ``timeout``; a rank alone decides alone). Returns whether
+        the step goes ahead; counts skipped steps.
 
         A global collective in a method that otherwise talks to neighbours only: the verdict must
         be the same on every rank *at this step*, and a flag carried by the neighbour messages
         reaches every rank only after diameter-of-the-graph exchanges (n/2 on a ring), which would
-        mean undoing that many steps, or as many extra rounds per step. The ``Allgather`` of 24
+        mean undoing that many steps, or as many extra rounds per step. The allgather of 24
         bytes per rank costs about ⌈log₂ p⌉ latencies α (recursive doubling), once per step,
         while the previous exchange completes on the transport's thread; ``nonfinite="ignore"``
-        skips it (and the check)."""
+        skips it (and the check). Its price beyond time: a rank that stops stepping ends the job
+        after ``timeout`` with :class:`~hvdcomp.transports.neighbor.CollectiveTimeoutError`,
+        which cannot name that rank (without the agreement, its neighbours' exchanges name it)."""
         if self.nonfinite == "ignore":
             return True
         self._guard.observe_gradients(self._params)

@@ -45,7 +45,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NeighborTransport", "NeighborTimeoutError", "neighbor_terms", "message_bytes", "HEADER_ITEM_BYTES"]
+__all__ = ["NeighborTransport", "NeighborTimeoutError", "CollectiveTimeoutError", "neighbor_terms", "message_bytes", "HEADER_ITEM_BYTES"]
 
 HEADER_ITEM_BYTES = 8  # int64: the tensor count, then one element count per tensor
 TAG_SPACE = 1 << 15    # MPI guarantees tags up to 32767
@@ -70,6 +70,20 @@ class NeighborTimeoutError(TimeoutError):
         super().__init__(f"hvdcomp gossip: rank {rank}, exchange {exchange}: {'; '.join(parts)} within {timeout:g} s. "
                          "That rank is dead, stalled or not calling step(); every rank must step the same number of "
                          "times (raise timeout= for very slow steps)")
+
+
+class CollectiveTimeoutError(TimeoutError):
+    """A small collective of every rank (:meth:`NeighborTransport.allgather_ints`) did not
+    complete within the timeout. Unlike :class:`NeighborTimeoutError` it cannot name the rank:
+    an allgather does not say whose part is missing."""
+
+    def __init__(self, rank: int, size: int, timeout: float, what: str):
+        self.rank = rank
+        super().__init__(f"hvdcomp gossip: rank {rank}: {what} (an allgather over the {size} ranks) did not complete "
+                         f"within {timeout:g} s: some rank is dead, stalled or not calling step(), and an allgather "
+                         "cannot say which. Every rank must step the same number of times; with nonfinite='ignore' "
+                         "no such collective runs and a neighbour that sends nothing is named (raise timeout= for "
+                         "very slow steps)")
 
 
 def message_bytes(numels: Sequence[int], itemsizes: Sequence[int]) -> int:
@@ -319,14 +333,27 @@ class NeighborTransport:
         """Every rank's ``obj`` (picklable; blocking, collective), in rank order."""
         return self.comm.allgather(obj)
 
-    def allgather_ints(self, values: Sequence[int]) -> List[List[int]]:
-        """Every rank's ``values`` (a few integers, the same count on every rank; one int64
-        ``Allgather``, blocking, collective), in rank order. Runs on the caller's thread beside
-        the exchange in flight on the transport's (``MPI_THREAD_MULTIPLE``; a collective never
-        matches the exchanges' point-to-point messages)."""
+    def allgather_ints(self, values: Sequence[int], what: str = "the step's non-finite agreement") -> List[List[int]]:
+        """Every rank's ``values`` (a few integers, the same count on every rank), in rank order:
+        one int64 ``Iallgather`` (collective), waited for as the exchanges are, with short sleeps,
+        on the caller's thread beside the exchange in flight on the transport's
+        (``MPI_THREAD_MULTIPLE``; a collective never matches the exchanges' point-to-point
+        messages).
+
+        Raises:
+            CollectiveTimeoutError: not complete within ``timeout`` (a rank dead, stalled or not
+                calling it; the job should end: the collective stays pending).
+        """
         mine = np.asarray(list(values), dtype=np.int64)
         out = np.empty((self.size, mine.size), dtype=np.int64)
-        self.comm.Allgather(mine, out)
+        request = self.comm.Iallgather(mine, out)
+        deadline = time.monotonic() + self.timeout
+        pause = 5e-5
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(self.rank, self.size, self.timeout, what)
+            time.sleep(pause)
+            pause = min(1e-3, pause * 2)
         return out.tolist()
 
     def close(self) -> None:

@@ -17,8 +17,10 @@ Checks:
              final parameters (OUTDIR/<config>-nonfinite-<mode>-...) are the reference's of STEPS
              steps; with "ignore" the NaN reaches every rank
   single     one rank: every method reduces to the local optimizer step
-  stall      rank 2 stops stepping: its neighbours' next exchange raises NeighborTimeoutError
-             naming rank 2 (then abort_on_uncaught_exception ends the job)
+  stall      rank 2 stops stepping: the others' next non-finite agreement raises
+             CollectiveTimeoutError (then abort_on_uncaught_exception ends the job)
+  stall_ignore  the same with nonfinite="ignore" (no agreement): its neighbours' next exchange
+             raises NeighborTimeoutError naming rank 2
 """
 import io
 import os
@@ -246,11 +248,12 @@ def check_single(outdir):
         print(f"OK single {method}", flush=True)
 
 
-def check_stall(outdir):
+def check_stall(outdir, nonfinite="skip"):
     rank = hvd.rank()
     params = make_params(rank)
     opt = hvdcomp.gossip.GossipOptimizer(inner(params), named_parameters=params.items(), method="choco",
-                                         topology="ring", compression="sign", consensus_step=0.45, timeout=3.0)
+                                         topology="ring", compression="sign", consensus_step=0.45, timeout=3.0,
+                                         nonfinite=nonfinite)
     if rank == 2:
         print("rank 2 stalls", flush=True)
         time.sleep(120)
@@ -272,4 +275,5 @@ if __name__ == "__main__":
             check_runs(outdir, ps)
         else:
             {"bad_input": check_bad_input, "checkpoint": check_checkpoint, "nonfinite": check_nonfinite,
-             "stall": check_stall, "single": check_single}[check](outdir)
+             "stall": check_stall, "stall_ignore": lambda d: check_stall(d, nonfinite="ignore"),
+             "single": check_single}[check](outdir)
