@@ -10,6 +10,11 @@ background thread while the next forward and backward compute, and is applied at
 next ``step()`` (after that step's local update): exact for DCD-PSGD and ECD-PSGD, and the
 authors' "parallel" form for Choco-SGD and PowerGossip (the mixing applied one step late).
 
+Before anything changes, every step checks the gradients for NaN/Inf and the ranks agree on the
+verdict (``nonfinite="skip"`` by default: a non-finite gradient on any rank skips the step on every
+rank, without a trace; :meth:`GossipOptimizer._agree_step` says why this one global collective and
+what it costs). Checkpoints (:meth:`GossipOptimizer.state_dict`) leave the trajectory unchanged.
+
 Which model to evaluate: the ranks' models differ by the consensus distance. :meth:`average_model`
 (a context manager) swaps in the network average (one allreduce) and puts the local model back
 after; ``mpi_scripts/train_lm.py`` evaluates the average by default (``--gossip-eval local``: each

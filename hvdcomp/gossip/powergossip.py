@@ -20,7 +20,9 @@ The vector is *warm-started*: the next exchange starts from this one's result, s
 changes slowly is tracked like a power iteration across steps. A rank-1 difference is removed
 exactly once v is aligned with it: after one step from a warm vector, or in one step with
 ``power_iterations=2`` (two half iterations: the full power iteration of PowerSGD). Parameters of
-one dimension (biases, norms) are sent uncompressed and averaged as in plain gossip.
+one dimension (biases, norms) are sent uncompressed and averaged as in plain gossip. A parameter
+is read and updated in its logical shape (``shape[0] × rest`` in row-major order, whatever its
+memory layout: a ``channels_last`` conv weight gives the contiguous one's values, bit for bit).
 
 Per edge and step a rank sends Σ (m or n) over its matrices plus its 1-D parameters (float32 each):
 on the small LSTM about 22 KB instead of 4.4 MB. State per rank: one vector per edge and matrix and
