@@ -19,8 +19,8 @@ import torch
 import hvdcomp
 from hvdcomp.compressors import simulated_world
 from hvdcomp.compressors.topk import num_kept
-from tests.mpi.gossip_checks import (CONFIGS, PROCESS_SET, SET_CONFIG, SHAPES, STEPS, make_params,
-                                     targets)
+from tests.mpi.gossip_checks import (CHECKPOINT_CONFIGS, CONFIGS, NONFINITE_CONFIGS, PROCESS_SET, SET_CONFIG, SHAPES,
+                                     STEPS, make_params, targets)
 from tests.mpirun import TINY_SHAKESPEARE, check, mpirun
 
 NAMES = list(SHAPES)
@@ -272,7 +272,7 @@ def runs(tmp_path_factory):
     out = {}
     for np_ in (2, 4):
         d = tmp_path_factory.mktemp(f"gossip-np{np_}")
-        checks = "runs,bad_input,resume" if np_ == 2 else "runs"
+        checks = "runs,bad_input,checkpoint,nonfinite" if np_ == 2 else "runs"
         out[np_] = (d, check(np_, ["tests/mpi/gossip_checks.py", checks, str(d)], timeout=300))
     return out
 
@@ -324,16 +324,66 @@ def test_mpi_run_inside_a_process_set_equals_reference(runs):
 def test_bad_input_raises_on_every_rank(runs):
     _, out = runs[2]
     for label in ("gamma_everywhere", "gamma_one_rank", "gamma_disagree", "asymmetric", "listed_twice",
-                  "disconnected", "biased_dcd", "compression_disagree"):
+                  "disconnected", "biased_dcd", "compression_disagree", "nonfinite_unknown", "nonfinite_disagree",
+                  "timeout_one_rank", "numbers"):
         for r in (0, 1):
             assert f"OK bad_input {label} rank {r}:" in out, (label, r, out[-3000:])
 
 
-def test_per_rank_state_dict_resumes_exactly(runs):
-    _, out = runs[2]
-    for method in ("choco", "powergossip", "ecd"):
-        for r in (0, 1):
-            assert f"OK resume {method} rank {r}" in out
+def load_params(d, label, r):
+    return torch.load(os.path.join(d, f"{label}-np2-r{r}.pt"))
+
+
+def max_difference(got, expected):
+    return max(float((got[k] - expected[k]).abs().max()) for k in NAMES)
+
+
+@pytest.mark.parametrize("name", CHECKPOINT_CONFIGS)
+def test_checkpoint_at_every_step_changes_nothing_and_resumes_exactly(runs, name):
+    """``state_dict()`` after every step (the exchange in flight, overlap on) leaves the run equal,
+    bit for bit, to the reference that never saved; a run resumed on fresh objects from the
+    checkpoint of step SAVE_AT (through ``torch.load(weights_only=True)``) equals it too. Before
+    issue 57's fix, saving applied the exchange in flight early: after STEPS steps Choco QSGD,
+    Choco sign and PowerGossip differed from the reference (DCD/ECD did not)."""
+    d, out = runs[2]
+    expected = reference(CONFIGS[name][1], [0, 1], 2)
+    for r in (0, 1):
+        assert f"OK checkpoint {name} rank {r}" in out, out[-3000:]
+        for label in ("saved", "resumed"):
+            got = load_params(d, f"{name}-{label}", r)["params"]
+            assert all(torch.equal(got[k], expected[r][k]) for k in NAMES), (name, label, r,
+                                                                              max_difference(got, expected[r]))
+
+
+@pytest.mark.parametrize("mode", ["skip", "raise"])
+@pytest.mark.parametrize("name", NONFINITE_CONFIGS)
+def test_nonfinite_gradient_on_one_rank_skips_that_step_on_every_rank(runs, name, mode):
+    """An Inf in rank 1's gradient at step BAD_STEP of STEPS + 1: every rank skips that step
+    (``"skip"``) or raises ``FloatingPointError`` naming rank 1 (``"raise"``) and goes on. A skipped
+    step leaves no trace (parameters, momentum, public copies, replicas, edge vectors, compressor
+    generators, the exchange in flight), and each gradient here is a function of the parameters
+    (p − c_r), so the run must equal, bit for bit, the reference run of STEPS steps: the
+    one-process simulation with that step removed. Before issue 57's fix every rank's parameters
+    were NaN at the end."""
+    d, _ = runs[2]
+    expected = reference(CONFIGS[name][1], [0, 1], 2)
+    for r in (0, 1):
+        rec = load_params(d, f"{name}-nonfinite-{mode}", r)
+        got = rec["params"]
+        assert all(torch.equal(got[k], expected[r][k]) for k in NAMES), (name, mode, r, max_difference(got, expected[r]))
+        if mode == "skip":
+            assert rec["skipped"] == 1 and rec["raised"] is None
+        else:
+            assert rec["skipped"] == 0 and "non-finite gradient" in rec["raised"] and "rank(s) [1]" in rec["raised"]
+
+
+def test_nonfinite_ignore_lets_the_nan_reach_every_rank(runs):
+    """``nonfinite="ignore"``: no check, no agreement collective; the Inf on rank 1 makes its model
+    non-finite and the gossip carries that to rank 0 (what the guard prevents)."""
+    d, _ = runs[2]
+    for r in (0, 1):
+        got = load_params(d, "choco-sign-ring-nonfinite-ignore", r)["params"]
+        assert not all(bool(torch.isfinite(got[k]).all()) for k in NAMES), r
 
 
 def test_one_rank_is_local_training(tmp_path):
@@ -342,12 +392,17 @@ def test_one_rank_is_local_training(tmp_path):
         assert f"OK single {method}" in out
 
 
-def test_stalled_neighbour_is_named_and_the_job_ends(tmp_path):
+@pytest.mark.parametrize("check,words", [
+    # the default per-step non-finite agreement is an allgather: it ends the job, without a name
+    ("stall", "did not complete within 3 s: some rank is dead, stalled or not calling step()"),
+    # without it (nonfinite="ignore") the neighbours' exchange names the silent rank
+    ("stall_ignore", "no message from neighbour rank(s) [2]")])
+def test_stalled_rank_ends_the_job(tmp_path, check, words):
     t0 = time.monotonic()
-    res = mpirun(4, ["tests/mpi/gossip_checks.py", "stall", str(tmp_path)], timeout=90)
+    res = mpirun(4, ["tests/mpi/gossip_checks.py", check, str(tmp_path)], timeout=90)
     elapsed = time.monotonic() - t0
     assert res.returncode != 0, res.stdout[-3000:]
-    assert "no message from neighbour rank(s) [2]" in res.stdout, res.stdout[-3000:]
+    assert words in res.stdout, res.stdout[-3000:]
     assert "finished without noticing" not in res.stdout
     assert elapsed < 80  # rank 2 sleeps 120 s: the job ended on the timeout, not on its own
 

@@ -43,7 +43,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from .base import Compressor
+from .base import Compressor, ErrorBound
 from .registry import compressor_class, create, register
 from .topk import check_density
 
@@ -201,6 +201,11 @@ class AdaptiveCompressor(Compressor):
     def describe(self):
         return {"name": self.name, "base": self.base, "budget": self.budget, "every": self.every,
                 "candidates": self.settings, **self.base_args}
+
+    @property
+    def error_bound(self):
+        """None: its density follows error-feedback statistics from earlier calls."""
+        return ErrorBound("none", "it adapts its density from error-feedback statistics of earlier calls: use topk")
 
     def nominal_ratio(self, numel):
         """None: each layer's setting changes with the plan."""

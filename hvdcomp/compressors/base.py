@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import Any, Dict, List, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -38,7 +39,7 @@ except ImportError:  # pragma: no cover - exercised only where Horovod is not in
 
 Payload = List[torch.Tensor]
 
-__all__ = ["Method", "Compressor", "PayloadKind", "AggregateInto", "Payload", "world_size", "rank",
+__all__ = ["Method", "Compressor", "PayloadKind", "AggregateInto", "Payload", "ErrorBound", "world_size", "rank",
            "simulated_world", "cast_saturating", "copy_saturating_", "float32_flat", "write_back"]
 
 
@@ -49,6 +50,28 @@ class PayloadKind(str, enum.Enum):
     MEAN = "mean"
     SUM = "sum"
     GATHERED = "gathered"
+
+
+@dataclass(frozen=True)
+class ErrorBound:
+    """What one call of a method guarantees about its error on a tensor v of n elements, used
+    alone (no error feedback): what decentralized methods (:mod:`hvdcomp.gossip`) need to know.
+
+    Attributes:
+        kind: ``"exact"`` (C(v) = v); ``"unbiased"`` (E[C(v)] = v and E‖C(v) − v‖² ≤ ω(n)‖v‖²);
+            ``"contraction"`` (E‖C(v) − v‖² ≤ (1 − δ(n))‖v‖², δ(n) ∈ (0, 1]); ``"none"``
+            (neither: a biased method without a contraction, or one that keeps state between
+            calls).
+        statement: the bound in words, or for ``"none"`` why there is none and what to use.
+        omega: ``n -> ω`` for ``"unbiased"``.
+        delta: ``n -> δ`` for ``"contraction"`` (a lower bound over all v; in expectation for
+            randomized methods).
+    """
+
+    kind: str
+    statement: str
+    omega: Optional[Callable[[int], float]] = None
+    delta: Optional[Callable[[int], float]] = None
 
 
 def cast_saturating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -179,6 +202,12 @@ class Method(StagedState):
             state = self.state_dict()
             state.update(shared)
             self.load_state_dict(state)
+
+    @property
+    def error_bound(self) -> ErrorBound:
+        """What one call guarantees about ‖C(v) − v‖ (:class:`ErrorBound`); methods that have a
+        bound override this. The default states none."""
+        return ErrorBound("none", f"'{self.name}' states no bound on its error (neither unbiased nor a contraction)")
 
     # ---- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

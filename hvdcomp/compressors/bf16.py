@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor, PayloadKind
+from .base import Compressor, ErrorBound, PayloadKind
 from .registry import register
 
 
@@ -34,6 +34,12 @@ class BF16Compressor(Compressor):
         shape, dtype = ctx
         stacked = torch.stack([p[0].to(torch.float32) for p in payloads])
         return stacked.mean(0).reshape(shape).to(dtype)
+
+    @property
+    def error_bound(self):
+        """Round to nearest bfloat16: relative error ≤ 2⁻⁸ per entry, so δ = 1 − 2⁻¹⁶."""
+        return ErrorBound("contraction", "rounding to bfloat16 (relative error ≤ 2⁻⁸): δ = 1 − 2⁻¹⁶",
+                          delta=lambda n: 1.0 - 2.0**-16)
 
     def nominal_ratio(self, numel):
         return 2.0

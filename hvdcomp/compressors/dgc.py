@@ -30,6 +30,7 @@ from .registry import register
 from .rng import RankGenerators
 from .selection import MIN_SAMPLE, check_sample_ratio, sample_draws, sampled_threshold_topk, select_segments
 from .segments import SegmentsContext
+from .base import ErrorBound
 from .sparse import SparseCompressor
 from .topk import check_density, num_kept
 
@@ -105,6 +106,11 @@ class DGCCompressor(SparseCompressor):
         if epoch < self.warmup_epochs:
             return self.density ** ((epoch + 1) / (self.warmup_epochs + 1))
         return self.density
+
+    def _exact_values_bound(self):
+        """None: C(v) depends on earlier calls (momentum, residual)."""
+        return ErrorBound("none", "it applies momentum and keeps a residual itself, so C(v) depends on earlier calls: "
+                                  "use topk")
 
     def nominal_ratio(self, numel):
         return numel / max(1, num_kept(numel, self.density)) / 2.0

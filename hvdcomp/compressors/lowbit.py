@@ -81,7 +81,7 @@ from typing import Any, Dict, Sequence
 
 import torch
 
-from .base import AggregateInto, Compressor, cast_saturating, copy_saturating_, PayloadKind
+from .base import AggregateInto, Compressor, ErrorBound, cast_saturating, copy_saturating_, PayloadKind
 from .bitpack import pack_bits, packed_nbytes, unpack_codes
 from ..memory import Residuals
 from .registry import register
@@ -207,6 +207,12 @@ class LowBitCompressor(AggregateInto, Compressor):
     def expected_payload_bytes(self, numel: int) -> int:
         """Exact bytes one rank sends for ``numel`` elements (:meth:`wire_bytes`; 0 for 0)."""
         return self.wire_bytes(numel)
+
+    @property
+    def error_bound(self):
+        """None: it carries its quantization error from call to call."""
+        return ErrorBound("none", "it keeps its own error compensation between calls, so one call's error is not "
+                                  "bounded by ‖v‖: use qsgd")
 
     def nominal_ratio(self, numel: int) -> float:
         """``32 / (bits + 32/block)`` (float32 values against bits per element plus the scale's

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor, cast_saturating
+from .base import Compressor, ErrorBound, cast_saturating
 from .registry import register
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -23,6 +23,11 @@ class NoneCompressor(Compressor):
 
     name = "none"
     payload_is_gradient = True  # float32/float64 gradients travel as they are
+
+    @property
+    def error_bound(self):
+        """Exact: C(v) = v (see :class:`hvdcomp.compressors.base.ErrorBound`)."""
+        return ErrorBound("exact", "C(v) = v")
 
     def _encode(self, tensor, name=None):
         flat = tensor.reshape(-1)

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from .. import native
-from .base import AggregateInto, Compressor, float32_flat, write_back, PayloadKind
+from .base import AggregateInto, Compressor, ErrorBound, float32_flat, write_back, PayloadKind
 from .bitpack import bits_for_levels, pack_bits, packed_nbytes, unpack_bits, unpack_codes
 from .registry import register
 from .rng import RankGenerators, rounding_draws
@@ -94,6 +94,19 @@ class QSGDCompressor(AggregateInto, Compressor):
     def wire_bytes(self, numel: int) -> int:
         """Exact payload bytes for ``numel`` elements (scales + packed codes)."""
         return 4 * math.ceil(numel / self.block) + packed_nbytes(numel, self.bits)
+
+    @property
+    def error_bound(self):
+        """Unbiased, E‖C(v) − v‖² ≤ ω‖v‖² per block of d' = min(d, n) elements: ω = min(d'/s², √d'/s)
+        with the 2-norm scale (Alistarh et al., NeurIPS 2017, Lemma 3.1), min(d'/(4s²), √d'/s) with
+        the max-abs scale (each element's rounding variance ≤ (m/s)²/4 and ≤ (m/s)|v_i|, m the
+        block's largest magnitude)."""
+        s, d = self.levels, self.block
+        if self.scale == "l2":
+            return ErrorBound("unbiased", f"stochastic rounding, E[C(v)] = v, ω = min(d/s², √d/s) (d = {d}, s = {s})",
+                              omega=lambda n: min(min(d, n) / s**2, math.sqrt(min(d, n)) / s))
+        return ErrorBound("unbiased", f"stochastic rounding, E[C(v)] = v, ω = min(d/(4s²), √d/s) (d = {d}, s = {s})",
+                          omega=lambda n: min(min(d, n) / (4 * s**2), math.sqrt(min(d, n)) / s))
 
     def nominal_ratio(self, numel):
         return 4 * numel / max(1, self.wire_bytes(numel))

@@ -20,7 +20,7 @@ from functools import partial
 import torch
 
 from .. import native
-from .base import AggregateInto, Compressor, float32_flat, write_back
+from .base import AggregateInto, Compressor, ErrorBound, float32_flat, write_back
 from .registry import register
 from .topk import check_density, num_kept
 
@@ -81,6 +81,13 @@ class RandomKCompressor(AggregateInto, Compressor):
 
     def describe(self):
         return {"name": self.name, "density": self.density, "seed": self.seed}
+
+    @property
+    def error_bound(self):
+        """Keeps k random entries exactly, unscaled: E‖C(v) − v‖² = (1 − k/n)‖v‖² (over the draw)."""
+        density = self.density
+        return ErrorBound("contraction", "keeps k = max(1, ⌈ρn⌉) random entries exactly (unscaled): δ = k/n in "
+                                         "expectation", delta=lambda n: num_kept(n, density) / max(1, n))
 
     def nominal_ratio(self, numel):
         return numel / max(1, num_kept(numel, self.density)) / 2.0

@@ -64,7 +64,7 @@ import math
 
 import torch
 
-from .base import cast_saturating
+from .base import ErrorBound, cast_saturating
 from .bitpack import pack_bits, packed_nbytes, unpack_bits, unpack_codes
 from .registry import register
 from .selection import exact_topk, indices_at_least
@@ -333,6 +333,14 @@ class SBCCompressor(SparseCompressor):
         return [mu, unary, rem]
 
     # ---- bytes -----------------------------------------------------------------------------------
+    def _exact_values_bound(self):
+        """Sends the mean μ of the c ≤ k kept entries of one sign at their positions:
+        ‖C(v) − v‖² = ‖v‖² − cμ², and the side sent has the larger mean, at least max|v|/k, so
+        δ ≥ 1/(n·k²)."""
+        density = self.density
+        return ErrorBound("contraction", "replaces the kept entries of one sign by their mean: ‖C(v) − v‖² = ‖v‖² − cμ², "
+                                         "δ ≥ 1/(n·k²)", delta=lambda n: 1.0 / (max(1, n) * num_kept(max(1, n), density) ** 2))
+
     def nominal_ratio(self, numel):
         """n/(k + 1): k 32-bit indices and one 32-bit value against n 32-bit values (the seed
         study's convention; the coded positions are much smaller, see :meth:`payload_bytes`)."""

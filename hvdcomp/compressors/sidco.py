@@ -75,6 +75,7 @@ import torch
 
 from .registry import register
 from .selection import exact_topk, indices_at_least
+from .base import ErrorBound
 from .sparse import SparseCompressor
 from .topk import check_density, num_kept
 
@@ -306,6 +307,13 @@ class SIDCoCompressor(SparseCompressor):
     def describe(self):
         return {"name": self.name, "density": self.density, "dist": self.dist, "stages": self.max_stages,
                 "tolerance": self.tolerance, **self.wire_options()}
+
+    def _exact_values_bound(self):
+        """Keeps the entries above a fitted threshold exactly, never none (the exact top-k is
+        the fallback), so at least the largest: δ ≥ max|v|²/‖v‖² ≥ 1/n."""
+        return ErrorBound("contraction", "keeps the entries above an estimated threshold exactly, at least the largest: "
+                                         "δ ≥ 1/n (about k/n when the fit hits its target)",
+                          delta=lambda n: 1.0 / max(1, n))
 
     def nominal_ratio(self, numel):
         """None: how many entries pass the fitted threshold depends on the data."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import native
-from .base import AggregateInto, Compressor, float32_flat, write_back, PayloadKind
+from .base import AggregateInto, Compressor, ErrorBound, float32_flat, write_back, PayloadKind
 from .bitpack import pack_bits, packed_nbytes, unpack_codes
 from .registry import register
 from .segments import SegmentsContext
@@ -73,6 +73,12 @@ class SignSGDCompressor(AggregateInto, Compressor):
     def describe(self):
         return {"name": self.name, "vote": self.vote}
 
+    @property
+    def error_bound(self):
+        """Unscaled signs: none (‖v − sign(v)‖ can exceed ‖v‖)."""
+        return ErrorBound("none", "its unscaled signs are not a contraction (‖v − sign(v)‖ can exceed ‖v‖): use efsignsgd "
+                                  "(alias 'sign'), the scaled sign ‖v‖₁/n·sign(v)")
+
     def nominal_ratio(self, numel):
         return 32.0
 
@@ -126,6 +132,13 @@ class ScaledSignCompressor(AggregateInto, Compressor):
     payload_kind = PayloadKind.GATHERED
     aggregate_is_mean = True
     default_error_feedback = True
+
+    @property
+    def error_bound(self):
+        """‖v‖₁/n·sign(v) per tensor (sign(0) = +1): ‖C(v) − v‖² = ‖v‖² − ‖v‖₁²/n, so
+        δ = ‖v‖₁²/(n‖v‖²) ≥ 1/n (Karimireddy et al., ICML 2019)."""
+        return ErrorBound("contraction", "the scaled sign ‖v‖₁/n·sign(v): δ = ‖v‖₁²/(n‖v‖²) ≥ 1/n",
+                          delta=lambda n: 1.0 / max(1, n))
 
     def nominal_ratio(self, numel):
         return 4 * numel / (4 + packed_nbytes(numel, 1))

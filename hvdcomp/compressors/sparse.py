@@ -42,7 +42,7 @@ import torch
 
 from .. import native
 from . import bitpack
-from .base import AggregateInto, Compressor, PayloadKind
+from .base import AggregateInto, Compressor, ErrorBound, PayloadKind
 from .segments import Segments, SegmentsContext
 
 __all__ = ["SparseCompressor", "index_dtype", "compact_index_bytes", "int2_encode", "int2_decode", "segments_of"]
@@ -52,6 +52,11 @@ _VALUE_CODINGS = ("fp32", "fp16", "int2")
 _INDEX_CODINGS = ("int", "compact")
 FP16_MAX = 65504.0
 INT2_HEADER = 4  # bytes of the float32 scale in front of an int2 payload's codes
+#: why a sparsifier with int2 values has no error bound (:attr:`SparseCompressor.error_bound`)
+INT2_ERROR = ("values=int2 rounds every kept entry to ±s/3 or ±s (s: the largest kept magnitude), so small kept "
+              "entries grow to s/3: on v = (1, ε, ..., ε) ‖C(v) − v‖² ≈ (k − 1)/9·‖v‖² (11 at k = 100), no "
+              "contraction. It is meant for error feedback, which keeps what the levels drop; use values=fp32 "
+              "(default) or values=fp16")
 
 
 def segments_of(ctx) -> Optional[Segments]:
@@ -124,6 +129,26 @@ class SparseCompressor(AggregateInto, Compressor):
     @abc.abstractmethod
     def select(self, flat: torch.Tensor, name) -> torch.Tensor:
         """Indices (int64, 1-D) of ``flat`` (1-D, n elements) to send."""
+
+    # ---- what one call guarantees ----------------------------------------------------------------
+    @property
+    def error_bound(self) -> ErrorBound:
+        """The method's bound with exact values (:meth:`_exact_values_bound`), adjusted for the
+        value coding: fp16 values round each kept value (relative error ≤ 2⁻¹¹ in float16's
+        normal range), so δ shrinks by the factor 1 − 2⁻²²; int2 values are no contraction at all
+        (:data:`INT2_ERROR`)."""
+        if self.value_coding == "int2":
+            return ErrorBound("none", INT2_ERROR)
+        bound = self._exact_values_bound()
+        if self.value_coding == "fp32" or bound.kind != "contraction":
+            return bound
+        delta = bound.delta
+        return ErrorBound("contraction", bound.statement + ", times 1 − 2⁻²² for the fp16 values (|v| < 65520)",
+                          delta=lambda n: delta(n) * (1.0 - 2.0**-22))
+
+    def _exact_values_bound(self) -> ErrorBound:
+        """:attr:`error_bound` with float32 values; methods that have one override this."""
+        return Compressor.error_bound.fget(self)
 
     # ---- wire coding ---------------------------------------------------------------------------
     def set_wire(self, values: str = "fp32", index: str = "int") -> "SparseCompressor":

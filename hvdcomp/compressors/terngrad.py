@@ -14,12 +14,14 @@ once. On CUDA (or with the native kernels off) vectorised torch ops with ``torch
 """
 from __future__ import annotations
 
+import math
+
 
 import numpy as np
 import torch
 
 from .. import native
-from .base import AggregateInto, Compressor, float32_flat, write_back, PayloadKind
+from .base import AggregateInto, Compressor, ErrorBound, float32_flat, write_back, PayloadKind
 from .bitpack import pack_bits, packed_nbytes, unpack_codes
 from .registry import register
 from .rng import RankGenerators, rounding_draws
@@ -63,6 +65,16 @@ class TernGradCompressor(AggregateInto, Compressor):
 
     def describe(self):
         return {"name": self.name, "clip_sigmas": self.clip_sigmas}
+
+    @property
+    def error_bound(self):
+        """Without clipping: unbiased, E‖C(v) − v‖² = s‖v‖₁ − ‖v‖² ≤ (√n − 1)‖v‖² with s = max|v|
+        (ω = √n stated); with clipping neither unbiased nor a contraction."""
+        if self.clip_sigmas > 0:
+            return ErrorBound("none", "clipping (clip_sigmas > 0) makes it neither unbiased nor a contraction: use "
+                                      "terngrad:clip_sigmas=0 (unbiased) or qsgd")
+        return ErrorBound("unbiased", "stochastic ternarization to {−s, 0, s}, s = max|v|: E[C(v)] = v, ω = √n",
+                          omega=lambda n: math.sqrt(max(1, n)))
 
     def nominal_ratio(self, numel):
         return 4 * numel / (4 + packed_nbytes(numel, 2))

@@ -13,6 +13,7 @@ import torch
 from .registry import register
 from .selection import indices_at_least
 from .segments import SegmentsContext
+from .base import ErrorBound
 from .sparse import SparseCompressor
 
 
@@ -45,6 +46,10 @@ class ThresholdCompressor(SparseCompressor):
 
     def describe(self):
         return {"name": self.name, "threshold": self.threshold, **self.wire_options()}
+
+    def _exact_values_bound(self):
+        """A fixed threshold may keep nothing: δ = 0."""
+        return ErrorBound("none", "a fixed threshold sends nothing once every entry is below it (δ = 0): use topk")
 
     def nominal_ratio(self, numel):
         """None: how many elements pass the threshold depends on the data (see measured bytes)."""

@@ -25,6 +25,7 @@ from .selection import (
     select_segments,
 )
 from .segments import SegmentsContext
+from .base import ErrorBound
 from .sparse import SparseCompressor
 
 DEFAULT_SAMPLE_RATIO = 0.01
@@ -103,6 +104,16 @@ class TopKCompressor(SparseCompressor):
             if self.seed:
                 out["seed"] = self.seed
         return {**out, **self.wire_options()}
+
+    def _exact_values_bound(self):
+        """Keeps the k largest entries exactly: ‖C(v) − v‖² = ‖v‖² − ‖v_top-k‖² ≤ (1 − k/n)‖v‖²
+        (Stich, Cordonnier and Jaggi, 2018); ``select=sample`` keeps about k, at least the largest."""
+        density, sampled = self.density, self.select_mode == "sample"
+        if sampled:
+            return ErrorBound("contraction", "keeps the entries above a sampled threshold exactly, at least the largest: "
+                                             "δ ≥ 1/n (about k/n)", delta=lambda n: 1.0 / max(1, n))
+        return ErrorBound("contraction", "keeps the k = max(1, ⌈ρn⌉) largest entries exactly: δ = k/n",
+                          delta=lambda n: num_kept(n, density) / max(1, n))
 
     def nominal_ratio(self, numel):
         return numel / max(1, num_kept(numel, self.density)) / 2.0

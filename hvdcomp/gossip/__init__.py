@@ -11,7 +11,7 @@ communication of their own):
 :class:`GossipOptimizer` (:mod:`.optimizer`) runs them from a Horovod script through
 :class:`hvdcomp.transports.neighbor.NeighborTransport`. User guide: ``docs/gossip.md``.
 """
-from .base import COMPRESSORS, GossipMethod, compressor_kind, gossip_compressor
+from .base import GossipMethod, compressor_kind, gossip_compressor
 from .choco import ChocoGossip
 from .dcd import DCDGossip, ECDGossip
 from .optimizer import METHODS, GossipOptimizer, make_method
@@ -20,6 +20,6 @@ from .topology import (TOPOLOGIES, Topology, complete, exponential, from_adjacen
                        make_topology, ring, torus)
 
 __all__ = ["GossipOptimizer", "GossipMethod", "ChocoGossip", "DCDGossip", "ECDGossip", "PowerGossip",
-           "METHODS", "make_method", "COMPRESSORS", "compressor_kind", "gossip_compressor", "Topology",
+           "METHODS", "make_method", "compressor_kind", "gossip_compressor", "Topology",
            "TOPOLOGIES", "ring", "torus", "exponential", "complete", "from_adjacency", "from_weights",
            "make_topology"]

@@ -6,30 +6,17 @@ memory of what was sent (public copies, replicas). So:
 
 * error feedback is never added (``get_compressor(..., ef=False)``); ``ef=true`` is refused,
   because the public copies already carry what compression dropped;
-* which registered method is allowed where is decided in one table, :data:`COMPRESSORS`, read by
-  one function, :func:`compressor_kind`. Choco-SGD needs a *contraction*
-  (E‖C(v) − v‖² ≤ (1 − δ)‖v‖², δ > 0; biased methods such as top-k and the scaled sign qualify)
-  or an *unbiased* method with variance ω‖v‖², which it rescales by 1/(1 + ω) (as the Choco-SGD
-  authors' code does for QSGD); DCD-PSGD and ECD-PSGD need an unbiased one (E[C(v)] = v).
-
-===============  ============  ==========================================================
-method           kind          note
-===============  ============  ==========================================================
-none             exact         C(v) = v
-qsgd             unbiased      ω = min(d/s², √d/s) per bucket of d (scale=l2), or
-                               min(d/(4s²), √d/s) (scale=max)
-terngrad         unbiased      only with ``clip_sigmas=0`` (clipping biases it); ω ≤ √n
-topk, randomk,   contraction   δ ≥ density (randomk: hvdcomp's unscaled form, indices
-sidco, sbc                     shared by all ranks)
-efsignsgd        contraction   ‖v‖₁/n · sign(v) per tensor (Choco's "sign"); alias ``sign``
-fp16, bf16       contraction   deterministic rounding (biased), δ ≈ 1
-signsgd          refused       unscaled signs are not a contraction: use ``efsignsgd``
-threshold        refused       a fixed threshold may send nothing: δ = 0
-lowbit           refused       keeps its own error compensation
-dgc, adaptive    refused       own momentum / residual statistics
-powersgd, gtopk, refused       reduce a whole step with their own collectives
-cltk, twophase
-===============  ============  ==========================================================
+* which method is allowed where follows from what the method guarantees about one call's error,
+  which it states itself (:attr:`hvdcomp.Compressor.error_bound`, an
+  :class:`~hvdcomp.compressors.base.ErrorBound`); :func:`compressor_kind` asks it, gossip knows
+  no method by name. Choco-SGD needs a *contraction* (E‖C(v) − v‖² ≤ (1 − δ)‖v‖², δ > 0; biased
+  methods such as top-k and the scaled sign qualify) or an *unbiased* method with variance
+  ω‖v‖², which it rescales by 1/(1 + ω) (as the Choco-SGD authors' code does for QSGD);
+  DCD-PSGD and ECD-PSGD need an unbiased one (E[C(v)] = v). A method that states no bound is
+  refused with its own reason and alternative (``signsgd``: unscaled signs, use ``efsignsgd``,
+  alias ``sign``; top-k with ``values=int2``: ‖C(v) − v‖²/‖v‖² reaches (k − 1)/9); so are the
+  step-wide methods (``powersgd``, ``gtopk``, ``cltk``, ``twophase``), which reduce a whole step
+  with their own collectives. ``docs/gossip.md`` lists the bounds.
 
 Each method (:mod:`.choco`, :mod:`.dcd`, :mod:`.powergossip`) is a :class:`GossipMethod`: the
 state of *one rank*, with no communication of its own. ``outgoing`` returns what to send to each
@@ -41,101 +28,51 @@ simulated ranks in one process.
 from __future__ import annotations
 
 import abc
-import math
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..compressors.base import Compressor
+from ..compressors.base import Compressor, ErrorBound
 from ..memory import ErrorFeedback
 from ..spec import get_compressor, parse_spec
+from .scalars import as_scalar
 from .topology import Topology
 
-__all__ = ["COMPRESSORS", "CompressorKind", "compressor_kind", "gossip_compressor", "GossipMethod",
-           "Payload", "Outgoing", "check_consensus_step"]
+__all__ = ["compressor_kind", "is_unbiased", "gossip_compressor", "GossipMethod", "Payload", "Outgoing",
+           "check_consensus_step"]
 
 Payload = List[torch.Tensor]
 #: what :meth:`GossipMethod.outgoing` returns: one payload for every neighbour, or one per neighbour
 Outgoing = Union[Payload, Dict[int, Payload]]
 
-#: registered method -> (kind, reason); kind is "exact", "unbiased", "contraction" or "refused"
-COMPRESSORS: Dict[str, Tuple[str, str]] = {
-    "none": ("exact", "no compression"),
-    "qsgd": ("unbiased", "stochastic rounding, E[Q(v)] = v"),
-    "terngrad": ("unbiased", "stochastic ternarization (unbiased only with clip_sigmas=0)"),
-    "topk": ("contraction", "keeps the largest entries exactly"),
-    "randomk": ("contraction", "keeps random entries exactly (unscaled)"),
-    "sidco": ("contraction", "keeps the entries above an estimated threshold exactly"),
-    "sbc": ("contraction", "replaces the kept entries by their mean"),
-    "efsignsgd": ("contraction", "scaled sign ‖v‖₁/n·sign(v)"),
-    "fp16": ("contraction", "round to nearest (biased, tiny error)"),
-    "bf16": ("contraction", "round to nearest (biased, small error)"),
-    "signsgd": ("refused", "its unscaled signs are not a contraction (‖v − sign(v)‖ can exceed ‖v‖): "
-                           "use efsignsgd (alias 'sign'), the scaled sign Choco-SGD uses"),
-    "threshold": ("refused", "a fixed threshold sends nothing once every difference is below it (δ = 0): "
-                             "use topk"),
-    "lowbit": ("refused", "it keeps its own error compensation, which the gossip copies replace: use qsgd"),
-    "dgc": ("refused", "it applies momentum and keeps a residual itself: use topk"),
-    "adaptive": ("refused", "it adapts its density from error-feedback statistics: use topk"),
-    "powersgd": ("refused", "it reduces a whole step with its own allreduces: use --gossip powergossip"),
-    "gtopk": ("refused", "it reduces a whole step with its own collectives: use topk"),
-    "cltk": ("refused", "it reduces a whole step with its own collectives: use topk"),
-    "twophase": ("refused", "it reduces a whole step with its own collectives: use qsgd or efsignsgd"),
-}
-
 #: short names accepted in place of registered ones
 ALIASES = {"sign": "efsignsgd"}
 
 
-@dataclass(frozen=True)
-class CompressorKind:
-    """How a compressor may be used in gossip (see :data:`COMPRESSORS`).
-
-    Attributes:
-        kind: ``"exact"``, ``"unbiased"`` or ``"contraction"``.
-        omega: for ``"unbiased"``: ``omega(numel) -> ω``, the variance bound E‖Q(v) − v‖² ≤ ω‖v‖²
-            of a tensor of ``numel`` elements; None otherwise.
-    """
-
-    kind: str
-    omega: Optional[Callable[[int], float]] = None
-
-    @property
-    def unbiased(self) -> bool:
-        """Whether E[C(v)] = v (exact or unbiased)."""
-        return self.kind in ("exact", "unbiased")
-
-
-def compressor_kind(comp: Compressor) -> CompressorKind:
-    """Classify ``comp`` for gossip: the one place that reads :data:`COMPRESSORS` and the
-    compressors' attributes.
+def compressor_kind(comp) -> ErrorBound:
+    """What ``comp`` guarantees, as gossip uses it: its :attr:`~hvdcomp.Compressor.error_bound`
+    (kind ``"exact"``, ``"unbiased"`` with ``omega`` or ``"contraction"``).
 
     Raises:
-        ValueError: a refused method (the message says why and what to use), an unclassified
-            registered method, a compressor wrapped in error feedback.
+        ValueError: a method without a bound (the message gives its reason and what to use), a
+            step-wide method, a compressor wrapped in error feedback.
     """
     if isinstance(comp, ErrorFeedback):
         raise ValueError(f"'{comp.name}' is wrapped in error feedback; gossip's public copies already keep what "
                          "compression drops: build it with ef=false (or pass the spec string)")
-    name = comp.name
-    if name not in COMPRESSORS:
-        raise ValueError(f"compressor '{name}' is not classified for gossip (unbiased, contraction or refused); "
-                         "add it to hvdcomp.gossip.base.COMPRESSORS")
-    kind, reason = COMPRESSORS[name]
-    if kind == "refused":
-        raise ValueError(f"'{name}' cannot be used for gossip: {reason}")
-    if name == "qsgd":
-        s, d = comp.levels, comp.block
-        if comp.scale == "l2":
-            return CompressorKind("unbiased", lambda n: min(min(d, n) / s**2, math.sqrt(min(d, n)) / s))
-        return CompressorKind("unbiased", lambda n: min(min(d, n) / (4 * s**2), math.sqrt(min(d, n)) / s))
-    if name == "terngrad":
-        if comp.clip_sigmas > 0:
-            raise ValueError("terngrad with clipping (clip_sigmas > 0) is neither unbiased nor a contraction; "
-                             "use terngrad:clip_sigmas=0 (unbiased) or qsgd")
-        return CompressorKind("unbiased", lambda n: math.sqrt(max(1, n)))
-    return CompressorKind(kind)
+    if not isinstance(comp, Compressor):
+        raise ValueError(f"'{getattr(comp, 'name', comp)}' reduces a whole step with its own collectives, and gossip "
+                         "sends each tensor to the neighbours: use a per-tensor compressor (topk, sign, qsgd), or "
+                         "method='powergossip' for low-rank gossip")
+    bound = comp.error_bound
+    if bound.kind not in ("exact", "unbiased", "contraction"):
+        raise ValueError(f"'{comp.name}' cannot be used for gossip: {bound.statement}")
+    return bound
+
+
+def is_unbiased(bound: ErrorBound) -> bool:
+    """Whether E[C(v)] = v (exact or unbiased)."""
+    return bound.kind in ("exact", "unbiased")
 
 
 def gossip_compressor(spec: Union[str, Compressor, None]) -> Compressor:
@@ -164,15 +101,17 @@ def gossip_compressor(spec: Union[str, Compressor, None]) -> Compressor:
 
 
 def check_consensus_step(gamma, method: str) -> float:
-    """``gamma`` as a float in (0, 1].
+    """``gamma`` (a Python, numpy or 0-d tensor number: :func:`~hvdcomp.gossip.scalars.as_scalar`)
+    as a float in (0, 1].
 
     Raises:
         ValueError: not a finite number in (0, 1].
     """
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not (0.0 < float(gamma) <= 1.0):
+    value = as_scalar(gamma)
+    if value is None or not (0.0 < value <= 1.0):
         raise ValueError(f"{method}: the consensus step size γ must be a number in (0, 1], got {gamma!r} "
                          "(starting points: docs/gossip.md, 'Tuning γ')")
-    return float(gamma)
+    return value
 
 
 class GossipMethod(abc.ABC):
@@ -185,7 +124,8 @@ class GossipMethod(abc.ABC):
             method.incoming(params, {peer: payload received from peer}, r)
 
     (with overlap, the last round's ``incoming`` may come just before the next step's first
-    ``outgoing``). A neighbour's payload has the dtypes and tensor count of the payload sent to it.
+    ``outgoing``; ``incoming`` is :meth:`absorb` then :meth:`apply`, which a caller may separate:
+    a checkpoint in between holds the staged update). A neighbour's payload has the dtypes and tensor count of the payload sent to it.
     Methods with :attr:`needs_setup` first exchange :meth:`setup_payload` once (exactly) and call
     :meth:`setup` with what the neighbours sent.
 
@@ -257,10 +197,29 @@ class GossipMethod(abc.ABC):
                  round: int = 0) -> Outgoing:
         """Compute what this rank sends at this step's ``round`` (may update ``params``)."""
 
-    @abc.abstractmethod
     def incoming(self, params: Sequence[torch.Tensor], received: Dict[int, Payload], round: int = 0) -> None:
-        """Apply what the neighbours sent in ``round`` (updates ``params`` and the state); the last
-        round ends the step (:attr:`steps` + 1)."""
+        """Take in what the neighbours sent in ``round`` and apply it: :meth:`absorb` then
+        :meth:`apply`. The last round ends the step (:attr:`steps` + 1)."""
+        self.absorb(params, received, round)
+        self.apply(params)
+
+    @abc.abstractmethod
+    def absorb(self, params: Sequence[torch.Tensor], received: Dict[int, Payload], round: int = 0) -> None:
+        """The first half of :meth:`incoming`: what the neighbours sent in ``round`` goes into the
+        method's state (public copies, replicas, edge vectors) and the parameters' update is
+        *staged* (kept in the state, :meth:`state_dict` included) for :meth:`apply`; ``params``
+        are read for their shapes, dtypes and devices only. The last round ends the step.
+
+        Between the two halves nothing the method holds changes and the parameters may change
+        (the next local optimizer step, with overlap), so a checkpoint taken between them (the
+        exchange in flight absorbed, its update not yet applied) resumes on the same trajectory
+        as a run that never saved."""
+
+    def apply(self, params: Sequence[torch.Tensor]) -> None:
+        """The second half of :meth:`incoming`: add the staged update to ``params`` (in place, the
+        additions in the order :meth:`incoming` makes them, so the result is the same bit for
+        bit); nothing when none is staged. Methods whose exchange updates only their own state
+        (DCD-PSGD, ECD-PSGD) stage nothing."""
 
     def describe(self) -> Dict[str, Any]:
         """JSON-able hyper-parameters (the consistency check compares them across ranks)."""

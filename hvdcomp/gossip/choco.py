@@ -53,11 +53,13 @@ class ChocoGossip(GossipMethod):
         params, names, topology, rank: see :class:`hvdcomp.gossip.base.GossipMethod` (a static
             topology: the copies belong to a fixed set of neighbours).
         compression: a spec (``"sign"``, ``"topk:density=0.01"``, ``"qsgd"``, ...) or a
-            compressor; see :data:`hvdcomp.gossip.base.COMPRESSORS` for what is allowed.
+            compressor; see :func:`hvdcomp.gossip.base.compressor_kind` for what is allowed.
         consensus_step: γ ∈ (0, 1]; required unless ``compression`` is ``none`` (then 1).
 
     State (:meth:`state_dict`, per rank): ``x_hat`` and ``s`` (lists of tensors shaped like the
-    parameters), the compressor's own state (e.g. QSGD's generator), ``steps``.
+    parameters), the compressor's own state (e.g. QSGD's generator), ``steps``, and
+    ``mix_pending`` (an exchange absorbed whose consensus step is not applied yet: it is
+    ``γ (s − x̂)`` of the saved s and x̂, so nothing more is stored).
 
     Raises:
         ValueError: a refused compressor, γ missing or outside (0, 1], a time-varying topology.
@@ -79,6 +81,7 @@ class ChocoGossip(GossipMethod):
         self.x_hat = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in params]
         self.s = [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in params]
         self._sent: Optional[EncodedModel] = None
+        self._mix_pending = False  # absorbed, not yet applied: the consensus step (see apply)
 
     def describe(self):
         return {"method": self.name, "consensus_step": self.gamma, "compression": self.compressor.describe()}
@@ -93,8 +96,8 @@ class ChocoGossip(GossipMethod):
         return sent.payload
 
     @torch.no_grad()
-    def incoming(self, params, received: Dict[int, Payload], round=0) -> None:
-        """Add the decoded q's to x̂_i and s_i, then ``x_i += γ (s_i − x̂_i)``."""
+    def absorb(self, params, received: Dict[int, Payload], round=0) -> None:
+        """Add the decoded q's to x̂_i and s_i; stages the consensus step (:meth:`apply`)."""
         sent, self._sent = self._sent, None
         if sent is None:
             raise RuntimeError("ChocoGossip.incoming without a preceding outgoing")
@@ -109,12 +112,21 @@ class ChocoGossip(GossipMethod):
             self.s[k].add_(d, alpha=w_self)
             for j in peers:
                 self.s[k].add_(sent.decode(theirs[j][k], k, p), alpha=weights[j])
-            p.add_(self.s[k] - self.x_hat[k], alpha=self.gamma)
+        self._mix_pending = True
         self.steps += 1
+
+    @torch.no_grad()
+    def apply(self, params) -> None:
+        """The consensus step ``x_i += γ (s_i − x̂_i)`` (s_i and x̂_i as :meth:`absorb` left them)."""
+        if not self._mix_pending:
+            return
+        for p, s, xh in zip(params, self.s, self.x_hat):
+            p.add_(s - xh, alpha=self.gamma)
+        self._mix_pending = False
 
     def state_dict(self):
         return {"steps": self.steps, "x_hat": [t.clone() for t in self.x_hat], "s": [t.clone() for t in self.s],
-                "compressor": self.compressor.state_dict()}
+                "compressor": self.compressor.state_dict(), "mix_pending": self._mix_pending}
 
     def load_state_dict(self, state):
         if len(state["x_hat"]) != len(self.x_hat):
@@ -124,3 +136,4 @@ class ChocoGossip(GossipMethod):
             dst[1].copy_(b)
         self.compressor.load_state_dict(state["compressor"])
         self.steps = int(state["steps"])
+        self._mix_pending = bool(state.get("mix_pending", False))

@@ -41,8 +41,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .base import (COMPRESSORS, EncodedModel, GossipMethod, Payload, compressor_kind, decode_scales,
-                   gossip_compressor)
+from .base import (EncodedModel, GossipMethod, Payload, compressor_kind, decode_scales, gossip_compressor,
+                   is_unbiased)
 from .topology import Topology
 
 __all__ = ["DCDGossip", "ECDGossip"]
@@ -62,11 +62,11 @@ class _Replicas(GossipMethod):
             raise ValueError(f"{self.title} has no consensus step size; leave consensus_step unset "
                              "(it is Choco-SGD's γ)")
         self.compressor = gossip_compressor(compression)
-        kind = compressor_kind(self.compressor)
-        if not kind.unbiased:
+        bound = compressor_kind(self.compressor)
+        if not is_unbiased(bound):
             name = self.compressor.name
             raise ValueError(f"{self.title} ({self.paper}) needs an unbiased compressor (E[C(v)] = v), but '{name}' "
-                             f"is biased ({COMPRESSORS[name][1]}): use qsgd, terngrad:clip_sigmas=0 or none, or "
+                             f"is biased ({bound.statement}): use qsgd, terngrad:clip_sigmas=0 or none, or "
                              "method='choco', which converges with biased compressors")
         self.scales = decode_scales(self.compressor, params, rescale_unbiased=False)
         self.s: Optional[List[torch.Tensor]] = None
@@ -110,8 +110,9 @@ class _Replicas(GossipMethod):
             raise RuntimeError(f"{self.title}: call setup() with the neighbours' initial models before the first step")
 
     @torch.no_grad()
-    def incoming(self, params, received: Dict[int, Payload], round=0) -> None:
-        """``s_i += c·Σ_{j≠i} w_ij C(z_j)`` (c = 1 for DCD, 2/t for ECD); ends the step."""
+    def absorb(self, params, received: Dict[int, Payload], round=0) -> None:
+        """``s_i += c·Σ_{j≠i} w_ij C(z_j)`` (c = 1 for DCD, 2/t for ECD); ends the step. The
+        parameters were updated in :meth:`outgoing`: nothing is staged for :meth:`apply`."""
         sent, self._sent = self._sent, None
         if sent is None:
             raise RuntimeError(f"{self.title}.incoming without a preceding outgoing")

@@ -10,6 +10,11 @@ background thread while the next forward and backward compute, and is applied at
 next ``step()`` (after that step's local update): exact for DCD-PSGD and ECD-PSGD, and the
 authors' "parallel" form for Choco-SGD and PowerGossip (the mixing applied one step late).
 
+Before anything changes, every step checks the gradients for NaN/Inf and the ranks agree on the
+verdict (``nonfinite="skip"`` by default: a non-finite gradient on any rank skips the step on every
+rank, without a trace; :meth:`GossipOptimizer._agree_step` says why this one global collective and
+what it costs). Checkpoints (:meth:`GossipOptimizer.state_dict`) leave the trajectory unchanged.
+
 Which model to evaluate: the ranks' models differ by the consensus distance. :meth:`average_model`
 (a context manager) swaps in the network average (one allreduce) and puts the local model back
 after; ``mpi_scripts/train_lm.py`` evaluates the average by default (``--gossip-eval local``: each
@@ -40,6 +45,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
+from ..agreement import NonFiniteGuard
 from ..metrics import PhaseTimer
 from ..transports.neighbor import NeighborTransport
 from ..comm.group import Group
@@ -47,6 +53,7 @@ from .base import GossipMethod, copy_params
 from .choco import ChocoGossip
 from .dcd import DCDGossip, ECDGossip
 from .powergossip import PowerGossip
+from .scalars import as_scalar
 from .topology import make_topology
 
 __all__ = ["GossipOptimizer", "METHODS", "make_method"]
@@ -83,55 +90,78 @@ class GossipOptimizer:
             ``"complete"``, neighbour lists, or a :class:`~hvdcomp.gossip.topology.Topology`, over
             the process set's ranks.
         compression: compressor spec or instance (``"sign"``, ``"topk:density=0.01"``, ``"qsgd"``,
-            ...; :data:`hvdcomp.gossip.base.COMPRESSORS`); ``None``/``"none"`` for PowerGossip.
+            ...; :func:`hvdcomp.gossip.base.compressor_kind`); ``None``/``"none"`` for PowerGossip.
         consensus_step: Choco-SGD's γ ∈ (0, 1] (required with a compressor); PowerGossip's step
             (default 1); not accepted by DCD/ECD.
         process_set: a Horovod process set (default: every rank); ranks outside it train locally.
         weights: ``"metropolis"`` or ``"uniform"`` mixing weights for a static graph.
         overlap: run the exchange of a step in the background until the next ``step()``.
         timeout: seconds to wait for a neighbour before :class:`NeighborTimeoutError` names it.
+        nonfinite: what a NaN/Inf gradient on any rank does, decided alike on every rank of the
+            process set (:meth:`_agree_step`): ``"skip"`` (default: every rank skips the step,
+            which leaves no trace in any state, and a warning names the ranks), ``"raise"``
+            (``FloatingPointError`` on every rank, nothing changed) or ``"ignore"`` (no check and
+            no agreement collective: a non-finite gradient makes that rank's model non-finite and
+            the gossip spreads it to every rank within a few steps).
         **method_kwargs: PowerGossip's ``power_iterations``, ``warm_start``, ``seed``.
 
     Attributes:
-        optimizer, method (the :class:`GossipMethod`), topology, transport, compression,
+        optimizer, method (the :class:`GossipMethod`), topology, transport, compression, nonfinite,
+        skipped_steps (steps skipped for a non-finite gradient, saved in :meth:`state_dict`),
         timer (:class:`hvdcomp.metrics.PhaseTimer`: compress / communicate / decompress seconds
         and exact bytes per step), rank, size.
 
     Raises:
         ValueError: on every rank of the process set, when any rank's arguments are invalid (an
             asymmetric or disconnected graph, a rank listed twice, γ ∉ (0, 1], a refused
-            compressor, ...) or the ranks disagree on method, topology, γ, compressor or the
-            parameters' names, shapes and dtypes (the message names the rank and the field).
+            compressor, an unknown ``nonfinite``, a timeout that is not a positive number, ...)
+            or the ranks disagree on method, topology, γ, compressor, ``overlap``, ``nonfinite``
+            or the parameters' names, shapes and dtypes (the message names the rank and the field).
         RuntimeError: Horovod not initialised, or no usable mpi4py world matching Horovod's.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None, method: str = "choco",
                  topology="ring", compression=None, consensus_step: Optional[float] = None, process_set=None,
-                 weights: str = "metropolis", overlap: bool = True, timeout: float = 300.0, **method_kwargs):
+                 weights: str = "metropolis", overlap: bool = True, timeout: float = 300.0, nonfinite: str = "skip",
+                 **method_kwargs):
         self.optimizer = optimizer
         self.timer = PhaseTimer()
         self.overlap = bool(overlap)
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
         self.group = Group(process_set)
         self._params: List[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self._names = self._parameter_names(named_parameters)
         self._pending = None
+        self._arrived = None  # bytes of the exchange absorbed, counted when it is applied
         self.method: Optional[GossipMethod] = None
         self.transport = None
         self.topology = None
         self.compression = None
         self.rank, self.size = self.group.rank, self.group.size
         if not self.group.included:
+            self._guard = NonFiniteGuard(nonfinite)
             return  # (as Horovod: a rank outside the process set trains on its own)
         comm = self._communicator()
-        self.transport = NeighborTransport(comm, timeout=timeout)
         error, record = None, None
         try:
+            self._guard = NonFiniteGuard(nonfinite)
+            seconds = as_scalar(timeout)
+            if seconds is None or not seconds > 0:
+                raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+            timeout = seconds
+        except ValueError as exc:
+            error = exc
+        self.transport = NeighborTransport(comm, timeout=300.0 if error is not None else timeout)
+        try:
+            if error is not None:
+                raise error
             self.topology = make_topology(topology, self.size, weights)
             self.method = make_method(method, self._params, self._names, self.topology, self.rank,
                                       compression=compression, consensus_step=consensus_step, **method_kwargs)
             self.compression = getattr(self.method, "compressor", None)
             record = {"method": self.method.describe(), "topology": self.topology.fingerprint(),
-                      "overlap": self.overlap,
+                      "overlap": self.overlap, "nonfinite": self.nonfinite,
                       "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)]}
         except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has heard of it
             error = exc
@@ -210,11 +240,25 @@ class GossipOptimizer:
         yield
 
     def step(self, closure=None):
-        """The local optimizer step, then the gossip step; returns the closure's loss.
+        """The non-finite check, the local optimizer step, then the gossip step; returns the
+        closure's loss, or None for a skipped step.
+
+        The gradients present when ``step()`` is called are checked for NaN/Inf and the ranks of
+        the process set agree on the verdict (:meth:`_agree_step`); with ``nonfinite="skip"`` a
+        non-finite gradient on any rank skips the step on every rank, leaving no trace: no local
+        optimizer step (parameters and momentum as before), no gossip (public copies, replicas,
+        edge vectors and compressor generators untouched; an exchange in flight stays in flight
+        and is applied at the next step that goes ahead).
 
         Raises:
             NeighborTimeoutError: a neighbour sent nothing within ``timeout`` (names the rank).
+            CollectiveTimeoutError: the non-finite agreement did not complete within ``timeout``
+                (some rank stopped stepping; cannot name it).
+            FloatingPointError: ``nonfinite="raise"`` and a non-finite gradient on some rank (on
+                every rank, naming the ranks; nothing was changed).
         """
+        if not self._agree_step():
+            return None
         gossiping = self.method is not None and self.size > 1
         previous = copy_params(self._params) if gossiping and self.method.needs_previous else None
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
@@ -232,8 +276,51 @@ class GossipOptimizer:
                 self.flush()
         return loss
 
+    def _agree_step(self) -> bool:
+        """This step's non-finite verdict, the same on every rank of the process set
+        (:class:`hvdcomp.agreement.NonFiniteGuard`: one fused check of the gradients per device,
+        then one ``Iallgather`` of three integers per rank over the neighbour transport's
+        communicator, waited for up to ``timeout``; a rank alone decides alone). Returns whether
+        the step goes ahead; counts skipped steps.
+
+        A global collective in a method that otherwise talks to neighbours only: the verdict must
+        be the same on every rank *at this step*, and a flag carried by the neighbour messages
+        reaches every rank only after diameter-of-the-graph exchanges (n/2 on a ring), which would
+        mean undoing that many steps, or as many extra rounds per step. The allgather of 24
+        bytes per rank costs about ⌈log₂ p⌉ latencies α (recursive doubling), once per step,
+        while the previous exchange completes on the transport's thread; ``nonfinite="ignore"``
+        skips it (and the check). Its price beyond time: a rank that stops stepping ends the job
+        after ``timeout`` with :class:`~hvdcomp.transports.neighbor.CollectiveTimeoutError`,
+        which cannot name that rank (without the agreement, its neighbours' exchanges name it)."""
+        if self.nonfinite == "ignore":
+            return True
+        self._guard.observe_gradients(self._params)
+        gossiping = self.method is not None and self.size > 1
+        if gossiping:
+            with self.timer.phase("communicate"):
+                verdict = self._guard.agree(self.transport.allgather_ints, False, 1)
+        else:
+            verdict = self._guard.agree(lambda mine: [list(mine)], False, 1)
+        if verdict.skip:
+            self.skipped_steps += 1
+            return False
+        return True
+
     def flush(self) -> None:
         """Finish the exchange in flight (if any) and apply it to the model."""
+        self._receive()
+        if self.method is None:
+            return
+        with self.timer.phase("decompress"):
+            self.method.apply(self._params)
+        if self._arrived is not None:
+            self.timer.add_bytes(**self._arrived)
+            self._arrived = None
+
+    def _receive(self) -> None:
+        """Wait for the exchange in flight (if any) and absorb it into the method's state, its
+        update of the parameters staged (:meth:`hvdcomp.gossip.base.GossipMethod.absorb`), not
+        applied: :meth:`flush` applies it."""
         if self._pending is None:
             return
         handle, r, degree = self._pending
@@ -241,9 +328,9 @@ class GossipOptimizer:
         with self.timer.phase("communicate"):
             received = self.transport.finish(handle)
         with self.timer.phase("decompress"):
-            self.method.incoming(self._params, received, r)
+            self.method.absorb(self._params, received, r)
         dense = 4 * sum(p.numel() for p in self._params) * degree
-        self.timer.add_bytes(sent=handle.bytes_sent, received=handle.bytes_received, dense=dense)
+        self._arrived = {"sent": handle.bytes_sent, "received": handle.bytes_received, "dense": dense}
 
     # ---- which model to evaluate ------------------------------------------------------------
     def _mean_of_models(self) -> List[torch.Tensor]:
@@ -298,10 +385,18 @@ class GossipOptimizer:
     def state_dict(self) -> Dict[str, Any]:
         """This rank's state: the wrapped optimizer's, the method's (public copies, replicas,
         edge vectors, compressor state), and the rank, size, topology and method it belongs to.
-        Save it per rank and restore it on the same rank. Finishes (and applies) the exchange in
-        flight first, so the saved state is a point the resumed run continues from exactly."""
-        self.flush()
-        out = {"optimizer": self.optimizer.state_dict(), "rank": self.rank, "size": self.size}
+        Save it per rank and restore it on the same rank (tensors, numbers and strings only:
+        ``torch.load(weights_only=True)`` reads it).
+
+        Saving does not change the run: the exchange in flight is waited for and absorbed into
+        the method's state, but its update of the parameters stays staged (in the returned
+        state, too) and is applied where it would have been without the save, at the next
+        :meth:`step` after the local optimizer step. So a run that saves at every step equals
+        one that never saves, bit for bit, and a run resumed from the saved state (with the
+        model's parameters saved at the same moment) continues as the uninterrupted one."""
+        self._receive()
+        out = {"optimizer": self.optimizer.state_dict(), "rank": self.rank, "size": self.size,
+               "skipped_steps": self.skipped_steps}
         if self.method is not None:
             out.update({"gossip": self.method.state_dict(), "method": self.method.describe(),
                         "topology": self.topology.fingerprint()})
@@ -324,6 +419,7 @@ class GossipOptimizer:
                                  f"({state.get('method')}); resume with the same settings")
         self.flush()
         self.optimizer.load_state_dict(state["optimizer"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         if self.method is not None:
             self.method.load_state_dict(state["gossip"])
 
@@ -332,7 +428,7 @@ class GossipOptimizer:
         if self.method is None:
             return {"method": "local (outside the process set)"}
         return {**self.method.describe(), "topology": self.topology.describe(), "overlap": self.overlap,
-                "transport": str(self.transport)}
+                "nonfinite": self.nonfinite, "skipped_steps": self.skipped_steps, "transport": str(self.transport)}
 
     def close(self) -> None:
         """Finish the exchange in flight and stop the transport's thread."""

@@ -20,7 +20,9 @@ The vector is *warm-started*: the next exchange starts from this one's result, s
 changes slowly is tracked like a power iteration across steps. A rank-1 difference is removed
 exactly once v is aligned with it: after one step from a warm vector, or in one step with
 ``power_iterations=2`` (two half iterations: the full power iteration of PowerSGD). Parameters of
-one dimension (biases, norms) are sent uncompressed and averaged as in plain gossip.
+one dimension (biases, norms) are sent uncompressed and averaged as in plain gossip. A parameter
+is read and updated in its logical shape (``shape[0] × rest`` in row-major order, whatever its
+memory layout: a ``channels_last`` conv weight gives the contiguous one's values, bit for bit).
 
 Per edge and step a rank sends Σ (m or n) over its matrices plus its 1-D parameters (float32 each):
 on the small LSTM about 22 KB instead of 4.4 MB. State per rank: one vector per edge and matrix and
@@ -34,6 +36,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .base import GossipMethod, Payload, check_consensus_step
+from .scalars import as_scalar
 from .topology import Topology
 
 __all__ = ["PowerGossip", "edge_seed"]
@@ -73,10 +76,12 @@ class PowerGossip(GossipMethod):
         seed: base seed of the edge generators (the same on every rank).
 
     State (per rank): per neighbour ever used, the vectors, the count of half iterations and the
-    generator state; ``steps``.
+    generator state; ``steps``; the moves absorbed but not yet applied (``staged``: per edge and
+    matrix u and v̂, per 1-D parameter the difference, with their step sizes).
 
     Raises:
-        ValueError: a compressor given, γ outside (0, 1], ``power_iterations`` < 1.
+        ValueError: a compressor given, γ outside (0, 1], ``power_iterations`` not an integer
+            >= 1, ``seed`` not an integer (numpy and 0-d tensor numbers are accepted).
     """
 
     name = "powergossip"
@@ -90,16 +95,20 @@ class PowerGossip(GossipMethod):
             raise ValueError("PowerGossip compresses each edge's model difference by its own rank-1 power iteration; "
                              f"leave the compressor at 'none' (got {compression!r})")
         self.gamma = check_consensus_step(1.0 if consensus_step is None else consensus_step, "PowerGossip")
-        if isinstance(power_iterations, bool) or not isinstance(power_iterations, int) or power_iterations < 1:
+        rounds, base_seed = as_scalar(power_iterations, integer=True), as_scalar(seed, integer=True)
+        if rounds is None or rounds < 1:
             raise ValueError(f"power_iterations must be an integer >= 1, got {power_iterations!r}")
-        self.rounds = power_iterations
+        if base_seed is None:
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        self.rounds = rounds
         self.warm_start = bool(warm_start)
-        self.seed = int(seed)
+        self.seed = base_seed
         self.matrices = [k for k, p in enumerate(params) if p.dim() >= 2]
         self.vectors = [k for k, p in enumerate(params) if p.dim() < 2]
         self.shapes = [(p.shape[0], p.numel() // p.shape[0]) if p.dim() >= 2 else None for p in params]
         self.edges: Dict[int, _Edge] = {}
         self._pending: Optional[dict] = None
+        self._staged: List[dict] = []  # absorbed, not yet applied (see apply)
 
     def describe(self):
         return {"method": self.name, "consensus_step": self.gamma, "power_iterations": self.rounds,
@@ -157,13 +166,14 @@ class PowerGossip(GossipMethod):
         return out
 
     @torch.no_grad()
-    def incoming(self, params, received: Dict[int, Payload], round=0) -> None:
-        """Per neighbour: u = a_hi − a_lo; move by ∓γ·w·(u v̂ᵀ or v̂ uᵀ); keep v ← u; average the
-        1-D parameters."""
+    def absorb(self, params, received: Dict[int, Payload], round=0) -> None:
+        """Per neighbour: u = a_hi − a_lo; keep v ← u; stage the move by ∓γ·w·(u v̂ᵀ or v̂ uᵀ) and
+        the 1-D parameters' step toward the neighbour's (:meth:`apply`)."""
         pending, self._pending = self._pending, None
         if pending is None or pending["round"] != round:
             raise RuntimeError("PowerGossip.incoming without the matching outgoing")
         n_mat = len(self.matrices)
+        staged = []
         for j in self.peers():
             edge = self.edges[j]
             right, unit_vectors = pending["units"][j]
@@ -175,30 +185,47 @@ class PowerGossip(GossipMethod):
             higher = self.rank > j
             step = self.gamma * self.weight(j)
             for v_index, k in enumerate(self.matrices):
-                m, n = self.shapes[k]
                 a_own, a_their = own[v_index], theirs[v_index].to(own[v_index].device, own[v_index].dtype)
                 u = a_own - a_their if higher else a_their - a_own  # D v̂ (or Dᵀ v̂), D = X_hi − X_lo
-                v_hat = unit_vectors[v_index]
-                estimate = torch.outer(u, v_hat) if right else torch.outer(v_hat, u)
-                params[k].view(m, n).add_(estimate, alpha=-step if higher else step)
+                staged.append({"k": k, "u": u, "v": unit_vectors[v_index], "right": right,
+                               "alpha": -step if higher else step})
                 edge.vectors[v_index] = u
             if round == 0:
                 for v_index, k in enumerate(self.vectors):
                     mine = own[n_mat + v_index]
                     other = theirs[n_mat + v_index].to(mine.device, mine.dtype)
-                    params[k].view(-1).add_(other - mine, alpha=step)
+                    staged.append({"k": k, "diff": other - mine, "alpha": step})
             edge.halves += 1
+        self._staged = staged
         if round == self.rounds - 1:
             self.steps += 1
+
+    @torch.no_grad()
+    def apply(self, params) -> None:
+        """Add the staged moves: ``X ← X ∓ γ·w·(u v̂ᵀ or v̂ uᵀ)`` per edge and matrix (the estimate
+        in the parameter's logical shape, so any memory layout, e.g. ``channels_last``, takes it
+        element by element), ``x ← x + γ·w·(x_j − x)`` for the 1-D parameters."""
+        staged, self._staged = self._staged, []
+        for term in staged:
+            p = params[term["k"]]
+            if "diff" in term:
+                update = term["diff"]
+            else:
+                u, v_hat = term["u"], term["v"]
+                update = torch.outer(u, v_hat) if term["right"] else torch.outer(v_hat, u)
+            p.add_(update.view(p.shape), alpha=term["alpha"])
 
     # ---- per-rank state ---------------------------------------------------------------------
     def state_dict(self):
         return {"steps": self.steps,
                 "edges": {int(j): {"vectors": [v.clone() for v in e.vectors], "halves": e.halves,
-                                   "generator": e.generator.get_state()} for j, e in self.edges.items()}}
+                                   "generator": e.generator.get_state()} for j, e in self.edges.items()},
+                "staged": [{key: (val.clone() if torch.is_tensor(val) else val) for key, val in term.items()}
+                           for term in self._staged]}
 
     def load_state_dict(self, state):
         self.steps = int(state["steps"])
+        self._staged = [dict(term) for term in state.get("staged", [])]
         self.edges = {}
         for j, rec in state["edges"].items():
             edge = _Edge(edge_seed(self.seed, self.rank, int(j)))

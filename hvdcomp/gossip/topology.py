@@ -6,7 +6,8 @@ W (``size × size`` float64): rank i's gossip average is ``Σ_j W[i, j] x_j``. E
 * symmetric (``W[i, j] = W[j, i]``: an edge is used in both directions with one weight),
 * doubly stochastic (rows and columns sum to 1, entries ≥ 0): uncompressed gossip ``x ← W x``
   keeps the average of the ranks' models exactly (up to float rounding),
-* connected (over one period, for a time-varying graph): repeated gossip reaches consensus.
+* connected (over one period, for a time-varying graph) and aperiodic (spectral gap ρ > 0, below):
+  repeated gossip reaches consensus.
 
 These are checked when a topology is constructed; a violation raises ``ValueError`` naming the
 rank or edge at fault and the fix. The *spectral gap* ρ = 1 − max(|λ₂(W)|, |λₙ(W)|) says how fast
@@ -43,11 +44,17 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from .scalars import as_scalar
+
 __all__ = ["Topology", "ring", "torus", "exponential", "complete", "from_adjacency", "from_weights",
            "make_topology", "TOPOLOGIES"]
 
 #: tolerance of the symmetric / doubly stochastic checks (float64 sums of a row)
 TOLERANCE = 1e-12
+#: smallest spectral gap accepted: a gap at or below it is a periodic (or disconnected) W, whose
+#: gossip never reaches consensus (float64 eigenvalues of such a W are within ~1e-15 of ±1); a
+#: Metropolis ring of n ranks has ρ ≈ 13/n², above this bound up to n ≈ 360,000
+GAP_TOLERANCE = 1e-10
 
 
 class Topology:
@@ -71,8 +78,10 @@ class Topology:
 
     Raises:
         ValueError: a matrix that is not square ``size × size``, not symmetric, not doubly
-            stochastic, with a negative entry, or a disconnected union graph (the message names the
-            offending rank, edge or components).
+            stochastic, with a negative entry, a disconnected union graph (the message names the
+            offending rank, edge or components), or a spectral gap ρ ≤ :data:`GAP_TOLERANCE`
+            (a periodic W, e.g. a bipartite graph with zero self-weights: eigenvalue −1, no
+            consensus; the message gives ρ and |λ₂|).
     """
 
     def __init__(self, name: str, matrices: Sequence[np.ndarray]):
@@ -93,6 +102,7 @@ class Topology:
                            for w in mats]
         _check_connected([sorted(set().union(*(set(nb[i]) for nb in self._neighbors))) for i in range(size)], name)
         self.spectral_gap = _spectral_gap(mats)
+        _check_gap(self.spectral_gap, name, self.period)
         self.beta = max(float(np.linalg.norm(np.eye(size) - w, 2)) for w in mats) if size else 0.0
 
     # ---- queries ------------------------------------------------------------------------------
@@ -139,9 +149,10 @@ class Topology:
                 f"spectral_gap={self.spectral_gap:.4g})")
 
     def _rank(self, rank: int) -> int:
-        if not (isinstance(rank, (int, np.integer)) and 0 <= rank < self.size):
+        value = as_scalar(rank, integer=True)
+        if value is None or not 0 <= value < self.size:
             raise ValueError(f"rank {rank!r} is outside this {self.size}-rank topology")
-        return int(rank)
+        return value
 
 
 # ---- checks ---------------------------------------------------------------------------------------
@@ -188,6 +199,22 @@ def _check_connected(adjacency: List[Sequence[int]], name: str) -> None:
         shown = "; ".join(str(p) if len(p) <= 8 else f"[{p[0]}, ... {len(p)} ranks]" for p in parts[:4])
         raise ValueError(f"{name}: the graph is disconnected ({count} components: {shown}); models in "
                          "different components never agree: add an edge between them")
+
+
+def _check_gap(gap: float, name: str, period: int) -> None:
+    """Raise unless the spectral gap ``gap`` is above :data:`GAP_TOLERANCE`."""
+    if gap > GAP_TOLERANCE:
+        return
+    gap_text, rate_text = f"{round(gap, 12):.3g}", f"{round(1 - gap, 12):.12g}"  # (float64 noise of ±1 shown as 0, 1)
+    what = (f"W has spectral gap {gap_text} (|λ₂| = {rate_text}, the second-largest eigenvalue modulus)"
+            if period == 1 else
+            f"the product of the {period} rounds' matrices contracts the disagreement by {rate_text} per step "
+            f"(spectral gap {gap_text})")
+    raise ValueError(f"{name}: {what}: gossip x ← W x never reaches consensus. A connected W with an eigenvalue "
+                     "−1 is periodic: a bipartite graph with zero self-weights (e.g. a ring of 4 where each rank "
+                     "gives ½ to each neighbour and 0 to itself) swaps values between its halves for ever. Give "
+                     "every rank a positive self-weight, e.g. the lazy matrix (I + W)/2, or build the weights with "
+                     "weights='metropolis'")
 
 
 def _spectral_gap(mats: Sequence[np.ndarray]) -> float:
@@ -314,7 +341,7 @@ def ring(size: int, weights: str = "metropolis") -> Topology:
     Raises:
         ValueError: ``size < 1``.
     """
-    _check_size(size)
+    size = _check_size(size)
     adj = [sorted({(i - 1) % size, (i + 1) % size} - {i}) for i in range(size)]
     return from_adjacency(adj, weights, name="ring")
 
@@ -328,11 +355,14 @@ def torus(size: int, shape: Optional[Tuple[int, int]] = None, weights: str = "me
     Raises:
         ValueError: ``size < 1``, or ``shape`` whose product is not ``size``.
     """
-    _check_size(size)
+    size = _check_size(size)
     if shape is None:
         rows = max(d for d in range(1, int(math.isqrt(size)) + 1) if size % d == 0)
         shape = (rows, size // rows)
-    rows, cols = (int(s) for s in shape)
+    sides = [as_scalar(s, integer=True) for s in shape]
+    if len(sides) != 2 or None in sides:
+        raise ValueError(f"torus shape must be two integers (rows, cols), got {shape!r}")
+    rows, cols = sides
     if rows < 1 or cols < 1 or rows * cols != size:
         raise ValueError(f"torus shape {shape} must have rows * cols == {size} ranks")
     adj = []
@@ -353,7 +383,7 @@ def exponential(size: int) -> Topology:
     Raises:
         ValueError: ``size`` not a power of two (use ``ring`` or ``torus``).
     """
-    _check_size(size)
+    size = _check_size(size)
     if size & (size - 1):
         raise ValueError(f"the one-peer exponential graph needs a power-of-two number of ranks, got {size}; "
                          "use topology='ring' or 'torus' (or a user adjacency)")
@@ -374,13 +404,16 @@ def complete(size: int) -> Topology:
     Raises:
         ValueError: ``size < 1``.
     """
-    _check_size(size)
+    size = _check_size(size)
     return Topology("complete", [np.full((size, size), 1.0 / size)])
 
 
-def _check_size(size) -> None:
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+def _check_size(size) -> int:
+    """``size`` (a Python, numpy or 0-d tensor integer) as an int >= 1."""
+    value = as_scalar(size, integer=True)
+    if value is None or value < 1:
         raise ValueError(f"a topology needs an integer number of ranks >= 1, got {size!r}")
+    return value
 
 
 #: names :func:`make_topology` accepts

@@ -35,6 +35,7 @@ allgather's ``(p−1)·α + (p−1)·m·β``.
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -44,7 +45,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NeighborTransport", "NeighborTimeoutError", "neighbor_terms", "message_bytes", "HEADER_ITEM_BYTES"]
+__all__ = ["NeighborTransport", "NeighborTimeoutError", "CollectiveTimeoutError", "neighbor_terms", "message_bytes", "HEADER_ITEM_BYTES"]
 
 HEADER_ITEM_BYTES = 8  # int64: the tensor count, then one element count per tensor
 TAG_SPACE = 1 << 15    # MPI guarantees tags up to 32767
@@ -69,6 +70,20 @@ class NeighborTimeoutError(TimeoutError):
         super().__init__(f"hvdcomp gossip: rank {rank}, exchange {exchange}: {'; '.join(parts)} within {timeout:g} s. "
                          "That rank is dead, stalled or not calling step(); every rank must step the same number of "
                          "times (raise timeout= for very slow steps)")
+
+
+class CollectiveTimeoutError(TimeoutError):
+    """A small collective of every rank (:meth:`NeighborTransport.allgather_ints`) did not
+    complete within the timeout. Unlike :class:`NeighborTimeoutError` it cannot name the rank:
+    an allgather does not say whose part is missing."""
+
+    def __init__(self, rank: int, size: int, timeout: float, what: str):
+        self.rank = rank
+        super().__init__(f"hvdcomp gossip: rank {rank}: {what} (an allgather over the {size} ranks) did not complete "
+                         f"within {timeout:g} s: some rank is dead, stalled or not calling step(), and an allgather "
+                         "cannot say which. Every rank must step the same number of times; with nonfinite='ignore' "
+                         "no such collective runs and a neighbour that sends nothing is named (raise timeout= for "
+                         "very slow steps)")
 
 
 def message_bytes(numels: Sequence[int], itemsizes: Sequence[int]) -> int:
@@ -137,7 +152,8 @@ class NeighborTransport:
             process set, ``hvdcomp.comm.group.Group(process_set).mpi_comm()``). Ranks and peers
             are ranks in this communicator. Collective over it (the duplication).
         timeout: seconds an exchange may wait for any one neighbour before
-            :class:`NeighborTimeoutError` (default 300; a neighbour's step may be slow).
+            :class:`NeighborTimeoutError` (default 300; a neighbour's step may be slow); a Python
+            or numpy number.
         threaded: force the background thread on/off (default: on with ``MPI_THREAD_MULTIPLE``).
 
     Attributes:
@@ -147,7 +163,8 @@ class NeighborTransport:
     Interface: ``start(payload, peers) -> handle`` (``payload``: a list of 1-D tensors sent to
     every peer, or a dict peer -> list); ``finish(handle) -> {peer: list of tensors}`` (each
     neighbour's payload has the dtypes of the payload this rank sent it, on its device);
-    ``busy``; ``reset()``; ``close()``. Every rank must call ``start`` in the same order with
+    ``busy``; ``reset()``; ``close()``; the small collectives ``allgather_object`` and
+    ``allgather_ints`` (the gossip front-end's set-up and per-step agreement). Every rank must call ``start`` in the same order with
     matching peers (j is in i's peers at an exchange iff i is in j's).
 
     Raises:
@@ -160,7 +177,7 @@ class NeighborTransport:
     def __init__(self, comm=None, timeout: float = 300.0, threaded: Optional[bool] = None):
         from mpi4py import MPI
 
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
+        if isinstance(timeout, bool) or not (isinstance(timeout, numbers.Real) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.MPI = MPI
         self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
@@ -311,10 +328,33 @@ class NeighborTransport:
             except Exception as exc:  # noqa: BLE001 - dropped on purpose, but worth a line
                 log.warning("hvdcomp gossip: dropped exchange %d failed: %s", h.index, exc)
 
-    # ---- small collectives for set-up -----------------------------------------------------
+    # ---- small collectives: set-up, and each step's non-finite verdict -------------------------
     def allgather_object(self, obj):
         """Every rank's ``obj`` (picklable; blocking, collective), in rank order."""
         return self.comm.allgather(obj)
+
+    def allgather_ints(self, values: Sequence[int], what: str = "the step's non-finite agreement") -> List[List[int]]:
+        """Every rank's ``values`` (a few integers, the same count on every rank), in rank order:
+        one int64 ``Iallgather`` (collective), waited for as the exchanges are, with short sleeps,
+        on the caller's thread beside the exchange in flight on the transport's
+        (``MPI_THREAD_MULTIPLE``; a collective never matches the exchanges' point-to-point
+        messages).
+
+        Raises:
+            CollectiveTimeoutError: not complete within ``timeout`` (a rank dead, stalled or not
+                calling it; the job should end: the collective stays pending).
+        """
+        mine = np.asarray(list(values), dtype=np.int64)
+        out = np.empty((self.size, mine.size), dtype=np.int64)
+        request = self.comm.Iallgather(mine, out)
+        deadline = time.monotonic() + self.timeout
+        pause = 5e-5
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(self.rank, self.size, self.timeout, what)
+            time.sleep(pause)
+            pause = min(1e-3, pause * 2)
+        return out.tolist()
 
     def close(self) -> None:
         """Stop the background thread (waits for exchanges in flight); idempotent. The duplicated

@@ -7,17 +7,28 @@ Checks:
              its final parameters and byte counts to OUTDIR/<config>-r<rank>.pt, for the test's
              single-process reference (tests/test_mpi_gossip.py) to compare bit for bit
   bad_input  invalid arguments on all or one rank: every rank raises (prints "OK bad_input ...")
-  resume     per-rank state_dict, continue, reload on fresh objects: identical continuation
+  checkpoint per-rank state_dict (through torch.save / torch.load(weights_only=True)) after every
+             step: each rank saves its final parameters (OUTDIR/<config>-saved-...), and a run
+             resumed on fresh objects from the mid-flight checkpoint of step SAVE_AT saves its own
+             (OUTDIR/<config>-resumed-...): the test compares both with the reference run that
+             never saved
+  nonfinite  an Inf in rank BAD_RANK's gradient at step BAD_STEP, STEPS + 1 steps: with
+             nonfinite="skip" (default) and "raise" every rank skips (raises at) that step and the
+             final parameters (OUTDIR/<config>-nonfinite-<mode>-...) are the reference's of STEPS
+             steps; with "ignore" the NaN reaches every rank
   single     one rank: every method reduces to the local optimizer step
-  stall      rank 2 stops stepping: its neighbours' next exchange raises NeighborTimeoutError
-             naming rank 2 (then abort_on_uncaught_exception ends the job)
+  stall      rank 2 stops stepping: the others' next non-finite agreement raises
+             CollectiveTimeoutError (then abort_on_uncaught_exception ends the job)
+  stall_ignore  the same with nonfinite="ignore" (no agreement): its neighbours' next exchange
+             raises NeighborTimeoutError naming rank 2
 """
-import copy
+import io
 import os
 import sys
 import time
 
 from mpi4py import MPI  # noqa: F401  (first: MPI_THREAD_MULTIPLE)
+import numpy as np
 import torch
 import horovod.torch as hvd
 
@@ -42,6 +53,12 @@ CONFIGS = {
     "powergossip-ring": ((2, 4), dict(method="powergossip", topology="ring")),
     "powergossip-exp-2it": ((4,), dict(method="powergossip", topology="exponential", power_iterations=2)),
 }
+#: configurations of the checkpoint and nonfinite checks (2 ranks)
+CHECKPOINT_CONFIGS = ("choco-sign-ring", "choco-qsgd-ring", "choco-topk-ring", "powergossip-ring", "dcd-qsgd-ring",
+                      "ecd-qsgd-ring")
+SAVE_AT = 3  # the resumed run starts from the checkpoint taken after this many steps
+NONFINITE_CONFIGS = ("choco-sign-ring", "choco-qsgd-ring", "powergossip-ring", "dcd-qsgd-ring")
+BAD_STEP, BAD_RANK = 2, 1  # (0-based step index)
 PROCESS_SET = [1, 2, 3]  # the 4-rank run also trains one configuration inside this process set
 SET_CONFIG = dict(method="choco", topology="ring", compression="topk:density=0.2", consensus_step=0.3)
 
@@ -128,38 +145,89 @@ def check_bad_input(outdir):
     expect_error("biased_dcd", lambda: build(method="dcd", compression="topk:density=0.1"), "unbiased")
     expect_error("compression_disagree", lambda: build(compression="sign" if rank == 0 else "topk:density=0.1",
                                                        consensus_step=0.4), "disagree", "topk")
+    expect_error("nonfinite_unknown", lambda: build(nonfinite="maybe" if rank == 1 else "skip"), "rank 1", "nonfinite")
+    expect_error("nonfinite_disagree", lambda: build(nonfinite="skip" if rank == 0 else "raise"), "disagree",
+                 "nonfinite")
+    expect_error("timeout_one_rank", lambda: build(timeout=0 if rank == 1 else 30.0), "rank 1", "timeout")
+    # numbers from numpy and 0-d tensors are numbers
+    opt = build(compression="sign", consensus_step=np.float32(0.5), timeout=torch.tensor(30.0))
+    assert opt.method.gamma == 0.5 and opt.transport.timeout == 30.0
+    opt.close()
+    print(f"OK bad_input numbers rank {rank}:", flush=True)
 
 
-def check_resume(outdir):
-    """6 steps; state_dict per rank; 4 more steps. Fresh objects + load: the same 4 steps."""
+def save_params(params, outdir, label, **extra):
+    torch.save({"params": {n: p.detach().clone() for n, p in params.items()}, **extra},
+               os.path.join(outdir, f"{label}-np{hvd.size()}-r{hvd.rank()}.pt"))
+
+
+def check_checkpoint(outdir):
+    """Save after every step (the exchange in flight, with overlap); resume from step SAVE_AT."""
     rank = hvd.rank()
-    for kwargs in (CONFIGS["choco-qsgd-ring"][1], CONFIGS["powergossip-ring"][1], CONFIGS["ecd-qsgd-ring"][1]):
+    for name in CHECKPOINT_CONFIGS:
+        kwargs = CONFIGS[name][1]
         params = make_params(rank)
         opt = hvdcomp.gossip.GossipOptimizer(inner(params), named_parameters=params.items(), **kwargs)
-        train(params, opt, rank)
-        state = copy.deepcopy(opt.state_dict())  # (as torch.save would: SGD's holds live buffers)
-        saved = {n: p.detach().clone() for n, p in params.items()}
-        train(params, opt, rank, steps=4)
+        c = targets(rank)
+        checkpoint = None
+        for t in range(STEPS):
+            for n, p in params.items():
+                p.grad = p.detach() - c[n]
+            opt.step()
+            buf = io.BytesIO()
+            torch.save({"model": {n: p.detach() for n, p in params.items()}, "gossip": opt.state_dict()}, buf)
+            if t == SAVE_AT - 1:
+                checkpoint = buf.getvalue()
         opt.flush()
-        first = {n: p.detach().clone() for n, p in params.items()}
-        params2 = make_params(rank + 100)  # other values: everything must come from the state
+        save_params(params, outdir, f"{name}-saved")
+        opt.close()
+        state = torch.load(io.BytesIO(checkpoint), weights_only=True)
+        params2 = make_params(rank + 100)  # other values: everything must come from the checkpoint
         with torch.no_grad():
             for n, p in params2.items():
-                p.copy_(saved[n])
+                p.copy_(state["model"][n])
         opt2 = hvdcomp.gossip.GossipOptimizer(inner(params2), named_parameters=params2.items(), **kwargs)
-        opt2.load_state_dict(state)
-        train(params2, opt2, rank, steps=4)
+        opt2.load_state_dict(state["gossip"])
+        train(params2, opt2, rank, steps=STEPS - SAVE_AT)
         opt2.flush()
-        for n in first:
-            assert torch.equal(first[n], params2[n].detach()), (kwargs["method"], n)
-        wrong = dict(state, rank=(rank + 1) % hvd.size())
+        save_params(params2, outdir, f"{name}-resumed")
+        wrong = dict(state["gossip"], rank=(rank + 1) % hvd.size())
         try:
             opt2.load_state_dict(wrong)
         except ValueError as exc:
             assert "per rank" in str(exc), exc
         else:
             raise AssertionError("another rank's state was accepted")
-        print(f"OK resume {kwargs['method']} rank {rank}", flush=True)
+        opt2.close()
+        print(f"OK checkpoint {name} rank {rank}", flush=True)
+
+
+def check_nonfinite(outdir):
+    """An Inf on rank BAD_RANK at step BAD_STEP, then training goes on (STEPS + 1 steps)."""
+    rank = hvd.rank()
+    runs = [(mode, name) for mode in ("skip", "raise") for name in NONFINITE_CONFIGS] + [("ignore", "choco-sign-ring")]
+    for mode, name in runs:
+        kwargs = dict(CONFIGS[name][1])
+        if mode != "skip":  # (skip: the default)
+            kwargs["nonfinite"] = mode
+        params = make_params(rank)
+        opt = hvdcomp.gossip.GossipOptimizer(inner(params), named_parameters=params.items(), **kwargs)
+        c = targets(rank)
+        raised = None
+        for t in range(STEPS + 1):
+            for n, p in params.items():
+                p.grad = p.detach() - c[n]
+            if t == BAD_STEP and rank == BAD_RANK:
+                params["w1"].grad[0, 0] = float("inf")
+            try:
+                opt.step()
+            except FloatingPointError as exc:
+                raised = str(exc)
+        opt.flush()
+        save_params(params, outdir, f"{name}-nonfinite-{mode}", skipped=getattr(opt, "skipped_steps", None),
+                    raised=raised)
+        opt.close()
+        print(f"OK nonfinite {mode} {name} rank {rank}: {raised}", flush=True)
 
 
 def check_single(outdir):
@@ -180,11 +248,12 @@ def check_single(outdir):
         print(f"OK single {method}", flush=True)
 
 
-def check_stall(outdir):
+def check_stall(outdir, nonfinite="skip"):
     rank = hvd.rank()
     params = make_params(rank)
     opt = hvdcomp.gossip.GossipOptimizer(inner(params), named_parameters=params.items(), method="choco",
-                                         topology="ring", compression="sign", consensus_step=0.45, timeout=3.0)
+                                         topology="ring", compression="sign", consensus_step=0.45, timeout=3.0,
+                                         nonfinite=nonfinite)
     if rank == 2:
         print("rank 2 stalls", flush=True)
         time.sleep(120)
@@ -205,5 +274,6 @@ if __name__ == "__main__":
         if check == "runs":
             check_runs(outdir, ps)
         else:
-            {"bad_input": check_bad_input, "resume": check_resume, "stall": check_stall,
+            {"bad_input": check_bad_input, "checkpoint": check_checkpoint, "nonfinite": check_nonfinite,
+             "stall": check_stall, "stall_ignore": lambda d: check_stall(d, nonfinite="ignore"),
              "single": check_single}[check](outdir)
