@@ -30,7 +30,8 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
-__all__ = ["NONFINITE_MODES", "StepVerdict", "NonFiniteGuard", "check_consistency", "StateAgreement", "digest"]
+__all__ = ["NONFINITE_MODES", "StepVerdict", "NonFiniteGuard", "check_consistency", "StateAgreement", "digest",
+           "parameters_digest", "check_same_start"]
 
 NONFINITE_MODES = ("skip", "raise", "ignore")
 _GRAD, _IS_SPARSE = operator.attrgetter("grad"), operator.attrgetter("is_sparse")
@@ -44,11 +45,14 @@ class StepVerdict:
 
     Attributes:
         skip: some rank had a non-finite gradient and ``nonfinite="skip"``: no rank updates.
-        bad_ranks: ranks (in the group) that had a non-finite gradient.
+        bad_ranks: ranks (in the group) whose own gradient was non-finite.
+        averaged: an averaged result was non-finite (a gradient reduced in place, an overflowed
+            payload): every rank holds it, so it names no rank.
     """
 
     skip: bool
     bad_ranks: List[int]
+    averaged: bool = False
 
 
 class NonFiniteGuard:
@@ -67,14 +71,21 @@ class NonFiniteGuard:
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}; got {mode!r}")
         self.mode = mode
         self._flags: List[torch.Tensor] = []  # per observe() and device: > 0 if non-finite
+        self._averaged: List[torch.Tensor] = []  # the same, for averaged results (observe(averaged=True))
         self._layout = None  # (params, their number, [(device, parameters checked)]): observe_gradients
 
-    def observe(self, tensors: Sequence[torch.Tensor]) -> None:
+    def observe(self, tensors: Sequence[torch.Tensor], averaged: bool = False) -> None:
         """Fold the finiteness of ``tensors`` (dense or sparse, any devices) into this step's flag:
         one fused check per device (``torch._amp_foreach_non_finite_check_and_unscale_`` with a
-        scale of 1, the kernel ``GradScaler`` runs on the same gradients), no host sync."""
+        scale of 1, the kernel ``GradScaler`` runs on the same gradients), no host sync.
+
+        ``averaged``: the tensors are averaged results, identical on every rank (a gradient
+        reduced in place, an overflowed payload read as NaN). A non-finite one skips the step
+        like a rank's own, but names no rank: every rank holds it, and the rank it came from is
+        not known (naming every rank would blame ranks whose gradients were finite)."""
         if self.mode == "ignore" or not tensors:
             return
+        flags = self._averaged if averaged else self._flags
         by_device: Dict[torch.device, List[torch.Tensor]] = {}
         for t in tensors:
             t = t.coalesce().values() if t.is_sparse else t
@@ -84,9 +95,9 @@ class NonFiniteGuard:
             found = torch.zeros((), dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(
                 group, found, torch.ones((), dtype=torch.float32, device=device))
-            self._flags.append(found)
+            flags.append(found)
 
-    def observe_gradients(self, params: Sequence[torch.Tensor], exclude=(), only=None) -> None:
+    def observe_gradients(self, params: Sequence[torch.Tensor], exclude=(), only=None, averaged: bool = False) -> None:
         """:meth:`observe` of the parameters' gradients (``.grad``, those that are not None), all
         of them or the positions in ``only``, less the positions in ``exclude``.
 
@@ -94,12 +105,12 @@ class NonFiniteGuard:
         property of the parameters (a gradient has its parameter's dtype, shape and device), so
         for all of them it is decided once per ``params`` list and cached: a step then reads the
         ``.grad`` of each device's parameters and runs one check per device. A sparse gradient
-        goes through :meth:`observe`."""
+        goes through :meth:`observe`. ``averaged``: as for :meth:`observe`."""
         if self.mode == "ignore":
             return
         if only is not None or exclude:
             chosen = sorted(only) if only is not None else [i for i in range(len(params)) if i not in exclude]
-            self.observe([params[i].grad for i in chosen if params[i].grad is not None])
+            self.observe([params[i].grad for i in chosen if params[i].grad is not None], averaged)
             return
         cached = self._layout
         if cached is None or cached[0] is not params or cached[1] != len(params):
@@ -111,20 +122,25 @@ class NonFiniteGuard:
         for device, group in cached[2]:
             grads = list(map(_GRAD, group))
             if any(map(operator.is_, grads, itertools.repeat(None))) or any(map(_IS_SPARSE, grads)):
-                self.observe([g for g in grads if g is not None])
+                self.observe([g for g in grads if g is not None], averaged)
                 continue
             found = torch.zeros((), dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(
                 grads, found, torch.ones((), dtype=torch.float32, device=device))
-            self._flags.append(found)
+            (self._averaged if averaged else self._flags).append(found)
 
     def reset(self) -> None:
         """Forget this step's flags (the step was discarded)."""
-        self._flags = []
+        self._flags, self._averaged = [], []
 
     def local_bad(self) -> bool:
-        """Whether this rank saw a non-finite value this step (one host read per device)."""
+        """Whether this rank's own gradients held a non-finite value this step (one host read per
+        device)."""
         return any(bool(f) for f in self._flags)
+
+    def averaged_bad(self) -> bool:
+        """Whether an averaged result (identical on every rank) held a non-finite value this step."""
+        return any(bool(f) for f in self._averaged)
 
     def agree(self, exchange: Callable[[Sequence[int]], List[List[int]]], loaded: bool,
               backward_passes: int) -> StepVerdict:
@@ -141,7 +157,8 @@ class NonFiniteGuard:
                 ranks loaded a checkpoint mid-training (on every rank, naming them).
         """
         mine = [int(self.local_bad()), int(loaded), int(backward_passes)]
-        self._flags = []
+        averaged = self.averaged_bad()  # (identical on every rank: no exchange)
+        self.reset()
         every = exchange(mine)
         passes = sorted({row[2] for row in every})
         if len(passes) > 1:
@@ -156,7 +173,7 @@ class NonFiniteGuard:
                 "ranks. Load the checkpoint on every rank, or on rank 0 before the first step "
                 "followed by hvd.broadcast_parameters and hvd.broadcast_optimizer_state (hvdcomp "
                 "then shares the state at the first step).")
-        return self._verdict([r for r, row in enumerate(every) if row[0]])
+        return self._verdict([r for r, row in enumerate(every) if row[0]], averaged)
 
     def decide(self, group, gatherer, summed, loaded: bool, backward_passes: int) -> StepVerdict:
         """This step's verdict in ``group`` (a :class:`hvdcomp.comm.group.Group`, or any group
@@ -191,9 +208,9 @@ class NonFiniteGuard:
                      loaded: bool, backward_passes: int) -> StepVerdict:
         """:meth:`agree` from the summed :meth:`summary` rows, for a step whose flags were all
         observed on allreduced results (identical on every rank): non-finite results are every
-        rank's verdict. Falls back to :meth:`agree` (on every rank alike: the choice depends on
-        the sums only) when the sums show a setting to name (a rank that loaded alone, different
-        ``backward_passes_per_step``).
+        rank's verdict, naming no rank (:meth:`observe`'s ``averaged``). Falls back to
+        :meth:`agree` (on every rank alike: the choice depends on the sums only) when the sums show
+        a setting to name (a rank that loaded alone, different ``backward_passes_per_step``).
 
         Raises:
             As :meth:`agree`.
@@ -201,20 +218,27 @@ class NonFiniteGuard:
         n, loaders, total, squares = (float(v) for v in sums)
         if 0 < loaders < n or total * total != n * squares:
             return self.agree(exchange, loaded, backward_passes)
-        bad = self.local_bad()
-        self._flags = []
-        return self._verdict(list(range(int(n))) if bad else [])
+        averaged = self.averaged_bad() or self.local_bad()  # (every flag here is on averaged results)
+        self.reset()
+        return self._verdict([], averaged)
 
-    def _verdict(self, bad: List[int]) -> StepVerdict:
-        """Raise, warn or skip for the ranks in ``bad`` (see ``mode``)."""
-        if bad and self.mode == "raise":
-            raise FloatingPointError(f"non-finite gradient (NaN or Inf) on rank(s) {bad}; no update "
-                                     "was applied. Lower the learning rate, check the loss, or use "
-                                     "nonfinite='skip' to skip such steps.")
-        if bad:
-            log.warning("hvdcomp: non-finite gradient on rank(s) %s: step skipped on every rank "
-                        "(compressor state kept as before the step)", bad)
-        return StepVerdict(skip=bool(bad), bad_ranks=bad)
+    def _verdict(self, bad: List[int], averaged: bool = False) -> StepVerdict:
+        """Raise, warn or skip for the ranks in ``bad`` and a non-finite averaged result (see
+        ``mode``)."""
+        if not bad and not averaged:
+            return StepVerdict(skip=False, bad_ranks=[])
+        what = [f"on rank(s) {bad}"] if bad else []
+        if averaged:
+            what.append("in an averaged result (a gradient averaged in place, as 'none' does, or an "
+                        "overflowed compressed sum: the rank it came from is not known)")
+        where = " and ".join(what)
+        if self.mode == "raise":
+            raise FloatingPointError(f"non-finite gradient (NaN or Inf) {where}; no update was applied. "
+                                     "Lower the learning rate, check the loss, or use nonfinite='skip' to "
+                                     "skip such steps.")
+        log.warning("hvdcomp: non-finite gradient %s: step skipped on every rank (compressor state kept as "
+                    "before the step)", where)
+        return StepVerdict(skip=True, bad_ranks=bad, averaged=averaged)
 
 
 # ---- at construction: the set-up ----------------------------------------------------------------
@@ -256,6 +280,28 @@ def digest(obj) -> str:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+# ---- at the first step: the parameters training starts from -----------------------------------
+def parameters_digest(tensors: Dict[str, torch.Tensor]) -> List[int]:
+    """:func:`digest` of the values of ``tensors`` (by name) as 32 integers in [0, 255], for
+    :func:`check_same_start` (one serialisation of the tensors, on the host)."""
+    return list(bytes.fromhex(digest({n: t.detach() for n, t in tensors.items()})))
+
+
+def check_same_start(every: Sequence[Sequence[int]], what: str) -> None:
+    """Every rank must start ``what`` from the same parameters. ``every``: each rank's
+    :func:`parameters_digest`, in rank order (from one allgather: identical on every rank, so
+    every rank raises alike). Each front-end checks it at its first step, after the user's
+    ``hvd.broadcast_parameters`` (which may run after construction).
+
+    Raises:
+        RuntimeError: ranks that differ from rank 0, naming them and the fix.
+    """
+    differ = [r for r, d in enumerate(every) if list(d) != list(every[0])]
+    if differ:
+        raise RuntimeError(f"the ranks start {what} from different parameters (rank(s) {differ} differ from "
+                           "rank 0): broadcast them first, hvd.broadcast_parameters(model.state_dict(), root_rank=0)")
 
 
 # ---- at the first step: restored compressor state ----------------------------------------------

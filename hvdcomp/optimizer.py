@@ -41,6 +41,7 @@ from .config import (ARGUMENTS_DOC, DEFAULT_BUCKET_BYTES, OPTIMIZER_ENV, Setting
 from .launch import check_launch
 from .metrics import PhaseTimer
 from .plan import TransportPlan
+from .rebuild import keeping_class, template
 from .spec import resolve_compression
 from .step import Status, StepState
 
@@ -166,7 +167,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for t in pipe.transports:
                 t.finish()
             overflowed = [i for t in pipe.transports for u in t.overflowed_units() for i in pipe.units.members[u]]
-            self._guard.observe_gradients(self._order, only=None if pipe.summed_agreement else {*in_place, *overflowed})
+            self._guard.observe_gradients(self._order, only=None if pipe.summed_agreement else {*in_place, *overflowed}, averaged=True)
         step.restart(self.backward_passes_per_step)
         if self._agree() and pipe.deferred:  # agreed first: a skipped step runs no collective
             for t in pipe.transports:                      # and changes no state
@@ -334,7 +335,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError("Horovod is not initialised: call hvd.init() before hvdcomp.DistributedOptimizer")
     check_launch(hvd.size())
     if op is hvd.Adasum:  # stock's Adasum optimizer: it combines parameter deltas (none / fp16 only)
-        return hvd.DistributedOptimizer(optimizer, named_parameters, adasum_compression(compression, hvd),
+        return hvd.DistributedOptimizer(template(optimizer), named_parameters, adasum_compression(compression, hvd),
                                         backward_passes_per_step, op, gradient_predivide_factor, num_groups, groups,
                                         sparse_as_dense, hvd.global_process_set if process_set is None else process_set)
     settings = Settings.validate(
@@ -351,7 +352,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError(f"this '{compression.name}' compressor already serves another "
                          "DistributedOptimizer; its state is keyed by parameter name, so give each "
                          "optimizer its own (e.g. pass the spec string, or a new get_compressor(...))")
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    # (keeping_class: the user's constructor-set attributes and defaults survive the rebuild)
+    cls = type(optimizer.__class__.__name__, (keeping_class(optimizer),), dict(_DistributedOptimizer.__dict__))
     # hvd.broadcast_optimizer_state() initialises the state of a fresh optimizer with a *local* step
     # of the wrapped optimizer only when it recognises a Horovod DistributedOptimizer by its module;
     # otherwise it calls step() on the fresh ranks only, and a synchronising step on a subset of the
@@ -367,9 +369,10 @@ DistributedOptimizer.__doc__ = """Wrap ``optimizer`` so that gradients are compr
 
     Takes ``hvd.DistributedOptimizer``'s arguments, in its order, plus hvdcomp's own (keyword
     only); the returned object is an instance of a subclass of ``optimizer``'s class holding the
-    same parameter groups. Communication starts from gradient hooks during backward; ``step()``
-    synchronizes first (or use ``synchronize()`` + ``skip_synchronize()`` to clip or unscale the
-    averaged gradients).
+    same parameter groups, ``defaults`` and constructor-set attributes (:mod:`hvdcomp.rebuild`;
+    its ``add_param_group`` raises ``ValueError``). Communication starts from gradient hooks during
+    backward; ``step()`` synchronizes first (or ``synchronize()`` + ``skip_synchronize()`` to clip
+    or unscale the averaged gradients).
 
 {arguments}
     Raises:

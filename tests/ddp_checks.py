@@ -13,6 +13,7 @@ Checks (each raises on failure on every rank; the oracle is named in its docstri
   fp16-saturation   (2 ranks) fp16 never delivers a saturated gradient: the values and bytes worked out
                     by hand in tests/mpi/saturation_checks.py (the Horovod front-end's twin)
   errors            bad set-ups raise clearly on every rank (no hang)
+  nonfinite-names   a NaN on one rank: its error names that rank (top-k), or none where averaged in place
   no-horovod        (run with horovod unimportable) the Horovod front-end names the fix; topk trains
   nccl-none-bitwise, nccl-methods   the same on NCCL (one GPU per rank)
 """
@@ -399,6 +400,32 @@ def check_errors():
     assert isinstance(e, FloatingPointError) and "rank(s) [1]" in str(e), e
     assert hook.state_dict()["compression"]["residuals"] == {}  # the failed step left no state
     return "6 refusals"
+
+
+def check_nonfinite_names():
+    """A NaN on the last rank only, nonfinite="raise" (issue 57, item 8): through top-k (each rank's
+    own bucket is checked before it is compressed) the error names that rank alone; through none
+    (buckets averaged in place, checked on the result every rank holds) it names no rank and says
+    the rank is not known (before: every rank, [0, 1]). No rank's parameters change."""
+    last = dist.get_world_size() - 1
+    for spec in ("topk:density=0.3", "none"):
+        model = DDP(mlp())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        hvdcomp.ddp.register(model, spec, optimizer=opt, nonfinite="raise")
+        before = [p.detach().clone() for p in model.parameters()]
+
+        def bad_step():
+            opt.zero_grad()
+            (loss(model, 0) * (float("nan") if rank() == last else 1.0)).backward()
+            opt.step()
+
+        message = str(everywhere(bad_step))
+        if spec == "none":
+            assert "not known" in message and "rank(s) [" not in message, message
+        else:
+            assert f"rank(s) [{last}]" in message and "rank(s) [0, " not in message, message
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return "top-k names the rank, none names none"
 
 
 def check_no_horovod():

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from hvdcomp.adaptive_opt import (Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam, is_sync_step, is_variance_step,
+from hvdcomp.adaptive_opt import (Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam, is_sync_step, is_variance_step, local_interval,
                                   make_optimizer, step_kinds)
 from hvdcomp.adaptive_opt.base import ONEBIT_SPEC
 from hvdcomp.comm.exchange import unpack_payload
@@ -301,8 +301,8 @@ def test_zeroone_adam_runs_its_schedule_for_300_steps():
     sync_steps = sync_closed_form(freeze + 1, alpha, 3, steps)
 
     def rank_fn(r, comm):
-        calls = []  # allreduces of the whole model (not the one-off step agreement)
-        counting = StepComm(lambda t, name: (t.numel() > 1 and calls.append(name)) or comm.allreduce_mean(t, name),
+        calls = []  # allreduces of the whole model (not the one-off agreement on the step and parameters)
+        counting = StepComm(lambda t, name: (name != "agree.start" and calls.append(name)) or comm.allreduce_mean(t, name),
                             comm.rank,
                             comm.size, comm.broadcast, comm.point_to_point)
         model = tiny_model()
@@ -370,6 +370,173 @@ def test_zeroone_adam_first_steps_are_adam():
                                rtol=1e-5, atol=1e-6)
     x0, x1 = got[False]
     torch.testing.assert_close((x1 - x0).abs(), torch.full_like(x0, lr * 0.1 / 0.001 ** 0.5), rtol=1e-4, atol=1e-6)
+
+
+def deepspeed_schedule(steps, freeze, kappa, alpha, clip):
+    """The variance and synchronisation steps of DeepSpeed's ZeroOneAdam (written from
+    deepspeed/runtime/fp16/onebit/zoadam.py), by stepping its counters call by call: call c = 1
+    only sets up buffers, so hvdcomp's step t is call t + 1; a variance step is a call whose
+    counter is a multiple of ``var_interval`` (doubled after every κ of them), the variance
+    freezes after the call whose counter exceeds F, and from then on a call whose counter is a
+    multiple of ``local_step_interval`` synchronises, the interval doubling (up to H) after every
+    α calls."""
+    variance, sync = set(), set()
+    frozen, var_interval, var_counter, interval, counter = False, 1, 0, 1, 0
+    for c in range(2, steps + 2):
+        if not frozen:
+            if c % var_interval == 0:
+                variance.add(c - 1)
+                var_counter += 1
+                if var_counter == kappa:
+                    var_counter, var_interval = 0, var_interval * 2
+        else:
+            if c % interval == 0:
+                sync.add(c - 1)
+            counter += 1
+            if counter == alpha:
+                counter, interval = 0, min(clip, interval * 2)
+        frozen = frozen or c > freeze
+    return variance, sync
+
+
+@pytest.mark.parametrize("freeze, kappa, alpha, clip, steps", [(40, 4, 5, 8, 300), (12, 2, 2, 4, 200),
+                                                               (30, 3, 7, 12, 400), (1000, 16, 1000, 16, 10000)])
+def test_zeroone_deepspeed_schedule_matches_deepspeeds_counters(freeze, kappa, alpha, clip, steps):
+    """schedule="deepspeed" against DeepSpeed's counters stepped call by call (issue 57, item 16)."""
+    variance, sync = deepspeed_schedule(steps, freeze, kappa, alpha, clip)
+    assert {t for t in range(1, steps + 1) if is_variance_step(t, freeze, kappa, "deepspeed")} == variance
+    assert {t for t in range(1, steps + 1) if is_sync_step(t, freeze, alpha, clip, "deepspeed")} == sync
+    kinds = step_kinds(steps, freeze, kappa, alpha, clip, schedule="deepspeed")
+    assert kinds == {"full": len(variance), "onebit": freeze - len(variance), "sync": len(sync),
+                     "local": steps - freeze - len(sync)}
+    if (freeze, alpha, clip) == (1000, 1000, 16):
+        # DeepSpeed doubles the local interval every α steps, the paper every α synchronisations:
+        # 2188 against 3250 synchronisations in 10^4 steps; at steps 3000, 5000, 9000 the interval
+        # is 2/8/16 against 2/4/8 (4 from step 3001: 1000 steps at interval 1, then 1000 at 2, ...)
+        assert len(sync) == 1000 + 500 + 250 + 125 + 313 == 2188
+        assert step_kinds(steps, freeze, kappa, alpha, clip)["sync"] == 1000 * 3 + 2000 // 8 == 3250
+        assert [local_interval(t, freeze, alpha, clip, "deepspeed") for t in (3000, 3001, 5000, 9000)] == [2, 4, 8, 16]
+        assert [local_interval(t, freeze, alpha, clip) for t in (3000, 5000, 9000)] == [2, 4, 8]
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        is_sync_step(freeze + 1, freeze, schedule="deepspeeds")
+
+
+def test_zeroone_adam_runs_deepspeeds_schedule():
+    """ZeroOneAdam(schedule="deepspeed") on 2 simulated ranks takes the kinds of step DeepSpeed's
+    counters give (κ = 2, F = 12, α = 3, H = 4) for 60 steps."""
+    variance, sync = deepspeed_schedule(60, 12, 2, 3, 4)
+
+    def rank_fn(r, comm):
+        model = tiny_model()
+        opt = ZeroOneAdam(model.named_parameters(), lr=1e-2, var_freeze_step=12, var_update_scaler=2,
+                          local_step_scaler=3, local_step_clipper=4, schedule="deepspeed", comm=comm)
+        kinds = []
+        for t in range(1, 61):
+            backward(model, r, t)
+            opt.step()
+            kinds.append(opt.last_step_kind)
+        return kinds
+
+    want = ["full" if t in variance else "onebit" if t <= 12 else "sync" if t in sync else "local" for t in range(1, 61)]
+    assert run_threads(2, rank_fn) == [want, want]
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        ZeroOneAdam(tiny_model().named_parameters(), schedule="ds", comm=step_comms(1)[0])
+
+
+def test_zeroone_adam_dropped_gradient_counts_in_every_ranks_step_sizes():
+    """Issue 57, item 7. 2 simulated ranks, one parameter, F = 8 (κ = α = 2, H = 4: synchronisations
+    at 9, 10, 11, 13, 15, ...). Rank 1's gradient at the local step 12 is NaN: it drops that step,
+    its synchronisation at 13 sends NaN, so every rank skips 13; the one at 15 averages the
+    updates of steps 12-15. Reference, from the state both ranks hold after the synchronisation
+    at 11: each rank's local Adam steps (rank 1 without step 12), u_r = (x_r − x_sync)·D through
+    the plain-tensor compressed allreduce (each rank's residuals as after 11), x = x_sync + c̄/D and
+    m = −c̄/(η_12 + η_13 + η_14 + η_15) on every rank. Before the fix rank 1 left η_12 out of its
+    sum: its momentum was 1.3x rank 0's until the next synchronisation."""
+    lr, (b1, b2), eps, n = 1e-2, (0.9, 0.999), 1e-8, 10
+    grads = {(r, t): torch.randn(n, generator=torch.Generator().manual_seed(100 * r + t)) for r in range(2)
+             for t in range(1, 16)}
+    grads[(1, 12)] = torch.full((n,), float("nan"))
+
+    def rank_fn(r, comm):
+        x = torch.nn.Parameter(torch.linspace(-1, 1, n))
+        opt = ZeroOneAdam([("x", x)], lr=lr, betas=(b1, b2), eps=eps, var_freeze_step=8, var_update_scaler=2,
+                          local_step_scaler=2, local_step_clipper=4, comm=comm)
+        kinds, at11 = [], None
+        for t in range(1, 16):
+            x.grad = grads[(r, t)].clone()
+            opt.step()
+            kinds.append(opt.last_step_kind)
+            if t == 11:
+                sd = saved(opt.state_dict())
+                at11 = (x.detach().clone(), sd["state"][0], sd["hvdcomp"]["reducers"]["sync"])
+        return kinds, at11, x.detach().clone(), opt.state[x]["exp_avg"].clone(), opt.skipped_steps
+
+    out = run_threads(2, rank_fn)
+    assert out[0][0][8:] == ["sync", "sync", "sync", "local", "local", "local", "sync"], out[0][0]  # (13: skipped)
+    x11, st11 = out[0][1][0], out[0][1][1]
+    assert torch.equal(x11, out[1][1][0]) and torch.equal(st11["exp_avg"], out[1][1][1]["exp_avg"])
+    k = len(variance_closed_form(2, 8))  # variance updates by F
+    denom = st11["exp_avg_sq"].sqrt() / (1 - b2 ** k) ** 0.5 + eps
+    eta = {t: lr / (1 - b1 ** t) for t in range(12, 16)}
+    xs, ms = [x11.clone(), x11.clone()], [st11["exp_avg"].clone(), st11["exp_avg"].clone()]
+    for t in (12, 13, 14, 15):
+        for r in range(2):
+            if (r, t) != (1, 12):  # rank 1 drops its non-finite gradient
+                ms[r] = b1 * ms[r] + (1 - b1) * grads[(r, t)]
+                xs[r] = xs[r] - eta[t] * ms[r] / denom
+    red = [out[r][1][2] for r in range(2)]
+    worker = [red[r]["residual"].get("x") for r in range(2)]
+    server = [red[r]["server"].get("cpu") for r in range(2)]
+    avg, _, _ = compressed_allreduce([(xs[r] - x11) * denom for r in range(2)], worker, server)
+    want_x = x11 + avg / denom
+    want_m = -avg / sum(eta.values())
+    for r in range(2):
+        _, _, x, m, skipped = out[r]
+        assert skipped == 1
+        torch.testing.assert_close(x, want_x, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(m, want_m, rtol=1e-6, atol=1e-8)
+    assert torch.equal(out[0][3], out[1][3])  # the same momentum on every rank
+
+
+def test_frozen_parameters_are_refused_naming_the_fix():
+    """Issue 57, item 8: a parameter with requires_grad=False (dropped silently before: unfrozen
+    later it never trained; all frozen, step() raised IndexError) is refused at construction."""
+    for make in (lambda m, c: OneBitAdam(m.named_parameters(), freeze_step=2, comm=c),
+                 lambda m, c: OneBitLamb(m.named_parameters(), freeze_step=2, comm=c),
+                 lambda m, c: ZeroOneAdam(m.named_parameters(), comm=c)):
+        model = tiny_model()
+        model[0].weight.requires_grad_(False)
+        with pytest.raises(ValueError, match=r"\['0.weight'\] have requires_grad=False.*if p.requires_grad"):
+            make(model, step_comms(1)[0])
+        model.requires_grad_(False)
+        with pytest.raises(ValueError, match="requires_grad=False"):
+            make(model, step_comms(1)[0])
+        model.requires_grad_(True)
+        make(model, step_comms(1)[0])  # all trainable: built
+
+
+@pytest.mark.parametrize("name", ["onebit-adam", "zeroone-adam", "onebit-lamb"])
+def test_ranks_that_start_from_different_parameters_raise_on_every_rank(name):
+    """Issue 57, item 8: rank 1 starts from other parameters (no broadcast): both ranks raise at the
+    first step (before any warm-up collective), naming rank 1 and the fix. After loading a
+    checkpoint nothing is compared (0/1 Adam's ranks may differ between synchronisations)."""
+    def rank_fn(r, comm):
+        model = tiny_model(seed=r)
+        opt = make_optimizer(name, model.named_parameters(), lr=1e-2, freeze_step=3, comm=comm)
+        backward(model, r, 1)
+        with pytest.raises(RuntimeError, match=r"different parameters \(rank\(s\) \[1\] differ from rank 0\)"
+                                               r".*broadcast_parameters"):
+            opt.step()
+        if name != "zeroone-adam":  # (their warm-up needs Horovod: tests/mpi/adaptive_optimizer_checks.py)
+            return None
+        model = tiny_model(seed=r)
+        opt = make_optimizer(name, model.named_parameters(), lr=1e-2, freeze_step=3, comm=comm)
+        opt.load_state_dict(saved(opt.state_dict()))
+        backward(model, r, 1)
+        opt.step()
+        return opt.step_count()
+
+    assert run_threads(2, rank_fn) == ([1, 1] if name == "zeroone-adam" else [None, None])
 
 
 # ---- 1-bit LAMB --------------------------------------------------------------------------------------

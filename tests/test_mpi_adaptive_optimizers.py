@@ -23,6 +23,24 @@ def test_resume_and_rank0_recipe_at_2_ranks():
     assert out.count("OK ") == 3, out[-3000:]
 
 
+def test_rebuilt_optimizers_keep_their_arguments_at_2_ranks():
+    """Issue 57, item 6: a user optimizer's constructor-set attribute and defaults survive
+    hvdcomp.DistributedOptimizer's rebuild (and stock Horovod's, for Adasum); 1-bit LAMB with
+    freeze_step=20 and coeff_beta=0.5 equals DeepSpeed's formulas (tests/onebit_reference.py)."""
+    out = check(2, [WORKER, "rebuilt_optimizer_keeps_its_arguments", "onebit_lamb_against_deepspeed_formulas"],
+                timeout=300)
+    assert out.count("OK ") == 2, out[-3000:]
+
+
+def test_nonfinite_names_and_disagreeing_parameters_at_2_ranks():
+    """Issue 57, item 8: the warm-up's non-finite error names only the rank that had the NaN (or
+    none, where the gradients were averaged in place); ranks that start from different
+    parameters, and frozen parameters, are refused on every rank."""
+    out = check(2, [WORKER, "nonfinite_warmup_names_the_right_rank", "ranks_that_disagree_on_parameters"],
+                timeout=300)
+    assert out.count("OK ") == 2, out[-3000:]
+
+
 def test_compressed_allreduce_over_mpi_at_3_ranks():
     out = check(3, [WORKER, "compressed_allreduce_over_mpi"], timeout=300)
     assert "OK compressed_allreduce_over_mpi" in out

@@ -18,10 +18,10 @@ from .base import AdaptiveOptimizer
 from .compressed_amsgrad import CompressedAMSGrad
 from .onebit_adam import OneBitAdam
 from .onebit_lamb import Lamb, OneBitLamb
-from .zeroone_adam import ZeroOneAdam, is_sync_step, is_variance_step, step_kinds
+from .zeroone_adam import ZeroOneAdam, is_sync_step, is_variance_step, local_interval, step_kinds
 
 __all__ = ["AdaptiveOptimizer", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lamb", "CompressedAMSGrad",
-           "is_variance_step", "is_sync_step", "step_kinds", "OPTIMIZERS", "make_optimizer"]
+           "is_variance_step", "is_sync_step", "local_interval", "step_kinds", "OPTIMIZERS", "make_optimizer"]
 
 #: command-line names (``train_lm.py --optimizer``) -> constructors
 OPTIMIZERS: Dict[str, Callable] = {"onebit-adam": OneBitAdam, "zeroone-adam": ZeroOneAdam,

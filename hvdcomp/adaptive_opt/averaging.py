@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ..agreement import check_same_start, parameters_digest
 from ..spec import get_compressor
 
 __all__ = ["Averaging", "ONEBIT_SPEC"]
@@ -39,6 +40,7 @@ class Averaging:
         self.owner = owner
         self.reducers: Dict[str, object] = {}
         self.agreed = False
+        self.fresh = True  # no checkpoint loaded since construction: the parameters must agree
 
     def reducer(self, key: str):
         """The compressed allreduce ``key`` (its own worker and server residuals), made on first use."""
@@ -48,25 +50,43 @@ class Averaging:
         return self.reducers[key]
 
     def agree_step(self) -> None:
-        """Once after construction or loading (:attr:`agreed` reset): every rank is at the same step.
+        """Once after construction or loading (:attr:`agreed` reset), in one small collective:
+        every rank is at the same step and, at the first step after construction where no rank
+        loaded a checkpoint, holds the same parameters (:func:`hvdcomp.agreement.check_same_start`:
+        ``hvd.broadcast_parameters`` may run after construction; after a load they may differ,
+        0/1 Adam's between synchronisations).
 
         Raises:
-            RuntimeError: on every rank, where ranks are at different steps.
+            RuntimeError: on every rank, where ranks are at different steps or start from
+                different parameters (naming the ranks and the fix).
         """
         if self.agreed:
             return
         self.agreed = True
-        comm, step = self.owner.comm, self.owner.step_count()
+        o = self.owner
+        comm, step, fresh = o.comm, o.step_count(), self.fresh
+        self.fresh = False
         if comm.size == 1:
             return
-        mine = torch.tensor([float(step)], dtype=torch.float64)
-        first = comm.broadcast(mine.clone(), 0, "agree.step")
-        differs = comm.allreduce_mean(torch.tensor([float(first.item() != mine.item())], dtype=torch.float64),
-                                      "agree.differs")
-        if differs.item() > 0:
-            raise RuntimeError(f"ranks are at different optimizer steps (rank 0: {int(first.item())}, this rank: "
-                               f"{step}): load the checkpoint on every rank, or on rank 0 followed by "
-                               "hvd.broadcast_parameters(...) and hvd.broadcast_optimizer_state(opt, root_rank=0)")
+        digest = parameters_digest({o._names[p]: p for p in o.order}) if fresh else [0] * 32
+        every = self.allgather_ints([step, int(not fresh), *digest], "agree.start")
+        steps = [row[0] for row in every]
+        if len(set(steps)) > 1:
+            raise RuntimeError(f"ranks are at different optimizer steps ({steps} by rank): load the checkpoint on "
+                               "every rank, or on rank 0 followed by hvd.broadcast_parameters(...) and "
+                               "hvd.broadcast_optimizer_state(opt, root_rank=0)")
+        if not any(row[1] for row in every):
+            check_same_start([row[2:] for row in every], f"{type(o).__name__} training")
+
+    def allgather_ints(self, values: Sequence[int], name: str) -> List[List[int]]:
+        """Every rank's ``values`` (non-negative integers below 2^50, the same count on every rank),
+        in rank order, by one float64 mean allreduce of a (ranks, count) matrix in which each rank
+        fills its own row (exact: the mean times the ranks, rounded)."""
+        comm = self.owner.comm
+        rows = torch.zeros(comm.size, len(values), dtype=torch.float64)
+        rows[comm.rank] = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        mean = comm.allreduce_mean(rows, name)
+        return (mean * comm.size).round().long().tolist()
 
     def verdict(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether averaged results (identical on every rank) are finite; counts a skipped step

@@ -34,8 +34,10 @@ compressed allreduce (``reducers``) and the warm-up compression's state. Saved a
 every rank (``ckpt.<rank>.pt``) a run resumes exactly; with Horovod's rank-0 recipe (rank 0
 loads, then ``hvd.broadcast_parameters`` and ``hvd.broadcast_optimizer_state``) every rank shares
 rank 0's state and the other ranks' residuals start from zero. The first step after
-construction or ``load_state_dict`` checks that every rank is at the same step (``RuntimeError``
-on every rank otherwise).
+construction or ``load_state_dict`` checks that every rank is at the same step, and the first
+after construction (no rank loaded a checkpoint) that every rank holds the same parameters
+(``RuntimeError`` on every rank otherwise, naming the ranks; ``hvd.broadcast_parameters`` may run
+after construction).
 
 Non-finite gradients: every averaged result is identical on every rank (a NaN or Inf on one
 rank reaches every rank's result), so the ranks agree without an extra collective: with
@@ -69,10 +71,11 @@ _ids = itertools.count()  # creation order, identical on every rank: names the c
 _FLOATS = (torch.float32, torch.float64)
 
 
-def named_groups(named_parameters) -> Tuple[List[dict], Dict[torch.Tensor, str]]:
+def named_groups(named_parameters, frozen: Optional[List[str]] = None) -> Tuple[List[dict], Dict[torch.Tensor, str]]:
     """Parameter groups and parameter names from ``model.named_parameters()``, or from a list of
     group dicts whose ``"params"`` are ``(name, parameter)`` pairs (other keys: per-group
-    hyper-parameters, as for any torch optimizer).
+    hyper-parameters, as for any torch optimizer). The groups hold the parameters that require
+    gradients; the names of those that do not are appended to ``frozen`` (when given).
 
     Raises:
         ValueError: not (name, parameter) pairs, repeated names or parameters, no parameters.
@@ -90,6 +93,8 @@ def named_groups(named_parameters) -> Tuple[List[dict], Dict[torch.Tensor, str]]
             if n in names.values() or p in names:
                 raise ValueError(f"parameter {n!r} is named or listed twice")
             names[p] = n
+            if not p.requires_grad and frozen is not None:
+                frozen.append(n)
         out.append({**g, "params": [p for _, p in pairs if p.requires_grad]})
     if not names:
         raise ValueError("the optimizer got no parameters")
@@ -120,8 +125,10 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     Raises:
         ValueError: ``backward_passes_per_step != 1``, an unknown ``nonfinite``, parameters that
-            are not float32/float64, ranks that disagree on the set-up (on every rank, naming
-            the difference).
+            are not float32/float64, parameters with ``requires_grad=False`` (the trained set is
+            fixed at construction and the variance frozen later, so one unfrozen afterwards could
+            not train: pass the trainable ones only), ranks that disagree on the
+            set-up (on every rank, naming the difference).
         RuntimeError: Horovod is not initialised (without ``comm``), this process is outside
             ``process_set``, or a job of several ranks without MPI point-to-point messages
             (``horovodrun --gloo``).
@@ -141,7 +148,8 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                              "backward passes and call step() once; the gradients add up in p.grad)")
         if nonfinite not in NONFINITE_MODES:
             raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}; got {nonfinite!r}")
-        groups, self._names = named_groups(named_parameters)
+        self._frozen: List[str] = []
+        groups, self._names = named_groups(named_parameters, self._frozen)
         super().__init__(groups, defaults)
         bad = [n for p, n in self._names.items() if p.dtype not in _FLOATS]
         if bad:
@@ -169,6 +177,11 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             # then broadcasts it instead of stepping the fresh ranks alone
         if self.group is not None and self.group.size > 1:
             check_consistency(self.group, self._signature(), f"{self._prefix}.consistency")
+        if self._frozen:  # (after the set-up check: every rank raises alike)
+            raise ValueError(f"{type(self).__name__} fixes the parameters it trains at construction (and later "
+                             "freezes their variance), so a parameter unfrozen afterwards could never train; "
+                             f"{self._frozen[:5]} have requires_grad=False. Pass the trainable ones only: "
+                             "[(n, p) for n, p in model.named_parameters() if p.requires_grad]")
         self.user_masks: Dict[str, torch.Tensor] = {}  # by parameter name (1: keep, 0: drop)
         self._built = True
         self._plan = TransportPlan({self._names[p]: BATCHED for p in self.order}, collective="alltoall+allgather",
@@ -208,6 +221,7 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _signature(self) -> dict:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {"optimizer": type(self).__name__, "groups": repr(groups), "hyper": repr(self._hyper()),
+                "frozen": self._frozen,
                 "nonfinite": self.nonfinite, "warmup_compression": str(self.warmup_compression),
                 "parameters": [(self._names[p], tuple(p.shape), str(p.dtype)) for p in self.order]}
 
@@ -355,7 +369,7 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self.averaging.reducer(key).load_state_dict(extra["reducers"].get(key, {}))
         self.warmup.load_state_dict(extra.get("warmup", {}))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
-        self.averaging.agreed = False
+        self.averaging.agreed = self.averaging.fresh = False
         self._variance_changed()
 
     #: the compressed allreduces the optimizer keeps (state_dict keys)

@@ -36,8 +36,11 @@ Documented choices:
   ``momentum_masks`` (DeepSpeed's ``exp_avg_mask``, which it needs the user to give). 1 bit
   cannot send a zero, and an update there would divide by ε; masked coordinates stay where they
   are (weight decay still applies). A longer warm-up leaves fewer of them;
-* **scale**: EF-signSGD's mean |·| of each chunk (DeepSpeed: ‖·‖₂/√n; both are rescaled by
-  error feedback); one vector for the whole model (as DeepSpeed's fp16 path, one flat buffer);
+* **scale**: EF-signSGD's mean |·| of each chunk, on the worker side as on the server side
+  (DeepSpeed: ‖·‖₂/√n, one for a worker's whole buffer and one per server chunk; both are
+  rescaled by error feedback). The mean |·| is the scale that minimises one compression's
+  error: on 2^20 Gaussian values it leaves 36 % of ‖x‖² against 40 % for ‖·‖₂/√n; one vector
+  for the whole model (as DeepSpeed's fp16 path, one flat buffer);
 * every step is applied (DeepSpeed's first ``step()`` only allocates its buffers).
 
 Ablation: ``momentum_averaging="exact"`` averages the momentum by one float32 allreduce instead

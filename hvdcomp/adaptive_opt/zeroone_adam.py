@@ -41,15 +41,21 @@ Documented choices and differences from DeepSpeed's code:
   fraction of it and every later step is too large: on the benchmark's transformer (F = 18 steps
   of 120, v at 1.8 %) ``bias_correction=False`` diverged on all 3 seeds. With it, the first
   steps (all variance steps) are Adam's;
-* T_v and T_u by the published rules above (DeepSpeed's code takes the multiples of the current
-  interval, and doubles the local interval every α *steps*: its schedules differ from these by
-  less than one interval);
+* T_v and T_u by the published rules above (``schedule="paper"``, the default). DeepSpeed's code
+  (``schedule="deepspeed"``, offered as an option) counts one step ahead (its first ``step()``
+  call only sets up its buffers), takes the multiples of the current interval, and doubles the
+  local interval every α *steps* after F rather than every α synchronisations: its variance steps
+  differ from the paper's by less than one interval, but it synchronises less often after F (with
+  F = α = 1000, H = 16: local intervals 2/8/16 against 2/4/8 at steps 3000/5000/9000, 2188
+  against 3250 synchronisations in 10^4 steps);
 * the parameters at the last synchronisation are kept (``params_at_sync``) instead of being
   recovered as ``x − u``: every rank then holds the same parameters after a synchronisation, bit
   for bit;
 * a non-finite local gradient after F cannot be agreed on without a collective: that rank drops
   it, and its next synchronisation sends NaN, so every rank sees a non-finite average there and
-  skips it (``nonfinite="skip"``: the local steps go on) or raises (``"raise"``).
+  skips it (``nonfinite="skip"``: the local steps go on) or raises (``"raise"``). The dropped
+  step still counts in that rank's Ση (every rank counts every step of the schedule), so the
+  momentum rebuilt at the next synchronisation that goes ahead is the same on every rank.
 
 Defaults: the authors' published configuration for BERT (DeepSpeed tutorial: lr 1e-3,
 ``var_update_scaler`` 16, ``local_step_clipper`` 16; ``local_step_scaler`` 32678 and
@@ -74,23 +80,61 @@ import torch
 from .base import AdaptiveOptimizer, check_masks
 from .onebit_adam import adam_state, check_adam_hyper
 
-__all__ = ["ZeroOneAdam", "is_variance_step", "is_sync_step", "variance_updates", "step_kinds"]
+__all__ = ["ZeroOneAdam", "is_variance_step", "is_sync_step", "variance_updates", "local_interval", "step_kinds",
+           "SCHEDULES"]
 
 
-def is_variance_step(t: int, var_freeze_step: int, var_update_scaler: int = 16) -> bool:
-    """Whether 0/1 Adam updates the variance at step ``t`` (1-based): t = k_j ≤ F with k_0 = 1,
-    k_{j+1} = k_j + 2^⌊j/κ⌋ (κ = ``var_update_scaler``, F = ``var_freeze_step``)."""
+#: the schedules :class:`ZeroOneAdam` offers (``schedule=``)
+SCHEDULES = ("paper", "deepspeed")
+
+
+def _check_schedule(schedule: str) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+
+
+def _deepspeed_variance_steps(last: int, kappa: int):
+    """DeepSpeed's variance steps up to ``last`` (1-based hvdcomp steps t; DeepSpeed's counter is
+    t + 1): in its counter, κ steps at interval 1 (2 .. κ + 1), then κ multiples of 2 after the
+    last one, κ multiples of 4 after that, ..."""
+    c, interval = 1, 1  # c: DeepSpeed's counter of the last variance step so far
+    while True:
+        for _ in range(kappa):
+            c = (c // interval + 1) * interval
+            if c - 1 > last:
+                return
+            yield c - 1
+        interval *= 2
+
+
+def is_variance_step(t: int, var_freeze_step: int, var_update_scaler: int = 16, schedule: str = "paper") -> bool:
+    """Whether 0/1 Adam updates the variance at step ``t`` (1-based), t ≤ F (F = ``var_freeze_step``).
+
+    ``schedule="paper"``: t = k_j with k_0 = 1, k_{j+1} = k_j + 2^⌊j/κ⌋ (κ = ``var_update_scaler``).
+    ``"deepspeed"``: DeepSpeed's rule, in its step counter c = t + 1 (its first ``step()`` call
+    only sets up its buffers): the interval doubles after every κ variance updates, and a
+    variance step is a multiple of the current interval.
+
+    Raises:
+        ValueError: an unknown ``schedule``.
+    """
+    _check_schedule(schedule)
     if t < 1 or t > var_freeze_step:
         return False
     kappa, b = var_update_scaler, 0
+    if schedule == "deepspeed":
+        return any(k == t for k in _deepspeed_variance_steps(t, kappa))
     while 1 + kappa * (2 ** (b + 1) - 1) <= t:  # block b: updates j in [bκ, (b+1)κ), interval 2^b
         b += 1
     return (t - 1 - kappa * (2 ** b - 1)) % (2 ** b) == 0
 
 
-def variance_updates(t: int, var_freeze_step: int, var_update_scaler: int = 16) -> int:
+def variance_updates(t: int, var_freeze_step: int, var_update_scaler: int = 16, schedule: str = "paper") -> int:
     """How many of steps 1..t are variance steps (:func:`is_variance_step`)."""
+    _check_schedule(schedule)
     last, kappa, j, count = min(t, var_freeze_step), var_update_scaler, 0, 0
+    if schedule == "deepspeed":
+        return sum(1 for _ in _deepspeed_variance_steps(last, kappa))
     while True:
         b, r = divmod(j, kappa)
         if 1 + kappa * (2 ** b - 1) + r * 2 ** b > last:
@@ -98,12 +142,52 @@ def variance_updates(t: int, var_freeze_step: int, var_update_scaler: int = 16) 
         count, j = count + 1, j + 1
 
 
-def is_sync_step(t: int, var_freeze_step: int, local_step_scaler: int = 32678, local_step_clipper: int = 16) -> bool:
-    """Whether 0/1 Adam synchronises at step ``t`` (1-based): t = k_j with k_0 = F + 1,
-    k_{j+1} = k_j + min(2^⌊j/α⌋, H) (α = ``local_step_scaler``, H = ``local_step_clipper``);
-    no step up to F is one (they all communicate)."""
+def local_interval(t: int, var_freeze_step: int, local_step_scaler: int = 32678, local_step_clipper: int = 16,
+                   schedule: str = "paper") -> int:
+    """The local interval (steps between synchronisations) in force at step ``t`` > F.
+
+    ``schedule="paper"``: min(2^⌊j/α⌋, H) for the j-th synchronisation interval: it doubles
+    after every α *synchronisations*. ``"deepspeed"``: min(2^⌊(t − F − 1)/α⌋, H): it doubles
+    after every α *steps* after F (DeepSpeed counts every local step), so it reaches H sooner:
+    with F = α = 1000 and H = 16, 2/4/8 (paper) against 2/8/16 (DeepSpeed) at steps 3000, 5000,
+    9000, and 3250 against 2188 synchronisations in 10^4 steps.
+
+    Raises:
+        ValueError: ``t`` ≤ F, an unknown ``schedule``.
+    """
+    _check_schedule(schedule)
+    if t <= var_freeze_step:
+        raise ValueError(f"step {t} is not after var_freeze_step {var_freeze_step}: no local interval")
+    alpha, clip = local_step_scaler, local_step_clipper
+    if schedule == "deepspeed":
+        return min(2 ** min((t - var_freeze_step - 1) // alpha, clip.bit_length()), clip)
+    offset, start, b = t - var_freeze_step - 1, 0, 0
+    while True:
+        interval = min(2 ** b, clip)
+        if interval == clip or offset < start + alpha * interval:
+            return interval
+        start += alpha * interval
+        b += 1
+
+
+def is_sync_step(t: int, var_freeze_step: int, local_step_scaler: int = 32678, local_step_clipper: int = 16,
+                 schedule: str = "paper") -> bool:
+    """Whether 0/1 Adam synchronises at step ``t`` (1-based); no step up to F is one (they all
+    communicate).
+
+    ``schedule="paper"``: t = k_j with k_0 = F + 1, k_{j+1} = k_j + min(2^⌊j/α⌋, H)
+    (α = ``local_step_scaler``, H = ``local_step_clipper``). ``"deepspeed"``: DeepSpeed's rule,
+    in its step counter c = t + 1: c is a multiple of the interval in force
+    (:func:`local_interval`, which doubles every α steps).
+
+    Raises:
+        ValueError: an unknown ``schedule``.
+    """
+    _check_schedule(schedule)
     if t <= var_freeze_step:
         return False
+    if schedule == "deepspeed":
+        return (t + 1) % local_interval(t, var_freeze_step, local_step_scaler, local_step_clipper, schedule) == 0
     offset, start, b = t - var_freeze_step - 1, 0, 0
     while True:
         interval = min(2 ** b, local_step_clipper)
@@ -114,16 +198,22 @@ def is_sync_step(t: int, var_freeze_step: int, local_step_scaler: int = 32678, l
 
 
 def step_kinds(steps: int, var_freeze_step: int, var_update_scaler: int = 16, local_step_scaler: int = 32678,
-               local_step_clipper: int = 16) -> Dict[str, int]:
+               local_step_clipper: int = 16, schedule: str = "paper") -> Dict[str, int]:
     """How many of steps 1..``steps`` are variance steps (``"full"``: 4 bytes per parameter and
     rank), 1-bit steps up to F (``"onebit"``: about 1/8 byte), synchronisations (``"sync"``:
-    about 1/8 byte) and local steps (``"local"``: none): what a run's volume will be."""
+    about 1/8 byte) and local steps (``"local"``: none), under ``schedule``: what a run's volume
+    will be."""
+    _check_schedule(schedule)
     kinds = {"full": 0, "onebit": 0, "sync": 0, "local": 0}
+    variance = set(_deepspeed_variance_steps(min(steps, var_freeze_step), var_update_scaler)) \
+        if schedule == "deepspeed" else None
     for t in range(1, steps + 1):
         if t <= var_freeze_step:
-            kinds["full" if is_variance_step(t, var_freeze_step, var_update_scaler) else "onebit"] += 1
+            full = t in variance if variance is not None else is_variance_step(t, var_freeze_step, var_update_scaler)
+            kinds["full" if full else "onebit"] += 1
         else:
-            kinds["sync" if is_sync_step(t, var_freeze_step, local_step_scaler, local_step_clipper) else "local"] += 1
+            sync = is_sync_step(t, var_freeze_step, local_step_scaler, local_step_clipper, schedule)
+            kinds["sync" if sync else "local"] += 1
     return kinds
 
 
@@ -142,17 +232,22 @@ class ZeroOneAdam(AdaptiveOptimizer):
             for BERT, GPT and ImageNet according to the authors).
         local_step_scaler: α, synchronisations per local interval before it doubles.
         local_step_clipper: H, the longest local interval (steps).
+        schedule: ``"paper"`` (default: the published rules, the local interval doubling every α
+            synchronisations) or ``"deepspeed"`` (DeepSpeed's code: in its step counter, one
+            ahead of this one, multiples of the current interval, the local interval doubling
+            every α steps, so it synchronises less often: 2188 against 3250 times in 10^4 steps
+            with F = α = 1000, H = 16). See :func:`is_variance_step`, :func:`is_sync_step`.
         momentum_masks: ``{parameter name: tensor of 0/1}``: coordinates whose averaged values are
             dropped, on top of the zero-variance mask.
         process_set, timer, nonfinite, backward_passes_per_step, comm: see
             :class:`hvdcomp.adaptive_opt.base.AdaptiveOptimizer`.
 
     State per parameter: ``step``, ``exp_avg`` (m), ``exp_avg_sq`` (v), ``params_at_sync``
-    (x at the last synchronisation) and ``lr_sum`` (Ση since); m, x and ``lr_sum`` differ between
-    ranks between synchronisations. Per rank: the residuals of both compressed allreduces.
+    (x at the last synchronisation) and ``lr_sum`` (Ση since, the same on every rank); m and x
+    differ between ranks between synchronisations. Per rank: the residuals of both compressed allreduces.
 
     Raises:
-        ValueError: F, κ, α or H < 1, Adam's ranges, bad masks, and those of
+        ValueError: F, κ, α or H < 1, an unknown ``schedule``, Adam's ranges, bad masks, and those of
             :class:`~hvdcomp.adaptive_opt.base.AdaptiveOptimizer`.
     """
 
@@ -161,7 +256,7 @@ class ZeroOneAdam(AdaptiveOptimizer):
     def __init__(self, named_parameters, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, var_freeze_step: int = 100000, var_update_scaler: int = 16,
                  local_step_scaler: int = 32678, local_step_clipper: int = 16, bias_correction: bool = True,
-                 momentum_masks: Optional[Dict[str, torch.Tensor]] = None, process_set=None, timer=None,
+                 schedule: str = "paper", momentum_masks: Optional[Dict[str, torch.Tensor]] = None, process_set=None, timer=None,
                  nonfinite: str = "skip", backward_passes_per_step: int = 1, comm=None):
         check_adam_hyper(lr, betas, eps, weight_decay)
         for name, value in (("var_freeze_step", var_freeze_step), ("var_update_scaler", var_update_scaler),
@@ -171,6 +266,8 @@ class ZeroOneAdam(AdaptiveOptimizer):
         self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
         self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
         self.bias_correction = bool(bias_correction)
+        _check_schedule(schedule)
+        self.schedule = schedule
         self._poisoned = False  # a local gradient was non-finite since the last synchronisation
         super().__init__(named_parameters, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
                          process_set=process_set, timer=timer, nonfinite=nonfinite,
@@ -180,18 +277,18 @@ class ZeroOneAdam(AdaptiveOptimizer):
 
     def _hyper(self):
         return {k: getattr(self, k) for k in ("var_freeze_step", "var_update_scaler", "local_step_scaler",
-                                              "local_step_clipper", "bias_correction")}
+                                              "local_step_clipper", "bias_correction", "schedule")}
 
     def _init_state(self, p):
         return {**adam_state(p), "params_at_sync": p.detach().clone(), "lr_sum": 0.0}
 
     def is_variance_step(self, t: int) -> bool:
         """:func:`is_variance_step` with this optimizer's settings."""
-        return is_variance_step(t, self.var_freeze_step, self.var_update_scaler)
+        return is_variance_step(t, self.var_freeze_step, self.var_update_scaler, self.schedule)
 
     def is_sync_step(self, t: int) -> bool:
         """:func:`is_sync_step` with this optimizer's settings."""
-        return is_sync_step(t, self.var_freeze_step, self.local_step_scaler, self.local_step_clipper)
+        return is_sync_step(t, self.var_freeze_step, self.local_step_scaler, self.local_step_clipper, self.schedule)
 
     def _step_after_warmup(self, t, grads):
         step = t + 1
@@ -230,7 +327,7 @@ class ZeroOneAdam(AdaptiveOptimizer):
         """D: ``sqrt(v)/sqrt(1 − β2^k) + ε`` (k variance updates so far), or ``sqrt(v) + ε``."""
         root = self.state[p]["exp_avg_sq"].sqrt()
         if self.bias_correction:
-            k = variance_updates(step, self.var_freeze_step, self.var_update_scaler)
+            k = variance_updates(step, self.var_freeze_step, self.var_update_scaler, self.schedule)
             root.div_((1.0 - g["betas"][1] ** k) ** 0.5)
         return root.add_(g["eps"])
 
@@ -248,10 +345,10 @@ class ZeroOneAdam(AdaptiveOptimizer):
         denoms = [self._denominator(p, g, step) for p, g in pairs]  # (constant after F)
         for (p, g), grad, d in zip(pairs, grads, denoms):
             st = self.state[p]
+            st["lr_sum"] += self._step_size(g, step)  # every rank counts every step, one it dropped too
             if finite:
                 st["exp_avg"].mul_(g["betas"][0]).add_(grad, alpha=1.0 - g["betas"][0])
                 self._adam_update(p, g, step, d)
-                st["lr_sum"] += self._step_size(g, step)
         if not self.is_sync_step(step):
             self._advance()
             return "local"

@@ -235,7 +235,7 @@ class HookState:
         try:
             path.wait(buckets)
             if self.kind != "batched":  # a saturated payload is sent again, or reads NaN (overflowed)
-                cycle.guard.observe(path.check_saturation(buckets))
+                cycle.guard.observe(path.check_saturation(buckets), averaged=True)
             if cycle.agree():
                 cycle.skip()
             elif self.kind == "batched":

@@ -5,6 +5,7 @@ Usage: mpirun -np N python tests/mpi/adaptive_optimizer_checks.py CHECK [CHECK .
 Each check raises (non-zero exit) on failure and prints "OK <check>" on rank 0.
 """
 import io
+import re
 import sys
 
 import pytest
@@ -12,10 +13,10 @@ import torch
 import horovod.torch as hvd
 
 import hvdcomp
-from hvdcomp.adaptive_opt import CompressedAMSGrad, OneBitAdam, ZeroOneAdam, is_variance_step
+from hvdcomp.adaptive_opt import CompressedAMSGrad, OneBitAdam, OneBitLamb, ZeroOneAdam, is_variance_step
 from hvdcomp.adaptive_opt.base import ONEBIT_SPEC
 from hvdcomp.metrics import PhaseTimer
-from tests.onebit_reference import compressed_allreduce
+from tests.onebit_reference import OneBitLambReference, compressed_allreduce
 
 
 def small_model(seed=0):
@@ -23,11 +24,26 @@ def small_model(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
 
 
-def backward(model, step):
-    g = torch.Generator().manual_seed(1000 * hvd.rank() + step)
-    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+def batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def backward(model, step, poison=False):
+    """This rank's batch of ``step`` through ``model``; ``poison``: the loss times NaN."""
+    x, y = batch(hvd.rank(), step)
     model.zero_grad()
-    torch.nn.functional.mse_loss(model(x), y).backward()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    (loss * float("nan") if poison else loss).backward()
+
+
+def rank_gradients(model, params, rank, step):
+    """Rank ``rank``'s gradients of ``step`` (its batch of :func:`backward`) at ``params`` (by
+    name, in ``model``'s order), computed here for any rank."""
+    x, y = batch(rank, step)
+    leaves = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
+    loss = torch.nn.functional.mse_loss(torch.func.functional_call(model, leaves, (x,)), y)
+    return list(torch.autograd.grad(loss, list(leaves.values())))
 
 
 def flat(model):
@@ -190,8 +206,8 @@ def check_zeroone_bytes():
         model(torch.randn(4, 100, generator=g)).pow(2).mean().backward()
         opt.step()
         sent = timer.end_step()["bytes_sent"]
-        if step == 1:  # the one-off step agreement: a broadcast (counted on its root) and an allreduce
-            sent -= 16 if hvd.rank() == 0 else 8
+        if step == 1:  # the one-off agreement on the step and the parameters' digest: one allreduce of
+            sent -= 8 * 34 * hvd.size()  # a (ranks, 2 + 32) float64 matrix
         kind = opt.last_step_kind
         if step <= 12:
             assert kind == ("full" if is_variance_step(step, 12, 2) else "onebit"), (step, kind)
@@ -258,9 +274,142 @@ def check_compressed_allreduce_over_mpi():
     opt.close()
 
 
+class ScaledSGD(torch.optim.SGD):
+    """SGD whose step multiplies each gradient by ``scale``, an attribute outside the groups."""
+
+    def __init__(self, params, lr=1e-3, scale=1.0):
+        super().__init__(params, lr=lr)
+        self.scale = scale
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(self.scale)
+        return super().step(closure)
+
+
+def check_rebuilt_optimizer_keeps_its_arguments():
+    """Issue 57, item 6: hvdcomp.DistributedOptimizer over a user optimizer whose constructor sets
+    an attribute outside the groups (scale = 3) and an lr other than the class default: the
+    rebuilt optimizer keeps both (stock's recipe gave scale 1 and lr 1e-3), and its step is
+    x − lr·scale·ḡ with ḡ the mean of every rank's gradient (computed here); add_param_group
+    is refused naming the fix; Horovod's own rebuild (op=Adasum) keeps them too."""
+    model = small_model()
+    opt = hvdcomp.DistributedOptimizer(ScaledSGD(model.parameters(), lr=0.5, scale=3.0),
+                                       named_parameters=model.named_parameters())
+    assert (opt.scale, opt.defaults["lr"], type(opt).__name__) == (3.0, 0.5, "ScaledSGD"), (opt.scale, opt.defaults)
+    x0 = flat(model).clone()
+    params = dict(model.named_parameters())
+    grads = [torch.cat([g.reshape(-1) for g in rank_gradients(model, params, r, 1)]) for r in range(hvd.size())]
+    backward(model, 1)
+    opt.step()
+    torch.testing.assert_close(flat(model), x0 - 0.5 * 3.0 * sum(grads) / hvd.size(), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="Add every group to the optimizer before wrapping it"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    opt.close()
+    other = small_model()
+    ada = hvdcomp.DistributedOptimizer(ScaledSGD(other.parameters(), lr=0.5, scale=3.0),
+                                       named_parameters=other.named_parameters(), op=hvd.Adasum)
+    assert (ada.scale, ada.defaults["lr"]) == (3.0, 0.5), (ada.scale, ada.defaults)
+
+
+def check_onebit_lamb_against_deepspeed_formulas():
+    """Issue 57, item 6, through the real construction path (the warm-up's Lamb rebuilt by
+    hvdcomp.DistributedOptimizer): 1-bit LAMB with freeze_step=20, coeff_beta=0.5 and λ = 0.01
+    over 20 warm-up and 5 compressed steps equals OneBitLambReference (DeepSpeed's formulas,
+    every rank's gradients computed here at the reference's parameters) after every step:
+    parameters, the frozen trust-ratio averages, the fresh variance at the freeze, each
+    compressed step's factors. Before the fix the warm-up ran with freeze_step=1 and
+    coeff_beta=0.9 and the factors climbed 1.1, 1.21, ..."""
+    model = small_model()
+    freeze, kw = 20, dict(lr=0.02, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, max_coeff=10.0, min_coeff=0.01,
+                          coeff_beta=0.5)
+    opt = OneBitLamb(model.named_parameters(), freeze_step=freeze, **kw)
+    ref = OneBitLambReference(list(model.parameters()), hvd.size(), freeze_step=freeze, **kw)
+    names = [n for n, _ in model.named_parameters()]
+    factors = []
+    for step in range(1, freeze + 6):
+        grads = [rank_gradients(model, dict(zip(names, ref.x)), r, step) for r in range(hvd.size())]
+        backward(model, step)
+        opt.step()
+        ref.step(grads)
+        assert opt.last_step_kind == ("warmup" if step <= freeze else "onebit"), (step, opt.last_step_kind)
+        torch.testing.assert_close(flat(model), torch.cat([x.reshape(-1) for x in ref.x]), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"step {step}: {m}")
+        states = [opt.state[p] for p in model.parameters()]
+        if step == freeze:
+            assert [s["lamb_coeff_freeze"] for s in states] == pytest.approx(ref.coeff, rel=1e-5), ref.coeff
+            for s, v in zip(states, ref.v_fresh):
+                torch.testing.assert_close(s["exp_avg_sq_fresh"], v, rtol=1e-5, atol=1e-12)
+        if step > freeze:
+            got = [s["last_factor"] for s in states]
+            assert got == pytest.approx(ref.last_factor, rel=1e-5), (step, got, ref.last_factor)
+            factors.append(got[0])
+    same_on_every_rank(flat(model), "lamb")
+    if hvd.rank() == 0:
+        print(f"1-bit LAMB factors of the first tensor after the warm-up: {[round(f, 4) for f in factors]}", flush=True)
+    opt.close()
+
+
+def check_nonfinite_warmup_names_the_right_rank():
+    """Issue 57, item 8: a NaN on the last rank only during 1-bit Adam's warm-up, nonfinite="raise".
+    With the warm-up's 'none' the gradients are averaged in place: the error says the rank is not
+    known and names none (before: every rank, [0, 1]); with 'fp16' (each rank's own gradient is
+    checked before it is compressed) it names the last rank only. No rank updates."""
+    last = hvd.size() - 1
+    for method in ("none", "fp16"):
+        model = small_model()
+        opt = OneBitAdam(model.named_parameters(), lr=0.01, freeze_step=3, nonfinite="raise", warmup_compression=method)
+        before = flat(model).clone()
+        backward(model, 1, poison=hvd.rank() == last)
+        with pytest.raises(FloatingPointError) as err:
+            opt.step()
+        message = str(err.value)
+        if method == "none":
+            assert "not known" in message and "rank(s) [" not in message, message
+        else:
+            assert f"rank(s) [{last}]" in message and "rank(s) [0, " not in message, message
+        assert torch.equal(flat(model), before)
+        opt.zero_grad()
+        opt.close()
+
+
+def check_ranks_that_disagree_on_parameters():
+    """Issue 57, item 8, over Horovod: ranks that start from different parameters raise at the first
+    step on every rank, naming the other ranks, for the three optimizers (and train after
+    hvd.broadcast_parameters); a frozen parameter is refused at construction on every rank (the
+    same one everywhere: the fix named; on one rank only: the ranks disagree)."""
+    others = list(range(1, hvd.size()))
+    for cls, kw in ((OneBitAdam, dict(freeze_step=2)), (ZeroOneAdam, dict(var_freeze_step=2)),
+                    (OneBitLamb, dict(freeze_step=2))):
+        model = small_model(seed=hvd.rank())
+        opt = cls(model.named_parameters(), lr=0.01, **kw)
+        backward(model, 1)
+        with pytest.raises(RuntimeError, match=re.escape(f"different parameters (rank(s) {others} differ from rank 0)")):
+            opt.step()
+        opt.close()
+        model = small_model(seed=hvd.rank())
+        opt = cls(model.named_parameters(), lr=0.01, **kw)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        run(opt, model, 1, 4)
+        same_on_every_rank(flat(model), f"broadcast.{cls.__name__}")
+        opt.close()
+    model = small_model()
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"\['0.weight'\] have requires_grad=False"):
+        OneBitAdam(model.named_parameters(), freeze_step=2)
+    model[0].weight.requires_grad_(hvd.rank() != 0)
+    with pytest.raises(ValueError, match="ranks disagree.*frozen"):
+        OneBitAdam(model.named_parameters(), freeze_step=2)
+
+
 CHECKS = {f.__name__[len("check_"):]: f for f in [
     check_warmup_equals_adam_then_switch, check_resume_before_at_after_freeze, check_rank0_recipe,
-    check_refusals, check_zeroone_bytes, check_compressed_amsgrad, check_compressed_allreduce_over_mpi]}
+    check_refusals, check_zeroone_bytes, check_compressed_amsgrad, check_compressed_allreduce_over_mpi,
+    check_rebuilt_optimizer_keeps_its_arguments, check_onebit_lamb_against_deepspeed_formulas,
+    check_nonfinite_warmup_names_the_right_rank, check_ranks_that_disagree_on_parameters]}
 
 if __name__ == "__main__":
     hvd.init()
