@@ -15,6 +15,7 @@ Checks (each raises on failure on every rank; the oracle is named in its docstri
   join              (2 ranks) uneven inputs under ddp.join(): each method against its reference
   accumulate        (2 ranks) two synchronized backwards per step: top-k's reference, powerSGD_hook;
                     discarded steps leave no trace
+  powersgd-draw-order  (1 rank) where hvdcomp's PowerSGD and powerSGD_hook draw their starting Q
   python-reducer    DDP built for its Python reducer (compiled autograd) is refused, naming the fix
   errors            bad set-ups raise clearly on every rank (no hang)
   no-horovod        (run with horovod unimportable) the Horovod front-end names the fix; topk trains
@@ -702,6 +703,92 @@ def check_accumulate():
     for how in ("opt", "none", "zeros"):
         _same(_discard_run("topk:density=0.3", how), clean, f"a step discarded by {how}")
     return f"top-k bit for bit; PowerSGD within {worst:.1e} of powerSGD_hook; 3 discards leave no trace"
+
+
+class SideLayer(torch.nn.Module):
+    """Linear 16→12→8→2 (``a``, ``b``, ``c``) and a layer ``side`` (8→6) defined before ``c``,
+    used only when ``use_side``."""
+
+    def __init__(self, use_side):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(16, 12), torch.nn.Linear(12, 8)
+        self.side, self.c = torch.nn.Linear(8, 6), torch.nn.Linear(8, 2)
+        self.use_side = use_side
+
+    def forward(self, x):
+        h = torch.relu(self.b(torch.relu(self.a(x))))
+        return self.c(h) + (0.1 * self.side(h)[:, :2] if self.use_side else 0.0)
+
+
+def _one_power_step(grads, order, seed=0, r=2):
+    """One PowerSGD step at one rank, written from the paper (Vogels et al. 2019, Algorithm 1, a
+    fresh start): for each matrix M (n × m) where r(n + m) < nm, in ``order``, Q0 = the next m × r
+    normal draws of a generator seeded as both hooks seed theirs; P = orth(M·orth(Q0)); the
+    result P·Pᵀ·M (= P·Qᵀ with Q = Mᵀ·P, whatever orthonormal basis orth gives)."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(int(np.random.RandomState(seed).randint(1_000_000_000)))
+    out = {}
+    for name in order:
+        g = grads[name]
+        n, m = g.shape[0], g[0].numel()
+        if g.dim() < 2 or (n + m) * min(r, n, m) >= n * m:
+            continue
+        q0 = torch.randn(m, min(r, n, m), generator=gen)
+        mat = g.reshape(n, m)
+        p = torch.linalg.qr(mat @ torch.linalg.qr(q0).Q).Q
+        out[name] = (p @ p.T @ mat).view_as(g)
+    return out
+
+
+def check_powersgd_draw_order():
+    """Where hvdcomp's PowerSGD and PyTorch's ``powerSGD_hook`` draw their starting Q (issue 57):
+    hvdcomp draws each compressed matrix's Q in the expected backward order (the reverse of
+    ``model.parameters()``); ``powerSGD_hook`` in its DDP bucket's buffer order. With a layer left
+    unused and ``find_unused_parameters=True`` (which that needs) DDP never rebuilds its buckets,
+    so the buffer keeps ``model.parameters()`` order and the two start from different Qs. One
+    rank, rank 2, start_step 2, seed 0, one bucket: at the first compressed step each hook's
+    gradients = the one-process step ``_one_power_step`` drawn in its own order (within 1e-5,
+    relative norm per matrix), and the two differ (a.weight and b.weight by more than 0.1). With
+    every layer used and no ``find_unused_parameters`` (DDP rebuilt its bucket in gradient-ready
+    order) they agree: ``powersgd-vs-pytorch``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    assert dist.get_world_size() == 1, "one rank: each hook's step is its local reference"
+    model = SideLayer(use_side=False)
+    theirs = DDP(copy.deepcopy(model), bucket_cap_mb=100, find_unused_parameters=True)
+    ours = DDP(copy.deepcopy(model), bucket_cap_mb=100, find_unused_parameters=True)
+    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                               min_compression_rate=1, use_error_feedback=True, warm_start=True, random_seed=0)
+    theirs.register_comm_hook(state, psgd.powerSGD_hook)
+    opt_t, opt_o = (torch.optim.SGD(m.parameters(), lr=JOIN_LR) for m in (theirs, ours))
+    hvdcomp.ddp.register(ours, "powersgd:matrix_rank=2,start_step=2,seed=0", optimizer=opt_o)
+    for step in range(3):
+        if step == 2:  # the first compressed step: the local gradients M, at parameters equal in both
+            _same(list(theirs.parameters()), list(ours.parameters()), "parameters before the compressed step")
+            local = copy.deepcopy(ours.module)
+            loss(local, step, **JOIN_DATA).backward()
+            grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in local.named_parameters()}
+        for m, opt in ((theirs, opt_t), (ours, opt_o)):
+            opt.zero_grad()
+            loss(m, step, **JOIN_DATA).backward()
+            if step < 2:
+                opt.step()
+    names = [n for n, _ in model.named_parameters()]
+    forward = _one_power_step(grads, names)             # powerSGD_hook's order: the bucket's, never rebuilt
+    backward = _one_power_step(grads, names[::-1])      # hvdcomp's: the expected backward order
+    got = {"pytorch": dict(theirs.module.named_parameters()), "hvdcomp": dict(ours.module.named_parameters())}
+    apart = {}
+    for name in ("a.weight", "b.weight"):
+        for who, ref in (("pytorch", forward), ("hvdcomp", backward)):
+            g = got[who][name].grad
+            err = ((g - ref[name]).norm() / ref[name].norm()).item()
+            assert err < 1e-5, (who, name, err)
+        t, o = got["pytorch"][name].grad, got["hvdcomp"][name].grad
+        apart[name] = ((t - o).norm() / t.norm()).item()
+        assert apart[name] > 0.1, (name, apart[name])
+    return ", ".join(f"{n} {v:.2f} apart" for n, v in apart.items())
 
 
 def check_python_reducer():
