@@ -75,8 +75,11 @@ def test_payload_kinds_of_every_registered_method():
 
 
 def test_launch_info_reads_torchrun_srun_and_mpirun():
-    t = launch_info({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "1234"})
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "1234"}
+    t = launch_info({**env, "TORCHELASTIC_RUN_ID": "none"})
     assert (t.launcher, t.rank, t.size, t.local_rank, t.master_addr, t.master_port) == ("torchrun", 3, 4, 1, "h0", 1234)
+    e = launch_info(env)  # the env:// variables set by another launcher
+    assert (e.launcher, e.rank, e.size, e.local_rank, e.master_addr, e.master_port) == ("env", 3, 4, 1, "h0", 1234)
     env = {"SLURM_PROCID": "2", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "0",
            "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "localhost", "SLURM_JOB_ID": "40077",
            "PATH": "/nonexistent"}  # (no scontrol: the node list is read by hand)
@@ -244,6 +247,7 @@ def test_train_lm_under_torchrun_and_srun_equals_the_horovod_run(tmp_path):
                for d in (hvd_out, ddp_out, tmp_path / "slurm" / f"{job}_0")]
     h, t, s = results
     assert t["config"]["frontend"] == s["config"]["frontend"] == "ddp" and h["config"]["frontend"] == "horovod"
+    assert [r["launcher"] for r in results] == ["openmpi", "torchrun", "slurm"]  # torchrun's was "none"
     assert [r["config"]["world_size"] for r in results] == [2, 2, 2]
     assert t["config"]["transport"].startswith("torch.distributed gloo: counts exchange")
     for key in ("initial_val_ppl", "best_val_ppl", "test_ppl"):
