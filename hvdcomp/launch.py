@@ -1,9 +1,12 @@
 """What the launcher tells a process: rank, world size, local rank, and which device to use.
 
 Read from the environment (no MPI call), so it works before ``hvd.init()`` and tells why a run
-is single-process. Recognised launchers: Open MPI (``mpirun``/``horovodrun``), MPICH/Intel MPI
-(Hydra: ``PMI_RANK``…), SLURM ``srun`` (``SLURM_PROCID``…), and Horovod's Gloo launcher
-(``HOROVOD_RANK``…).
+is single-process. Recognised launchers (:func:`detect_launch`, the name results files record):
+``torchrun`` (``TORCHELASTIC_RUN_ID`` with ``RANK``…), Horovod's ``horovodrun`` over Open MPI
+(``horovodrun``) and over Gloo (``horovod-gloo``: ``HOROVOD_RANK``…), Open MPI's ``mpirun``
+(``openmpi``), MPICH/Intel MPI (Hydra: ``mpich``, ``PMI_RANK``…), SLURM ``srun`` (``slurm``,
+``SLURM_PROCID``…), another launcher that sets ``torch.distributed``'s ``RANK`` and
+``WORLD_SIZE`` (``env``), or none (``none``: a plain ``python`` start).
 """
 from __future__ import annotations
 
@@ -54,18 +57,32 @@ def recorded_env(environ=None) -> Dict[str, str]:
     return {k: env[k] for k in sorted(env)
             if k.startswith(RECORDED_ENV_PREFIXES) and not k.startswith(OMPI_INTERNAL)}
 
-# (launcher, rank, size, local rank) variable names, most specific first
+# (launcher, rank, size, local rank) variable names, most specific first: torchrun's elastic agent
+# names itself (TORCHELASTIC_RUN_ID) and may run inside srun or mpirun, whose variables the ranks
+# then inherit; plain RANK / WORLD_SIZE (the env:// variables anyone may set) come last
 _SCHEMES = [
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
     ("horovod-gloo", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK"),
     ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
     ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
     ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+    ("env", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
 ]
+
+#: the Open MPI settings ``horovodrun`` passes to every ``mpirun`` it starts (``-mca pml ob1
+#: -mca btl ^openib --tag-output``, horovod/runner/mpi_run.py): how its ranks tell it from a
+#: plain ``mpirun``
+HOROVODRUN_OMPI = {"OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "^openib", "OMPI_MCA_orte_tag_output": "1"}
+
+#: launchers whose ranks are MPI processes (an uncaught exception aborts the MPI job)
+MPI_LAUNCHERS = ("openmpi", "horovodrun", "mpich", "slurm", "horovod-gloo")
 
 
 @dataclass
 class LaunchInfo:
-    """``launcher`` is ``"none"`` for a plain ``python`` start (rank 0 of 1)."""
+    """``launcher``: ``"torchrun"``, ``"horovodrun"``, ``"horovod-gloo"``, ``"openmpi"``,
+    ``"mpich"``, ``"slurm"``, ``"env"`` (see the module docstring), or ``"none"`` for a plain
+    ``python`` start (rank 0 of 1)."""
 
     launcher: str
     rank: int
@@ -76,8 +93,12 @@ class LaunchInfo:
 def detect_launch(environ=None) -> LaunchInfo:
     """Rank, world size and local rank from the launcher's environment variables.
 
-    A SLURM allocation alone (``SLURM_PROCID`` without ``SLURM_STEP_ID``, i.e. the batch script
-    itself) is not a parallel launch. MPICH's ``MPI_LOCALRANKID`` may be missing; then
+    ``torchrun`` is recognised by its agent's ``TORCHELASTIC_RUN_ID`` (it wins over the variables
+    of an ``srun`` or ``mpirun`` that started torchrun); ``horovodrun`` over Open MPI by the
+    settings it passes to ``mpirun`` (:data:`HOROVODRUN_OMPI`: an ``mpirun`` given those three
+    by hand is recorded as ``horovodrun`` too; over MPICH it is recorded as ``mpich``). A SLURM
+    allocation alone (``SLURM_PROCID`` without ``SLURM_STEP_ID``, i.e. the batch script itself)
+    is not a parallel launch. MPICH's ``MPI_LOCALRANKID`` may be missing; then
     ``PMI_LOCAL_RANK`` is used, else 0.
 
     Raises:
@@ -86,7 +107,8 @@ def detect_launch(environ=None) -> LaunchInfo:
     env = os.environ if environ is None else environ
     for launcher, r, s, lr in _SCHEMES:
         if r in env and s in env:
-            if launcher == "slurm" and "SLURM_STEP_ID" not in env:
+            if (launcher == "slurm" and "SLURM_STEP_ID" not in env) or \
+                    (launcher == "torchrun" and "TORCHELASTIC_RUN_ID" not in env):
                 continue
             try:
                 rank, size = int(env[r]), int(env[s])
@@ -95,6 +117,8 @@ def detect_launch(environ=None) -> LaunchInfo:
                 raise ValueError(f"launcher variables {r}={env.get(r)!r} {s}={env.get(s)!r} are not integers") from None
             if not 0 <= rank < size:
                 raise ValueError(f"{r}={rank} is not in [0, {s}={size})")
+            if launcher == "openmpi" and all(env.get(k) == v for k, v in HOROVODRUN_OMPI.items()):
+                launcher = "horovodrun"
             return LaunchInfo(launcher, rank, size, local)
     return LaunchInfo("none", 0, 1, 0)
 
@@ -106,10 +130,17 @@ _LAUNCH_FIXES = {
     "openmpi": "mpirun started the processes but Horovod did not join them: check that Horovod was "
                "built with MPI (`horovodrun --check-build`) and that HOROVOD_CONTROLLER is not set "
                "to gloo without horovodrun",
+    "horovodrun": "horovodrun started the processes over mpirun but Horovod did not join them: check that "
+                  "Horovod was built with MPI (`horovodrun --check-build`), or run `horovodrun --gloo`",
     "mpich": "the MPI launcher (Hydra/PMI) differs from the MPI library Horovod loads: launch with "
              "the mpirun of the MPI that Horovod and mpi4py were built against",
     "horovod-gloo": "horovodrun started the processes but Horovod initialised alone: do not set "
                     "HOROVOD_CONTROLLER/HOROVOD_CPU_OPERATIONS by hand under horovodrun",
+    "torchrun": "torchrun starts torch.distributed ranks, which Horovod does not join: launch the Horovod "
+                "front-end with mpirun or horovodrun, or under torchrun use the DDP front-end "
+                "(hvdcomp.ddp.register; train_lm.py --frontend ddp)",
+    "env": "RANK/WORLD_SIZE describe a torch.distributed job, which Horovod does not join: launch the "
+           "Horovod front-end with mpirun or horovodrun, or use the DDP front-end (hvdcomp.ddp.register)",
 }
 
 
@@ -121,9 +152,9 @@ def check_launch(horovod_size: int, environ=None) -> None:
         environ: the environment to read (``os.environ`` by default).
 
     Raises:
-        RuntimeError: the launcher's variables (SLURM, Open MPI, PMI, Horovod Gloo; see
+        RuntimeError: the launcher's variables (torchrun, SLURM, Open MPI, PMI, Horovod Gloo; see
             :func:`detect_launch`) give a job of N > 1 tasks but Horovod has one rank; the
-            message names the launcher, the variable and the likely fix.
+            message names the launcher and the likely fix.
     """
     env = os.environ if environ is None else environ
     info = detect_launch(env)
@@ -163,7 +194,9 @@ def abort_on_uncaught_exception() -> None:
 
     Without this, ranks blocked in a collective wait for the failed rank until the launcher
     notices its exit (or forever, if the exception is raised in a thread). The hook prints the
-    traceback with the rank, then calls ``MPI.COMM_WORLD.Abort(1)`` when more than one rank runs.
+    traceback with the rank, then calls ``MPI.COMM_WORLD.Abort(1)`` when more than one rank runs
+    under an MPI launcher (:data:`MPI_LAUNCHERS`; under torchrun the process exits and torchrun's
+    agent stops the others).
     Installs ``sys.excepthook`` and ``threading.excepthook``; idempotent.
     """
     if getattr(sys.excepthook, "_hvdcomp", False):
@@ -174,7 +207,7 @@ def abort_on_uncaught_exception() -> None:
         sys.stderr.write(f"hvdcomp: rank {info.rank} of {info.size} failed; aborting the job:\n")
         traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
         sys.stderr.flush()
-        if info.size > 1:
+        if info.size > 1 and info.launcher in MPI_LAUNCHERS:
             try:
                 from mpi4py import MPI
 

@@ -12,11 +12,17 @@ Checks (each raises on failure on every rank; the oracle is named in its docstri
   one-rank          a job of one rank: top-k = its own encode/decode; none = the local gradient
   fp16-saturation   (2 ranks) fp16 never delivers a saturated gradient: the values and bytes worked out
                     by hand in tests/mpi/saturation_checks.py (the Horovod front-end's twin)
+  join              (2 ranks) uneven inputs under ddp.join(): each method against its reference
+  accumulate        (2 ranks) two synchronized backwards per step: top-k's reference, powerSGD_hook;
+                    discarded steps leave no trace
+  powersgd-draw-order  (1 rank) where hvdcomp's PowerSGD and powerSGD_hook draw their starting Q
+  python-reducer    DDP built for its Python reducer (compiled autograd) is refused, naming the fix
   errors            bad set-ups raise clearly on every rank (no hang)
   nonfinite-names   a NaN on one rank: its error names that rank (top-k), or none where averaged in place
   no-horovod        (run with horovod unimportable) the Horovod front-end names the fix; topk trains
   nccl-none-bitwise, nccl-methods   the same on NCCL (one GPU per rank)
 """
+import contextlib
 import copy
 import math
 import os
@@ -49,8 +55,9 @@ def mlp(seed=0, width=(6, 5, 4, 3)):
     return torch.nn.Sequential(*layers[:-1]).to(BACKEND["device"])
 
 
-def batch(step, n=8, features=6, out=3):
-    g = torch.Generator().manual_seed(1000 * rank() + step)
+def batch(step, n=8, features=6, out=3, of=None):
+    """Rank ``of``'s (default: this rank's) inputs and targets of ``step``."""
+    g = torch.Generator().manual_seed(1000 * (rank() if of is None else of) + step)
     x, y = torch.randn(n, features, generator=g), torch.randn(n, out, generator=g)
     return x.to(BACKEND["device"]), y.to(BACKEND["device"])
 
@@ -369,6 +376,440 @@ def check_fp16_saturation():
     e = everywhere(lambda: _saturation_run("fp16:on_saturation=skip", nonfinite="raise"))
     assert isinstance(e, FloatingPointError), e
     return "resend, segments, error feedback, skip, raise"
+
+
+# ---- uneven inputs under DDP's Join (issue 57) -----------------------------------------------------
+#: batches of rank 0 and rank 1 per epoch, each epoch under ``with ddp.join():``: in the first, rank 1
+#: joins after step 2 and shadows steps 3-5; the second (steps 6-8) shows what the join left behind
+JOIN_EPOCHS = ((6, 3), (3, 3))
+JOIN_DATA = dict(n=32, features=16, out=2)
+JOIN_LR = 0.05
+
+
+def join_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.ReLU(), torch.nn.Linear(12, 8), torch.nn.ReLU(),
+                               torch.nn.Linear(8, 2))
+
+
+def join_steps():
+    """``(step, (rank 0 has a batch, rank 1 has a batch))`` for every step of ``JOIN_EPOCHS``."""
+    out, step = [], 0
+    for counts in JOIN_EPOCHS:
+        for i in range(max(counts)):
+            out.append((step, tuple(i < c for c in counts)))
+            step += 1
+    return out
+
+
+def _join_run(spec=None, pytorch_hook=None, zeros=False):
+    """2 ranks, SGD, ``JOIN_EPOCHS``, each epoch ``with ddp.join():`` (or, ``zeros=True``, without a
+    join: a rank out of batches trains on with a zero gradient, what DDP's join says a joined rank
+    contributes). ``spec``: an hvdcomp hook; ``pytorch_hook``: ``(state, hook)``; neither: DDP
+    without a hook. One bucket. Returns, for this rank's own steps, the parameters before each and
+    its averaged gradients, then the final parameters and the hook (or None)."""
+    ddp = DDP(join_model(), bucket_cap_mb=100)
+    opt = torch.optim.SGD(ddp.parameters(), lr=JOIN_LR)
+    hook = None
+    if spec is not None:
+        hook = hvdcomp.ddp.register(ddp, spec, optimizer=opt)
+    elif pytorch_hook is not None:
+        ddp.register_comm_hook(*pytorch_hook)
+    before, grads, steps = [], [], join_steps()
+    for counts in JOIN_EPOCHS:
+        epoch, steps = steps[:max(counts)], steps[max(counts):]
+        with contextlib.nullcontext() if zeros else ddp.join():
+            for step, active in epoch:
+                mine = active[rank()]
+                if not (mine or zeros):
+                    break
+                opt.zero_grad()
+                if mine:
+                    before.append([p.detach().clone() for p in ddp.parameters()])
+                (loss(ddp, step, **JOIN_DATA) * (1.0 if mine else 0.0)).backward()
+                if mine:
+                    grads.append(flat_grads(ddp))
+                opt.step()
+    return before, grads, [p.detach().clone() for p in ddp.parameters()], hook
+
+
+def _own_steps():
+    return [(step, active) for step, active in join_steps() if active[rank()]]
+
+
+def _exact_means(weights):
+    """The exact mean of both ranks' gradients (zero for a rank out of batches) at each of this
+    rank's own steps, at the parameters ``weights`` it had then."""
+    module = join_model()
+    out = []
+    for (step, active), w in zip(_own_steps(), weights):
+        with torch.no_grad():
+            for p, v in zip(module.parameters(), w):
+                p.copy_(v)
+        total = [torch.zeros_like(p) for p in module.parameters()]
+        for r, has in enumerate(active):
+            if has:
+                module.zero_grad()
+                x, y = batch(step, of=r, **JOIN_DATA)
+                torch.nn.functional.mse_loss(module(x), y).backward()
+                total = [t + p.grad for t, p in zip(total, module.parameters())]
+        out.append([t / len(active) for t in total])
+    return out
+
+
+def _topk_reference(density):
+    """Top-k (k = ceil(density·n) per tensor) with error feedback at 2 ranks under Join, in one
+    process, written from the method (Stich et al. 2018; Lin et al. 2018's error feedback): per
+    rank p = g + e, send the k largest |p|, e = p − sent; average the sent; SGD. A joined rank's g
+    is zero: it sends the k largest entries of its residual, and its residual shrinks each step.
+    Returns the averaged gradients at this rank's own steps and the final parameters."""
+    module = join_model()
+    params = list(module.parameters())
+    residual = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+    averaged = []
+    for step, active in join_steps():
+        total = [torch.zeros_like(p) for p in params]
+        for r, has in enumerate(active):
+            if has:
+                module.zero_grad()
+                x, y = batch(step, of=r, **JOIN_DATA)
+                torch.nn.functional.mse_loss(module(x), y).backward()
+                g = [p.grad.clone() for p in params]
+            else:
+                g = [torch.zeros_like(p) for p in params]
+            for i, (gi, ei) in enumerate(zip(g, residual[r])):
+                flat = (gi + ei).reshape(-1)
+                keep = flat.abs().topk(min(flat.numel(), max(1, math.ceil(density * flat.numel())))).indices
+                sent = torch.zeros_like(flat)
+                sent[keep] = flat[keep]
+                residual[r][i] = (flat - sent).view_as(gi)
+                total[i] += sent.view_as(gi)
+        mean = [t / len(active) for t in total]
+        if active[rank()]:
+            averaged.append(mean)
+        with torch.no_grad():
+            for p, a in zip(params, mean):
+                p.add_(a, alpha=-JOIN_LR)
+    return averaged, [p.detach().clone() for p in params]
+
+
+def _same(a, b, where):
+    """Nested tensors / dicts / lists / numbers equal, bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b), \
+            (where, (a - b).abs().max() if isinstance(b, torch.Tensor) and a.shape == b.shape else b)
+    elif isinstance(a, dict):
+        assert set(a) == set(b), (where, sorted(a), sorted(b))
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), (where, len(a), len(b))
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def _worst(got, want):
+    """The largest relative difference (norm per tensor) between two lists of per-step gradients."""
+    return max(((g - w).norm() / w.norm().clamp_min(1e-30)).item()
+               for gs, ws in zip(got, want) for g, w in zip(gs, ws))
+
+
+def check_join():
+    """Uneven inputs under ``with ddp.join():`` (issue 57): in a first epoch rank 0 has 6 batches
+    and rank 1 has 3, so DDP's join hook makes rank 1 shadow 3 backward passes with zero gradients
+    through the hook; a second epoch of 3 batches each shows what the join left behind. Oracles:
+
+    * every hvdcomp method here: the joined run = the run where rank 1 trains on with an explicit
+      zero gradient (what DDP's join says a joined rank contributes): each rank's averaged
+      gradients, final parameters and committed compressor state, bit for bit;
+    * none: = DDP without a hook under the same joins, bit for bit;
+    * top-k 30 % with error feedback: = the one-process reference ``_topk_reference`` (a joined
+      rank sends its residual's largest entries, a new leftover each step), bit for bit;
+    * fp16: each step's averaged gradient within (N + 2)·2^-11 (relative norm per tensor) of the
+      exact mean at the same parameters; the scale exponents equal on both ranks;
+    * PowerSGD (rank 2, start_step 2 and 5): against PyTorch's ``powerSGD_hook`` under the same
+      joins (same settings and seed, one bucket): averaged gradients within 1e-4 (relative norm per
+      tensor and step, as ``powersgd-vs-pytorch``), final parameters within 1e-5 (relative norm);
+      the step counter 9 on both ranks, as PyTorch's;
+    * QSGD: the explicit-zero oracle only (its random draws are its own).
+    The final parameters are equal on both ranks.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    assert dist.get_world_size() == 2, "JOIN_EPOCHS is for 2 ranks"
+    notes = []
+    total_steps = len(join_steps())
+
+    _, plain, plain_w, _ = _join_run()
+    _, grads, w, _ = _join_run("none")
+    _same(grads, plain, "none: averaged gradients against DDP without a hook")
+    _same(w, plain_w, "none: final parameters against DDP without a hook")
+
+    for spec in ("none", "topk:density=0.3", "fp16", "qsgd:levels=4,block=8",
+                 "powersgd:matrix_rank=2,start_step=2,seed=0", "powersgd:matrix_rank=2,start_step=5,seed=0"):
+        before, grads, w, hook = _join_run(spec)
+        _, zgrads, zw, zhook = _join_run(spec, zeros=True)
+        _same(grads, zgrads, f"{spec}: averaged gradients against explicit zeros")
+        _same(w, zw, f"{spec}: final parameters against explicit zeros")
+        _same(hook.state_dict(), zhook.state_dict(), f"{spec}: compressor state against explicit zeros")
+        everyone = _gather_objects([p.tolist() for p in w])
+        assert everyone[0] == everyone[1], f"{spec}: the ranks' final parameters differ"
+        if spec.startswith("topk"):
+            ref_grads, ref_w = _topk_reference(0.3)
+            _same(grads, ref_grads, "top-k: averaged gradients against the reference")
+            _same(w, ref_w, "top-k: final parameters against the reference")
+        elif spec == "fp16":
+            bound = 4 * 2.0 ** -11
+            worst = _worst(grads, _exact_means(before))
+            assert worst <= bound, ("fp16 against the exact mean", worst, bound)
+            exps = _gather_objects(dict(hook.compression.exponents))
+            assert exps[0] == exps[1], ("fp16 scale exponents differ between ranks", exps)
+            notes.append(f"fp16 within {worst:.1e} of the exact mean (bound {bound:.1e})")
+        elif spec.startswith("powersgd"):
+            start = int(spec.split("start_step=")[1].split(",")[0])
+            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=start,
+                                       min_compression_rate=1, use_error_feedback=True, warm_start=True,
+                                       random_seed=0)
+            _, tgrads, tw, _ = _join_run(pytorch_hook=(state, psgd.powerSGD_hook))
+            worst = _worst(grads, tgrads)
+            assert worst < 1e-4, (spec, "against powerSGD_hook", worst)
+            werr = max(((a - b).norm() / b.norm()).item() for a, b in zip(w, tw))
+            assert werr < 1e-5, (spec, "final parameters against powerSGD_hook", werr)
+            assert _gather_objects(hook.compression.step) == [total_steps] * 2, hook.compression.step
+            assert state.iter == total_steps, state.iter
+            notes.append(f"PowerSGD start {start} within {worst:.1e} of powerSGD_hook")
+    return "; ".join(notes)
+
+
+# ---- two synchronized backwards before one step (issue 57) ------------------------------------------
+ACCUM_STEPS, MICRO = 3, 2  # optimizer steps, synchronized backwards per step (no no_sync)
+
+
+def _accumulate_run(spec=None, pytorch_hook=None):
+    """``ACCUM_STEPS`` steps of ``MICRO`` synchronized backwards each (no ``no_sync``), then
+    ``opt.step()``; returns the gradients after every backward (DDP's: each backward adds the new
+    local gradients to the ones already there, then averages the sum) and the final parameters."""
+    ddp = DDP(join_model(), bucket_cap_mb=100)
+    opt = torch.optim.SGD(ddp.parameters(), lr=JOIN_LR)
+    if spec is not None:
+        hvdcomp.ddp.register(ddp, spec, optimizer=opt)
+    elif pytorch_hook is not None:
+        ddp.register_comm_hook(*pytorch_hook)
+    grads = []
+    for step in range(ACCUM_STEPS):
+        opt.zero_grad()
+        for micro in range(MICRO):
+            loss(ddp, MICRO * step + micro, **JOIN_DATA).backward()
+            grads.append(flat_grads(ddp))
+        opt.step()
+    return grads, [p.detach().clone() for p in ddp.parameters()]
+
+
+def _accumulate_topk_reference(density):
+    """Top-k with error feedback (as ``_topk_reference``) at 2 ranks, one process, under DDP's
+    accumulation without ``no_sync``: a backward's bucket on rank r holds the gradients already
+    there (the previous backward's average, the same on every rank; none after zero_grad) plus
+    r's new local gradients; every backward's compression counts (its residual is kept)."""
+    module = join_model()
+    params = list(module.parameters())
+    residual = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+    out = []
+    for step in range(ACCUM_STEPS):
+        there = [torch.zeros_like(p) for p in params]
+        for micro in range(MICRO):
+            total = [torch.zeros_like(p) for p in params]
+            for r in range(2):
+                module.zero_grad()
+                x, y = batch(MICRO * step + micro, of=r, **JOIN_DATA)
+                torch.nn.functional.mse_loss(module(x), y).backward()
+                for i, (p, ei) in enumerate(zip(params, residual[r])):
+                    flat = ((there[i] + p.grad if micro else p.grad) + ei).reshape(-1)
+                    keep = flat.abs().topk(min(flat.numel(), max(1, math.ceil(density * flat.numel())))).indices
+                    sent = torch.zeros_like(flat)
+                    sent[keep] = flat[keep]
+                    residual[r][i] = (flat - sent).view_as(p)
+                    total[i] += sent.view_as(p)
+            there = [t / 2 for t in total]
+            out.append(there)
+        with torch.no_grad():
+            for p, g in zip(params, there):
+                p.add_(g, alpha=-JOIN_LR)
+    return out, [p.detach().clone() for p in params]
+
+
+def _discard_run(spec, how):
+    """Steps on batches 0 and 1 with, between them, a synchronized backward on batch 7 that is
+    discarded (no ``step()``) by ``how``: ``"opt"`` (``opt.zero_grad()`` after the next forward),
+    ``"none"`` (``model.zero_grad()`` before it: gradients None), ``"zeros"`` (zeroed in place
+    before it); ``how=None`` leaves the discarded backward out. Returns the final parameters and
+    the hook's state."""
+    ddp = DDP(join_model(), bucket_cap_mb=100)
+    opt = torch.optim.SGD(ddp.parameters(), lr=JOIN_LR)
+    hook = hvdcomp.ddp.register(ddp, spec, optimizer=opt)
+    opt.zero_grad()
+    loss(ddp, 0, **JOIN_DATA).backward()
+    opt.step()
+    if how is not None:
+        opt.zero_grad()
+        loss(ddp, 7, **JOIN_DATA).backward()  # reduced, never applied
+        if how == "none":
+            ddp.zero_grad(set_to_none=True)
+        elif how == "zeros":
+            ddp.zero_grad(set_to_none=False)
+    else:
+        opt.zero_grad()
+    out = loss(ddp, 1, **JOIN_DATA)
+    if how == "opt":
+        opt.zero_grad()
+    out.backward()
+    opt.step()
+    return [p.detach().clone() for p in ddp.parameters()], hook.state_dict()
+
+
+def check_accumulate():
+    """Two synchronized backwards before each ``step()`` (accumulation without ``no_sync``, which
+    DDP allows; issue 57), 2 ranks, 3 steps. Every synchronized backward's reduction counts, as
+    DDP's own averaging and PyTorch's hooks count it:
+
+    * top-k 30 % with error feedback: = the one-process reference ``_accumulate_topk_reference``
+      (the first backward's residual is kept), gradients after every backward and final
+      parameters, bit for bit;
+    * PowerSGD (rank 2, start_step 2): against PyTorch's ``powerSGD_hook`` in the same loop
+      (compression from the third backward in both): gradients within 1e-4 (relative norm per
+      tensor and backward), final parameters within 1e-5;
+    * a reduced step that is discarded (no ``step()``, gradients zeroed by ``opt.zero_grad()``
+      after the next forward, by ``model.zero_grad()`` before it, or zeroed in place) still leaves
+      no trace: final parameters and compressor state = the run without it, bit for bit (top-k).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    grads, w = _accumulate_run("topk:density=0.3")
+    ref_grads, ref_w = _accumulate_topk_reference(0.3)
+    _same(grads, ref_grads, "top-k: gradients after each backward against the reference")
+    _same(w, ref_w, "top-k: final parameters against the reference")
+
+    spec = "powersgd:matrix_rank=2,start_step=2,seed=0"
+    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                               min_compression_rate=1, use_error_feedback=True, warm_start=True, random_seed=0)
+    grads, w = _accumulate_run(spec)
+    tgrads, tw = _accumulate_run(pytorch_hook=(state, psgd.powerSGD_hook))
+    worst = _worst(grads, tgrads)
+    assert worst < 1e-4, ("PowerSGD against powerSGD_hook", worst)
+    werr = max(((a - b).norm() / b.norm()).item() for a, b in zip(w, tw))
+    assert werr < 1e-5, ("PowerSGD final parameters against powerSGD_hook", werr)
+
+    clean = _discard_run("topk:density=0.3", None)
+    for how in ("opt", "none", "zeros"):
+        _same(_discard_run("topk:density=0.3", how), clean, f"a step discarded by {how}")
+    return f"top-k bit for bit; PowerSGD within {worst:.1e} of powerSGD_hook; 3 discards leave no trace"
+
+
+class SideLayer(torch.nn.Module):
+    """Linear 16→12→8→2 (``a``, ``b``, ``c``) and a layer ``side`` (8→6) defined before ``c``,
+    used only when ``use_side``."""
+
+    def __init__(self, use_side):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(16, 12), torch.nn.Linear(12, 8)
+        self.side, self.c = torch.nn.Linear(8, 6), torch.nn.Linear(8, 2)
+        self.use_side = use_side
+
+    def forward(self, x):
+        h = torch.relu(self.b(torch.relu(self.a(x))))
+        return self.c(h) + (0.1 * self.side(h)[:, :2] if self.use_side else 0.0)
+
+
+def _one_power_step(grads, order, seed=0, r=2):
+    """One PowerSGD step at one rank, written from the paper (Vogels et al. 2019, Algorithm 1, a
+    fresh start): for each matrix M (n × m) where r(n + m) < nm, in ``order``, Q0 = the next m × r
+    normal draws of a generator seeded as both hooks seed theirs; P = orth(M·orth(Q0)); the
+    result P·Pᵀ·M (= P·Qᵀ with Q = Mᵀ·P, whatever orthonormal basis orth gives)."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(int(np.random.RandomState(seed).randint(1_000_000_000)))
+    out = {}
+    for name in order:
+        g = grads[name]
+        n, m = g.shape[0], g[0].numel()
+        if g.dim() < 2 or (n + m) * min(r, n, m) >= n * m:
+            continue
+        q0 = torch.randn(m, min(r, n, m), generator=gen)
+        mat = g.reshape(n, m)
+        p = torch.linalg.qr(mat @ torch.linalg.qr(q0).Q).Q
+        out[name] = (p @ p.T @ mat).view_as(g)
+    return out
+
+
+def check_powersgd_draw_order():
+    """Where hvdcomp's PowerSGD and PyTorch's ``powerSGD_hook`` draw their starting Q (issue 57):
+    hvdcomp draws each compressed matrix's Q in the expected backward order (the reverse of
+    ``model.parameters()``); ``powerSGD_hook`` in its DDP bucket's buffer order. With a layer left
+    unused and ``find_unused_parameters=True`` (which that needs) DDP never rebuilds its buckets,
+    so the buffer keeps ``model.parameters()`` order and the two start from different Qs. One
+    rank, rank 2, start_step 2, seed 0, one bucket: at the first compressed step each hook's
+    gradients = the one-process step ``_one_power_step`` drawn in its own order (within 1e-5,
+    relative norm per matrix), and the two differ (a.weight and b.weight by more than 0.1). With
+    every layer used and no ``find_unused_parameters`` (DDP rebuilt its bucket in gradient-ready
+    order) they agree: ``powersgd-vs-pytorch``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    assert dist.get_world_size() == 1, "one rank: each hook's step is its local reference"
+    model = SideLayer(use_side=False)
+    theirs = DDP(copy.deepcopy(model), bucket_cap_mb=100, find_unused_parameters=True)
+    ours = DDP(copy.deepcopy(model), bucket_cap_mb=100, find_unused_parameters=True)
+    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                               min_compression_rate=1, use_error_feedback=True, warm_start=True, random_seed=0)
+    theirs.register_comm_hook(state, psgd.powerSGD_hook)
+    opt_t, opt_o = (torch.optim.SGD(m.parameters(), lr=JOIN_LR) for m in (theirs, ours))
+    hvdcomp.ddp.register(ours, "powersgd:matrix_rank=2,start_step=2,seed=0", optimizer=opt_o)
+    for step in range(3):
+        if step == 2:  # the first compressed step: the local gradients M, at parameters equal in both
+            _same(list(theirs.parameters()), list(ours.parameters()), "parameters before the compressed step")
+            local = copy.deepcopy(ours.module)
+            loss(local, step, **JOIN_DATA).backward()
+            grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in local.named_parameters()}
+        for m, opt in ((theirs, opt_t), (ours, opt_o)):
+            opt.zero_grad()
+            loss(m, step, **JOIN_DATA).backward()
+            if step < 2:
+                opt.step()
+    names = [n for n, _ in model.named_parameters()]
+    forward = _one_power_step(grads, names)             # powerSGD_hook's order: the bucket's, never rebuilt
+    backward = _one_power_step(grads, names[::-1])      # hvdcomp's: the expected backward order
+    got = {"pytorch": dict(theirs.module.named_parameters()), "hvdcomp": dict(ours.module.named_parameters())}
+    apart = {}
+    for name in ("a.weight", "b.weight"):
+        for who, ref in (("pytorch", forward), ("hvdcomp", backward)):
+            g = got[who][name].grad
+            err = ((g - ref[name]).norm() / ref[name].norm()).item()
+            assert err < 1e-5, (who, name, err)
+        t, o = got["pytorch"][name].grad, got["hvdcomp"][name].grad
+        apart[name] = ((t - o).norm() / t.norm()).item()
+        assert apart[name] > 0.1, (name, apart[name])
+    return ", ".join(f"{n} {v:.2f} apart" for n, v in apart.items())
+
+
+def check_python_reducer():
+    """A DDP model built for DDP's Python reducer (``torch._dynamo.config.optimize_ddp =
+    "python_reducer"``, compiled autograd), which calls a comm hook per parameter with
+    ``(grad, param)``: ``register`` refuses it on every rank, naming the fix (it used to accept it
+    and fail at the first backward: AttributeError: 'tuple' object has no attribute 'buffer'); the
+    hook called with such a pair raises the same way."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+        model = DDP(mlp())
+    e = everywhere(lambda: hvdcomp.ddp.register(model, "fp16"))
+    assert isinstance(e, ValueError) and "optimize_ddp" in str(e) and "'ddp_optimizer'" in str(e), e
+    plain = DDP(mlp())
+    hook = hvdcomp.ddp.register(plain, "fp16")
+    p = next(plain.parameters())
+    e = everywhere(lambda: hvdcomp.ddp.hvdcomp_hook(hook, (torch.zeros_like(p), p)))
+    assert isinstance(e, TypeError) and "'ddp_optimizer'" in str(e), e
+    return "refused at registration and at a per-parameter call"
 
 
 def check_errors():

@@ -75,8 +75,11 @@ def test_payload_kinds_of_every_registered_method():
 
 
 def test_launch_info_reads_torchrun_srun_and_mpirun():
-    t = launch_info({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "1234"})
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "1234"}
+    t = launch_info({**env, "TORCHELASTIC_RUN_ID": "none"})
     assert (t.launcher, t.rank, t.size, t.local_rank, t.master_addr, t.master_port) == ("torchrun", 3, 4, 1, "h0", 1234)
+    e = launch_info(env)  # the env:// variables set by another launcher
+    assert (e.launcher, e.rank, e.size, e.local_rank, e.master_addr, e.master_port) == ("env", 3, 4, 1, "h0", 1234)
     env = {"SLURM_PROCID": "2", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "0",
            "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "localhost", "SLURM_JOB_ID": "40077",
            "PATH": "/nonexistent"}  # (no scontrol: the node list is read by hand)
@@ -113,6 +116,35 @@ def test_fp16_never_delivers_a_saturated_gradient_through_ddp():
 
 def test_a_job_of_one_rank():
     ddp_checks(1, "one-rank")
+
+
+def test_uneven_inputs_under_join_give_each_methods_reference():
+    """Issue 57: rank 0 has 6 batches, rank 1 has 3, ``with ddp.join():``, then an even epoch.
+    Each method against its reference (tests/ddp_checks.py check_join): the run where the joined
+    rank sends explicit zero gradients (every method, bit for bit), DDP without a hook (none), a
+    one-process top-k reference (bit for bit), the exact mean (fp16, within (N + 2)·2^-11; it was
+    0.37 off after the join, the ranks' scale exponents differing), PyTorch's powerSGD_hook under
+    the same join (start_step 2: within 1e-4, was 1.5 off; start_step 5: gloo aborted)."""
+    ddp_checks(2, "join")
+
+
+def test_synchronized_accumulation_counts_every_backward():
+    """Issue 57: two synchronized backwards before one step (no no_sync). Top-k = its one-process
+    reference bit for bit (the first backward's residual was dropped: 0.69 off); PowerSGD within
+    1e-4 of powerSGD_hook (it started compressing one step late: 1.1 off); a reduced step that is
+    discarded (gradients zeroed, no step) still leaves no trace (tests/ddp_checks.py)."""
+    ddp_checks(2, "accumulate")
+
+
+def test_powersgd_draw_order_and_the_python_reducer_at_one_rank():
+    """Issue 57, one rank. PowerSGD's starting Q: with an unused layer (find_unused_parameters=True,
+    so DDP never rebuilds its bucket) powerSGD_hook draws in model.parameters() order, hvdcomp in
+    the reverse; each equals a one-process PowerSGD step drawn in its own order (within 1e-5), and
+    the two differ by 0.6 at the first compressed step (docs/ddp.md). A DDP model built for
+    compiled autograd's Python reducer calls comm hooks per parameter with (grad, param); register
+    refuses it naming optimize_ddp='ddp_optimizer' (it failed at the first backward:
+    AttributeError: 'tuple' object has no attribute 'buffer')."""
+    ddp_checks(1, "powersgd-draw-order", "python-reducer")
 
 
 def test_hvdcomp_and_the_ddp_front_end_work_without_horovod(tmp_path):
@@ -215,6 +247,7 @@ def test_train_lm_under_torchrun_and_srun_equals_the_horovod_run(tmp_path):
                for d in (hvd_out, ddp_out, tmp_path / "slurm" / f"{job}_0")]
     h, t, s = results
     assert t["config"]["frontend"] == s["config"]["frontend"] == "ddp" and h["config"]["frontend"] == "horovod"
+    assert [r["launcher"] for r in results] == ["openmpi", "torchrun", "slurm"]  # torchrun's was "none"
     assert [r["config"]["world_size"] for r in results] == [2, 2, 2]
     assert t["config"]["transport"].startswith("torch.distributed gloo: counts exchange")
     for key in ("initial_val_ppl", "best_val_ppl", "test_ppl"):

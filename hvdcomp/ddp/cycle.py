@@ -2,22 +2,34 @@
 compressor state is staged, what the ranks agree on (:mod:`hvdcomp.agreement`), and when the
 state is committed or rolled back.
 
-A step's compressor updates are staged when its first bucket is compressed (``begin_step``),
-committed when the optimizer applies the update (the attached ``optimizer.step``, or the step's
-last bucket without an optimizer), and rolled back otherwise (``rollback``): a step that was
-never applied, when the next backward reaches its first bucket; a step some rank found
-non-finite, at once on every rank. The hook (:mod:`hvdcomp.ddp.hook`) drives it:
+A step's compressor updates are staged when its first bucket is compressed (``begin_step``) and
+committed when its reduction counts:
 
-==================  ===========================  =========================================
-call                from                         status after
-==================  ===========================  =========================================
-:meth:`open`        a backward's first bucket    ``BACKWARD`` (state staged)
-:meth:`agree`       the last bucket              (the per-step verdict; raises or skips)
-:meth:`skip`        the last bucket, a skip      ``SKIPPED`` (rolled back, results NaN)
-:meth:`reduced`     the last bucket, done        ``SYNCED`` (or ``SKIPPED``)
-:meth:`apply`       ``optimizer.step()``         committed; a skipped step is not applied
-:meth:`discard`     an error, a loaded state     ``IDLE`` (a skip agreed on stays ``SKIPPED``)
-==================  ===========================  =========================================
+* the optimizer applies the update (the attached ``optimizer.step``; without an optimizer, at the
+  step's last bucket);
+* the next synchronized backward starts while the gradients are still there (accumulation
+  without ``no_sync``: DDP adds that backward's gradients to these, so this reduction counts, as
+  it does for PyTorch's own hooks);
+* DDP's join runs it as a joined rank's shadow step (:meth:`shadowing`): that rank has nothing to
+  apply, and the other ranks commit the same step when they apply it.
+
+It is rolled back when it is discarded: the gradients were zeroed before the next forward
+(:meth:`forward_starts`) or by the attached ``optimizer.zero_grad()`` (:meth:`zeroed`), with no
+``step()`` between; a step some rank found non-finite, at once on every rank. The hook
+(:mod:`hvdcomp.ddp.hook`) drives it:
+
+==================== ============================ =========================================
+call                 from                         status after
+==================== ============================ =========================================
+:meth:`open`         a backward's first bucket    ``BACKWARD`` (state staged)
+:meth:`agree`        the last bucket              (the per-step verdict; raises or skips)
+:meth:`skip`         the last bucket, a skip      ``SKIPPED`` (rolled back, results NaN)
+:meth:`reduced`      the last bucket, done        ``SYNCED`` (or ``SKIPPED``)
+:meth:`apply`        ``optimizer.step()``         committed; a skipped step is not applied
+:meth:`forward_starts` the model's forward        discarded (``IDLE``) if the gradients were zeroed
+:meth:`zeroed`       ``optimizer.zero_grad()``    discarded (``IDLE``)
+:meth:`discard`      an error, a loaded state     ``IDLE`` (a skip agreed on stays ``SKIPPED``)
+==================== ============================ =========================================
 """
 from __future__ import annotations
 
@@ -63,25 +75,33 @@ class StepCycle:
         self.status, self.staged = Status.IDLE, False
         self.buckets: List[Bucket] = []
         self.skipped_steps = self.backward_steps = 0
-        self.optimizer = self._original_step = None
+        self.optimizer = self._original_step = self._original_zero_grad = None
+        self._shadowing = False
 
     # ---- how the hook learns the step was applied --------------------------------------------------
     def attach(self, optimizer) -> None:
-        """``optimizer.step`` becomes a bound method (LR schedulers wrap it) calling :meth:`apply`."""
-        original = optimizer.step
+        """``optimizer.step`` becomes a bound method (LR schedulers wrap it) calling :meth:`apply`;
+        ``optimizer.zero_grad`` one calling :meth:`zeroed` first."""
+        original, original_zero_grad = optimizer.step, optimizer.zero_grad
         cycle = self
 
         def step(opt, *args, **kwargs):
             return cycle.apply(original, args, kwargs)
 
+        def zero_grad(opt, *args, **kwargs):
+            cycle.zeroed()
+            return original_zero_grad(*args, **kwargs)
+
         optimizer.step = types.MethodType(step, optimizer)
-        self.optimizer, self._original_step = optimizer, original
+        optimizer.zero_grad = types.MethodType(zero_grad, optimizer)
+        self.optimizer, self._original_step, self._original_zero_grad = optimizer, original, original_zero_grad
 
     def detach(self) -> None:
-        """Give the attached optimizer its own ``step`` back."""
+        """Give the attached optimizer its own ``step`` and ``zero_grad`` back."""
         if self.optimizer is not None:
             self.optimizer.step = self._original_step
-        self.optimizer = self._original_step = None
+            self.optimizer.zero_grad = self._original_zero_grad
+        self.optimizer = self._original_step = self._original_zero_grad = None
 
     def apply(self, original, args, kwargs):
         """The attached optimizer's step: skipped (None) after a non-finite step, else applied and
@@ -90,11 +110,41 @@ class StepCycle:
             self.status = Status.SYNCED
             return None
         result = original(*args, **kwargs)
-        if self.staged and self.status is Status.SYNCED:
+        if self.unapplied:
             if self.compression.has_scaled_state:
                 self.loss_scale.discover(self.optimizer)
             self._commit()
         return result
+
+    @property
+    def unapplied(self) -> bool:
+        """A reduced step's state is staged and nobody applied it (yet)."""
+        return self.staged and self.status is Status.SYNCED
+
+    def zeroed(self) -> None:
+        """The attached optimizer zeroes the gradients: a reduced step not applied is discarded
+        (its state rolled back)."""
+        if self.unapplied:
+            self._drop()
+
+    def forward_starts(self, grads_zeroed) -> None:
+        """The DDP model's forward begins: a reduced step not applied whose gradients were zeroed
+        (``grads_zeroed()``, called only then) is discarded; one whose gradients are still there
+        waits (a synchronized backward that adds to them commits it: :meth:`open`)."""
+        if self.unapplied and grads_zeroed():
+            self._drop()
+
+    @contextlib.contextmanager
+    def shadowing(self):
+        """While DDP's join hook shadows a step on a joined rank (``_DDPJoinHook.main_hook``: its
+        hook is called with zero gradients, to match the other ranks' collectives), a step reduced
+        is committed at its last bucket: this rank never applies it, the others apply the same
+        step (PyTorch's hooks keep their state the same way on a joined rank)."""
+        self._shadowing = True
+        try:
+            yield
+        finally:
+            self._shadowing = False
 
     # ---- the step ---------------------------------------------------------------------------------------
     def needs_open(self, index: int) -> bool:
@@ -103,12 +153,14 @@ class StepCycle:
         return index == 0 or not self.staged or self.status in (Status.SYNCED, Status.SKIPPED)
 
     def open(self) -> None:
-        """A backward's first bucket: drop a step that was never applied, agree on restored state
-        (once, :meth:`hvdcomp.agreement.StateAgreement.agree`), follow the loss scale, and stage
-        this step's updates."""
-        if self.staged:  # reduced, but the optimizer never applied it
-            self.compression.rollback()
-            self.staged = False
+        """A backward's first bucket: commit a reduced step not applied and not discarded (this
+        backward accumulates onto its gradients: DDP's bucket holds their sum), agree on restored
+        state (once, :meth:`hvdcomp.agreement.StateAgreement.agree`), follow the loss scale, and
+        stage this step's updates."""
+        if self.unapplied:
+            self._commit()
+        elif self.staged:  # (a backward that never reached its last bucket)
+            self._drop()
         self.status = Status.BACKWARD
         self.buckets = []
         self.guard.reset()
@@ -148,11 +200,12 @@ class StepCycle:
 
     def reduced(self) -> None:
         """The last bucket is reduced: the update waits to be applied (without an optimizer,
-        nobody tells: what was reduced counts, committed now)."""
+        nobody tells, and a joined rank's shadow step is never applied: what was reduced counts,
+        committed now)."""
         self.backward_steps += 1
         if self.status is not Status.SKIPPED:
             self.status = Status.SYNCED
-        if self.staged and self.optimizer is None:
+        if self.staged and (self.optimizer is None or self._shadowing):
             self._commit()
 
     def discard(self) -> None:
@@ -168,4 +221,10 @@ class StepCycle:
     def _commit(self) -> None:
         self.compression.commit()
         self.staged = False
+
+    def _drop(self) -> None:
+        """Roll back a reduced step that is discarded."""
+        self.compression.rollback()
+        self.staged = False
+        self.status = Status.IDLE
 

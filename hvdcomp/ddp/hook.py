@@ -24,22 +24,39 @@ backward, in bucket order, with a ``torch.distributed.GradBucket``; the hook ret
 All collectives are issued from the thread that runs the hooks, in bucket order (never from
 future callbacks), so every rank issues the same sequence.
 
-State follows what is applied (:mod:`hvdcomp.ddp.cycle`). A step's compressor updates (residuals, momenta, counters,
-generator states) are staged when its first bucket is compressed (``begin_step``), committed when
-the optimizer applies the update, and rolled back otherwise (``rollback``):
+State follows what is applied (:mod:`hvdcomp.ddp.cycle`). A step's compressor updates (residuals,
+momenta, counters, generator states) are staged when its first bucket is compressed
+(``begin_step``), committed when its reduction counts, and rolled back when it is discarded
+(``rollback``):
 
 * how the hook learns the step was applied: ``register(..., optimizer=opt)`` (or
   :meth:`HookState.attach`) replaces ``opt.step`` by a bound method that calls the original step
-  and then commits. ``GradScaler.step(opt)`` calls it only when no gradient overflowed;
-* a step that is not applied (``GradScaler`` found an overflow and skipped ``opt.step``;
-  ``zero_grad()`` and a new backward without ``step()``) is rolled back when the next backward
-  reaches its first bucket;
+  and then commits, and ``opt.zero_grad`` by one that first discards a reduced step not applied.
+  ``GradScaler.step(opt)`` calls ``opt.step`` only when no gradient overflowed;
+* two synchronized backwards before one ``step()`` (accumulation without ``no_sync``, which DDP
+  allows: the second backward's bucket holds the first's averaged gradients plus the new ones):
+  every synchronized backward's reduction counts, as with PyTorch's own hooks; the first one's
+  state is committed when the second begins;
+* a step that is discarded (the gradients zeroed with no ``step()`` between: by
+  ``opt.zero_grad()``, or by any means before the next forward, which a forward pre-hook checks;
+  ``GradScaler`` found an overflow and skipped ``opt.step``, then the loop zeroed them) is
+  rolled back. Gradients zeroed *after* the next forward by other means than ``opt.zero_grad()``
+  (``model.zero_grad()``) look like accumulation: that step counts, as with PyTorch's hooks;
+* a rank that has joined under ``with ddp_model.join():`` (uneven inputs) runs the hook on zero
+  gradients to shadow the others' steps; it never calls ``opt.step()``, so each shadow step is
+  committed at its last bucket (``register`` wraps the model's ``join_hook`` to tell the hook),
+  and every rank's state stays what it would be had that rank sent a zero gradient;
 * a non-finite gradient on any rank (``nonfinite="skip"``, the default): every rank rolls back,
   every bucket's result is NaN (a ``GradScaler`` sees the overflow and lowers its scale), and the
   wrapped ``opt.step()`` returns None without updating; ``nonfinite="raise"`` raises
   ``FloatingPointError`` on every rank instead;
 * without an optimizer the state is committed when the last bucket is reduced (a finite step the
   training loop then discards still counts; non-finite steps still leave no trace).
+
+DDP's Python reducer (``torch._dynamo.config.optimize_ddp = "python_reducer"``, for compiled
+autograd) calls a comm hook once per parameter with ``(grad, param)`` from inside the traced
+backward and ignores its result: :func:`register` refuses such a model (use the default
+``"ddp_optimizer"``, under which ``torch.compile`` runs with this hook at DDP's buckets).
 
 With a ``torch.amp.GradScaler``, state kept in gradient units follows loss-scale changes
 (:mod:`hvdcomp.amp`: given as ``grad_scaler=``, or found at the first applied step).
@@ -56,6 +73,7 @@ import weakref
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
+from torch.distributed.algorithms.join import JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.torchdist import TorchDistGroup
@@ -76,10 +94,34 @@ log = logging.getLogger(__name__)
 _owners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # compressor -> the state using it
 
 
+#: what to do where DDP runs its Python reducer (compiled autograd)
+PYTHON_REDUCER_FIX = (
+    "DDP's Python reducer (torch._dynamo.config.optimize_ddp = 'python_reducer', for compiled autograd) "
+    "calls a comm hook once per parameter with (grad, param) inside the traced backward and ignores what it "
+    "returns; hvdcomp's hook compresses whole buckets and keeps per-step state, so it cannot run there. "
+    "Build the DistributedDataParallel model with optimize_ddp left at 'ddp_optimizer' (the default; "
+    "torch.compile(model) works with hvdcomp's hook at DDP's bucket boundaries), or without compiled autograd")
+
+
 def hvdcomp_hook(state, bucket):  # (no annotations: DDP checks them, and this module's are strings)
     """The communication hook :func:`register` installs: ``state.reduce_bucket(bucket)``, a
     ``torch.futures.Future[torch.Tensor]`` of the averaged bucket."""
     return state.reduce_bucket(bucket)
+
+
+class _ShadowingJoinHook(JoinHook):
+    """DDP's own join hook (``_DDPJoinHook``), with the hook's step cycle told when a joined rank
+    shadows a step (:meth:`hvdcomp.ddp.cycle.StepCycle.shadowing`)."""
+
+    def __init__(self, inner: JoinHook, cycle: StepCycle):
+        self.inner, self.cycle = inner, cycle
+
+    def main_hook(self) -> None:
+        with self.cycle.shadowing():
+            self.inner.main_hook()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.inner.post_hook(is_last_joiner)
 
 
 class HookState:
@@ -174,9 +216,31 @@ class HookState:
         self._cycle.attach(optimizer)
 
     def detach(self) -> None:
-        """Give the attached optimizer its own ``step`` back (state then commits at each step's
-        last bucket, as without an optimizer)."""
+        """Give the attached optimizer its own ``step`` and ``zero_grad`` back (state then commits
+        at each step's last bucket, as without an optimizer)."""
         self._cycle.detach()
+
+    def _watch(self, ddp_model) -> None:
+        """Tell the step cycle what the training loop does outside the hook: a forward pre-hook on
+        the DDP model (were the gradients zeroed since a step that was reduced and not applied?)
+        and, for ``ddp_model.join()``, the model's ``join_hook`` wrapped so that the cycle knows
+        when DDP shadows a step on a joined rank (``Join`` calls ``joinable.join_hook(**kwargs)``)."""
+        cycle, params = self._cycle, self._layouts.params
+
+        def grads_zeroed() -> bool:  # (stops at the first non-zero gradient)
+            return not any(bool(p.grad.any()) for p in params if p.grad is not None)
+
+        @torch.compiler.disable
+        def before_forward(module, args):
+            cycle.forward_starts(grads_zeroed)
+
+        ddp_model.register_forward_pre_hook(before_forward)
+        model = weakref.ref(ddp_model)
+
+        def join_hook(**kwargs):
+            return _ShadowingJoinHook(DistributedDataParallel.join_hook(model(), **kwargs), cycle)
+
+        ddp_model.join_hook = join_hook
 
     # ---- the hook ------------------------------------------------------------------------------
     def _kind_of(self, layout: BucketLayout, buffer: torch.Tensor) -> str:
@@ -203,9 +267,13 @@ class HookState:
             step's last bucket has been reduced.
 
         Raises:
-            TypeError: a sparse gradient bucket (use dense embeddings, or the Horovod front-end).
+            TypeError: a sparse gradient bucket (use dense embeddings, or the Horovod front-end),
+                or a ``(grad, param)`` pair from DDP's Python reducer (:data:`PYTHON_REDUCER_FIX`).
             FloatingPointError: ``nonfinite="raise"`` and a non-finite gradient on some rank.
         """
+        if isinstance(bucket, tuple):  # DDP's Python reducer: (grad, param) per parameter
+            raise TypeError(f"hvdcomp's DDP hook was called with a (grad, param) pair, not a GradBucket: "
+                            f"{PYTHON_REDUCER_FIX}")
         buffer = bucket.buffer()
         if buffer.is_sparse:
             raise TypeError("hvdcomp's DDP hook compresses dense gradient buckets; a sparse gradient "
@@ -322,8 +390,9 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
             Horovod front-end), or an hvdcomp method (a :class:`hvdcomp.Compressor` or a
             step-wide method) not used elsewhere (:func:`hvdcomp.spec.resolve_compression`).
         process_group: the ``torch.distributed`` group to average over; default the DDP model's.
-        optimizer: the optimizer that applies the averaged gradients, so that a step that is not
-            applied leaves no trace in compressor state (see the module docstring; recommended).
+        optimizer: the optimizer that applies the averaged gradients, so that a step that is
+            discarded leaves no trace in compressor state (see the module docstring;
+            recommended): its ``step`` and ``zero_grad`` are wrapped to tell the hook.
         granularity: ``"tensor"`` (default: each gradient compressed by its own rules, results
             per tensor as under the Horovod front-end) or ``"bucket"`` (each DDP bucket compressed
             as one tensor, as PyTorch's own hooks do; state per bucket). DDP rebuilds its buckets
@@ -347,7 +416,9 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
         TypeError: ``ddp_model`` is not a DistributedDataParallel, or a bad ``compression``.
         ValueError: unknown ``granularity`` or ``nonfinite`` (or ``"bucket"`` with PowerSGD), a
             compressor already serving another hook, DGC with an optimizer that applies momentum,
-            unnamed parameters, or ranks that disagree (raised on every rank).
+            unnamed parameters, ranks that disagree (raised on every rank), or a model built for
+            DDP's Python reducer (``torch._dynamo.config.optimize_ddp = "python_reducer"``: see
+            the module docstring).
         RuntimeError: ``torch.distributed`` is not initialised.
 
     Example::
@@ -372,11 +443,14 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
     if owner is not None and owner() is not None:
         raise ValueError(f"this '{compression.name}' compressor already serves another hook (or optimizer); "
                          "its state is keyed by parameter name, so give each model its own (pass the spec string)")
+    if getattr(ddp_model, "_use_python_reducer", False):
+        raise ValueError(PYTHON_REDUCER_FIX)
     if process_group is None:
         process_group = getattr(ddp_model, "process_group", None)
     state = HookState(ddp_model, compression, process_group, optimizer, granularity, nonfinite, timer,
                       grad_scaler, named_parameters, check_consistency)
     ddp_model.register_comm_hook(state, hvdcomp_hook)
+    state._watch(ddp_model)
     _owners[compression] = weakref.ref(state)
     log.info("hvdcomp: DDP hook %s: %s", compression.name, state.transport)
     return state

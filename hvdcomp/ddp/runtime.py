@@ -1,11 +1,12 @@
 """``torch.distributed`` set-up for the DDP front-end, from the launcher's environment, and the
 few Horovod-style calls a training script makes, so one script runs under either front-end.
 
-Launchers (:func:`launch_info`): ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``MASTER_ADDR``/``MASTER_PORT``), SLURM ``srun`` (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
-``SLURM_LOCALID``; the rendezvous host is the step's first node), and the others
-:func:`hvdcomp.launch.detect_launch` knows (``mpirun``: set ``MASTER_ADDR`` when the ranks span
-several hosts). A plain ``python`` start is a job of one rank.
+Launchers (:func:`launch_info`): ``torchrun``, or any launcher that sets ``torch.distributed``'s
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``; SLURM ``srun``
+(``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``; the rendezvous host is the step's
+first node), and the others :func:`hvdcomp.launch.detect_launch` knows (``mpirun``: set
+``MASTER_ADDR`` when the ranks span several hosts). A plain ``python`` start is a job of one rank.
+The launcher's name is :func:`~hvdcomp.launch.detect_launch`'s (what results files record).
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ class DistLaunch(LaunchInfo):
     ranks meet.
 
     Attributes:
-        launcher: ``"torchrun"``, ``"slurm"``, ``"openmpi"``, ... or ``"none"`` (one rank).
+        launcher: :func:`hvdcomp.launch.detect_launch`'s name: ``"torchrun"``, ``"slurm"``,
+            ``"openmpi"``, ``"env"`` (``RANK``/``WORLD_SIZE`` set by another launcher), ... or
+            ``"none"`` (one rank).
         rank, size, local_rank: this process's global rank, the world size, its rank on its node.
         master_addr, master_port: the rendezvous host and TCP port (rank 0 listens there).
     """
@@ -75,13 +78,13 @@ def launch_info(environ=None) -> DistLaunch:
     """
     env = os.environ if environ is None else environ
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
-    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (or any env:// launcher)
+    info = detect_launch(env)
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (or any env:// launcher): its variables win
         rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
         if not 0 <= rank < size:
             raise ValueError(f"RANK={rank} is not in [0, WORLD_SIZE={size})")
-        return DistLaunch("torchrun", rank, size, int(env.get("LOCAL_RANK", 0)), addr or "127.0.0.1",
+        return DistLaunch(info.launcher, rank, size, int(env.get("LOCAL_RANK", 0)), addr or "127.0.0.1",
                           int(port or DEFAULT_PORT))
-    info = detect_launch(env)
     size = info.size
     if info.launcher == "slurm":
         size = int(env.get("SLURM_STEP_NUM_TASKS", size))

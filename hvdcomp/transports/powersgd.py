@@ -14,9 +14,16 @@ error feedback e and the Q kept from the previous step::
 
 A step therefore costs two allreduces in all. Tensors where low rank saves nothing — 1-D tensors and
 any with (n + m)·r·min_compression_rate ≥ n·m — travel uncompressed (exact) inside the first one.
-The initial Q of every tensor comes from one generator seeded identically on all ranks, drawn in
-parameter order, the same way PyTorch's DDP ``powerSGD_hook`` draws them, so both give the same
-results on the same gradients and seed.
+The initial Q of every tensor comes from one generator seeded identically on all ranks (as PyTorch's
+DDP ``powerSGD_hook`` seeds its own), drawn one tensor at a time, grouped by matrix shape, in the
+order the front-end hands the gradients over (the expected backward order: the reverse of
+``model.parameters()``). ``powerSGD_hook`` draws in its bucket's buffer order and seeds each bucket
+anew, so the two give the same results on the same gradients and seed only with one bucket that
+DDP rebuilt in gradient-ready order; with ``find_unused_parameters=True`` (a layer left unused) DDP
+keeps ``model.parameters()`` order and they differ from the first compressed step (by 0.6 relative
+per matrix in ``tests/ddp_checks.py``'s check; docs/ddp.md). The defaults differ as well: here
+rank 2 from step 0 wherever low rank saves bytes; PyTorch's rank 1 from iteration 1000 where it
+saves 2x.
 
 Robustness (no collapse). The warm start makes Q sticky: an all-zero gradient (a frozen layer,
 a parameter unused in a step, which the optimizer sends as zeros) gives P = 0 and then
