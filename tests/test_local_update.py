@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hvdcomp import get_compressor
-from hvdcomp.local import AdaAlter, CO2Momentum, from_spec
+from hvdcomp.local import CO2, AdaAlter, CO2Momentum, DiLoCo, LocalAdaAlter, SparseLoCo, from_spec
 from tests.mpirun import TINY_SHAKESPEARE, check
 
 WORLD = 2
@@ -29,6 +29,29 @@ GRID = (
     + [{"algorithm": "adaalter", "local_steps": 3, "compression": "none", "eps": 1.0, "warmup_steps": 2}])
 for _c in GRID:
     _c.update(steps=7, inner_lr=0.05)
+
+#: a NaN in one element of rank 1's gradient at its fifth step (step 4: mid-round 1 with H = 3), for
+#: every mode and a stateful inner optimizer (SGD with momentum, AdamW, AdaAlter; and one in Local
+#: AdaAlter's synchronous warm-up): the round is dropped on every rank and training goes on, as the
+#: simulation computes it from the semantics of hvdcomp/local/base.py's docstring
+NAN_GRID = [
+    {"algorithm": "diloco", "inner": "sgd_momentum", "local_steps": 3, "outer_lr": 0.7, "outer_momentum": 0.9,
+     "nesterov": True, "compression": "none"},
+    {"algorithm": "diloco", "inner": "adamw", "local_steps": 3, "outer_lr": 0.7, "outer_momentum": 0.9,
+     "nesterov": True, "compression": TOPK},
+    {"algorithm": "sparseloco", "inner": "sgd_momentum", "local_steps": 3, "compression": TOPK + ",values=int2",
+     "beta": 0.9, "outer_lr": 0.8, "chunk_size": 4},
+    {"algorithm": "co2", "inner": "adamw", "local_steps": 3, "outer_lr": 0.7, "outer_momentum": 0.5,
+     "gap_penalty": 2.0, "clip": None, "compression": "none"},
+    {"algorithm": "co2", "inner": "sgd_momentum", "local_steps": 3, "outer_lr": 1.0, "outer_momentum": 0.0,
+     "gap_penalty": 1.0, "clip": None, "compression": TOPK},
+    {"algorithm": "adaalter", "local_steps": 3, "compression": "none", "eps": 1.0, "warmup_steps": 2},
+    {"algorithm": "adaalter", "local_steps": 3, "compression": "none", "eps": 1.0, "warmup_steps": 2, "nan": [1, 1]},
+]
+for _c in NAN_GRID:
+    _c.setdefault("nan", [1, 4])
+    _c.update(steps=13, inner_lr=0.05)
+GRID += NAN_GRID
 
 
 # ---- the simulation: every rank in one process, from the formulas --------------------------------
@@ -65,8 +88,29 @@ class Reducer:
                                                   [e[n][0] for e in encoded], encoded[0][n][1]) for n in names}
 
 
+def inner_optimizer(kind, params, lr):
+    """The inner optimizer a configuration names (the same in tests/mpi/local_checks.py)."""
+    if kind == "sgd_momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    return torch.optim.SGD(params, lr=lr)
+
+
+def finite(tensors):
+    return all(bool(t.isfinite().all()) for t in tensors)
+
+
 def simulate(config):
-    """Per-rank traces (the local parameters after each inner step) and the final parameters."""
+    """Per-rank traces (the local parameters after each inner step), the final parameters and,
+    for each round, whether it was dropped and θ_start at its end.
+
+    A round whose Δ is non-finite on some rank is dropped (hvdcomp/local/base.py): no reduction,
+    no outer step (SparseLoCo: no decay of the residuals; Local AdaAlter: the accumulators return
+    to the denominators instead of being averaged; CO2: no pending update from it), every rank
+    restarts from θ_start, and each rank clears the inner state of a parameter whose state holds
+    a NaN or Inf. A warm-up step of Local AdaAlter whose averaged gradient is non-finite is
+    skipped on every rank and not counted."""
     c = config
     alg, h = c["algorithm"], c["local_steps"]
     models = [tiny_model() for _ in range(WORLD)]
@@ -77,7 +121,7 @@ def simulate(config):
         state = [{n: {"b": torch.zeros_like(p), "s": torch.zeros_like(p)} for n, p in m.named_parameters()}
                  for m in models]
     else:
-        inner = [torch.optim.SGD(m.parameters(), lr=c["inner_lr"]) for m in models]
+        inner = [inner_optimizer(c.get("inner"), m.parameters(), c["inner_lr"]) for m in models]
     if alg == "diloco":
         outer = torch.optim.SGD(list(anchor.values()), lr=c["outer_lr"], momentum=c["outer_momentum"],
                                 nesterov=c["nesterov"])
@@ -85,6 +129,7 @@ def simulate(config):
         outer = torch.optim.SGD(list(anchor.values()), lr=c.get("outer_lr", 1.0), momentum=0.0)
     momentum = {n: torch.zeros_like(a) for n, a in anchor.items()}
     pending = None
+    anchors = []  # (dropped, θ_start) at the end of each round
 
     def chunks(delta):  # SparseLoCo: each parameter cut into chunks of chunk_size elements
         out = {}
@@ -112,14 +157,15 @@ def simulate(config):
             for n, a in anchor.items():
                 a.grad = avg[n]
             outer.step()
+        if alg == "sparseloco":  # the residuals decay once per applied round: e <- beta e
+            for method in reducer.methods:
+                method.memory.rescale(c["beta"])
 
     def deltas():
         return [{n: anchor[n] - p.detach() for n, p in m.named_parameters()} for m in models]
 
     def reduce(per_rank):
         if alg == "sparseloco":
-            for method in reducer.methods:
-                method.memory.rescale(c["beta"])
             return unchunk(reducer([chunks(d) for d in per_rank]))
         return reducer(per_rank)
 
@@ -128,52 +174,74 @@ def simulate(config):
             for m in models:
                 for n, p in m.named_parameters():
                     p.copy_(anchor[n])
+        if alg == "adaalter":
+            for r in range(WORLD):
+                for n in names:
+                    if not finite(state[r][n].values()):
+                        state[r][n] = {"b": torch.zeros_like(anchor[n]), "s": torch.zeros_like(anchor[n])}
+        else:
+            for opt, m in zip(inner, models):
+                for p in m.parameters():
+                    if not finite(t for t in opt.state.get(p, {}).values() if t.is_floating_point()):
+                        del opt.state[p]
 
     def end_round(partial=False):
         nonlocal pending
+        d = deltas()
+        dropped = not finite(t for per in d for t in per.values())
         if alg == "co2":
-            d = deltas()
             if pending is not None:
                 outer_step(pending)
-            pending = reduce(d)
+            pending = None if dropped else reduce(d)
             if partial:  # flush: the last round is applied at once
-                outer_step(pending)
+                if pending is not None:
+                    outer_step(pending)
                 pending = None
         else:
             with torch.no_grad():
-                outer_step(reduce(deltas()))
+                if not dropped:
+                    outer_step(reduce(d))
             if alg == "adaalter":
                 for n in names:
+                    if dropped:
+                        for r in range(WORLD):
+                            state[r][n]["s"] = state[r][n]["b"].clone()
+                        continue
                     s = (state[0][n]["s"] + state[1][n]["s"]) * (1.0 / WORLD)
                     for r in range(WORLD):
                         state[r][n]["s"] = s.clone()
                         state[r][n]["b"] = s.clone()
+        anchors.append((dropped, torch.cat([a.reshape(-1) for a in anchor.values()])))
         restart()
 
     traces = [[] for _ in range(WORLD)]
-    round_step = 0
+    round_step = done = 0
     for step in range(c["steps"]):
         for r, m in enumerate(models):
             x, y = batch(r, step)
             m.zero_grad()
             torch.nn.functional.mse_loss(m(x), y).backward()
+            if list(c.get("nan", ())) == [r, step]:
+                m.weight.grad[0, 0] = float("nan")
         if alg == "adaalter":
-            warm = step < c["warmup_steps"]
+            warm = done < c["warmup_steps"]
             if warm:  # synchronous warm-up: averaged gradients
                 avg = [(models[0].get_parameter(n).grad + models[1].get_parameter(n).grad) * (1.0 / WORLD) for n in names]
-            with torch.no_grad():
-                for r, m in enumerate(models):
-                    for i, (n, p) in enumerate(m.named_parameters()):
-                        g, st = (avg[i] if warm else p.grad), state[r][n]
-                        p.add_(g / (st["b"] + c["eps"]).sqrt(), alpha=-c["inner_lr"])
-                        st["s"].addcmul_(g, g)
-                        if warm:
-                            st["b"].copy_(st["s"])
-            if warm:
-                for n, p in models[0].named_parameters():
-                    anchor[n] = p.detach().clone()
-                if step == c["warmup_steps"] - 1:
-                    outer = torch.optim.SGD(list(anchor.values()), lr=1.0, momentum=0.0)
+            if not (warm and not finite(avg)):  # (a non-finite warm-up step is skipped on every rank)
+                with torch.no_grad():
+                    for r, m in enumerate(models):
+                        for i, (n, p) in enumerate(m.named_parameters()):
+                            g, st = (avg[i] if warm else p.grad), state[r][n]
+                            p.add_(g / (st["b"] + c["eps"]).sqrt(), alpha=-c["inner_lr"])
+                            st["s"].addcmul_(g, g)
+                            if warm:
+                                st["b"].copy_(st["s"])
+                done += 1
+                if warm:
+                    for n, p in models[0].named_parameters():
+                        anchor[n] = p.detach().clone()
+                    if done == c["warmup_steps"]:
+                        outer = torch.optim.SGD(list(anchor.values()), lr=1.0, momentum=0.0)
         else:
             for opt in inner:
                 opt.step()
@@ -192,10 +260,10 @@ def simulate(config):
         else:
             end_round(partial=True)
     final = torch.cat([p.detach().reshape(-1) for p in models[0].parameters()])
-    return [torch.stack(t) for t in traces], final
+    return [torch.stack(t) for t in traces], final, anchors
 
 
-CHECKS_2 = ["equivalence", "co2_hand_worked", "co2_no_training_on_inflight_tensors", "bad_input",
+CHECKS_2 = ["equivalence", "co2_hand_worked", "co2_no_training_on_inflight_tensors", "bad_input", "disagreement",
             "resume_mid_round", "resume_broadcast", "grad_scaler", "half_precision", "adaalter_bytes"]
 
 
@@ -210,19 +278,35 @@ def mpi_run(tmp_path_factory):
     return [torch.load(out / f"traces.{r}.pt", weights_only=True) for r in range(WORLD)], log
 
 
+def same(a, b):
+    """Bitwise equal, NaN matching NaN."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
 @pytest.mark.parametrize("index", range(len(GRID)), ids=[
     f"{c['algorithm']}-H{c['local_steps']}-lr{c.get('outer_lr', 1.0)}-m{c.get('outer_momentum', 0)}-{c['compression'].split(':')[0]}"
-    + (f"-pen{c['gap_penalty']}-clip{c['clip']}" if c["algorithm"] == "co2" else "") for c in GRID])
+    + (f"-pen{c['gap_penalty']}-clip{c['clip']}" if c["algorithm"] == "co2" else "")
+    + (f"-{c.get('inner', 'adaalter')}-nan{c['nan'][1]}" if "nan" in c else "") for c in GRID])
 def test_golden_traces(mpi_run, index):
     """Every rank's parameters after every inner step, and the final ones, bitwise as the
-    simulation computes them from the formulas."""
-    traces, final = simulate(GRID[index])
+    simulation computes them from the formulas. With a NaN (NAN_GRID): exactly one round (or
+    warm-up step) is dropped, and training goes on: θ_start moves again after it, every later
+    trace is finite, and the run ends where the simulation of the dropped-round semantics ends."""
+    config = GRID[index]
+    traces, final, anchors = simulate(config)
     for rank in range(WORLD):
         got = mpi_run[0][rank][index]
         for step, (a, b) in enumerate(zip(got["steps"], traces[rank])):
-            assert torch.equal(a, b), (rank, step, (a - b).abs().max().item())
+            assert same(a, b), (rank, step, a, b)
         assert torch.equal(got["final"], final)
     assert not torch.equal(final, torch.cat([p.detach().reshape(-1) for p in tiny_model().parameters()]))
+    if "nan" in config:
+        assert [got["skipped"] for got in (mpi_run[0][r][index] for r in range(WORLD))] == [1] * WORLD
+        assert bool(final.isfinite().all()) and bool(traces[0][-3:].isfinite().all())
+        if config["nan"][1] >= config.get("warmup_steps", 0):  # (a dropped round, not a warm-up step)
+            first = next(i for i, (dropped, _) in enumerate(anchors) if dropped)
+            assert sum(dropped for dropped, _ in anchors) == 1
+            assert not torch.equal(anchors[-1][1], anchors[first][1])  # θ_start moved again after it
 
 
 def test_simulation_sees_delay_penalty_and_clip():
@@ -294,13 +378,66 @@ def test_adaalter_and_diloco_defaults_are_the_papers():
     SparseLoCo: error feedback decaying by β = 0.999 per round."""
     import inspect
 
-    from hvdcomp.local import DiLoCo, LocalAdaAlter, SparseLoCo
     assert inspect.signature(SparseLoCo).parameters["beta"].default == 0.999
     assert AdaAlter([torch.nn.Parameter(torch.zeros(1))]).defaults["eps"] == 1e-7
     local = inspect.signature(LocalAdaAlter).parameters
     assert (local["local_steps"].default, local["warmup_steps"].default) == (4, 1)
     outer = inspect.signature(DiLoCo).parameters
     assert (outer["outer_lr"].default, outer["outer_momentum"].default, outer["nesterov"].default) == (0.7, 0.9, True)
+
+
+# ---- bad hyper-parameters (one process, no Horovod: every check runs before anything is built) -------
+def _model():
+    return torch.nn.Linear(3, 2)
+
+
+#: constructor -> (its good arguments, {argument: (message fragment, bad values)})
+_NAN, _INF = float("nan"), float("inf")
+_REAL = (_NAN, _INF, -_INF, "1")  # refused for every real argument
+_COUNT = (_NAN, _INF, 2.5, True, "1")  # refused for every integer argument
+_CONSTRUCTORS = {
+    "DiLoCo": (lambda **kw: DiLoCo(torch.optim.SGD(_model().parameters(), lr=0.1), **kw),
+               {"local_steps": 2, "outer_lr": 0.7, "outer_momentum": 0.9, "chunk_size": None},
+               {"local_steps": ("local_steps", (0, -1) + _COUNT), "outer_lr": ("outer learning rate", (0.0, -1.0) + _REAL),
+                "outer_momentum": ("outer momentum", (1.0, -0.1) + _REAL), "chunk_size": ("chunk_size", (0,) + _COUNT),
+                "nesterov": ("nesterov", (1, "yes"))}),
+    "SparseLoCo": (lambda **kw: SparseLoCo(torch.optim.SGD(_model().parameters(), lr=0.1), **kw),
+                   {"local_steps": 2, "beta": 0.95, "outer_lr": 1.0},
+                   {"beta": ("beta", (1.5, -0.1) + _REAL), "outer_lr": ("outer learning rate", (0.0,) + _REAL),
+                    "chunk_size": ("chunk_size", (0,) + _COUNT), "local_steps": ("local_steps", (0,) + _COUNT)}),
+    "CO2": (lambda **kw: CO2(torch.optim.SGD(_model().parameters(), lr=0.1), **kw),
+            {"local_steps": 2, "outer_lr": 1.0, "outer_momentum": 0.5, "gap_penalty": 1.0, "clip": None},
+            {"outer_lr": ("outer learning rate", (0.0,) + _REAL), "outer_momentum": ("outer momentum", (1.0,) + _REAL),
+             "gap_penalty": ("gap penalty", (0.5,) + _REAL), "clip": ("clip", (0.0, -1.0) + _REAL),
+             "local_steps": ("local_steps", (0,) + _COUNT)}),
+    "CO2Momentum": (lambda **kw: CO2Momentum([torch.zeros(2, requires_grad=True)], **kw),
+                    {"lr": 1.0, "momentum": 0.5, "gap_penalty": 1.0, "clip": None},
+                    {"lr": ("outer learning rate", (0.0,) + _REAL), "momentum": ("outer momentum", (1.0,) + _REAL),
+                     "gap_penalty": ("gap penalty", (0.9,) + _REAL), "clip": ("clip", (0.0,) + _REAL)}),
+    "AdaAlter": (lambda **kw: AdaAlter(_model().parameters(), **kw), {"lr": 0.01, "eps": 1e-7, "weight_decay": 0.0},
+                 {"lr": ("lr", (0.0, -1.0) + _REAL), "eps": ("eps", (0.0,) + _REAL),
+                  "weight_decay": ("weight_decay", (-1.0,) + _REAL)}),
+    "LocalAdaAlter": (lambda **kw: LocalAdaAlter(AdaAlter(_model().parameters()), **kw),
+                      {"local_steps": 4, "warmup_steps": 1},
+                      {"local_steps": ("local_steps", (0,) + _COUNT), "warmup_steps": ("warmup_steps", (-1,) + _COUNT)}),
+}
+_BAD = [(ctor, arg, fragment, bad) for ctor, (_, _, table) in _CONSTRUCTORS.items()
+        for arg, (fragment, values) in table.items() for bad in values]
+
+
+@pytest.mark.parametrize("ctor,arg,fragment,bad", _BAD, ids=[f"{c}-{a}={b!r}" for c, a, _, b in _BAD])
+def test_numeric_arguments_refused(ctor, arg, fragment, bad):
+    """Every numeric argument of every local-update constructor refuses NaN, ±inf, a string, a
+    value out of its range (and a bool or a fraction for counts) with a ValueError naming it,
+    before Horovod is needed; the same constructor with its good arguments passes the checks
+    (it then needs Horovod, or is built: the check is not a blanket refusal)."""
+    make, good, _ = _CONSTRUCTORS[ctor]
+    with pytest.raises(ValueError, match=fragment):
+        make(**{**good, arg: bad})
+    try:
+        make(**good)
+    except RuntimeError as exc:
+        assert "Horovod is not initialised" in str(exc)
 
 
 def test_from_spec_errors():

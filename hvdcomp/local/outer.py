@@ -40,7 +40,7 @@ import torch
 
 from ..memory import ErrorFeedback
 from ..spec import resolve_compression
-from .base import LocalUpdate
+from .base import _OUTER_LR_HINT, LocalUpdate, check_real
 
 __all__ = ["DiLoCo", "SparseLoCo", "outer_sgd"]
 
@@ -51,16 +51,16 @@ def outer_sgd(lr: float, momentum: float, nesterov: bool) -> Callable[[List[torc
     """The outer optimizer ``f(tensors)``: ``torch.optim.SGD`` (Nesterov only with momentum > 0).
 
     Raises:
-        ValueError: ``lr`` ≤ 0, ``momentum`` outside [0, 1), Nesterov without momentum.
+        ValueError: ``lr`` not a finite number > 0, ``momentum`` not a number in [0, 1),
+            ``nesterov`` not a bool, Nesterov without momentum.
     """
-    if not isinstance(lr, (int, float)) or not lr > 0:
-        raise ValueError(f"the outer learning rate must be > 0, got {lr!r} (1.0 with momentum 0 is plain "
-                         "averaging of the ranks' parameters)")
-    if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"the outer momentum must be in [0, 1), got {momentum!r}")
+    lr = check_real(lr, "the outer learning rate", lambda v: v > 0, "> 0 and finite", _OUTER_LR_HINT)
+    momentum = check_real(momentum, "the outer momentum", lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+    if not isinstance(nesterov, bool):
+        raise ValueError(f"nesterov must be True or False, got {nesterov!r}")
     if nesterov and not momentum:
         raise ValueError("Nesterov needs an outer momentum > 0: give outer_momentum, or nesterov=False")
-    return lambda tensors: torch.optim.SGD(tensors, lr=float(lr), momentum=float(momentum), nesterov=bool(nesterov))
+    return lambda tensors: torch.optim.SGD(tensors, lr=lr, momentum=momentum, nesterov=nesterov)
 
 
 class DiLoCo(LocalUpdate):
@@ -122,7 +122,8 @@ class SparseLoCo(LocalUpdate):
         chunk_size: elements per chunk (4096).
         **kwargs: as :class:`DiLoCo`.
 
-    A skipped round (non-finite Δ on some rank) leaves the residuals as they were, decayed by β.
+    A dropped round (non-finite Δ on some rank) leaves the residuals as they were (the decay
+    by β follows each applied round's commit, so e ← β·e + Δ holds over the applied rounds).
 
     Raises:
         ValueError: ``beta`` outside [0, 1], a method without :class:`hvdcomp.ErrorFeedback`
@@ -133,8 +134,7 @@ class SparseLoCo(LocalUpdate):
 
     def __init__(self, optimizer, named_parameters=None, *, local_steps: int, compression=SPARSELOCO_COMPRESSION,
                  beta: float = 0.999, outer_lr: float = 1.0, chunk_size: int = 4096, **kwargs):
-        if not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
-            raise ValueError(f"beta (the residual's decay per round) must be in [0, 1], got {beta!r}")
+        beta = check_real(beta, "beta (the residual's decay per round)", lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
         if kwargs.get("transport", "planned") != "planned":
             raise ValueError("SparseLoCo decays the residual of the method it is given: transport='auto' (which "
                              "may replace the method) does not apply")
@@ -147,10 +147,16 @@ class SparseLoCo(LocalUpdate):
         super().__init__(optimizer, named_parameters, local_steps=local_steps, compression=method,
                          outer_optimizer=outer_sgd(outer_lr, 0.0, False), chunk_size=chunk_size, **kwargs)
 
-    def _before_reduce(self) -> None:
-        """e ← β·e (committed residuals, before this round adds Δ)."""
+    def _outer_step(self) -> None:
+        """The outer step, then e ← β·e on the residuals this round committed, so that the next
+        round sends C(Δ + β·e): the paper's e ← β·e + Δ, with the decay applied once per applied
+        round (a dropped round leaves the residuals exactly as they were)."""
+        super()._outer_step()
         if self.beta != 1.0:
             self.compression.memory.rescale(self.beta)
+
+    def _mode_setup(self):
+        return {"beta": self.beta}
 
     def describe(self):
         return {**super().describe(), "beta": self.beta}
