@@ -65,6 +65,7 @@ def build(config, model):
     algorithm, inner_lr, kind = c.pop("algorithm"), c.pop("inner_lr"), c.pop("inner", None)
     c.pop("steps")
     c.pop("nan", None)
+    c.pop("reference", None)
     kwargs = {"cost_model": "off", **c}
     if algorithm == "adaalter":
         inner = AdaAlter(model.parameters(), lr=inner_lr, eps=kwargs.pop("eps"))
