@@ -52,6 +52,10 @@ for _c in NAN_GRID:
     _c.setdefault("nan", [1, 4])
     _c.update(steps=13, inner_lr=0.05)
 GRID += NAN_GRID
+#: CO2's outer update without the delay (the authors' released library's default path: the
+#: current round's average, reduced synchronously): DiLoCo with CO2Momentum as its outer optimizer
+GRID += [{"algorithm": "diloco", "local_steps": 3, "co2_outer": [0.7, 0.5, 2.0, 0.02], "compression": comp,
+          "steps": 7, "inner_lr": 0.05} for comp in ("none", TOPK)]
 #: SparseLoCo's authors' form through the real pipeline, against the reference written from their
 #: code (AuthorsSparseLoCo below, not hvdcomp's methods), at tiles of 2 so that the tiny model has
 #: several tiles and kept values per tensor; equal to float32 rounding (see that test)
@@ -128,7 +132,8 @@ def simulate(config):
                  for m in models]
     else:
         inner = [inner_optimizer(c.get("inner"), m.parameters(), c["inner_lr"]) for m in models]
-    if alg == "diloco":
+    co2_outer = c.get("co2_outer")  # (α, β, λ, φ): CO2's outer update, applied without delay
+    if alg == "diloco" and not co2_outer:
         outer = torch.optim.SGD(list(anchor.values()), lr=c["outer_lr"], momentum=c["outer_momentum"],
                                 nesterov=c["nesterov"])
     elif alg in ("sparseloco", "adaalter"):
@@ -152,13 +157,14 @@ def simulate(config):
                 for n, a in anchor.items()}
 
     def outer_step(avg):
-        if alg == "co2":
+        if alg == "co2" or co2_outer:
+            lr, beta, penalty, clip = co2_outer or (c["outer_lr"], c["outer_momentum"], c["gap_penalty"], c["clip"])
             for n, a in anchor.items():
                 m = momentum[n]
-                m.mul_(c["outer_momentum"]).add_(avg[n], alpha=1.0 / c["gap_penalty"])
-                if c["clip"] is not None:
-                    m.clamp_(-c["clip"], c["clip"])
-                a.add_(m, alpha=-c["outer_lr"])
+                m.mul_(beta).add_(avg[n], alpha=1.0 / penalty)
+                if clip is not None:
+                    m.clamp_(-clip, clip)
+                a.add_(m, alpha=-lr)
         else:
             for n, a in anchor.items():
                 a.grad = avg[n]
@@ -293,7 +299,7 @@ def same(a, b):
     f"{c['algorithm']}-H{c['local_steps']}-lr{c.get('outer_lr', 1.0)}-m{c.get('outer_momentum', 0)}-{c['compression'].split(':')[0]}"
     + (f"-pen{c['gap_penalty']}-clip{c['clip']}" if c["algorithm"] == "co2" else "")
     + (f"-{c.get('inner', 'adaalter')}-nan{c['nan'][1]}" if "nan" in c else "")
-    + ("-authors" if c.get("reference") else "") for c in GRID])
+    + ("-authors" if c.get("reference") else "") + ("-co2outer" if c.get("co2_outer") else "") for c in GRID])
 def test_golden_traces(mpi_run, index):
     """Every rank's parameters after every inner step, and the final ones, bitwise as the
     simulation computes them from the formulas. With a NaN (NAN_GRID): exactly one round (or
@@ -383,10 +389,18 @@ def test_adaalter_step_by_hand():
 def test_adaalter_and_diloco_defaults_are_the_papers():
     """Local AdaAlter: ε = 1e-7 (the authors' optimizer), H = 4 (the paper), one synchronous
     warm-up step (their script); DiLoCo: outer SGD with Nesterov momentum 0.9 and lr 0.7;
-    SparseLoCo: error feedback decaying by β = 0.999 per round."""
+    SparseLoCo: the authors' released form by default (their 512M configuration: β = 0.95, top 128
+    of each 64 × 64 tile, 4-bin 2-bit values, mean over senders), the earlier flat form on request."""
     import inspect
 
-    assert inspect.signature(SparseLoCo).parameters["beta"].default == 0.999
+    from hvdcomp.local.outer import SPARSELOCO_FORMS
+
+    assert inspect.signature(SparseLoCo).parameters["form"].default == "authors"
+    spec, beta, chunk = SPARSELOCO_FORMS["authors"]
+    assert (beta, chunk) == (0.95, None) and get_compressor(spec).describe() == {
+        "name": "topk", "density": 128 / 64 ** 2, "tile": 64, "values": "stat2", "index": "compact",
+        "average": "senders", "ef": True}
+    assert SPARSELOCO_FORMS["flat"] == ("topk:density=0.02,values=int2,index=compact", 0.999, 4096)
     assert AdaAlter([torch.nn.Parameter(torch.zeros(1))]).defaults["eps"] == 1e-7
     local = inspect.signature(LocalAdaAlter).parameters
     assert (local["local_steps"].default, local["warmup_steps"].default) == (4, 1)
@@ -591,7 +605,8 @@ def test_sparseloco_authors_form_against_their_algorithm():
         for n in shapes:  # (reference e is before the next round's decay; hvdcomp's after it)
             assert torch.allclose(m.memory.committed[n], reference.decay * reference.e[r][n], rtol=1e-5, atol=1e-6)
     sent = get_compressor(spec, ef=False).encode(torch.randn(128, 192, generator=g))[0]
-    assert sent[1].numel() == 6 * 128 and sent[0].numel() == 20 + 6 * 128 // 4  # indices; header + 2-bit codes
+    # 6 tiles × 128 kept: compact indices of 2 bytes (24576 elements), one 20-byte header and 2-bit codes
+    assert sent[1].numel() == 6 * 128 * 2 and sent[0].numel() == 20 + 6 * 128 // 4
 
 
 # ---- bad hyper-parameters (one process, no Horovod: every check runs before anything is built) -------

@@ -10,12 +10,25 @@ average of round r's pseudo-gradients Δ_r = θ_r − θ_local::
     m ← clamp(m, −φ, φ)                    outer-momentum clipping (elementwise), if φ is given
     θ_{r+1} = θ_r − α·m                     (round 0 ends with nothing to apply: θ_1 = θ_0)
 
-so the update applied when round r + 1 ends is round r's average. This is the form of the authors'
-released code (``fairscale-CO2``, ``CO2DistributedDataParallel``: a constant ``co2_gap_penalty``
-dividing the stale pseudo-gradient, ``co2_clip_threshold``; defaults α = 1, β = 0.5, λ = 1,
-clipping off). There the clipping's result is discarded (``torch.clamp`` out of place), so it
-never clips; here it clips in place. Unlike that code, the averaging never reduces the live
-parameters: Δ is copied into a separate send buffer first.
+so the update applied when round r + 1 ends is round r's average: the paper's asynchronous form,
+whose point is that the reduction runs hidden behind the next round's inner steps.
+
+The authors' released code (``fairscale-CO2``, ``CO2DistributedDataParallel``) has the same outer
+update and hyper-parameters (a constant ``co2_gap_penalty`` λ dividing the pseudo-gradient,
+``co2_clip_threshold`` φ; defaults α = 1, β = 0.5, λ = 1, clipping off, H = ``outer_frequency`` =
+48), but its default path (``outer_momentum_memory_efficient=True``) is not the delayed one: at
+every H-th step ``_global_momentum_step`` reduces the parameters synchronously in the training
+thread (``dist.reduce`` of θ/N to the ranks that own the outer-momentum shards), applies the outer
+step to *this* round's average and broadcasts the result; the communication thread then runs only
+the local-SGD allreduce, which that path skips on those steps. No staleness, no overlap: that is
+DiLoCo with CO2's outer update, ``DiLoCo(inner, names, local_steps=48, outer_optimizer=lambda t:
+CO2Momentum(t, 1.0, 0.5, gap_penalty, clip))`` here (tested against its simulation). hvdcomp's
+``CO2`` keeps the paper's one-round delay because the overlap is CO2's reason to exist; the
+price is measured in ``docs/local-update.md`` ("CO2's one-round delay": on the LSTM at lr 20 the
+delayed update needs λ ≥ 2 to stay stable, and trains worse than DiLoCo with the same H and Δ).
+In their code the clipping's result is discarded (``torch.clamp`` out of place), so it never
+clips; here it clips in place. Unlike that code, the averaging never reduces the live parameters:
+Δ is copied into a separate send buffer first.
 
 How the overlap is done: the round's reduction (the whole hvdcomp pipeline: compression, error
 feedback, collectives, the per-step agreement) runs on a background thread over the send buffers
@@ -103,8 +116,9 @@ class CO2(LocalUpdate):
     Args:
         optimizer: the inner optimizer.
         named_parameters: ``model.named_parameters()``.
-        local_steps: H ≥ 1 (the authors' default: 48); the reduction of a round is hidden when
-            it takes less than H inner steps.
+        local_steps: H ≥ 1, required (the authors' library defaults to 48, too long for small
+            models: see ``docs/local-update.md``); the reduction of a round is hidden when it
+            takes less than H inner steps.
         compression: the method that carries Δ (default ``"none"``).
         outer_lr: α > 0 (1.0).
         outer_momentum: β in [0, 1) (0.5).

@@ -31,13 +31,14 @@ Two forms (``form=``):
   parameter (``topk:density=0.03125,tile=64``: 128/64²), its values coded at 2 bits by their
   statistical quantizer, one header per tensor (``values=stat2``), each index averaged over the
   ranks that sent it (``average=senders``), β = 0.95, α = 1; Δ is carried whole per parameter
-  (``chunk_size=None``) so the tiles follow the parameter's rows and columns. One difference
+  (``chunk_size=None``) so the tiles follow the parameter's rows and columns; the indices travel
+  in the fewest whole bytes (``index=compact``, a wire detail: the values are theirs). One difference
   remains, in α only: their optimizer adds α·Δ to the accumulator and then steps by α times the
   aggregate (α² overall), this form and the paper add Δ and step by α; at their α = 1 the two are
   the same.
 * ``"flat"`` (hvdcomp's form before the authors' code was read): C is the top-2 % of every
   consecutive 4096-element chunk of the flattened Δ (``topk:density=0.02``: 82 entries per chunk),
-  values at 2 bits as ±s/3 or ±s with one float32 scale s = max |v| per gradient
+  values at 2 bits as ±s/3 or ±s with one float32 scale s = max |v| per chunk
   (``values=int2``), compact indices, the sum over ranks divided by the number of ranks, β = 0.999.
   Each difference from the authors' form: flat chunks instead of 2-D tiles; 2 % instead of 1/32;
   symmetric fixed levels from the maximum instead of the data's 4 bin means around the mean;
@@ -61,7 +62,7 @@ __all__ = ["DiLoCo", "SparseLoCo", "SPARSELOCO_FORMS", "outer_sgd"]
 #: SparseLoCo's forms (see the module docstring): the method that carries Δ (with error
 #: feedback), β, and ``chunk_size``
 SPARSELOCO_FORMS = {
-    "authors": ("topk:density=0.03125,tile=64,values=stat2,average=senders", 0.95, None),
+    "authors": ("topk:density=0.03125,tile=64,values=stat2,index=compact,average=senders", 0.95, None),
     "flat": ("topk:density=0.02,values=int2,index=compact", 0.999, 4096),
 }
 _FORM = object()  # an argument left to the form's default
@@ -138,7 +139,7 @@ class SparseLoCo(LocalUpdate):
         form: ``"authors"`` (default: the authors' released code) or ``"flat"`` (hvdcomp's earlier
             form); it sets the defaults of the next three arguments.
         compression: a method with :class:`hvdcomp.ErrorFeedback` (``"authors"``:
-            ``"topk:density=0.03125,tile=64,values=stat2,average=senders"``; ``"flat"``:
+            ``"topk:density=0.03125,tile=64,values=stat2,index=compact,average=senders"``; ``"flat"``:
             ``"topk:density=0.02,values=int2,index=compact"``).
         beta: β in [0, 1], the residual's decay per round (``"authors"``: 0.95; ``"flat"``: 0.999;
             0: no memory).

@@ -18,7 +18,7 @@ import torch
 import horovod.torch as hvd
 
 import hvdcomp
-from hvdcomp.local import CO2, AdaAlter, DiLoCo, LocalAdaAlter, SparseLoCo, from_spec
+from hvdcomp.local import CO2, AdaAlter, CO2Momentum, DiLoCo, LocalAdaAlter, SparseLoCo, from_spec
 
 
 def tiny_model(seed=0):
@@ -66,7 +66,10 @@ def build(config, model):
     c.pop("steps")
     c.pop("nan", None)
     c.pop("reference", None)
+    co2_outer = c.pop("co2_outer", None)
     kwargs = {"cost_model": "off", **c}
+    if co2_outer:  # CO2's outer update on DiLoCo's (undelayed) rounds
+        kwargs["outer_optimizer"] = lambda t: CO2Momentum(t, *co2_outer)
     if algorithm == "adaalter":
         inner = AdaAlter(model.parameters(), lr=inner_lr, eps=kwargs.pop("eps"))
         return LocalAdaAlter(inner, model.named_parameters(), **kwargs)
