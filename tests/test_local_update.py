@@ -59,7 +59,8 @@ GRID += [{"algorithm": "diloco", "local_steps": 3, "co2_outer": [0.7, 0.5, 2.0, 
 #: SparseLoCo's authors' form through the real pipeline, against the reference written from their
 #: code (AuthorsSparseLoCo below, not hvdcomp's methods), at tiles of 2 so that the tiny model has
 #: several tiles and kept values per tensor; equal to float32 rounding (see that test)
-GRID += [{"algorithm": "sparseloco", "local_steps": 3, "compression": "topk:density=0.5,tile=2,values=stat2,average=senders",
+GRID += [{"algorithm": "sparseloco", "local_steps": 3,
+          "compression": "topk:density=0.5,tile=2,values=stat2,average=senders",
           "beta": 0.95, "outer_lr": 1.0, "chunk_size": None, "reference": "authors", "steps": 10, "inner_lr": 0.05}]
 
 
@@ -600,7 +601,8 @@ def test_sparseloco_authors_form_against_their_algorithm():
         for m in methods:  # SparseLoCo's decay after an applied round
             m.memory.rescale(beta)
         for n in shapes:
-            assert torch.allclose(theta[n], theta_ref[n], rtol=1e-5, atol=1e-6), (n, (theta[n] - theta_ref[n]).abs().max())
+            assert torch.allclose(theta[n], theta_ref[n], rtol=1e-5, atol=1e-6), \
+                (n, (theta[n] - theta_ref[n]).abs().max())
     for r, m in enumerate(methods):
         for n in shapes:  # (reference e is before the next round's decay; hvdcomp's after it)
             assert torch.allclose(m.memory.committed[n], reference.decay * reference.e[r][n], rtol=1e-5, atol=1e-6)
@@ -621,7 +623,8 @@ _COUNT = (_NAN, _INF, 2.5, True, "1")  # refused for every integer argument
 _CONSTRUCTORS = {
     "DiLoCo": (lambda **kw: DiLoCo(torch.optim.SGD(_model().parameters(), lr=0.1), **kw),
                {"local_steps": 2, "outer_lr": 0.7, "outer_momentum": 0.9, "chunk_size": None},
-               {"local_steps": ("local_steps", (0, -1) + _COUNT), "outer_lr": ("outer learning rate", (0.0, -1.0) + _REAL),
+               {"local_steps": ("local_steps", (0, -1) + _COUNT),
+                "outer_lr": ("outer learning rate", (0.0, -1.0) + _REAL),
                 "outer_momentum": ("outer momentum", (1.0, -0.1) + _REAL), "chunk_size": ("chunk_size", (0,) + _COUNT),
                 "nesterov": ("nesterov", (1, "yes"))}),
     "SparseLoCo": (lambda **kw: SparseLoCo(torch.optim.SGD(_model().parameters(), lr=0.1), **kw),
@@ -642,7 +645,8 @@ _CONSTRUCTORS = {
                   "weight_decay": ("weight_decay", (-1.0,) + _REAL)}),
     "LocalAdaAlter": (lambda **kw: LocalAdaAlter(AdaAlter(_model().parameters()), **kw),
                       {"local_steps": 4, "warmup_steps": 1},
-                      {"local_steps": ("local_steps", (0,) + _COUNT), "warmup_steps": ("warmup_steps", (-1,) + _COUNT)}),
+                      {"local_steps": ("local_steps", (0,) + _COUNT),
+                       "warmup_steps": ("warmup_steps", (-1,) + _COUNT)}),
 }
 _BAD = [(ctor, arg, fragment, bad) for ctor, (_, _, table) in _CONSTRUCTORS.items()
         for arg, (fragment, values) in table.items() for bad in values]

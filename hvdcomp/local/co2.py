@@ -66,7 +66,8 @@ def check_co2_arguments(lr, momentum, gap_penalty, clip) -> None:
     check_real(gap_penalty, "the staleness gap penalty (it divides the stale average)", lambda v: v >= 1.0,
                ">= 1 and finite (1: none)")
     if clip is not None:
-        check_real(clip, "clip (the outer momentum's bound)", lambda v: v > 0, "> 0 and finite, or None for no clipping")
+        check_real(clip, "clip (the outer momentum's bound)", lambda v: v > 0,
+                   "> 0 and finite, or None for no clipping")
 
 
 class CO2Momentum(torch.optim.Optimizer):

@@ -90,6 +90,10 @@ def check_traces(grid_path, out_dir):
         for step in range(config["steps"]):
             inner_step(model, opt, step, config.get("nan"))
             steps.append(flat(model))
+            if config["algorithm"] == "co2" and "nan" in config:  # no pending update from a dropped round:
+                state = opt.state_dict()  # (joins the reduction in flight: the trajectory is the same)
+                pending = list(state["pending"]["delta"].values()) + list(opt.pseudo_gradients.values())
+                assert all(bool(t.isfinite().all()) for t in pending), (step, state["pending"])
         opt.flush()
         traces.append({"steps": torch.stack(steps), "final": flat(model), "rounds": opt.rounds,
                        "skipped": opt.skipped_rounds})
