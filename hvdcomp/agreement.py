@@ -262,9 +262,9 @@ def check_consistency(group, signature: dict, name: str, setup: str = _SETUP) ->
     for rank, other in enumerate(every):
         if other == every[0]:
             continue
-        for key in other:
-            if key != "parameters" and other[key] != every[0][key]:
-                diffs.append(f"rank {rank} {key} {other[key]} != rank 0 {every[0][key]}")
+        for key in [*every[0], *(k for k in other if k not in every[0])]:  # (a key one side lacks: absent)
+            if key != "parameters" and other.get(key, "absent") != every[0].get(key, "absent"):
+                diffs.append(f"rank {rank} {key} {other.get(key, 'absent')} != rank 0 {every[0].get(key, 'absent')}")
         a, b = every[0]["parameters"], other["parameters"]
         if len(a) != len(b):
             diffs.append(f"rank {rank} has {len(b)} parameters, rank 0 has {len(a)}")

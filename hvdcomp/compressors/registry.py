@@ -10,8 +10,8 @@ _REGISTRY: Dict[str, type] = {}
 
 __all__ = ["register", "available", "compressor_class", "create"]
 
-#: spec keys of the sparse wire coding (:mod:`hvdcomp.compressors.sparse`), applied by ``set_wire``
-WIRE_KEYS = ("values", "index")
+#: spec keys of the sparse wire coding and average (:mod:`hvdcomp.compressors.sparse`), applied by ``set_wire``
+WIRE_KEYS = ("values", "index", "average")
 
 
 def register(name: str) -> Callable[[Type], Type]:
@@ -50,8 +50,8 @@ def compressor_class(name: str) -> type:
 
 def create(name: str, **kwargs: Any):
     """An instance of the method registered under ``name``, built with ``kwargs`` (its
-    constructor's arguments, plus the sparse wire coding ``values`` / ``index`` for methods with
-    ``set_wire``). No error feedback is added (see :func:`hvdcomp.get_compressor`).
+    constructor's arguments, plus the sparse wire coding ``values`` / ``index`` / ``average`` for
+    methods with ``set_wire``). No error feedback is added (see :func:`hvdcomp.get_compressor`).
 
     Raises:
         ValueError: unknown name, unknown argument (the message lists the accepted ones), wire
@@ -63,7 +63,8 @@ def create(name: str, **kwargs: Any):
     wire = {k: kwargs.pop(k) for k in WIRE_KEYS if k in kwargs}
     if wire and not hasattr(cls, "set_wire"):
         raise ValueError(f"argument(s) {sorted(wire)} set the sparse wire coding; '{name}' is not "
-                         "a sparsifier (topk, threshold, sidco, dgc accept values=fp16/int2 and index=compact)")
+                         "a sparsifier (topk, threshold, sidco, dgc accept values=fp16/int2/stat2, "
+                         "index=compact and average=senders)")
     params = inspect.signature(cls.__init__).parameters
     accepted = [p for p in params if p != "self" and params[p].kind is not inspect.Parameter.VAR_KEYWORD]
     unknown = [k for k in kwargs if k not in accepted]

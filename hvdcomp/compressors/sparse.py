@@ -24,8 +24,29 @@ element. Two options (spec keys, accepted by every sparsifier through
   send one scale per gradient, 4 bytes each, in segment order before the codes (the receivers
   know the layout); a bucket of ``granularity="bucket"`` is one tensor, one scale. No dense
   fallback: the levels have no zero;
+* ``values=stat2``: 2 bits per kept value, SparseLoCo's released coding (the authors' statistical
+  quantizer, ``quantization_bins=4, quantization_range=6``; see :mod:`hvdcomp.compressors.tiles`
+  for where their code is read). Per gradient (group): the mean μ of the kept values is
+  subtracted, each centred value c is put in one of 4 bins, code = clamp(round(c/(1.5σ) + 2), 0, 3)
+  (σ the sample standard deviation of the centred values, ‖c‖/√(m−1); a zero, NaN or Inf width
+  becomes 1; ties to the even code), and the receiver decodes code b as μ + the mean of the
+  centred values that fell in bin b (0 for an empty bin). The payload's values are a uint8
+  tensor: per gradient 20 bytes (float32 μ and the 4 bin means), in segment order, then ⌈k/4⌉
+  bytes of 2-bit codes. Unlike ``int2`` the bins hold the data's own levels (asymmetric, and a
+  kept zero is sent like any value); deterministic and biased, meant for error feedback, which
+  keeps v − decoded. A NaN or Inf kept value makes its gradient's μ non-finite: every decoded value
+  of that gradient is NaN (loud). No dense fallback;
 * ``index=compact``: each index travels in the fewest whole bytes that hold n-1
   (b = 1, 2 or 3 bytes for n <= 2^8, 2^16, 2^24; a uint8 tensor of k·b bytes, little-endian).
+
+How the ranks' payloads combine (``average``, the third option): ``ranks`` (default) adds every
+rank's values at their indices and divides by the number of ranks, the mean over ranks of the
+decoded gradients (an index one rank sent and another did not counts the other's zero);
+``senders`` divides each index by the number of ranks that sent it (SparseLoCo's released code:
+two ranks sending 1.0 at different indices give [1, 1], ``ranks`` gives [0.5, 0.5]). With
+``senders`` the aggregate is not the mean of the decodes (``aggregate_is_mean`` is False, so no
+transport averages local decodes instead), and payloads never fall back to dense (the receivers
+need each sender's indices).
 
 Dense fallback (fp32 and fp16 values): when the sparse payload of a tensor would be larger than
 its dense encoding (k·(value + index bytes) > n·value bytes), the payload is the *same sparse
@@ -45,11 +66,13 @@ from . import bitpack
 from .base import AggregateInto, Compressor, ErrorBound, PayloadKind
 from .segments import Segments, SegmentsContext
 
-__all__ = ["SparseCompressor", "index_dtype", "compact_index_bytes", "int2_encode", "int2_decode", "segments_of"]
+__all__ = ["SparseCompressor", "index_dtype", "compact_index_bytes", "int2_encode", "int2_decode", "stat2_encode",
+           "stat2_decode", "segments_of"]
 
 _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
-_VALUE_CODINGS = ("fp32", "fp16", "int2")
+_VALUE_CODINGS = ("fp32", "fp16", "int2", "stat2")
 _INDEX_CODINGS = ("int", "compact")
+_AVERAGES = ("ranks", "senders")
 FP16_MAX = 65504.0
 INT2_HEADER = 4  # bytes of the float32 scale in front of an int2 payload's codes
 #: why a sparsifier with int2 values has no error bound (:attr:`SparseCompressor.error_bound`)
@@ -57,6 +80,12 @@ INT2_ERROR = ("values=int2 rounds every kept entry to ±s/3 or ±s (s: the large
               "entries grow to s/3: on v = (1, ε, ..., ε) ‖C(v) − v‖² ≈ (k − 1)/9·‖v‖² (11 at k = 100), no "
               "contraction. It is meant for error feedback, which keeps what the levels drop; use values=fp32 "
               "(default) or values=fp16")
+#: why a sparsifier with stat2 values has no stated error bound (:attr:`SparseCompressor.error_bound`)
+STAT2_ERROR = ("values=stat2 decodes every kept entry as the mean of its bin (4 bins of 1.5 σ around the mean of the "
+               "kept values): no contraction bound is known for it. It is SparseLoCo's coding, meant for error "
+               "feedback; use values=fp32 (default) or values=fp16")
+STAT2_BINS, STAT2_RANGE = 4, 6.0  # stat2: 4 bins over 6 standard deviations (each 1.5 σ wide)
+STAT2_HEADER = 4 * (1 + STAT2_BINS)  # bytes per gradient in front of a stat2 payload's codes: μ, the bin means
 
 
 def segments_of(ctx) -> Optional[Segments]:
@@ -102,6 +131,58 @@ def int2_decode(data: torch.Tensor, count: int, groups: Optional[torch.Tensor] =
     return level * (scale if groups is None else scale.index_select(0, groups))
 
 
+def _stat2_group(v: torch.Tensor):
+    """One gradient's stat2 coding (see the module docstring): (header float32 (5,), codes uint8 (m,))."""
+    if v.numel() == 0:
+        return v.new_zeros(1 + STAT2_BINS), torch.zeros(0, dtype=torch.uint8, device=v.device)
+    shift = v.mean()
+    centred = v - shift
+    std = centred.norm() / math.sqrt(centred.numel() - 1) if centred.numel() > 1 else centred.new_zeros(())
+    width = STAT2_RANGE * std / STAT2_BINS
+    width = torch.where((width == 0) | ~width.isfinite(), torch.ones_like(width), width)
+    q = (centred / width + STAT2_BINS // 2).round().clamp(0, STAT2_BINS - 1)
+    codes = torch.nan_to_num(q, nan=0.0).to(torch.uint8)
+    at = codes.long()
+    sums = centred.new_zeros(STAT2_BINS).scatter_add_(0, at, centred)
+    counts = centred.new_zeros(STAT2_BINS).scatter_add_(0, at, torch.ones_like(centred))
+    means = torch.where(counts > 0, sums / counts, torch.zeros_like(sums))
+    return torch.cat([shift.reshape(1), means]), codes
+
+
+def stat2_encode(values: torch.Tensor, groups: Optional[torch.Tensor] = None, count: int = 1) -> torch.Tensor:
+    """stat2 coding of ``values`` (m,) (see the module docstring): a uint8 tensor of
+    ``20·count + ⌈m/4⌉`` bytes, the groups' headers (float32 μ and 4 bin means) then the codes.
+    ``groups``: int64 (m,), non-decreasing, the group (gradient) 0..count−1 of each value (the
+    values of a group are contiguous: a segmented payload's indices ascend); None: one group.
+    Each group is coded by the same operations as alone, so a fused payload decodes bitwise as
+    the per-gradient ones."""
+    v = values.reshape(-1).to(torch.float32)
+    parts = [v] if groups is None else v.split(torch.bincount(groups, minlength=count).tolist())
+    coded = [_stat2_group(part) for part in parts]
+    headers = torch.cat([h for h, _ in coded]) if coded else v.new_zeros(0)
+    codes = torch.cat([c for _, c in coded]) if coded else torch.zeros(0, dtype=torch.uint8, device=v.device)
+    return torch.cat([headers.view(torch.uint8), bitpack.pack_bits(codes, 2)])
+
+
+def stat2_decode(data: torch.Tensor, count: int, groups: Optional[torch.Tensor] = None,
+                 ngroups: int = 1) -> torch.Tensor:
+    """Inverse of :func:`stat2_encode`: ``count`` float32 values, each its bin's mean plus its
+    group's μ. ``groups`` / ``ngroups``: as the encoder's ``groups`` / ``count``.
+
+    Raises:
+        ValueError: ``data`` is not a uint8 tensor of ``20·ngroups + ⌈count/4⌉`` bytes.
+    """
+    header = STAT2_HEADER * ngroups
+    if data.dtype != torch.uint8 or data.numel() != header + (count + 3) // 4:
+        raise ValueError(f"a stat2 payload of {count} values and {ngroups} group(s) has "
+                         f"{header + (count + 3) // 4} uint8 bytes, got {data.numel()} of {data.dtype}")
+    table = data[:header].clone().view(torch.float32).view(ngroups, 1 + STAT2_BINS)
+    codes = bitpack.unpack_codes(data[header:], 2, count).long()
+    if groups is None:
+        return table[0, 1:][codes] + table[0, 0]
+    return table[groups, 1 + codes] + table[groups, 0]
+
+
 def index_dtype(numel: int) -> torch.dtype:
     """int32 indices when they fit (n < 2^31), else int64."""
     return torch.int32 if numel < 2**31 else torch.int64
@@ -118,13 +199,19 @@ class SparseCompressor(AggregateInto, Compressor):
     Subclasses implement :meth:`select` (which indices to send); methods that build their own
     values (DGC) call :meth:`pack`. Decoding scatter-adds values into zeros; :meth:`aggregate`
     scatter-adds every rank's payload at once (an index sent by several ranks adds up), then
-    divides by the world size.
+    divides by the world size (``average="senders"``: each index by the number of ranks that
+    sent it).
     """
 
     payload_kind = PayloadKind.GATHERED
-    aggregate_is_mean = True
     value_coding = "fp32"
     index_coding = "int"
+    average = "ranks"
+
+    @property
+    def aggregate_is_mean(self) -> bool:
+        """The aggregate is the mean of the ranks' decodes, except with ``average="senders"``."""
+        return self.average == "ranks"
 
     @abc.abstractmethod
     def select(self, flat: torch.Tensor, name) -> torch.Tensor:
@@ -139,6 +226,8 @@ class SparseCompressor(AggregateInto, Compressor):
         (:data:`INT2_ERROR`)."""
         if self.value_coding == "int2":
             return ErrorBound("none", INT2_ERROR)
+        if self.value_coding == "stat2":
+            return ErrorBound("none", STAT2_ERROR)
         bound = self._exact_values_bound()
         if self.value_coding == "fp32" or bound.kind != "contraction":
             return bound
@@ -151,8 +240,10 @@ class SparseCompressor(AggregateInto, Compressor):
         return Compressor.error_bound.fget(self)
 
     # ---- wire coding ---------------------------------------------------------------------------
-    def set_wire(self, values: str = "fp32", index: str = "int") -> "SparseCompressor":
-        """Choose the wire coding: ``values`` in {fp32, fp16, int2}, ``index`` in {int, compact}.
+    def set_wire(self, values: str = "fp32", index: str = "int", average: str = "ranks") -> "SparseCompressor":
+        """Choose the wire coding, ``values`` in {fp32, fp16, int2, stat2} and ``index`` in {int,
+        compact}, and how the ranks' payloads combine, ``average`` in {ranks, senders} (see the
+        module docstring).
 
         Raises:
             ValueError: an unknown choice (the message lists the valid ones).
@@ -161,7 +252,10 @@ class SparseCompressor(AggregateInto, Compressor):
             raise ValueError(f"values must be one of {list(_VALUE_CODINGS)}, got {values!r}")
         if index not in _INDEX_CODINGS:
             raise ValueError(f"index must be one of {list(_INDEX_CODINGS)}, got {index!r}")
-        self.value_coding, self.index_coding = values, index
+        if average not in _AVERAGES:
+            raise ValueError(f"average must be one of {list(_AVERAGES)} (divide each index by the number of "
+                             f"ranks, or of ranks that sent it), got {average!r}")
+        self.value_coding, self.index_coding, self.average = values, index, average
         return self
 
     def wire_options(self) -> dict:
@@ -171,6 +265,8 @@ class SparseCompressor(AggregateInto, Compressor):
             out["values"] = self.value_coding
         if self.index_coding != "int":
             out["index"] = self.index_coding
+        if self.average != "ranks":
+            out["average"] = self.average
         return out
 
     def _value_bytes(self) -> int:
@@ -183,11 +279,13 @@ class SparseCompressor(AggregateInto, Compressor):
 
     def payload_bytes(self, numel: int, kept: int) -> int:
         """Bytes of one payload that keeps ``kept`` of ``numel`` elements (dense fallback included;
-        int2: ``kept`` non-zero values, one scale)."""
-        if self.value_coding == "int2":
-            return INT2_HEADER + (kept + 3) // 4 + kept * self._index_bytes(numel)
+        int2: ``kept`` non-zero values, one scale; stat2: one gradient's header)."""
+        if self.value_coding in ("int2", "stat2"):
+            header = INT2_HEADER if self.value_coding == "int2" else STAT2_HEADER
+            return header + (kept + 3) // 4 + kept * self._index_bytes(numel)
         vb = self._value_bytes()
-        return min(kept * (vb + self._index_bytes(numel)), numel * vb)
+        sparse = kept * (vb + self._index_bytes(numel))
+        return sparse if self.average == "senders" else min(sparse, numel * vb)
 
     def expected_payload_bytes(self, numel):
         """Bytes of one payload of a tensor of ``numel`` elements with this wire coding (kept
@@ -206,20 +304,24 @@ class SparseCompressor(AggregateInto, Compressor):
         ``overflow``: what float16 values do with |v| ≥ 65520: ``"saturate"`` (±65504: for a
         caller that keeps the excess, as DGC's velocity does) or ``"inf"`` (±inf, float16's own
         cast: what the methods' ``encode`` sends; :meth:`residual_` saturates it under error
-        feedback). float32 and int2 values are unaffected; int2 drops the entries whose value is
-        exactly 0 (no level holds it: they would decode as ±s/3)."""
+        feedback). float32, int2 and stat2 values are unaffected; int2 drops the entries whose
+        value is exactly 0 (no level holds it: they would decode as ±s/3)."""
         m, ib = idx.numel(), self._index_bytes(numel)
         if self.value_coding == "int2":
             sent = values != 0  # (NaN is sent: it makes its gradient's scale NaN, loud)
             values, idx = values[sent], idx[sent]
             groups = None if segments is None else segments.segment_of(idx)
             vals = int2_encode(values, groups, 1 if segments is None else len(segments))
+        elif self.value_coding == "stat2":
+            groups = None if segments is None else segments.segment_of(idx)
+            vals = stat2_encode(values, groups, 1 if segments is None else len(segments))
         else:
             vdt = _VALUE_DTYPES[self.value_coding]
             if vdt == torch.float16 and overflow == "saturate":
                 values = values.clamp(-FP16_MAX, FP16_MAX)
             vb = self._value_bytes()
-            if numel and m * (vb + ib) > numel * vb:  # dense is smaller: send the same vector densely
+            if numel and m * (vb + ib) > numel * vb and self.average == "ranks":  # dense is smaller: the
+                # same vector densely (not with average=senders: the receivers count each sender's indices)
                 dense = torch.zeros(numel, dtype=vdt, device=values.device)
                 dense[idx] = values.to(vdt)
                 return [dense, torch.zeros(0, dtype=index_dtype(numel), device=values.device)]
@@ -247,10 +349,11 @@ class SparseCompressor(AggregateInto, Compressor):
             idx = wide.view(torch.int64).reshape(-1)
         else:
             idx = code.long()
-        if values.dtype == torch.uint8:  # int2: as many values as indices
+        if values.dtype == torch.uint8:  # int2 or stat2: as many values as indices
+            decode = stat2_decode if self.value_coding == "stat2" else int2_decode
             if segments is None:
-                return int2_decode(values, idx.numel()), idx
-            return int2_decode(values, idx.numel(), segments.segment_of(idx), len(segments)), idx
+                return decode(values, idx.numel()), idx
+            return decode(values, idx.numel(), segments.segment_of(idx), len(segments)), idx
         values = values.to(torch.float32)
         if code.numel() == 0 and values.numel() == numel and numel > 0:
             return values, None
@@ -266,6 +369,8 @@ class SparseCompressor(AggregateInto, Compressor):
     def aggregate_into(self, out, payloads, ctx):
         """Scatter-add every rank's payload, scaled by 1/(number of payloads), into ``out``
         (zeroed first): one write pass over ``out`` plus work proportional to the kept entries.
+        With ``average="senders"``: the sum at each index divided by the number of payloads that
+        sent it (0 where none did), by ``index_add_`` in payload order.
 
         Writes in place (no full-size temporary) when ``out`` is contiguous float32. On CPU the
         native kernel does it chunk by chunk (each chunk zeroed, then every payload's entries in it
@@ -280,6 +385,14 @@ class SparseCompressor(AggregateInto, Compressor):
         n = flat.numel()
         scale = 1.0 / max(1, len(payloads))
         unpacked = [self.unpack(p, n, segments_of(ctx)) for p in payloads]
+        if self.average == "senders":  # each index: the sum of what was sent / the number of senders
+            flat.zero_()
+            senders = torch.zeros_like(flat)
+            for values, idx in unpacked:  # (never dense with average=senders)
+                flat.index_add_(0, idx, values)
+                senders.index_add_(0, idx, torch.ones_like(values))
+            flat.div_(senders.clamp_(min=1.0))
+            return out
         if native.usable(flat, *[t for p in payloads for t in p]) and native.sparse_aggregate(
                 flat, [i if i is None else i.contiguous() for _, i in unpacked],
                 [v.contiguous() for v, _ in unpacked], scale):

@@ -7,6 +7,9 @@ feedback) is not part of this module: :func:`hvdcomp.get_compressor` wraps top-k
 ``select=sample`` replaces the exact ``torch.topk`` by DGC's sampled threshold (Lin et al.,
 ICLR 2018; :mod:`hvdcomp.compressors.selection`): O(n), about k entries (0.8k to 1.3k) instead of
 exactly k.
+
+``tile=T`` keeps the top max(1, round(ρ·h·w)) of every h × w tile of the gradient instead of the
+top ⌈ρ·n⌉ of the whole (SparseLoCo's released selection, :mod:`hvdcomp.compressors.tiles`).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from .selection import (
 from .segments import SegmentsContext
 from .base import ErrorBound
 from .sparse import SparseCompressor
+from .tiles import select_tiles
 
 DEFAULT_SAMPLE_RATIO = 0.01
 
@@ -64,6 +68,11 @@ class TopKCompressor(SparseCompressor):
               pass or when the sample would have fewer than 64 entries).
         sample_ratio: fraction of the entries sampled by ``select=sample``, in (0, 1] (0.01).
         seed: base seed of the per-rank sampling generator (``select=sample``).
+        tile: None (default: the top k of the whole gradient), or the tile side T: each gradient,
+            seen as a matrix (its first dimension by the rest; a vector as one row), is cut into
+            h × w tiles (h, w the largest divisors of its dimensions not above T) and each tile
+            keeps its own max(1, round(ρ·h·w)) largest entries (:mod:`hvdcomp.compressors.tiles`;
+            with ``select=exact`` only).
 
     Several gradients in one call (``segments``, see :mod:`hvdcomp.compressors.segments`): each
     gradient keeps its own top-k or sampled threshold (the same entries as alone); the payload
@@ -78,14 +87,15 @@ class TopKCompressor(SparseCompressor):
 
     Raises:
         ValueError: ``density`` not in (0, 1]; ``select`` not one of exact, sample;
-            ``sample_ratio`` not in (0, 1], or set while ``select=exact`` (where it does nothing).
+            ``sample_ratio`` not in (0, 1], or set while ``select=exact`` (where it does nothing);
+            ``tile`` not an integer >= 1, or given with ``select=sample``.
     """
 
     name = "topk"
     default_error_feedback = True
 
     def __init__(self, density: float = 0.01, select: str = "exact",
-                 sample_ratio: float = DEFAULT_SAMPLE_RATIO, seed: int = 0):
+                 sample_ratio: float = DEFAULT_SAMPLE_RATIO, seed: int = 0, tile=None):
         self.density = check_density(density)
         # not ``self.select``: that is the method SparseCompressor calls
         self.select_mode = check_select(select)
@@ -96,6 +106,11 @@ class TopKCompressor(SparseCompressor):
                              "or drop sample_ratio")
         self.seed = int(seed)
         self.rng = RankGenerators(self.seed)
+        if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
+            raise ValueError(f"tile (the tile side, elements) must be an integer >= 1 or None, got {tile!r}")
+        if tile is not None and self.select_mode != "exact":
+            raise ValueError("tile selects each tile's top entries exactly: use select=exact with tile")
+        self.tile = tile
 
     def describe(self):
         out = {"name": self.name, "density": self.density}
@@ -103,6 +118,8 @@ class TopKCompressor(SparseCompressor):
             out.update(select=self.select_mode, sample_ratio=self.sample_ratio)
             if self.seed:
                 out["seed"] = self.seed
+        if self.tile is not None:
+            out["tile"] = self.tile
         return {**out, **self.wire_options()}
 
     def _exact_values_bound(self):
@@ -118,15 +135,33 @@ class TopKCompressor(SparseCompressor):
     def nominal_ratio(self, numel):
         return numel / max(1, num_kept(numel, self.density)) / 2.0
 
+    def expected_payload_bytes(self, numel):
+        """As :class:`SparseCompressor`'s; ``None`` with ``tile`` (the kept count then depends on
+        the gradient's shape, not only its size)."""
+        return None if self.tile is not None else super().expected_payload_bytes(numel)
+
+    def _encode(self, tensor, name=None):
+        if self.tile is None:
+            return super()._encode(tensor, name)
+        flat = tensor.reshape(-1)
+        idx = select_tiles(tensor, self.tile, self.density)
+        values = flat.index_select(0, idx).to(torch.float32)
+        return self.pack(values, idx, flat.numel(), overflow="inf"), (tensor.shape, tensor.dtype)
+
     def _encode_segments(self, flat, segments):
         """Each segment's own selection (:func:`~hvdcomp.compressors.selection.select_segments`:
         small gradients of one size by one ``torch.topk`` over their rows, the sampled thresholds
         segment by segment); indices ascending over the flat buffer, as :meth:`select` gives
         them."""
         sample = self.select_mode == "sample"
-        draws = self._draws(segments.names, [(n, flat.device) for n in segments.sizes]) if sample else None
-        idx = select_segments(flat, segments, lambda n: num_kept(n, self.density),
-                              self.sample_ratio if sample else None, draws, key=("topk", self.density))
+        if self.tile is not None:  # each gradient tiled by its own shape
+            parts = [select_tiles(view, self.tile, self.density) + offset
+                     for view, offset in zip(segments.views(flat), segments.offsets)]
+            idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=flat.device)
+        else:
+            draws = self._draws(segments.names, [(n, flat.device) for n in segments.sizes]) if sample else None
+            idx = select_segments(flat, segments, lambda n: num_kept(n, self.density),
+                                  self.sample_ratio if sample else None, draws, key=("topk", self.density))
         values = flat.index_select(0, idx).to(torch.float32)
         return (self.pack(values, idx, flat.numel(), overflow="inf", segments=segments),
                 SegmentsContext(flat.shape, flat.dtype, segments))
@@ -137,6 +172,8 @@ class TopKCompressor(SparseCompressor):
         return self.select_mode == "sample"
 
     def select(self, flat, name=None):
+        if self.tile is not None:  # (the shape is not known here: a vector)
+            return select_tiles(flat.reshape(-1), self.tile, self.density)
         k = num_kept(flat.numel(), self.density)
         if self.select_mode == "sample":
             positions = self._draws([name], [(flat.numel(), flat.device)])[0]

@@ -5,9 +5,12 @@ One wrapper per algorithm, each around the user's inner ``torch.optim`` optimize
 
 * :class:`DiLoCo`: the pseudo-gradient Δ = θ_start − θ_local averaged through any hvdcomp method,
   then an outer Nesterov step (plain averaging: ``outer_lr=1, outer_momentum=0, nesterov=False``);
-* :class:`SparseLoCo`: no outer momentum; a decaying error feedback on Δ, top-k per chunk;
-* :class:`CO2`: the averaging overlapped with the next round, applied one round late, with the
-  staleness gap penalty and outer-momentum clipping;
+* :class:`SparseLoCo`: no outer momentum; a decaying error feedback on Δ, top-k per 64 × 64 tile
+  at 2 bits, each index averaged over the ranks that sent it (the authors' released form;
+  ``form="flat"``: top-k per flat chunk, averaged over the ranks);
+* :class:`CO2`: the averaging overlapped with the next round, applied one round late (the paper's
+  form; the authors' library reduces synchronously by default: DiLoCo with :class:`CO2Momentum`),
+  with the staleness gap penalty and outer-momentum clipping;
 * :class:`LocalAdaAlter`: :class:`AdaAlter` local steps (frozen denominator), parameters and
   squared-gradient accumulators averaged every H steps.
 
@@ -33,7 +36,7 @@ ALGORITHMS: Dict[str, Type[LocalUpdate]] = {"diloco": DiLoCo, "average": DiLoCo,
 
 def from_spec(spec: str, optimizer, named_parameters=None, **kwargs) -> LocalUpdate:
     """The wrapper a spec names, e.g. ``"diloco"``, ``"average"``, ``"co2:gap_penalty=2,clip=0.1"``,
-    ``"sparseloco:beta=0.99"``: the spec's keys are the class's keyword arguments, ``kwargs`` the
+    ``"sparseloco:form=flat"``: the spec's keys are the class's keyword arguments, ``kwargs`` the
     rest (``local_steps``, ``compression``, ...).
 
     Raises:

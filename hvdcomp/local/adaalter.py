@@ -25,12 +25,16 @@ uncompressed by Horovod allreduce (they are positive scale estimates, not direct
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from .base import LocalUpdate
+from .base import LocalUpdate, check_count, check_real, optimizer_settings
 from .outer import outer_sgd
 
 __all__ = ["AdaAlter", "LocalAdaAlter"]
+
+log = logging.getLogger(__name__)
 
 
 class AdaAlter(torch.optim.Optimizer):
@@ -49,14 +53,15 @@ class AdaAlter(torch.optim.Optimizer):
     State per parameter: ``denominator`` (b) and ``accumulator`` (s), zeros at first.
 
     Raises:
-        ValueError: ``lr`` ≤ 0, ``eps`` ≤ 0 or ``weight_decay`` < 0.
+        ValueError: ``lr`` or ``eps`` not a finite number > 0, ``weight_decay`` not a finite
+            number >= 0.
     """
 
     def __init__(self, params, lr: float = 0.01, eps: float = 1e-7, weight_decay: float = 0.0):
-        if not lr > 0 or not eps > 0 or weight_decay < 0:
-            raise ValueError(f"AdaAlter needs lr > 0, eps > 0 and weight_decay >= 0; got lr={lr!r}, eps={eps!r}, "
-                             f"weight_decay={weight_decay!r}")
-        super().__init__(params, {"lr": float(lr), "eps": float(eps), "weight_decay": float(weight_decay)})
+        lr = check_real(lr, "AdaAlter's lr", lambda v: v > 0, "> 0 and finite")
+        eps = check_real(eps, "AdaAlter's eps", lambda v: v > 0, "> 0 and finite")
+        weight_decay = check_real(weight_decay, "AdaAlter's weight_decay", lambda v: v >= 0, ">= 0 and finite")
+        super().__init__(params, {"lr": lr, "eps": eps, "weight_decay": weight_decay})
         self.synchronous = False
 
     @torch.no_grad()
@@ -107,9 +112,7 @@ class LocalAdaAlter(LocalUpdate):
         if not isinstance(optimizer, AdaAlter):
             raise TypeError("LocalAdaAlter wraps hvdcomp.local.AdaAlter(model.parameters(), lr=...), got "
                             f"{type(optimizer).__name__}; other optimizers go with hvdcomp.local.DiLoCo")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-        self.warmup_steps = warmup_steps
+        self.warmup_steps = check_count(warmup_steps, "warmup_steps", 0)
         self._warmup_bytes = 0  # sent (= received) by the warm-up's gradient allreduces
         self._accumulator_bytes = 0  # sent (= received) by the last round's accumulator allreduce
         super().__init__(optimizer, named_parameters, local_steps=local_steps, compression=compression,
@@ -129,7 +132,10 @@ class LocalAdaAlter(LocalUpdate):
         for _, p in self._params:  # (a parameter this rank did not use: zeros, as the pipeline sends)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self._warmup_bytes += self._average([p.grad for _, p in self._params], "grad")
+        grads = [p.grad for _, p in self._params]
+        self._warmup_bytes += self._average(grads, "grad")
+        if not self._warmup_step_finite(grads):
+            return loss
         self.inner.synchronous = True
         self.inner.step()
         self.inner.synchronous = False
@@ -138,6 +144,27 @@ class LocalAdaAlter(LocalUpdate):
             for n, p in self._params:
                 self._anchor[n].copy_(p)
         return loss
+
+    def _warmup_step_finite(self, averaged) -> bool:
+        """Whether a warm-up step goes ahead: its averaged gradients (the same on every rank) are
+        finite, or the pipeline's ``nonfinite`` is ``"ignore"``. A non-finite one is skipped on
+        every rank with ``"skip"`` (no parameter or accumulator changes; not counted as a step,
+        counted in ``skipped_rounds``), as a dropped round is.
+
+        Raises:
+            FloatingPointError: with ``nonfinite="raise"``, on every rank.
+        """
+        mode = self.sync.nonfinite
+        if mode == "ignore" or not averaged or bool(torch.stack([g.isfinite().all() for g in averaged]).all()):
+            return True
+        if mode == "raise":
+            raise FloatingPointError("non-finite gradient (NaN or Inf) in a synchronous warm-up step of Local "
+                                     "AdaAlter; no update was applied. Lower the learning rate or raise eps, or "
+                                     "use nonfinite='skip' to skip such steps.")
+        self.skipped_rounds += 1
+        log.warning("hvdcomp.local: non-finite averaged gradient in a warm-up step of Local AdaAlter: step "
+                    "skipped on every rank")
+        return False
 
     def _average(self, tensors, what: str, dense: bool = True) -> int:
         """Average ``tensors`` in place over the ranks (Horovod allreduce, charged to
@@ -155,20 +182,38 @@ class LocalAdaAlter(LocalUpdate):
         self.timer.add_bytes(sent=nbytes, received=nbytes, dense=nbytes if dense else 0)
         return nbytes
 
-    def _run_sync(self) -> bool:
-        """The parameters' Δ through the pipeline, then the accumulators by allreduce, so the
-        round's record (:meth:`LocalUpdate._reduce`) holds the time and bytes of both; its dense
-        bytes stay Δ's fp32 size (synchronous training sends no accumulators)."""
-        skipped = super()._run_sync()
+    def _states(self):
+        """Every parameter's AdaAlter state (zeros where this rank never stepped it)."""
         states = [self.inner.state[p] for _, p in self._params]
-        for (_, p), state in zip(self._params, states):  # (never stepped on this rank: zeros)
+        for (_, p), state in zip(self._params, states):
             if not state:
                 state["denominator"], state["accumulator"] = torch.zeros_like(p), torch.zeros_like(p)
+        return states
+
+    def _run_sync(self) -> bool:
+        """The parameters' Δ through the pipeline, then (unless the ranks dropped the round) the
+        accumulators by allreduce, so the round's record (:meth:`LocalUpdate._reduce`) holds the
+        time and bytes of both; its dense bytes stay Δ's fp32 size (synchronous training sends no
+        accumulators)."""
+        skipped = super()._run_sync()
+        self._accumulator_bytes = 0
+        if skipped:  # (the verdict is every rank's: no rank runs the allreduce)
+            return True
+        states = self._states()
         self._accumulator_bytes = self._average([state["accumulator"] for state in states], "accumulator",
                                                 dense=False)
         for state in states:
             state["denominator"].copy_(state["accumulator"])
-        return skipped
+        return False
+
+    @torch.no_grad()
+    def _drop_round(self) -> None:
+        """A dropped round (:meth:`LocalUpdate._drop_round`): the accumulators are not averaged;
+        each returns to the denominator, the value it had when the round started (the last agreed
+        average, the same on every rank), so the dropped round's squared gradients (NaN on the
+        rank that had the non-finite one) leave no trace."""
+        for state in self._states():
+            state["accumulator"].copy_(state["denominator"])
 
     def _reduce(self):
         record = super()._reduce()
@@ -178,6 +223,11 @@ class LocalAdaAlter(LocalUpdate):
     def _warmup_traffic(self):
         return {"bytes_sent": self._warmup_bytes, "bytes_received": self._warmup_bytes,
                 "dense_bytes": self._warmup_bytes}
+
+    def _mode_setup(self):
+        """The warm-up length and the AdaAlter settings: every rank takes the same synchronous
+        warm-up steps, which need the same lr, eps and weight decay."""
+        return {"warmup_steps": self.warmup_steps, "inner": optimizer_settings(self.inner)}
 
     def describe(self):
         inner = self.inner.defaults

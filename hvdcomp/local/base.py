@@ -20,8 +20,27 @@ outer optimizer, a plain torch.optim optimizer over the same tensors. Reducing (
 the compressor's state) apart from the outer update is what lets CO2 apply a round's average one
 round later, and a checkpoint taken between the two resume exactly.
 
-A round whose Δ is non-finite on any rank is dropped on every rank (the pipeline's agreement):
-no outer step, every rank restarts from the unchanged θ_start.
+A dropped round. A round whose Δ is non-finite on any rank (a NaN or Inf gradient during its
+inner steps) is dropped on every rank; this is the one definition, for every mode and inner
+optimizer:
+
+* the ranks agree on it (the pipeline's per-step agreement, :mod:`hvdcomp.agreement`): no outer
+  step, θ_start stays, the method's staged state (error-feedback residuals) is rolled back;
+* what the mode changed besides the parameters during the round goes back to the round's start
+  (:meth:`LocalUpdate._drop_round`): Local AdaAlter's accumulators return to the denominator (the
+  last agreed average) instead of being averaged; CO2 forms no pending update from the dropped
+  round (its send buffers are zeroed, nothing is applied at the next round's end);
+* every rank restarts from θ_start (θ_local ← θ_start), and each rank clears the inner-optimizer
+  state of every parameter whose state holds a NaN or Inf (:meth:`LocalUpdate._restart`: the
+  whole state of that parameter, e.g. AdamW's step, exp_avg and exp_avg_sq, SGD's momentum
+  buffer; ``torch.optim`` re-creates it at the next step as at the start of training). Only the
+  ranks and parameters whose state went non-finite lose it: the inner state is per rank by
+  design (never averaged), and a NaN moment would make every later step, so every later round,
+  non-finite. The check runs at every restart (one pass over the inner state per round), so it
+  also catches state that went non-finite while Δ stayed finite (an overflowed second moment).
+
+Training then goes on from the next round; ``skipped_rounds`` counts the dropped ones and a
+warning names them (the pipeline's) and the parameters whose inner state was cleared.
 
 Memory: one copy of the parameters (θ_start; float32 for half-precision parameters, on the host
 for a CUDA model unless ``host_copy=False``), the send buffer Δ (one copy), the outer optimizer's
@@ -32,13 +51,16 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
+import math
+import numbers
 import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ..agreement import digest
-from ..comm.group import horovod
+from ..agreement import check_consistency, digest
+from ..comm.group import Group, horovod
 from ..compressors.base import Compressor, PayloadKind
 from ..config import check_method, name_parameters
 from ..memory import Wrapper
@@ -47,7 +69,9 @@ from ..spec import resolve_compression
 from ..optimizer import DistributedOptimizer
 from .checkpoint import Checkpoints
 
-__all__ = ["LocalUpdate", "check_carries_delta", "check_outer_lr", "round_report"]
+__all__ = ["LocalUpdate", "check_carries_delta", "check_outer_lr", "check_real", "check_count", "round_report"]
+
+log = logging.getLogger(__name__)
 
 _HALF = (torch.float16, torch.bfloat16)
 _ids = itertools.count()  # creation order of local-update optimizers: the same on every rank, names collectives
@@ -73,13 +97,77 @@ def check_carries_delta(method, outer: torch.optim.Optimizer) -> None:
     check_method(method, outer, "tensor")
 
 
+def check_real(value, what: str, accept: Callable[[float], bool], rule: str, hint: str = "") -> float:
+    """``value`` as a float, if it is a real number (not a bool), finite, and ``accept(value)``.
+
+    Every numeric hyper-parameter of the local-update constructors goes through here, before
+    anything is built (so before any collective: the same arguments fail alike on every rank).
+
+    Raises:
+        ValueError: ``"{what} must be {rule}, got {value!r}{hint}"``: not a real number, NaN,
+            ±inf, or outside the range ``accept`` allows.
+    """
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value))
+    if not ok or not accept(float(value)):
+        raise ValueError(f"{what} must be {rule}, got {value!r}{hint}")
+    return float(value)
+
+
+def check_count(value, what: str, low: int, hint: str = "") -> int:
+    """``value`` if it is an integer (not a bool) >= ``low``.
+
+    Raises:
+        ValueError: ``"{what} must be an integer >= {low}, got {value!r}{hint}"``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{what} must be an integer >= {low}, got {value!r}{hint}")
+    return int(value)
+
+
+_OUTER_LR_HINT = " (1.0 with momentum 0 is plain averaging of the ranks' parameters)"
+
+
 def check_outer_lr(outer: torch.optim.Optimizer) -> None:
-    """Raises ``ValueError`` unless every parameter group of ``outer`` has a learning rate > 0."""
+    """Raises ``ValueError`` unless every parameter group of ``outer`` has a finite learning rate > 0."""
     for group in outer.param_groups:
-        lr = group.get("lr")
-        if not isinstance(lr, (int, float)) or not lr > 0:
-            raise ValueError(f"the outer learning rate must be > 0, got {lr!r} (1.0 with momentum 0 is plain "
-                             "averaging of the ranks' parameters)")
+        check_real(group.get("lr"), "the outer learning rate", lambda v: v > 0, "> 0 and finite", _OUTER_LR_HINT)
+
+
+def _plain(value):
+    """``value`` as numbers, strings, None, lists and dicts (for comparing settings across ranks)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return type(value).__name__
+
+
+def _flat(settings: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """Nested settings as one level of dotted keys (``outer.param_groups.0.lr``), so that a
+    difference is named by its key; ``parameters`` stays a list."""
+    out: Dict[str, Any] = {}
+    for key, value in settings.items():
+        name = f"{prefix}{key}"
+        if key != "parameters" and isinstance(value, dict):
+            out.update(_flat(value, name + "."))
+        elif key != "parameters" and isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for i, v in enumerate(value):
+                out.update(_flat(v, f"{name}.{i}."))
+        else:
+            out[name] = value
+    return out
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """An optimizer's class and every parameter group's settings (all but ``params``), as plain
+    values: what ranks must share of an optimizer that updates the shared parameters."""
+    return {"class": type(optimizer).__name__,
+            "param_groups": [{k: _plain(v) for k, v in sorted(g.items()) if k != "params"}
+                             for g in optimizer.param_groups]}
 
 
 class _Mailbox(torch.optim.Optimizer):
@@ -120,9 +208,12 @@ class LocalUpdate(Checkpoints):
 
     Raises:
         ValueError: ``local_steps`` not an integer ≥ 1, ``backward_passes_per_step`` ≠ 1, an outer
-            learning rate ≤ 0, ``chunk_size`` < 1, a method that cannot carry Δ
-            (:func:`check_carries_delta`), or anything :func:`hvdcomp.DistributedOptimizer` refuses.
-            Each is raised on every rank (the arguments are the same), before any collective.
+            learning rate that is not a finite number > 0, ``chunk_size`` < 1, a method that cannot
+            carry Δ (:func:`check_carries_delta`), or anything :func:`hvdcomp.DistributedOptimizer`
+            refuses: each raised before any collective. Then, on every rank: ranks that disagree
+            on the set-up (H, ``chunk_size``, the outer optimizer's class and parameter-group
+            settings, the wrapper and its own settings, the parameters), naming the differences
+            (one object allgather; skipped with ``check_consistency=False``, as the pipeline's).
         RuntimeError: Horovod is not initialised.
     """
 
@@ -132,14 +223,13 @@ class LocalUpdate(Checkpoints):
                  outer_optimizer: Callable[[List[torch.Tensor]], torch.optim.Optimizer], compression="none",
                  host_copy: Optional[bool] = None, timer: Optional[PhaseTimer] = None,
                  backward_passes_per_step: int = 1, chunk_size: Optional[int] = None, **pipeline):
-        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
-            raise ValueError(f"local_steps (H, inner steps per round) must be an integer >= 1, got {local_steps!r}")
+        local_steps = check_count(local_steps, "local_steps (H, inner steps per round)", 1)
         if backward_passes_per_step != 1:
             raise ValueError("backward_passes_per_step must be 1 with local-update training: no step "
                              "communicates, so accumulate locally by calling backward() several times before "
                              f"step() (local_steps counts step() calls); got {backward_passes_per_step!r}")
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"chunk_size must be an integer >= 1 (elements) or None, got {chunk_size!r}")
+        if chunk_size is not None:
+            chunk_size = check_count(chunk_size, "chunk_size", 1, " (elements), or None")
         hvd = horovod()
         if not hvd.is_initialized():
             raise RuntimeError("Horovod is not initialised: call hvd.init() before building a local-update optimizer")
@@ -159,6 +249,8 @@ class LocalUpdate(Checkpoints):
         check_outer_lr(self.outer)
         method = resolve_compression(compression)
         check_carries_delta(method, self.outer)
+        if pipeline.get("check_consistency", True):
+            self._check_setup(Group(pipeline.get("process_set")))
         names_c, self._carriers, self._carrier_grads = self._make_carriers()
         self.sync = self._make_sync(method, names_c, pipeline)
         self.steps = self.round_step = self.rounds = self.skipped_rounds = 0
@@ -167,6 +259,32 @@ class LocalUpdate(Checkpoints):
         self._started = False  # θ_start taken from the model (at the first step: after the user's broadcast)
 
     # ---- construction helpers ------------------------------------------------------------------
+    def _setup(self) -> Dict[str, Any]:
+        """What every rank must share (compared at construction by :meth:`_check_setup`): the
+        wrapper and H, the chunking, the outer optimizer (class, every parameter-group setting),
+        the mode's own settings (:meth:`_mode_setup`) and the parameters (names, shapes, dtypes).
+        The method that carries Δ is the pipeline's to compare."""
+        return {"wrapper": type(self).__name__, "local_steps": self.local_steps, "chunk_size": self.chunk_size,
+                "outer": optimizer_settings(self.outer), **self._mode_setup(),
+                "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in self._params]}
+
+    def _mode_setup(self) -> Dict[str, Any]:
+        """The mode's settings that every rank must share besides the outer optimizer's (none here)."""
+        return {}
+
+    def _check_setup(self, group: Group) -> None:
+        """Every rank must build the same wrapper (:meth:`_setup`): ranks with different H average
+        rounds of different lengths and then hang in a collective, ranks with different outer
+        settings move θ_start apart. One object allgather, before the pipeline is built.
+
+        Raises:
+            ValueError: on every rank, naming the settings that differ and the ranks.
+        """
+        if group.size > 1:
+            check_consistency(group, _flat(_plain(self._setup())), f"{self.prefix}.setup",
+                              setup="the local-update set-up (build the same wrapper with the same local_steps, "
+                                    "chunk_size, outer optimizer and settings on every rank)")
+
     def _make_carriers(self):
         """(names, tensors, their ``.grad``) the pipeline reduces: the copies of θ_start with Δ,
         or, with ``chunk_size``, views of them cut into chunks (no extra memory)."""
@@ -280,13 +398,15 @@ class LocalUpdate(Checkpoints):
 
     # ---- the round -------------------------------------------------------------------------------
     def _end_round(self) -> None:
-        """Δ, its reduction, the outer step, and the restart of every rank from θ_start."""
+        """Δ, its reduction, the outer step (or the drop of the round), and the restart of every
+        rank from θ_start."""
         with self.timer.phase("outer"):
             self._compute_delta()
-            self._before_reduce()
         record = self._reduce()
         with self.timer.phase("outer"):
-            if not record["skipped"]:
+            if record["skipped"]:
+                self._drop_round()
+            else:
                 self._outer_step()
             self._restart()
         self._close_round(record)
@@ -297,9 +417,6 @@ class LocalUpdate(Checkpoints):
         for n, p in self._params:
             a = self._anchor[n]
             torch.sub(a, p.detach().to(a.device, a.dtype), out=self._delta[n])
-
-    def _before_reduce(self) -> None:
-        """Between Δ and its reduction (SparseLoCo decays its residuals here); nothing by default."""
 
     def _reduce(self) -> Dict[str, Any]:
         """Average Δ over the ranks (the pipeline, in this thread); returns the round's record:
@@ -333,11 +450,41 @@ class LocalUpdate(Checkpoints):
             a.grad = self._delta[n]
         self.outer.step()
 
+    def _drop_round(self) -> None:
+        """The ranks dropped this round (a non-finite Δ somewhere; see the module docstring): no
+        outer step, and what the mode changed besides the parameters goes back to the round's
+        start. Nothing here; modes with such state override it (LocalAdaAlter, CO2)."""
+
     @torch.no_grad()
     def _restart(self) -> None:
-        """θ_local ← θ_start on every rank."""
+        """θ_local ← θ_start on every rank, and this rank's inner-optimizer state that holds a
+        NaN or Inf cleared (:meth:`_clear_nonfinite_inner_state`): every round ends here."""
         for n, p in self._params:
             p.copy_(self._anchor[n])
+        self._clear_nonfinite_inner_state()
+
+    @torch.no_grad()
+    def _clear_nonfinite_inner_state(self) -> List[str]:
+        """Clear the inner optimizer's whole state of each parameter where some floating-point
+        tensor of it holds a NaN or Inf (this rank only; ``torch.optim`` re-creates it at the
+        parameter's next step, as at the start of training). One check per tensor, one host
+        read per device. Returns the names of the parameters cleared (a warning lists them)."""
+        checked: Dict[torch.device, List] = {}  # device -> [(position, finite flag)]
+        for i, (_, p) in enumerate(self._params):
+            for t in (self.inner.state.get(p) or {}).values():
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                    checked.setdefault(t.device, []).append((i, t.isfinite().all()))
+        bad = {i for rows in checked.values()
+               for (i, _), ok in zip(rows, torch.stack([f for _, f in rows]).tolist()) if not ok}
+        cleared = []
+        for i in sorted(bad):
+            name, p = self._params[i]
+            del self.inner.state[p]
+            cleared.append(name)
+        if cleared:
+            log.warning("hvdcomp.local: the inner optimizer's state of %s held NaN/Inf on this rank: cleared "
+                        "(re-created at the next step); training restarts from the global parameters", cleared)
+        return cleared
 
     def _close_round(self, record: Dict[str, Any]) -> None:
         self.rounds += 1

@@ -10,12 +10,25 @@ average of round r's pseudo-gradients Δ_r = θ_r − θ_local::
     m ← clamp(m, −φ, φ)                    outer-momentum clipping (elementwise), if φ is given
     θ_{r+1} = θ_r − α·m                     (round 0 ends with nothing to apply: θ_1 = θ_0)
 
-so the update applied when round r + 1 ends is round r's average. This is the form of the authors'
-released code (``fairscale-CO2``, ``CO2DistributedDataParallel``: a constant ``co2_gap_penalty``
-dividing the stale pseudo-gradient, ``co2_clip_threshold``; defaults α = 1, β = 0.5, λ = 1,
-clipping off). There the clipping's result is discarded (``torch.clamp`` out of place), so it
-never clips; here it clips in place. Unlike that code, the averaging never reduces the live
-parameters: Δ is copied into a separate send buffer first.
+so the update applied when round r + 1 ends is round r's average: the paper's asynchronous form,
+whose point is that the reduction runs hidden behind the next round's inner steps.
+
+The authors' released code (``fairscale-CO2``, ``CO2DistributedDataParallel``) has the same outer
+update and hyper-parameters (a constant ``co2_gap_penalty`` λ dividing the pseudo-gradient,
+``co2_clip_threshold`` φ; defaults α = 1, β = 0.5, λ = 1, clipping off, H = ``outer_frequency`` =
+48), but its default path (``outer_momentum_memory_efficient=True``) is not the delayed one: at
+every H-th step ``_global_momentum_step`` reduces the parameters synchronously in the training
+thread (``dist.reduce`` of θ/N to the ranks that own the outer-momentum shards), applies the outer
+step to *this* round's average and broadcasts the result; the communication thread then runs only
+the local-SGD allreduce, which that path skips on those steps. No staleness, no overlap: that is
+DiLoCo with CO2's outer update, ``DiLoCo(inner, names, local_steps=48, outer_optimizer=lambda t:
+CO2Momentum(t, 1.0, 0.5, gap_penalty, clip))`` here (tested against its simulation). hvdcomp's
+``CO2`` keeps the paper's one-round delay because the overlap is CO2's reason to exist; the
+price is measured in ``docs/local-update.md`` ("CO2's one-round delay": on the LSTM at lr 20 the
+delayed update needs λ ≥ 2 to stay stable, and trains worse than DiLoCo with the same H and Δ).
+In their code the clipping's result is discarded (``torch.clamp`` out of place), so it never
+clips; here it clips in place. Unlike that code, the averaging never reduces the live parameters:
+Δ is copied into a separate send buffer first.
 
 How the overlap is done: the round's reduction (the whole hvdcomp pipeline: compression, error
 feedback, collectives, the per-step agreement) runs on a background thread over the send buffers
@@ -40,22 +53,21 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..metrics import PhaseTimer
-from .base import LocalUpdate
+from .base import LocalUpdate, check_real
 
 __all__ = ["CO2", "CO2Momentum", "check_co2_arguments"]
 
 
 def check_co2_arguments(lr, momentum, gap_penalty, clip) -> None:
-    """Raises ``ValueError`` unless α > 0, β in [0, 1), λ >= 1 and φ > 0 or None."""
-    if not isinstance(lr, (int, float)) or not lr > 0:
-        raise ValueError(f"the outer learning rate must be > 0, got {lr!r}")
-    if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"the outer momentum must be in [0, 1), got {momentum!r}")
-    if not isinstance(gap_penalty, (int, float)) or not gap_penalty >= 1.0:
-        raise ValueError(f"the staleness gap penalty divides the stale average: it must be >= 1 "
-                         f"(1: none), got {gap_penalty!r}")
-    if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
-        raise ValueError(f"clip (the outer momentum's bound) must be > 0, or None for no clipping; got {clip!r}")
+    """Raises ``ValueError`` unless α is a finite number > 0, β in [0, 1), λ a finite number >= 1
+    and φ a finite number > 0 or None."""
+    check_real(lr, "the outer learning rate", lambda v: v > 0, "> 0 and finite")
+    check_real(momentum, "the outer momentum", lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+    check_real(gap_penalty, "the staleness gap penalty (it divides the stale average)", lambda v: v >= 1.0,
+               ">= 1 and finite (1: none)")
+    if clip is not None:
+        check_real(clip, "clip (the outer momentum's bound)", lambda v: v > 0,
+                   "> 0 and finite, or None for no clipping")
 
 
 class CO2Momentum(torch.optim.Optimizer):
@@ -105,8 +117,9 @@ class CO2(LocalUpdate):
     Args:
         optimizer: the inner optimizer.
         named_parameters: ``model.named_parameters()``.
-        local_steps: H ≥ 1 (the authors' default: 48); the reduction of a round is hidden when
-            it takes less than H inner steps.
+        local_steps: H ≥ 1, required (the authors' library defaults to 48, too long for small
+            models: see ``docs/local-update.md``); the reduction of a round is hidden when it
+            takes less than H inner steps.
         compression: the method that carries Δ (default ``"none"``).
         outer_lr: α > 0 (1.0).
         outer_momentum: β in [0, 1) (0.5).
@@ -131,8 +144,7 @@ class CO2(LocalUpdate):
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._inflight: Dict[str, Any] = {}
-        self.pending = False          # Δ̄ of the previous round is in the send buffers, to apply
-        self.pending_skipped = False  # ... and the ranks dropped it (non-finite Δ somewhere)
+        self.pending = False  # Δ̄ of the previous round is in the send buffers, to apply (never a dropped round's)
         check_co2_arguments(outer_lr, outer_momentum, gap_penalty, clip)
         super().__init__(optimizer, named_parameters, local_steps=local_steps, compression=compression,
                          outer_optimizer=lambda t: CO2Momentum(t, outer_lr, outer_momentum, gap_penalty, clip),
@@ -171,10 +183,19 @@ class CO2(LocalUpdate):
         return out
 
     def _apply_pending(self) -> None:
-        """The outer step with the joined average, unless the ranks dropped that round."""
-        if self.pending and not self.pending_skipped:
+        """The outer step with the joined average, if there is one (none after a dropped round)."""
+        if self.pending:
             self._outer_step()
-        self.pending = self.pending_skipped = False
+        self.pending = False
+
+    @torch.no_grad()
+    def _drop_round(self) -> None:
+        """The joined reduction's round was dropped (:meth:`LocalUpdate._drop_round`): no pending
+        update is formed from it. The send buffers (NaN after the skipped reduction) are zeroed,
+        so no checkpoint or broadcast carries them, and nothing is applied at this round's end."""
+        self.pending = False
+        for d in self._delta.values():
+            d.zero_()
 
     def _start(self) -> None:
         """The reduction of the send buffers, on a background thread."""
@@ -220,10 +241,13 @@ class CO2(LocalUpdate):
         rec = self._inflight
         rec.update({"exposed_s": exposed, "hidden_s": max(0.0, rec["wall_s"] - exposed)})
         self.timer.add_bytes(sent=rec["bytes_sent"], received=rec["bytes_received"], dense=rec["dense_bytes"])
-        self.pending, self.pending_skipped = True, rec["skipped"]
         self.rounds += 1
         self.skipped_rounds += bool(rec["skipped"])
         self.history.append({"round": self.rounds, **rec})
+        if rec["skipped"]:
+            self._drop_round()
+        else:
+            self.pending = True
 
     def flush(self) -> None:
         """Join the reduction in flight and apply it, then reduce and apply the current round's
@@ -251,7 +275,7 @@ class CO2(LocalUpdate):
         reduction first (so the method's state in it is committed)."""
         self._join()
         state = super().state_dict()
-        state["pending"] = {"applies": self.pending, "skipped": self.pending_skipped,
+        state["pending"] = {"applies": self.pending, "skipped": False,  # (kept for older checkpoints)
                             "delta": {n: d.clone() for n, d in self._delta.items()} if self.pending else {}}
         return state
 
@@ -259,7 +283,7 @@ class CO2(LocalUpdate):
         self._join()
         super().load_state_dict(state)
         pending = state["pending"]
-        self.pending, self.pending_skipped = bool(pending["applies"]), bool(pending["skipped"])
+        self.pending = bool(pending["applies"]) and not bool(pending.get("skipped", False))
         with torch.no_grad():
             for n, d in pending["delta"].items():
                 self._delta[n].copy_(d)
@@ -269,7 +293,7 @@ class CO2(LocalUpdate):
         super().broadcast_state(root_rank)
 
     def _global_state(self) -> Dict[str, Any]:
-        return {**super()._global_state(), "pending": self.pending, "pending_skipped": self.pending_skipped}
+        return {**super()._global_state(), "pending": self.pending}
 
     def _global_tensors(self) -> Dict[str, torch.Tensor]:
         return {**super()._global_tensors(), **{f"{n}.pending": d for n, d in self._delta.items()}}

@@ -14,23 +14,38 @@ decays::
 
     e ← β·e + Δ          (the residual of the previous round, decayed, plus this round's Δ)
     send C(e);  e ← e − C(e)
-    θ_start ← θ_start − α·mean over ranks of C(e)
+    θ_start ← θ_start − α·(the ranks' C(e) combined)
 
-with C the top-k of each chunk of the flattened Δ, values in low precision. This is
-:class:`hvdcomp.ErrorFeedback` (residual ``e``, p = Δ + e) with its residuals multiplied by β
-before each round (:meth:`hvdcomp.memory.Residuals.rescale`): no second error feedback.
-:class:`hvdcomp.memory.Residuals`' own ``beta`` is another recursion (LoCo's moving average,
-e ← β·e + (1 − β)·(p − C(p))), which with β = 0.999 would keep only 0.1 % of each round's
-dropped part; SparseLoCo's β multiplies the whole accumulator instead.
+This is :class:`hvdcomp.ErrorFeedback` (residual ``e``, p = Δ + e) with its residuals multiplied
+by β after each applied round (:meth:`hvdcomp.memory.Residuals.rescale`): no second error
+feedback. :class:`hvdcomp.memory.Residuals`' own ``beta`` is another recursion (LoCo's moving
+average, e ← β·e + (1 − β)·(p − C(p))), which would keep only 1 − β of each round's dropped part;
+SparseLoCo's β multiplies the whole accumulator instead.
 
-The default method is ``topk:density=0.02,values=int2,index=compact`` on chunks of 4096
-elements: each chunk keeps its own ⌈0.02·4096⌉ = 82 largest entries, sent as 2-bit values (the
-paper's 2-bit quantization: one float32 scale per chunk, each value rounded to ±s/3 or ±s, see
-:mod:`hvdcomp.compressors.sparse`); the error feedback keeps what the rounding drops, as it keeps
-what top-k drops. The chunks of one bucket travel as one payload (``fuse_tensors``), their
-indices into the bucket (3 bytes below 16M elements): about 3.3 bytes per kept entry with the
-scales, against 5.0 with fp16 values (measured on the small LSTM, 4 ranks, H = 8: 484x and 320x
-fewer bytes per step than fp32).
+Two forms (``form=``):
+
+* ``"authors"`` (the default, "SparseLoCo" in the docs): what the authors' released code does
+  with its released 512M configuration (``one-covenant/SparseLoCo``: ``src/tplr/sparseloco.py``
+  and ``hparams/512M/sweeps/sparseloco.yaml``, read as described in
+  :mod:`hvdcomp.compressors.tiles`): C is the top-128 of every 64 × 64 tile of each
+  parameter (``topk:density=0.03125,tile=64``: 128/64²), its values coded at 2 bits by their
+  statistical quantizer, one header per tensor (``values=stat2``), each index averaged over the
+  ranks that sent it (``average=senders``), β = 0.95, α = 1; Δ is carried whole per parameter
+  (``chunk_size=None``) so the tiles follow the parameter's rows and columns; the indices travel
+  in the fewest whole bytes (``index=compact``, a wire detail: the values are theirs). One difference
+  remains, in α only: their optimizer adds α·Δ to the accumulator and then steps by α times the
+  aggregate (α² overall), this form and the paper add Δ and step by α; at their α = 1 the two are
+  the same.
+* ``"flat"`` (hvdcomp's form before the authors' code was read): C is the top-2 % of every
+  consecutive 4096-element chunk of the flattened Δ (``topk:density=0.02``: 82 entries per chunk),
+  values at 2 bits as ±s/3 or ±s with one float32 scale s = max |v| per chunk
+  (``values=int2``), compact indices, the sum over ranks divided by the number of ranks, β = 0.999.
+  Each difference from the authors' form: flat chunks instead of 2-D tiles; 2 % instead of 1/32;
+  symmetric fixed levels from the maximum instead of the data's 4 bin means around the mean;
+  the mean over ranks (an index one rank sent counts the others' zeros: two ranks sending 1.0 at
+  different indices give [0.5, 0.5], the authors' [1, 1]) instead of over senders; β = 0.999
+  instead of 0.95. On the small LSTM (4 ranks, H = 8) it sent 484x fewer bytes per step than
+  fp32 (about 3.3 bytes per kept entry).
 """
 from __future__ import annotations
 
@@ -40,27 +55,33 @@ import torch
 
 from ..memory import ErrorFeedback
 from ..spec import resolve_compression
-from .base import LocalUpdate
+from .base import _OUTER_LR_HINT, LocalUpdate, check_real
 
-__all__ = ["DiLoCo", "SparseLoCo", "outer_sgd"]
+__all__ = ["DiLoCo", "SparseLoCo", "SPARSELOCO_FORMS", "outer_sgd"]
 
-SPARSELOCO_COMPRESSION = "topk:density=0.02,values=int2,index=compact"
+#: SparseLoCo's forms (see the module docstring): the method that carries Δ (with error
+#: feedback), β, and ``chunk_size``
+SPARSELOCO_FORMS = {
+    "authors": ("topk:density=0.03125,tile=64,values=stat2,index=compact,average=senders", 0.95, None),
+    "flat": ("topk:density=0.02,values=int2,index=compact", 0.999, 4096),
+}
+_FORM = object()  # an argument left to the form's default
 
 
 def outer_sgd(lr: float, momentum: float, nesterov: bool) -> Callable[[List[torch.Tensor]], torch.optim.SGD]:
     """The outer optimizer ``f(tensors)``: ``torch.optim.SGD`` (Nesterov only with momentum > 0).
 
     Raises:
-        ValueError: ``lr`` ≤ 0, ``momentum`` outside [0, 1), Nesterov without momentum.
+        ValueError: ``lr`` not a finite number > 0, ``momentum`` not a number in [0, 1),
+            ``nesterov`` not a bool, Nesterov without momentum.
     """
-    if not isinstance(lr, (int, float)) or not lr > 0:
-        raise ValueError(f"the outer learning rate must be > 0, got {lr!r} (1.0 with momentum 0 is plain "
-                         "averaging of the ranks' parameters)")
-    if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"the outer momentum must be in [0, 1), got {momentum!r}")
+    lr = check_real(lr, "the outer learning rate", lambda v: v > 0, "> 0 and finite", _OUTER_LR_HINT)
+    momentum = check_real(momentum, "the outer momentum", lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+    if not isinstance(nesterov, bool):
+        raise ValueError(f"nesterov must be True or False, got {nesterov!r}")
     if nesterov and not momentum:
         raise ValueError("Nesterov needs an outer momentum > 0: give outer_momentum, or nesterov=False")
-    return lambda tensors: torch.optim.SGD(tensors, lr=float(lr), momentum=float(momentum), nesterov=bool(nesterov))
+    return lambda tensors: torch.optim.SGD(tensors, lr=lr, momentum=momentum, nesterov=nesterov)
 
 
 class DiLoCo(LocalUpdate):
@@ -109,32 +130,50 @@ class DiLoCo(LocalUpdate):
 
 class SparseLoCo(LocalUpdate):
     """SparseLoCo: DiLoCo with the outer momentum replaced by a decaying error feedback on Δ,
-    top-k per chunk (see the module docstring).
+    sent sparse and at 2 bits (see the module docstring for the two forms).
 
     Args:
-        optimizer: the inner optimizer.
+        optimizer: the inner optimizer (the paper: AdamW).
         named_parameters: ``model.named_parameters()``.
-        local_steps: H ≥ 1.
-        compression: a method with :class:`hvdcomp.ErrorFeedback` (default
-            ``"topk:density=0.02,values=int2,index=compact"``); it compresses each chunk.
-        beta: β in [0, 1], the residual's decay per round (0.999; 0: no memory).
+        local_steps: H ≥ 1 (their released configuration: 15).
+        form: ``"authors"`` (default: the authors' released code) or ``"flat"`` (hvdcomp's earlier
+            form); it sets the defaults of the next three arguments.
+        compression: a method with :class:`hvdcomp.ErrorFeedback` (``"authors"``:
+            ``"topk:density=0.03125,tile=64,values=stat2,index=compact,average=senders"``; ``"flat"``:
+            ``"topk:density=0.02,values=int2,index=compact"``).
+        beta: β in [0, 1], the residual's decay per round (``"authors"``: 0.95; ``"flat"``: 0.999;
+            0: no memory).
         outer_lr: α > 0 (1.0).
-        chunk_size: elements per chunk (4096).
+        chunk_size: elements per chunk of the flattened Δ, or None for whole parameters
+            (``"authors"``: None, the method tiles each parameter; ``"flat"``: 4096).
         **kwargs: as :class:`DiLoCo`.
 
-    A skipped round (non-finite Δ on some rank) leaves the residuals as they were, decayed by β.
+    A dropped round (non-finite Δ on some rank) leaves the residuals as they were (the decay
+    by β follows each applied round's commit, so e ← β·e + Δ holds over the applied rounds).
 
     Raises:
-        ValueError: ``beta`` outside [0, 1], a method without :class:`hvdcomp.ErrorFeedback`
-            (e.g. ``"fp16"`` or ``"topk:ef=false"``), ``transport="auto"``, and :class:`DiLoCo`'s.
+        ValueError: an unknown ``form``, ``beta`` not a number in [0, 1], a method without
+            :class:`hvdcomp.ErrorFeedback` (e.g. ``"fp16"`` or ``"topk:ef=false"``),
+            ``transport="auto"``, and :class:`DiLoCo`'s.
+
+    Example::
+
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        opt = hvdcomp.local.SparseLoCo(inner, model.named_parameters(), local_steps=15)
     """
 
     algorithm = "sparseloco"
 
-    def __init__(self, optimizer, named_parameters=None, *, local_steps: int, compression=SPARSELOCO_COMPRESSION,
-                 beta: float = 0.999, outer_lr: float = 1.0, chunk_size: int = 4096, **kwargs):
-        if not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
-            raise ValueError(f"beta (the residual's decay per round) must be in [0, 1], got {beta!r}")
+    def __init__(self, optimizer, named_parameters=None, *, local_steps: int, form: str = "authors",
+                 compression=_FORM, beta=_FORM, outer_lr: float = 1.0, chunk_size=_FORM, **kwargs):
+        if form not in SPARSELOCO_FORMS:
+            raise ValueError(f"form must be one of {sorted(SPARSELOCO_FORMS)} (the authors' released code, or "
+                             f"hvdcomp's flat chunks), got {form!r}")
+        default_method, default_beta, default_chunk = SPARSELOCO_FORMS[form]
+        compression = default_method if compression is _FORM else compression
+        beta = default_beta if beta is _FORM else beta
+        chunk_size = default_chunk if chunk_size is _FORM else chunk_size
+        beta = check_real(beta, "beta (the residual's decay per round)", lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
         if kwargs.get("transport", "planned") != "planned":
             raise ValueError("SparseLoCo decays the residual of the method it is given: transport='auto' (which "
                              "may replace the method) does not apply")
@@ -142,15 +181,21 @@ class SparseLoCo(LocalUpdate):
         if not isinstance(method, ErrorFeedback):
             raise ValueError(f"SparseLoCo decays an error-feedback residual, but '{method.name}' "
                              f"({method.describe()}) keeps none: use a method with ef=true, e.g. "
-                             f"'{SPARSELOCO_COMPRESSION}'")
-        self.beta = float(beta)
+                             f"'{default_method}'")
+        self.form, self.beta = form, beta
         super().__init__(optimizer, named_parameters, local_steps=local_steps, compression=method,
                          outer_optimizer=outer_sgd(outer_lr, 0.0, False), chunk_size=chunk_size, **kwargs)
 
-    def _before_reduce(self) -> None:
-        """e ← β·e (committed residuals, before this round adds Δ)."""
+    def _outer_step(self) -> None:
+        """The outer step, then e ← β·e on the residuals this round committed, so that the next
+        round sends C(Δ + β·e): the paper's e ← β·e + Δ, with the decay applied once per applied
+        round (a dropped round leaves the residuals exactly as they were)."""
+        super()._outer_step()
         if self.beta != 1.0:
             self.compression.memory.rescale(self.beta)
 
+    def _mode_setup(self):
+        return {"form": self.form, "beta": self.beta}
+
     def describe(self):
-        return {**super().describe(), "beta": self.beta}
+        return {**super().describe(), "form": self.form, "beta": self.beta}

@@ -18,7 +18,7 @@ import torch
 import horovod.torch as hvd
 
 import hvdcomp
-from hvdcomp.local import CO2, AdaAlter, DiLoCo, LocalAdaAlter, SparseLoCo, from_spec
+from hvdcomp.local import CO2, AdaAlter, CO2Momentum, DiLoCo, LocalAdaAlter, SparseLoCo, from_spec
 
 
 def tiny_model(seed=0):
@@ -35,11 +35,24 @@ def flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def inner_step(model, opt, step):
+def inner_step(model, opt, step, nan=None):
+    """One step on this rank's batch; ``nan`` = [rank, step]: that rank's gradient gets a NaN in
+    one element of the weight's gradient at that step."""
     x, y = batch(hvd.rank(), step)
     opt.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
+    if nan is not None and list(nan) == [hvd.rank(), step]:
+        model.weight.grad[0, 0] = float("nan")
     opt.step()
+
+
+def inner_optimizer(kind, params, lr):
+    """As tests/test_local_update.py's."""
+    if kind == "sgd_momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    return torch.optim.SGD(params, lr=lr)
 
 
 def same_on_all_ranks(t, name):
@@ -49,13 +62,18 @@ def same_on_all_ranks(t, name):
 def build(config, model):
     """The wrapper of one grid configuration (see tests/test_local_update.py's GRID)."""
     c = dict(config)
-    algorithm, inner_lr = c.pop("algorithm"), c.pop("inner_lr")
+    algorithm, inner_lr, kind = c.pop("algorithm"), c.pop("inner_lr"), c.pop("inner", None)
     c.pop("steps")
+    c.pop("nan", None)
+    c.pop("reference", None)
+    co2_outer = c.pop("co2_outer", None)
     kwargs = {"cost_model": "off", **c}
+    if co2_outer:  # CO2's outer update on DiLoCo's (undelayed) rounds
+        kwargs["outer_optimizer"] = lambda t: CO2Momentum(t, *co2_outer)
     if algorithm == "adaalter":
         inner = AdaAlter(model.parameters(), lr=inner_lr, eps=kwargs.pop("eps"))
         return LocalAdaAlter(inner, model.named_parameters(), **kwargs)
-    inner = torch.optim.SGD(model.parameters(), lr=inner_lr)
+    inner = inner_optimizer(kind, model.parameters(), inner_lr)
     return from_spec(algorithm, inner, model.named_parameters(), **kwargs)
 
 
@@ -70,10 +88,15 @@ def check_traces(grid_path, out_dir):
         opt = build(config, model)
         steps = []
         for step in range(config["steps"]):
-            inner_step(model, opt, step)
+            inner_step(model, opt, step, config.get("nan"))
             steps.append(flat(model))
+            if config["algorithm"] == "co2" and "nan" in config:  # no pending update from a dropped round:
+                state = opt.state_dict()  # (joins the reduction in flight: the trajectory is the same)
+                pending = list(state["pending"]["delta"].values()) + list(opt.pseudo_gradients.values())
+                assert all(bool(t.isfinite().all()) for t in pending), (step, state["pending"])
         opt.flush()
-        traces.append({"steps": torch.stack(steps), "final": flat(model), "rounds": opt.rounds})
+        traces.append({"steps": torch.stack(steps), "final": flat(model), "rounds": opt.rounds,
+                       "skipped": opt.skipped_rounds})
         assert same_on_all_ranks(flat(model), f"traces.final.{len(traces)}")
         opt.close()
     torch.save(traces, os.path.join(out_dir, f"traces.{hvd.rank()}.pt"))
@@ -227,6 +250,43 @@ def check_bad_input():
     for step in range(2):
         inner_step(model, opt, step)
     assert opt.rounds == 1 and same_on_all_ranks(flat(model), "bad_input.after")
+    opt.close()
+
+
+# ---- ranks that disagree ---------------------------------------------------------------------------------
+def check_disagreement():
+    """Ranks that build different set-ups are refused at construction, on every rank, with a
+    ValueError naming the setting and the values (before: H = 2 on rank 0 and 3 on rank 1
+    averaged rounds of different lengths and then hung or ended in HorovodInternalError;
+    different outer learning rates moved θ_start apart with no error). Then a set-up every rank
+    shares still trains to one global model."""
+    model = tiny_model()
+    r = hvd.rank()
+    sgd = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
+    names = lambda: model.named_parameters()  # noqa: E731
+    cases = [
+        (lambda: DiLoCo(sgd(), names(), local_steps=2 + r), r"rank 1 local_steps 3 != rank 0 2"),
+        (lambda: DiLoCo(sgd(), names(), local_steps=2, outer_lr=(0.7, 0.5)[r]),
+         r"rank 1 outer\.param_groups\.0\.lr 0\.5 != rank 0 0\.7"),
+        (lambda: DiLoCo(sgd(), names(), local_steps=2, outer_optimizer=lambda t: (torch.optim.SGD, torch.optim.Adam)[r](
+            t, lr=0.7)), r"rank 1 outer\.class Adam != rank 0 SGD"),
+        (lambda: CO2(sgd(), names(), local_steps=2, gap_penalty=1.0 + r), r"gap_penalty 2\.0 != rank 0 1\.0"),
+        (lambda: CO2(sgd(), names(), local_steps=2, clip=None if r == 0 else 0.5), r"clip 0\.5 != rank 0 None"),
+        (lambda: SparseLoCo(sgd(), names(), local_steps=2, beta=(0.9, 0.95)[r]), r"rank 1 beta 0\.95 != rank 0 0\.9"),
+        (lambda: SparseLoCo(sgd(), names(), local_steps=2, chunk_size=4 + r), r"rank 1 chunk_size 5 != rank 0 4"),
+        (lambda: LocalAdaAlter(AdaAlter(model.parameters(), lr=0.1), names(), warmup_steps=r),
+         r"rank 1 warmup_steps 1 != rank 0 0"),
+        (lambda: LocalAdaAlter(AdaAlter(model.parameters(), lr=0.1, eps=1.0 + r), names()),
+         r"rank 1 inner\.param_groups\.0\.eps 2\.0 != rank 0 1\.0"),
+        (lambda: (DiLoCo, CO2)[r](sgd(), names(), local_steps=2), r"rank 1 wrapper CO2 != rank 0 DiLoCo"),
+    ]
+    for make, message in cases:
+        with pytest.raises(ValueError, match="ranks disagree on the local-update set-up.*" + message):
+            make()
+    opt = DiLoCo(sgd(), names(), local_steps=2)
+    for step in range(4):
+        inner_step(model, opt, step)
+    assert opt.rounds == 2 and same_on_all_ranks(flat(model), "disagreement.after")
     opt.close()
 
 
@@ -401,6 +461,7 @@ def check_adaalter_bytes():
 CHECKS = {f.__name__[len("check_"):]: f for f in [
     check_half_precision, check_adaalter_bytes,
     check_equivalence, check_co2_hand_worked, check_co2_no_training_on_inflight_tensors, check_bad_input,
+    check_disagreement,
     check_resume_mid_round, check_resume_broadcast, check_grad_scaler]}
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 # plateau schedule, then seeds 1-2 with the learning rate held (--anneal 1 --early-stop 0),
 # interleaved. Writes OUT/<schedule>-<values>-s<seed>/results.json (OUT: runs/sparseloco-int2).
 # Run from the project root: bash docs/results/local-update/sparseloco-int2/run.sh
+# (sparseloco:form=flat is the form these runs used, then built by --outer-opt sparseloco.)
 set -u
 OUT=${OUT:-runs/sparseloco-int2}
 PY=${PYTHON:-.venv/bin/python}
@@ -13,7 +14,7 @@ run() { local name=$1 values=$2 seed=$3; shift 3
   rm -rf "$OUT/$name"
   timeout 1800 mpirun -np 4 --oversubscribe --bind-to none -x HOROVOD_CYCLE_TIME "$PY" mpi_scripts/train_lm.py \
     --arch lstm --model small --lr 20 --epochs 4 --warmup-steps 29 "$@" \
-    --local-steps 8 --outer-opt sparseloco --compressor "topk:density=0.02,values=$values,index=compact" --seed "$seed" \
+    --local-steps 8 --outer-opt sparseloco:form=flat --compressor "topk:density=0.02,values=$values,index=compact" --seed "$seed" \
     --no-progress --data ../shared/data/tinyshakespeare/input.txt --output "$OUT/$name" 2>&1 | grep SUMMARY
 }
 for v in int2 fp16; do
