@@ -55,9 +55,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ..agreement import NONFINITE_MODES, check_consistency
-from ..comm.exchange import MPIExchange
 from ..comm.group import Group
-from ..comm.step import StepComm, horovod_step_comm
+from ..comm.step import StepComm
 from ..metrics import PhaseTimer
 from ..plan import BATCHED, TransportPlan
 from .averaging import ONEBIT_SPEC, Averaging
@@ -208,15 +207,13 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     # ---- set-up ---------------------------------------------------------------------------------
     def _horovod_comm(self) -> StepComm:
-        hvd, group = self.group.hvd, self.group
-        p2p = None
+        group, p2p = self.group, None
         if group.size > 1:
-            comm = group.mpi_comm() if hvd.mpi_enabled() else None
-            if comm is None:
+            p2p = group.point_to_point()
+            if p2p is None:
                 raise RuntimeError(f"{type(self).__name__}'s compressed allreduce exchanges chunks all-to-all "
                                    "through MPI: launch with mpirun or horovodrun --mpi, with mpi4py installed")
-            p2p = MPIExchange(comm.Dup())
-        return horovod_step_comm(group, self.timer, self._prefix, p2p)
+        return group.step_comm(self.timer, self._prefix, p2p)
 
     def _signature(self) -> dict:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
