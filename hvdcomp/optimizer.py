@@ -27,7 +27,6 @@ import contextlib
 import itertools
 import logging
 import warnings
-import weakref
 from typing import Iterable, Optional, Tuple
 
 import torch
@@ -39,7 +38,7 @@ from .launch import check_launch
 from .metrics import PhaseTimer
 from .rebuild import keeping_class, template
 from .spec import resolve_compression
-from .reducer import Reducer
+from .reducer import Reducer, check_free, claim, release
 from .step import Status
 
 __all__ = ["DistributedOptimizer", "resolve_compression", "DEFAULT_BUCKET_BYTES", "OPTIMIZER_ENV"]
@@ -47,7 +46,6 @@ __all__ = ["DistributedOptimizer", "resolve_compression", "DEFAULT_BUCKET_BYTES"
 log = logging.getLogger(__name__)
 
 _ids = itertools.count()  # creation order of optimizers: identical on every rank, names collectives
-_owners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # compressor -> optimizer using it
 _CLOSED = ("this DistributedOptimizer was closed (close() stopped its communication): build a new one "
            "to keep training distributed")
 
@@ -122,14 +120,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if reducer.status is Status.CLOSED:
             raise RuntimeError(_CLOSED)
         if self._sync_on_step:
-            if reducer.step.synced:
+            if reducer.current.synced:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context "
                               "after optimizer.synchronize(); the synchronized gradients are applied "
                               "as they are (not compressed and sent again).")
             else:
                 reducer.synchronize()
-        skipped, reducer.step.status = reducer.status is Status.SKIPPED, Status.IDLE
-        if skipped:  # a non-finite gradient somewhere: no rank updates
+        if not reducer.take():  # a non-finite gradient somewhere: no rank updates
             return None
         result = super(self.__class__, self).step(closure)
         reducer.commit(self)
@@ -178,7 +175,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited "
                                  "as it can cause a race condition.")
-        if reducer.step.synced or reducer.step.staged:
+        if reducer.current.synced or reducer.current.staged:
             reducer.discard()
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
@@ -211,9 +208,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                "first, on every rank.")
         self.remove_hooks()
         reducer.close()
-        owner = _owners.get(self.compression)
-        if owner is not None and owner() is self:  # the compressor (and its state) may serve a new one
-            del _owners[self.compression]
+        release(self.compression, self)  # the compressor (and its state) may serve a new one
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
@@ -242,11 +237,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         transport=transport)
     compression = resolve_compression(compression)
     check_method(compression, optimizer, granularity)
-    owner = _owners.get(compression)
-    if owner is not None and owner() is not None:
-        raise ValueError(f"this '{compression.name}' compressor already serves another "
-                         "DistributedOptimizer; its state is keyed by parameter name, so give each "
-                         "optimizer its own (e.g. pass the spec string, or a new get_compressor(...))")
+    check_free(compression)
     # (keeping_class: the user's constructor-set attributes and defaults survive the rebuild)
     cls = type(optimizer.__class__.__name__, (keeping_class(optimizer),), dict(_DistributedOptimizer.__dict__))
     # hvd.broadcast_optimizer_state() initialises the state of a fresh optimizer with a *local* step
@@ -256,7 +247,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     from horovod.torch.optimizer import _DistributedOptimizer as _HorovodOptimizer
     cls.__module__ = _HorovodOptimizer.__module__
     opt = cls(optimizer.param_groups, named_parameters, compression, settings)
-    _owners[opt.compression] = weakref.ref(opt)  # (transport="auto" may have chosen another)
+    claim(opt.compression, opt)  # (transport="auto" may have chosen another)
     return opt
 
 

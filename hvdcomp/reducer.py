@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -41,9 +42,39 @@ from .assembly import assemble
 from .plan import TransportPlan
 from .step import Status, StepState
 
-__all__ = ["Reducer"]
+__all__ = ["Reducer", "check_free", "claim", "release"]
 
 log = logging.getLogger(__name__)
+
+#: the one owner registry of every front-end: method -> (weak reference to) what it serves
+_owners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def check_free(compression) -> None:
+    """A method's state is keyed by parameter name, so one instance serves one front-end object
+    (a DistributedOptimizer, a DDP hook, a training mode) at a time.
+
+    Raises:
+        ValueError: ``compression`` serves another live one (the message names it and the fix).
+    """
+    ref = _owners.get(compression)
+    owner = ref() if ref is not None else None
+    if owner is not None:
+        raise ValueError(f"this '{compression.name}' compressor already serves another {type(owner).__name__}; "
+                         "its state is keyed by parameter name, so give each its own (pass the spec string, or "
+                         "a new get_compressor(...))")
+
+
+def claim(compression, owner) -> None:
+    """Record that ``compression`` serves ``owner`` (until ``owner`` is gone or :func:`release`)."""
+    _owners[compression] = weakref.ref(owner)
+
+
+def release(compression, owner) -> None:
+    """``owner`` no longer uses ``compression`` (it may serve a new front-end object)."""
+    ref = _owners.get(compression)
+    if ref is not None and ref() is owner:
+        del _owners[compression]
 
 
 class Reducer:
@@ -85,7 +116,7 @@ class Reducer:
         self.loss_scale = LossScaleTracker(settings.grad_scaler)
         self.skipped_steps, self.cost_model, self.pipe, self._agreement = 0, None, None, None
         self.transport = TransportPlan({names[p]: "local" for p in order})
-        self.step = StepState([[i] for i in range(len(order))], self.passes)
+        self.current = StepState([[i] for i in range(len(order))], self.passes)
         compression.bind_group(group.size)
         # as Horovod: processes outside the group train locally, and a job of one rank without
         # compression leaves the gradients exactly as backward made them
@@ -96,12 +127,12 @@ class Reducer:
             check_consistency(group, settings.signature(compression, names, order, prefix), f"{prefix}.consistency")
         pipe = self.pipe = assemble(settings, compression, group, order, names, prefix, timer)
         self.compression, self.transport, self.cost_model = pipe.compression, pipe.plan, pipe.cost_model
-        self.step = StepState(pipe.units.members, self.passes, pipe.draw_order)
+        self.current = StepState(pipe.units.members, self.passes, pipe.draw_order)
         log.info("hvdcomp: %s", self.transport)
 
     @property
     def status(self) -> Status:
-        return self.step.status
+        return self.current.status
 
     @property
     def busy(self) -> bool:
@@ -112,7 +143,7 @@ class Reducer:
     def _open(self) -> None:
         """First compression of a step: agree on restored state (once), follow the loss scale,
         stage the method's state."""
-        if self.step.staged:
+        if self.current.staged:
             return
         if not self.restored.agreed:
             self.skipped_steps = self.restored.agree(self.group, self.compression, self.skipped_steps, self.prefix)
@@ -120,7 +151,7 @@ class Reducer:
         if factor is not None:
             self.compression.rescale_state(factor)
         self.compression.begin_step()
-        self.step.staged = True
+        self.current.staged = True
 
     def discard(self) -> None:
         """The synchronized (or partly compressed) step will not be applied: roll its staged
@@ -132,11 +163,11 @@ class Reducer:
         if self.busy:
             raise AssertionError("a step was discarded while collectives were in flight; call "
                                  "optimizer.synchronize() first")
-        if self.step.staged:
+        if self.current.staged:
             self.compression.rollback()
-        self.step.staged = False
-        if self.step.status is not Status.CLOSED:
-            self.step.status = Status.IDLE
+        self.current.staged = False
+        if self.current.status is not Status.CLOSED:
+            self.current.status = Status.IDLE
         self.guard.reset()
 
     def _start(self, u: int) -> None:
@@ -146,7 +177,7 @@ class Reducer:
         if self.pipe.summed_agreement and self._agreement is None:  # (fused with the gradients')
             self._agreement = self.guard.launch_summed(self.group, self.restored.loaded_since_step, self.passes,
                                                        f"{self.prefix}.agree")
-        self.step.started[u] = True
+        self.current.started[u] = True
         self.pipe.transport_of[u].start(u)
 
     def gradient_ready(self, p: torch.Tensor) -> None:
@@ -157,9 +188,9 @@ class Reducer:
         Raises:
             AssertionError: more backward passes than ``backward_passes_per_step`` (Horovod's message).
         """
-        if self.step.synced:
+        if self.current.synced:
             self.discard()
-        u = self.step.gradient_ready(self.position[id(p)])
+        u = self.current.gradient_ready(self.position[id(p)])
         if u is not None and self.pipe.eager[u]:
             self._start(u)
 
@@ -171,11 +202,11 @@ class Reducer:
         ``backward_passes_per_step``) are sent now with their current (or zero) gradient, so every
         rank takes part in the same collectives. Calling it again before :meth:`commit` or
         :meth:`discard` does nothing."""
-        if not self.active or self.step.synced:
-            skipped = self.step.status is Status.SKIPPED
-            self.step.status = Status.SKIPPED if skipped else Status.SYNCED
+        if not self.active or self.current.synced:
+            skipped = self.current.status is Status.SKIPPED
+            self.current.status = Status.SKIPPED if skipped else Status.SYNCED
             return not skipped
-        pipe, step = self.pipe, self.step
+        pipe, step = self.pipe, self.current
         for u in pipe.flush_order:  # what backward did not reach, in the same order on every rank
             if not step.started[u]:
                 self._start(u)
@@ -203,7 +234,7 @@ class Reducer:
         """The per-step agreement (:mod:`hvdcomp.agreement`); a non-finite step is skipped here
         (every ``.grad`` reads NaN, as an allreduced Inf would, so a GradScaler sees the overflow).
         Returns whether the step goes ahead."""
-        self.step.status = Status.SYNCED
+        self.current.status = Status.SYNCED
         if self.nonfinite == "ignore":
             return True
         with self.timer.phase("communicate") if self.group.size > 1 else contextlib.nullcontext():
@@ -212,28 +243,46 @@ class Reducer:
         self._agreement, self.restored.loaded_since_step = None, False
         if not verdict.skip:
             return True
-        if self.step.staged:
+        if self.current.staged:
             self.compression.rollback()
-        self.step.staged, self.step.status = False, Status.SKIPPED
+        self.current.staged, self.current.status = False, Status.SKIPPED
         self.skipped_steps += 1
         for p in self.order:
             if p.grad is not None:
                 p.grad.fill_(float("nan"))
         return False
 
+    def take(self) -> bool:
+        """The front-end is about to apply the synchronized step: whether it goes ahead (False:
+        skipped on every rank, nothing to apply). The reducer is idle again; :meth:`commit` once
+        the update is applied."""
+        skipped, self.current.status = self.current.status is Status.SKIPPED, Status.IDLE
+        return not skipped
+
+    def reduce(self) -> bool:
+        """Reduce the ``.grad`` of every tensor now and commit (for modes that reduce tensors of
+        their own, e.g. the pseudo-gradient, with nothing to apply in between): returns whether
+        the ranks went ahead (False: a non-finite value somewhere; every ``.grad`` NaN, the
+        method's state unchanged)."""
+        self.synchronize()
+        ahead = self.take()
+        if ahead:
+            self.commit()
+        return ahead
+
     def commit(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """The step's update was applied: commit its compressor state (with a method whose state
         is in gradient units, ``optimizer`` is where a ``GradScaler`` is looked for)."""
-        if self.step.staged:
+        if self.current.staged:
             if self.compression.has_scaled_state and optimizer is not None:
                 self.loss_scale.discover(optimizer)
             self.compression.commit()
-            self.step.staged = False
+            self.current.staged = False
 
     def restart(self, passes: int) -> None:
         """New accumulation counters (``backward_passes_per_step`` = ``passes``)."""
         self.passes = passes
-        self.step.restart(passes)
+        self.current.restart(passes)
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -260,4 +309,4 @@ class Reducer:
         """Stop the allgather's background thread (the reducer no longer communicates)."""
         if self.pipe is not None and self.pipe.gatherer is not None:
             self.pipe.gatherer.close()
-        self.step.status = Status.CLOSED
+        self.current.status = Status.CLOSED

@@ -112,6 +112,9 @@ class AllreduceTransport(Transport):
         result into its target (one ``decompress`` slice); counts the bytes."""
         done, nbytes, dense = [], 0, 0
         self.overflowed = []
+        if self.pending:  # (every unit is started before finish: a missing one is a bug, not a hang)
+            raise AssertionError(f"units {sorted(self.pending)} were compressed but could not be launched in order")
+        self.next = 0
         with self.timer.phase("communicate"):
             for u in sorted(self.inflight):
                 kind, handles, ctx, sent, dtypes = self.inflight.pop(u)

@@ -1,0 +1,80 @@
+"""Each training mode run for a few steps at N ranks, the same under mpirun (Horovod) and under
+torchrun (torch.distributed, gloo): rank 0 prints the final parameters' SHA-256 and their sum,
+the test (tests/test_launcher_parity.py) compares the two launchers' lines.
+
+Usage: mpirun -np 2 python tests/mpi/launcher_parity.py MODE [MODE ...]
+       torchrun --nproc_per_node 2 tests/mpi/launcher_parity.py MODE [MODE ...]
+prints "PARAMS <mode> <sha256> <sum> <bytes sent per step>" on rank 0 for each mode.
+"""
+import hashlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ
+if UNDER_TORCHRUN:
+    dist.init_process_group("gloo")
+    RANK = dist.get_rank()
+else:
+    import horovod.torch as hvd
+
+    hvd.init()
+    RANK = hvd.rank()
+
+import hvdcomp.local  # noqa: E402
+
+STEPS = 8
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 * RANK + step)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+
+
+def train(m, opt, steps=STEPS):
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+
+
+def local(spec, compression, inner=None):
+    def run():
+        m = model()
+        make = inner or (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+        opt = hvdcomp.local.from_spec(spec, make(m.parameters()), m.named_parameters(), local_steps=3,
+                                      compression=compression, cost_model="off")
+        train(m, opt)
+        opt.flush()
+        with opt.global_parameters():
+            params = [p.detach().clone() for p in m.parameters()]
+        return params, opt.timer.bytes_sent / max(1, opt.steps)
+    return run
+
+
+MODES = {
+    "diloco-topk": local("diloco", "topk:density=0.3"),
+    "diloco-fp16": local("diloco", "fp16"),
+    "co2-none": local("co2", "none"),
+    "sparseloco": local("sparseloco", "topk:density=0.25,tile=4,values=stat2,index=compact,average=senders"),
+    "adaalter": local("adaalter", "none", inner=lambda ps: hvdcomp.local.AdaAlter(ps, lr=0.01)),
+}
+
+for name in sys.argv[1:]:
+    params, per_step = MODES[name]()
+    flat = torch.cat([p.reshape(-1).double() for p in params])
+    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+    if RANK == 0:
+        print(f"PARAMS {name} {digest} {flat.sum().item():.12g} {per_step:.6g}", flush=True)
+sys.stdout.flush()
+if UNDER_TORCHRUN:
+    dist.barrier()
+    os._exit(0)  # (gloo's exit race is issue 60's; these runs compare parameters)

@@ -1,0 +1,43 @@
+"""Every training mode under torchrun (torch.distributed over gloo, no Horovod) ends with the same
+parameters as under mpirun (Horovod), bit for bit at 2 ranks (a sum of two values is exact in
+either collective library): tests/mpi/launcher_parity.py runs each mode a few steps under both."""
+import os
+import random
+import re
+import sys
+
+import pytest
+
+from tests.mpirun import ROOT, check
+from tests.test_ddp import TORCHRUN, run
+
+WORKER = os.path.join("tests", "mpi", "launcher_parity.py")
+
+#: mode -> whether its payloads are gathered (torch.distributed pads each rank's row to 8-byte
+#: multiples, so its bytes per step may exceed MPI's exact Allgatherv)
+MODES = {"diloco-topk": True, "diloco-fp16": False, "co2-none": False, "sparseloco": True, "adaalter": False}
+
+
+def params(out):
+    return {m.group(1): m.groups()[1:] for m in re.finditer(r"^PARAMS (\S+) (\S+) (\S+) (\S+)$", out, re.M)}
+
+
+@pytest.fixture(scope="module")
+def both():
+    modes = list(MODES)
+    under_mpirun = params(check(2, [WORKER, *modes], timeout=300))
+    port = str(random.Random().randint(20000, 40000))
+    under_torchrun = params(run([TORCHRUN, "--nproc_per_node", "2", "--master_port", port, WORKER, *modes], 300))
+    return under_mpirun, under_torchrun
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_torchrun_ends_where_mpirun_ends(both, mode):
+    under_mpirun, under_torchrun = both
+    assert mode in under_mpirun and mode in under_torchrun, (under_mpirun, under_torchrun)
+    (h1, s1, b1), (h2, s2, b2) = under_mpirun[mode], under_torchrun[mode]
+    assert (h1, s1) == (h2, s2), f"{mode}: mpirun {s1} ({h1}), torchrun {s2} ({h2})"
+    if MODES[mode]:
+        assert float(b1) <= float(b2) <= float(b1) * 1.1 + 8, (b1, b2)
+    else:
+        assert b1 == b2, (b1, b2)
