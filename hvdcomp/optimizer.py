@@ -31,6 +31,7 @@ from typing import Iterable, Optional, Tuple
 
 import torch
 
+from .comm import resolve_group
 from .comm.group import HorovodGroup, horovod
 from .config import (ARGUMENTS_DOC, DEFAULT_BUCKET_BYTES, OPTIMIZER_ENV, Settings, adasum_compression, check_method,
                      name_parameters)
@@ -41,7 +42,7 @@ from .spec import resolve_compression
 from .reducer import Reducer, check_free, claim, release
 from .step import Status
 
-__all__ = ["DistributedOptimizer", "resolve_compression", "DEFAULT_BUCKET_BYTES", "OPTIMIZER_ENV"]
+__all__ = ["DistributedOptimizer", "distributed", "wrap", "resolve_compression", "DEFAULT_BUCKET_BYTES", "OPTIMIZER_ENV"]
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into the user's optimizer class (as Horovod does): backward hooks into the
     :class:`hvdcomp.reducer.Reducer`, and the step applied where the reducer says it goes ahead."""
 
-    def __init__(self, params, named_parameters, compression, settings: Settings):
+    def __init__(self, params, named_parameters, compression, settings: Settings, group=None):
         super(self.__class__, self).__init__(params)
         s = settings
         self.settings = s
@@ -62,7 +63,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step, self.op = s.backward_passes_per_step, s.op
         self.gradient_predivide_factor, self.sparse_as_dense = s.gradient_predivide_factor, s.sparse_as_dense
         self.bucket_bytes, self.nonfinite, self.granularity = s.bucket_bytes, s.nonfinite, s.granularity
-        self.group = HorovodGroup(s.process_set)
+        self.group = group if group is not None else HorovodGroup(s.process_set)
         names = name_parameters(self.param_groups, named_parameters)
         # expected backward order: last parameters first. Fixed, identical on every rank.
         order = [p for g in reversed(self.param_groups) for p in reversed(g["params"]) if p.requires_grad]
@@ -235,18 +236,48 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         nonfinite=nonfinite, check_consistency=check_consistency, bucket_bytes=bucket_bytes,
         cost_model=cost_model, grad_scaler=grad_scaler, granularity=granularity, fuse_tensors=fuse_tensors,
         transport=transport)
+    return wrap(optimizer, named_parameters, compression, settings, HorovodGroup(process_set))
+
+
+def distributed(optimizer: torch.optim.Optimizer, named_parameters=None, compression="none", where=None,
+                **settings) -> torch.optim.Optimizer:
+    """:func:`DistributedOptimizer` over whichever group the job runs on
+    (:func:`hvdcomp.comm.resolve_group` of ``where``: a Horovod process set, a ``torch.distributed``
+    process group, or None), for the training modes that run under either launcher.
+
+    Raises:
+        RuntimeError: no process group (:func:`hvdcomp.comm.resolve_group`).
+        ValueError, TypeError: as :func:`DistributedOptimizer`.
+    """
+    group = resolve_group(where)
+    hvd = getattr(group, "hvd", None)
+    s = Settings.validate(hvd, process_set=where if hvd is not None else None, **settings)
+    return wrap(optimizer, named_parameters, compression, s, group)
+
+
+def wrap(optimizer: torch.optim.Optimizer, named_parameters, compression, settings: Settings, group):
+    """``optimizer`` as a subclass of its class whose gradients the :class:`~hvdcomp.reducer.Reducer`
+    averages over ``group`` (any :class:`~hvdcomp.comm.group.ProcessGroup`): what
+    :func:`DistributedOptimizer` returns over a Horovod process set, and what the training modes
+    use over whichever group they run on (the adaptive optimizers' warm-up,
+    :func:`hvdcomp.adaptive_opt.CompressedAMSGrad`).
+
+    Raises:
+        ValueError, TypeError: as :func:`DistributedOptimizer` (the method's, the rebuild's).
+    """
     compression = resolve_compression(compression)
-    check_method(compression, optimizer, granularity)
+    check_method(compression, optimizer, settings.granularity)
     check_free(compression)
     # (keeping_class: the user's constructor-set attributes and defaults survive the rebuild)
     cls = type(optimizer.__class__.__name__, (keeping_class(optimizer),), dict(_DistributedOptimizer.__dict__))
-    # hvd.broadcast_optimizer_state() initialises the state of a fresh optimizer with a *local* step
-    # of the wrapped optimizer only when it recognises a Horovod DistributedOptimizer by its module;
-    # otherwise it calls step() on the fresh ranks only, and a synchronising step on a subset of the
-    # ranks deadlocks. hvdcomp's optimizer is of that family, so it says so.
-    from horovod.torch.optimizer import _DistributedOptimizer as _HorovodOptimizer
-    cls.__module__ = _HorovodOptimizer.__module__
-    opt = cls(optimizer.param_groups, named_parameters, compression, settings)
+    if getattr(group, "hvd", None) is not None:
+        # hvd.broadcast_optimizer_state() initialises the state of a fresh optimizer with a *local* step
+        # of the wrapped optimizer only when it recognises a Horovod DistributedOptimizer by its module;
+        # otherwise it calls step() on the fresh ranks only, and a synchronising step on a subset of the
+        # ranks deadlocks. hvdcomp's optimizer is of that family, so it says so.
+        from horovod.torch.optimizer import _DistributedOptimizer as _HorovodOptimizer
+        cls.__module__ = _HorovodOptimizer.__module__
+    opt = cls(optimizer.param_groups, named_parameters, compression, settings, group)
     claim(opt.compression, opt)  # (transport="auto" may have chosen another)
     return opt
 

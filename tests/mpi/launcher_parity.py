@@ -23,6 +23,7 @@ else:
     hvd.init()
     RANK = hvd.rank()
 
+import hvdcomp.adaptive_opt  # noqa: E402
 import hvdcomp.local  # noqa: E402
 
 STEPS = 8
@@ -60,7 +61,21 @@ def local(spec, compression, inner=None):
     return run
 
 
+def adaptive(make):
+    def run():
+        m = model()
+        opt = make(m.named_parameters())
+        train(m, opt)
+        return [p.detach().clone() for p in m.parameters()], opt.timer.bytes_sent / STEPS
+    return run
+
+
 MODES = {
+    "onebit-adam": adaptive(lambda named: hvdcomp.adaptive_opt.OneBitAdam(named, lr=0.01, freeze_step=3)),
+    "zeroone-adam": adaptive(lambda named: hvdcomp.adaptive_opt.ZeroOneAdam(named, lr=0.01, var_freeze_step=3,
+                                                                            local_step_scaler=2)),
+    "onebit-lamb": adaptive(lambda named: hvdcomp.adaptive_opt.OneBitLamb(named, lr=0.01, freeze_step=3)),
+    "amsgrad": adaptive(lambda named: hvdcomp.adaptive_opt.CompressedAMSGrad(named, lr=0.01)),
     "diloco-topk": local("diloco", "topk:density=0.3"),
     "diloco-fp16": local("diloco", "fp16"),
     "co2-none": local("co2", "none"),
