@@ -16,7 +16,8 @@ WORKER = os.path.join("tests", "mpi", "launcher_parity.py")
 #: mode -> whether its payloads are gathered (torch.distributed pads each rank's row to 8-byte
 #: multiples, so its bytes per step may exceed MPI's exact Allgatherv)
 MODES = {"diloco-topk": True, "diloco-fp16": False, "co2-none": False, "sparseloco": True, "adaalter": False,
-         "onebit-adam": False, "zeroone-adam": False, "onebit-lamb": False, "amsgrad": False}
+         "onebit-adam": False, "zeroone-adam": False, "onebit-lamb": False, "amsgrad": False,
+         "choco-topk": False, "choco-sign": False, "dcd": False, "ecd": False, "powergossip": False}
 
 
 def params(out):

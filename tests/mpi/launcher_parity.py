@@ -24,6 +24,7 @@ else:
     RANK = hvd.rank()
 
 import hvdcomp.adaptive_opt  # noqa: E402
+import hvdcomp.gossip  # noqa: E402
 import hvdcomp.local  # noqa: E402
 
 STEPS = 8
@@ -70,7 +71,23 @@ def adaptive(make):
     return run
 
 
+def gossip(method, **kwargs):
+    def run():
+        m = model()
+        opt = hvdcomp.gossip.GossipOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                                             method=method, **kwargs)
+        train(m, opt)
+        opt.flush()
+        return [p.detach().clone() for p in m.parameters()], opt.timer.bytes_sent / STEPS
+    return run
+
+
 MODES = {
+    "choco-topk": gossip("choco", compression="topk:density=0.5", consensus_step=0.5),
+    "choco-sign": gossip("choco", compression="sign", consensus_step=0.3, overlap=False),
+    "dcd": gossip("dcd", compression="qsgd:levels=16"),
+    "ecd": gossip("ecd", compression="qsgd:levels=16"),
+    "powergossip": gossip("powergossip", power_iterations=2),
     "onebit-adam": adaptive(lambda named: hvdcomp.adaptive_opt.OneBitAdam(named, lr=0.01, freeze_step=3)),
     "zeroone-adam": adaptive(lambda named: hvdcomp.adaptive_opt.ZeroOneAdam(named, lr=0.01, var_freeze_step=3,
                                                                             local_step_scaler=2)),
