@@ -17,7 +17,8 @@ WORKER = os.path.join("tests", "mpi", "launcher_parity.py")
 #: multiples, so its bytes per step may exceed MPI's exact Allgatherv)
 MODES = {"diloco-topk": True, "diloco-fp16": False, "co2-none": False, "sparseloco": True, "adaalter": False,
          "onebit-adam": False, "zeroone-adam": False, "onebit-lamb": False, "amsgrad": False,
-         "choco-topk": False, "choco-sign": False, "dcd": False, "ecd": False, "powergossip": False}
+         "choco-topk": False, "choco-sign": False, "dcd": False, "ecd": False, "powergossip": False,
+         "ab-only-b": False, "ab-ab": False}
 
 
 def params(out):

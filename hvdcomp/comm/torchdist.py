@@ -303,7 +303,9 @@ class TorchDistExchange:
     MPI). Each message is an int64 size header, then the bytes.
 
     Made collectively by every member (it creates the gloo group, unless the group is gloo
-    already, and gathers the host names once).
+    already, and gathers the host names once, unless ``nodes`` is given). Also the byte layer of
+    AB-training's collectives under torch.distributed (:meth:`allreduce_`, :meth:`broadcast_`, as
+    :class:`hvdcomp.comm.exchange.MPIExchange`'s).
 
     Attributes:
         rank, size: as the group's.
@@ -311,7 +313,7 @@ class TorchDistExchange:
         nodes: node id of every rank (ranks of one host share one: :func:`hvdcomp.comm.exchange.node_ids`).
     """
 
-    def __init__(self, group: TorchDistGroup):
+    def __init__(self, group: TorchDistGroup, nodes: Optional[Sequence[int]] = None):
         dist = group.dist
         self.dist, self.ranks = dist, group.ranks
         self.rank, self.size = group.rank, group.size
@@ -321,9 +323,43 @@ class TorchDistExchange:
             self.group = dist.new_group(group.ranks, backend="gloo", use_local_synchronization=True)
         self.bytes_sent = 0
         self.bytes_received = 0
-        hosts: List[Any] = [None] * self.size
-        dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
-        self.nodes = node_ids(hosts)
+        if nodes is None:
+            hosts: List[Any] = [None] * self.size
+            dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
+            nodes = node_ids(hosts)
+        self.nodes = list(nodes)
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether the group holds ranks of more than one node."""
+        return len(set(self.nodes)) > 1
+
+    def allreduce_(self, data: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce the host tensor ``data`` in place over every rank (one ``all_reduce``); bytes
+        counted as :meth:`hvdcomp.comm.exchange.MPIExchange.allreduce_` counts them.
+
+        Raises:
+            ValueError: an unknown ``op``.
+        """
+        ops = {"sum": self.dist.ReduceOp.SUM, "max": self.dist.ReduceOp.MAX, "min": self.dist.ReduceOp.MIN}
+        if op not in ops:
+            raise ValueError(f"allreduce_ op must be one of {sorted(ops)}, got {op!r}")
+        if self.size > 1:
+            self.dist.all_reduce(data, op=ops[op], group=self.group)
+        nbytes = data.numel() * data.element_size()
+        self.bytes_sent += nbytes
+        self.bytes_received += nbytes
+        return data
+
+    def broadcast_(self, data: torch.Tensor, root: int) -> torch.Tensor:
+        """Rank ``root``'s ``data`` written into ``data`` on every rank (one ``broadcast``); bytes
+        counted as :meth:`hvdcomp.comm.exchange.MPIExchange.broadcast_` counts them."""
+        if self.size > 1:
+            self.dist.broadcast(data, src=self.ranks[root], group=self.group)
+        nbytes = data.numel() * data.element_size()
+        self.bytes_sent += nbytes if self.rank == root else 0
+        self.bytes_received += nbytes
+        return data
 
     def _header(self, n: int) -> torch.Tensor:
         return torch.tensor([n], dtype=torch.int64)

@@ -25,6 +25,7 @@ else:
 
 import hvdcomp.adaptive_opt  # noqa: E402
 import hvdcomp.gossip  # noqa: E402
+from hvdcomp.lowrank import ABTraining  # noqa: E402
 import hvdcomp.local  # noqa: E402
 
 STEPS = 8
@@ -82,7 +83,29 @@ def gossip(method, **kwargs):
     return run
 
 
+def ab(**kwargs):
+    def run():
+        m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 3))
+        torch.manual_seed(0)
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        opt = ABTraining(m, lambda ps: torch.optim.SGD(ps, lr=0.05), rank_groups=2, warmup_steps=2,
+                         steps_between_syncs=2, full_rank_steps=1, full_rank=["4.weight"], ramp_steps=2,
+                         base_lr=0.05, **kwargs)
+        for step in range(STEPS):
+            x, y = batch(step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            opt.synchronize()
+            opt.step()
+        return [p.detach().clone() for p in m.parameters()], opt.timer.bytes_sent / STEPS
+    return run
+
+
 MODES = {
+    "ab-only-b": ab(),
+    "ab-ab": ab(mode="ab", sync="full", cutoff=0.2),
     "choco-topk": gossip("choco", compression="topk:density=0.5", consensus_step=0.5),
     "choco-sign": gossip("choco", compression="sign", consensus_step=0.3, overlap=False),
     "dcd": gossip("dcd", compression="qsgd:levels=16"),
