@@ -44,3 +44,22 @@ def test_torchrun_ends_where_mpirun_ends(both, mode):
         assert float(b1) <= float(b2) <= float(b1) * 1.1 + 8, (b1, b2)
     else:
         assert b1 == b2, (b1, b2)
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(os.path.dirname(ROOT), "shared", "data", "tinyshakespeare",
+                                                    "input.txt")), reason="../shared/data not present")
+def test_train_lm_local_update_under_torchrun_equals_mpirun(tmp_path):
+    """train_lm.py with DiLoCo (H = 2, top-k Δ) ends at the same perplexities under torchrun
+    (--frontend ddp: torch.distributed, no Horovod) as under mpirun."""
+    import json
+
+    from tests.mpirun import TINY_SHAKESPEARE
+    args = ["mpi_scripts/train_lm.py", "--local-steps", "2", "--compressor", "topk:density=0.05", "--epochs", "1",
+            "--max-steps", "4", "--no-progress", "--data", TINY_SHAKESPEARE, "--cost-model", "off"]
+    check(2, [*args, "--output", str(tmp_path / "mpirun")], timeout=300)
+    port = str(random.Random().randint(20000, 40000))
+    run([TORCHRUN, "--nproc_per_node", "2", "--master_port", port, *args, "--frontend", "ddp",
+         "--output", str(tmp_path / "torchrun")], 300)
+    a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("mpirun", "torchrun"))
+    assert a["launcher"] == "openmpi" and b["launcher"] == "torchrun"
+    assert a["best_val_ppl"] == b["best_val_ppl"] and a["test_ppl"] == b["test_ppl"], (a["test_ppl"], b["test_ppl"])
