@@ -37,7 +37,9 @@ methods' :class:`~hvdcomp.comm.step.StepComm` comes from it (``TorchDistGroup.st
 
 Byte counters (:class:`Exchange` results) count what each collective moves for this rank: an
 ``all_reduce`` of B bytes sends and receives B (as the Horovod front-end counts it); a gather sends
-its counts (8 bytes per payload tensor) and its padded data, and receives those of the other
+its counts (8 bytes per payload tensor) and its padded data (each payload tensor's bytes padded to a
+multiple of 8, so that every tensor starts aligned in the buffer; then the whole to the largest
+rank's), and receives those of the other
 N − 1 ranks: the bytes that arrive from the network. The Horovod front-end's allgather counts
 differ here: its ``bytes_received`` is the whole gathered buffer, this rank's own payload included
 (N/(N − 1) times this count for equal payloads without padding; :mod:`hvdcomp.comm.allgather`), so compare
