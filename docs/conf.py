@@ -59,5 +59,18 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(typing|collections|abc|enum|dataclasses|concurrent|threading|contextlib|pathlib|os)(\..*)?"),
 ]
 
+
+
+def _results_are_orphans(app, docname, source):
+    """docs/results/ holds the measurements' generated reports: pages reached through the links of
+    the guides (results.md and each mode's page), not entries of the table of contents."""
+    if docname.startswith("results/") and not source[0].startswith("---"):
+        source[0] = "---\norphan: true\n---\n" + source[0]
+
+
+def setup(app):
+    app.connect("source-read", _results_are_orphans)
+
+
 html_theme = "alabaster"
 html_title = f"hvdcomp {release}"
