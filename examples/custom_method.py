@@ -16,6 +16,8 @@ Rank 0 prints one line: ``RESULT key=value ...`` with the loss on a held-out bat
 training and the bytes this rank sent per step (mean over the steps).
 """
 import argparse
+import os
+import sys
 
 import torch
 
@@ -118,6 +120,8 @@ def main():
     else:
         dist.barrier()                       # every rank past its last collective before teardown
         dist.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(0)                          # (gloo's exit race: docs/troubleshooting.md)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ Rank 0 prints one line: ``RESULT key=value ...`` with the loss on a held-out bat
 training and the bytes this rank sent per step (mean over the steps).
 """
 import argparse
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -55,6 +57,10 @@ def main():
     # exits first can abort a peer still sending: "terminate called without an active exception")
     dist.barrier()
     dist.destroy_process_group()
+    # gloo's worker threads outlive destroy_process_group() and can, rarely, abort the interpreter's
+    # teardown (docs/troubleshooting.md): everything is written, so leave without it
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
