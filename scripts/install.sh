@@ -2,7 +2,7 @@
 # Idempotent installer for hvdcomp.
 #
 # On a fresh Debian machine as root: installs Open MPI from Debian packages, makes a virtualenv
-# (.venv by default), installs torch 2.13.0, numpy, mpi4py, pytest and the project, then builds
+# (.venv by default), installs torch 2.13.0, numpy, mpi4py, pytest, Sphinx and the project, then builds
 # Horovod 0.28.1 from its PyPI sdist with PyTorch + MPI + Gloo and caches the built wheel, so a
 # second install skips the ~9 minute build. Finally compiles hvdcomp's native CPU kernels (C with
 # OpenMP, a couple of seconds; optional: without a compiler the torch kernels are used).
@@ -76,12 +76,13 @@ else
   "${PIP[@]}" "$TORCH_SPEC"
 fi
 TORCH_VERSION=$("$PY" -c 'import torch; print(torch.__version__)')
-# the project and its runtime, test, plot and study (scikit-learn's digits) dependencies, and mpi4py
-# for the Horovod front-end; torch is already satisfied above
+# the project and its runtime, test, docs (tests/test_docs.py builds them), plot and study
+# (scikit-learn's digits) dependencies, and mpi4py for the Horovod front-end; torch is already
+# satisfied above
 if [ "$WITH_HOROVOD" = 1 ]; then
-  "${PIP[@]}" -e "$ROOT[test,plot,study,mpi]"
+  "${PIP[@]}" -e "$ROOT[test,docs,plot,study,mpi]"
 else
-  "${PIP[@]}" -e "$ROOT[test,plot,study]"
+  "${PIP[@]}" -e "$ROOT[test,docs,plot,study]"
 fi
 
 # --- 3. Horovod, built once and cached ------------------------------------------------------

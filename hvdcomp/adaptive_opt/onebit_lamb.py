@@ -142,8 +142,8 @@ class OneBitLamb(AdaptiveOptimizer):
         max_coeff, min_coeff: the clamp of the trust ratio.
         coeff_beta: β_c of the frozen trust-ratio average.
         factor_max, factor_min, factor_threshold: the clamps of the factor after the warm-up.
-        momentum_masks, mask_zero_variance, warmup_compression, process_set, timer, nonfinite,
-            backward_passes_per_step, comm: as :class:`~hvdcomp.adaptive_opt.onebit_adam.OneBitAdam`.
+        momentum_masks, mask_zero_variance, warmup_compression, process_set, timer, nonfinite, backward_passes_per_step, comm: as
+            :class:`~hvdcomp.adaptive_opt.onebit_adam.OneBitAdam`.
 
     State per parameter: Adam's keys (v frozen after the warm-up), ``exp_avg_sq_fresh``,
     ``lamb_coeff_freeze`` (r̄), ``last_factor``, ``scaling_coeff`` (s); all identical on every

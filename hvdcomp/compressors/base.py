@@ -233,7 +233,9 @@ class Compressor(Method, _HorovodCompressor, metaclass=abc.ABCMeta):
     (staged: :class:`hvdcomp.compressors.state.StagedState`) and extend :meth:`state_dict` /
     :meth:`load_state_dict`.
 
-    Class attributes (besides :class:`Method`'s):
+    Class attributes (in addition to :class:`Method`'s, listed there):
+
+    Class attributes:
         payload_kind: what the payloads are (:class:`PayloadKind`; ``MEAN`` here).
         aggregate_is_mean: :meth:`aggregate` equals the mean over ranks of :meth:`decode`, so a
             gathered payload may equally be averaged as its local decode (the plan may route it

@@ -264,8 +264,8 @@ class SaturationCheck:
 
         Args:
             payload: the reduced (averaged, or summed for ``op=Sum``) payload, before
-                :meth:`decode`.
-            ctx: this rank's context from :meth:`encode`.
+                :meth:`~hvdcomp.compressors.base.Compressor.decode`.
+            ctx: this rank's context from :meth:`~hvdcomp.compressors.base.Compressor.encode`.
 
         Returns:
             ``None`` when nothing saturated (decode ``payload`` as usual); else a

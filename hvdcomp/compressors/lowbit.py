@@ -60,7 +60,7 @@ dtype, saturating (float16: ±65504).
 
 Non-finite gradients: a NaN or Inf makes its block's scale NaN or Inf and its block decodes to
 NaN (other blocks are unaffected); encoding does not fail. The optimizer's non-finite guard
-(:mod:`hvdcomp.guard`) then skips the step and :meth:`Compressor.rollback` drops the staged h,
+(:class:`hvdcomp.agreement.NonFiniteGuard`) then skips the step and :meth:`Compressor.rollback` drops the staged h,
 so the committed h stays finite. Outside an open step (no ``begin_step``) the new h is committed
 at once, NaN included, as with :class:`hvdcomp.ErrorFeedback`.
 

@@ -10,26 +10,26 @@ committed when its reduction counts:
 * the next synchronized backward starts while the gradients are still there (accumulation
   without ``no_sync``: DDP adds that backward's gradients to these, so this reduction counts, as
   it does for PyTorch's own hooks);
-* DDP's join runs it as a joined rank's shadow step (:meth:`shadowing`): that rank has nothing to
+* DDP's join runs it as a joined rank's shadow step (:meth:`StepCycle.shadowing`): that rank has nothing to
   apply, and the other ranks commit the same step when they apply it.
 
 It is rolled back when it is discarded: the gradients were zeroed before the next forward
-(:meth:`forward_starts`) or by the attached ``optimizer.zero_grad()`` (:meth:`zeroed`), with no
+(:meth:`StepCycle.forward_starts`) or by the attached ``optimizer.zero_grad()`` (:meth:`StepCycle.zeroed`), with no
 ``step()`` between; a step some rank found non-finite, at once on every rank. The hook
 (:mod:`hvdcomp.ddp.hook`) drives it:
 
-==================== ============================ =========================================
-call                 from                         status after
-==================== ============================ =========================================
-:meth:`open`         a backward's first bucket    ``BACKWARD`` (state staged)
-:meth:`agree`        the last bucket              (the per-step verdict; raises or skips)
-:meth:`skip`         the last bucket, a skip      ``SKIPPED`` (rolled back, results NaN)
-:meth:`reduced`      the last bucket, done        ``SYNCED`` (or ``SKIPPED``)
-:meth:`apply`        ``optimizer.step()``         committed; a skipped step is not applied
-:meth:`forward_starts` the model's forward        discarded (``IDLE``) if the gradients were zeroed
-:meth:`zeroed`       ``optimizer.zero_grad()``    discarded (``IDLE``)
-:meth:`discard`      an error, a loaded state     ``IDLE`` (a skip agreed on stays ``SKIPPED``)
-==================== ============================ =========================================
+================================ ========================= =================================================
+call                             from                      status after
+================================ ========================= =================================================
+:meth:`StepCycle.open`           a backward's first bucket ``BACKWARD`` (state staged)
+:meth:`StepCycle.agree`          the last bucket           (the per-step verdict; raises or skips)
+:meth:`StepCycle.skip`           the last bucket, a skip   ``SKIPPED`` (rolled back, results NaN)
+:meth:`StepCycle.reduced`        the last bucket, done     ``SYNCED`` (or ``SKIPPED``)
+:meth:`StepCycle.apply`          ``optimizer.step()``      committed; a skipped step is not applied
+:meth:`StepCycle.forward_starts` the model's forward       discarded (``IDLE``) if the gradients were zeroed
+:meth:`StepCycle.zeroed`         ``optimizer.zero_grad()`` discarded (``IDLE``)
+:meth:`StepCycle.discard`        an error, a loaded state  ``IDLE`` (a skip agreed on stays ``SKIPPED``)
+================================ ========================= =================================================
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ pointing to Choco-SGD, which handles it. Neither has a consensus step size.
 
 Both keep, instead of a copy of each neighbour's model, the weighted sum over the neighbourhood
 (self included) ``s_i = Σ_j w_ij y_j`` of the replicas y_j; they need exact replicas to start
-from, so the front-end first exchanges the initial models once, uncompressed (:meth:`setup`).
+from, so the front-end first exchanges the initial models once, uncompressed (:meth:`DCDGossip.setup`).
 Let Δ_i = x_i^{after} − x_i (what the local optimizer step did: −lr·g, with momentum, weight
 decay and the learning-rate schedule of the wrapped optimizer).
 

@@ -15,10 +15,10 @@ verdict (``nonfinite="skip"`` by default: a non-finite gradient on any rank skip
 rank, without a trace; :meth:`GossipOptimizer._agree_step` says why this one global collective and
 what it costs). Checkpoints (:meth:`GossipOptimizer.state_dict`) leave the trajectory unchanged.
 
-Which model to evaluate: the ranks' models differ by the consensus distance. :meth:`average_model`
+Which model to evaluate: the ranks' models differ by the consensus distance. :meth:`GossipOptimizer.average_model`
 (a context manager) swaps in the network average (one allreduce) and puts the local model back
 after; ``mpi_scripts/train_lm.py`` evaluates the average by default (``--gossip-eval local``: each
-rank its own model). :meth:`consensus_distance` reports Σ_i ‖x_i − x̄‖².
+rank its own model). :meth:`GossipOptimizer.consensus_distance` reports Σ_i ‖x_i − x̄‖².
 
 Example::
 
@@ -99,7 +99,7 @@ class GossipOptimizer:
             locally.
         weights: ``"metropolis"`` or ``"uniform"`` mixing weights for a static graph.
         overlap: run the exchange of a step in the background until the next ``step()``.
-        timeout: seconds to wait for a neighbour before :class:`NeighborTimeoutError` names it.
+        timeout: seconds to wait for a neighbour before :class:`~hvdcomp.transports.neighbor.NeighborTimeoutError` names it.
         nonfinite: what a NaN/Inf gradient on any rank does, decided alike on every rank of the
             process set (:meth:`_agree_step`): ``"skip"`` (default: every rank skips the step,
             which leaves no trace in any state, and a warning names the ranks), ``"raise"``
@@ -109,10 +109,12 @@ class GossipOptimizer:
         **method_kwargs: PowerGossip's ``power_iterations``, ``warm_start``, ``seed``.
 
     Attributes:
-        optimizer, method (the :class:`GossipMethod`), topology, transport, compression, nonfinite,
-        skipped_steps (steps skipped for a non-finite gradient, saved in :meth:`state_dict`),
-        timer (:class:`hvdcomp.metrics.PhaseTimer`: compress / communicate / decompress seconds
-        and exact bytes per step), rank, size.
+        method: the :class:`~hvdcomp.gossip.base.GossipMethod` (one rank's state); also
+            ``optimizer``, ``topology``, ``transport``, ``compression``, ``nonfinite``, ``rank``
+            and ``size`` as given or resolved.
+        skipped_steps: steps skipped for a non-finite gradient (saved in :meth:`state_dict`).
+        timer: a :class:`hvdcomp.metrics.PhaseTimer`: compress / communicate / decompress
+            seconds and exact bytes per step.
 
     Raises:
         ValueError: on every rank of the process set, when any rank's arguments are invalid (an

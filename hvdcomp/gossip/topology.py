@@ -16,18 +16,18 @@ with weights 1/3 has ρ = 1 − (1/3 + 2/3·cos(2π/8)) ≈ 0.195; a complete gr
 
 Graphs (``make_topology(spec, size)`` names):
 
-=================  ===========================================================  ===================
-``ring``           rank i ↔ i ± 1 (mod n); one neighbour at n = 2                degree 2
-``torus``          2-D torus ``rows × cols`` (the most square factorisation of  degree ≤ 4
+=================  ================================================================  ============
+``ring``           rank i ↔ i ± 1 (mod n); one neighbour at n = 2                    degree 2
+``torus``          2-D torus ``rows × cols`` (the most square factorisation of       degree ≤ 4
                    n, or ``torus:RxC``); a side of 1 or 2 folds duplicate
                    neighbours into one (n prime: a ring)
-``exponential``    one-peer exponential graph, time-varying: at step t, rank i   degree 1
+``exponential``    one-peer exponential graph, time-varying: at step t, rank i       degree 1
                    pairs with ``i XOR 2^(t mod log2 n)`` with weights ½, ½ (n a
                    power of two; the product of the log2 n matrices of a period
                    is the exact average)
-``complete``       everyone ↔ everyone (W = 1/n everywhere, ρ = 1)               degree n − 1
-adjacency          :func:`from_adjacency`: neighbour lists or a numpy 0/1 array  any
-=================  ===========================================================  ===================
+``complete``       everyone ↔ everyone (W = 1/n everywhere, ρ = 1)                   degree n − 1
+adjacency          :func:`from_adjacency`: neighbour lists or a numpy 0/1 array      any
+=================  ================================================================  ============
 
 Weights for a static graph (``weights=``): ``"metropolis"`` (Metropolis–Hastings, the default:
 ``W[i, j] = 1/(1 + max(d_i, d_j))`` on each edge, the rest of the row on the diagonal; any graph)

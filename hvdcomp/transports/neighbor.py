@@ -492,7 +492,7 @@ class NeighborTransport:
 
     def close(self) -> None:
         """Stop the background thread (waits for exchanges in flight); idempotent. The duplicated
-        communicator is left to ``MPI_Finalize`` (see :meth:`MPIAllgatherer.close`)."""
+        communicator is left to ``MPI_Finalize`` (see :meth:`hvdcomp.comm.allgather.MPIAllgatherer.close`)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

@@ -4,21 +4,21 @@
 How a payload travels depends on its kind, read from the compressor in one place
 (:func:`payload_kind`):
 
-==============  ==========================================================================  =============
-kind            collectives on the group                                                    methods
-==============  ==========================================================================  =============
-``gradient``    the bucket itself, as DDP's own path: ``× 1/N``, then a summed ``all_reduce``  ``none``
-                in place (bit-identical to DDP without a hook)
-``average``     summed ``all_reduce`` of the payload (one per dtype), then ``× 1/N`` (Horovod's  fp16, bf16,
-                ``op=Average``: sum, then post-scale); ``decode`` of the mean                  (ef) ...
-``sum``         summed ``all_reduce``; ``decode`` receives the sum (sign votes)              signsgd
-``gather``      counts exchange (``all_gather_into_tensor`` of int64 element counts), then    top-k, DGC,
-                every rank's payload bytes padded to the largest rank's and gathered with     QSGD, ...
-                one ``all_gather_into_tensor``; aggregated on every rank
-``batched``     the method's own step-wide collectives through the group's                    PowerSGD,
-                :class:`~hvdcomp.comm.step.StepComm` (``all_reduce``,                         gtopk, cltk,
-                ``broadcast``, point-to-point messages)                                       twophase
-==============  ==========================================================================  =============
+============  ==================================================================================  ============
+kind          collectives on the group                                                            methods
+============  ==================================================================================  ============
+``gradient``  the bucket itself, as DDP's own path: ``× 1/N``, then a summed ``all_reduce``       ``none``
+              in place (bit-identical to DDP without a hook)
+``average``   summed ``all_reduce`` of the payload (one per dtype), then ``× 1/N`` (Horovod's     fp16, bf16,
+              ``op=Average``: sum, then post-scale); ``decode`` of the mean                       (ef) ...
+``sum``       summed ``all_reduce``; ``decode`` receives the sum (sign votes)                     signsgd
+``gather``    counts exchange (``all_gather_into_tensor`` of int64 element counts), then          top-k, DGC,
+              every rank's payload bytes padded to the largest rank's and gathered with           QSGD, ...
+              one ``all_gather_into_tensor``; aggregated on every rank
+``batched``   the method's own step-wide collectives through the group's                          PowerSGD,
+              :class:`~hvdcomp.comm.step.StepComm` (``all_reduce``,                               gtopk, cltk,
+              ``broadcast``, point-to-point messages)                                             twophase
+============  ==================================================================================  ============
 
 A method that can saturate (fp16's scaled steps, with or without error feedback) is asked after
 the ``average`` / ``sum`` all_reduce whether the reduced payload saturated
@@ -37,7 +37,9 @@ methods' :class:`~hvdcomp.comm.step.StepComm` comes from it (``TorchDistGroup.st
 
 Byte counters (:class:`Exchange` results) count what each collective moves for this rank: an
 ``all_reduce`` of B bytes sends and receives B (as the Horovod front-end counts it); a gather sends
-its counts (8 bytes per payload tensor) and its padded data, and receives those of the other
+its counts (8 bytes per payload tensor) and its padded data (each payload tensor's bytes padded to a
+multiple of 8, so that every tensor starts aligned in the buffer; then the whole to the largest
+rank's), and receives those of the other
 N − 1 ranks: the bytes that arrive from the network. The Horovod front-end's allgather counts
 differ here: its ``bytes_received`` is the whole gathered buffer, this rank's own payload included
 (N/(N − 1) times this count for equal payloads without padding; :mod:`hvdcomp.comm.allgather`), so compare
@@ -116,7 +118,8 @@ class Exchange:
         sent, received: bytes this rank puts on / takes off the wire (see the module docstring).
         payload: the payload tensors (a gather: this rank's, to pack once the counts are known).
         counts: a gather's gathered element counts, ``(size, tensors)`` int64, once exchanged.
-        data_started: a gather's data phase has started (:meth:`TorchDistGroup.start_gather_data`).
+        data_started: a gather's data phase has started
+            (:meth:`TorchDistTransport.start_gather_data`).
     """
 
     works: List[Any] = field(default_factory=list)
