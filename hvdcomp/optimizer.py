@@ -176,7 +176,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited "
                                  "as it can cause a race condition.")
-        if reducer.current.synced or reducer.current.staged:
+        if reducer.current.synced or reducer.staging.staged:
             reducer.discard()
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 

@@ -40,7 +40,7 @@ from .agreement import NonFiniteGuard, StateAgreement, check_consistency
 from .amp import LossScaleTracker
 from .assembly import assemble
 from .plan import TransportPlan
-from .step import Status, StepState
+from .step import Staging, Status, StepState
 
 __all__ = ["Reducer", "check_free", "claim", "release"]
 
@@ -117,6 +117,7 @@ class Reducer:
         self.skipped_steps, self.cost_model, self.pipe, self._agreement = 0, None, None, None
         self.transport = TransportPlan({names[p]: "local" for p in order})
         self.current = StepState([[i] for i in range(len(order))], self.passes)
+        self.staging = Staging(compression)
         compression.bind_group(group.size)
         # as Horovod: processes outside the group train locally, and a job of one rank without
         # compression leaves the gradients exactly as backward made them
@@ -128,6 +129,7 @@ class Reducer:
         pipe = self.pipe = assemble(settings, compression, group, order, names, prefix, timer)
         self.compression, self.transport, self.cost_model = pipe.compression, pipe.plan, pipe.cost_model
         self.current = StepState(pipe.units.members, self.passes, pipe.draw_order)
+        self.staging = Staging(self.compression)
         log.info("hvdcomp: %s", self.transport)
 
     @property
@@ -143,15 +145,14 @@ class Reducer:
     def _open(self) -> None:
         """First compression of a step: agree on restored state (once), follow the loss scale,
         stage the method's state."""
-        if self.current.staged:
+        if self.staging.staged:
             return
         if not self.restored.agreed:
             self.skipped_steps = self.restored.agree(self.group, self.compression, self.skipped_steps, self.prefix)
         factor = self.loss_scale.factor()
         if factor is not None:
             self.compression.rescale_state(factor)
-        self.compression.begin_step()
-        self.current.staged = True
+        self.staging.open()
 
     def discard(self) -> None:
         """The synchronized (or partly compressed) step will not be applied: roll its staged
@@ -163,9 +164,7 @@ class Reducer:
         if self.busy:
             raise AssertionError("a step was discarded while collectives were in flight; call "
                                  "optimizer.synchronize() first")
-        if self.current.staged:
-            self.compression.rollback()
-        self.current.staged = False
+        self.staging.rollback()
         if self.current.status is not Status.CLOSED:
             self.current.status = Status.IDLE
         self.guard.reset()
@@ -243,9 +242,8 @@ class Reducer:
         self._agreement, self.restored.loaded_since_step = None, False
         if not verdict.skip:
             return True
-        if self.current.staged:
-            self.compression.rollback()
-        self.current.staged, self.current.status = False, Status.SKIPPED
+        self.staging.rollback()
+        self.current.status = Status.SKIPPED
         self.skipped_steps += 1
         for p in self.order:
             if p.grad is not None:
@@ -273,11 +271,10 @@ class Reducer:
     def commit(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """The step's update was applied: commit its compressor state (with a method whose state
         is in gradient units, ``optimizer`` is where a ``GradScaler`` is looked for)."""
-        if self.current.staged:
+        if self.staging.staged:
             if self.compression.has_scaled_state and optimizer is not None:
                 self.loss_scale.discover(optimizer)
-            self.compression.commit()
-            self.current.staged = False
+            self.staging.commit()
 
     def restart(self, passes: int) -> None:
         """New accumulation counters (``backward_passes_per_step`` = ``passes``)."""
