@@ -55,7 +55,8 @@ class Staging:
         """The step counts: apply its staged updates (nothing when none is open)."""
         if self.staged:
             self.method.commit()
-    
+            self.staged = False
+
     def rollback(self) -> None:
         """The step does not count: drop its staged updates (nothing when none is open)."""
         if self.staged:
