@@ -196,7 +196,7 @@ class NonFiniteGuard:
         """Start this rank's :meth:`summary` row as a summed Horovod allreduce in ``group`` (which
         Horovod fuses with the gradients' allreduces); returns the handle for :meth:`decide`."""
         row = self.summary(loaded, backward_passes)
-        return group.allreduce_async(torch.tensor(row, dtype=torch.float64), name, group.hvd.Sum)
+        return group.allreduce_async(torch.tensor(row, dtype=torch.float64), name, average=False)
 
     # ---- the same decision from sums (gradients reduced in place) ------------------------------
     def summary(self, loaded: bool, backward_passes: int) -> List[float]:

@@ -7,17 +7,13 @@ Nothing here runs per step; the optimizer (:mod:`hvdcomp.optimizer`) then hands 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-import numpy as np
 import torch
 
-from .comm import make_allgatherer
 from .comm.costmodel import CostModel, measure_cost_model
-from .comm.exchange import MPIExchange
-from .comm.step import StepComm, horovod_step_comm
+from .comm.step import StepComm
 from .compressors.rng import DrawOrder
 from .compressors.segments import Segments, needs_draw_order
 from .plan import (TransportPlan, choose_transport, fuse_units, make_units, plan_transport, routes, split_groups,
@@ -70,19 +66,6 @@ class Pipeline:
     draw_order: Optional[DrawOrder] = None
 
 
-def _measure_horovod_latency(group, gatherer, prefix: str, calls: int = 5) -> float:
-    """Seconds of one tiny Horovod allreduce in this group (its cycle time and negotiation):
-    the median of ``calls`` after one untimed, rank 0's value on every rank."""
-    probe = torch.zeros(1)
-    times = []
-    for k in range(calls + 1):
-        t0 = time.perf_counter()
-        group.allreduce(probe, f"{prefix}.latency.{k}", group.hvd.Sum)
-        times.append(time.perf_counter() - t0)
-    mine = sorted(times[1:])[calls // 2]
-    return float(gatherer.agree(np.array([mine]))[0])
-
-
 def _routing_cost_model(settings, compression, group, order, gatherer) -> Optional[CostModel]:
     """The α-β model that routes gathered payloads, or None where routing cannot apply (only
     methods whose aggregate is the mean of their decodes can travel either way)."""
@@ -97,23 +80,22 @@ def _routing_cost_model(settings, compression, group, order, gatherer) -> Option
 
 
 def _step_comm(compression, group, timer, gatherer, prefix: str) -> StepComm:
-    """The collectives of a step-wide method's step (:func:`hvdcomp.comm.step.horovod_step_comm`):
-    Horovod allreduce and broadcast within the group (timed and counted), point-to-point messages
-    on a duplicate of the mpi4py allgather's communicator (under MPI).
+    """The collectives of a step-wide method's step (:meth:`hvdcomp.comm.group.ProcessGroup.step_comm`:
+    the group's allreduce and broadcast, timed and counted), with point-to-point messages beside
+    the allgather's channel where the method needs them.
 
     Raises:
-        RuntimeError: the method's transport needs point-to-point messages and the ranks have no MPI.
+        RuntimeError: the method's transport needs point-to-point messages and the ranks have none.
     """
     p2p = None
-    comm = getattr(gatherer, "comm", None)
     if step_route_of(compression).needs_point_to_point and group.size > 1:
-        if comm is None:
+        p2p = group.point_to_point(gatherer)
+        if p2p is None:
             raise RuntimeError(f"'{compression.name}' messages ranks point to point through MPI, "
                                "but this job has no usable mpi4py communicator (Horovod started with "
                                "gloo, or allgather='horovod'): launch with mpirun or horovodrun --mpi "
                                "with mpi4py installed, or use cltk or topk")
-        p2p = MPIExchange(comm.Dup())
-    return horovod_step_comm(group, timer, prefix, p2p)
+    return group.step_comm(timer, prefix, p2p)
 
 
 def assemble(settings, compression, group, order: List[torch.nn.Parameter], names: Dict, prefix: str,
@@ -131,14 +113,14 @@ def assemble(settings, compression, group, order: List[torch.nn.Parameter], name
     gatherer = None
     gathered = per_tensor and any(r.bucketed and r.carries(compression) for r in routes().values())
     if group.size > 1 or gathered:  # (it also carries the per-step agreement)
-        gatherer = make_allgatherer(settings.allgather, group)
+        gatherer = group.allgatherer(settings.allgather)
     choice: Dict[str, float] = {}
     if settings.transport == "auto" and group.size > 1:  # the cost model picks the transport
         if isinstance(settings.cost_model, CostModel):  # given: Horovod's collectives priced by it alone
             model, wait = settings.cost_model, 0.0
         else:
             model = measure_cost_model(gatherer.probe, group.size, agree=gatherer.agree)
-            wait = _measure_horovod_latency(group, gatherer, prefix)
+            wait = group.latency(prefix)
         chosen, choice = choose_transport(compression, model, group.size, [p.numel() for p in order],
                                           settings.bucket_bytes, horovod_latency=wait,
                                           point_to_point=getattr(gatherer, "comm", None) is not None)
@@ -191,12 +173,13 @@ def assemble(settings, compression, group, order: List[torch.nn.Parameter], name
     buckets = [list(dict.fromkeys(at[n] for n in b)) for b in plan.buckets]
     unit_set = Units(order, members, names_of, segments, prefix)
     step_route = step_route_of(compression)
-    wiring = Wiring(group, timer, compression, unit_set, prefix, op_sum=settings.op is group.hvd.Sum,
+    wiring = Wiring(group, timer, compression, unit_set, prefix, op_sum=settings.op_sum,
                     predivide=settings.gradient_predivide_factor, gatherer=gatherer, buckets=buckets,
                     names=unit_names,
                     step_comm=_step_comm(compression, group, timer, gatherer, prefix) if step_route else None,
                     direct=compression.payload_is_gradient and settings.granularity == "tensor" if per_tensor
-                    else False)
+                    else False,
+                    units_of_route={r: [u for u, x in enumerate(route_of) if x == r] for r in set(route_of)})
     builders = {name: r.build for name, r in routes().items()}
     by_route: Dict[str, object] = {}
     bucketed = [name for name, r in routes().items() if r.bucketed]

@@ -111,8 +111,9 @@ class Settings:
     """Every setting of the optimizer, validated (see :func:`hvdcomp.DistributedOptimizer` for
     what each one means). Build it with :meth:`validate`.
 
-    ``op`` is Horovod's ``hvd.Average`` or ``hvd.Sum``; ``groups`` Horovod's (an int, a list of
-    lists of parameters, or None); ``cost_model`` ``"measure"``, ``"off"`` or a
+    ``op`` is Horovod's ``hvd.Average`` or ``hvd.Sum`` (``"average"`` / ``"sum"`` without
+    Horovod), ``op_sum`` whether it is the sum; ``groups`` Horovod's (an int, a list of lists of
+    parameters, or None); ``cost_model`` ``"measure"``, ``"off"`` or a
     :class:`hvdcomp.comm.costmodel.CostModel`.
     """
 
@@ -132,6 +133,7 @@ class Settings:
     granularity: str
     fuse_tensors: bool
     transport: str
+    op_sum: bool = False
 
     @classmethod
     def validate(cls, hvd, *, backward_passes_per_step=1, op=None, gradient_predivide_factor=1.0,
@@ -140,7 +142,8 @@ class Settings:
                  cost_model="measure", grad_scaler=None, granularity="tensor", fuse_tensors=True,
                  transport="planned") -> "Settings":
         """Check every argument and normalise it (``op`` None → Average, a cost-model pair → a
-        :class:`CostModel`, ``num_groups`` → ``groups``).
+        :class:`CostModel`, ``num_groups`` → ``groups``). ``hvd``: ``horovod.torch``, or None
+        where no Horovod runs (``op`` then ``"average"`` or ``"sum"``).
 
         Raises:
             ValueError: as :func:`hvdcomp.DistributedOptimizer` documents (each message names
@@ -150,11 +153,13 @@ class Settings:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
         if nonfinite not in NONFINITE_MODES:
             raise ValueError(f"nonfinite must be 'skip', 'raise' or 'ignore', got {nonfinite!r}")
-        op = hvd.Average if op is None else op
-        if op not in (hvd.Average, hvd.Sum):  # (hvd.Adasum is handed to stock Horovod before this)
-            raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum, got {op!r}")
+        average, total = (hvd.Average, hvd.Sum) if hvd is not None else ("average", "sum")
+        op = average if op is None else op
+        if op not in (average, total):  # (hvd.Adasum is handed to stock Horovod before this)
+            raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum, got {op!r}" if hvd is not None
+                             else f"op must be 'average' or 'sum', got {op!r}")
         gradient_predivide_factor = float(gradient_predivide_factor)
-        if gradient_predivide_factor != 1.0 and op is not hvd.Average:
+        if gradient_predivide_factor != 1.0 and op is not average:
             raise ValueError("gradient_predivide_factor not supported with op != Average (as in Horovod)")
         if not gradient_predivide_factor > 0:
             raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
@@ -182,7 +187,7 @@ class Settings:
                              "or (alpha_seconds, beta_seconds_per_byte), not 'off'")
         return cls(backward_passes_per_step, op, gradient_predivide_factor, groups, bool(sparse_as_dense),
                    process_set, allgather, timer, nonfinite, check_consistency, bucket_bytes, cost_model,
-                   grad_scaler, granularity, bool(fuse_tensors), transport)
+                   grad_scaler, granularity, bool(fuse_tensors), transport, op is total)
 
     def with_cost_model(self, model: CostModel) -> "Settings":
         """The same settings with a measured cost model (measured once, at construction)."""

@@ -1,11 +1,12 @@
-"""One optimizer step's state: where the step is (:class:`Status`), whether compressor state is
-staged, and the accumulation counters that tell when a unit's gradients are ready."""
+"""One step's state: where the step is (:class:`Status`), the method's staged state
+(:class:`Staging`: the one place that opens, commits and rolls back a step of a method's state,
+for every front-end), and the accumulation counters that tell when a unit's gradients are ready."""
 from __future__ import annotations
 
 import enum
 from typing import List, Optional, Sequence
 
-__all__ = ["Status", "StepState"]
+__all__ = ["Status", "Staging", "StepState"]
 
 
 class Status(enum.Enum):
@@ -25,6 +26,44 @@ class Status(enum.Enum):
     CLOSED = "closed"
 
 
+class Staging:
+    """A method's state across one step (:class:`hvdcomp.compressors.state.StagedState`): opened at
+    the step's first compression, then committed when the step counts or rolled back when it does
+    not, so a skipped or discarded step leaves no trace. Every front-end (the
+    :class:`~hvdcomp.reducer.Reducer`, the DDP hook's :class:`~hvdcomp.ddp.cycle.StepCycle`, the
+    adaptive optimizers' compressed allreduces) drives its method's steps through one of these.
+
+    Args:
+        method: the method (``begin_step`` / ``commit`` / ``rollback``).
+
+    Attributes:
+        staged: a step is open (its updates are staged).
+    """
+
+    __slots__ = ("method", "staged")
+
+    def __init__(self, method):
+        self.method, self.staged = method, False
+
+    def open(self) -> None:
+        """Open a step (nothing when one is open)."""
+        if not self.staged:
+            self.method.begin_step()
+            self.staged = True
+
+    def commit(self) -> None:
+        """The step counts: apply its staged updates (nothing when none is open)."""
+        if self.staged:
+            self.method.commit()
+            self.staged = False
+
+    def rollback(self) -> None:
+        """The step does not count: drop its staged updates (nothing when none is open)."""
+        if self.staged:
+            self.method.rollback()
+            self.staged = False
+
+
 class StepState:
     """The step in progress.
 
@@ -38,9 +77,6 @@ class StepState:
 
     Attributes:
         status: a :class:`Status`.
-        staged: the compressor's state of this step is staged (``begin_step`` ran), to be
-            committed when ``step()`` applies the update or rolled back when it is dropped.
-        sync_on_step: ``step()`` synchronizes first (False inside ``skip_synchronize()``).
         started: per unit, whether its transport has started it this step.
     """
 
@@ -51,8 +87,6 @@ class StepState:
                 self.unit_of[i] = u
         self.sizes = [len(m) for m in members]
         self.status = Status.IDLE
-        self.staged = False
-        self.sync_on_step = True
         self.draw_order = draw_order
         self.restart(passes)
 

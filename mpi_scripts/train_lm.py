@@ -8,7 +8,9 @@ Launch with any number of ranks, e.g.::
 
 ``--frontend horovod`` (default) trains with :func:`hvdcomp.DistributedOptimizer` under Horovod;
 ``--frontend ddp`` with PyTorch ``DistributedDataParallel`` and hvdcomp's communication hook
-(:mod:`hvdcomp.ddp`), launched by ``torchrun`` or ``srun`` (no Horovod needed).
+(:mod:`hvdcomp.ddp`), launched by ``torchrun`` or ``srun`` (no Horovod needed). The training
+modes (local updates, the compressed adaptive optimizers, gossip, AB-training) run under either:
+with ``--frontend ddp`` on ``torch.distributed``, without DDP.
 
 The global batch (``--batch-size`` sequences of ``--bptt`` tokens) is split evenly over the
 ranks, so 1, 2 and 4 ranks train the same model on the same data per step. SGD (or Adam, or an
@@ -68,8 +70,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--frontend", choices=["horovod", "ddp"], default="horovod",
-                   help="horovod: hvdcomp.DistributedOptimizer (mpirun/horovodrun); ddp: "
-                        "DistributedDataParallel with hvdcomp's comm hook (torchrun/srun, no Horovod)")
+                   help="horovod: Horovod (mpirun/horovodrun), per-step methods through "
+                        "hvdcomp.DistributedOptimizer; ddp: torch.distributed (torchrun/srun, no Horovod), per-step "
+                        "methods through DistributedDataParallel with hvdcomp's comm hook; the training modes "
+                        "(--local-steps, --optimizer onebit-adam..., --gossip, --ab-training) run on either")
     p.add_argument("--compressor", default="none",
                    help=f"method spec NAME[:key=value,...]; methods: {', '.join(hvdcomp.available())}")
     p.add_argument("--optimizer", choices=["sgd", "adam", "adamw", *OPTIMIZERS], default="sgd",
@@ -171,10 +175,10 @@ def parse_args(argv=None):
                     "seconds and seconds per byte), e.g. 5e-5,8e-10")
     if args.transport == "auto" and args.cost_model == "off":
         p.error("--transport auto lets the cost model choose: use --cost-model measure or ALPHA,BETA")
-    if args.frontend == "ddp" and (args.ab_training is not None or args.transport == "auto" or args.gossip
-                                   or args.local_steps):
-        p.error("--ab-training, --gossip, --local-steps and --transport auto run on the Horovod front-end only "
-                "(--frontend horovod)")
+    if (args.frontend == "ddp" and args.transport == "auto" and not args.local_steps and args.ab_training is None
+            and not args.gossip and args.optimizer not in OPTIMIZERS):
+        p.error("--transport auto is the Horovod front-end's (and the training modes'); the DDP hook takes the "
+                "method as given: drop --transport auto, or use --frontend horovod")
     if sum(bool(x) for x in (args.gossip, args.ab_training is not None, args.local_steps,
                              args.optimizer in OPTIMIZERS)) > 1:
         p.error("--gossip, --ab-training, --local-steps and an hvdcomp.adaptive_opt --optimizer are training "
@@ -250,7 +254,7 @@ def start(args):
 def build_optimizer(args, model, compressor, device):
     """``(module to call for training, optimizer, front)``: ``front`` is what synchronizes and
     times (the hvdcomp optimizer itself, or the DDP hook's state)."""
-    if args.frontend == "ddp":
+    if args.frontend == "ddp" and not args.local_steps:
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,

@@ -173,3 +173,22 @@ def test_duplicate_spec_keys_raise_in_every_front_end():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     with pytest.raises(ValueError, match="'outer_lr' is given twice"):
         hvdcomp.local.from_spec("diloco:outer_lr=0.7,outer_lr=0.5", opt, local_steps=2)
+
+
+def test_staging_opens_commits_and_rolls_back_once():
+    """hvdcomp.step.Staging, every front-end's lifecycle: a committed step's residual stays, a
+    rolled-back one's goes, and a second commit or rollback does nothing."""
+    from hvdcomp.step import Staging
+    comp = hvdcomp.get_compressor("topk:density=0.5")
+    staging = Staging(comp)
+    g = torch.tensor([1.0, -3.0, 0.5, 2.0])
+    staging.open()
+    comp.encode(g, "w")
+    staging.commit()
+    assert not staging.staged and torch.equal(comp.memory.committed["w"], torch.tensor([1.0, 0.0, 0.5, 0.0]))
+    staging.commit()
+    staging.open()
+    comp.encode(torch.zeros(4), "w")
+    staging.rollback()
+    staging.rollback()
+    assert not staging.staged and torch.equal(comp.memory.committed["w"], torch.tensor([1.0, 0.0, 0.5, 0.0]))

@@ -656,15 +656,15 @@ _BAD = [(ctor, arg, fragment, bad) for ctor, (_, _, table) in _CONSTRUCTORS.item
 def test_numeric_arguments_refused(ctor, arg, fragment, bad):
     """Every numeric argument of every local-update constructor refuses NaN, ±inf, a string, a
     value out of its range (and a bool or a fraction for counts) with a ValueError naming it,
-    before Horovod is needed; the same constructor with its good arguments passes the checks
-    (it then needs Horovod, or is built: the check is not a blanket refusal)."""
+    before a process group is needed; the same constructor with its good arguments passes the
+    checks (it then needs a process group, or is built: the check is not a blanket refusal)."""
     make, good, _ = _CONSTRUCTORS[ctor]
     with pytest.raises(ValueError, match=fragment):
         make(**{**good, arg: bad})
     try:
         make(**good)
     except RuntimeError as exc:
-        assert "Horovod is not initialised" in str(exc)
+        assert "no process group" in str(exc)
 
 
 def test_from_spec_errors():

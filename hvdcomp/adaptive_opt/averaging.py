@@ -18,6 +18,7 @@ import torch
 
 from ..agreement import check_same_start, parameters_digest
 from ..spec import get_compressor
+from ..step import Staging
 
 __all__ = ["Averaging", "ONEBIT_SPEC"]
 
@@ -110,17 +111,18 @@ class Averaging:
         """The mean over ranks of ``tensors`` through the compressed allreduce ``key`` (about n/8
         bytes per rank for n elements); None (its residuals unchanged) where it is not finite."""
         o, red = self.owner, self.reducer(key)
-        red.begin_step()
+        staging = Staging(red)
+        staging.open()
         try:
             out = red.reduce_batch([(o._names[p], t) for p, t in zip(o.order, tensors)], o.comm, o.timer)
             ok = self.verdict(out)
         except BaseException:
-            red.rollback()
+            staging.rollback()
             raise
         if not ok:
-            red.rollback()
+            staging.rollback()
             return None
-        red.commit()
+        staging.commit()
         return out
 
     def full(self, tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:

@@ -55,9 +55,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ..agreement import NONFINITE_MODES, check_consistency
-from ..comm.exchange import MPIExchange
-from ..comm.group import Group
-from ..comm.step import StepComm, horovod_step_comm
+from ..comm import resolve_group
+from ..comm.step import StepComm
 from ..metrics import PhaseTimer
 from ..plan import BATCHED, TransportPlan
 from .averaging import ONEBIT_SPEC, Averaging
@@ -111,7 +110,9 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     Args:
         named_parameters: see :func:`named_groups`.
         defaults: the hyper-parameters of every group (``lr``, ``betas``, ...).
-        process_set: the Horovod process set to average over (the global one by default).
+        process_set: where to average: a Horovod process set, or a ``torch.distributed`` process
+            group; by default the whole job, through Horovod after ``hvd.init()`` or through
+            ``torch.distributed`` after ``init_process_group`` (:func:`hvdcomp.comm.resolve_group`).
         timer: a :class:`hvdcomp.metrics.PhaseTimer` (one is made by default), shared with the
             warm-up optimizer: seconds per phase and bytes sent, received and ``dense`` (4 bytes
             per parameter and step: what an fp32 allreduce would carry).
@@ -166,11 +167,11 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._prefix = f"hvdcomp.adaptive.{next(_ids)}"
         self.warmup = WarmupStage(self)
         self._sync_on_step, self._masks = True, {}
-        self.group = None if comm is not None else Group(process_set)
+        self.group = None if comm is not None else resolve_group(process_set)
         if self.group is not None and not self.group.included:
             raise RuntimeError(f"this process is not in process_set: build {type(self).__name__} on its "
                                "members only")
-        self.comm = comm if comm is not None else self._horovod_comm()
+        self.comm = comm if comm is not None else self._group_comm()
         self.averaging = Averaging(self)
         for p in self.order:
             self.state[p].update(self._init_state(p))  # never empty: hvd.broadcast_optimizer_state
@@ -207,16 +208,15 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return {}
 
     # ---- set-up ---------------------------------------------------------------------------------
-    def _horovod_comm(self) -> StepComm:
-        hvd, group = self.group.hvd, self.group
-        p2p = None
+    def _group_comm(self) -> StepComm:
+        group, p2p = self.group, None
         if group.size > 1:
-            comm = group.mpi_comm() if hvd.mpi_enabled() else None
-            if comm is None:
-                raise RuntimeError(f"{type(self).__name__}'s compressed allreduce exchanges chunks all-to-all "
-                                   "through MPI: launch with mpirun or horovodrun --mpi, with mpi4py installed")
-            p2p = MPIExchange(comm.Dup())
-        return horovod_step_comm(group, self.timer, self._prefix, p2p)
+            p2p = group.point_to_point()
+            if p2p is None:
+                raise RuntimeError(f"{type(self).__name__}'s compressed allreduce exchanges chunks all-to-all: "
+                                   "under Horovod through MPI, so launch with mpirun or horovodrun --mpi with "
+                                   "mpi4py installed (or with torchrun, torch.distributed)")
+        return group.step_comm(self.timer, self._prefix, p2p)
 
     def _signature(self) -> dict:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]

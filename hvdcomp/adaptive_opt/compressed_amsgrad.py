@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from ..transports.twophase import TwoPhaseCompressor
-from ..optimizer import DistributedOptimizer
+from ..optimizer import distributed as distributed_optimizer
 from ..spec import get_compressor
 from .base import ONEBIT_SPEC, named_groups
 from .onebit_adam import check_adam_hyper
@@ -81,5 +81,5 @@ def CompressedAMSGrad(named_parameters, lr: float = 1e-3, betas=(0.9, 0.999), ep
                          f"{compression!r}")
     groups, names = named_groups(named_parameters)
     inner = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
-    return DistributedOptimizer(inner, named_parameters=[(n, p) for p, n in names.items()], compression=method,
-                                **distributed)
+    return distributed_optimizer(inner, [(n, p) for p, n in names.items()], method,
+                                 distributed.pop("process_set", None), **distributed)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from ..optimizer import DistributedOptimizer
+from ..config import Settings
+from ..optimizer import wrap
 
 __all__ = ["WarmupStage"]
 
@@ -50,11 +51,12 @@ class WarmupStage:
         if self.optimizer is None:
             o = self.owner
             if o.group is None:
-                raise RuntimeError("the warm-up runs over Horovod (hvdcomp.DistributedOptimizer): build the "
-                                   "optimizer without comm=, after hvd.init()")
-            warm = DistributedOptimizer(o._make_warmup(), named_parameters=[(o._names[p], p) for p in o.order],
-                                        compression=o.warmup_compression, process_set=o.process_set,
-                                        timer=o.timer, nonfinite=o.nonfinite)
+                raise RuntimeError("the warm-up averages over the optimizer's process group: build the "
+                                   "optimizer without comm=")
+            settings = Settings.validate(getattr(o.group, "hvd", None), timer=o.timer, nonfinite=o.nonfinite,
+                                         process_set=o.process_set if getattr(o.group, "hvd", None) else None)
+            warm = wrap(o._make_warmup(), [(o._names[p], p) for p in o.order], o.warmup_compression, settings,
+                        o.group)
             warm.state = o.state  # one state for both stages (torch's per-parameter dict)
             if self._saved:
                 warm.compression.load_state_dict(self._saved)

@@ -1,17 +1,67 @@
-"""Collectives: Horovod's (:mod:`.group`), ``torch.distributed``'s (:mod:`.torchdist`, the DDP
-front-end's), mpi4py's byte layer (:mod:`.allgather`,
-:mod:`.hierarchical`, :mod:`.exchange`, :mod:`.sparse_allreduce`), the world (:mod:`.world`) and the
-α-β cost model (:mod:`.costmodel`)."""
+"""Collectives: the process-group interface and its Horovod implementation (:mod:`.group`),
+its ``torch.distributed`` implementation (:mod:`.torchdist`), mpi4py's byte layer
+(:mod:`.allgather`, :mod:`.hierarchical`, :mod:`.exchange`, :mod:`.sparse_allreduce`), the world
+(:mod:`.world`) and the α-β cost model (:mod:`.costmodel`); :func:`resolve_group` picks the group a
+front-end runs on."""
 from __future__ import annotations
 
 import logging
 import os
 
 from .allgather import Allgatherer, HorovodAllgatherer, MPIAllgatherer
-from .group import Group
+from .group import Group, HorovodGroup, ProcessGroup
 from .hierarchical import HierarchicalAllgatherer
 
-__all__ = ["Allgatherer", "HorovodAllgatherer", "MPIAllgatherer", "HierarchicalAllgatherer", "make_allgatherer"]
+__all__ = ["Allgatherer", "HorovodAllgatherer", "MPIAllgatherer", "HierarchicalAllgatherer", "make_allgatherer",
+           "ProcessGroup", "HorovodGroup", "resolve_group"]
+
+
+def resolve_group(where=None) -> ProcessGroup:
+    """The :class:`~hvdcomp.comm.group.ProcessGroup` a training mode runs on.
+
+    Args:
+        where: a :class:`ProcessGroup` (used as it is), a Horovod process set, a
+            ``torch.distributed`` process group, or None: the whole job, through Horovod where it
+            is initialised (``mpirun``/``horovodrun``: ``hvd.init()``), else through
+            ``torch.distributed`` where it is (``torchrun``/``srun``: ``init_process_group``).
+
+    Raises:
+        RuntimeError: neither is initialised (the message names both fixes), or Horovod sees one
+            rank where the launcher started several (:func:`hvdcomp.launch.check_launch`).
+        TypeError: ``where`` is none of the above.
+    """
+    import torch.distributed as dist
+
+    if isinstance(where, ProcessGroup):
+        return where
+    if where is not None:
+        if hasattr(where, "process_set_id"):
+            return HorovodGroup(where)
+        if dist.is_available() and isinstance(where, dist.ProcessGroup):
+            from .torchdist import TorchDistGroup
+
+            return TorchDistGroup(where)
+        raise TypeError(f"expected a Horovod process set or a torch.distributed process group, got {where!r}")
+    try:
+        import horovod.torch as hvd
+
+        horovod_up = hvd.is_initialized()
+    except ImportError:
+        horovod_up = False
+    torch_up = dist.is_available() and dist.is_initialized()
+    if horovod_up and torch_up and hvd.size() == 1 and dist.get_world_size() > 1:
+        horovod_up = False  # (torchrun with a stray hvd.init(): the torch.distributed job is the job)
+    if horovod_up:
+        from ..launch import check_launch
+
+        check_launch(hvd.size())
+        return HorovodGroup()
+    if torch_up:
+        from .torchdist import TorchDistGroup
+
+        return TorchDistGroup()
+    raise RuntimeError("no process group: under mpirun or horovodrun call hvd.init() first (horovod.torch); under "
+                       "torchrun or srun call torch.distributed.init_process_group('gloo') (or 'nccl') first")
 
 log = logging.getLogger(__name__)
 

@@ -1,19 +1,31 @@
-"""The ranks an optimizer averages over, and the Horovod collectives it runs among them.
+"""The ranks a reduction runs among, and the collectives hvdcomp's core runs among them: one
+interface (:class:`ProcessGroup`), two implementations.
 
-:class:`Group` wraps a Horovod process set (the global one by default): its size and this
-process's rank in it, and the few collectives the optimizer needs outside the payload transport
-(allreduce of mean payloads, object allgather and broadcast for set-up agreements). Every
-Horovod call of the optimizer goes through here, so a process set is honoured everywhere.
+* :class:`HorovodGroup`: a Horovod process set (the global one by default), Horovod's named,
+  negotiated collectives, and mpi4py (a duplicate of the set's communicator) for variable-size
+  allgathers and point-to-point messages where Horovod runs on MPI;
+* :class:`hvdcomp.comm.torchdist.TorchDistGroup`: a ``torch.distributed`` process group (gloo on
+  CPU, NCCL on CUDA; launched by torchrun or srun), no Horovod, no MPI.
+
+Every collective of the core (the transports, the agreements, the step-wide methods' step) goes
+through this interface, so the pipeline, the training modes and their tests are the same under
+either launcher. What differs is said on each implementation: how an average rounds (Horovod
+sums then scales; ``torch.distributed`` divides first, as DDP does), and whether collectives must
+be issued in the same order on every rank (``torch.distributed``: yes; Horovod negotiates by
+name).
 """
 from __future__ import annotations
 
+import abc
 import io
 import pickle
-from typing import Any, List
+import time
+from typing import Any, List, Optional, Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["Group", "HOROVOD_ALLREDUCE_DTYPES", "horovod"]
+__all__ = ["ProcessGroup", "HorovodGroup", "Group", "HOROVOD_ALLREDUCE_DTYPES", "horovod"]
 
 # dtypes Horovod 0.28's PyTorch allreduce accepts on CPU/MPI (no bfloat16)
 HOROVOD_ALLREDUCE_DTYPES = (torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8,
@@ -38,8 +50,118 @@ def horovod():
     return hvd
 
 
-class Group:
-    """A Horovod process set seen from one process.
+class ProcessGroup(abc.ABC):
+    """The ranks a reduction runs among, seen from one process, and the collectives the core needs.
+
+    Attributes:
+        size, rank: the group's size and this process's rank in it (1 and 0 for a process
+            outside the group, which trains on its own).
+        ranks: global ranks of the members, in group-rank order.
+        included: whether this process belongs to the group.
+        is_global: whether the group is every rank of the job.
+        backend: ``"horovod"``, ``"gloo"``, ``"nccl"``, ...
+        ordered: collectives must be issued in the same order on every rank (no negotiation):
+            transports then launch in a fixed order.
+
+    Collectives are called by every member, with the same ``name`` (Horovod matches by it;
+    ``torch.distributed`` by issue order). Tensors are 1-D or any shape, contiguous.
+    """
+
+    size: int
+    rank: int
+    ranks: List[int]
+    included: bool = True
+    is_global: bool = True
+    backend: str = ""
+    ordered: bool = False
+
+    def describe(self) -> dict:
+        """JSON-able description: backend and global ranks of the members."""
+        return {"backend": self.backend, "ranks": self.ranks}
+
+    # ---- allreduce -----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def allreduce_async(self, tensor: torch.Tensor, name: str, average: bool = True, prescale: float = 1.0,
+                        postscale: float = 1.0):
+        """Start ``postscale · Σ_ranks (prescale · tensor)`` (``average``: divided by ``size``)
+        into a new tensor; returns a handle for :meth:`synchronize`."""
+
+    @abc.abstractmethod
+    def allreduce_async_(self, tensor: torch.Tensor, name: str, average: bool = True, prescale: float = 1.0,
+                         postscale: float = 1.0):
+        """:meth:`allreduce_async` in place: the result overwrites ``tensor``."""
+
+    @abc.abstractmethod
+    def synchronize(self, handle) -> torch.Tensor:
+        """Wait for a handle of :meth:`allreduce_async` (or ``_``); returns the reduced tensor."""
+
+    def allreduce(self, tensor: torch.Tensor, name: str, average: bool = True) -> torch.Tensor:
+        """Blocking :meth:`allreduce_async`: the mean (or sum) over the members, a new tensor."""
+        return self.synchronize(self.allreduce_async(tensor, name, average))
+
+    # ---- broadcast and small agreements ---------------------------------------------------------
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
+        """The ``tensor`` of the member whose group rank is ``root`` (same shape and dtype on
+        every member), as a new tensor (blocking)."""
+
+    @abc.abstractmethod
+    def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        """Every member's ``obj`` (picklable), in rank order (blocking)."""
+
+    @abc.abstractmethod
+    def broadcast_object(self, obj: Any, root: int, name: str) -> Any:
+        """``obj`` of the member whose group rank is ``root``, on every member (blocking)."""
+
+    def allgather_ints(self, values: Sequence[int], name: str = "hvdcomp.ints") -> List[List[int]]:
+        """Every member's ``values`` (a few int64, the same count on every member), in rank order."""
+        return [list(v) for v in self.allgather_object([int(x) for x in values], name)]
+
+    # ---- what the transports build on -------------------------------------------------------------
+    @abc.abstractmethod
+    def allgatherer(self, prefer: str = "auto"):
+        """The variable-size allgather of payloads among the members
+        (:class:`hvdcomp.comm.allgather.Allgatherer`), made now (collectively).
+
+        Raises:
+            RuntimeError: ``prefer`` names a path this group cannot take.
+            ValueError: an unknown ``prefer``.
+        """
+
+    @abc.abstractmethod
+    def point_to_point(self, gatherer=None):
+        """Byte messages among the members (:class:`hvdcomp.comm.exchange.PointToPoint`),
+        collectively made (once, without ``gatherer``; beside ``gatherer``'s own channel with
+        one); None where the members cannot message each other (Horovod without MPI)."""
+
+    def step_comm(self, timer, prefix: str, point_to_point=None):
+        """The collectives of a step-wide method's step (:func:`hvdcomp.comm.step.timed_step_comm`:
+        blocking mean allreduce and broadcast, named ``prefix.name``, timed as ``communicate`` and
+        counted in ``timer``), with the given :meth:`point_to_point` messages (or None)."""
+        from .step import timed_step_comm
+
+        p2p = point_to_point
+        return timed_step_comm(lambda tensor, name: self.allreduce(tensor, f"{prefix}.{name}"),
+                               lambda tensor, root, name: self.broadcast(tensor, root, f"{prefix}.{name}"),
+                               self.rank, self.size, timer, p2p)
+
+    def latency(self, prefix: str, calls: int = 5) -> float:
+        """Seconds of one tiny allreduce in this group (its cycle and negotiation): the median of
+        ``calls`` after one untimed, rank 0's value on every member."""
+        probe = torch.zeros(1)
+        times = []
+        for k in range(calls + 1):
+            t0 = time.perf_counter()
+            self.allreduce(probe, f"{prefix}.latency.{k}", average=False)
+            times.append(time.perf_counter() - t0)
+        mine = sorted(times[1:])[calls // 2]
+        return float(self.broadcast(torch.tensor([mine], dtype=torch.float64), 0, f"{prefix}.latency")[0])
+
+
+class HorovodGroup(ProcessGroup):
+    """A Horovod process set seen from one process (:class:`ProcessGroup`): Horovod's named
+    collectives (negotiated, so issue order may differ between ranks); an average sums, then
+    scales (``op=hvd.Average``).
 
     Args:
         process_set: a ``horovod.torch.ProcessSet`` (``hvd.global_process_set`` when None).
@@ -73,31 +195,33 @@ class Group:
         self.size = int(ps.size()) if self.included else 1
         self.rank = int(ps.rank()) if self.included else 0
 
+    backend = "horovod"
+
     def describe(self) -> dict:
         """JSON-able description: global ranks of the members."""
         return {"ranks": self.ranks}
 
     # ---- collectives (members only) -----------------------------------------------------------
-    def allreduce_async(self, tensor: torch.Tensor, name: str, op, prescale: float = 1.0,
+    def _op(self, average: bool):
+        return self.hvd.Average if average else self.hvd.Sum
+
+    def allreduce_async(self, tensor: torch.Tensor, name: str, average: bool = True, prescale: float = 1.0,
                         postscale: float = 1.0):
-        """Horovod ``allreduce_async`` within the set; returns a handle for :meth:`synchronize`."""
-        return self.hvd.allreduce_async(tensor, name=name, op=op, prescale_factor=prescale,
+        """Horovod ``allreduce_async`` within the set (``op=Average`` or ``Sum``); returns a
+        handle for :meth:`synchronize`."""
+        return self.hvd.allreduce_async(tensor, name=name, op=self._op(average), prescale_factor=prescale,
                                         postscale_factor=postscale, process_set=self.process_set)
 
-    def allreduce_async_(self, tensor: torch.Tensor, name: str, op, prescale: float = 1.0,
+    def allreduce_async_(self, tensor: torch.Tensor, name: str, average: bool = True, prescale: float = 1.0,
                          postscale: float = 1.0):
         """:meth:`allreduce_async` in place: the result overwrites ``tensor`` (as stock Horovod
         reduces gradients)."""
-        return self.hvd.allreduce_async_(tensor, name=name, op=op, prescale_factor=prescale,
+        return self.hvd.allreduce_async_(tensor, name=name, op=self._op(average), prescale_factor=prescale,
                                          postscale_factor=postscale, process_set=self.process_set)
 
     def synchronize(self, handle) -> torch.Tensor:
         """Wait for a handle from :meth:`allreduce_async`; returns the reduced tensor."""
         return self.hvd.synchronize(handle)
-
-    def allreduce(self, tensor: torch.Tensor, name: str, op) -> torch.Tensor:
-        """Blocking Horovod allreduce within the set."""
-        return self.synchronize(self.allreduce_async(tensor, name, op))
 
     def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
         """Blocking Horovod broadcast of the tensor of the member whose rank in the set is
@@ -127,6 +251,41 @@ class Group:
         return self.hvd.broadcast_object(obj, root_rank=self.ranks[root], name=name,
                                          process_set=self.process_set)
 
+    def allgather_ints(self, values: Sequence[int], name: str = "hvdcomp.ints") -> List[List[int]]:
+        """Every member's ``values`` by one ``hvd.allgather`` of int64, in rank order."""
+        mine = torch.tensor([[int(v) for v in values]], dtype=torch.int64)
+        if self.size == 1:
+            return mine.tolist()
+        return self.hvd.allgather(mine, name=name, process_set=self.process_set).tolist()
+
+    def allgatherer(self, prefer: str = "auto"):
+        """:func:`hvdcomp.comm.make_allgatherer` over the set (mpi4py where Horovod runs on MPI,
+        else Horovod's allgather)."""
+        from . import make_allgatherer
+
+        return make_allgatherer(prefer, self)
+
+    def point_to_point(self, gatherer=None):
+        """:class:`hvdcomp.comm.exchange.MPIExchange` on a duplicate of an mpi4py communicator of
+        the set: ``gatherer``'s (an :class:`~hvdcomp.comm.allgather.MPIAllgatherer`; a Horovod
+        allgatherer has none, and then there is no point-to-point), or, without a gatherer, the
+        set's own (made once). None without MPI (``horovodrun --gloo``)."""
+        if gatherer is not None:
+            comm = getattr(gatherer, "comm", None)
+            if comm is None:
+                return None
+            from .exchange import MPIExchange
+
+            return MPIExchange(comm.Dup())
+        if getattr(self, "_p2p", None) is None:
+            comm = self.mpi_comm() if self.hvd.mpi_enabled() else None
+            if comm is None:
+                return None
+            from .exchange import MPIExchange
+
+            self._p2p = MPIExchange(comm.Dup())
+        return self._p2p
+
     def mpi_comm(self):
         """An mpi4py communicator over the members (``COMM_WORLD`` for the global set), or
         ``None`` where mpi4py is unusable. Collective over the members only."""
@@ -139,3 +298,4 @@ class Group:
             return world
         return world.Create_group(world.Get_group().Incl(self.ranks))
 
+Group = HorovodGroup  # (the name the training modes used; one release)

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["StepComm", "timed_step_comm", "horovod_step_comm"]
+__all__ = ["StepComm", "timed_step_comm"]
 
 
 class StepComm:
@@ -81,19 +81,3 @@ def timed_step_comm(allreduce_mean: Callable[[torch.Tensor, str], torch.Tensor],
         return out
 
     return StepComm(mean, rank, size, bcast if broadcast is not None else None, point_to_point)
-
-
-def horovod_step_comm(group, timer, prefix: str, point_to_point=None) -> StepComm:
-    """The :class:`StepComm` of a Horovod process set (:func:`timed_step_comm` over blocking
-    Horovod allreduce (mean) and broadcast within ``group``, named ``prefix.name``).
-
-    Args:
-        group: a :class:`hvdcomp.comm.group.Group`.
-        timer: a :class:`hvdcomp.metrics.PhaseTimer`.
-        prefix: the caller's collective-name prefix (unique per caller, the same on every rank).
-        point_to_point: a :class:`~hvdcomp.comm.exchange.PointToPoint` among the group's ranks
-            (e.g. :class:`~hvdcomp.comm.exchange.MPIExchange`), or None.
-    """
-    return timed_step_comm(lambda tensor, name: group.allreduce(tensor, f"{prefix}.{name}", group.hvd.Average),
-                           lambda tensor, root, name: group.broadcast(tensor, root, f"{prefix}.{name}"),
-                           group.rank, group.size, timer, point_to_point)

@@ -1,28 +1,43 @@
 """The ranks of a ``torch.distributed`` process group and the collectives hvdcomp runs among them
-(gloo on CPU, NCCL on CUDA; no Horovod, no MPI), for the DDP front-end (:mod:`hvdcomp.ddp`).
+(gloo on CPU, NCCL on CUDA; no Horovod, no MPI): the :class:`~hvdcomp.comm.group.ProcessGroup`
+of jobs launched by torchrun or srun.
 
-:class:`TorchDistGroup` is to ``torch.distributed`` what :class:`hvdcomp.comm.group.Group` is to a
-Horovod process set: size, rank, the asynchronous collectives the payload transport
-(:mod:`hvdcomp.transports.torchdist`) issues, the small blocking ones the agreements need
-(:mod:`hvdcomp.agreement` calls ``allgather_object`` / ``broadcast_object`` / ``allgather_ints`` on
-any group), and the :class:`~hvdcomp.comm.step.StepComm` of the step-wide methods.
-:class:`TorchDistExchange` is a :class:`~hvdcomp.comm.exchange.PointToPoint` over it.
+:class:`TorchDistGroup` is to ``torch.distributed`` what :class:`hvdcomp.comm.group.HorovodGroup`
+is to a Horovod process set. Collectives are matched by issue order, so every member issues them
+in the same order (``ordered``: the transports launch in a fixed order). An average rounds as
+PyTorch's own code does: an in-place allreduce (a gradient reduced where it lies, as DDP reduces a
+bucket) divides by the size first, then sums; an allreduce into a new tensor (a payload) sums,
+then scales (Horovod's ``op=Average``). :class:`TorchDistAllgatherer` is the variable-size
+allgather of payloads and :class:`TorchDistExchange` a
+:class:`~hvdcomp.comm.exchange.PointToPoint` over it.
 """
 from __future__ import annotations
 
 import socket
 from typing import Any, List, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from .allgather import COUNT_BYTES, Allgatherer
 from .exchange import node_ids
-from .step import StepComm, timed_step_comm
+from .group import ProcessGroup
 
-__all__ = ["TorchDistGroup", "TorchDistExchange"]
+__all__ = ["TorchDistGroup", "TorchDistAllgatherer", "TorchDistExchange"]
 
 
-class TorchDistGroup:
+class _Reduction:
+    """A started allreduce: its result tensor, the work handle (None alone) and the scale to
+    apply once it is in."""
+
+    __slots__ = ("tensor", "work", "scale")
+
+    def __init__(self, tensor, work, scale):
+        self.tensor, self.work, self.scale = tensor, work, scale
+
+
+class TorchDistGroup(ProcessGroup):
     """The ranks a DDP model averages over, and the collectives hvdcomp runs among them.
 
     Args:
@@ -56,9 +71,58 @@ class TorchDistGroup:
         self._gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._p2p: Optional[TorchDistExchange] = None
 
-    def describe(self) -> dict:
-        """JSON-able: backend and global ranks of the members."""
-        return {"backend": self.backend, "ranks": self.ranks}
+    ordered = True  # (collectives match by issue order)
+
+    # ---- allreduce (ProcessGroup) ---------------------------------------------------------------------
+    def allreduce_async_(self, tensor: torch.Tensor, name: str = "", average: bool = True, prescale: float = 1.0,
+                         postscale: float = 1.0) -> _Reduction:
+        """Start ``postscale · Σ (prescale · tensor / size)`` in place (``/ size`` with
+        ``average``; divided first, as DDP reduces a gradient bucket)."""
+        pre = prescale / self.size if average else prescale
+        if pre != 1.0:
+            tensor.mul_(pre)
+        work = self.dist.all_reduce(tensor, group=self.process_group, async_op=True) if self.size > 1 else None
+        return _Reduction(tensor, work, postscale)
+
+    def allreduce_async(self, tensor: torch.Tensor, name: str = "", average: bool = True, prescale: float = 1.0,
+                        postscale: float = 1.0) -> _Reduction:
+        """Start ``postscale · Σ (prescale · tensor) / size`` into a new tensor (``/ size`` with
+        ``average``; summed first, then scaled, as Horovod's ``op=Average``)."""
+        out = tensor.detach().clone()
+        if prescale != 1.0:
+            out.mul_(prescale)
+        work = self.dist.all_reduce(out, group=self.process_group, async_op=True) if self.size > 1 else None
+        return _Reduction(out, work, postscale / self.size if average else postscale)
+
+    def synchronize(self, handle: _Reduction) -> torch.Tensor:
+        """Wait for a started allreduce; returns its result."""
+        if handle.work is not None:
+            handle.work.wait()
+            handle.work = None
+        if handle.scale != 1.0:
+            handle.tensor.mul_(handle.scale)
+            handle.scale = 1.0
+        return handle.tensor
+
+    def allgatherer(self, prefer: str = "auto") -> "TorchDistAllgatherer":
+        """The variable-size allgather over this group (:class:`TorchDistAllgatherer`).
+
+        Raises:
+            RuntimeError: ``prefer`` names an MPI path (``"mpi4py"``, ``"hierarchical"``) or Horovod's.
+            ValueError: an unknown ``prefer``.
+        """
+        if prefer not in ("auto", "mpi4py", "hierarchical", "horovod", "torch"):
+            raise ValueError(f"allgather transport must be auto, mpi4py, hierarchical or horovod, got {prefer!r}")
+        if prefer not in ("auto", "torch"):
+            raise RuntimeError(f"allgather={prefer!r} needs Horovod/MPI; under torch.distributed the payloads are "
+                               "gathered by torch.distributed itself: use allgather='auto'")
+        return TorchDistAllgatherer(self)
+
+    def point_to_point(self, gatherer=None) -> "TorchDistExchange":
+        """:class:`TorchDistExchange` among the members (made once, collectively, on first use)."""
+        if self._p2p is None:
+            self._p2p = TorchDistExchange(self)
+        return self._p2p
 
     # ---- asynchronous collectives (work handles: ``.wait()``) ---------------------------------------
     def all_reduce_async(self, tensor: torch.Tensor):
@@ -76,7 +140,7 @@ class TorchDistGroup:
         return self.dist.all_gather(pieces, tensor, group=self.process_group, async_op=True)
 
     # ---- small blocking collectives -----------------------------------------------------------------
-    def allgather_ints(self, values: Sequence[int]) -> List[List[int]]:
+    def allgather_ints(self, values: Sequence[int], name: Optional[str] = None) -> List[List[int]]:
         """Every rank's ``values`` (same length everywhere), in rank order (one blocking gather)."""
         mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
         if self.size == 1:
@@ -102,15 +166,6 @@ class TorchDistGroup:
         self.dist.broadcast_object_list(box, src=self.ranks[root], group=self.process_group)
         return box[0]
 
-    def allreduce_mean(self, tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
-        """The mean of ``tensor`` over the members, as a new tensor: summed ``all_reduce``, then
-        ``× 1/N`` (Horovod's ``op=Average``)."""
-        out = tensor.detach().clone()
-        if self.size > 1:
-            self.dist.all_reduce(out, group=self.process_group)
-            out.mul_(1.0 / self.size)
-        return out
-
     def broadcast(self, tensor: torch.Tensor, root: int, name: Optional[str] = None) -> torch.Tensor:
         """The ``tensor`` of the member whose group rank is ``root`` (same shape and dtype on
         every member), as a new tensor."""
@@ -119,18 +174,126 @@ class TorchDistGroup:
             self.dist.broadcast(out, src=self.ranks[root], group=self.process_group)
         return out
 
-    # ---- a step-wide method's collectives -------------------------------------------------------------
-    def step_comm(self, timer, point_to_point: bool = False) -> StepComm:
-        """The collectives of a step-wide method's step (:func:`hvdcomp.comm.step.timed_step_comm`:
-        timed as ``communicate``, bytes to ``timer``): :meth:`allreduce_mean`, :meth:`broadcast`
-        and, with ``point_to_point``, messages over a gloo group (:class:`TorchDistExchange`;
-        made once, collectively, on first use)."""
-        p2p = None
-        if point_to_point and self.size > 1:
-            if self._p2p is None:
-                self._p2p = TorchDistExchange(self)
-            p2p = self._p2p
-        return timed_step_comm(self.allreduce_mean, self.broadcast, self.rank, self.size, timer, p2p)
+_ALIGN = 8  # bytes: each payload tensor starts at a multiple of 8 in a gathered row (views any dtype)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class _Gather:
+    """A gather in flight: counts first, then the padded data (see :class:`TorchDistAllgatherer`)."""
+
+    __slots__ = ("payload", "device", "counts", "works", "out", "width", "bytes_sent", "bytes_received")
+
+
+class TorchDistAllgatherer(Allgatherer):
+    """The variable-size allgather of payloads over a :class:`TorchDistGroup`
+    (:class:`~hvdcomp.comm.allgather.Allgatherer`), on the group itself (gloo on the host, NCCL on
+    the device: no staging copy), issued from the caller's thread in call order:
+
+    1. counts: every rank's element count per payload tensor (int64, one
+       ``all_gather_into_tensor``), started by :meth:`start`;
+    2. data: each rank's payload tensors laid end to end as bytes (each from a multiple of 8),
+       padded to the largest rank's row, gathered by one ``all_gather_into_tensor`` (gloo and NCCL
+       gather equal sizes); started once the counts are in: at the next :meth:`start` (so it
+       overlaps with what follows) or at :meth:`finish`.
+
+    Bytes, as for every allgatherer: sent = the counts (8 per tensor) and this rank's row
+    (padding included: it is on the wire); received = the whole gathered counts and rows, this
+    rank's own included.
+
+    Args:
+        group: the :class:`TorchDistGroup`.
+    """
+
+    kind = "torch.distributed"
+
+    def __init__(self, group: TorchDistGroup):
+        self.group, self.size, self.rank = group, group.size, group.rank
+        self._unsent: List[_Gather] = []  # counts started, data not yet
+
+    def start(self, payload: Sequence[torch.Tensor], name: str = "") -> _Gather:
+        """Start the counts exchange of ``payload`` (1-D tensors, the same number and dtypes on
+        every rank); starts the data of earlier gathers first (their counts are in by now)."""
+        for h in self._unsent:
+            self._start_data(h)
+        self._unsent = []
+        h = _Gather()
+        h.payload = list(payload)
+        h.works, h.out, h.width = [], None, 0
+        h.device = payload[0].device if payload else self.group.device
+        mine = torch.tensor([t.numel() for t in payload], dtype=torch.int64, device=self.group.device)
+        h.bytes_sent, h.bytes_received = COUNT_BYTES * mine.numel(), COUNT_BYTES * mine.numel() * self.size
+        if self.size == 1:
+            h.counts = mine.view(1, -1)
+        else:
+            every = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=self.group.device)
+            h.works.append(self.group.all_gather_into_async(every, mine))
+            h.counts = every.view(self.size, mine.numel())
+        self._unsent.append(h)
+        return h
+
+    def _start_data(self, h: _Gather) -> None:
+        for w in h.works:
+            w.wait()
+        h.works = []
+        device = h.device
+        sizes = [t.element_size() for t in h.payload]
+        counts = h.counts.tolist()
+        h.width = max((sum(_aligned(c * z) for c, z in zip(row, sizes)) for row in counts), default=0)
+        parts = []
+        for t in h.payload:
+            raw = t.detach().contiguous().view(-1).view(torch.uint8)
+            parts.append(raw)
+            if _aligned(raw.numel()) > raw.numel():
+                parts.append(torch.zeros(_aligned(raw.numel()) - raw.numel(), dtype=torch.uint8, device=device))
+        filled = sum(p.numel() for p in parts)
+        if h.width > filled:
+            parts.append(torch.zeros(h.width - filled, dtype=torch.uint8, device=device))
+        row = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=device)
+        h.bytes_sent += h.width
+        h.bytes_received += h.width * self.size
+        if self.size == 1 or not h.width:
+            h.out = row
+            return
+        h.out = torch.empty(self.size * h.width, dtype=torch.uint8, device=device)
+        h.works.append(self.group.all_gather_into_async(h.out, row))
+
+    def finish(self, h: _Gather) -> List[List[torch.Tensor]]:
+        """Every rank's payload (rank order): views of the gathered buffer."""
+        if h in self._unsent:
+            self._unsent.remove(h)
+            self._start_data(h)
+        for w in h.works:
+            w.wait()
+        h.works = []
+        sizes = [t.element_size() for t in h.payload]
+        dtypes = [t.dtype for t in h.payload]
+        out = []
+        for r, row in enumerate(h.counts.tolist()):
+            buf = h.out[r * h.width:(r + 1) * h.width]
+            pos, tensors = 0, []
+            for c, z, d in zip(row, sizes, dtypes):
+                tensors.append(buf[pos:pos + c * z].view(d) if c else torch.zeros(0, dtype=d, device=h.out.device))
+                pos += _aligned(c * z)
+            out.append(tensors)
+        return out
+
+    def probe(self, nbytes: int) -> None:
+        """Blocking ``all_gather_into_tensor`` of ``nbytes`` zero bytes per rank (cost model)."""
+        mine = torch.zeros(int(nbytes), dtype=torch.uint8, device=self.group.device)
+        out = torch.empty(int(nbytes) * self.size, dtype=torch.uint8, device=self.group.device)
+        self.group.all_gather_into_async(out, mine).wait()
+
+    def agree(self, values) -> np.ndarray:
+        """Rank 0's ``values`` (float64) on every rank (one broadcast)."""
+        t = torch.as_tensor(np.asarray(values, dtype=np.float64)).to(self.group.device)
+        return self.group.broadcast(t, 0).cpu().numpy()
+
+    def allgather_ints(self, values, name: Optional[str] = None):
+        """Every rank's ``values`` in rank order (:meth:`TorchDistGroup.allgather_ints`)."""
+        return self.group.allgather_ints(values)
 
 
 class TorchDistExchange:
@@ -140,7 +303,9 @@ class TorchDistExchange:
     MPI). Each message is an int64 size header, then the bytes.
 
     Made collectively by every member (it creates the gloo group, unless the group is gloo
-    already, and gathers the host names once).
+    already, and gathers the host names once, unless ``nodes`` is given). Also the byte layer of
+    AB-training's collectives under torch.distributed (:meth:`allreduce_`, :meth:`broadcast_`, as
+    :class:`hvdcomp.comm.exchange.MPIExchange`'s).
 
     Attributes:
         rank, size: as the group's.
@@ -148,7 +313,7 @@ class TorchDistExchange:
         nodes: node id of every rank (ranks of one host share one: :func:`hvdcomp.comm.exchange.node_ids`).
     """
 
-    def __init__(self, group: TorchDistGroup):
+    def __init__(self, group: TorchDistGroup, nodes: Optional[Sequence[int]] = None):
         dist = group.dist
         self.dist, self.ranks = dist, group.ranks
         self.rank, self.size = group.rank, group.size
@@ -158,9 +323,43 @@ class TorchDistExchange:
             self.group = dist.new_group(group.ranks, backend="gloo", use_local_synchronization=True)
         self.bytes_sent = 0
         self.bytes_received = 0
-        hosts: List[Any] = [None] * self.size
-        dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
-        self.nodes = node_ids(hosts)
+        if nodes is None:
+            hosts: List[Any] = [None] * self.size
+            dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
+            nodes = node_ids(hosts)
+        self.nodes = list(nodes)
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether the group holds ranks of more than one node."""
+        return len(set(self.nodes)) > 1
+
+    def allreduce_(self, data: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce the host tensor ``data`` in place over every rank (one ``all_reduce``); bytes
+        counted as :meth:`hvdcomp.comm.exchange.MPIExchange.allreduce_` counts them.
+
+        Raises:
+            ValueError: an unknown ``op``.
+        """
+        ops = {"sum": self.dist.ReduceOp.SUM, "max": self.dist.ReduceOp.MAX, "min": self.dist.ReduceOp.MIN}
+        if op not in ops:
+            raise ValueError(f"allreduce_ op must be one of {sorted(ops)}, got {op!r}")
+        if self.size > 1:
+            self.dist.all_reduce(data, op=ops[op], group=self.group)
+        nbytes = data.numel() * data.element_size()
+        self.bytes_sent += nbytes
+        self.bytes_received += nbytes
+        return data
+
+    def broadcast_(self, data: torch.Tensor, root: int) -> torch.Tensor:
+        """Rank ``root``'s ``data`` written into ``data`` on every rank (one ``broadcast``); bytes
+        counted as :meth:`hvdcomp.comm.exchange.MPIExchange.broadcast_` counts them."""
+        if self.size > 1:
+            self.dist.broadcast(data, src=self.ranks[root], group=self.group)
+        nbytes = data.numel() * data.element_size()
+        self.bytes_sent += nbytes if self.rank == root else 0
+        self.bytes_received += nbytes
+        return data
 
     def _header(self, n: int) -> torch.Tensor:
         return torch.tensor([n], dtype=torch.int64)

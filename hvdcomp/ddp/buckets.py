@@ -235,7 +235,8 @@ class BucketPath:
             views.update(zip(b.layout.names, b.layout.views(b.buffer)))
         named = [(name, views[name]) for name in self.order if name in views]
         if self._step_comm is None:
-            self._step_comm = self.group.step_comm(self.timer, step_route_of(self.compression).needs_point_to_point)
+            p2p = self.group.point_to_point() if step_route_of(self.compression).needs_point_to_point else None
+            self._step_comm = self.group.step_comm(self.timer, "hvdcomp.ddp", p2p if self.group.size > 1 else None)
         grads = self.compression.reduce_batch(named, self._step_comm, self.timer)
         with self.timer.phase("decompress"):
             for (_, view), g in zip(named, grads):

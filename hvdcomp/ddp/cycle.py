@@ -39,7 +39,7 @@ from typing import List
 
 from ..agreement import NonFiniteGuard, StateAgreement
 from ..amp import LossScaleTracker
-from ..step import Status
+from ..step import Staging, Status
 from .buckets import Bucket
 
 __all__ = ["StepCycle"]
@@ -72,7 +72,7 @@ class StepCycle:
         self.compression, self.group, self.nonfinite, self.timer = compression, group, nonfinite, timer
         self.guard, self.state = NonFiniteGuard(nonfinite), StateAgreement()
         self.loss_scale = LossScaleTracker(grad_scaler)
-        self.status, self.staged = Status.IDLE, False
+        self.status, self.staging = Status.IDLE, Staging(compression)
         self.buckets: List[Bucket] = []
         self.skipped_steps = self.backward_steps = 0
         self.optimizer = self._original_step = self._original_zero_grad = None
@@ -113,13 +113,18 @@ class StepCycle:
         if self.unapplied:
             if self.compression.has_scaled_state:
                 self.loss_scale.discover(self.optimizer)
-            self._commit()
+            self.staging.commit()
         return result
+
+    @property
+    def staged(self) -> bool:
+        """The step's compressor state is staged (:class:`hvdcomp.step.Staging`)."""
+        return self.staging.staged
 
     @property
     def unapplied(self) -> bool:
         """A reduced step's state is staged and nobody applied it (yet)."""
-        return self.staged and self.status is Status.SYNCED
+        return self.staging.staged and self.status is Status.SYNCED
 
     def zeroed(self) -> None:
         """The attached optimizer zeroes the gradients: a reduced step not applied is discarded
@@ -150,7 +155,7 @@ class StepCycle:
     def needs_open(self, index: int) -> bool:
         """Whether bucket ``index`` starts a new step (the first bucket, or a backward after the
         last one was reduced)."""
-        return index == 0 or not self.staged or self.status in (Status.SYNCED, Status.SKIPPED)
+        return index == 0 or not self.staging.staged or self.status in (Status.SYNCED, Status.SKIPPED)
 
     def open(self) -> None:
         """A backward's first bucket: commit a reduced step not applied and not discarded (this
@@ -158,8 +163,8 @@ class StepCycle:
         state (once, :meth:`hvdcomp.agreement.StateAgreement.agree`), follow the loss scale, and
         stage this step's updates."""
         if self.unapplied:
-            self._commit()
-        elif self.staged:  # (a backward that never reached its last bucket)
+            self.staging.commit()
+        elif self.staging.staged:  # (a backward that never reached its last bucket)
             self._drop()
         self.status = Status.BACKWARD
         self.buckets = []
@@ -169,8 +174,7 @@ class StepCycle:
         factor = self.loss_scale.factor()
         if factor is not None:
             self.compression.rescale_state(factor)
-        self.compression.begin_step()
-        self.staged = True
+        self.staging.open()
 
     def agree(self) -> bool:
         """Whether the ranks skip this step (some rank's gradient was non-finite); raises under
@@ -190,9 +194,7 @@ class StepCycle:
 
     def skip(self) -> None:
         """Every rank skips: state rolled back, every result NaN (a GradScaler sees the overflow)."""
-        if self.staged:
-            self.compression.rollback()
-        self.staged = False
+        self.staging.rollback()
         self.status = Status.SKIPPED
         self.skipped_steps += 1
         for b in self.buckets:
@@ -205,26 +207,19 @@ class StepCycle:
         self.backward_steps += 1
         if self.status is not Status.SKIPPED:
             self.status = Status.SYNCED
-        if self.staged and (self.optimizer is None or self._shadowing):
-            self._commit()
+        if self.optimizer is None or self._shadowing:
+            self.staging.commit()
 
     def discard(self) -> None:
         """Drop the step in progress (an error, or a state loaded in the middle of it)."""
-        if self.staged:
-            self.compression.rollback()
-        self.staged = False
+        self.staging.rollback()
         if self.status is not Status.SKIPPED:
             self.status = Status.IDLE
         self.buckets = []
         self.guard.reset()
 
-    def _commit(self) -> None:
-        self.compression.commit()
-        self.staged = False
-
     def _drop(self) -> None:
         """Roll back a reduced step that is discarded."""
-        self.compression.rollback()
-        self.staged = False
+        self.staging.rollback()
         self.status = Status.IDLE
 

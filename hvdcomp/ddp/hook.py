@@ -81,6 +81,7 @@ from ..compressors.segments import needs_draw_order
 from ..config import check_method
 from ..metrics import PhaseTimer
 from ..agreement import NONFINITE_MODES, check_consistency
+from ..reducer import check_free, claim
 from ..spec import resolve_compression
 from ..transports.torchdist import IN_PLACE_DTYPES, TorchDistTransport, describe, payload_kind
 from .buckets import Bucket, BucketPath
@@ -91,7 +92,6 @@ __all__ = ["HookState", "register", "hvdcomp_hook"]
 
 log = logging.getLogger(__name__)
 
-_owners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # compressor -> the state using it
 
 
 #: what to do where DDP runs its Python reducer (compiled autograd)
@@ -439,10 +439,7 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
     if nonfinite not in NONFINITE_MODES:
         raise ValueError(f"nonfinite must be 'skip', 'raise' or 'ignore', got {nonfinite!r}")
     check_method(compression, None, granularity)
-    owner = _owners.get(compression)
-    if owner is not None and owner() is not None:
-        raise ValueError(f"this '{compression.name}' compressor already serves another hook (or optimizer); "
-                         "its state is keyed by parameter name, so give each model its own (pass the spec string)")
+    check_free(compression)
     if getattr(ddp_model, "_use_python_reducer", False):
         raise ValueError(PYTHON_REDUCER_FIX)
     if process_group is None:
@@ -451,6 +448,6 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
                       grad_scaler, named_parameters, check_consistency)
     ddp_model.register_comm_hook(state, hvdcomp_hook)
     state._watch(ddp_model)
-    _owners[compression] = weakref.ref(state)
+    claim(compression, state)
     log.info("hvdcomp: DDP hook %s: %s", compression.name, state.transport)
     return state

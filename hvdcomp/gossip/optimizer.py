@@ -47,8 +47,8 @@ import torch
 
 from ..agreement import NonFiniteGuard
 from ..metrics import PhaseTimer
-from ..transports.neighbor import NeighborTransport
-from ..comm.group import Group
+from ..transports.neighbor import NeighborTransport, neighbor_edges
+from ..comm import resolve_group
 from .base import GossipMethod, copy_params
 from .choco import ChocoGossip
 from .dcd import DCDGossip, ECDGossip
@@ -93,7 +93,10 @@ class GossipOptimizer:
             ...; :func:`hvdcomp.gossip.base.compressor_kind`); ``None``/``"none"`` for PowerGossip.
         consensus_step: Choco-SGD's γ ∈ (0, 1] (required with a compressor); PowerGossip's step
             (default 1); not accepted by DCD/ECD.
-        process_set: a Horovod process set (default: every rank); ranks outside it train locally.
+        process_set: a Horovod process set or a ``torch.distributed`` process group (default:
+            every rank, through Horovod after ``hvd.init()`` or ``torch.distributed`` after
+            ``init_process_group``: :func:`hvdcomp.comm.resolve_group`); ranks outside it train
+            locally.
         weights: ``"metropolis"`` or ``"uniform"`` mixing weights for a static graph.
         overlap: run the exchange of a step in the background until the next ``step()``.
         timeout: seconds to wait for a neighbour before :class:`~hvdcomp.transports.neighbor.NeighborTimeoutError` names it.
@@ -131,7 +134,7 @@ class GossipOptimizer:
         self.overlap = bool(overlap)
         self.nonfinite = nonfinite
         self.skipped_steps = 0
-        self.group = Group(process_set)
+        self.group = resolve_group(process_set)
         self._params: List[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self._names = self._parameter_names(named_parameters)
         self._pending = None
@@ -144,7 +147,7 @@ class GossipOptimizer:
         if not self.group.included:
             self._guard = NonFiniteGuard(nonfinite)
             return  # (as Horovod: a rank outside the process set trains on its own)
-        comm = self._communicator()
+        comm = neighbor_edges(self.group)
         error, record = None, None
         try:
             self._guard = NonFiniteGuard(nonfinite)
@@ -188,18 +191,6 @@ class GossipOptimizer:
         if len(set(names)) != len(names):
             raise ValueError("the optimizer holds the same parameter twice; list each parameter once")
         return names
-
-    def _communicator(self):
-        import horovod.torch as hvd
-
-        try:
-            from mpi4py import MPI
-        except ImportError as exc:
-            raise RuntimeError(f"gossip needs mpi4py for its neighbour exchanges ({exc}); launch with mpirun") from exc
-        if MPI.COMM_WORLD.Get_size() != hvd.size():
-            raise RuntimeError(f"gossip exchanges through MPI, but the MPI world has {MPI.COMM_WORLD.Get_size()} "
-                               f"ranks and Horovod {hvd.size()}: launch with mpirun or horovodrun --mpi")
-        return self.group.mpi_comm()
 
     def _agree(self, error: Optional[BaseException], record) -> None:
         """Every rank learns every rank's construction error and settings; all raise together."""
@@ -336,19 +327,17 @@ class GossipOptimizer:
 
     # ---- which model to evaluate ------------------------------------------------------------
     def _mean_of_models(self) -> List[torch.Tensor]:
-        import horovod.torch as hvd
-
         if not self.group.included or self.size == 1:
             return [p.detach().clone() for p in self._params]
         out = []
         for i, p in enumerate(self._params):
-            out.append(self.group.allreduce(p.detach().clone(), name=f"hvdcomp.gossip.average.{i}", op=hvd.Average))
+            out.append(self.group.allreduce(p.detach().clone(), f"hvdcomp.gossip.average.{i}"))
         return out
 
     @contextlib.contextmanager
     def average_model(self) -> Iterator[None]:
         """Inside the block, the parameters hold the network average Σ_i x_i / n (identical on every
-        rank; a Horovod allreduce per parameter over the process set); the local model comes back
+        rank; an allreduce per parameter over the process group); the local model comes back
         after. Collective: every rank of the set must enter it. The exchange in flight stays in
         flight."""
         local = [p.detach().clone() for p in self._params]
@@ -374,14 +363,12 @@ class GossipOptimizer:
     def consensus_distance(self) -> float:
         """Σ_i ‖x_i − x̄‖² over the process set's ranks (all parameters; float64), the same on every
         rank. Collective."""
-        import horovod.torch as hvd
-
         mean = self._mean_of_models()
         local = sum(float((p.detach().double() - m.double()).pow(2).sum()) for p, m in zip(self._params, mean))
         if not self.group.included or self.size == 1:
             return local
-        return float(self.group.allreduce(torch.tensor([local], dtype=torch.float64),
-                                          name="hvdcomp.gossip.consensus", op=hvd.Sum)[0])
+        return float(self.group.allreduce(torch.tensor([local], dtype=torch.float64), "hvdcomp.gossip.consensus",
+                                          average=False)[0])
 
     # ---- checkpoints (per rank) ------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

@@ -174,7 +174,7 @@ class LocalAdaAlter(LocalUpdate):
         if group.size == 1 or not tensors:
             return 0
         with self.timer.phase("communicate"):
-            handles = [group.allreduce_async_(t, f"{self.prefix}.{what}.{i}", group.hvd.Average)
+            handles = [group.allreduce_async_(t, f"{self.prefix}.{what}.{i}")
                        for i, t in enumerate(tensors)]
             for h in handles:
                 group.synchronize(h)

@@ -60,13 +60,14 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..agreement import check_consistency, digest
-from ..comm.group import Group, horovod
+from ..comm import resolve_group
+from ..comm.group import ProcessGroup
 from ..compressors.base import Compressor, PayloadKind
-from ..config import check_method, name_parameters
+from ..config import Settings, check_method, name_parameters
 from ..memory import Wrapper
 from ..metrics import PhaseTimer
 from ..spec import resolve_compression
-from ..optimizer import DistributedOptimizer
+from ..reducer import Reducer, check_free, claim, release
 from .checkpoint import Checkpoints
 
 __all__ = ["LocalUpdate", "check_carries_delta", "check_outer_lr", "check_real", "check_count", "round_report"]
@@ -170,17 +171,6 @@ def optimizer_settings(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
                              for g in optimizer.param_groups]}
 
 
-class _Mailbox(torch.optim.Optimizer):
-    """The optimizer the hvdcomp pipeline wraps: its parameters carry Δ in ``.grad``; its step
-    does nothing, so the average stays in ``.grad``."""
-
-    def __init__(self, carriers: List[torch.Tensor]):
-        super().__init__(carriers, {})
-
-    def step(self, closure=None):  # noqa: D401 - the average is the result
-        return None
-
-
 class LocalUpdate(Checkpoints):
     """Base of the local-update wrappers (:class:`hvdcomp.local.DiLoCo`, ``SparseLoCo``, ``CO2``,
     ``LocalAdaAlter``): see the module docstring for the round.
@@ -230,9 +220,6 @@ class LocalUpdate(Checkpoints):
                              f"step() (local_steps counts step() calls); got {backward_passes_per_step!r}")
         if chunk_size is not None:
             chunk_size = check_count(chunk_size, "chunk_size", 1, " (elements), or None")
-        hvd = horovod()
-        if not hvd.is_initialized():
-            raise RuntimeError("Horovod is not initialised: call hvd.init() before building a local-update optimizer")
         self.inner, self.local_steps, self.chunk_size = optimizer, local_steps, chunk_size
         self.prefix = f"hvdcomp.local.{next(_ids)}"
         self.timer = timer if timer is not None else PhaseTimer()
@@ -249,10 +236,19 @@ class LocalUpdate(Checkpoints):
         check_outer_lr(self.outer)
         method = resolve_compression(compression)
         check_carries_delta(method, self.outer)
-        if pipeline.get("check_consistency", True):
-            self._check_setup(Group(pipeline.get("process_set")))
+        check_free(method)
+        where = pipeline.pop("process_group", None)
+        if where is not None and pipeline.get("process_set") is not None:
+            raise ValueError("give process_set (Horovod) or process_group (torch.distributed), not both")
+        group = resolve_group(where if where is not None else pipeline.get("process_set"))
+        settings = Settings.validate(getattr(group, "hvd", None), timer=self._sync_timer(), **pipeline)
+        if settings.check_consistency:
+            self._check_setup(group)
         names_c, self._carriers, self._carrier_grads = self._make_carriers()
-        self.sync = self._make_sync(method, names_c, pipeline)
+        order = self._carriers[::-1]  # (the expected backward order of one parameter group)
+        self.sync = Reducer(order, dict(zip(self._carriers, names_c)), method, group, settings, self._sync_timer(),
+                            self.prefix)
+        claim(self.sync.compression, self)
         self.steps = self.round_step = self.rounds = self.skipped_rounds = 0
         self.history: List[Dict[str, Any]] = []  # one record per round
         self._closed = False
@@ -272,7 +268,7 @@ class LocalUpdate(Checkpoints):
         """The mode's settings that every rank must share besides the outer optimizer's (none here)."""
         return {}
 
-    def _check_setup(self, group: Group) -> None:
+    def _check_setup(self, group: ProcessGroup) -> None:
         """Every rank must build the same wrapper (:meth:`_setup`): ranks with different H average
         rounds of different lengths and then hang in a collective, ranks with different outer
         settings move θ_start apart. One object allgather, before the pipeline is built.
@@ -306,10 +302,6 @@ class LocalUpdate(Checkpoints):
     def _sync_timer(self) -> PhaseTimer:
         """The timer the reduction records into (the caller's thread: ``self.timer``)."""
         return self.timer
-
-    def _make_sync(self, method, names: List[str], pipeline: Dict[str, Any]):
-        return DistributedOptimizer(_Mailbox(self._carriers), named_parameters=list(zip(names, self._carriers)),
-                                    compression=method, timer=self._sync_timer(), **pipeline)
 
     # ---- torch.optim-like surface ----------------------------------------------------------------
     @property
@@ -431,13 +423,11 @@ class LocalUpdate(Checkpoints):
         return record
 
     def _run_sync(self) -> bool:
-        """The pipeline's synchronize + (no-op) step over the carriers; True if the ranks skipped
-        the round (a non-finite Δ somewhere)."""
+        """The reduction of Δ over the carriers (:meth:`hvdcomp.reducer.Reducer.reduce`); True if
+        the ranks skipped the round (a non-finite Δ somewhere)."""
         for c, g in zip(self._carriers, self._carrier_grads):
             c.grad = g
-        skipped = self.sync.skipped_steps
-        self.sync.step()
-        return self.sync.skipped_steps != skipped
+        return not self.sync.reduce()
 
     @staticmethod
     def _bytes(timer: PhaseTimer) -> Dict[str, int]:
@@ -536,6 +526,7 @@ class LocalUpdate(Checkpoints):
         """Stop communicating (the pipeline's :meth:`close`); idempotent. Collective."""
         if not self._closed:
             self.sync.close()
+            release(self.sync.compression, self)
             self._closed = True
 
 

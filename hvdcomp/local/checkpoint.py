@@ -7,8 +7,6 @@ from typing import Any, Dict
 
 import torch
 
-from ..comm.group import horovod
-
 __all__ = ["Checkpoints"]
 
 
@@ -37,7 +35,8 @@ class Checkpoints:
                              f"{sorted(state['anchor'])[:5]}..., not of this {self.algorithm!r} optimizer's")
         self.inner.load_state_dict(state["inner"])
         self.outer.load_state_dict(state["outer"])
-        self.sync.load_state_dict(state["sync"])
+        sync = state["sync"]
+        self.sync.load_state_dict(sync.get("hvdcomp", sync))  # (checkpoints before 2026-12-07 hold an optimizer's)
         with torch.no_grad():
             for n, a in self._anchor.items():
                 a.copy_(state["anchor"][n])
@@ -55,23 +54,23 @@ class Checkpoints:
         return dict(self._anchor)
 
     def broadcast_state(self, root_rank: int = 0) -> None:
-        """Horovod's resume recipe (rank ``root_rank`` loaded the checkpoint): θ_start, the round
-        counters and the outer and inner optimizers' state are broadcast from it; the method's
-        shared state follows at the next round, its per-rank residuals start fresh elsewhere (as
-        :func:`hvdcomp.DistributedOptimizer`). Broadcast the model too
-        (``hvd.broadcast_parameters(model.state_dict(), root_rank)``). Collective."""
-        hvd = horovod()
-        with torch.no_grad():
-            saved = [p.detach().clone() for _, p in self._params]
-        hvd.broadcast_optimizer_state(self.inner, root_rank)  # (a fresh optimizer's state is made by a
-        with torch.no_grad():                                  # zero-gradient step: keep the parameters)
-            for (_, p), s in zip(self._params, saved):
-                p.copy_(s)
-        hvd.broadcast_optimizer_state(self.outer, root_rank)
+        """The rank-0-save-and-broadcast resume (rank ``root_rank`` of the group loaded the
+        checkpoint): θ_start, the round counters and the outer and inner optimizers' state are
+        broadcast from it (the optimizers' as their ``state_dict``, one object broadcast each);
+        the method's shared state follows at the next round, its per-rank residuals start fresh
+        elsewhere (as :func:`hvdcomp.DistributedOptimizer`). Broadcast the model too
+        (``hvd.broadcast_parameters(model.state_dict(), root_rank)``, or
+        ``torch.distributed.broadcast`` of each parameter). Collective over the group."""
+        group = self.sync.group
+        mine = group.rank == root_rank
+        for opt, what in ((self.inner, "inner"), (self.outer, "outer")):
+            state = group.broadcast_object(opt.state_dict() if mine else None, root_rank, f"{self.prefix}.{what}")
+            if not mine:
+                opt.load_state_dict(state)
         for n, t in sorted(self._global_tensors().items()):
             with torch.no_grad():
-                t.copy_(hvd.broadcast(t.detach(), root_rank, name=f"{self.prefix}.{n}"))
-        for k, v in hvd.broadcast_object(self._global_state(), root_rank, name=f"{self.prefix}.counters").items():
+                t.copy_(group.broadcast(t.detach(), root_rank, f"{self.prefix}.{n}"))
+        for k, v in group.broadcast_object(self._global_state(), root_rank, f"{self.prefix}.counters").items():
             setattr(self, k, v)
         self._started = True
 

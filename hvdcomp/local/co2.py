@@ -215,12 +215,11 @@ class CO2(LocalUpdate):
     def _reduce_in_thread(self) -> None:
         try:
             self._round_timer.begin_step()
-            skipped = self.sync.skipped_steps
             t0 = time.perf_counter()
-            self.sync.step()
+            skipped = not self.sync.reduce()
             wall = time.perf_counter() - t0
             rec = self._round_timer.end_step()
-            self._inflight.update({"wall_s": wall, "skipped": self.sync.skipped_steps != skipped,
+            self._inflight.update({"wall_s": wall, "skipped": skipped,
                                    **{f"{k}_s": rec[k] for k in ("compress", "communicate", "decompress")},
                                    **{k: rec[k] for k in ("bytes_sent", "bytes_received", "dense_bytes")}})
         except BaseException as exc:  # noqa: BLE001 - raised in the training thread at the join

@@ -66,7 +66,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..comm.group import Group
+from ..comm.group import HorovodGroup
+from ..comm.torchdist import TorchDistGroup
 from ..metrics import PhaseTimer
 from .factors import factorize, kept_rank, matrix_view, model_compression, unit_singular_values_
 from .layout import RankLayout, node_of_ranks
@@ -121,13 +122,35 @@ def _job_comm(MPI, comm, process_set):
         return comm, True
     if process_set is None:
         return MPI.COMM_WORLD, True
-    members = Group(process_set)            # the process set seen from this process
+    members = HorovodGroup(process_set)     # the process set seen from this process
     if not members.included:
         return MPI.COMM_SELF, False
     mpi_comm = members.mpi_comm()
     if mpi_comm is None:  # pragma: no cover (mpi4py imported by the caller)
         raise RuntimeError("AB-training needs an mpi4py communicator of the process set")
     return mpi_comm, True
+
+
+def _torch_world(where):
+    """The ``torch.distributed`` group AB-training runs on, or None for MPI: ``where`` is a
+    ``torch.distributed`` process group, or None in a job where ``torch.distributed`` is
+    initialised and Horovod is not (torchrun, srun)."""
+    import torch.distributed as dist
+
+    if where is not None:
+        if dist.is_available() and isinstance(where, dist.ProcessGroup):
+            return TorchDistGroup(where)
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        import horovod.torch as hvd
+
+        if hvd.is_initialized() and not (hvd.size() == 1 and dist.get_world_size() > 1):
+            return None
+    except ImportError:
+        pass
+    return TorchDistGroup()
 
 
 def _deprecated(old: str, new: str, stacklevel: int = 3) -> None:
@@ -217,18 +240,24 @@ class ABTraining:
         sync, unfactorized_scope, unfactorized_sync = _check(
             cutoff, mode, sync, orientation, unfactorized_scope, unfactorized_sync, ranks_per_node, rank_groups,
             comm, process_set)
-        try:
-            from mpi4py import MPI
-        except ImportError as exc:  # pragma: no cover
-            raise RuntimeError(f"AB-training needs mpi4py: {exc}") from None
-        self.MPI = MPI
-        base, self.included = _job_comm(MPI, comm, process_set)
-        self.world = base.Dup()
-        if self.included:
-            nodes = node_of_ranks(self.world, ranks_per_node)
-            self.layout = RankLayout.build(nodes, self.world.Get_rank(), rank_groups, mode)
-        else:                                  # outside the process set: one local rank group
-            self.layout = RankLayout.local()
+        torch_world = None if comm is not None else _torch_world(process_set)
+        if torch_world is not None:            # torchrun / srun: torch.distributed, no MPI
+            self.world, self.included = torch_world, True
+            nodes = node_of_ranks(torch_world, ranks_per_node)
+            self.layout = RankLayout.build(nodes, torch_world.rank, rank_groups, mode)
+        else:
+            try:
+                from mpi4py import MPI
+            except ImportError as exc:  # pragma: no cover
+                raise RuntimeError(f"AB-training under MPI needs mpi4py ({exc}); under torchrun it runs on "
+                                   "torch.distributed (init_process_group first)") from None
+            base, self.included = _job_comm(MPI, comm, process_set)
+            self.world = base.Dup()
+            if self.included:
+                nodes = node_of_ranks(self.world, ranks_per_node)
+                self.layout = RankLayout.build(nodes, self.world.Get_rank(), rank_groups, mode)
+            else:                                  # outside the process set: one local rank group
+                self.layout = RankLayout.local()
         self.timer = timer if timer is not None else PhaseTimer()
         self.traffic = Traffic(self.world, self.layout, self.timer)
         self.model, self.mode, self.sync_mode, self.cutoff = model, mode, sync, float(cutoff)
@@ -429,7 +458,7 @@ class ABTraining:
         last = self.compression_history[-1] if self.compression_history else model_compression(self.named, {})
         return RenamedKeys(
             **self.traffic.report(self.dense_bytes_per_step * self.step_count), nodes=self.layout.n_nodes,
-            node=self.nodes[self.world.Get_rank()], rank_group=self.rank_group_index,
+            node=self.nodes[self.layout.rank], rank_group=self.rank_group_index,
             ranks_kept=dict(self.ranks_kept),
             model_compression={k: last[k] for k in ("full_parameters", "parameters", "ratio")},
             compression_history=list(self.compression_history))

@@ -15,18 +15,26 @@ __all__ = ["RankLayout", "node_of_ranks"]
 
 
 def node_of_ranks(comm, ranks_per_node: Optional[int]) -> List[int]:
-    """Node index of every rank of the mpi4py communicator ``comm`` (nodes numbered by their
-    lowest rank). ``ranks_per_node`` R emulates a layout (ranks ``[i·R, (i+1)·R)`` on node i);
-    None asks MPI's shared-memory split (``COMM_TYPE_SHARED``), collective over ``comm``.
+    """Node index of every rank of ``comm``, an mpi4py communicator or a
+    :class:`~hvdcomp.comm.torchdist.TorchDistGroup` (nodes numbered by their lowest rank).
+    ``ranks_per_node`` R emulates a layout (ranks ``[i·R, (i+1)·R)`` on node i); None asks MPI's
+    shared-memory split (``COMM_TYPE_SHARED``), or gathers the host names of a
+    ``torch.distributed`` group; collective over ``comm``.
 
     Raises:
         ValueError: ``ranks_per_node`` does not divide the communicator's size.
     """
-    size = comm.Get_size()
+    size = comm.size if hasattr(comm, "ranks") else comm.Get_size()
     if ranks_per_node is not None:
         if size % ranks_per_node:
             raise ValueError(f"ranks_per_node={ranks_per_node} must divide the world size {size}")
         return [r // ranks_per_node for r in range(size)]
+    if hasattr(comm, "ranks"):  # torch.distributed: ranks of one host name share a node
+        import socket
+
+        from ..comm.exchange import node_ids
+
+        return node_ids(comm.allgather_object(socket.gethostname()))
     from mpi4py import MPI
 
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())

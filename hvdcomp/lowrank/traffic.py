@@ -22,6 +22,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from ..comm.exchange import MPIExchange
+from ..comm.torchdist import TorchDistExchange, TorchDistGroup
 from .layout import RankLayout
 
 __all__ = ["Traffic", "traffic_summary", "RenamedKeys", "RENAMED", "read"]
@@ -71,7 +72,8 @@ class Traffic:
     group), ``"trainers"`` (the ranks training the same factor, mode "ab").
 
     Args:
-        world: the job's mpi4py communicator (AB-training's duplicate of the process set's).
+        world: the job's mpi4py communicator (AB-training's duplicate of the process set's), or
+            its :class:`~hvdcomp.comm.torchdist.TorchDistGroup` under torchrun.
         layout: where the ranks of ``world`` sit (:class:`hvdcomp.lowrank.layout.RankLayout`).
         timer: the :class:`hvdcomp.metrics.PhaseTimer` charged with the ``communicate`` seconds
             and the bytes.
@@ -82,27 +84,33 @@ class Traffic:
             whose communicator spans nodes.
         steps_by_stage: optimizer steps per stage.
 
-    Collective over ``world`` (two ``Split``).
+    Collective over ``world`` (two ``Split``, or one ``new_group`` per rank group and factor).
     """
 
     def __init__(self, world, layout: RankLayout, timer):
-        rank = layout.rank
-        rank_group = world.Split(color=layout.rank_group_index, key=rank)
-        trainers = world.Split(color=0 if layout.trains == "A" else 1, key=rank)
         nodes = layout.nodes
-        self.exchanges = {"world": MPIExchange(world, nodes=nodes),
-                          "rank-group": MPIExchange(rank_group, nodes=[nodes[r] for r in layout.rank_group_members()]),
-                          "trainers": MPIExchange(trainers, nodes=[nodes[r] for r in layout.trainers()])}
+        members = {"world": list(range(layout.size)), "rank-group": layout.rank_group_members(),
+                   "trainers": layout.trainers()}
+        if hasattr(world, "ranks"):  # a torch.distributed group: one sub-group per rank group / factor
+            self.exchanges = {scope: TorchDistExchange(group, nodes=[nodes[r] for r in members[scope]])
+                              for scope, group in _torch_scopes(world, layout).items()}
+        else:
+            rank = layout.rank
+            rank_group = world.Split(color=layout.rank_group_index, key=rank)
+            trainers = world.Split(color=0 if layout.trains == "A" else 1, key=rank)
+            self.exchanges = {"world": MPIExchange(world, nodes=nodes),
+                              "rank-group": MPIExchange(rank_group, nodes=[nodes[r] for r in members["rank-group"]]),
+                              "trainers": MPIExchange(trainers, nodes=[nodes[r] for r in members["trainers"]])}
         self.timer = timer
         self.bytes_by_stage: Dict[str, int] = defaultdict(int)
         self.internode_bytes_by_stage: Dict[str, int] = defaultdict(int)
         self.steps_by_stage: Dict[str, int] = defaultdict(int)
 
-    def _run(self, scope: str, stage: str, collective, *args) -> None:
+    def _run(self, scope: str, stage: str, collective: str, *args) -> None:
         ex = self.exchanges[scope]
         sent, received = ex.bytes_sent, ex.bytes_received
         with self.timer.phase("communicate"):
-            collective(ex, *args)
+            getattr(ex, collective)(*args)
         sent, received = ex.bytes_sent - sent, ex.bytes_received - received
         self.timer.add_bytes(sent=sent, received=received)
         self.bytes_by_stage[stage] += sent
@@ -115,7 +123,7 @@ class Traffic:
         if not tensors:
             return
         flat = _pack(tensors)
-        self._run(scope, stage, MPIExchange.allreduce_, flat)
+        self._run(scope, stage, "allreduce_", flat)
         arr = flat.numpy()
         arr /= self.exchanges[scope].size
         _unpack(flat, tensors)
@@ -126,13 +134,13 @@ class Traffic:
         if not tensors:
             return
         flat = _pack(tensors)
-        self._run("world", stage, MPIExchange.broadcast_, flat, root)
+        self._run("world", stage, "broadcast_", flat, root)
         _unpack(flat, tensors)
 
     def agree_max(self, values: Sequence[int], stage: str) -> List[int]:
         """The maximum over all ranks of each integer of ``values`` (one int64 Allreduce)."""
         agreed = torch.tensor(list(values), dtype=torch.int64)
-        self._run("world", stage, MPIExchange.allreduce_, agreed, "max")
+        self._run("world", stage, "allreduce_", agreed, "max")
         return agreed.tolist()
 
     def report(self, dense_bytes: int) -> dict:
@@ -144,6 +152,22 @@ class Traffic:
                 "steps_by_stage": dict(self.steps_by_stage), "dense_bytes": dense_bytes, "bytes_sent": sent,
                 "internode_bytes_sent": sum(self.internode_bytes_by_stage.values()),
                 "traffic_ratio": dense_bytes / sent if sent else None}
+
+
+def _torch_scopes(world, layout: RankLayout) -> dict:
+    """The world, rank-group and trainers groups of this rank over ``torch.distributed``
+    (:class:`~hvdcomp.comm.torchdist.TorchDistGroup` each): every rank makes every sub-group, in
+    the same order (``new_group`` is collective over the world)."""
+    import torch.distributed as dist
+
+    mine = {"world": world}
+    for scope, of in (("rank-group", layout.rank_group_of), ("trainers", layout.trainer_of)):
+        for color in sorted(set(of)):
+            ranks = [world.ranks[r] for r in range(layout.size) if of[r] == color]
+            pg = dist.new_group(ranks, backend="gloo")
+            if of[layout.rank] == color:
+                mine[scope] = TorchDistGroup(pg)
+    return mine
 
 
 def _pack(tensors: List[torch.Tensor]) -> torch.Tensor:

@@ -3,7 +3,7 @@
 (``decoded-allreduce``)."""
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import torch
 
@@ -34,25 +34,42 @@ class AllreduceTransport(Transport):
     def __init__(self, wiring: Wiring):
         w = wiring
         self.group, self.timer, self.compression, self.units = w.group, w.timer, w.compression, w.units
-        hvd = w.group.hvd
         self.sum_votes = w.compression.payload_kind is PayloadKind.SUM
         if w.op_sum or self.sum_votes:
-            self.reduce_args = (hvd.Sum, 1.0, 1.0)
+            self.reduce_args = (False, 1.0, 1.0)  # (average, prescale, postscale)
         else:  # op and gradient_predivide_factor as Horovod applies them
-            self.reduce_args = (hvd.Average, 1.0 / w.predivide, w.predivide)
+            self.reduce_args = (True, 1.0 / w.predivide, w.predivide)
         self.rescale_votes = self.sum_votes and w.op_sum
         self.scale = w.scale
         self.direct = w.direct
-        self.inflight: Dict[int, tuple] = {}  # unit -> (kind, handles, ctx, bytes sent, payload dtypes)
-        self.overflowed: List[int] = []  # units of the last finish() reported overflowed (NaN)
+        # a group that matches collectives by issue order (torch.distributed): launch in unit order
+        self.sequence = sorted(w.units_of_route.get(self.route, [])) if w.group.ordered and w.group.size > 1 else None
+        self.reset()
+
+    route = "allreduce"
 
     @property
     def busy(self) -> bool:
-        return bool(self.inflight)
+        return bool(self.inflight or self.pending)
 
     def reset(self) -> None:
-        self.inflight = {}
-        self.overflowed = []
+        self.inflight: Dict[int, tuple] = {}  # unit -> (kind, handles, ctx, bytes sent, payload dtypes)
+        self.pending: Dict[int, Callable[[], tuple]] = {}  # ordered group: compressed, launched in unit order
+        self.next = 0
+        self.overflowed: List[int] = []  # units of the last finish() reported overflowed (NaN)
+
+    def _issue(self, u: int, launch: Callable[[], tuple]) -> None:
+        """Launch unit ``u``'s collectives now (``launch()`` returns its in-flight record), or, on
+        a group that matches collectives by issue order, once every unit before it in unit order
+        has launched (the same order on every rank, whatever order backward completes them in)."""
+        if self.sequence is None:
+            self.inflight[u] = launch()
+            return
+        self.pending[u] = launch
+        while self.next < len(self.sequence) and self.sequence[self.next] in self.pending:
+            v = self.sequence[self.next]
+            self.inflight[v] = self.pending.pop(v)()
+            self.next += 1
 
     def overflowed_units(self) -> List[int]:
         return self.overflowed
@@ -68,33 +85,36 @@ class AllreduceTransport(Transport):
             grad = self.units.tensor(u)
             if grad.dtype in _IN_PLACE_DTYPES and grad.is_contiguous():  # (none sends half-precision
                 # gradients as float32: their sums would overflow in fp16)
-                handle = self.group.allreduce_async_(grad, self.units.wire_name[u] + ".0", *self.reduce_args)
-                self.inflight[u] = ("in-place", [handle], None, self.units.grad_bytes[u], None)
+                self._issue(u, lambda: ("in-place", [self.group.allreduce_async_(
+                    grad, self.units.wire_name[u] + ".0", *self.reduce_args)], None, self.units.grad_bytes[u], None))
                 return
         with self.timer.phase("compress"):
             payload, ctx = self.compression.encode(self.units.tensor(u), self.units.names[u], self.units.segments[u])
-            self._launch(u, payload, ctx)
+            self._issue(u, lambda: self._launch(u, payload, ctx))
 
-    def _launch(self, u: int, payload: Sequence[torch.Tensor], ctx) -> None:
-        op, pre, post = self.reduce_args
+    def _launch(self, u: int, payload: Sequence[torch.Tensor], ctx) -> tuple:
+        """Start unit ``u``'s allreduces; returns its in-flight record."""
+        average, pre, post = self.reduce_args
         wire_name = self.units.wire_name[u]
         target = self.units.target(u)
         if (self.compression.payload_is_gradient and len(payload) == 1
                 and payload[0].dtype in HOROVOD_ALLREDUCE_DTYPES and target.is_contiguous()
                 and payload[0].data_ptr() == target.data_ptr() and payload[0].numel() == target.numel()):
-            handles = [self.group.allreduce_async_(payload[0], wire_name + ".0", op, pre, post)]
-            self.inflight[u] = ("in-place", handles, ctx, self.units.grad_bytes[u], None)
-            return
+            handles = [self.group.allreduce_async_(payload[0], wire_name + ".0", average, pre, post)]
+            return ("in-place", handles, ctx, self.units.grad_bytes[u], None)
         wire = [t if t.dtype in HOROVOD_ALLREDUCE_DTYPES else t.float() for t in payload]
-        handles = [self.group.allreduce_async(t, f"{wire_name}.{k}", op, pre, post) for k, t in enumerate(wire)]
+        handles = [self.group.allreduce_async(t, f"{wire_name}.{k}", average, pre, post) for k, t in enumerate(wire)]
         nbytes = sum(t.numel() * t.element_size() for t in wire)
-        self.inflight[u] = ("allreduce", handles, ctx, nbytes, [t.dtype for t in payload])
+        return ("allreduce", handles, ctx, nbytes, [t.dtype for t in payload])
 
     def finish(self) -> None:
         """Wait for every started allreduce (one ``communicate`` slice), then write each averaged
         result into its target (one ``decompress`` slice); counts the bytes."""
         done, nbytes, dense = [], 0, 0
         self.overflowed = []
+        if self.pending:  # (every unit is started before finish: a missing one is a bug, not a hang)
+            raise AssertionError(f"units {sorted(self.pending)} were compressed but could not be launched in order")
+        self.next = 0
         with self.timer.phase("communicate"):
             for u in sorted(self.inflight):
                 kind, handles, ctx, sent, dtypes = self.inflight.pop(u)
@@ -141,7 +161,7 @@ class AllreduceTransport(Transport):
         check = getattr(self.compression, "saturation", None)
         if check is None:
             return 0
-        op, pre, post = self.reduce_args
+        average, pre, post = self.reduce_args
         extra = 0
         for i, (u, kind, outputs, ctx, dtypes) in enumerate(done):
             if kind != "allreduce":
@@ -155,7 +175,7 @@ class AllreduceTransport(Transport):
                 self.overflowed.append(u)
                 continue
             name = self.units.wire_name[u]
-            handles = [self.group.allreduce_async(t, f"{name}.resend.{k}", op, pre, post)
+            handles = [self.group.allreduce_async(t, f"{name}.resend.{k}", average, pre, post)
                        for k, t in enumerate(action.payload)]
             done[i] = (u, kind, [self.group.synchronize(h) for h in handles], action.ctx,
                        [t.dtype for t in action.payload])
@@ -169,9 +189,11 @@ class DecodedAllreduceTransport(AllreduceTransport):
     allreduce (``communicate``): the same mean as aggregating the payloads, cheaper where the
     payload is not much smaller than the gradient."""
 
+    route = "decoded-allreduce"
+
     def __init__(self, wiring: Wiring):
         super().__init__(wiring)
-        self.dense_op = wiring.group.hvd.Sum if wiring.op_sum else wiring.group.hvd.Average
+        self.dense_average = not wiring.op_sum
 
     def start(self, u: int) -> None:
         with self.timer.phase("compress"):
@@ -181,8 +203,8 @@ class DecodedAllreduceTransport(AllreduceTransport):
             dense = self.compression.decode_into(
                 torch.empty(target.shape, dtype=torch.float32, device=target.device), payload, ctx)
         with self.timer.phase("communicate"):
-            handle = self.group.allreduce_async(dense, self.units.wire_name[u] + ".dense", self.dense_op)
-        self.inflight[u] = ("dense", [handle], ctx, dense.numel() * 4, None)
+            self._issue(u, lambda: ("dense", [self.group.allreduce_async(dense, self.units.wire_name[u] + ".dense",
+                                                                         self.dense_average)], ctx, dense.numel() * 4, None))
 
 
 def _fused_allreduce(payload_bytes, dense_bytes, bucket_bytes):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 __all__ = ["Transport", "Wiring"]
 
@@ -30,6 +30,8 @@ class Wiring:
             (:class:`hvdcomp.comm.step.StepComm`), or None.
         direct: every unit is one gradient whose payload is the gradient itself (``none`` with
             ``granularity="tensor"``): reduced in place as stock Horovod does, charged to compute.
+        units_of_route: route name -> the units it carries (a transport on a group that matches
+            collectives by issue order launches them in this order).
     """
 
     group: Any
@@ -44,6 +46,7 @@ class Wiring:
     names: List[str] = field(default_factory=list)
     step_comm: Optional[Any] = None
     direct: bool = False
+    units_of_route: Dict[str, List[int]] = field(default_factory=dict)
 
     @property
     def scale(self) -> float:

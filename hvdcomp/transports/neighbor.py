@@ -2,9 +2,12 @@
 
 Decentralized methods (:mod:`hvdcomp.gossip`) exchange only along the edges of a topology, so a
 rank's traffic per step is its degree times its payload, whatever the number of ranks. Horovod has
-no point-to-point or neighbourhood collectives; this transport uses mpi4py on a duplicate of the
-job's (or the process set's) communicator, so its messages never mix with Horovod's or the
-allgather transport's.
+no point-to-point or neighbourhood collectives; this transport moves its messages over one of two
+edge layers, so that gossip runs under either launcher: mpi4py on a duplicate of the job's (or the
+process set's) communicator (:class:`MPIEdges`: under mpirun / horovodrun), or
+``torch.distributed`` point-to-point messages on a gloo group of the ranks made for it
+(:class:`TorchDistEdges`: under torchrun / srun). Either way its messages never mix with the
+other collectives of the job.
 
 Per exchange and edge, one message: an int64 header (the number of tensors, then each tensor's
 element count) followed by the tensors' raw bytes, end to end. The receiver learns the size with
@@ -144,6 +147,176 @@ def _unpack(buf: np.ndarray, dtypes: Sequence[torch.dtype], device, source: int)
     return out
 
 
+class MPIEdges:
+    """The neighbour transport's messages over mpi4py (a duplicate of ``comm``): ``Isend`` per
+    edge, and the receiver learns a message's size with a matched probe (``Improbe`` + ``Irecv``),
+    so one message per edge and exchange; the requests are polled with short sleeps (0.05 ms
+    growing to 1 ms), and a neighbour that sent nothing within the timeout is named."""
+
+    kind = "mpi4py-neighbor"
+
+    def __init__(self, comm=None):
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+    def exchange(self, send: Dict[int, np.ndarray], peers: Sequence[int], tag: int, timeout: float,
+                 index: int) -> Dict[int, np.ndarray]:
+        """Send ``send[j]`` to every peer j and receive one message from each; returns the
+        received bytes by peer.
+
+        Raises:
+            NeighborTimeoutError: within ``timeout`` seconds a peer sent nothing or did not take
+                this rank's message (naming them).
+        """
+        MPI = self.MPI
+        sends = {j: self.comm.Isend([send[j], MPI.BYTE], dest=j, tag=tag) for j in peers}
+        waiting = set(peers)     # no message matched yet
+        recvs: Dict[int, object] = {}
+        buffers: Dict[int, np.ndarray] = {}
+        deadline = time.monotonic() + timeout
+        pause = 5e-5
+        status = MPI.Status()
+        while waiting or recvs or sends:
+            progressed = False
+            for j in sorted(waiting):
+                msg = self.comm.Improbe(source=j, tag=tag, status=status)
+                if msg is not None:
+                    buffers[j] = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+                    recvs[j] = msg.Irecv([buffers[j], MPI.BYTE])
+                    waiting.discard(j)
+                    progressed = True
+            for j in list(recvs):
+                if recvs[j].Test():
+                    del recvs[j]
+                    progressed = True
+            for j in list(sends):
+                if sends[j].Test():
+                    del sends[j]
+                    progressed = True
+            if not (waiting or recvs or sends):
+                break
+            if progressed:
+                pause = 5e-5
+                continue
+            if time.monotonic() > deadline:
+                raise NeighborTimeoutError(self.rank, sorted(waiting | set(recvs)), sorted(sends), timeout, index)
+            time.sleep(pause)
+            pause = min(1e-3, pause * 2)
+        return buffers
+
+    def allgather_object(self, obj):
+        return self.comm.allgather(obj)
+
+    def iallgather_ints(self, mine: np.ndarray):
+        """Start an int64 allgather of ``mine`` (the same size on every rank); returns
+        ``(done, out)`` with ``out`` the (size, n) array filled once ``done()``."""
+        out = np.empty((self.size, mine.size), dtype=np.int64)
+        request = self.comm.Iallgather(mine, out)
+        return request.Test, out
+
+
+class TorchDistEdges:
+    """The neighbour transport's messages over ``torch.distributed``: a gloo group over the ranks
+    of ``group`` made for them (host memory whatever the devices); per edge and exchange an int64
+    size header, then the bytes (``isend`` / ``irecv``, tagged by exchange). Gloo's
+    point-to-point work cannot be polled (``is_completed`` stays False) and a wait that times out
+    closes the connection, so the exchange posts every send and header receive, then waits on
+    each in turn with what is left of the timeout: a neighbour that sends nothing is named, and
+    the job ends. The per-step agreement's allgather runs on a second gloo group, so that it never
+    meets the messages the background thread moves at the same time."""
+
+    kind = "torch.distributed-neighbor"
+    threaded = True
+
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        self.dist, self.ranks = dist, group.ranks
+        self.rank, self.size = group.rank, group.size
+        self.group = dist.new_group(group.ranks, backend="gloo", use_local_synchronization=True)
+        self.agreement = dist.new_group(group.ranks, backend="gloo", use_local_synchronization=True)
+        self.collectives = group
+
+    def _wait(self, work, deadline: float) -> bool:
+        import datetime
+
+        left = max(1e-3, deadline - time.monotonic())
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=left))
+            return True
+        except RuntimeError:
+            return False
+
+    def exchange(self, send: Dict[int, np.ndarray], peers: Sequence[int], tag: int, timeout: float,
+                 index: int) -> Dict[int, np.ndarray]:
+        """As :meth:`MPIEdges.exchange`.
+
+        Raises:
+            NeighborTimeoutError: naming the first neighbour found missing and those not yet heard.
+        """
+        d, g, ranks = self.dist, self.group, self.ranks
+        deadline = time.monotonic() + timeout
+        keep, sends = [], {}
+        heads = {j: torch.empty(1, dtype=torch.int64) for j in peers}
+        head_works = {j: d.irecv(heads[j], ranks[j], group=g, tag=tag) for j in peers}
+        for j in peers:
+            data = torch.from_numpy(send[j])
+            head = torch.tensor([data.numel()], dtype=torch.int64)
+            keep += [data, head]
+            sends[j] = [d.isend(head, ranks[j], group=g, tag=tag)]
+            if data.numel():
+                sends[j].append(d.isend(data, ranks[j], group=g, tag=tag))
+        buffers, data_works = {}, {}
+        for n, j in enumerate(peers):
+            if not self._wait(head_works[j], deadline):
+                raise NeighborTimeoutError(self.rank, list(peers[n:]), [], timeout, index)
+            buffers[j] = torch.empty(int(heads[j][0]), dtype=torch.uint8)
+            if buffers[j].numel():
+                data_works[j] = d.irecv(buffers[j], ranks[j], group=g, tag=tag)
+        for j, work in data_works.items():
+            if not self._wait(work, deadline):
+                raise NeighborTimeoutError(self.rank, [j], [], timeout, index)
+        for j, works in sends.items():
+            if not all(self._wait(w, deadline) for w in works):
+                raise NeighborTimeoutError(self.rank, [], [j], timeout, index)
+        return {j: b.numpy() for j, b in buffers.items()}
+
+    def allgather_object(self, obj):
+        return self.collectives.allgather_object(obj)
+
+    def iallgather_ints(self, mine: np.ndarray):
+        values = torch.from_numpy(mine)
+        out = torch.empty(self.size * values.numel(), dtype=torch.int64)
+        work = self.dist.all_gather_into_tensor(out, values, group=self.agreement, async_op=True)
+        return work.is_completed, out.view(self.size, values.numel()).numpy()
+
+
+def neighbor_edges(group):
+    """The edge layer of ``group`` (:class:`~hvdcomp.comm.group.ProcessGroup`): mpi4py over a
+    Horovod process set, ``torch.distributed`` over a ``torch.distributed`` group.
+
+    Raises:
+        RuntimeError: a Horovod job whose mpi4py is unusable or differs from Horovod's world
+            (``horovodrun --gloo``: launch with mpirun, or with torchrun).
+    """
+    if getattr(group, "hvd", None) is None:
+        return TorchDistEdges(group)
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise RuntimeError(f"gossip under Horovod exchanges through mpi4py, which is not importable ({exc}): "
+                           "launch with mpirun, or with torchrun (torch.distributed)") from exc
+    if MPI.COMM_WORLD.Get_size() != group.hvd.size():
+        raise RuntimeError(f"gossip under Horovod exchanges through MPI, but the MPI world has "
+                           f"{MPI.COMM_WORLD.Get_size()} ranks and Horovod {group.hvd.size()}: launch with mpirun "
+                           "or horovodrun --mpi, or with torchrun (torch.distributed)")
+    return MPIEdges(group.mpi_comm())
+
+
 class NeighborTransport:
     """Exchanges payloads with the neighbours of this rank (see the module docstring).
 
@@ -172,19 +345,15 @@ class NeighborTransport:
             or this rank itself.
     """
 
-    kind = "mpi4py-neighbor"
-
     def __init__(self, comm=None, timeout: float = 300.0, threaded: Optional[bool] = None):
-        from mpi4py import MPI
-
         if isinstance(timeout, bool) or not (isinstance(timeout, numbers.Real) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self.MPI = MPI
-        self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()
-        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.edges = comm if isinstance(comm, (MPIEdges, TorchDistEdges)) else MPIEdges(comm)
+        self.kind = self.edges.kind
+        self.rank, self.size = self.edges.rank, self.edges.size
         self.timeout = float(timeout)
         if threaded is None:
-            threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+            threaded = self.edges.threaded
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hvdcomp-neighbor") if threaded else None
         self._count = 0
         self._open: List[_Handle] = []
@@ -192,7 +361,8 @@ class NeighborTransport:
         self.bytes_received = 0
 
     def __str__(self) -> str:
-        return f"neighbor (mpi4py Isend/Mprobe per edge, {'background thread' if self.threaded else 'inline'})"
+        how = "mpi4py Isend/Mprobe" if isinstance(self.edges, MPIEdges) else "torch.distributed isend/irecv"
+        return f"neighbor ({how} per edge, {'background thread' if self.threaded else 'inline'})"
 
     @property
     def threaded(self) -> bool:
@@ -253,42 +423,7 @@ class NeighborTransport:
             h.error = exc
 
     def _exchange(self, h: _Handle) -> None:
-        MPI = self.MPI
-        tag = h.index % TAG_SPACE
-        sends = {j: self.comm.Isend([h.send[j], MPI.BYTE], dest=j, tag=tag) for j in h.peers}
-        waiting = set(h.peers)     # no message matched yet
-        recvs: Dict[int, object] = {}
-        buffers: Dict[int, np.ndarray] = {}
-        deadline = time.monotonic() + self.timeout
-        pause = 5e-5
-        status = MPI.Status()
-        while waiting or recvs or sends:
-            progressed = False
-            for j in sorted(waiting):
-                msg = self.comm.Improbe(source=j, tag=tag, status=status)
-                if msg is not None:
-                    buffers[j] = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
-                    recvs[j] = msg.Irecv([buffers[j], MPI.BYTE])
-                    waiting.discard(j)
-                    progressed = True
-            for j in list(recvs):
-                if recvs[j].Test():
-                    del recvs[j]
-                    progressed = True
-            for j in list(sends):
-                if sends[j].Test():
-                    del sends[j]
-                    progressed = True
-            if not (waiting or recvs or sends):
-                break
-            if progressed:
-                pause = 5e-5
-                continue
-            if time.monotonic() > deadline:
-                raise NeighborTimeoutError(self.rank, sorted(waiting | set(recvs)), sorted(sends), self.timeout,
-                                           h.index)
-            time.sleep(pause)
-            pause = min(1e-3, pause * 2)
+        buffers = self.edges.exchange(h.send, h.peers, h.index % TAG_SPACE, self.timeout, h.index)
         h.received = {j: _unpack(buffers[j], h.dtypes[j], h.device[j], j) for j in h.peers}
         h.bytes_received = sum(int(buffers[j].nbytes) for j in h.peers)
 
@@ -331,7 +466,7 @@ class NeighborTransport:
     # ---- small collectives: set-up, and each step's non-finite verdict -------------------------
     def allgather_object(self, obj):
         """Every rank's ``obj`` (picklable; blocking, collective), in rank order."""
-        return self.comm.allgather(obj)
+        return self.edges.allgather_object(obj)
 
     def allgather_ints(self, values: Sequence[int], what: str = "the step's non-finite agreement") -> List[List[int]]:
         """Every rank's ``values`` (a few integers, the same count on every rank), in rank order:
@@ -345,11 +480,10 @@ class NeighborTransport:
                 calling it; the job should end: the collective stays pending).
         """
         mine = np.asarray(list(values), dtype=np.int64)
-        out = np.empty((self.size, mine.size), dtype=np.int64)
-        request = self.comm.Iallgather(mine, out)
+        done, out = self.edges.iallgather_ints(mine)
         deadline = time.monotonic() + self.timeout
         pause = 5e-5
-        while not request.Test():
+        while not done():
             if time.monotonic() > deadline:
                 raise CollectiveTimeoutError(self.rank, self.size, self.timeout, what)
             time.sleep(pause)

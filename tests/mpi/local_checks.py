@@ -179,13 +179,13 @@ def check_co2_no_training_on_inflight_tensors():
         opt = CO2(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(), local_steps=3,
                   compression="topk:density=0.5", outer_lr=0.7, outer_momentum=0.5, clip=0.5, cost_model="off")
         if slow:
-            step_of_sync = opt.sync.step
+            reduce_of_sync = opt.sync.reduce
 
             def slow_step(*a, **k):
                 time.sleep(0.4)
-                return step_of_sync(*a, **k)
+                return reduce_of_sync(*a, **k)
 
-            opt.sync.step = slow_step
+            opt.sync.reduce = slow_step
         alive = []
         for step in range(9):
             inner_step(model, opt, step)

@@ -1,0 +1,309 @@
+"""The core every front-end drives: the assembled pipeline (plan, methods, error feedback,
+transports) and one step lifecycle, over one :class:`~hvdcomp.comm.group.ProcessGroup`.
+
+A front-end hands a :class:`Reducer` gradients and tells it what happened to the step; the
+reducer owns everything in between, once for every front-end:
+
+==========================  ================================================================
+front-end calls             the reducer
+==========================  ================================================================
+:meth:`gradient_ready`      counts a backward pass of one parameter (``backward_passes_per_step``);
+                            a complete compression unit is compressed and its collective started
+:meth:`synchronize`         starts what backward did not reach, waits, writes every averaged
+                            result into ``p.grad``, and agrees with every rank on the step
+                            (non-finite gradients, restored state): returns whether it goes ahead
+:meth:`commit`              the update was applied: the step's compressor state is committed
+:meth:`discard`             the synchronized (or partly compressed) step will not be applied:
+                            its staged state is rolled back, leaving no trace
+:meth:`state_dict` / ...    the method's state and the skipped-step count
+==========================  ================================================================
+
+Compressor state (residuals, momenta, counters, generators) is staged from a step's first
+compression (:meth:`hvdcomp.compressors.state.StagedState.begin_step`) until :meth:`commit` or
+:meth:`discard`; a step the ranks agree to skip is rolled back at once on every rank and its
+gradients read NaN (so a ``GradScaler`` sees the overflow).
+
+Used by the Horovod front-end (:mod:`hvdcomp.optimizer`) and by the training modes that reduce
+tensors of their own (:mod:`hvdcomp.local`: the pseudo-gradient Δ), over a Horovod process set
+or a ``torch.distributed`` process group alike (:func:`hvdcomp.comm.resolve_group`).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Dict, List, Optional
+
+import torch
+
+from .agreement import NonFiniteGuard, StateAgreement, check_consistency
+from .amp import LossScaleTracker
+from .assembly import assemble
+from .plan import TransportPlan
+from .step import Staging, Status, StepState
+
+__all__ = ["Reducer", "check_free", "claim", "release"]
+
+log = logging.getLogger(__name__)
+
+#: the one owner registry of every front-end: method -> (weak reference to) what it serves
+_owners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def check_free(compression) -> None:
+    """A method's state is keyed by parameter name, so one instance serves one front-end object
+    (a DistributedOptimizer, a DDP hook, a training mode) at a time.
+
+    Raises:
+        ValueError: ``compression`` serves another live one (the message names it and the fix).
+    """
+    ref = _owners.get(compression)
+    owner = ref() if ref is not None else None
+    if owner is not None:
+        raise ValueError(f"this '{compression.name}' compressor already serves another {type(owner).__name__}; "
+                         "its state is keyed by parameter name, so give each its own (pass the spec string, or "
+                         "a new get_compressor(...))")
+
+
+def claim(compression, owner) -> None:
+    """Record that ``compression`` serves ``owner`` (until ``owner`` is gone or :func:`release`)."""
+    _owners[compression] = weakref.ref(owner)
+
+
+def release(compression, owner) -> None:
+    """``owner`` no longer uses ``compression`` (it may serve a new front-end object)."""
+    ref = _owners.get(compression)
+    if ref is not None and ref() is owner:
+        del _owners[compression]
+
+
+class Reducer:
+    """The pipeline and the step lifecycle of one set of tensors (see the module docstring).
+
+    Args:
+        order: the tensors whose ``.grad`` is reduced, in the order their gradients are expected
+            to be ready (backward: last parameters first); fixed and the same on every rank.
+        names: tensor -> name (keys the method's state; the same on every rank).
+        compression: the method (a :class:`hvdcomp.Compressor` or a step-wide method).
+        group: the :class:`~hvdcomp.comm.group.ProcessGroup` to average over.
+        settings: the validated :class:`hvdcomp.config.Settings`.
+        timer: a :class:`hvdcomp.metrics.PhaseTimer`.
+        prefix: names the collectives (unique per reducer, the same on every rank).
+
+    Attributes:
+        compression: the method (the one ``transport="auto"`` chose, where it chose).
+        transport: the :class:`hvdcomp.plan.TransportPlan`.
+        cost_model: the α-β model that routed gradients, or None.
+        skipped_steps: steps skipped on every rank for a non-finite gradient somewhere.
+        active: whether anything is reduced (False outside the group, and for a job of one rank
+            whose method leaves gradients as they are).
+        status: where the step is (:class:`hvdcomp.step.Status`).
+
+    Raises:
+        ValueError: ranks that disagree on the set-up (on every rank, naming the difference), or
+            what :func:`hvdcomp.assembly.assemble` refuses.
+        RuntimeError: a method that needs point-to-point messages on a group without them.
+    """
+
+    def __init__(self, order: List[torch.Tensor], names: Dict[torch.Tensor, str], compression, group, settings,
+                 timer, prefix: str):
+        self.order, self.names, self.group, self.settings = order, names, group, settings
+        self.compression, self.timer, self.prefix = compression, timer, prefix
+        self.passes = settings.backward_passes_per_step
+        self.nonfinite = settings.nonfinite
+        self.position = {id(p): i for i, p in enumerate(order)}  # (no tensor hashing per hook)
+        self.guard, self.restored = NonFiniteGuard(self.nonfinite), StateAgreement()
+        self.loss_scale = LossScaleTracker(settings.grad_scaler)
+        self.skipped_steps, self.cost_model, self.pipe, self._agreement = 0, None, None, None
+        self.transport = TransportPlan({names[p]: "local" for p in order})
+        self.current = StepState([[i] for i in range(len(order))], self.passes)
+        self.staging = Staging(compression)
+        compression.bind_group(group.size)
+        # as Horovod: processes outside the group train locally, and a job of one rank without
+        # compression leaves the gradients exactly as backward made them
+        self.active = group.included and not (group.size == 1 and getattr(compression, "payload_is_gradient", False))
+        if not self.active:
+            return
+        if settings.check_consistency and group.size > 1:  # before any collective ranks might not share
+            check_consistency(group, settings.signature(compression, names, order, prefix), f"{prefix}.consistency")
+        pipe = self.pipe = assemble(settings, compression, group, order, names, prefix, timer)
+        self.compression, self.transport, self.cost_model = pipe.compression, pipe.plan, pipe.cost_model
+        self.current = StepState(pipe.units.members, self.passes, pipe.draw_order)
+        self.staging = Staging(self.compression)
+        log.info("hvdcomp: %s", self.transport)
+
+    @property
+    def status(self) -> Status:
+        return self.current.status
+
+    @property
+    def busy(self) -> bool:
+        """Whether collectives are queued or in flight."""
+        return self.pipe is not None and any(t.busy for t in self.pipe.transports)
+
+    # ---- the step in progress ------------------------------------------------------------------
+    def _open(self) -> None:
+        """First compression of a step: agree on restored state (once), follow the loss scale,
+        stage the method's state."""
+        if self.staging.staged:
+            return
+        if not self.restored.agreed:
+            self.skipped_steps = self.restored.agree(self.group, self.compression, self.skipped_steps, self.prefix)
+        factor = self.loss_scale.factor()
+        if factor is not None:
+            self.compression.rescale_state(factor)
+        self.staging.open()
+
+    def discard(self) -> None:
+        """The synchronized (or partly compressed) step will not be applied: roll its staged
+        state back, so it leaves no trace.
+
+        Raises:
+            AssertionError: collectives are still in flight (synchronize first).
+        """
+        if self.busy:
+            raise AssertionError("a step was discarded while collectives were in flight; call "
+                                 "optimizer.synchronize() first")
+        self.staging.rollback()
+        if self.current.status is not Status.CLOSED:
+            self.current.status = Status.IDLE
+        self.guard.reset()
+
+    def _start(self, u: int) -> None:
+        """Hand unit ``u`` to its transport (compress, start the collective), once a step. The
+        summed agreement (``none``) goes first, so it is issued at the same point on every rank."""
+        self._open()
+        if self.pipe.summed_agreement and self._agreement is None:  # (fused with the gradients')
+            self._agreement = self.guard.launch_summed(self.group, self.restored.loaded_since_step, self.passes,
+                                                       f"{self.prefix}.agree")
+        self.current.started[u] = True
+        self.pipe.transport_of[u].start(u)
+
+    def gradient_ready(self, p: torch.Tensor) -> None:
+        """Backward produced ``p``'s gradient (a post-accumulate-grad hook): count it; a unit
+        now complete is compressed and its collective started. A new backward after
+        :meth:`synchronize` drops the synchronized step (it was not applied).
+
+        Raises:
+            AssertionError: more backward passes than ``backward_passes_per_step`` (Horovod's message).
+        """
+        if self.current.synced:
+            self.discard()
+        u = self.current.gradient_ready(self.position[id(p)])
+        if u is not None and self.pipe.eager[u]:
+            self._start(u)
+
+    def synchronize(self) -> bool:
+        """Finish the step's collectives and write the averaged gradients into ``p.grad``;
+        returns whether the ranks go ahead (False: skipped on every rank, every ``.grad`` NaN).
+
+        Tensors whose gradient did not arrive (unused in this step, or fewer backward passes than
+        ``backward_passes_per_step``) are sent now with their current (or zero) gradient, so every
+        rank takes part in the same collectives. Calling it again before :meth:`commit` or
+        :meth:`discard` does nothing."""
+        if not self.active or self.current.synced:
+            skipped = self.current.status is Status.SKIPPED
+            self.current.status = Status.SKIPPED if skipped else Status.SYNCED
+            return not skipped
+        pipe, step = self.pipe, self.current
+        for u in pipe.flush_order:  # what backward did not reach, in the same order on every rank
+            if not step.started[u]:
+                self._start(u)
+        # every local gradient's finiteness, in one fused check, except those reduced in place (none):
+        # checked on their results (identical on every rank) after
+        in_place = set() if pipe.summed_agreement else {pipe.units.members[u][0] for t in pipe.transports
+                                                        for u in t.in_place_units() if len(pipe.units.members[u]) == 1}
+        if not pipe.summed_agreement:
+            self.guard.observe_gradients(self.order, exclude=in_place)
+        if not pipe.deferred:
+            for t in pipe.transports:
+                t.finish()
+            overflowed = [i for t in pipe.transports for u in t.overflowed_units() for i in pipe.units.members[u]]
+            self.guard.observe_gradients(self.order, only=None if pipe.summed_agreement else {*in_place, *overflowed},
+                                         averaged=True)
+        step.restart(self.passes)
+        ahead = self._agree()
+        if ahead and pipe.deferred:  # agreed first: a skipped step runs no collective and changes no state
+            for t in pipe.transports:
+                t.finish()
+        pipe.units.restore_sparse()
+        return ahead
+
+    def _agree(self) -> bool:
+        """The per-step agreement (:mod:`hvdcomp.agreement`); a non-finite step is skipped here
+        (every ``.grad`` reads NaN, as an allreduced Inf would, so a GradScaler sees the overflow).
+        Returns whether the step goes ahead."""
+        self.current.status = Status.SYNCED
+        if self.nonfinite == "ignore":
+            return True
+        with self.timer.phase("communicate") if self.group.size > 1 else contextlib.nullcontext():
+            verdict = self.guard.decide(self.group, self.pipe.gatherer, self._agreement,
+                                        self.restored.loaded_since_step, self.passes)
+        self._agreement, self.restored.loaded_since_step = None, False
+        if not verdict.skip:
+            return True
+        self.staging.rollback()
+        self.current.status = Status.SKIPPED
+        self.skipped_steps += 1
+        for p in self.order:
+            if p.grad is not None:
+                p.grad.fill_(float("nan"))
+        return False
+
+    def take(self) -> bool:
+        """The front-end is about to apply the synchronized step: whether it goes ahead (False:
+        skipped on every rank, nothing to apply). The reducer is idle again; :meth:`commit` once
+        the update is applied."""
+        skipped, self.current.status = self.current.status is Status.SKIPPED, Status.IDLE
+        return not skipped
+
+    def reduce(self) -> bool:
+        """Reduce the ``.grad`` of every tensor now and commit (for modes that reduce tensors of
+        their own, e.g. the pseudo-gradient, with nothing to apply in between): returns whether
+        the ranks went ahead (False: a non-finite value somewhere; every ``.grad`` NaN, the
+        method's state unchanged)."""
+        self.synchronize()
+        ahead = self.take()
+        if ahead:
+            self.commit()
+        return ahead
+
+    def commit(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """The step's update was applied: commit its compressor state (with a method whose state
+        is in gradient units, ``optimizer`` is where a ``GradScaler`` is looked for)."""
+        if self.staging.staged:
+            if self.compression.has_scaled_state and optimizer is not None:
+                self.loss_scale.discover(optimizer)
+            self.staging.commit()
+
+    def restart(self, passes: int) -> None:
+        """New accumulation counters (``backward_passes_per_step`` = ``passes``)."""
+        self.passes = passes
+        self.current.restart(passes)
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The method's state and the skipped-step count (tensors, numbers and strings only)."""
+        return {"compression": self.compression.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def reset(self) -> None:
+        """Drop the step in progress (transports forget it; staged state rolled back)."""
+        for t in (self.pipe.transports if self.pipe is not None else []):
+            t.reset()
+        self._agreement = None
+        self.discard()
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        """Inverse of :meth:`state_dict` (None: nothing of the method's saved); drops a step in
+        progress. Ranks agree on restored state at the next step's first compression."""
+        self.reset()
+        if state is not None:
+            self.compression.load_state_dict(state["compression"])
+            self.skipped_steps = int(state.get("skipped_steps", 0))
+            self.restored.note_load()
+
+    def close(self) -> None:
+        """Stop the allgather's background thread (the reducer no longer communicates)."""
+        if self.pipe is not None and self.pipe.gatherer is not None:
+            self.pipe.gatherer.close()
+        self.current.status = Status.CLOSED
