@@ -4,23 +4,26 @@ transports) and one step lifecycle, over one :class:`~hvdcomp.comm.group.Process
 A front-end hands a :class:`Reducer` gradients and tells it what happened to the step; the
 reducer owns everything in between, once for every front-end:
 
-==========================  ================================================================
-front-end calls             the reducer
-==========================  ================================================================
-:meth:`gradient_ready`      counts a backward pass of one parameter (``backward_passes_per_step``);
-                            a complete compression unit is compressed and its collective started
-:meth:`synchronize`         starts what backward did not reach, waits, writes every averaged
-                            result into ``p.grad``, and agrees with every rank on the step
-                            (non-finite gradients, restored state): returns whether it goes ahead
-:meth:`commit`              the update was applied: the step's compressor state is committed
-:meth:`discard`             the synchronized (or partly compressed) step will not be applied:
-                            its staged state is rolled back, leaving no trace
-:meth:`state_dict` / ...    the method's state and the skipped-step count
-==========================  ================================================================
+==================================  ========================================================
+front-end calls                     the reducer
+==================================  ========================================================
+:meth:`Reducer.gradient_ready`      counts a backward pass of one parameter
+                                    (``backward_passes_per_step``); a complete compression
+                                    unit is compressed and its collective started
+:meth:`Reducer.synchronize`         starts what backward did not reach, waits, writes every
+                                    averaged result into ``p.grad``, and agrees with every
+                                    rank on the step (non-finite gradients, restored state):
+                                    returns whether it goes ahead
+:meth:`Reducer.commit`              the update was applied: the step's compressor state is
+                                    committed
+:meth:`Reducer.discard`             the synchronized (or partly compressed) step will not be
+                                    applied: its staged state is rolled back, leaving no trace
+:meth:`Reducer.state_dict` / ...    the method's state and the skipped-step count
+==================================  ========================================================
 
 Compressor state (residuals, momenta, counters, generators) is staged from a step's first
-compression (:meth:`hvdcomp.compressors.state.StagedState.begin_step`) until :meth:`commit` or
-:meth:`discard`; a step the ranks agree to skip is rolled back at once on every rank and its
+compression (:meth:`hvdcomp.compressors.state.StagedState.begin_step`) until :meth:`Reducer.commit` or
+:meth:`Reducer.discard`; a step the ranks agree to skip is rolled back at once on every rank and its
 gradients read NaN (so a ``GradScaler`` sees the overflow).
 
 Used by the Horovod front-end (:mod:`hvdcomp.optimizer`) and by the training modes that reduce

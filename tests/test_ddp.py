@@ -16,7 +16,7 @@ import torch
 import hvdcomp
 from hvdcomp.ddp.layout import plan_bucket
 from hvdcomp.ddp.runtime import DEFAULT_PORT, launch_info
-from hvdcomp.transports.torchdist import payload_kind
+from hvdcomp.ddp.buckets import payload_kind
 from tests.mpirun import ROOT, check
 
 CHECKS = os.path.join(ROOT, "tests", "ddp_checks.py")

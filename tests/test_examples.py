@@ -74,7 +74,7 @@ def test_horovod_topk():
 
 def test_ddp_topk_under_torchrun():
     """The same bytes under DDP: the counts (8 bytes per payload tensor), then each tensor's bytes
-    padded to a multiple of 8 (hvdcomp/transports/torchdist.py); 392 bytes of values need none."""
+    padded to a multiple of 8 (hvdcomp/comm/torchdist.py, TorchDistAllgatherer); 392 bytes of values need none."""
     r = torchrun_example("ddp_topk.py", "--steps", "20")
     learned(r)
     assert r["bytes_sent_per_step"] == 2 * 8 + 2 * pad8(4 * sum(kept(0.01))) == TOPK_1PCT_BUCKET

@@ -8,7 +8,7 @@ hook, over ``torch.distributed`` (gloo, NCCL), launched by ``torchrun`` or ``sru
 * :mod:`hvdcomp.ddp.cycle`: the step in progress (staged state, the ranks' agreement, commit or
   rollback);
 * :mod:`hvdcomp.ddp.buckets`: a bucket's path: compress, collectives
-  (:mod:`hvdcomp.transports.torchdist`), decompress;
+  (the group's allreduce and allgatherer), decompress;
 * :mod:`hvdcomp.ddp.runtime`: ``torch.distributed`` set-up from the launcher's environment.
 
 See docs/ddp.md.

@@ -1,12 +1,34 @@
-"""One DDP bucket's path through the hook: compress its units, start its collectives
-(:mod:`hvdcomp.transports.torchdist`), and at the step's last bucket wait, check summed payloads
-for saturation (sending a saturated one again, or reporting it overflowed), then decompress every
-bucket into its buffer (or hand the whole step to a step-wide method's ``reduce_batch``).
+"""One DDP bucket's path through the hook: compress its units, start its collectives on the
+hook's :class:`~hvdcomp.comm.torchdist.TorchDistGroup` (summed ``all_reduce`` in place, and the
+one variable-size allgather of payloads, :class:`~hvdcomp.comm.torchdist.TorchDistAllgatherer`,
+which the Horovod facade and the training modes use too), and at the step's last bucket wait,
+check summed payloads for saturation (sending a saturated one again, or reporting it overflowed),
+then decompress every bucket into its buffer (or hand the whole step to a step-wide method's
+``reduce_batch``).
 
-How a bucket travels this step (:attr:`Bucket.kind`): one of
-:data:`hvdcomp.transports.torchdist.KINDS`, or ``"plain"``: the bucket as float32, summed and
-``× 1/N``, uncompressed (the first backward of granularity ``"bucket"`` on half-precision
-gradients).
+How a bucket travels this step (:attr:`Bucket.kind`), read from the method in one place
+(:func:`payload_kind`):
+
+============  ==================================================================  ====================
+kind          collectives on the group                                            methods
+============  ==================================================================  ====================
+``gradient``  the bucket itself, as DDP's own path: ÷N, then a summed             ``none``
+              ``all_reduce`` in place (bit-identical to DDP without a hook)
+``average``   summed ``all_reduce`` of the payload (one per dtype), then ÷N       fp16, bf16, ...
+              (Horovod's ``op=Average``); ``decode`` of the mean
+``sum``       summed ``all_reduce``; ``decode`` receives the sum (sign votes)     signsgd
+``gather``    the group's allgatherer (counts, then every rank's payload padded   top-k, DGC, QSGD, ...
+              to the largest rank's row); aggregated on every rank
+``batched``   the method's own step-wide collectives (the group's ``StepComm``)   PowerSGD, gtopk, ...
+``plain``     the bucket as float32, summed and ÷N, uncompressed (the first
+              backward of granularity ``"bucket"`` on half-precision gradients)
+============  ==================================================================  ====================
+
+Bytes are counted as everywhere in hvdcomp: an allreduce of B bytes sends and receives B; a
+gather sends this rank's counts and row and receives every rank's, its own included. All
+collectives of a step are issued from the thread that runs DDP's communication hooks, in bucket
+order, so every rank issues them in the same order (issuing them from future callbacks, which run
+on gloo's worker threads in completion order, is what makes collectives mismatch).
 """
 from __future__ import annotations
 
@@ -15,11 +37,42 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..compressors.base import PayloadKind
 from ..plan import step_route_of
-from ..transports.torchdist import Exchange, TorchDistTransport
+from ..transports.stepwide import StepMethod
 from .layout import BucketLayout
 
-__all__ = ["Bucket", "BucketPath"]
+__all__ = ["Bucket", "BucketPath", "payload_kind", "describe", "KINDS", "IN_PLACE_DTYPES"]
+
+#: how a bucket may travel (see the module docstring; ``plain`` is the first backward's only)
+KINDS = ("gradient", "average", "sum", "gather", "batched")
+
+#: dtypes ``none`` reduces in place as DDP does (half-precision gradients travel as ``average``,
+#: in float32, as under the Horovod front-end: their sums could overflow)
+IN_PLACE_DTYPES = (torch.float32, torch.float64)
+
+_BY_PAYLOAD = {PayloadKind.MEAN: "average", PayloadKind.SUM: "sum", PayloadKind.GATHERED: "gather"}
+
+
+def payload_kind(compression) -> str:
+    """How ``compression``'s payloads travel (one of :data:`KINDS`): a step-wide method's own
+    collectives (``batched``), a payload that is the gradient itself (``none``: ``gradient``,
+    reduced in place), else by its :class:`~hvdcomp.compressors.base.PayloadKind`."""
+    if isinstance(compression, StepMethod):
+        return "batched"
+    if compression.payload_is_gradient:
+        return "gradient"
+    return _BY_PAYLOAD[compression.payload_kind]
+
+
+def describe(kind: str, compression) -> str:
+    """How payloads of ``kind`` travel (one phrase, for logs and results files)."""
+    if kind == "batched":
+        return f"the method's own collectives ({step_route_of(compression).collective}) once per step"
+    return {"gradient": "all_reduce of the bucket (DDP's arithmetic)",
+            "average": "summed all_reduce of the payload, then 1/N",
+            "sum": "summed all_reduce of the payload (votes)",
+            "gather": "counts exchange + padded all_gather_into_tensor, aggregated on every rank"}[kind]
 
 
 @dataclass
@@ -32,7 +85,11 @@ class Bucket:
         layout: its :class:`~hvdcomp.ddp.layout.BucketLayout`.
         future: the ``torch.futures.Future`` returned to DDP.
         kind: how it travels this step (see the module docstring).
-        exchange: its collectives in flight (:class:`~hvdcomp.transports.torchdist.Exchange`).
+        handles: its summed allreduces in flight (the group's handles, in place on ``outputs``).
+        outputs: what the allreduces reduce (the payload flats, one per dtype).
+        gather: its gather in flight (the allgatherer's handle), or None; ``gathered``: every
+            rank's payload once it is in.
+        sent, received: bytes of its collectives (resends included).
         ctxs, lengths: per unit, its decoding context and its payload's tensor count.
         placed: summable: per payload tensor, ``(dtype, start, numel)`` in the reduced flat of
             its dtype; ``dtypes``: the dtype of each reduced flat.
@@ -46,7 +103,12 @@ class Bucket:
     layout: BucketLayout
     future: Any
     kind: str
-    exchange: Optional[Exchange] = None
+    handles: List[Any] = field(default_factory=list)
+    outputs: List[torch.Tensor] = field(default_factory=list)
+    gather: Any = None
+    gathered: Optional[List[List[torch.Tensor]]] = None
+    sent: int = 0
+    received: int = 0
     ctxs: List[Any] = field(default_factory=list)
     lengths: List[int] = field(default_factory=list)
     placed: List[tuple] = field(default_factory=list)
@@ -60,34 +122,39 @@ class BucketPath:
     Args:
         compression: the method (its ``encode`` / ``decode_into`` / ``aggregate_into``, or a
             step-wide method's ``reduce_batch``).
-        transport: the :class:`~hvdcomp.transports.torchdist.TorchDistTransport` of the group.
+        group: the :class:`~hvdcomp.comm.torchdist.TorchDistGroup` averaged over.
         timer: a :class:`hvdcomp.metrics.PhaseTimer` (compress / communicate / decompress).
         order: parameter names in the expected backward order (a step-wide method reduces the
             step's gradients in this order, whatever DDP's bucket layout).
     """
 
-    def __init__(self, compression, transport: TorchDistTransport, timer, order: List[str]):
-        self.compression, self.transport, self.timer, self.order = compression, transport, timer, order
-        self.group = transport.group
+    def __init__(self, compression, group, timer, order: List[str]):
+        self.compression, self.group, self.timer, self.order = compression, group, timer, order
+        self.gatherer = group.allgatherer()
         self._step_comm = None
+
+    def _allreduce(self, entry: Bucket, tensors: List[torch.Tensor], average: bool = False) -> None:
+        """Start a summed (``average``: as DDP, ÷N then summed) in-place allreduce of each
+        tensor; counts its bytes on ``entry``."""
+        for t in tensors:
+            entry.handles.append(self.group.allreduce_async_(t, "", average=average))
+            nbytes = t.numel() * t.element_size()
+            entry.sent += nbytes
+            entry.received += nbytes
 
     # ---- during backward -----------------------------------------------------------------------------
     def start(self, entry: Bucket, previous: Optional[Bucket]) -> None:
         """Compress ``entry`` and start its collectives (a step-wide method: nothing before the
-        last bucket); start ``previous``'s gather data, its counts being in by now (or soon)."""
-        size = self.group.size
+        last bucket; a gather's data starts once its counts are in, at the next gather or the
+        last bucket: :class:`~hvdcomp.comm.torchdist.TorchDistAllgatherer`)."""
         if entry.kind == "gradient":
             with self.timer.phase("communicate"):
-                if size > 1:
-                    entry.buffer.mul_(1.0 / size)
-                entry.exchange = self.transport.allreduce([entry.buffer])
+                self._allreduce(entry, [entry.buffer], average=True)
+                entry.outputs = [entry.buffer]
         elif entry.kind in ("average", "sum", "plain"):
             self._start_allreduce(entry)
         elif entry.kind == "gather":
             self._start_gather(entry)
-        if previous is not None and previous.kind == "gather" and not previous.exchange.data_started:
-            with self.timer.phase("communicate"):
-                self.transport.start_gather_data(previous.exchange)
 
     def _encode(self, entry: Bucket) -> List[torch.Tensor]:
         """Compress the bucket's units; returns the payload tensors of all units, in order."""
@@ -112,29 +179,30 @@ class BucketPath:
             flats = [ts[0].reshape(-1) if len(ts) == 1 else torch.cat([t.reshape(-1) for t in ts])
                      for ts in by_dtype.values()]
         with self.timer.phase("communicate"):
-            entry.exchange = self.transport.allreduce(flats)
-        entry.dtypes = list(by_dtype)
+            self._allreduce(entry, flats)
+        entry.outputs, entry.dtypes = flats, list(by_dtype)
 
     def _start_gather(self, entry: Bucket) -> None:
         """Variable-size payloads: encode, then start the counts exchange."""
         with self.timer.phase("compress"):
             payload = self._encode(entry)
-            base = entry.buffer.untyped_storage().data_ptr()
-            # results are written into the buffer while this rank's own payload is read
-            payload = [t.clone() if t.numel() and t.untyped_storage().data_ptr() == base else t for t in payload]
         with self.timer.phase("communicate"):
-            entry.exchange = self.transport.start_gather(payload)
+            entry.gather = self.gatherer.start(payload)
 
     # ---- at the last bucket ----------------------------------------------------------------------------
     def wait(self, buckets: List[Bucket]) -> None:
-        """Start what is still to start (gather data), then wait for every collective."""
+        """Wait for every collective of the step: allreduces, and gathers (their per-rank
+        payloads into each bucket's ``gathered``)."""
         with self.timer.phase("communicate"):
             for b in buckets:
-                if b.kind == "gather":
-                    self.transport.start_gather_data(b.exchange)
-            for b in buckets:
-                if b.exchange is not None:
-                    b.exchange.wait()
+                for h in b.handles:
+                    self.group.synchronize(h)
+                b.handles = []
+                if b.gather is not None:
+                    b.gathered = self.gatherer.finish(b.gather)
+                    b.sent += b.gather.bytes_sent
+                    b.received += b.gather.bytes_received
+                    b.gather = None
 
     def check_saturation(self, buckets: List[Bucket]) -> List[torch.Tensor]:
         """After :meth:`wait`, before the step's agreement: each summable bucket's reduced payload
@@ -154,13 +222,13 @@ class BucketPath:
         Returns:
             The NaN views of overflowed units, for the non-finite guard (the step is then skipped
             on every rank, or raises, by ``nonfinite``); the resends' bytes are added to their
-            bucket's :class:`~hvdcomp.transports.torchdist.Exchange`.
+            bucket.
         """
         size = self.group.size
         summed = [b for b in buckets if b.kind in ("average", "sum")]
         with self.timer.phase("decompress"):
             for b in summed:
-                flats = dict(zip(b.dtypes, b.exchange.outputs))
+                flats = dict(zip(b.dtypes, b.outputs))
                 if b.kind == "average" and size > 1:
                     for flat in flats.values():
                         flat.mul_(1.0 / size)
@@ -183,17 +251,20 @@ class BucketPath:
                         b.reduced[i] = None
                         overflowed.append(b.layout.units[i].view(b.buffer))
                         continue
-                    ex = self.transport.allreduce(list(action.payload))
-                    b.exchange.sent += ex.sent
-                    b.exchange.received += ex.received
+                    payload = list(action.payload)
+                    start = len(b.handles)
+                    self._allreduce(b, payload)
                     b.ctxs[i] = action.ctx
-                    resends.append((b, i, ex))
-            for b, i, ex in resends:
-                ex.wait()
+                    resends.append((b, i, payload, b.handles[start:]))
+            for b, i, payload, handles in resends:
+                for h in handles:
+                    self.group.synchronize(h)
                 if b.kind == "average" and size > 1:
-                    for t in ex.outputs:
+                    for t in payload:
                         t.mul_(1.0 / size)
-                b.reduced[i] = ex.outputs
+                b.reduced[i] = payload
+            for b in summed:
+                b.handles = []
         for view in overflowed:  # (after every resend: a check may read this rank's gradient)
             view.fill_(float("nan"))
         return overflowed
@@ -201,18 +272,13 @@ class BucketPath:
     def decompress(self, buckets: List[Bucket]) -> None:
         """Write every bucket's averaged result into its buffer (summable buckets: after
         :meth:`check_saturation`; an overflowed unit keeps its NaN)."""
-        gathered = {}
-        with self.timer.phase("communicate"):
-            for b in buckets:
-                if b.kind == "gather":
-                    gathered[b.index] = self.transport.gathered(b.exchange)
         size = self.group.size
         with self.timer.phase("decompress"):
             for b in buckets:
                 if b.kind == "gather":
-                    self._aggregate(b, gathered[b.index])
+                    self._aggregate(b, b.gathered)
                 elif b.kind == "plain":
-                    flat = b.exchange.outputs[0]
+                    flat = b.outputs[0]
                     b.buffer.copy_(flat.mul_(1.0 / size) if size > 1 else flat)
                 elif b.kind in ("average", "sum"):
                     for unit, ctx, reduced in zip(b.layout.units, b.ctxs, b.reduced):
@@ -246,6 +312,4 @@ class BucketPath:
     def count_bytes(self, buckets: List[Bucket]) -> None:
         """Charge the step's collectives' bytes (and the dense fp32 equivalent) to the timer."""
         for b in buckets:
-            if b.exchange is not None:
-                self.timer.add_bytes(sent=b.exchange.sent, received=b.exchange.received)
-            self.timer.add_bytes(dense=4 * b.layout.numel)
+            self.timer.add_bytes(sent=b.sent, received=b.received, dense=4 * b.layout.numel)

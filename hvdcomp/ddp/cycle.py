@@ -59,7 +59,6 @@ class StepCycle:
 
     Attributes:
         status: a :class:`hvdcomp.step.Status`.
-        staged: the step's compressor state is staged.
         buckets: the :class:`~hvdcomp.ddp.buckets.Bucket` s of the step in progress.
         guard: the :class:`~hvdcomp.agreement.NonFiniteGuard` (buffers are observed as they come).
         state: the :class:`~hvdcomp.agreement.StateAgreement` (restored state, once).

@@ -8,7 +8,7 @@ backward, in bucket order, with a ``torch.distributed.GradBucket``; the hook ret
 1. **compress** (:mod:`hvdcomp.ddp.buckets`): the bucket's units (:mod:`hvdcomp.ddp.layout`: each
    gradient by its own rules, several in one vectorised call where the method can) are encoded
    with the compressor's own ``encode``, error feedback included, under their parameter names;
-2. **communicate** (:mod:`hvdcomp.transports.torchdist`): summable payloads start a summed
+2. **communicate** (:mod:`hvdcomp.ddp.buckets` over the group): summable payloads start a summed
    ``all_reduce`` at once; other payloads start their counts exchange, and their data gather starts
    at the next bucket's hook (when the counts are in); batched methods (PowerSGD, gtopk, cltk,
    twophase) wait for the last bucket and reduce every gradient of the step in one call of their
@@ -83,8 +83,7 @@ from ..metrics import PhaseTimer
 from ..agreement import NONFINITE_MODES, check_consistency
 from ..reducer import check_free, claim
 from ..spec import resolve_compression
-from ..transports.torchdist import IN_PLACE_DTYPES, TorchDistTransport, describe, payload_kind
-from .buckets import Bucket, BucketPath
+from .buckets import IN_PLACE_DTYPES, Bucket, BucketPath, describe, payload_kind
 from .cycle import StepCycle
 from .layout import GRANULARITIES, BucketLayout, Layouts
 
@@ -135,7 +134,7 @@ class HookState:
     Attributes:
         compression: the :class:`hvdcomp.Compressor` (its state: residuals, momenta, ...).
         group: the :class:`hvdcomp.comm.torchdist.TorchDistGroup` averaged over.
-        kind: how payloads travel (:func:`hvdcomp.transports.torchdist.payload_kind`).
+        kind: how payloads travel (:func:`hvdcomp.ddp.buckets.payload_kind`).
         granularity: ``"tensor"`` or ``"bucket"`` (:mod:`hvdcomp.ddp.layout`).
         nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"``.
         timer: the :class:`hvdcomp.metrics.PhaseTimer` phases and bytes are recorded in.
@@ -158,7 +157,7 @@ class HookState:
         fused = getattr(compression, "segmentable", False) and not needs_draw_order(compression)
         self._layouts = Layouts(ddp_model.module, named_parameters, fused, granularity)
         self._cycle = StepCycle(compression, self.group, nonfinite, grad_scaler, self.timer)
-        self._path = BucketPath(compression, TorchDistTransport(self.group), self.timer,
+        self._path = BucketPath(compression, self.group, self.timer,
                                 [n for n, _ in self._layouts.order])
         self.transport = (f"torch.distributed {self.group.backend}: {describe(self.kind, compression)}; "
                           f"per DDP bucket, granularity {granularity}")

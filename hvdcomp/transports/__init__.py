@@ -22,9 +22,10 @@ route                  transport                                           modul
                                                                            :mod:`.twophase`
 =====================  ==================================================  ============================
 
-The DDP front-end (:mod:`hvdcomp.ddp`) moves its buckets with :mod:`.torchdist` (``all_reduce``
-and a padded ``all_gather_into_tensor`` over the group of :mod:`hvdcomp.comm.torchdist`, whose
-:class:`~hvdcomp.comm.step.StepComm` carries the step-wide methods).
+Every transport runs over a :class:`hvdcomp.comm.group.ProcessGroup` (Horovod's or
+``torch.distributed``'s). The DDP front-end (:mod:`hvdcomp.ddp`) moves its buckets by
+:mod:`hvdcomp.ddp.buckets` over the same group interface and the same allgatherer
+(:class:`hvdcomp.comm.torchdist.TorchDistAllgatherer`).
 
 The decentralized front-end (:mod:`hvdcomp.gossip`) moves each rank's payload to its graph
 neighbours only with :mod:`.neighbor` (point-to-point per edge on a background thread, exact
