@@ -64,7 +64,7 @@ from ..comm.group import Group, horovod
 from ..compressors.base import Compressor, PayloadKind
 from ..config import check_method, name_parameters
 from ..memory import Wrapper
-from ..metrics import PhaseTimer
+from ..metrics import PhaseTimer, RecordLog
 from ..spec import resolve_compression
 from ..optimizer import DistributedOptimizer
 from .checkpoint import Checkpoints
@@ -203,6 +203,9 @@ class LocalUpdate(Checkpoints):
             ``backward()`` several times before ``step()`` (H counts steps, not backward passes).
         chunk_size: split each Δ into consecutive chunks of this many elements, each compressed as
             its own tensor (SparseLoCo's top-k per chunk); None: one tensor per parameter.
+        history_limit: round records kept in :attr:`history` (the most recent; default 1000,
+            None: every one); older ones are rolled up (:class:`hvdcomp.metrics.RecordLog`), so
+            :meth:`report` still covers every round while memory stays flat.
         **pipeline: further :func:`hvdcomp.DistributedOptimizer` arguments for the reduction of Δ
             (``process_set``, ``allgather``, ``cost_model``, ``bucket_bytes``, ``nonfinite``, ...).
 
@@ -222,7 +225,8 @@ class LocalUpdate(Checkpoints):
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None, *, local_steps: int,
                  outer_optimizer: Callable[[List[torch.Tensor]], torch.optim.Optimizer], compression="none",
                  host_copy: Optional[bool] = None, timer: Optional[PhaseTimer] = None,
-                 backward_passes_per_step: int = 1, chunk_size: Optional[int] = None, **pipeline):
+                 backward_passes_per_step: int = 1, chunk_size: Optional[int] = None,
+                 history_limit: Optional[int] = 1000, **pipeline):
         local_steps = check_count(local_steps, "local_steps (H, inner steps per round)", 1)
         if backward_passes_per_step != 1:
             raise ValueError("backward_passes_per_step must be 1 with local-update training: no step "
@@ -230,6 +234,7 @@ class LocalUpdate(Checkpoints):
                              f"step() (local_steps counts step() calls); got {backward_passes_per_step!r}")
         if chunk_size is not None:
             chunk_size = check_count(chunk_size, "chunk_size", 1, " (elements), or None")
+        self._rounds_log = RecordLog(history_limit)
         hvd = horovod()
         if not hvd.is_initialized():
             raise RuntimeError("Horovod is not initialised: call hvd.init() before building a local-update optimizer")
@@ -254,7 +259,6 @@ class LocalUpdate(Checkpoints):
         names_c, self._carriers, self._carrier_grads = self._make_carriers()
         self.sync = self._make_sync(method, names_c, pipeline)
         self.steps = self.round_step = self.rounds = self.skipped_rounds = 0
-        self.history: List[Dict[str, Any]] = []  # one record per round
         self._closed = False
         self._started = False  # θ_start taken from the model (at the first step: after the user's broadcast)
 
@@ -489,8 +493,15 @@ class LocalUpdate(Checkpoints):
     def _close_round(self, record: Dict[str, Any]) -> None:
         self.rounds += 1
         self.skipped_rounds += bool(record["skipped"])
-        self.history.append({"round": self.rounds, "step": self.steps, "inner_steps": self.round_step, **record})
+        self._rounds_log.append({"round": self.rounds, "step": self.steps, "inner_steps": self.round_step, **record})
         self.round_step = 0
+
+    @property
+    def history(self) -> List[Dict[str, Any]]:
+        """The most recent round records, one per round (at most ``2·history_limit``; older ones
+        are rolled up into :meth:`report`'s sums): ``round``, ``step``, ``inner_steps``,
+        ``skipped``, ``wall_s``, the reduction's seconds per phase and its bytes."""
+        return self._rounds_log.records
 
     def flush(self) -> None:
         """End the current round now (after fewer than H inner steps, if any were taken), so the
@@ -525,7 +536,7 @@ class LocalUpdate(Checkpoints):
 
     def report(self) -> Dict[str, float]:
         """Per-round and per-step figures of the rounds so far (:func:`round_report`)."""
-        return round_report(self.history, self.steps, self.rounds, self.local_steps, self.skipped_rounds, self.timer,
+        return round_report(self._rounds_log, self.steps, self.rounds, self.local_steps, self.skipped_rounds, self.timer,
                             warmup=self._warmup_traffic())
 
     def _warmup_traffic(self) -> Optional[Dict[str, int]]:
@@ -539,7 +550,7 @@ class LocalUpdate(Checkpoints):
             self._closed = True
 
 
-def round_report(history: List[Dict[str, Any]], steps: int, rounds: int, local_steps: int, skipped: int,
+def round_report(history, steps: int, rounds: int, local_steps: int, skipped: int,
                  timer: PhaseTimer, warmup: Optional[Dict[str, int]] = None) -> Dict[str, float]:
     """Per-round and per-step figures of the rounds so far: bytes sent / received / dense
     (their fp32 size) per round and per inner step, seconds per round of each phase of the
@@ -548,7 +559,8 @@ def round_report(history: List[Dict[str, Any]], steps: int, rounds: int, local_s
     steps. Numbers only (same keys on every rank).
 
     Args:
-        history: one record per round (``LocalUpdate.history``).
+        history: the round records: a :class:`~hvdcomp.metrics.RecordLog` (the optimizer's,
+            whose sums cover rounds already rolled up) or a list of records.
         steps: inner steps taken (the per-step figures' divisor, warm-up steps included).
         rounds, local_steps, skipped: the optimizer's counters, copied.
         timer: the optimizer's :class:`~hvdcomp.metrics.PhaseTimer`.
@@ -556,21 +568,25 @@ def round_report(history: List[Dict[str, Any]], steps: int, rounds: int, local_s
             outside the rounds (Local AdaAlter's warm-up): reported as ``warmup_<key>`` and counted
             in the per-step figures (and so in ``ratio_vs_dense_per_step``), not in the per-round ones.
     """
-    rows, per, warmup = history, max(1, steps), warmup or {}
+    if not isinstance(history, RecordLog):
+        log = RecordLog(None)
+        log.replace(history)
+        history = log
+    per, warmup, sums = max(1, steps), warmup or {}, history.sums()
     out: Dict[str, float] = {"inner_steps": steps, "rounds": rounds, "local_steps": local_steps,
                              "skipped_rounds": skipped}
-    keys = sorted({k for r in rows for k, v in r.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)} - {"round", "step", "inner_steps"})
-    for k in sorted(set(keys) | set(warmup)):
-        total = sum(r.get(k, 0.0) for r in rows)
-        out[f"{k}_per_round"] = total / max(1, len(rows))
+    keys = set(sums) - {"round", "step", "inner_steps"}
+    for k in sorted(keys | set(warmup)):
+        total = sums.get(k, 0.0)
+        out[f"{k}_per_round"] = total / max(1, len(history))
         out[f"{k}_per_step"] = (total + warmup.get(k, 0)) / per
     for k, v in warmup.items():
         out[f"warmup_{k}"] = v
     # fp32 bytes synchronous training sends per step / these
     if out.get("bytes_sent_per_step") and "dense_bytes_per_round" in out:
         out["ratio_vs_dense_per_step"] = out["dense_bytes_per_round"] / out["bytes_sent_per_step"]
-    if timer.history:
-        out["compute_s_per_step"] = sum(r.get("compute", 0.0) for r in timer.history) / len(timer.history)
-        out["outer_s_per_step"] = sum(r.get("outer", 0.0) for r in timer.history) / len(timer.history)
+    if timer.steps:  # (every step the timer recorded, rolled-up ones included)
+        per_step = timer.totals()
+        out["compute_s_per_step"] = per_step.get("compute", 0.0)
+        out["outer_s_per_step"] = per_step.get("outer", 0.0)
     return out
