@@ -38,7 +38,7 @@ from .assembly import assemble
 from .comm.group import Group, horovod
 from .config import (ARGUMENTS_DOC, DEFAULT_BUCKET_BYTES, OPTIMIZER_ENV, Settings, adasum_compression, check_method,
                      name_parameters)
-from .launch import check_launch
+from .launch import HOROVOD_FRONTEND, start_frontend
 from .metrics import PhaseTimer
 from .plan import TransportPlan
 from .rebuild import keeping_class, template
@@ -333,7 +333,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     hvd = horovod()
     if not hvd.is_initialized():  # ValueError, the type stock Horovod raises here
         raise ValueError("Horovod is not initialised: call hvd.init() before hvdcomp.DistributedOptimizer")
-    check_launch(hvd.size())
+    start_frontend(HOROVOD_FRONTEND, "horovod", hvd.size())  # the launch fits; an uncaught exception ends the job
     if op is hvd.Adasum:  # stock's Adasum optimizer: it combines parameter deltas (none / fp16 only)
         return hvd.DistributedOptimizer(template(optimizer), named_parameters, adasum_compression(compression, hvd),
                                         backward_passes_per_step, op, gradient_predivide_factor, num_groups, groups,
@@ -385,7 +385,7 @@ DistributedOptimizer.__doc__ = """Wrap ``optimizer`` so that gradients are compr
             optimizer, a compressor that applies momentum (DGC) with an optimizer that also does,
             or ranks that disagree on any setting (raised on every rank, naming the difference).
         TypeError: unsupported ``compression`` or ``grad_scaler``.
-        RuntimeError: the launcher started several tasks but Horovod sees one (see :func:`hvdcomp.launch.check_launch`), or a method that messages
+        RuntimeError: the launcher started several tasks but Horovod sees one (see :func:`hvdcomp.launch.start_frontend`), or a method that messages
             ranks directly (gtopk, twophase) in a job without MPI (``horovodrun --gloo``).
 
     Example::

@@ -58,6 +58,7 @@ from ..agreement import NONFINITE_MODES, check_consistency
 from ..comm.exchange import MPIExchange
 from ..comm.group import Group
 from ..comm.step import StepComm, horovod_step_comm
+from ..launch import start_frontend
 from ..metrics import PhaseTimer
 from ..plan import BATCHED, TransportPlan
 from .averaging import ONEBIT_SPEC, Averaging
@@ -129,9 +130,10 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             fixed at construction and the variance frozen later, so one unfrozen afterwards could
             not train: pass the trainable ones only), ranks that disagree on the
             set-up (on every rank, naming the difference).
-        RuntimeError: Horovod is not initialised (without ``comm``), this process is outside
-            ``process_set``, or a job of several ranks without MPI point-to-point messages
-            (``horovodrun --gloo``).
+        RuntimeError: Horovod is not initialised (without ``comm``), the launcher started several
+            tasks that Horovod does not join (``torchrun``: :func:`hvdcomp.launch.start_frontend`),
+            this process is outside ``process_set``, or a job of several ranks without MPI
+            point-to-point messages (``horovodrun --gloo``).
     """
 
     #: leading steps run by the warm-up optimizer (set by subclasses)
@@ -167,6 +169,8 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.warmup = WarmupStage(self)
         self._sync_on_step, self._masks = True, {}
         self.group = None if comm is not None else Group(process_set)
+        if self.group is not None:  # (before any collective)
+            start_frontend(f"hvdcomp.adaptive_opt.{type(self).__name__}", "horovod", self.group.hvd.size())
         if self.group is not None and not self.group.included:
             raise RuntimeError(f"this process is not in process_set: build {type(self).__name__} on its "
                                "members only")

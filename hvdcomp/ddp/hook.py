@@ -73,12 +73,14 @@ import weakref
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.torchdist import TorchDistGroup
 from ..compressors.segments import needs_draw_order
 from ..config import check_method
+from ..launch import start_frontend
 from ..metrics import PhaseTimer
 from ..agreement import NONFINITE_MODES, check_consistency
 from ..spec import resolve_compression
@@ -419,7 +421,9 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
             unnamed parameters, ranks that disagree (raised on every rank), or a model built for
             DDP's Python reducer (``torch._dynamo.config.optimize_ddp = "python_reducer"``: see
             the module docstring).
-        RuntimeError: ``torch.distributed`` is not initialised.
+        RuntimeError: ``torch.distributed`` is not initialised, or the launcher started several tasks
+            and the default process group has one rank (:func:`hvdcomp.launch.start_frontend`,
+            which also makes an uncaught exception end the job).
 
     Example::
 
@@ -433,6 +437,8 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"hvdcomp.ddp.register needs a torch.nn.parallel.DistributedDataParallel model, got "
                         f"{type(ddp_model).__name__}: wrap it first, DistributedDataParallel(model)")
+    start_frontend("the DDP front-end (hvdcomp.ddp.register)", "torch.distributed",
+                   dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
     compression = resolve_compression(compression)
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be 'tensor' or 'bucket', got {granularity!r}")

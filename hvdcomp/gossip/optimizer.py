@@ -49,6 +49,7 @@ from ..agreement import NonFiniteGuard
 from ..metrics import PhaseTimer
 from ..transports.neighbor import NeighborTransport
 from ..comm.group import Group
+from ..launch import start_frontend
 from .base import GossipMethod, copy_params
 from .choco import ChocoGossip
 from .dcd import DCDGossip, ECDGossip
@@ -117,7 +118,8 @@ class GossipOptimizer:
             compressor, an unknown ``nonfinite``, a timeout that is not a positive number, ...)
             or the ranks disagree on method, topology, γ, compressor, ``overlap``, ``nonfinite``
             or the parameters' names, shapes and dtypes (the message names the rank and the field).
-        RuntimeError: Horovod not initialised, or no usable mpi4py world matching Horovod's.
+        RuntimeError: Horovod not initialised, or no usable mpi4py world matching Horovod's (under
+            ``torchrun`` or ``horovodrun --gloo``: :func:`hvdcomp.launch.start_frontend`).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None, method: str = "choco",
@@ -194,6 +196,7 @@ class GossipOptimizer:
             from mpi4py import MPI
         except ImportError as exc:
             raise RuntimeError(f"gossip needs mpi4py for its neighbour exchanges ({exc}); launch with mpirun") from exc
+        start_frontend("hvdcomp.gossip.GossipOptimizer", "mpi", MPI.COMM_WORLD.Get_size())
         if MPI.COMM_WORLD.Get_size() != hvd.size():
             raise RuntimeError(f"gossip exchanges through MPI, but the MPI world has {MPI.COMM_WORLD.Get_size()} "
                                f"ranks and Horovod {hvd.size()}: launch with mpirun or horovodrun --mpi")

@@ -63,6 +63,7 @@ from ..agreement import check_consistency, digest
 from ..comm.group import Group, horovod
 from ..compressors.base import Compressor, PayloadKind
 from ..config import check_method, name_parameters
+from ..launch import start_frontend
 from ..memory import Wrapper
 from ..metrics import PhaseTimer, RecordLog
 from ..spec import resolve_compression
@@ -217,7 +218,8 @@ class LocalUpdate(Checkpoints):
             on the set-up (H, ``chunk_size``, the outer optimizer's class and parameter-group
             settings, the wrapper and its own settings, the parameters), naming the differences
             (one object allgather; skipped with ``check_consistency=False``, as the pipeline's).
-        RuntimeError: Horovod is not initialised.
+        RuntimeError: Horovod is not initialised, or the launcher started several tasks that Horovod
+            does not join (:func:`hvdcomp.launch.start_frontend`; e.g. ``torchrun``).
     """
 
     algorithm = "local"
@@ -238,6 +240,7 @@ class LocalUpdate(Checkpoints):
         hvd = horovod()
         if not hvd.is_initialized():
             raise RuntimeError("Horovod is not initialised: call hvd.init() before building a local-update optimizer")
+        start_frontend(f"hvdcomp.local.{type(self).__name__}", "horovod", hvd.size())
         self.inner, self.local_steps, self.chunk_size = optimizer, local_steps, chunk_size
         self.prefix = f"hvdcomp.local.{next(_ids)}"
         self.timer = timer if timer is not None else PhaseTimer()

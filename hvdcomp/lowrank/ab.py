@@ -67,6 +67,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..comm.group import Group
+from ..launch import start_frontend
 from ..metrics import PhaseTimer
 from .factors import factorize, kept_rank, matrix_view, model_compression, unit_singular_values_
 from .layout import RankLayout, node_of_ranks
@@ -192,7 +193,8 @@ class ABTraining:
             mode, sync, orientation or scope, mode "ab" with fewer than 2 rank groups, ``comm``
             and ``process_set`` both given, ``groups`` and ``rank_groups`` both given, unknown
             ``full_rank`` names.
-        RuntimeError: mpi4py unusable (e.g. ``horovodrun --gloo``).
+        RuntimeError: mpi4py unusable, or the launcher started several tasks and the MPI world has
+            one rank (``torchrun``, ``horovodrun --gloo``: :func:`hvdcomp.launch.start_frontend`).
     """
 
     STAGES = STAGES
@@ -222,6 +224,7 @@ class ABTraining:
         except ImportError as exc:  # pragma: no cover
             raise RuntimeError(f"AB-training needs mpi4py: {exc}") from None
         self.MPI = MPI
+        start_frontend("hvdcomp.lowrank.ABTraining", "mpi", MPI.COMM_WORLD.Get_size())
         base, self.included = _job_comm(MPI, comm, process_set)
         self.world = base.Dup()
         if self.included:
