@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from .checks import check_bool, check_count, check_optional
+
 _profiling = torch._C._autograd._profiler_enabled  # (a C call: whether torch.profiler / emit_nvtx records)
 
 __all__ = ["PhaseTimer", "RecordLog", "PHASES", "write_json_atomic", "reduce_across_ranks"]
@@ -60,9 +62,8 @@ class RecordLog:
     __slots__ = ("limit", "head_size", "records", "head", "_rolled", "rolled_count")
 
     def __init__(self, limit: Optional[int] = 1000, head: int = 0):
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ValueError(f"history_limit must be an integer >= 1 or None (keep every record), got {limit!r}")
-        self.limit, self.head_size = limit, head
+        self.limit = check_optional(limit, check_count, "history_limit", 1, " or None (keep every record)")
+        self.head_size = head
         self.records: List[Dict[str, Any]] = []
         self.head: List[Dict[str, Any]] = []  # once records are rolled up: the first head_size ones
         self._rolled: Dict[str, float] = defaultdict(int)  # sums over records dropped from `records`
@@ -150,9 +151,9 @@ class PhaseTimer:
     def __init__(self, cuda_sync: Optional[bool] = None, clock=time.perf_counter, event_factory=None,
                  history_limit: Optional[int] = 1000):
         self._log = RecordLog(history_limit, head=self.HEAD)
-        self.history_limit = history_limit
+        self.history_limit = self._log.limit
         self.clock = clock
-        self.cuda_sync = bool(cuda_sync)
+        self.cuda_sync = bool(check_optional(cuda_sync, check_bool, "cuda_sync", " or None (events with CUDA)"))
         use_events = event_factory is not None or (cuda_sync is None and torch.cuda.is_available())
         self._event_factory = None
         if use_events:

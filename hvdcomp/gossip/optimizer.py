@@ -54,7 +54,7 @@ from .base import GossipMethod, copy_params
 from .choco import ChocoGossip
 from .dcd import DCDGossip, ECDGossip
 from .powergossip import PowerGossip
-from .scalars import as_scalar
+from ..checks import check_bool, check_range
 from .topology import make_topology
 
 __all__ = ["GossipOptimizer", "METHODS", "make_method"]
@@ -128,7 +128,7 @@ class GossipOptimizer:
                  **method_kwargs):
         self.optimizer = optimizer
         self.timer = PhaseTimer()
-        self.overlap = bool(overlap)
+        self.overlap = overlap  # (checked below, with the other settings every rank agrees on)
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self.group = Group(process_set)
@@ -143,15 +143,14 @@ class GossipOptimizer:
         self.rank, self.size = self.group.rank, self.group.size
         if not self.group.included:
             self._guard = NonFiniteGuard(nonfinite)
+            self.overlap = check_bool(overlap, "overlap")
             return  # (as Horovod: a rank outside the process set trains on its own)
         comm = self._communicator()
         error, record = None, None
         try:
             self._guard = NonFiniteGuard(nonfinite)
-            seconds = as_scalar(timeout)
-            if seconds is None or not seconds > 0:
-                raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-            timeout = seconds
+            self.overlap = check_bool(overlap, "overlap", " (run each exchange in the background until the next step)")
+            timeout = check_range(timeout, "timeout", 0.0, low_open=True, hint=" (seconds)")
         except ValueError as exc:
             error = exc
         self.transport = NeighborTransport(comm, timeout=300.0 if error is not None else timeout)

@@ -50,16 +50,17 @@ the CPU where the previous step's residual is recycled).
 from __future__ import annotations
 
 import contextlib
+import difflib
+import inspect
 import itertools
 import logging
-import math
-import numbers
 import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from ..agreement import check_consistency, digest
+from ..checks import check_count, check_real
 from ..comm.group import Group, horovod
 from ..compressors.base import Compressor, PayloadKind
 from ..config import check_method, name_parameters
@@ -98,34 +99,49 @@ def check_carries_delta(method, outer: torch.optim.Optimizer) -> None:
     check_method(method, outer, "tensor")
 
 
-def check_real(value, what: str, accept: Callable[[float], bool], rule: str, hint: str = "") -> float:
-    """``value`` as a float, if it is a real number (not a bool), finite, and ``accept(value)``.
-
-    Every numeric hyper-parameter of the local-update constructors goes through here, before
-    anything is built (so before any collective: the same arguments fail alike on every rank).
-
-    Raises:
-        ValueError: ``"{what} must be {rule}, got {value!r}{hint}"``: not a real number, NaN,
-            ±inf, or outside the range ``accept`` allows.
-    """
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value))
-    if not ok or not accept(float(value)):
-        raise ValueError(f"{what} must be {rule}, got {value!r}{hint}")
-    return float(value)
-
-
-def check_count(value, what: str, low: int, hint: str = "") -> int:
-    """``value`` if it is an integer (not a bool) >= ``low``.
-
-    Raises:
-        ValueError: ``"{what} must be an integer >= {low}, got {value!r}{hint}"``.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{what} must be an integer >= {low}, got {value!r}{hint}")
-    return int(value)
-
-
 _OUTER_LR_HINT = " (1.0 with momentum 0 is plain averaging of the ranks' parameters)"
+
+#: DistributedOptimizer's arguments a local-update wrapper sets itself (not passed through)
+_SET_BY_WRAPPER = ("optimizer", "named_parameters", "compression", "timer", "backward_passes_per_step")
+
+
+def accepted_arguments(cls) -> List[str]:
+    """The keyword arguments a local-update class takes: its own and its bases' constructors',
+    and the pipeline's (:func:`hvdcomp.DistributedOptimizer`'s, less those the wrapper sets)."""
+    names: List[str] = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None or klass is object:
+            continue
+        for p in inspect.signature(init).parameters.values():
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in ("self", "optimizer",
+                                                                                     "named_parameters") \
+                    and p.name not in names:
+                names.append(p.name)
+    names += [n for n in inspect.signature(DistributedOptimizer).parameters if n not in _SET_BY_WRAPPER + tuple(names)]
+    return names
+
+
+def check_pipeline_arguments(cls, pipeline: Dict[str, Any]) -> None:
+    """Refuse keyword arguments that neither the wrapper nor the pipeline takes, before anything is
+    built, naming the close matches and the accepted ones (``from_spec('co2:momentum=1')`` said
+    ``DistributedOptimizer() got an unexpected keyword argument 'momentum'``).
+
+    Raises:
+        ValueError: an unknown argument.
+    """
+    pipe = set(inspect.signature(DistributedOptimizer).parameters) - set(_SET_BY_WRAPPER)
+    unknown = [k for k in pipeline if k not in pipe]
+    if not unknown:
+        return
+    accepted = accepted_arguments(cls)
+    near = {k: difflib.get_close_matches(k, accepted, n=2, cutoff=0.5) for k in unknown}
+    hints = "; ".join(f"{k!r}: did you mean {' or '.join(map(repr, m))}?" for k, m in near.items() if m)
+    inner = [k for k in unknown if k in ("lr", "momentum", "weight_decay", "betas", "eps")]
+    raise ValueError(f"{cls.__name__} got unknown argument(s) {unknown}" + (f" ({hints})" if hints else "")
+                     + (f"; {inner} set the inner optimizer: give them to it (e.g. torch.optim.SGD(params, "
+                        f"lr=0.1)), or the outer_* arguments for the outer step" if inner else "")
+                     + f". Accepted: {accepted}")
 
 
 def check_outer_lr(outer: torch.optim.Optimizer) -> None:
@@ -229,6 +245,7 @@ class LocalUpdate(Checkpoints):
                  host_copy: Optional[bool] = None, timer: Optional[PhaseTimer] = None,
                  backward_passes_per_step: int = 1, chunk_size: Optional[int] = None,
                  history_limit: Optional[int] = 1000, **pipeline):
+        check_pipeline_arguments(type(self), pipeline)
         local_steps = check_count(local_steps, "local_steps (H, inner steps per round)", 1)
         if backward_passes_per_step != 1:
             raise ValueError("backward_passes_per_step must be 1 with local-update training: no step "
