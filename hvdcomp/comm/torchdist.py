@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .exchange import node_ids
+from .retain import retain
 from .step import StepComm, timed_step_comm
 
 __all__ = ["TorchDistGroup", "TorchDistExchange"]
@@ -63,16 +64,19 @@ class TorchDistGroup:
     # ---- asynchronous collectives (work handles: ``.wait()``) ---------------------------------------
     def all_reduce_async(self, tensor: torch.Tensor):
         """Start a summed ``all_reduce`` of ``tensor`` in place."""
+        retain(tensor)  # (every tensor handed to a collective: held until the backend lets go, retain.py)
         return self.dist.all_reduce(tensor, group=self.process_group, async_op=True)
 
     def all_gather_into_async(self, out: torch.Tensor, tensor: torch.Tensor):
         """Start gathering every rank's ``tensor`` (same size everywhere) into the 1-D ``out`` of
         ``size`` times its size, in rank order."""
+        retain(out, tensor)
         return self._gather_into(out, tensor, group=self.process_group, async_op=True)
 
     def all_gather_async(self, pieces: List[torch.Tensor], tensor: torch.Tensor):
         """Start gathering every rank's ``tensor`` (same size everywhere) into ``pieces`` (one per
         rank)."""
+        retain(*pieces, tensor)
         return self.dist.all_gather(pieces, tensor, group=self.process_group, async_op=True)
 
     # ---- small blocking collectives -----------------------------------------------------------------
@@ -82,6 +86,7 @@ class TorchDistGroup:
         if self.size == 1:
             return [mine.tolist()]
         every = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=self.device)
+        retain(mine, every)
         self._gather_into(every, mine, group=self.process_group)
         return every.view(self.size, -1).tolist()
 
@@ -107,6 +112,7 @@ class TorchDistGroup:
         ``× 1/N`` (Horovod's ``op=Average``)."""
         out = tensor.detach().clone()
         if self.size > 1:
+            retain(out)
             self.dist.all_reduce(out, group=self.process_group)
             out.mul_(1.0 / self.size)
         return out
@@ -116,6 +122,7 @@ class TorchDistGroup:
         every member), as a new tensor."""
         out = tensor.detach().clone()
         if self.size > 1:
+            retain(out)
             self.dist.broadcast(out, src=self.ranks[root], group=self.process_group)
         return out
 
@@ -190,11 +197,14 @@ class TorchDistExchange:
         d = self.dist
         out = {k: v.detach().cpu().contiguous().view(torch.uint8) for k, v in outgoing.items()}
         heads = {s: torch.empty(1, dtype=torch.int64) for s in sources}
-        works = [d.isend(self._header(v.numel()), self.ranks[k], group=self.group) for k, v in out.items()]
+        sizes = {k: self._header(v.numel()) for k, v in out.items()}
+        retain(*out.values(), *heads.values(), *sizes.values())
+        works = [d.isend(sizes[k], self.ranks[k], group=self.group) for k in out]
         works += [d.irecv(h, self.ranks[s], group=self.group) for s, h in heads.items()]
         for w in works:
             w.wait()
         bufs = {s: torch.empty(int(h[0]), dtype=torch.uint8) for s, h in heads.items()}
+        retain(*bufs.values())
         works = [d.isend(v, self.ranks[k], group=self.group) for k, v in out.items() if v.numel()]
         works += [d.irecv(b, self.ranks[s], group=self.group) for s, b in bufs.items() if b.numel()]
         for w in works:
