@@ -83,13 +83,13 @@ def check_real(value, what: str, accept: Optional[Callable[[float], bool]] = Non
 
 def real_rule(low: Optional[float] = None, high: Optional[float] = None, low_open: bool = False,
               high_open: bool = False) -> str:
-    """The words for a range: ``"a number in (0, 1]"``, ``"a number >= 0"``, ``"a finite number"``."""
+    """The words for a range: ``"in (0, 1]"``, ``">= 0 and finite"``, ``"a finite number"``."""
     if low is not None and high is not None:
-        return f"a number in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
     if low is not None:
-        return f"a finite number {'>' if low_open else '>='} {low:g}"
+        return f"{'>' if low_open else '>='} {low:g} and finite"
     if high is not None:
-        return f"a finite number {'<' if high_open else '<='} {high:g}"
+        return f"{'<' if high_open else '<='} {high:g} and finite"
     return "a finite number"
 
 
@@ -98,7 +98,7 @@ def check_range(value, what: str, low: Optional[float] = None, high: Optional[fl
     """:func:`check_real` within ``[low, high]`` (either end open, either end absent).
 
     Raises:
-        ValueError: e.g. ``"density must be a number in (0, 1], got 1.5 (e.g. density=0.01 keeps 1 %)"``.
+        ValueError: e.g. ``"density must be in (0, 1], got 1.5 (e.g. density=0.01 keeps 1 %)"``.
     """
     def accept(v: float) -> bool:
         if low is not None and (v <= low if low_open else v < low):
@@ -159,7 +159,7 @@ def check_choice(value, what: str, choices: Iterable[Any], hint: str = "") -> An
     except Exception:  # noqa: BLE001 - a value that cannot be compared is not a choice
         ok = False
     if not ok:
-        _fail(what, "one of " + ", ".join(repr(c) for c in choices), value, hint)
+        _fail(what, "one of " + ", ".join(c if isinstance(c, str) else repr(c) for c in choices), value, hint)
     return value
 
 

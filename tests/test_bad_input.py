@@ -56,8 +56,10 @@ def test_gossip_and_ab_training_under_mpirun():
 
 
 # ---- Hypothesis: numbers of every kind into every numeric argument -----------------------------------
+#: (a topology's size builds a size x size matrix: its table probes cover it, not 2^40 ranks)
 NUMERIC = [(name, arg) for name, ctor in sweep.CONSTRUCTORS.items() if ctor.group == "local"
-           for arg, domain in ctor.args.items() if isinstance(domain, (sweep.Real, sweep.Int))]
+           for arg, domain in ctor.args.items() if isinstance(domain, (sweep.Real, sweep.Int))
+           and (name, arg) != ("make_topology(complete)", "size")]
 
 
 finite_or_not = st.floats(allow_nan=True, allow_infinity=True, width=64)
@@ -110,12 +112,12 @@ def test_checks_by_hand():
         assert as_number(not_a_number) is None
     assert as_number(2.0, integer=True) is None and as_number(torch.tensor(2.0), integer=True) is None
     assert check_range(np.float64(0.25), "density", 0, 1, low_open=True) == 0.25
-    with pytest.raises(ValueError, match=r"density must be a number in \(0, 1\], got True \(e\.g"):
+    with pytest.raises(ValueError, match=r"density must be in \(0, 1\], got True \(e\.g"):
         check_range(True, "density", 0, 1, low_open=True, hint=" (e.g. density=0.01)")
     for bad in (float("nan"), float("inf"), -1.0, 0.0):
-        with pytest.raises(ValueError, match="density must be a number in"):
+        with pytest.raises(ValueError, match=r"density must be in \(0, 1\]"):
             check_range(bad, "density", 0, 1, low_open=True)
-    with pytest.raises(ValueError, match="eps must be a finite number >= 0, got -1"):
+    with pytest.raises(ValueError, match="eps must be >= 0 and finite, got -1"):
         check_range(-1, "eps", 0.0)
     assert check_int(np.int64(4), "levels", 1, 8) == 4 and type(check_int(np.int64(4), "levels", 1, 8)) is int
     with pytest.raises(ValueError, match=r"levels must be an integer in \[1, 8\], got 4.0"):
@@ -128,6 +130,6 @@ def test_checks_by_hand():
             check_bool(bad, "overlap")
     assert check_choice("exact", "select", ("exact", "sample")) == "exact"
     for bad in ("Exact", 1, True, None, ["exact"]):
-        with pytest.raises(ValueError, match="select must be one of 'exact', 'sample'"):
+        with pytest.raises(ValueError, match="select must be one of exact, sample, got"):
             check_choice(bad, "select", ("exact", "sample"))
     assert math.isclose(check_range(torch.tensor(0.7, dtype=torch.float64), "outer_lr", 0.0, low_open=True), 0.7)

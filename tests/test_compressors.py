@@ -132,12 +132,12 @@ def test_compressor_class_is_the_registered_class():
 
 @pytest.mark.parametrize("spec,match", [
     ("nosuch", "unknown compressor 'nosuch'"),
-    ("topk:density=0", r"density must be a number in \(0, 1\]"),
-    ("topk:density=1.5", r"density must be a number in \(0, 1\]"),
+    ("topk:density=0", r"density must be in \(0, 1\]"),
+    ("topk:density=1.5", r"density must be in \(0, 1\]"),
     ("topk:density", "malformed argument"),
     ("topk:levels=3", r"unknown argument\(s\) \['levels'\]"),
     ("topk:ef=maybe", "ef must be True or False"),
-    ("threshold:threshold=-1", "threshold must be a finite number > 0"),
+    ("threshold:threshold=-1", "threshold must be > 0 and finite"),
     ("", "non-empty"),
     ("topk:density=0.1,density=0.2", "'density' is given twice"),   # (took 0.2 before)
     ("topk:density=0.1, density =0.1", "'density' is given twice"),
