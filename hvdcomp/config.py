@@ -10,6 +10,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .agreement import NONFINITE_MODES
+from .checks import check_bool, check_choice, check_count, check_range
 from .comm.costmodel import CostModel
 from .compressors.fp16 import FP16Compressor
 from .compressors.none import NoneCompressor
@@ -149,45 +150,42 @@ class Settings:
             ValueError: as :func:`hvdcomp.DistributedOptimizer` documents (each message names
                 the fix).
         """
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
-        if nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"nonfinite must be 'skip', 'raise' or 'ignore', got {nonfinite!r}")
+        backward_passes_per_step = check_count(backward_passes_per_step, "backward_passes_per_step", 1)
+        check_choice(nonfinite, "nonfinite", NONFINITE_MODES)
         average, total = (hvd.Average, hvd.Sum) if hvd is not None else ("average", "sum")
         op = average if op is None else op
         if op not in (average, total):  # (hvd.Adasum is handed to stock Horovod before this)
             raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum, got {op!r}" if hvd is not None
                              else f"op must be 'average' or 'sum', got {op!r}")
-        gradient_predivide_factor = float(gradient_predivide_factor)
+        gradient_predivide_factor = check_range(gradient_predivide_factor, "gradient_predivide_factor", 0.0,
+                                                low_open=True)
         if gradient_predivide_factor != 1.0 and op is not average:
             raise ValueError("gradient_predivide_factor not supported with op != Average (as in Horovod)")
-        if not gradient_predivide_factor > 0:
-            raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
         if num_groups:
             warnings.warn("num_groups has been replaced by groups (as in Horovod)", DeprecationWarning)
             groups = num_groups if groups is None else groups
-        if groups is not None and not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
-            raise ValueError("groups should be a positive integer or a list of lists of torch.Tensor")
+        if groups is not None and not isinstance(groups, list):
+            groups = check_count(groups, "groups", 1, " (or a list of lists of the model's parameters)")
         if isinstance(groups, list) and any(not isinstance(p, torch.Tensor) for g in groups for p in g):
             raise ValueError("groups must consist of torch.Tensor (lists of the model's parameters)")
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be 'tensor' or 'bucket', got {granularity!r}")
-        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be a positive integer (bytes), e.g. 25 * 2**20; got {bucket_bytes!r}")
+        check_choice(granularity, "granularity", GRANULARITIES)
+        bucket_bytes = check_count(bucket_bytes, "bucket_bytes", 1, " (bytes, e.g. 25 * 2**20)")
+        sparse_as_dense = check_bool(sparse_as_dense, "sparse_as_dense")
+        check_consistency = check_bool(check_consistency, "check_consistency")
+        fuse_tensors = check_bool(fuse_tensors, "fuse_tensors")
         if not (cost_model in ("measure", "off") or isinstance(cost_model, CostModel)
                 or (isinstance(cost_model, (tuple, list)) and len(cost_model) == 2)):
             raise ValueError("cost_model must be 'measure', 'off', a CostModel or an (alpha_seconds, "
                              f"beta_seconds_per_byte) pair; got {cost_model!r}")
         if isinstance(cost_model, (tuple, list)):
             cost_model = CostModel(float(cost_model[0]), float(cost_model[1]))  # ValueError if out of range
-        if transport not in TRANSPORT_CHOICES:
-            raise ValueError(f"transport must be 'planned' or 'auto', got {transport!r}")
+        check_choice(transport, "transport", TRANSPORT_CHOICES)
         if transport == "auto" and cost_model == "off":
             raise ValueError("transport='auto' lets the cost model choose: give cost_model='measure' (default) "
                              "or (alpha_seconds, beta_seconds_per_byte), not 'off'")
-        return cls(backward_passes_per_step, op, gradient_predivide_factor, groups, bool(sparse_as_dense),
+        return cls(backward_passes_per_step, op, gradient_predivide_factor, groups, sparse_as_dense,
                    process_set, allgather, timer, nonfinite, check_consistency, bucket_bytes, cost_model,
-                   grad_scaler, granularity, bool(fuse_tensors), transport, op is total)
+                   grad_scaler, granularity, fuse_tensors, transport, op is total)
 
     def with_cost_model(self, model: CostModel) -> "Settings":
         """The same settings with a measured cost model (measured once, at construction)."""

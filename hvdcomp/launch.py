@@ -11,6 +11,7 @@ is single-process. Recognised launchers (:func:`detect_launch`, the name results
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import threading
 import traceback
@@ -19,8 +20,9 @@ from typing import Dict, Optional
 
 import torch
 
-__all__ = ["LaunchInfo", "detect_launch", "check_launch", "select_device", "abort_on_uncaught_exception",
-           "MPI_ENV", "recorded_env"]
+__all__ = ["LaunchInfo", "detect_launch", "launched_tasks", "check_launch", "check_frontend_launch",
+           "start_frontend", "launch_fix", "select_device", "abort_on_uncaught_exception", "MPI_ENV", "recorded_env",
+           "RUNTIMES", "ABORT_ENV"]
 
 
 def _read_env_file(path: str) -> Dict[str, str]:
@@ -123,7 +125,13 @@ def detect_launch(environ=None) -> LaunchInfo:
     return LaunchInfo("none", 0, 1, 0)
 
 
-_LAUNCH_FIXES = {
+#: what a front-end's ranks must join: Horovod (``hvd.init()``: hvdcomp.DistributedOptimizer and the
+#: modes built on it), an mpi4py world (``MPI.COMM_WORLD``: gossip's neighbour exchanges,
+#: AB-training), or a torch.distributed process group (the DDP front-end)
+RUNTIMES = ("horovod", "mpi", "torch.distributed")
+
+#: why Horovod saw one rank although the launcher started several, by launcher
+_HOROVOD_ALONE = {
     "slurm": "srun started the tasks without wiring them into one MPI job: use `srun --mpi=pmix` "
              "(Open MPI built with PMIx; `srun --mpi=list` shows the plugins your site has) or run "
              "`mpirun` inside the allocation",
@@ -136,35 +144,121 @@ _LAUNCH_FIXES = {
              "the mpirun of the MPI that Horovod and mpi4py were built against",
     "horovod-gloo": "horovodrun started the processes but Horovod initialised alone: do not set "
                     "HOROVOD_CONTROLLER/HOROVOD_CPU_OPERATIONS by hand under horovodrun",
-    "torchrun": "torchrun starts torch.distributed ranks, which Horovod does not join: launch the Horovod "
-                "front-end with mpirun or horovodrun, or under torchrun use the DDP front-end "
-                "(hvdcomp.ddp.register; train_lm.py --frontend ddp)",
-    "env": "RANK/WORLD_SIZE describe a torch.distributed job, which Horovod does not join: launch the "
-           "Horovod front-end with mpirun or horovodrun, or use the DDP front-end (hvdcomp.ddp.register)",
 }
+
+#: each launcher as a user knows it (messages)
+LAUNCHER_NAMES = {"torchrun": "torchrun", "horovodrun": "horovodrun", "horovod-gloo": "horovodrun --gloo",
+                  "openmpi": "mpirun", "mpich": "mpirun (MPICH/Hydra)", "slurm": "srun",
+                  "env": "a launcher that sets RANK/WORLD_SIZE", "none": "python"}
+
+#: the Horovod front-end's name in messages (it alone has a DDP counterpart)
+HOROVOD_FRONTEND = "the Horovod front-end (hvdcomp.DistributedOptimizer)"
+
+
+def _script() -> str:
+    """This process's command line as a user would retype it (``python train.py --lr 0.1``)."""
+    argv = [a for a in sys.argv if a] or ["train.py"]
+    if argv[0] in ("-c", "-m"):
+        argv = ["train.py"]
+    return "python " + " ".join(shlex.quote(a) for a in argv)
+
+
+def launch_fix(launcher: str, runtime: str, frontend: str, tasks: int) -> str:
+    """The sentence that says why ``frontend`` (which runs on ``runtime``, one of
+    :data:`RUNTIMES`) sees one rank when ``launcher`` started ``tasks`` tasks, and the command
+    that would work."""
+    cmd, name = _script(), LAUNCHER_NAMES.get(launcher, launcher)
+    mpi = f"`mpirun -np {tasks} {cmd}` or `horovodrun -np {tasks} {cmd}`"
+    if runtime == "torch.distributed":
+        if launcher in ("torchrun", "env"):
+            return ("the default process group has one rank: call torch.distributed.init_process_group(backend) "
+                    "without rank= and world_size= (torchrun sets RANK and WORLD_SIZE), or "
+                    "hvdcomp.ddp.init_process_group()")
+        return (f"{name} started the processes but no torch.distributed process group joins them: call "
+                f"hvdcomp.ddp.init_process_group() before DistributedDataParallel(model) (it reads {name}'s "
+                f"rank variables), or launch with `torchrun --nproc_per_node {tasks} {cmd[len('python '):]}`")
+    if launcher in ("torchrun", "env"):
+        who = "torchrun" if launcher == "torchrun" else "RANK/WORLD_SIZE (set by the launcher)"
+        fix = (f"{who} starts torch.distributed ranks, which Horovod and MPI do not join: launch {frontend} "
+               f"with {mpi}")
+        if frontend == HOROVOD_FRONTEND:
+            fix += ", or under torchrun use the DDP front-end (hvdcomp.ddp.register; train_lm.py --frontend ddp)"
+        return fix
+    if runtime == "mpi":
+        if launcher == "horovod-gloo":
+            return (f"horovodrun --gloo starts no MPI job, and {frontend} exchanges through mpi4py: run "
+                    f"`horovodrun -np {tasks} {cmd}` without --gloo, or `mpirun -np {tasks} {cmd}`")
+        return (f"{name} started the processes but mpi4py's MPI world has one rank: build mpi4py against "
+                f"the MPI of this mpirun (`python -c 'import mpi4py; print(mpi4py.get_config())'`) and launch "
+                f"with `mpirun -np {tasks} {cmd}`")
+    return _HOROVOD_ALONE[launcher]
+
+
+def launched_tasks(environ=None) -> LaunchInfo:
+    """:func:`detect_launch`, with ``size`` the number of tasks of this launch (under ``srun``
+    the step's, ``SLURM_STEP_NUM_TASKS``, rather than the allocation's)."""
+    env = os.environ if environ is None else environ
+    info = detect_launch(env)
+    if info.launcher == "slurm":
+        info.size = int(env.get("SLURM_STEP_NUM_TASKS", info.size))
+    return info
+
+
+def check_frontend_launch(frontend: str, runtime: str, size: int, environ=None) -> LaunchInfo:
+    """Refuse a launch that cannot work for ``frontend``: the launcher started N > 1 tasks but
+    the runtime the front-end joins sees one rank, so each task would train its own copy of the
+    model (e.g. the Horovod front-end or a local-update mode under ``torchrun``; gossip or
+    AB-training under ``horovodrun --gloo``; the DDP front-end under ``mpirun`` with a process
+    group of one rank).
+
+    Args:
+        frontend: the front-end's name, for the message (e.g. ``"hvdcomp.local.DiLoCo"``).
+        runtime: what its ranks join, one of :data:`RUNTIMES`.
+        size: the ranks that runtime sees (``hvd.size()``, ``MPI.COMM_WORLD.Get_size()``,
+            ``torch.distributed.get_world_size()``; 1 where it is not initialised).
+        environ: the environment to read (``os.environ`` by default).
+
+    Returns:
+        The launch (:func:`launched_tasks`).
+
+    Raises:
+        RuntimeError: naming the launcher, the task count, the front-end and the command that
+            would work (:func:`launch_fix`).
+        ValueError: an unknown ``runtime``.
+    """
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
+    info = launched_tasks(environ)
+    if info.size > 1 and size == 1:
+        seen = {"horovod": "Horovod", "mpi": "the MPI world (mpi4py)",
+                "torch.distributed": "torch.distributed"}[runtime]
+        raise RuntimeError(f"the launcher ({LAUNCHER_NAMES.get(info.launcher, info.launcher)}) started {info.size} "
+                           f"tasks but {seen} sees 1 rank, "
+                           f"so each task would train its own copy of the model with {frontend}: "
+                           f"{launch_fix(info.launcher, runtime, frontend, info.size)}")
+    return info
 
 
 def check_launch(horovod_size: int, environ=None) -> None:
-    """Refuse to train N independent copies: the launcher started several tasks, Horovod sees one.
+    """:func:`check_frontend_launch` for the Horovod front-end (``horovod_size``: ``hvd.size()``)."""
+    check_frontend_launch(HOROVOD_FRONTEND, "horovod", horovod_size, environ)
 
-    Args:
-        horovod_size: ``hvd.size()`` after ``hvd.init()``.
-        environ: the environment to read (``os.environ`` by default).
 
-    Raises:
-        RuntimeError: the launcher's variables (torchrun, SLURM, Open MPI, PMI, Horovod Gloo; see
-            :func:`detect_launch`) give a job of N > 1 tasks but Horovod has one rank; the
-            message names the launcher and the likely fix.
+def start_frontend(frontend: str, runtime: str, size: int, environ=None) -> LaunchInfo:
+    """What every front-end does at construction, before any collective: refuse a launch that
+    cannot work (:func:`check_frontend_launch`), then make an uncaught exception on this rank
+    end the whole job (:func:`abort_on_uncaught_exception`) unless the environment sets
+    ``HVDCOMP_ABORT_ON_EXCEPTION=0``. Idempotent; called by ``hvdcomp.DistributedOptimizer``,
+    ``hvdcomp.ddp.register``, the modes of ``hvdcomp.local`` and ``hvdcomp.adaptive_opt``,
+    ``hvdcomp.gossip.GossipOptimizer`` and ``hvdcomp.lowrank.ABTraining``.
+
+    Args, Returns, Raises: as :func:`check_frontend_launch`.
     """
     env = os.environ if environ is None else environ
-    info = detect_launch(env)
-    size = info.size
-    if info.launcher == "slurm":  # the step's own task count (SLURM_NTASKS may be the allocation's)
-        size = int(env.get("SLURM_STEP_NUM_TASKS", size))
-    if size > 1 and horovod_size == 1:
-        raise RuntimeError(f"the launcher ({info.launcher}) started {size} tasks but Horovod sees 1 "
-                           f"rank, so each task would train its own copy of the model: "
-                           f"{_LAUNCH_FIXES[info.launcher]}")
+    info = check_frontend_launch(frontend, runtime, size, env)
+    if env.get(ABORT_ENV, "1").strip().lower() not in ("0", "false", "no", "off"):
+        abort_on_uncaught_exception(env)
+    return info
 
 
 def select_device(prefer: str = "auto", local_rank: Optional[int] = None) -> torch.device:
@@ -189,33 +283,81 @@ def select_device(prefer: str = "auto", local_rank: Optional[int] = None) -> tor
     return torch.device("cuda", index)
 
 
-def abort_on_uncaught_exception() -> None:
-    """Make an uncaught exception on any rank end the whole MPI job at once.
+#: the environment variable that turns the front-ends' abort-on-exception off (``0``)
+ABORT_ENV = "HVDCOMP_ABORT_ON_EXCEPTION"
+_abort_hook = None  # the installed hook (once per process)
 
-    Without this, ranks blocked in a collective wait for the failed rank until the launcher
-    notices its exit (or forever, if the exception is raised in a thread). The hook prints the
-    traceback with the rank, then calls ``MPI.COMM_WORLD.Abort(1)`` when more than one rank runs
-    under an MPI launcher (:data:`MPI_LAUNCHERS`; under torchrun the process exits and torchrun's
-    agent stops the others).
-    Installs ``sys.excepthook`` and ``threading.excepthook``; idempotent.
+
+def _end_job(info: LaunchInfo) -> None:
+    """End this rank so that the launcher ends the others: ``MPI_Abort`` on the world where MPI
+    runs this job (mpirun, horovodrun over MPI, an MPI job under srun), else exit status 1
+    without the interpreter's finalization (torchrun's agent then stops the other workers)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not keep the job alive
+            pass
+    if info.size > 1 and info.launcher in MPI_LAUNCHERS:
+        try:
+            mpi = sys.modules.get("mpi4py.MPI")
+            if mpi is None:  # Horovod may run MPI without mpi4py imported: join its MPI, never start one
+                hvd = sys.modules.get("horovod.torch")
+                if hvd is not None and hvd.is_initialized() and hvd.mpi_enabled() and hvd.mpi_built():
+                    from mpi4py import MPI as mpi
+            if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+                mpi.COMM_WORLD.Abort(1)
+        except Exception:  # noqa: BLE001 - no MPI to abort: the launcher ends the job when this rank exits
+            pass
+    os._exit(1)
+
+
+def abort_on_uncaught_exception(environ=None) -> bool:
+    """Make an uncaught exception on this rank end the whole job at once, instead of leaving the
+    other ranks waiting in a collective for this one (under ``mpirun`` until an outside timeout:
+    ``MPI_Finalize`` at this rank's exit waits for them too).
+
+    The front-ends install it at construction (:func:`start_frontend`; opt out with
+    ``HVDCOMP_ABORT_ON_EXCEPTION=0``). It wraps ``sys.excepthook`` and ``threading.excepthook``:
+    on an uncaught exception (in any thread; ``SystemExit`` in a thread excepted, as Python
+    ignores it) it writes a line naming the rank, calls the hook it replaced (so the traceback
+    prints as before, or a hook of the user's runs), then ends the job: ``MPI_Abort`` where
+    MPI runs the job (:data:`MPI_LAUNCHERS`), else an immediate exit with status 1, skipping the
+    interpreter's finalization (under ``torchrun`` the agent then stops the other workers).
+    Open files the script did not close are not flushed on that path.
+
+    Installed once per process, and only in a job of several ranks (one rank has no one to wait
+    for). Returns whether the hook is installed.
     """
-    if getattr(sys.excepthook, "_hvdcomp", False):
-        return
-    info = detect_launch()
+    global _abort_hook
+    if _abort_hook is not None:
+        return True
+    info = launched_tasks(environ)
+    if info.size <= 1:
+        return False
+    previous_sys, previous_thread = sys.excepthook, threading.excepthook
+    header = (f"hvdcomp: rank {info.rank} of {info.size} ({LAUNCHER_NAMES.get(info.launcher, info.launcher)}) "
+              f"failed with an uncaught exception; "
+              f"ending the whole job ({ABORT_ENV}=0 leaves it to the launcher):\n")
 
     def hook(exc_type, exc, tb):
-        sys.stderr.write(f"hvdcomp: rank {info.rank} of {info.size} failed; aborting the job:\n")
-        traceback.print_exception(exc_type, exc, tb, file=sys.stderr)
-        sys.stderr.flush()
-        if info.size > 1 and info.launcher in MPI_LAUNCHERS:
-            try:
-                from mpi4py import MPI
+        try:
+            sys.stderr.write(header)
+            previous_sys(exc_type, exc, tb)
+        except Exception:  # noqa: BLE001 - still end the job
+            traceback.print_exception(exc_type, exc, tb)
+        _end_job(info)
 
-                MPI.COMM_WORLD.Abort(1)
-            except Exception:  # noqa: BLE001 - no MPI: the launcher ends the job when we exit
-                pass
-        os._exit(1)
+    def thread_hook(args):
+        if args.exc_type is SystemExit:
+            return previous_thread(args)
+        try:
+            sys.stderr.write(header.replace("exception;", f"exception in thread {getattr(args.thread, 'name', '?')};"))
+            previous_thread(args)
+        except Exception:  # noqa: BLE001
+            traceback.print_exception(args.exc_type, args.exc_value, args.exc_traceback)
+        _end_job(info)
 
-    hook._hvdcomp = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
-    threading.excepthook = lambda args: hook(args.exc_type, args.exc_value, args.exc_traceback)
+    hook._hvdcomp = thread_hook._hvdcomp = True  # type: ignore[attr-defined]
+    sys.excepthook, threading.excepthook = hook, thread_hook
+    _abort_hook = hook
+    return True

@@ -27,11 +27,91 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from .checks import check_bool, check_count, check_optional
+
 _profiling = torch._C._autograd._profiler_enabled  # (a C call: whether torch.profiler / emit_nvtx records)
 
-__all__ = ["PhaseTimer", "PHASES", "write_json_atomic", "reduce_across_ranks"]
+__all__ = ["PhaseTimer", "RecordLog", "PHASES", "write_json_atomic", "reduce_across_ranks"]
 
 PHASES = ("compute", "compress", "communicate", "decompress")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class RecordLog:
+    """Records (dicts) appended one per step or round, held in bounded memory: the last ``limit``
+    in :attr:`records`, older ones rolled up into per-key sums of their numbers, so :meth:`sums`
+    and ``len()`` cover every record ever appended however long the run. The one roll-up of
+    :class:`PhaseTimer` (step records) and of the local-update optimizers (round records).
+
+    Records are rolled up in batches, once ``2·limit`` are held (amortised O(1) per append; at
+    most ``2·limit`` records are ever held). Booleans and non-numbers are kept in the records
+    but not summed.
+
+    Args:
+        limit: records kept (the most recent); None keeps every one.
+        head: the first ``head`` records are kept aside when the first ones are rolled up
+            (:attr:`head`), so that sums can leave out warm-up records.
+
+    Raises:
+        ValueError: ``limit`` not an integer ≥ 1 (or None).
+    """
+
+    __slots__ = ("limit", "head_size", "records", "head", "_rolled", "rolled_count")
+
+    def __init__(self, limit: Optional[int] = 1000, head: int = 0):
+        self.limit = check_optional(limit, check_count, "history_limit", 1, " or None (keep every record)")
+        self.head_size = head
+        self.records: List[Dict[str, Any]] = []
+        self.head: List[Dict[str, Any]] = []  # once records are rolled up: the first head_size ones
+        self._rolled: Dict[str, float] = defaultdict(int)  # sums over records dropped from `records`
+        self.rolled_count = 0
+
+    def append(self, record: Dict[str, Any]) -> None:
+        """Add ``record``; roll the oldest up once ``2·limit`` are held."""
+        self.records.append(record)
+        if self.limit is not None and len(self.records) >= 2 * self.limit:
+            if not self.rolled_count:
+                self.head = self.records[:self.head_size]
+            dropped, self.records = self.records[:-self.limit], self.records[-self.limit:]
+            self.rolled_count += len(dropped)
+            for r in dropped:
+                for k, v in r.items():
+                    if _is_number(v):
+                        self._rolled[k] += v
+
+    def replace(self, records: List[Dict[str, Any]]) -> None:
+        """Hold exactly ``records`` (nothing rolled up)."""
+        self.records, self.head, self.rolled_count = list(records), [], 0
+        self._rolled = defaultdict(int)
+
+    def __len__(self) -> int:
+        """Records appended so far (held or rolled up)."""
+        return self.rolled_count + len(self.records)
+
+    def sums(self) -> Dict[str, float]:
+        """Per-key sums of the numbers over every record appended."""
+        out: Dict[str, float] = defaultdict(int, self._rolled)
+        for r in self.records:
+            for k, v in r.items():
+                if _is_number(v):
+                    out[k] += v
+        return dict(out)
+
+    def first(self, n: int) -> List[Dict[str, Any]]:
+        """The first ``n`` records appended.
+
+        Raises:
+            ValueError: ``n`` > ``head`` once records were rolled up.
+        """
+        if not self.rolled_count:
+            return self.records[:n]
+        if n > self.head_size:
+            raise ValueError(f"skip_first={n}: only the first {self.head_size} records are kept once older ones "
+                             "are rolled up (history_limit)")
+        return self.head[:n]
 
 
 class PhaseTimer:
@@ -70,24 +150,27 @@ class PhaseTimer:
 
     def __init__(self, cuda_sync: Optional[bool] = None, clock=time.perf_counter, event_factory=None,
                  history_limit: Optional[int] = 1000):
-        if history_limit is not None and (isinstance(history_limit, bool) or not isinstance(history_limit, int)
-                                          or history_limit < 1):
-            raise ValueError(f"history_limit must be an integer >= 1 or None (keep every record), got {history_limit!r}")
-        self.history_limit = history_limit
-        self._head: List[Dict[str, Any]] = []      # once records are rolled up: the first HEAD ones
-        self._rolled: Dict[str, float] = defaultdict(float)  # sums over records dropped from history
-        self._rolled_steps = 0
+        self._log = RecordLog(history_limit, head=self.HEAD)
+        self.history_limit = self._log.limit
         self.clock = clock
-        self.cuda_sync = bool(cuda_sync)
+        self.cuda_sync = bool(check_optional(cuda_sync, check_bool, "cuda_sync", " or None (events with CUDA)"))
         use_events = event_factory is not None or (cuda_sync is None and torch.cuda.is_available())
         self._event_factory = None
         if use_events:
             self._event_factory = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
-        self.history: List[Dict[str, Any]] = []
         self._phases: Dict[str, "_Phase"] = {}
         self._stack: List[list] = []  # [name, start_of_current_slice, profiler range or None]
         self._marks: List[tuple] = []  # events mode: (event, phase charged for the slice ending here)
         self._begin_step_values()
+
+    @property
+    def history(self) -> List[Dict[str, Any]]:
+        """The most recent step records (at most ``2·history_limit``; :class:`RecordLog`)."""
+        return self._log.records
+
+    @history.setter
+    def history(self, records: List[Dict[str, Any]]) -> None:
+        self._log.replace(records)
 
     @property
     def uses_events(self) -> bool:
@@ -187,22 +270,14 @@ class PhaseTimer:
         rec["bytes_sent"] = self.bytes_sent
         rec["bytes_received"] = self.bytes_received
         rec["dense_bytes"] = self.dense_bytes
-        self.history.append(rec)
-        if self.history_limit is not None and len(self.history) >= 2 * self.history_limit:
-            if not self._rolled_steps:
-                self._head = self.history[:self.HEAD]
-            dropped, self.history = self.history[:-self.history_limit], self.history[-self.history_limit:]
-            self._rolled_steps += len(dropped)
-            for r in dropped:
-                for k, v in r.items():
-                    self._rolled[k] += v
+        self._log.append(rec)
         self._begin_step_values()
         return rec
 
     @property
     def steps(self) -> int:
         """Steps ended so far (in :attr:`history` or rolled up)."""
-        return self._rolled_steps + len(self.history)
+        return len(self._log)
 
     def sums(self, skip_first: int = 0) -> Dict[str, float]:
         """Per-key sums (seconds, bytes) over every ended step but the first ``skip_first``.
@@ -210,18 +285,12 @@ class PhaseTimer:
         Raises:
             ValueError: ``skip_first`` larger than :attr:`HEAD` once old records were rolled up.
         """
-        out: Dict[str, float] = defaultdict(float, self._rolled)
-        for r in self.history:
+        out = self._log.sums()
+        for r in self._log.first(skip_first) if skip_first else ():
             for k, v in r.items():
-                out[k] += v
-        if skip_first:
-            if skip_first > self.HEAD and self._rolled_steps:
-                raise ValueError(f"skip_first={skip_first}: only the first {self.HEAD} step records are kept "
-                                 "once older ones are rolled up (history_limit)")
-            for r in (self._head if self._rolled_steps else self.history)[:skip_first]:
-                for k, v in r.items():
+                if k in out and _is_number(v):
                     out[k] -= v
-        return dict(out)
+        return out
 
     def totals(self, skip_first: int = 0) -> Dict[str, float]:
         """Per-step means (seconds, bytes) over every ended step but the first ``skip_first``

@@ -35,7 +35,7 @@ from .comm import resolve_group
 from .comm.group import HorovodGroup, horovod
 from .config import (ARGUMENTS_DOC, DEFAULT_BUCKET_BYTES, OPTIMIZER_ENV, Settings, adasum_compression, check_method,
                      name_parameters)
-from .launch import check_launch
+from .launch import HOROVOD_FRONTEND, start_frontend
 from .metrics import PhaseTimer
 from .rebuild import keeping_class, template
 from .spec import resolve_compression
@@ -224,7 +224,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     hvd = horovod()
     if not hvd.is_initialized():  # ValueError, the type stock Horovod raises here
         raise ValueError("Horovod is not initialised: call hvd.init() before hvdcomp.DistributedOptimizer")
-    check_launch(hvd.size())
+    start_frontend(HOROVOD_FRONTEND, "horovod", hvd.size())  # the launch fits; an uncaught exception ends the job
     if op is hvd.Adasum:  # stock's Adasum optimizer: it combines parameter deltas (none / fp16 only)
         return hvd.DistributedOptimizer(template(optimizer), named_parameters, adasum_compression(compression, hvd),
                                         backward_passes_per_step, op, gradient_predivide_factor, num_groups, groups,
@@ -240,7 +240,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 
 
 def distributed(optimizer: torch.optim.Optimizer, named_parameters=None, compression="none", where=None,
-                **settings) -> torch.optim.Optimizer:
+                frontend: str = "hvdcomp.DistributedOptimizer", **settings) -> torch.optim.Optimizer:
     """:func:`DistributedOptimizer` over whichever group the job runs on
     (:func:`hvdcomp.comm.resolve_group` of ``where``: a Horovod process set, a ``torch.distributed``
     process group, or None), for the training modes that run under either launcher.
@@ -249,7 +249,7 @@ def distributed(optimizer: torch.optim.Optimizer, named_parameters=None, compres
         RuntimeError: no process group (:func:`hvdcomp.comm.resolve_group`).
         ValueError, TypeError: as :func:`DistributedOptimizer`.
     """
-    group = resolve_group(where)
+    group = resolve_group(where, frontend=frontend)
     hvd = getattr(group, "hvd", None)
     s = Settings.validate(hvd, process_set=where if hvd is not None else None, **settings)
     return wrap(optimizer, named_parameters, compression, s, group)
@@ -302,7 +302,7 @@ DistributedOptimizer.__doc__ = """Wrap ``optimizer`` so that gradients are compr
             optimizer, a compressor that applies momentum (DGC) with an optimizer that also does,
             or ranks that disagree on any setting (raised on every rank, naming the difference).
         TypeError: unsupported ``compression`` or ``grad_scaler``.
-        RuntimeError: the launcher started several tasks but Horovod sees one (see :func:`hvdcomp.launch.check_launch`), or a method that messages
+        RuntimeError: the launcher started several tasks but Horovod sees one (see :func:`hvdcomp.launch.start_frontend`), or a method that messages
             ranks directly (gtopk, twophase) in a job without MPI (``horovodrun --gloo``).
 
     Example::

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+from .checks import check_bool, check_optional
 from .compressors.base import Compressor, Method
 from .compressors.fp16 import FP16Compressor
 from .compressors.none import NoneCompressor
@@ -84,8 +85,7 @@ def get_compressor(spec: str, **kwargs: Any):
     ef = spec_kwargs.pop("ef", None)
     if ef is True and cls.builtin_error_feedback:
         raise ValueError(f"'{name}' keeps its own residual (error feedback is built in); drop ef=true")
-    if ef is not None and not isinstance(ef, bool):
-        raise ValueError(f"ef must be true or false, got {ef!r}")
+    ef = check_optional(ef, check_bool, "ef", " (error feedback: ef=true or ef=false)")
     method = create(name, **spec_kwargs)
     if ef is None:  # the instance's default: a wrapper (adaptive) takes its base method's
         ef = method.default_error_feedback

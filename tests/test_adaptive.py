@@ -198,7 +198,7 @@ def test_state_round_trip_and_rollback():
     ("adaptive:base=topk,budget=0.01,density=0.1", "give the uniform value as budget="),
     ("adaptive:base=topk,budget=0.01,every=0", "every must be"),
     ("adaptive:base=topk,budget=0.01,candidates=a/b", "candidates must be numbers"),
-    ("adaptive:base=topk,budget=2", "density must be in"),
+    ("adaptive:base=topk,budget=2", "budget must be in"),
 ])
 def test_bad_arguments(spec, match):
     with pytest.raises(ValueError, match=match):

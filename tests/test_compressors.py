@@ -136,8 +136,8 @@ def test_compressor_class_is_the_registered_class():
     ("topk:density=1.5", r"density must be in \(0, 1\]"),
     ("topk:density", "malformed argument"),
     ("topk:levels=3", r"unknown argument\(s\) \['levels'\]"),
-    ("topk:ef=maybe", "ef must be true or false"),
-    ("threshold:threshold=-1", "positive"),
+    ("topk:ef=maybe", "ef must be True or False"),
+    ("threshold:threshold=-1", "threshold must be > 0 and finite"),
     ("", "non-empty"),
     ("topk:density=0.1,density=0.2", "'density' is given twice"),   # (took 0.2 before)
     ("topk:density=0.1, density =0.1", "'density' is given twice"),

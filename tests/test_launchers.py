@@ -4,13 +4,14 @@ must reach the same validation perplexity, and each records its launcher. Which 
 a process (hvdcomp.launch.detect_launch), from the variables each sets and from real launches."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 
 import pytest
 
-from hvdcomp.launch import HOROVODRUN_OMPI, check_launch, detect_launch
+from hvdcomp.launch import HOROVODRUN_OMPI, check_frontend_launch, check_launch, detect_launch
 from mpirun import MPI_ENV, ROOT, TINY_SHAKESPEARE
 
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -75,6 +76,70 @@ def test_horovod_under_torchrun_is_refused_naming_the_ddp_front_end():
         check_launch(1, TORCHRUN_ENV)
     assert "hvdcomp.ddp.register" in str(err.value) and "torchrun" in str(err.value)
     check_launch(2, TORCHRUN_ENV)
+
+
+HOROVOD_GLOO_ENV = {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "1"}
+
+
+@pytest.mark.parametrize("env,runtime,frontend,fragments", [
+    # the Horovod/MPI modes under torchrun: the MPI command; the DDP front-end only for the Horovod front-end
+    (TORCHRUN_ENV, "horovod", "hvdcomp.local.DiLoCo", ["(torchrun) started 2 tasks but Horovod sees 1 rank",
+                                                      "launch hvdcomp.local.DiLoCo with `mpirun -np 2 python"]),
+    (TORCHRUN_ENV, "mpi", "hvdcomp.gossip.GossipOptimizer", ["the MPI world (mpi4py) sees 1 rank", "`horovodrun -np 2"]),
+    ({k: TORCHRUN_ENV[k] for k in ("RANK", "WORLD_SIZE")}, "horovod", "hvdcomp.adaptive_opt.OneBitAdam",
+     ["RANK/WORLD_SIZE", "`mpirun -np 2"]),
+    # mpi4py under horovodrun --gloo: no MPI job
+    (HOROVOD_GLOO_ENV, "mpi", "hvdcomp.lowrank.ABTraining", ["(horovodrun --gloo) started 2 tasks",
+                                                            "without --gloo, or `mpirun -np 2"]),
+    # the DDP front-end with a process group of one rank
+    (OMPI_ENV, "torch.distributed", "the DDP front-end", ["(mpirun) started 2 tasks but torch.distributed sees 1",
+                                                          "hvdcomp.ddp.init_process_group()", "`torchrun --nproc_per_node 2"]),
+    (SRUN_ENV, "torch.distributed", "the DDP front-end", ["(srun)", "hvdcomp.ddp.init_process_group()"]),
+    (TORCHRUN_ENV, "torch.distributed", "the DDP front-end", ["without rank= and world_size="]),
+    (OMPI_ENV, "mpi", "hvdcomp.gossip.GossipOptimizer", ["mpi4py.get_config()"]),
+])
+def test_each_front_end_refuses_a_launch_that_cannot_work(env, runtime, frontend, fragments):
+    """A launcher that started 2 tasks and a front-end whose runtime sees 1 rank: refused with the
+    launcher, the front-end and the command that works; the same launch is accepted when the
+    runtime sees the 2 ranks (and any launch of one task is)."""
+    with pytest.raises(RuntimeError, match="would train its own copy of the model with") as err:
+        check_frontend_launch(frontend, runtime, 1, env)
+    for fragment in fragments:
+        assert fragment in str(err.value), (fragment, str(err.value))
+    assert "hvdcomp.ddp.register" not in str(err.value)  # (only the Horovod front-end has a DDP counterpart)
+    assert check_frontend_launch(frontend, runtime, 2, env).size == 2
+    assert check_frontend_launch(frontend, runtime, 1, {}).launcher == "none"
+    with pytest.raises(ValueError, match="runtime must be one of"):
+        check_frontend_launch(frontend, "nccl", 1, env)
+
+
+def test_real_launches_refuse_what_cannot_work():
+    """Started for real at 2 ranks (tests/launch_checks.py). Under torchrun, every Horovod/MPI
+    front-end is refused naming `mpirun -np 2` (before: OneBitAdam, GossipOptimizer and
+    ABTraining were accepted, each rank training alone; DiLoCo was refused only by its inner
+    DistributedOptimizer, naming the DDP front-end, which has no DiLoCo) and the DDP front-end
+    accepted. Under mpirun, the DDP front-end on a process group of one rank per process is
+    refused naming hvdcomp.ddp.init_process_group() (before: accepted) and the Horovod one accepted."""
+    script = os.path.join(ROOT, "tests", "launch_checks.py")
+    env = {**os.environ, **MPI_ENV, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    bindir = os.path.dirname(sys.executable)
+    runs = {"torchrun": [os.path.join(bindir, "torchrun"), "--standalone", "--nproc_per_node", "2", script, "torchrun"],
+            "mpirun": ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, script, "mpirun"]}
+    out = {}
+    for name, cmd in runs.items():
+        res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+                             timeout=180)
+        assert res.returncode == 0, (cmd, res.stdout[-3000:])
+        out[name] = res.stdout  # (the ranks' lines may interleave: count occurrences)
+    for frontend in ("DistributedOptimizer", "DiLoCo", "OneBitAdam", "GossipOptimizer", "ABTraining"):
+        refused = re.findall(rf"REFUSED {frontend}: .*?`mpirun -np 2 python", out["torchrun"])
+        assert len(refused) == 2 and f"ACCEPTED {frontend}" not in out["torchrun"], (frontend, out["torchrun"][-3000:])
+    assert out["torchrun"].count("ACCEPTED ddp.register") == 2, out["torchrun"][-3000:]
+    assert len(re.findall(r"REFUSED ddp.register: .*?hvdcomp\.ddp\.init_process_group\(\)", out["mpirun"])) == 2, \
+        out["mpirun"][-3000:]
+    assert out["mpirun"].count("ACCEPTED DistributedOptimizer") == 2, out["mpirun"][-3000:]
 
 
 def test_torchrun_and_mpirun_are_recorded_by_name(tmp_path):

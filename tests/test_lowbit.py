@@ -395,7 +395,7 @@ def test_sizes_and_nominal_ratio(bits, block):
     ("lowbit:block=0", "block must be an integer >= 1"),
     ("lowbit:block=-3", "block must be"),
     ("lowbit:block=2.5", "block must be"),
-    ("lowbit:beta=1", "beta must be a number in \\[0, 1\\)"),
+    ("lowbit:beta=1", "beta must be in \\[0, 1\\)"),
     ("lowbit:beta=1.5", "beta must be"),
     ("lowbit:beta=-0.1", "beta must be"),
     ("lowbit:beta=nan", "beta must be"),

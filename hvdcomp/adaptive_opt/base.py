@@ -130,9 +130,10 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             fixed at construction and the variance frozen later, so one unfrozen afterwards could
             not train: pass the trainable ones only), ranks that disagree on the
             set-up (on every rank, naming the difference).
-        RuntimeError: Horovod is not initialised (without ``comm``), this process is outside
-            ``process_set``, or a job of several ranks without MPI point-to-point messages
-            (``horovodrun --gloo``).
+        RuntimeError: Horovod is not initialised (without ``comm``), the launcher started several
+            tasks that Horovod does not join (``torchrun``: :func:`hvdcomp.launch.start_frontend`),
+            this process is outside ``process_set``, or a job of several ranks without MPI
+            point-to-point messages (``horovodrun --gloo``).
     """
 
     #: leading steps run by the warm-up optimizer (set by subclasses)
@@ -152,6 +153,8 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._frozen: List[str] = []
         groups, self._names = named_groups(named_parameters, self._frozen)
         super().__init__(groups, defaults)
+        for i, group in enumerate(self.param_groups):  # (torch.optim checks none of a group's own settings)
+            self._check_group(group, i)
         bad = [n for p, n in self._names.items() if p.dtype not in _FLOATS]
         if bad:
             raise ValueError(f"{type(self).__name__} keeps its moments in the parameters' dtype: train with "
@@ -167,7 +170,8 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._prefix = f"hvdcomp.adaptive.{next(_ids)}"
         self.warmup = WarmupStage(self)
         self._sync_on_step, self._masks = True, {}
-        self.group = None if comm is not None else resolve_group(process_set)
+        self.group = None if comm is not None else resolve_group(
+            process_set, frontend=f"hvdcomp.adaptive_opt.{type(self).__name__}")
         if self.group is not None and not self.group.included:
             raise RuntimeError(f"this process is not in process_set: build {type(self).__name__} on its "
                                "members only")
@@ -202,6 +206,34 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """Step ``t + 1`` after the warm-up with this rank's gradients (``grads``, one per
         parameter of :attr:`order`, zeros where ``p.grad`` is None); returns the step's kind, or
         None where it was skipped (non-finite)."""
+
+    #: settings that are the optimizer's, not a parameter group's (named in the refusal)
+    OPTIMIZER_WIDE = ("freeze_step", "var_freeze_step", "var_update_scaler", "local_step_scaler",
+                      "local_step_clipper", "bias_correction", "schedule", "coeff_beta", "factor_max", "factor_min",
+                      "factor_threshold", "mask_zero_variance", "momentum_averaging", "momentum_masks")
+
+    def _check_group(self, group: dict, index: int) -> None:
+        """A parameter group's own settings: only the optimizer's per-group hyper-parameters
+        (``defaults``' keys), each in its range (:meth:`_check_hyper`). Called for every group
+        at construction, before anything is built.
+
+        Raises:
+            ValueError: a key the optimizer does not read per group (e.g. ``freeze_step``, which
+                would be ignored), or a value out of range, naming the group.
+        """
+        where = f" (parameter group {index})"
+        unknown = sorted(set(group) - set(self.defaults) - {"params", "name"})
+        if unknown:
+            wide = [k for k in unknown if k in self.OPTIMIZER_WIDE]
+            raise ValueError(f"parameter group {index} sets {unknown}, which {type(self).__name__} does not read per "
+                             f"group (it would be ignored); per-group settings: {sorted(self.defaults)}"
+                             + (f". {wide} are the optimizer's: pass them to {type(self).__name__}(...)" if wide else ""))
+        self._check_hyper(group, where)
+
+    def _check_hyper(self, group: dict, where: str) -> None:
+        """The ranges of a group's hyper-parameters (Adam's, :func:`~hvdcomp.adaptive_opt.onebit_adam.check_adam_hyper`)."""
+        from .onebit_adam import check_adam_hyper
+        group.update(check_adam_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], where))
 
     def _hyper(self) -> dict:
         """Settings every rank must share (beyond ``defaults``), for the set-up check."""

@@ -43,6 +43,7 @@ from ..transports.twophase import TwoPhaseCompressor
 from ..optimizer import distributed as distributed_optimizer
 from ..spec import get_compressor
 from .base import ONEBIT_SPEC, named_groups
+from ..checks import check_bool
 from .onebit_adam import check_adam_hyper
 
 __all__ = ["CompressedAMSGrad"]
@@ -73,13 +74,21 @@ def CompressedAMSGrad(named_parameters, lr: float = 1e-3, betas=(0.9, 0.999), ep
             error feedback is twophase's), Adam's ranges, and those of
             :func:`hvdcomp.DistributedOptimizer`.
     """
-    check_adam_hyper(lr, betas, eps, weight_decay)
+    hyper = check_adam_hyper(lr, betas, eps, weight_decay)
+    amsgrad = check_bool(amsgrad, "amsgrad")
     method = get_compressor(compression) if isinstance(compression, str) else compression
     if not isinstance(method, TwoPhaseCompressor):
         raise ValueError("the two-way compressed gradient (worker and server error feedback) is hvdcomp's "
                          f"twophase compressed allreduce: give compression='twophase:base=<quantizer>', got "
                          f"{compression!r}")
     groups, names = named_groups(named_parameters)
-    inner = torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
+    for i, group in enumerate(groups):  # (AdamW checks the defaults only, not a group's own settings)
+        where = f" (parameter group {i})"
+        mine = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group}
+        group.update(check_adam_hyper(**{**hyper, **mine}, where=where) if mine else {})
+        if "amsgrad" in group:
+            group["amsgrad"] = check_bool(group["amsgrad"], f"amsgrad{where}")
+    inner = torch.optim.AdamW(groups, amsgrad=amsgrad, **hyper)
     return distributed_optimizer(inner, [(n, p) for p, n in names.items()], method,
-                                 distributed.pop("process_set", None), **distributed)
+                                 distributed.pop("process_set", None), "hvdcomp.adaptive_opt.CompressedAMSGrad",
+                                 **distributed)

@@ -64,31 +64,42 @@ Example::
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
+from ..checks import check_bool, check_choice, check_count, check_range
 from ..spec import get_compressor
 from .base import AdaptiveOptimizer, check_masks
 
-__all__ = ["OneBitAdam", "check_adam_hyper", "MOMENTUM_AVERAGING"]
+__all__ = ["OneBitAdam", "check_adam_hyper", "check_betas", "MOMENTUM_AVERAGING"]
 
 #: how 1-bit Adam averages the momentum after the warm-up: the compressed allreduce, or the ablation
 MOMENTUM_AVERAGING = ("onebit", "exact")
 
 
-def check_adam_hyper(lr: float, betas, eps: float, weight_decay: float) -> None:
-    """Adam's hyper-parameter ranges.
+def check_betas(betas, where: str = "") -> Tuple[float, float]:
+    """(β1, β2): two real numbers in [0, 1) (a tuple or list).
 
     Raises:
-        ValueError: ``lr < 0``, a beta outside [0, 1), ``eps < 0`` or ``weight_decay < 0``.
+        ValueError: naming ``betas`` (and ``where``, e.g. a parameter group).
     """
-    if not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
-    if not eps >= 0.0 or not weight_decay >= 0.0:
-        raise ValueError(f"eps and weight_decay must be >= 0, got {eps} and {weight_decay}")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas{where} must be two numbers in [0, 1), e.g. betas=(0.9, 0.999), got {betas!r}")
+    return tuple(check_range(b, f"betas[{i}]{where}", 0.0, 1.0, high_open=True, hint=" (e.g. betas=(0.9, 0.999))")
+                 for i, b in enumerate(betas))
+
+
+def check_adam_hyper(lr: float, betas, eps: float, weight_decay: float, where: str = "") -> dict:
+    """Adam's hyper-parameter ranges (:mod:`hvdcomp.checks`): ``lr``, ``eps`` and
+    ``weight_decay`` finite numbers >= 0, ``betas`` two numbers in [0, 1). ``where`` names the
+    parameter group in messages. Returns them as plain floats.
+
+    Raises:
+        ValueError: naming the argument, its range and the value.
+    """
+    return {"lr": check_range(lr, f"lr{where}", 0.0), "betas": check_betas(betas, where),
+            "eps": check_range(eps, f"eps{where}", 0.0), "weight_decay": check_range(weight_decay, f"weight_decay{where}", 0.0)}
 
 
 def adam_state(p: torch.Tensor) -> dict:
@@ -135,17 +146,13 @@ class OneBitAdam(AdaptiveOptimizer):
                  mask_zero_variance: bool = True, momentum_averaging: str = "onebit",
                  warmup_compression: str = "none", process_set=None, timer=None,
                  nonfinite: str = "skip", backward_passes_per_step: int = 1, comm=None):
-        check_adam_hyper(lr, betas, eps, weight_decay)
-        if momentum_averaging not in MOMENTUM_AVERAGING:
-            raise ValueError(f"momentum_averaging must be one of {MOMENTUM_AVERAGING}, got {momentum_averaging!r} "
-                             "('exact' is the float32 ablation of the compressed allreduce)")
-        self.momentum_averaging = momentum_averaging
-        if not isinstance(freeze_step, int) or freeze_step < 1:
-            raise ValueError(f"freeze_step must be an integer >= 1 (the uncompressed warm-up that sets the "
-                             f"variance frozen afterwards), got {freeze_step!r}")
-        self.freeze_step = self.warmup_steps = freeze_step
-        self.mask_zero_variance = bool(mask_zero_variance)
-        super().__init__(named_parameters, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
+        hyper = check_adam_hyper(lr, betas, eps, weight_decay)
+        self.momentum_averaging = check_choice(momentum_averaging, "momentum_averaging", MOMENTUM_AVERAGING,
+                                               " ('exact' is the float32 ablation of the compressed allreduce)")
+        self.freeze_step = self.warmup_steps = check_count(
+            freeze_step, "freeze_step", 1, " (the uncompressed warm-up that sets the variance frozen afterwards)")
+        self.mask_zero_variance = check_bool(mask_zero_variance, "mask_zero_variance")
+        super().__init__(named_parameters, hyper,
                          process_set=process_set, timer=timer, nonfinite=nonfinite,
                          warmup_compression=warmup_compression, backward_passes_per_step=backward_passes_per_step,
                          comm=comm)

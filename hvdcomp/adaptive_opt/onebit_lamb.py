@@ -52,10 +52,25 @@ from typing import Dict, Optional
 
 import torch
 
+from ..checks import check_bool, check_count, check_range
 from .base import AdaptiveOptimizer, check_masks
 from .onebit_adam import adam_state, check_adam_hyper
 
 __all__ = ["OneBitLamb", "Lamb"]
+
+
+def check_lamb_hyper(lr, betas, eps, weight_decay, max_coeff, min_coeff, where: str = "") -> dict:
+    """Adam's ranges (:func:`~hvdcomp.adaptive_opt.onebit_adam.check_adam_hyper`) and the trust
+    ratio's clamps, ``0 < min_coeff <= max_coeff``; returns them as plain numbers.
+
+    Raises:
+        ValueError: naming the argument (and ``where``).
+    """
+    out = check_adam_hyper(lr, betas, eps, weight_decay, where)
+    out["max_coeff"] = check_range(max_coeff, f"max_coeff{where}", 0.0, low_open=True)
+    out["min_coeff"] = check_range(min_coeff, f"min_coeff{where}", 0.0, out["max_coeff"], low_open=True,
+                                   hint=f" (0 < min_coeff <= max_coeff = {out['max_coeff']:g})")
+    return out
 
 
 def _trust_ratio(w_norm: float, u_norm: float, lo: float, hi: float) -> float:
@@ -83,13 +98,13 @@ class Lamb(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, max_coeff=10.0,
                  min_coeff=0.01, coeff_beta=0.9, freeze_step=1):
-        check_adam_hyper(lr, betas, eps, weight_decay)
-        if not 0.0 < min_coeff <= max_coeff or not 0.0 <= coeff_beta < 1.0:
-            raise ValueError(f"need 0 < min_coeff <= max_coeff and coeff_beta in [0, 1), got {min_coeff}, "
-                             f"{max_coeff}, {coeff_beta}")
-        self.freeze_step, self.coeff_beta = freeze_step, coeff_beta
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      max_coeff=max_coeff, min_coeff=min_coeff))
+        hyper = check_lamb_hyper(lr, betas, eps, weight_decay, max_coeff, min_coeff)
+        self.coeff_beta = check_range(coeff_beta, "coeff_beta", 0.0, 1.0, high_open=True)
+        self.freeze_step = check_count(freeze_step, "freeze_step", 1)
+        super().__init__(params, hyper)
+        for i, group in enumerate(self.param_groups):  # (per-group settings: the same ranges)
+            check_lamb_hyper(*(group[k] for k in ("lr", "betas", "eps", "weight_decay", "max_coeff", "min_coeff")),
+                             where=f" (parameter group {i})")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -159,25 +174,23 @@ class OneBitLamb(AdaptiveOptimizer):
                  factor_threshold: float = 0.1, momentum_masks: Optional[Dict[str, torch.Tensor]] = None,
                  mask_zero_variance: bool = True, warmup_compression: str = "none", process_set=None, timer=None,
                  nonfinite: str = "skip", backward_passes_per_step: int = 1, comm=None):
-        check_adam_hyper(lr, betas, eps, weight_decay)
-        if not isinstance(freeze_step, int) or freeze_step < 1:
-            raise ValueError(f"freeze_step must be an integer >= 1, got {freeze_step!r}")
-        if not 0.0 < min_coeff <= max_coeff or not 0.0 <= coeff_beta < 1.0:
-            raise ValueError(f"need 0 < min_coeff <= max_coeff and coeff_beta in [0, 1), got {min_coeff}, "
-                             f"{max_coeff}, {coeff_beta}")
-        if not 0.0 < factor_min <= 1.0 <= factor_max or not 0.0 <= factor_threshold < 1.0:
-            raise ValueError(f"need 0 < factor_min <= 1 <= factor_max and factor_threshold in [0, 1), got "
-                             f"{factor_min}, {factor_max}, {factor_threshold}")
-        self.freeze_step = self.warmup_steps = freeze_step
-        self.coeff_beta, self.factor_max, self.factor_min = coeff_beta, factor_max, factor_min
-        self.factor_threshold, self.mask_zero_variance = factor_threshold, bool(mask_zero_variance)
-        super().__init__(named_parameters, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                                max_coeff=max_coeff, min_coeff=min_coeff),
+        hyper = check_lamb_hyper(lr, betas, eps, weight_decay, max_coeff, min_coeff)
+        self.freeze_step = self.warmup_steps = check_count(freeze_step, "freeze_step", 1)
+        self.coeff_beta = check_range(coeff_beta, "coeff_beta", 0.0, 1.0, high_open=True)
+        self.factor_max = check_range(factor_max, "factor_max", 1.0)
+        self.factor_min = check_range(factor_min, "factor_min", 0.0, 1.0, low_open=True)
+        self.factor_threshold = check_range(factor_threshold, "factor_threshold", 0.0, 1.0, high_open=True)
+        self.mask_zero_variance = check_bool(mask_zero_variance, "mask_zero_variance")
+        super().__init__(named_parameters, hyper,
                          process_set=process_set, timer=timer, nonfinite=nonfinite,
                          warmup_compression=warmup_compression, backward_passes_per_step=backward_passes_per_step,
                          comm=comm)
         self.user_masks = check_masks(momentum_masks, self._names.values(),
                                       {n: p.shape for p, n in self._names.items()})
+
+    def _check_hyper(self, group, where):
+        group.update(check_lamb_hyper(*(group[k] for k in ("lr", "betas", "eps", "weight_decay", "max_coeff",
+                                                           "min_coeff")), where=where))
 
     def _hyper(self):
         return {k: getattr(self, k) for k in ("freeze_step", "coeff_beta", "factor_max", "factor_min",

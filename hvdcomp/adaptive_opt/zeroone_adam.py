@@ -77,6 +77,7 @@ from typing import Dict, Optional
 
 import torch
 
+from ..checks import check_bool, check_choice, check_count
 from .base import AdaptiveOptimizer, check_masks
 from .onebit_adam import adam_state, check_adam_hyper
 
@@ -89,8 +90,7 @@ SCHEDULES = ("paper", "deepspeed")
 
 
 def _check_schedule(schedule: str) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
+    check_choice(schedule, "schedule", SCHEDULES)
 
 
 def _deepspeed_variance_steps(last: int, kappa: int):
@@ -258,18 +258,16 @@ class ZeroOneAdam(AdaptiveOptimizer):
                  local_step_scaler: int = 32678, local_step_clipper: int = 16, bias_correction: bool = True,
                  schedule: str = "paper", momentum_masks: Optional[Dict[str, torch.Tensor]] = None, process_set=None, timer=None,
                  nonfinite: str = "skip", backward_passes_per_step: int = 1, comm=None):
-        check_adam_hyper(lr, betas, eps, weight_decay)
-        for name, value in (("var_freeze_step", var_freeze_step), ("var_update_scaler", var_update_scaler),
-                            ("local_step_scaler", local_step_scaler), ("local_step_clipper", local_step_clipper)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
-        self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
-        self.bias_correction = bool(bias_correction)
+        hyper = check_adam_hyper(lr, betas, eps, weight_decay)
+        self.var_freeze_step = check_count(var_freeze_step, "var_freeze_step", 1)
+        self.var_update_scaler = check_count(var_update_scaler, "var_update_scaler", 1)
+        self.local_step_scaler = check_count(local_step_scaler, "local_step_scaler", 1)
+        self.local_step_clipper = check_count(local_step_clipper, "local_step_clipper", 1)
+        self.bias_correction = check_bool(bias_correction, "bias_correction")
         _check_schedule(schedule)
         self.schedule = schedule
         self._poisoned = False  # a local gradient was non-finite since the last synchronisation
-        super().__init__(named_parameters, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
+        super().__init__(named_parameters, hyper,
                          process_set=process_set, timer=timer, nonfinite=nonfinite,
                          backward_passes_per_step=backward_passes_per_step, comm=comm)
         self.user_masks = check_masks(momentum_masks, self._names.values(),

@@ -16,7 +16,7 @@ __all__ = ["Allgatherer", "HorovodAllgatherer", "MPIAllgatherer", "HierarchicalA
            "ProcessGroup", "HorovodGroup", "resolve_group"]
 
 
-def resolve_group(where=None) -> ProcessGroup:
+def resolve_group(where=None, frontend: str = "") -> ProcessGroup:
     """The :class:`~hvdcomp.comm.group.ProcessGroup` a training mode runs on.
 
     Args:
@@ -24,14 +24,30 @@ def resolve_group(where=None) -> ProcessGroup:
             ``torch.distributed`` process group, or None: the whole job, through Horovod where it
             is initialised (``mpirun``/``horovodrun``: ``hvd.init()``), else through
             ``torch.distributed`` where it is (``torchrun``/``srun``: ``init_process_group``).
+        frontend: the front-end's name (e.g. ``"hvdcomp.local.DiLoCo"``): then the launch is
+            checked against the group's runtime and an uncaught exception is made to end the
+            job (:func:`hvdcomp.launch.start_frontend`), before any collective.
 
     Raises:
-        RuntimeError: neither is initialised (the message names both fixes), or Horovod sees one
-            rank where the launcher started several (:func:`hvdcomp.launch.check_launch`).
+        RuntimeError: neither is initialised (the message names both fixes), or (with
+            ``frontend``) the group sees one rank where the launcher started several
+            (:func:`hvdcomp.launch.check_frontend_launch`).
         TypeError: ``where`` is none of the above.
     """
     import torch.distributed as dist
 
+    group = _pick_group(where, dist)
+    if frontend:
+        from ..launch import start_frontend
+
+        hvd = getattr(group, "hvd", None)
+        start_frontend(frontend, "horovod" if hvd is not None else "torch.distributed",
+                       hvd.size() if hvd is not None else dist.get_world_size())
+    return group
+
+
+def _pick_group(where, dist) -> ProcessGroup:
+    """:func:`resolve_group`'s choice (see there)."""
     if isinstance(where, ProcessGroup):
         return where
     if where is not None:
@@ -52,9 +68,6 @@ def resolve_group(where=None) -> ProcessGroup:
     if horovod_up and torch_up and hvd.size() == 1 and dist.get_world_size() > 1:
         horovod_up = False  # (torchrun with a stray hvd.init(): the torch.distributed job is the job)
     if horovod_up:
-        from ..launch import check_launch
-
-        check_launch(hvd.size())
         return HorovodGroup()
     if torch_up:
         from .torchdist import TorchDistGroup
@@ -62,6 +75,7 @@ def resolve_group(where=None) -> ProcessGroup:
         return TorchDistGroup()
     raise RuntimeError("no process group: under mpirun or horovodrun call hvd.init() first (horovod.torch); under "
                        "torchrun or srun call torch.distributed.init_process_group('gloo') (or 'nccl') first")
+
 
 log = logging.getLogger(__name__)
 

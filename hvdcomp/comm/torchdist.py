@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .allgather import COUNT_BYTES, Allgatherer
 from .exchange import node_ids
 from .group import ProcessGroup
+from .retain import retain
 
 __all__ = ["TorchDistGroup", "TorchDistAllgatherer", "TorchDistExchange"]
 
@@ -81,7 +82,10 @@ class TorchDistGroup(ProcessGroup):
         pre = prescale / self.size if average else prescale
         if pre != 1.0:
             tensor.mul_(pre)
-        work = self.dist.all_reduce(tensor, group=self.process_group, async_op=True) if self.size > 1 else None
+        work = None
+        if self.size > 1:
+            retain(tensor)  # (every tensor handed to a collective: held until the backend lets go, retain.py)
+            work = self.dist.all_reduce(tensor, group=self.process_group, async_op=True)
         return _Reduction(tensor, work, postscale)
 
     def allreduce_async(self, tensor: torch.Tensor, name: str = "", average: bool = True, prescale: float = 1.0,
@@ -91,7 +95,10 @@ class TorchDistGroup(ProcessGroup):
         out = tensor.detach().clone()
         if prescale != 1.0:
             out.mul_(prescale)
-        work = self.dist.all_reduce(out, group=self.process_group, async_op=True) if self.size > 1 else None
+        work = None
+        if self.size > 1:
+            retain(out)
+            work = self.dist.all_reduce(out, group=self.process_group, async_op=True)
         return _Reduction(out, work, postscale / self.size if average else postscale)
 
     def synchronize(self, handle: _Reduction) -> torch.Tensor:
@@ -127,16 +134,19 @@ class TorchDistGroup(ProcessGroup):
     # ---- asynchronous collectives (work handles: ``.wait()``) ---------------------------------------
     def all_reduce_async(self, tensor: torch.Tensor):
         """Start a summed ``all_reduce`` of ``tensor`` in place."""
+        retain(tensor)  # (every tensor handed to a collective: held until the backend lets go, retain.py)
         return self.dist.all_reduce(tensor, group=self.process_group, async_op=True)
 
     def all_gather_into_async(self, out: torch.Tensor, tensor: torch.Tensor):
         """Start gathering every rank's ``tensor`` (same size everywhere) into the 1-D ``out`` of
         ``size`` times its size, in rank order."""
+        retain(out, tensor)
         return self._gather_into(out, tensor, group=self.process_group, async_op=True)
 
     def all_gather_async(self, pieces: List[torch.Tensor], tensor: torch.Tensor):
         """Start gathering every rank's ``tensor`` (same size everywhere) into ``pieces`` (one per
         rank)."""
+        retain(*pieces, tensor)
         return self.dist.all_gather(pieces, tensor, group=self.process_group, async_op=True)
 
     # ---- small blocking collectives -----------------------------------------------------------------
@@ -146,6 +156,7 @@ class TorchDistGroup(ProcessGroup):
         if self.size == 1:
             return [mine.tolist()]
         every = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=self.device)
+        retain(mine, every)
         self._gather_into(every, mine, group=self.process_group)
         return every.view(self.size, -1).tolist()
 
@@ -171,6 +182,7 @@ class TorchDistGroup(ProcessGroup):
         every member), as a new tensor."""
         out = tensor.detach().clone()
         if self.size > 1:
+            retain(out)
             self.dist.broadcast(out, src=self.ranks[root], group=self.process_group)
         return out
 
@@ -345,6 +357,7 @@ class TorchDistExchange:
         if op not in ops:
             raise ValueError(f"allreduce_ op must be one of {sorted(ops)}, got {op!r}")
         if self.size > 1:
+            retain(data)
             self.dist.all_reduce(data, op=ops[op], group=self.group)
         nbytes = data.numel() * data.element_size()
         self.bytes_sent += nbytes
@@ -355,6 +368,7 @@ class TorchDistExchange:
         """Rank ``root``'s ``data`` written into ``data`` on every rank (one ``broadcast``); bytes
         counted as :meth:`hvdcomp.comm.exchange.MPIExchange.broadcast_` counts them."""
         if self.size > 1:
+            retain(data)
             self.dist.broadcast(data, src=self.ranks[root], group=self.group)
         nbytes = data.numel() * data.element_size()
         self.bytes_sent += nbytes if self.rank == root else 0
@@ -389,11 +403,14 @@ class TorchDistExchange:
         d = self.dist
         out = {k: v.detach().cpu().contiguous().view(torch.uint8) for k, v in outgoing.items()}
         heads = {s: torch.empty(1, dtype=torch.int64) for s in sources}
-        works = [d.isend(self._header(v.numel()), self.ranks[k], group=self.group) for k, v in out.items()]
+        sizes = {k: self._header(v.numel()) for k, v in out.items()}
+        retain(*out.values(), *heads.values(), *sizes.values())
+        works = [d.isend(sizes[k], self.ranks[k], group=self.group) for k in out]
         works += [d.irecv(h, self.ranks[s], group=self.group) for s, h in heads.items()]
         for w in works:
             w.wait()
         bufs = {s: torch.empty(int(h[0]), dtype=torch.uint8) for s, h in heads.items()}
+        retain(*bufs.values())
         works = [d.isend(v, self.ranks[k], group=self.group) for k, v in out.items() if v.numel()]
         works += [d.irecv(b, self.ranks[s], group=self.group) for s, b in bufs.items() if b.numel()]
         for w in works:

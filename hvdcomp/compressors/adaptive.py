@@ -46,6 +46,7 @@ import torch
 from .base import Compressor, ErrorBound
 from .registry import compressor_class, create, register
 from .topk import check_density
+from ..checks import check_choice, check_count, check_int
 
 __all__ = ["AdaptiveCompressor", "choose_settings", "KNOBS"]
 
@@ -165,19 +166,19 @@ class AdaptiveCompressor(Compressor):
     shared_state_keys = ("steps", "numels", "errors", "plan", "plan_round")
 
     def __init__(self, base: str = "topk", budget=None, candidates=None, every: int = 200, **base_args):
-        if base not in KNOBS:
-            raise ValueError(f"adaptive:base= must be one of {sorted(KNOBS)} (per-tensor methods with "
-                             f"one knob and known payload bytes), got {base!r}")
+        check_choice(base, "base", tuple(sorted(KNOBS)), " (per-tensor methods with one knob and known payload "
+                                                           "bytes, e.g. 'adaptive:base=topk')")
         self.knob = KNOBS[base]
         if budget is None:  # the base method's own default setting
             budget = inspect.signature(compressor_class(base).__init__).parameters[self.knob].default
         if self.knob in base_args:
             raise ValueError(f"adaptive sets {self.knob} per layer: give the uniform value as budget=, "
                              f"not {self.knob}=")
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"every must be an integer >= 1 (steps between re-plans), got {every!r}")
-        if self.knob == "density":
-            check_density(budget)  # (candidates above 1 are capped; the uniform setting must be valid)
+        every = check_count(every, "every", 1, " (steps between re-plans)")
+        if self.knob == "density":  # (candidates above 1 are capped; the uniform setting must be valid)
+            budget = check_density(budget, "budget")
+        else:
+            budget = check_int(budget, "budget", 1, 32767, f" (the uniform {self.knob})")
         self.base, self.every, self.base_args = base, every, dict(base_args)
         try:
             self.settings = _parse_candidates(candidates, budget, self.knob)

@@ -33,6 +33,7 @@ from .segments import SegmentsContext
 from .base import ErrorBound
 from .sparse import SparseCompressor
 from .topk import check_density, num_kept
+from ..checks import check_bool, check_count, check_range, check_seed
 
 
 @register("dgc")
@@ -77,15 +78,13 @@ class DGCCompressor(SparseCompressor):
                  warmup_epochs: int = 0, clip_norm: float = 0.0, nesterov: bool = False,
                  momentum_masking: bool = True, seed: int = 0):
         self.density = check_density(density)
-        if not 0.0 <= float(momentum) < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), e.g. momentum=0.9; got {momentum}")
-        if not isinstance(warmup_epochs, int) or warmup_epochs < 0:
-            raise ValueError(f"warmup_epochs must be an integer >= 0, got {warmup_epochs!r}")
-        if not float(clip_norm) >= 0:
-            raise ValueError(f"clip_norm must be >= 0 (0 disables local clipping), got {clip_norm}")
-        self.momentum, self.sample_ratio = float(momentum), check_sample_ratio(sample_ratio)
-        self.warmup_epochs, self.clip_norm = warmup_epochs, float(clip_norm)
-        self.nesterov, self.momentum_masking = bool(nesterov), bool(momentum_masking)
+        self.momentum = check_range(momentum, "momentum", 0.0, 1.0, high_open=True, hint=" (e.g. momentum=0.9)")
+        self.sample_ratio = check_sample_ratio(sample_ratio)
+        self.warmup_epochs = check_count(warmup_epochs, "warmup_epochs", 0)
+        self.clip_norm = check_range(clip_norm, "clip_norm", 0.0, hint=" (0 disables local clipping)")
+        self.nesterov = check_bool(nesterov, "nesterov")
+        self.momentum_masking = check_bool(momentum_masking, "momentum_masking")
+        seed = check_seed(seed)
         self.epoch = 0
         self.u: dict[str, torch.Tensor] = {}         # momentum
         self.memory = Residuals(self, "v")            # the accumulated velocity: error feedback on u

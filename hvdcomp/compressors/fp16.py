@@ -96,6 +96,7 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
+from ..checks import check_choice, check_int
 from .base import Compressor, ErrorBound, cast_saturating
 from .registry import register
 
@@ -387,14 +388,11 @@ class FP16Compressor(SaturationCheck, Compressor):
     wire_dtype = torch.float16
 
     def __init__(self, headroom: int = 3, on_saturation: str = "resend"):
-        if isinstance(headroom, bool) or not isinstance(headroom, int) or not 0 <= headroom <= SPAN - 2:
-            raise ValueError(f"headroom must be an integer in [0, {SPAN - 2}] (binades of growth tolerated "
-                             f"per step, e.g. headroom=3); got {headroom!r}")
-        if on_saturation not in ON_SATURATION:
-            raise ValueError(f"on_saturation must be 'resend' (send a saturated tensor again in float32) or "
-                             f"'skip' (report the step as overflowed); got {on_saturation!r}")
-        self.headroom = headroom
-        self.on_saturation = on_saturation
+        self.headroom = check_int(headroom, "headroom", 0, SPAN - 2,
+                                  " (binades of growth tolerated per step, e.g. headroom=3)")
+        self.on_saturation = check_choice(on_saturation, "on_saturation", ON_SATURATION,
+                                          " ('resend': send a saturated tensor again in float32; 'skip': report "
+                                          "the step as overflowed)")
         self.exponents: dict = {}
 
     def describe(self):

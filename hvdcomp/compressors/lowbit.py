@@ -84,6 +84,7 @@ import torch
 from .base import AggregateInto, Compressor, ErrorBound, cast_saturating, copy_saturating_, PayloadKind
 from .bitpack import pack_bits, packed_nbytes, unpack_codes
 from ..memory import Residuals
+from ..checks import check_count, check_int, check_range
 from .registry import register
 
 __all__ = ["LowBitCompressor", "LowBitQuantizer"]
@@ -98,26 +99,15 @@ _CHUNK = 1 << 18
 
 
 def _check_bits(bits) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
-        raise ValueError(f"bits must be an integer in [2, 8] (4 or 8 in the paper), e.g. bits=4; got {bits!r}")
-    return bits
+    return check_int(bits, "bits", 2, 8, " (4 or 8 in the paper, e.g. bits=4)")
 
 
 def _check_block(block) -> int:
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block must be an integer >= 1 (elements per quantization block), "
-                         f"e.g. block=512; got {block!r}")
-    return block
+    return check_count(block, "block", 1, " (elements per quantization block, e.g. block=512)")
 
 
 def _check_beta(beta) -> float:
-    try:
-        value = float(beta)
-    except (TypeError, ValueError):
-        value = float("nan")
-    if isinstance(beta, bool) or not 0.0 <= value < 1.0:
-        raise ValueError(f"beta must be a number in [0, 1) (0: classic error feedback), e.g. beta=0; got {beta!r}")
-    return value
+    return check_range(beta, "beta", 0.0, 1.0, high_open=True, hint=" (0: classic error feedback, e.g. beta=0)")
 
 
 def _largest_scale(levels: int) -> float:

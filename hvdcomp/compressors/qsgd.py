@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from .. import native
+from ..checks import check_choice, check_count, check_int, check_seed
 from .base import AggregateInto, Compressor, ErrorBound, float32_flat, write_back, PayloadKind
 from .bitpack import bits_for_levels, pack_bits, packed_nbytes, unpack_bits, unpack_codes
 from .registry import register
@@ -77,12 +78,10 @@ class QSGDCompressor(AggregateInto, Compressor):
             warnings.warn("qsgd: bucket= is renamed block= (a quantization block, not an allgather "
                           "bucket); bucket= will be removed in the next release", DeprecationWarning)
             block = bucket
-        if not isinstance(levels, int) or not 1 <= levels <= 32767:
-            raise ValueError(f"levels (s) must be an integer in [1, 32767], e.g. levels=16; got {levels!r}")
-        if not isinstance(block, int) or block < 1:
-            raise ValueError(f"block (d; formerly bucket) must be an integer >= 1, e.g. block=512; got {block!r}")
-        if scale not in ("l2", "max"):
-            raise ValueError(f"scale must be 'l2' or 'max', got {scale!r}")
+        levels = check_int(levels, "levels (s)", 1, 32767, " (e.g. levels=16)")
+        block = check_count(block, "block (d; formerly bucket)", 1, " (e.g. block=512)")
+        scale = check_choice(scale, "scale", ("l2", "max"))
+        seed = check_seed(seed)
         self.levels, self.block, self.scale = levels, block, scale
         self.bits = bits_for_levels(2 * levels + 1)
         self.rng = RankGenerators(seed)

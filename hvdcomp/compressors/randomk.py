@@ -23,6 +23,7 @@ from .. import native
 from .base import AggregateInto, Compressor, ErrorBound, float32_flat, write_back
 from .registry import register
 from .topk import check_density, num_kept
+from ..checks import check_seed
 
 _MASK63 = (1 << 63) - 1
 
@@ -76,7 +77,7 @@ class RandomKCompressor(AggregateInto, Compressor):
 
     def __init__(self, density: float = 0.01, seed: int = 0):
         self.density = check_density(density)
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.steps = {}
 
     def describe(self):

@@ -35,6 +35,7 @@ import math
 import torch
 
 from .. import native
+from ..checks import check_choice, check_range
 
 __all__ = [
     "CPU_CHUNK",
@@ -68,21 +69,12 @@ LOW, HIGH, DECAY = 0.8, 1.3, 0.8
 
 def check_select(select) -> str:
     """Validate a ``select`` option; raises ``ValueError`` naming the valid choices."""
-    if select not in SELECT_CHOICES:
-        raise ValueError(f"select must be one of {', '.join(SELECT_CHOICES)} (e.g. "
-                         f"'topk:density=0.01,select=sample'), got {select!r}")
-    return select
+    return check_choice(select, "select", SELECT_CHOICES, " (e.g. 'topk:density=0.01,select=sample')")
 
 
 def check_sample_ratio(sample_ratio) -> float:
     """Validate the sampled fraction; raises ``ValueError`` unless ``0 < sample_ratio <= 1``."""
-    try:
-        value = float(sample_ratio)
-    except (TypeError, ValueError):
-        value = float("nan")
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"sample_ratio must be in (0, 1], e.g. sample_ratio=0.01; got {sample_ratio!r}")
-    return value
+    return check_range(sample_ratio, "sample_ratio", 0.0, 1.0, low_open=True, hint=" (e.g. sample_ratio=0.01)")
 
 
 def _empty_index(device) -> torch.Tensor:

@@ -78,6 +78,7 @@ from .selection import exact_topk, indices_at_least
 from .base import ErrorBound
 from .sparse import SparseCompressor
 from .topk import check_density, num_kept
+from ..checks import check_choice, check_int, check_range
 
 __all__ = ["SIDCoCompressor", "Estimate", "DISTRIBUTIONS", "MAX_STAGES", "fit_exponential", "fit_gamma",
            "fit_gpareto", "exponential_isf", "gamma_isf", "gpareto_isf"]
@@ -286,22 +287,11 @@ class SIDCoCompressor(SparseCompressor):
 
     def __init__(self, density: float = 0.01, dist: str = "exp", stages: int = 4, tolerance: float = 0.2):
         self.density = check_density(density)
-        if dist not in DISTRIBUTIONS:
-            raise ValueError(f"dist must be one of {', '.join(DISTRIBUTIONS)} (e.g. "
-                             f"'sidco:density=0.01,dist=gpareto'), got {dist!r}")
-        self.dist = dist
-        if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= MAX_STAGES:
-            raise ValueError(f"stages must be an integer in [1, {MAX_STAGES}] (the largest number of "
-                             f"fitting stages, e.g. stages=4), got {stages!r}")
-        self.max_stages = stages
-        try:
-            tol = float(tolerance)
-        except (TypeError, ValueError):
-            tol = float("nan")
-        if isinstance(tolerance, bool) or not 0.0 < tol <= 1.0:
-            raise ValueError(f"tolerance must be a number in (0, 1] (the accepted relative error of "
-                             f"the kept count, e.g. tolerance=0.2), got {tolerance!r}")
-        self.tolerance = tol
+        self.dist = check_choice(dist, "dist", DISTRIBUTIONS, " (e.g. 'sidco:density=0.01,dist=gpareto')")
+        self.max_stages = check_int(stages, "stages", 1, MAX_STAGES,
+                                    " (the largest number of fitting stages, e.g. stages=4)")
+        self.tolerance = check_range(tolerance, "tolerance", 0.0, 1.0, low_open=True,
+                                     hint=" (the accepted relative error of the kept count, e.g. tolerance=0.2)")
         self.stage_counts: Dict[str, int] = {}
 
     def describe(self):
@@ -376,8 +366,7 @@ class SIDCoCompressor(SparseCompressor):
             ValueError: ``stages`` not an integer in [1, 16].
         """
         m_stages = self.max_stages if stages is None else stages
-        if isinstance(m_stages, bool) or not isinstance(m_stages, int) or not 1 <= m_stages <= MAX_STAGES:
-            raise ValueError(f"stages must be an integer in [1, {MAX_STAGES}], got {stages!r}")
+        m_stages = check_int(m_stages, "stages", 1, MAX_STAGES)
         flat = flat.reshape(-1)
         n = flat.numel()
         device = flat.device

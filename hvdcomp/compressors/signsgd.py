@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import native
+from ..checks import check_choice
 from .base import AggregateInto, Compressor, ErrorBound, float32_flat, write_back, PayloadKind
 from .bitpack import pack_bits, packed_nbytes, unpack_codes
 from .registry import register
@@ -65,9 +66,7 @@ class SignSGDCompressor(AggregateInto, Compressor):
     # aggregate_is_mean stays False: a majority vote, not a mean of decodes
 
     def __init__(self, vote: str = "allreduce"):
-        if vote not in ("allreduce", "allgather"):
-            raise ValueError(f"vote must be 'allreduce' or 'allgather', got {vote!r}")
-        self.vote = vote
+        self.vote = vote = check_choice(vote, "vote", ("allreduce", "allgather"))
         self.payload_kind = PayloadKind.SUM if vote == "allreduce" else PayloadKind.GATHERED
 
     def describe(self):

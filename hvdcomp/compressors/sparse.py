@@ -62,6 +62,7 @@ from typing import Optional
 import torch
 
 from .. import native
+from ..checks import check_choice
 from . import bitpack
 from .base import AggregateInto, Compressor, ErrorBound, PayloadKind
 from .segments import Segments, SegmentsContext
@@ -248,13 +249,10 @@ class SparseCompressor(AggregateInto, Compressor):
         Raises:
             ValueError: an unknown choice (the message lists the valid ones).
         """
-        if values not in _VALUE_CODINGS:
-            raise ValueError(f"values must be one of {list(_VALUE_CODINGS)}, got {values!r}")
-        if index not in _INDEX_CODINGS:
-            raise ValueError(f"index must be one of {list(_INDEX_CODINGS)}, got {index!r}")
-        if average not in _AVERAGES:
-            raise ValueError(f"average must be one of {list(_AVERAGES)} (divide each index by the number of "
-                             f"ranks, or of ranks that sent it), got {average!r}")
+        check_choice(values, "values", _VALUE_CODINGS)
+        check_choice(index, "index", _INDEX_CODINGS)
+        check_choice(average, "average", _AVERAGES, " (divide each index by the number of ranks, or of ranks "
+                                                    "that sent it)")
         self.value_coding, self.index_coding, self.average = values, index, average
         return self
 

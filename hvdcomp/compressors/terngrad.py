@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .. import native
+from ..checks import check_range, check_seed
 from .base import AggregateInto, Compressor, ErrorBound, float32_flat, write_back, PayloadKind
 from .bitpack import pack_bits, packed_nbytes, unpack_codes
 from .registry import register
@@ -57,11 +58,8 @@ class TernGradCompressor(AggregateInto, Compressor):
     draws_per_call = True  # one key (or torch.rand) from the per-rank generator per gradient
 
     def __init__(self, clip_sigmas: float = 2.5, seed: int = 0):
-        clip_sigmas = float(clip_sigmas)
-        if not clip_sigmas >= 0:
-            raise ValueError(f"clip_sigmas must be >= 0 (0 disables clipping), got {clip_sigmas}")
-        self.clip_sigmas = clip_sigmas
-        self.rng = RankGenerators(seed)
+        self.clip_sigmas = check_range(clip_sigmas, "clip_sigmas", 0.0, hint=" (0 disables clipping)")
+        self.rng = RankGenerators(check_seed(seed))
 
     def describe(self):
         return {"name": self.name, "clip_sigmas": self.clip_sigmas}

@@ -6,10 +6,10 @@ rank and step (possibly zero), so the payload goes through the allgather path.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
+from ..checks import check_range
 from .registry import register
 from .selection import indices_at_least
 from .segments import SegmentsContext
@@ -36,13 +36,7 @@ class ThresholdCompressor(SparseCompressor):
     elementwise = True  # the same λ for every gradient: a bucket compresses as one tensor
 
     def __init__(self, threshold: float = 1e-3):
-        try:
-            threshold = float(threshold)
-        except (TypeError, ValueError):
-            raise ValueError(f"threshold must be a positive number, got {threshold!r}") from None
-        if not (threshold > 0 and math.isfinite(threshold)):
-            raise ValueError(f"threshold must be a positive finite number (e.g. threshold=0.001), got {threshold}")
-        self.threshold = threshold
+        self.threshold = check_range(threshold, "threshold", 0.0, low_open=True, hint=" (e.g. threshold=0.001)")
 
     def describe(self):
         return {"name": self.name, "threshold": self.threshold, **self.wire_options()}

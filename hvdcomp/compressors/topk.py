@@ -27,6 +27,7 @@ from .selection import (
     sampled_threshold_topk,
     select_segments,
 )
+from ..checks import check_count, check_optional, check_range, check_seed
 from .segments import SegmentsContext
 from .base import ErrorBound
 from .sparse import SparseCompressor
@@ -35,15 +36,10 @@ from .tiles import select_tiles
 DEFAULT_SAMPLE_RATIO = 0.01
 
 
-def check_density(density: float) -> float:
-    """Validate a density ρ = k/n; raises ``ValueError`` unless ``0 < ρ <= 1``."""
-    try:
-        density = float(density)
-    except (TypeError, ValueError):
-        raise ValueError(f"density must be a number in (0, 1], got {density!r}") from None
-    if not (0.0 < density <= 1.0):
-        raise ValueError(f"density must be in (0, 1] (e.g. density=0.01 keeps 1 %), got {density}")
-    return density
+def check_density(density: float, what: str = "density") -> float:
+    """Validate a density ρ = k/n (:func:`hvdcomp.checks.check_range`); raises ``ValueError``
+    unless ρ is a real number (not a bool) with ``0 < ρ <= 1``."""
+    return check_range(density, what, 0.0, 1.0, low_open=True, hint=f" (e.g. {what}=0.01 keeps 1 %)")
 
 
 def num_kept(numel: int, density: float) -> int:
@@ -104,10 +100,9 @@ class TopKCompressor(SparseCompressor):
             raise ValueError(f"sample_ratio={sample_ratio} only applies to select=sample: use "
                              f"'topk:density={self.density},select=sample,sample_ratio={sample_ratio}' "
                              "or drop sample_ratio")
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.rng = RankGenerators(self.seed)
-        if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
-            raise ValueError(f"tile (the tile side, elements) must be an integer >= 1 or None, got {tile!r}")
+        tile = check_optional(tile, check_count, "tile (the tile side, elements)", 1, ", or None")
         if tile is not None and self.select_mode != "exact":
             raise ValueError("tile selects each tile's top entries exactly: use select=exact with tile")
         self.tile = tile

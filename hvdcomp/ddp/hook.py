@@ -73,12 +73,15 @@ import weakref
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.torchdist import TorchDistGroup
 from ..compressors.segments import needs_draw_order
+from ..checks import check_bool, check_choice
 from ..config import check_method
+from ..launch import start_frontend
 from ..metrics import PhaseTimer
 from ..agreement import NONFINITE_MODES, check_consistency
 from ..reducer import check_free, claim
@@ -374,6 +377,28 @@ class HookState:
         return f"HookState({self.compression!r}, {self.transport})"
 
 
+def check_optimizer_of(ddp_model, optimizer) -> None:
+    """The optimizer given to :func:`register` must be a ``torch.optim.Optimizer`` over the DDP
+    model's parameters: the hook commits error-feedback state when that optimizer steps, so one
+    over another model's parameters would leave every step unapplied in the hook's eyes (its
+    residuals rolled back: error feedback silently off; parameters 3.8e-2 off in the issue's case).
+
+    Raises:
+        TypeError: not a ``torch.optim.Optimizer``.
+        ValueError: it holds none of the model's parameters, naming the fix.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be the torch.optim.Optimizer that steps the DDP model's parameters, got "
+                        f"{type(optimizer).__name__}")
+    mine = {id(p) for p in ddp_model.parameters()}
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    if not any(id(p) in mine for p in held):
+        raise ValueError("the optimizer given to hvdcomp.ddp.register holds none of the DDP model's parameters (it "
+                         "steps another model's), so the hook would never see its gradients applied and would drop "
+                         "its error feedback every step: build it over this model, e.g. "
+                         "torch.optim.SGD(ddp_model.parameters(), lr=...), after wrapping the model in DDP")
+
+
 def register(ddp_model, compression="none", process_group=None, *, optimizer: Optional[torch.optim.Optimizer] = None,
              granularity: str = "tensor", nonfinite: str = "skip", timer: Optional[PhaseTimer] = None,
              grad_scaler=None, named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
@@ -412,13 +437,18 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
         The :class:`HookState` (``.timer``, ``.compression``, ``.state_dict()``, ...).
 
     Raises:
-        TypeError: ``ddp_model`` is not a DistributedDataParallel, or a bad ``compression``.
-        ValueError: unknown ``granularity`` or ``nonfinite`` (or ``"bucket"`` with PowerSGD), a
+        TypeError: ``ddp_model`` is not a DistributedDataParallel, a bad ``compression``, or an
+            ``optimizer`` that is not a ``torch.optim.Optimizer``.
+        ValueError: unknown ``granularity`` or ``nonfinite`` (or ``"bucket"`` with PowerSGD),
+            ``check_consistency`` not a bool, an ``optimizer`` over another model's parameters
+            (:func:`check_optimizer_of`), a
             compressor already serving another hook, DGC with an optimizer that applies momentum,
             unnamed parameters, ranks that disagree (raised on every rank), or a model built for
             DDP's Python reducer (``torch._dynamo.config.optimize_ddp = "python_reducer"``: see
             the module docstring).
-        RuntimeError: ``torch.distributed`` is not initialised.
+        RuntimeError: ``torch.distributed`` is not initialised, or the launcher started several tasks
+            and the default process group has one rank (:func:`hvdcomp.launch.start_frontend`,
+            which also makes an uncaught exception end the job).
 
     Example::
 
@@ -432,11 +462,14 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"hvdcomp.ddp.register needs a torch.nn.parallel.DistributedDataParallel model, got "
                         f"{type(ddp_model).__name__}: wrap it first, DistributedDataParallel(model)")
+    start_frontend("the DDP front-end (hvdcomp.ddp.register)", "torch.distributed",
+                   dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
     compression = resolve_compression(compression)
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be 'tensor' or 'bucket', got {granularity!r}")
-    if nonfinite not in NONFINITE_MODES:
-        raise ValueError(f"nonfinite must be 'skip', 'raise' or 'ignore', got {nonfinite!r}")
+    check_choice(granularity, "granularity", GRANULARITIES)
+    check_choice(nonfinite, "nonfinite", NONFINITE_MODES)
+    check_consistency = check_bool(check_consistency, "check_consistency")
+    if optimizer is not None:
+        check_optimizer_of(ddp_model, optimizer)
     check_method(compression, None, granularity)
     check_free(compression)
     if getattr(ddp_model, "_use_python_reducer", False):

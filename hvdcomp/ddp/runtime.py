@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..comm.retain import retain
 from ..comm.torchdist import TorchDistGroup
 from ..launch import LaunchInfo, detect_launch
 
@@ -170,6 +171,7 @@ class TorchDistCollectives:
         """The sum (``op=Sum``) or mean (default) of ``tensor`` over the ranks, as a new tensor
         (``name`` is accepted for Horovod compatibility and unused)."""
         out = tensor.detach().to(self.device, copy=True)
+        retain(out)  # (held until gloo's worker lets go: hvdcomp/comm/retain.py)
         self.dist.all_reduce(out)
         if op == self.Average:
             out = out / self.size()
@@ -184,6 +186,7 @@ class TorchDistCollectives:
         for _, value in sorted(params.items()):
             if isinstance(value, torch.Tensor):
                 buf = value.detach().to(self.device)
+                retain(buf)
                 self.dist.broadcast(buf, src=root_rank)
                 if buf.data_ptr() != value.data_ptr():
                     value.detach().copy_(buf)

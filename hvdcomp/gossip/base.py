@@ -35,7 +35,7 @@ import torch
 from ..compressors.base import Compressor, ErrorBound
 from ..memory import ErrorFeedback
 from ..spec import get_compressor, parse_spec
-from .scalars import as_scalar
+from ..checks import check_range
 from .topology import Topology
 
 __all__ = ["compressor_kind", "is_unbiased", "gossip_compressor", "GossipMethod", "Payload", "Outgoing",
@@ -101,17 +101,14 @@ def gossip_compressor(spec: Union[str, Compressor, None]) -> Compressor:
 
 
 def check_consensus_step(gamma, method: str) -> float:
-    """``gamma`` (a Python, numpy or 0-d tensor number: :func:`~hvdcomp.gossip.scalars.as_scalar`)
-    as a float in (0, 1].
+    """``gamma`` (a Python, numpy or 0-d tensor number: :func:`hvdcomp.checks.as_number`) as a
+    float in (0, 1].
 
     Raises:
         ValueError: not a finite number in (0, 1].
     """
-    value = as_scalar(gamma)
-    if value is None or not (0.0 < value <= 1.0):
-        raise ValueError(f"{method}: the consensus step size γ must be a number in (0, 1], got {gamma!r} "
-                         "(starting points: docs/gossip.md, 'Tuning γ')")
-    return value
+    return check_range(gamma, f"{method}: the consensus step size γ (consensus_step)", 0.0, 1.0, low_open=True,
+                       hint=" (starting points: docs/gossip.md, 'Tuning γ')")
 
 
 class GossipMethod(abc.ABC):

@@ -53,7 +53,7 @@ from .base import GossipMethod, copy_params
 from .choco import ChocoGossip
 from .dcd import DCDGossip, ECDGossip
 from .powergossip import PowerGossip
-from .scalars import as_scalar
+from ..checks import check_bool, check_range
 from .topology import make_topology
 
 __all__ = ["GossipOptimizer", "METHODS", "make_method"]
@@ -122,7 +122,8 @@ class GossipOptimizer:
             compressor, an unknown ``nonfinite``, a timeout that is not a positive number, ...)
             or the ranks disagree on method, topology, γ, compressor, ``overlap``, ``nonfinite``
             or the parameters' names, shapes and dtypes (the message names the rank and the field).
-        RuntimeError: Horovod not initialised, or no usable mpi4py world matching Horovod's.
+        RuntimeError: Horovod not initialised, or no usable mpi4py world matching Horovod's (under
+            ``torchrun`` or ``horovodrun --gloo``: :func:`hvdcomp.launch.start_frontend`).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None, method: str = "choco",
@@ -131,10 +132,10 @@ class GossipOptimizer:
                  **method_kwargs):
         self.optimizer = optimizer
         self.timer = PhaseTimer()
-        self.overlap = bool(overlap)
+        self.overlap = overlap  # (checked below, with the other settings every rank agrees on)
         self.nonfinite = nonfinite
         self.skipped_steps = 0
-        self.group = resolve_group(process_set)
+        self.group = resolve_group(process_set, frontend="hvdcomp.gossip.GossipOptimizer")
         self._params: List[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         self._names = self._parameter_names(named_parameters)
         self._pending = None
@@ -146,15 +147,14 @@ class GossipOptimizer:
         self.rank, self.size = self.group.rank, self.group.size
         if not self.group.included:
             self._guard = NonFiniteGuard(nonfinite)
+            self.overlap = check_bool(overlap, "overlap")
             return  # (as Horovod: a rank outside the process set trains on its own)
         comm = neighbor_edges(self.group)
         error, record = None, None
         try:
             self._guard = NonFiniteGuard(nonfinite)
-            seconds = as_scalar(timeout)
-            if seconds is None or not seconds > 0:
-                raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-            timeout = seconds
+            self.overlap = check_bool(overlap, "overlap", " (run each exchange in the background until the next step)")
+            timeout = check_range(timeout, "timeout", 0.0, low_open=True, hint=" (seconds)")
         except ValueError as exc:
             error = exc
         self.transport = NeighborTransport(comm, timeout=300.0 if error is not None else timeout)

@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .base import GossipMethod, Payload, check_consensus_step
-from .scalars import as_scalar
+from ..checks import check_bool, check_count, check_seed
 from .topology import Topology
 
 __all__ = ["PowerGossip", "edge_seed"]
@@ -95,14 +95,9 @@ class PowerGossip(GossipMethod):
             raise ValueError("PowerGossip compresses each edge's model difference by its own rank-1 power iteration; "
                              f"leave the compressor at 'none' (got {compression!r})")
         self.gamma = check_consensus_step(1.0 if consensus_step is None else consensus_step, "PowerGossip")
-        rounds, base_seed = as_scalar(power_iterations, integer=True), as_scalar(seed, integer=True)
-        if rounds is None or rounds < 1:
-            raise ValueError(f"power_iterations must be an integer >= 1, got {power_iterations!r}")
-        if base_seed is None:
-            raise ValueError(f"seed must be an integer, got {seed!r}")
-        self.rounds = rounds
-        self.warm_start = bool(warm_start)
-        self.seed = base_seed
+        self.rounds = check_count(power_iterations, "power_iterations", 1)
+        self.warm_start = check_bool(warm_start, "warm_start")
+        self.seed = check_seed(seed)
         self.matrices = [k for k, p in enumerate(params) if p.dim() >= 2]
         self.vectors = [k for k, p in enumerate(params) if p.dim() < 2]
         self.shapes = [(p.shape[0], p.numel() // p.shape[0]) if p.dim() >= 2 else None for p in params]

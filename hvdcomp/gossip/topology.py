@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .scalars import as_scalar
+from ..checks import as_number, check_choice, check_count
 
 __all__ = ["Topology", "ring", "torus", "exponential", "complete", "from_adjacency", "from_weights",
            "make_topology", "TOPOLOGIES"]
@@ -149,7 +149,7 @@ class Topology:
                 f"spectral_gap={self.spectral_gap:.4g})")
 
     def _rank(self, rank: int) -> int:
-        value = as_scalar(rank, integer=True)
+        value = as_number(rank, integer=True)
         if value is None or not 0 <= value < self.size:
             raise ValueError(f"rank {rank!r} is outside this {self.size}-rank topology")
         return value
@@ -359,7 +359,7 @@ def torus(size: int, shape: Optional[Tuple[int, int]] = None, weights: str = "me
     if shape is None:
         rows = max(d for d in range(1, int(math.isqrt(size)) + 1) if size % d == 0)
         shape = (rows, size // rows)
-    sides = [as_scalar(s, integer=True) for s in shape]
+    sides = [as_number(s, integer=True) for s in shape]
     if len(sides) != 2 or None in sides:
         raise ValueError(f"torus shape must be two integers (rows, cols), got {shape!r}")
     rows, cols = sides
@@ -410,10 +410,7 @@ def complete(size: int) -> Topology:
 
 def _check_size(size) -> int:
     """``size`` (a Python, numpy or 0-d tensor integer) as an int >= 1."""
-    value = as_scalar(size, integer=True)
-    if value is None or value < 1:
-        raise ValueError(f"a topology needs an integer number of ranks >= 1, got {size!r}")
-    return value
+    return check_count(size, "a topology's number of ranks (size)", 1)
 
 
 #: names :func:`make_topology` accepts
@@ -435,6 +432,7 @@ def make_topology(spec: Union[str, Topology, Sequence, np.ndarray], size: int,
     Raises:
         ValueError: an unknown name, or a topology / adjacency of another size.
     """
+    check_choice(weights, "weights", ("metropolis", "uniform"))
     if isinstance(spec, Topology):
         topo = spec
     elif isinstance(spec, str):

@@ -50,22 +50,23 @@ the CPU where the previous step's residual is recycled).
 from __future__ import annotations
 
 import contextlib
+import difflib
+import inspect
 import itertools
 import logging
-import math
-import numbers
 import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from ..agreement import check_consistency, digest
+from ..checks import check_count, check_real
 from ..comm import resolve_group
 from ..comm.group import ProcessGroup
 from ..compressors.base import Compressor, PayloadKind
 from ..config import Settings, check_method, name_parameters
 from ..memory import Wrapper
-from ..metrics import PhaseTimer
+from ..metrics import PhaseTimer, RecordLog
 from ..spec import resolve_compression
 from ..reducer import Reducer, check_free, claim, release
 from .checkpoint import Checkpoints
@@ -98,34 +99,55 @@ def check_carries_delta(method, outer: torch.optim.Optimizer) -> None:
     check_method(method, outer, "tensor")
 
 
-def check_real(value, what: str, accept: Callable[[float], bool], rule: str, hint: str = "") -> float:
-    """``value`` as a float, if it is a real number (not a bool), finite, and ``accept(value)``.
-
-    Every numeric hyper-parameter of the local-update constructors goes through here, before
-    anything is built (so before any collective: the same arguments fail alike on every rank).
-
-    Raises:
-        ValueError: ``"{what} must be {rule}, got {value!r}{hint}"``: not a real number, NaN,
-            ±inf, or outside the range ``accept`` allows.
-    """
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value))
-    if not ok or not accept(float(value)):
-        raise ValueError(f"{what} must be {rule}, got {value!r}{hint}")
-    return float(value)
-
-
-def check_count(value, what: str, low: int, hint: str = "") -> int:
-    """``value`` if it is an integer (not a bool) >= ``low``.
-
-    Raises:
-        ValueError: ``"{what} must be an integer >= {low}, got {value!r}{hint}"``.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{what} must be an integer >= {low}, got {value!r}{hint}")
-    return int(value)
-
-
 _OUTER_LR_HINT = " (1.0 with momentum 0 is plain averaging of the ranks' parameters)"
+
+#: the pipeline's settings a local-update wrapper sets itself (not passed through)
+_SET_BY_WRAPPER = ("hvd", "timer", "backward_passes_per_step")
+
+
+def _pipeline_arguments() -> List[str]:
+    """What ``**pipeline`` may hold: the Reducer's settings (:meth:`hvdcomp.config.Settings.validate`)
+    less those the wrapper sets, and ``process_group`` (a ``torch.distributed`` group)."""
+    return [n for n in inspect.signature(Settings.validate).parameters if n not in _SET_BY_WRAPPER] + ["process_group"]
+
+
+def accepted_arguments(cls) -> List[str]:
+    """The keyword arguments a local-update class takes: its own and its bases' constructors',
+    and the pipeline's (:func:`_pipeline_arguments`)."""
+    names: List[str] = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None or klass is object:
+            continue
+        for p in inspect.signature(init).parameters.values():
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in ("self", "optimizer",
+                                                                                     "named_parameters") \
+                    and p.name not in names:
+                names.append(p.name)
+    names += [n for n in _pipeline_arguments() if n not in names]
+    return names
+
+
+def check_pipeline_arguments(cls, pipeline: Dict[str, Any]) -> None:
+    """Refuse keyword arguments that neither the wrapper nor the pipeline takes, before anything is
+    built, naming the close matches and the accepted ones (``from_spec('co2:momentum=1')`` said
+    ``DistributedOptimizer() got an unexpected keyword argument 'momentum'``).
+
+    Raises:
+        ValueError: an unknown argument.
+    """
+    pipe = set(_pipeline_arguments())
+    unknown = [k for k in pipeline if k not in pipe]
+    if not unknown:
+        return
+    accepted = accepted_arguments(cls)
+    near = {k: difflib.get_close_matches(k, accepted, n=2, cutoff=0.5) for k in unknown}
+    hints = "; ".join(f"{k!r}: did you mean {' or '.join(map(repr, m))}?" for k, m in near.items() if m)
+    inner = [k for k in unknown if k in ("lr", "momentum", "weight_decay", "betas", "eps")]
+    raise ValueError(f"{cls.__name__} got unknown argument(s) {unknown}" + (f" ({hints})" if hints else "")
+                     + (f"; {inner} set the inner optimizer: give them to it (e.g. torch.optim.SGD(params, "
+                        f"lr=0.1)), or the outer_* arguments for the outer step" if inner else "")
+                     + f". Accepted: {accepted}")
 
 
 def check_outer_lr(outer: torch.optim.Optimizer) -> None:
@@ -193,6 +215,9 @@ class LocalUpdate(Checkpoints):
             ``backward()`` several times before ``step()`` (H counts steps, not backward passes).
         chunk_size: split each Δ into consecutive chunks of this many elements, each compressed as
             its own tensor (SparseLoCo's top-k per chunk); None: one tensor per parameter.
+        history_limit: round records kept in :attr:`history` (the most recent; default 1000,
+            None: every one); older ones are rolled up (:class:`hvdcomp.metrics.RecordLog`), so
+            :meth:`report` still covers every round while memory stays flat.
         **pipeline: further :func:`hvdcomp.DistributedOptimizer` arguments for the reduction of Δ
             (``process_set``, ``allgather``, ``cost_model``, ``bucket_bytes``, ``nonfinite``, ...).
 
@@ -204,7 +229,9 @@ class LocalUpdate(Checkpoints):
             on the set-up (H, ``chunk_size``, the outer optimizer's class and parameter-group
             settings, the wrapper and its own settings, the parameters), naming the differences
             (one object allgather; skipped with ``check_consistency=False``, as the pipeline's).
-        RuntimeError: Horovod is not initialised.
+        RuntimeError: no process group (neither ``hvd.init()`` nor ``init_process_group`` ran), or
+            the launcher started several tasks that the group does not join
+            (:func:`hvdcomp.comm.resolve_group`, :func:`hvdcomp.launch.start_frontend`).
     """
 
     algorithm = "local"
@@ -212,7 +239,9 @@ class LocalUpdate(Checkpoints):
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None, *, local_steps: int,
                  outer_optimizer: Callable[[List[torch.Tensor]], torch.optim.Optimizer], compression="none",
                  host_copy: Optional[bool] = None, timer: Optional[PhaseTimer] = None,
-                 backward_passes_per_step: int = 1, chunk_size: Optional[int] = None, **pipeline):
+                 backward_passes_per_step: int = 1, chunk_size: Optional[int] = None,
+                 history_limit: Optional[int] = 1000, **pipeline):
+        check_pipeline_arguments(type(self), pipeline)
         local_steps = check_count(local_steps, "local_steps (H, inner steps per round)", 1)
         if backward_passes_per_step != 1:
             raise ValueError("backward_passes_per_step must be 1 with local-update training: no step "
@@ -220,6 +249,7 @@ class LocalUpdate(Checkpoints):
                              f"step() (local_steps counts step() calls); got {backward_passes_per_step!r}")
         if chunk_size is not None:
             chunk_size = check_count(chunk_size, "chunk_size", 1, " (elements), or None")
+        self._rounds_log = RecordLog(history_limit)
         self.inner, self.local_steps, self.chunk_size = optimizer, local_steps, chunk_size
         self.prefix = f"hvdcomp.local.{next(_ids)}"
         self.timer = timer if timer is not None else PhaseTimer()
@@ -240,7 +270,8 @@ class LocalUpdate(Checkpoints):
         where = pipeline.pop("process_group", None)
         if where is not None and pipeline.get("process_set") is not None:
             raise ValueError("give process_set (Horovod) or process_group (torch.distributed), not both")
-        group = resolve_group(where if where is not None else pipeline.get("process_set"))
+        group = resolve_group(where if where is not None else pipeline.get("process_set"),
+                              frontend=f"hvdcomp.local.{type(self).__name__}")
         settings = Settings.validate(getattr(group, "hvd", None), timer=self._sync_timer(), **pipeline)
         if settings.check_consistency:
             self._check_setup(group)
@@ -250,7 +281,6 @@ class LocalUpdate(Checkpoints):
                             self.prefix)
         claim(self.sync.compression, self)
         self.steps = self.round_step = self.rounds = self.skipped_rounds = 0
-        self.history: List[Dict[str, Any]] = []  # one record per round
         self._closed = False
         self._started = False  # θ_start taken from the model (at the first step: after the user's broadcast)
 
@@ -479,8 +509,15 @@ class LocalUpdate(Checkpoints):
     def _close_round(self, record: Dict[str, Any]) -> None:
         self.rounds += 1
         self.skipped_rounds += bool(record["skipped"])
-        self.history.append({"round": self.rounds, "step": self.steps, "inner_steps": self.round_step, **record})
+        self._rounds_log.append({"round": self.rounds, "step": self.steps, "inner_steps": self.round_step, **record})
         self.round_step = 0
+
+    @property
+    def history(self) -> List[Dict[str, Any]]:
+        """The most recent round records, one per round (at most ``2·history_limit``; older ones
+        are rolled up into :meth:`report`'s sums): ``round``, ``step``, ``inner_steps``,
+        ``skipped``, ``wall_s``, the reduction's seconds per phase and its bytes."""
+        return self._rounds_log.records
 
     def flush(self) -> None:
         """End the current round now (after fewer than H inner steps, if any were taken), so the
@@ -515,7 +552,7 @@ class LocalUpdate(Checkpoints):
 
     def report(self) -> Dict[str, float]:
         """Per-round and per-step figures of the rounds so far (:func:`round_report`)."""
-        return round_report(self.history, self.steps, self.rounds, self.local_steps, self.skipped_rounds, self.timer,
+        return round_report(self._rounds_log, self.steps, self.rounds, self.local_steps, self.skipped_rounds, self.timer,
                             warmup=self._warmup_traffic())
 
     def _warmup_traffic(self) -> Optional[Dict[str, int]]:
@@ -530,7 +567,7 @@ class LocalUpdate(Checkpoints):
             self._closed = True
 
 
-def round_report(history: List[Dict[str, Any]], steps: int, rounds: int, local_steps: int, skipped: int,
+def round_report(history, steps: int, rounds: int, local_steps: int, skipped: int,
                  timer: PhaseTimer, warmup: Optional[Dict[str, int]] = None) -> Dict[str, float]:
     """Per-round and per-step figures of the rounds so far: bytes sent / received / dense
     (their fp32 size) per round and per inner step, seconds per round of each phase of the
@@ -539,7 +576,8 @@ def round_report(history: List[Dict[str, Any]], steps: int, rounds: int, local_s
     steps. Numbers only (same keys on every rank).
 
     Args:
-        history: one record per round (``LocalUpdate.history``).
+        history: the round records: a :class:`~hvdcomp.metrics.RecordLog` (the optimizer's,
+            whose sums cover rounds already rolled up) or a list of records.
         steps: inner steps taken (the per-step figures' divisor, warm-up steps included).
         rounds, local_steps, skipped: the optimizer's counters, copied.
         timer: the optimizer's :class:`~hvdcomp.metrics.PhaseTimer`.
@@ -547,21 +585,25 @@ def round_report(history: List[Dict[str, Any]], steps: int, rounds: int, local_s
             outside the rounds (Local AdaAlter's warm-up): reported as ``warmup_<key>`` and counted
             in the per-step figures (and so in ``ratio_vs_dense_per_step``), not in the per-round ones.
     """
-    rows, per, warmup = history, max(1, steps), warmup or {}
+    if not isinstance(history, RecordLog):
+        log = RecordLog(None)
+        log.replace(history)
+        history = log
+    per, warmup, sums = max(1, steps), warmup or {}, history.sums()
     out: Dict[str, float] = {"inner_steps": steps, "rounds": rounds, "local_steps": local_steps,
                              "skipped_rounds": skipped}
-    keys = sorted({k for r in rows for k, v in r.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)} - {"round", "step", "inner_steps"})
-    for k in sorted(set(keys) | set(warmup)):
-        total = sum(r.get(k, 0.0) for r in rows)
-        out[f"{k}_per_round"] = total / max(1, len(rows))
+    keys = set(sums) - {"round", "step", "inner_steps"}
+    for k in sorted(keys | set(warmup)):
+        total = sums.get(k, 0.0)
+        out[f"{k}_per_round"] = total / max(1, len(history))
         out[f"{k}_per_step"] = (total + warmup.get(k, 0)) / per
     for k, v in warmup.items():
         out[f"warmup_{k}"] = v
     # fp32 bytes synchronous training sends per step / these
     if out.get("bytes_sent_per_step") and "dense_bytes_per_round" in out:
         out["ratio_vs_dense_per_step"] = out["dense_bytes_per_round"] / out["bytes_sent_per_step"]
-    if timer.history:
-        out["compute_s_per_step"] = sum(r.get("compute", 0.0) for r in timer.history) / len(timer.history)
-        out["outer_s_per_step"] = sum(r.get("outer", 0.0) for r in timer.history) / len(timer.history)
+    if timer.steps:  # (every step the timer recorded, rolled-up ones included)
+        per_step = timer.totals()
+        out["compute_s_per_step"] = per_step.get("compute", 0.0)
+        out["outer_s_per_step"] = per_step.get("outer", 0.0)
     return out

@@ -242,7 +242,7 @@ class CO2(LocalUpdate):
         self.timer.add_bytes(sent=rec["bytes_sent"], received=rec["bytes_received"], dense=rec["dense_bytes"])
         self.rounds += 1
         self.skipped_rounds += bool(rec["skipped"])
-        self.history.append({"round": self.rounds, **rec})
+        self._rounds_log.append({"round": self.rounds, **rec})
         if rec["skipped"]:
             self._drop_round()
         else:

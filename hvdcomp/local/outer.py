@@ -53,6 +53,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from ..checks import check_bool, check_choice
 from ..memory import ErrorFeedback
 from ..spec import resolve_compression
 from .base import _OUTER_LR_HINT, LocalUpdate, check_real
@@ -77,8 +78,7 @@ def outer_sgd(lr: float, momentum: float, nesterov: bool) -> Callable[[List[torc
     """
     lr = check_real(lr, "the outer learning rate", lambda v: v > 0, "> 0 and finite", _OUTER_LR_HINT)
     momentum = check_real(momentum, "the outer momentum", lambda v: 0.0 <= v < 1.0, "in [0, 1)")
-    if not isinstance(nesterov, bool):
-        raise ValueError(f"nesterov must be True or False, got {nesterov!r}")
+    nesterov = check_bool(nesterov, "nesterov")
     if nesterov and not momentum:
         raise ValueError("Nesterov needs an outer momentum > 0: give outer_momentum, or nesterov=False")
     return lambda tensors: torch.optim.SGD(tensors, lr=lr, momentum=momentum, nesterov=nesterov)
@@ -166,9 +166,7 @@ class SparseLoCo(LocalUpdate):
 
     def __init__(self, optimizer, named_parameters=None, *, local_steps: int, form: str = "authors",
                  compression=_FORM, beta=_FORM, outer_lr: float = 1.0, chunk_size=_FORM, **kwargs):
-        if form not in SPARSELOCO_FORMS:
-            raise ValueError(f"form must be one of {sorted(SPARSELOCO_FORMS)} (the authors' released code, or "
-                             f"hvdcomp's flat chunks), got {form!r}")
+        check_choice(form, "form", tuple(SPARSELOCO_FORMS), " (the authors' released code, or hvdcomp's flat chunks)")
         default_method, default_beta, default_chunk = SPARSELOCO_FORMS[form]
         compression = default_method if compression is _FORM else compression
         beta = default_beta if beta is _FORM else beta

@@ -66,8 +66,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..checks import check_bool, check_choice, check_count, check_optional, check_range
 from ..comm.group import HorovodGroup
 from ..comm.torchdist import TorchDistGroup
+from ..launch import start_frontend
 from ..metrics import PhaseTimer
 from .factors import factorize, kept_rank, matrix_view, model_compression, unit_singular_values_
 from .layout import RankLayout, node_of_ranks
@@ -86,15 +88,12 @@ def _check(cutoff, mode, sync, orientation, scope, unfactorized_sync, ranks_per_
            process_set) -> Tuple[str, str, str]:
     """Validate ABTraining's arguments; returns (sync, unfactorized_scope, unfactorized_sync)
     with the defaults filled in and the deprecated scope spelling ``"group"`` mapped."""
-    if not 0.0 <= float(cutoff) < 1.0:
-        raise ValueError(f"cutoff must be in [0, 1) (e.g. 0.15), got {cutoff}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be 'only-b' or 'ab', got {mode!r}")
+    check_range(cutoff, "cutoff", 0.0, 1.0, high_open=True, hint=" (e.g. 0.15)")
+    check_choice(mode, "mode", tuple(MODES))
     sync = MODES[mode][0] if sync is None else sync
     if sync not in MODES[mode]:
         raise ValueError(f"sync={sync!r} does not fit mode={mode!r}: choose one of {list(MODES[mode])}")
-    if orientation not in ("tall", "rows"):
-        raise ValueError(f"orientation must be 'tall' (B the small factor) or 'rows', got {orientation!r}")
+    check_choice(orientation, "orientation", ("tall", "rows"), " ('tall': B the small factor)")
     if scope == "group":
         _deprecated("unfactorized_scope='group'", "unfactorized_scope='rank-group'", 4)
         scope = "rank-group"
@@ -103,11 +102,9 @@ def _check(cutoff, mode, sync, orientation, scope, unfactorized_sync, ranks_per_
     unfactorized_sync = unfactorized_sync or ("broadcast" if mode == "only-b" else "average")
     if unfactorized_sync not in ("broadcast", "average"):
         raise ValueError(f"unfactorized_sync must be 'broadcast' or 'average', got {unfactorized_sync!r}")
-    if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node < 1):
-        raise ValueError(f"ranks_per_node must be a positive integer or None, got {ranks_per_node!r}")
-    if rank_groups != "node" and not (isinstance(rank_groups, int) and not isinstance(rank_groups, bool)
-                                      and rank_groups >= 1):
-        raise ValueError(f"rank_groups must be 'node' or a positive integer, got {rank_groups!r}")
+    check_optional(ranks_per_node, check_count, "ranks_per_node", 1, ", or None")
+    if not (isinstance(rank_groups, str) and rank_groups == "node"):
+        check_count(rank_groups, "rank_groups", 1, " (or 'node')")
     if comm is not None and process_set is not None:
         raise ValueError("give either comm (an mpi4py communicator) or process_set (a Horovod process "
                          "set), not both")
@@ -215,7 +212,8 @@ class ABTraining:
             mode, sync, orientation or scope, mode "ab" with fewer than 2 rank groups, ``comm``
             and ``process_set`` both given, ``groups`` and ``rank_groups`` both given, unknown
             ``full_rank`` names.
-        RuntimeError: mpi4py unusable (e.g. ``horovodrun --gloo``).
+        RuntimeError: mpi4py unusable, or the launcher started several tasks and the MPI world has
+            one rank (``torchrun``, ``horovodrun --gloo``: :func:`hvdcomp.launch.start_frontend`).
     """
 
     STAGES = STAGES
@@ -237,11 +235,16 @@ class ABTraining:
             rank_groups = groups
         self.schedule = Schedule(warmup_steps, steps_between_syncs, full_rank_steps)
         self.rebound = Rebound(ramp_steps, ramp_start_lr)
+        cut_first, reset_optimizer = check_bool(cut_first, "cut_first"), check_bool(reset_optimizer, "reset_optimizer")
+        base_lr = check_range(base_lr, "base_lr", 0.0, low_open=True)
         sync, unfactorized_scope, unfactorized_sync = _check(
             cutoff, mode, sync, orientation, unfactorized_scope, unfactorized_sync, ranks_per_node, rank_groups,
             comm, process_set)
         torch_world = None if comm is not None else _torch_world(process_set)
         if torch_world is not None:            # torchrun / srun: torch.distributed, no MPI
+            import torch.distributed as dist
+
+            start_frontend("hvdcomp.lowrank.ABTraining", "torch.distributed", dist.get_world_size())
             self.world, self.included = torch_world, True
             nodes = node_of_ranks(torch_world, ranks_per_node)
             self.layout = RankLayout.build(nodes, torch_world.rank, rank_groups, mode)
@@ -251,6 +254,7 @@ class ABTraining:
             except ImportError as exc:  # pragma: no cover
                 raise RuntimeError(f"AB-training under MPI needs mpi4py ({exc}); under torchrun it runs on "
                                    "torch.distributed (init_process_group first)") from None
+            start_frontend("hvdcomp.lowrank.ABTraining", "mpi", MPI.COMM_WORLD.Get_size())
             base, self.included = _job_comm(MPI, comm, process_set)
             self.world = base.Dup()
             if self.included:
@@ -261,10 +265,11 @@ class ABTraining:
         self.timer = timer if timer is not None else PhaseTimer()
         self.traffic = Traffic(self.world, self.layout, self.timer)
         self.model, self.mode, self.sync_mode, self.cutoff = model, mode, sync, float(cutoff)
-        self.rank_groups, self.orientation, self.cut_first = rank_groups, orientation, bool(cut_first)
+        self.rank_groups, self.orientation = rank_groups, orientation
+        self.cut_first = cut_first
         self.unfactorized_scope, self.unfactorized_sync = unfactorized_scope, unfactorized_sync
-        self.reset_optimizer, self.ranks_per_node = bool(reset_optimizer), ranks_per_node
-        self.base_lr = float(base_lr)
+        self.reset_optimizer, self.ranks_per_node = reset_optimizer, ranks_per_node
+        self.base_lr = base_lr
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         unknown = set(full_rank) - {n for n, _ in self.named}
         if unknown:

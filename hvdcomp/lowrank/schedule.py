@@ -17,16 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-__all__ = ["STAGES", "Schedule", "Rebound", "check_count"]
+from ..checks import check_count, check_range
+
+__all__ = ["STAGES", "Schedule", "Rebound"]
 
 #: AB-training's stages, in the order a cycle meets them
 STAGES = ("warmup", "grouped", "sync", "full-rank")
-
-
-def check_count(key: str, val, low: int) -> None:
-    """Raise ValueError unless ``val`` is an integer (not a bool) ≥ ``low``, naming ``key``."""
-    if not isinstance(val, int) or isinstance(val, bool) or val < low:
-        raise ValueError(f"{key} must be an integer >= {low}, got {val!r}")
 
 
 @dataclass(frozen=True)
@@ -47,9 +43,8 @@ class Schedule:
     full_rank_steps: int
 
     def __post_init__(self):
-        check_count("warmup_steps", self.warmup_steps, 0)
-        check_count("steps_between_syncs", self.steps_between_syncs, 1)
-        check_count("full_rank_steps", self.full_rank_steps, 0)
+        for name, low in (("warmup_steps", 0), ("steps_between_syncs", 1), ("full_rank_steps", 0)):
+            object.__setattr__(self, name, check_count(getattr(self, name), name, low))
 
     def stage_at(self, step: int) -> Tuple[str, int]:
         """(stage, cycle) of the 0-based optimizer step ``step``: stage ``"warmup"``, ``"grouped"``
@@ -91,14 +86,14 @@ class Rebound:
             authors: 1e-5).
 
     Raises:
-        ValueError: ``ramp_steps`` not an integer ≥ 0.
+        ValueError: ``ramp_steps`` not an integer ≥ 0, ``ramp_start_lr`` not a finite number ≥ 0.
     """
 
     __slots__ = ("ramp_steps", "ramp_start_lr", "since_switch", "active", "switch_lr")
 
     def __init__(self, ramp_steps: int, ramp_start_lr: float):
-        check_count("ramp_steps", ramp_steps, 0)
-        self.ramp_steps, self.ramp_start_lr = ramp_steps, float(ramp_start_lr)
+        self.ramp_steps = check_count(ramp_steps, "ramp_steps", 0)
+        self.ramp_start_lr = check_range(ramp_start_lr, "ramp_start_lr", 0.0)
         self.since_switch, self.active, self.switch_lr = 0, False, None
 
     def restart(self) -> None:

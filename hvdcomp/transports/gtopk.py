@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import check_bool
 from ..comm.sparse_allreduce import global_topk, hierarchical_topk
 from ..compressors.registry import register
 from ..compressors.selection import exact_topk
@@ -54,9 +55,7 @@ class GlobalTopKCompressor(SparseStepMethod):
 
     def __init__(self, density: float = 0.01, hierarchical: bool = False):
         super().__init__(density)
-        if not isinstance(hierarchical, bool):
-            raise ValueError(f"hierarchical must be true or false, got {hierarchical!r}")
-        self.hierarchical = hierarchical
+        self.hierarchical = check_bool(hierarchical, "hierarchical")
 
     def describe(self):
         return {**super().describe(), **({"hierarchical": True} if self.hierarchical else {})}

@@ -260,13 +260,17 @@ class TorchDistEdges:
         """
         d, g, ranks = self.dist, self.group, self.ranks
         deadline = time.monotonic() + timeout
+        from ..comm.retain import retain
+
         keep, sends = [], {}
         heads = {j: torch.empty(1, dtype=torch.int64) for j in peers}
+        retain(*heads.values())
         head_works = {j: d.irecv(heads[j], ranks[j], group=g, tag=tag) for j in peers}
         for j in peers:
             data = torch.from_numpy(send[j])
             head = torch.tensor([data.numel()], dtype=torch.int64)
             keep += [data, head]
+            retain(head, data)
             sends[j] = [d.isend(head, ranks[j], group=g, tag=tag)]
             if data.numel():
                 sends[j].append(d.isend(data, ranks[j], group=g, tag=tag))
@@ -275,6 +279,7 @@ class TorchDistEdges:
             if not self._wait(head_works[j], deadline):
                 raise NeighborTimeoutError(self.rank, list(peers[n:]), [], timeout, index)
             buffers[j] = torch.empty(int(heads[j][0]), dtype=torch.uint8)
+            retain(buffers[j])
             if buffers[j].numel():
                 data_works[j] = d.irecv(buffers[j], ranks[j], group=g, tag=tag)
         for j, work in data_works.items():
@@ -291,6 +296,9 @@ class TorchDistEdges:
     def iallgather_ints(self, mine: np.ndarray):
         values = torch.from_numpy(mine)
         out = torch.empty(self.size * values.numel(), dtype=torch.int64)
+        from ..comm.retain import retain
+
+        retain(values, out)
         work = self.dist.all_gather_into_tensor(out, values, group=self.agreement, async_op=True)
         return work.is_completed, out.view(self.size, values.numel()).numpy()
 

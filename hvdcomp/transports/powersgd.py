@@ -46,6 +46,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..checks import check_count, check_range, check_seed
 from ..compressors.base import cast_saturating
 from ..compressors.registry import register
 from ..lowrank.orthogonalize import orthogonalize
@@ -95,17 +96,11 @@ class PowerSGDCompressor(StepMethod):
             warnings.warn("powersgd: rank= is renamed matrix_rank= (the rank of the approximation, not "
                           "a process rank); rank= will be removed in the next release", DeprecationWarning)
             matrix_rank = rank
-        if not isinstance(matrix_rank, int) or matrix_rank < 1:
-            raise ValueError(f"matrix_rank (r) must be an integer >= 1, e.g. matrix_rank=2; got {matrix_rank!r}")
-        if not isinstance(start_step, int) or start_step < 0:
-            raise ValueError(f"start_step must be an integer >= 0, got {start_step!r}")
-        if float(min_compression_rate) < 1.0:
-            raise ValueError(f"min_compression_rate must be >= 1, got {min_compression_rate}")
-        if float(epsilon) < 0:
-            raise ValueError(f"epsilon must be >= 0, got {epsilon}")
-        self.matrix_rank, self.start_step = matrix_rank, start_step
-        self.min_compression_rate, self.epsilon = float(min_compression_rate), float(epsilon)
-        self.seed = int(seed)
+        self.matrix_rank = check_count(matrix_rank, "matrix_rank (r)", 1, " (e.g. matrix_rank=2)")
+        self.start_step = check_count(start_step, "start_step", 0)
+        self.min_compression_rate = check_range(min_compression_rate, "min_compression_rate", 1.0)
+        self.epsilon = check_range(epsilon, "epsilon", 0.0)
+        self.seed = check_seed(seed)
         self.counters: Dict[str, int] = {"step": 0}
         self.q: Dict[str, torch.Tensor] = {}
         self.p: Dict[str, torch.Tensor] = {}  # last orthonormal P per tensor (n × r), for inspection

@@ -394,7 +394,7 @@ def check_transport_auto():
     b_i: each gradient's). The chosen optimizer's parameters after 3 steps equal those of an
     optimizer built with that method directly."""
     p = hvd.size()
-    for kwargs, words in (({"transport": "fastest"}, "'planned' or 'auto'"),
+    for kwargs, words in (({"transport": "fastest"}, "one of planned, auto"),
                           ({"transport": "auto", "cost_model": "off"}, "cost_model='measure'")):
         model = small_model()
         try:
