@@ -8,6 +8,7 @@ mkdocstrings would render those roles as literal text.
 Build: ``python -m sphinx -W -n --keep-going -b html docs build/docs`` (tests/test_docs.py does it).
 """
 import os
+import shutil
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,6 +34,9 @@ templates_path = ["_templates"]
 exclude_patterns = ["_build"]
 
 # ---- API reference --------------------------------------------------------------------------------
+# docs/api/ is generated (and git-ignored): start from an empty one, so a module that was renamed or
+# removed leaves no stale page behind (it would fail the -W build with "failed to import")
+shutil.rmtree(os.path.join(ROOT, "docs", "api"), ignore_errors=True)
 autosummary_generate = True
 autosummary_ignore_module_all = True       # (lists the submodules; automodule still follows __all__)
 autosummary_imported_members = False

@@ -265,6 +265,11 @@ SPARSE_WIRE = {"values": Choice(("fp32", "fp16", "int2", "stat2")), "index": Cho
                "average": Choice(("ranks", "senders")), "ef": Bool(optional=True)}
 
 
+#: the texts meaning "the checks passed, now it needs a process group" (Horovod's own, and
+#: :func:`hvdcomp.comm.resolve_group`'s when neither Horovod nor torch.distributed is initialised)
+NO_GROUP = ("Horovod is not initialised", "no process group: under mpirun")
+
+
 @dataclass
 class Ctor:
     """A public constructor: ``build(**good, arg=value)``; ``args``: each checked argument's
@@ -277,7 +282,7 @@ class Ctor:
     args: Dict[str, Any]
     names: Dict[str, str] = field(default_factory=dict)
     group: str = "local"
-    accept_errors: Tuple[str, ...] = ("Horovod is not initialised",)
+    accept_errors: Tuple[str, ...] = NO_GROUP
     spec: Optional[str] = None  # the spec-string name (compressors, local-update algorithms)
 
 
@@ -501,7 +506,7 @@ def sweep(group: str = "local") -> List[dict]:
         if g != group:
             continue
         error = _attempt(lambda: build(), {})
-        outcome = classify(False, error, [expect], ("Horovod is not initialised",))[0]
+        outcome = classify(False, error, [expect], NO_GROUP)[0]
         out.append({"ctor": "table", "arg": label, "probe": "table", "value": label, "valid": False,
                     "outcome": outcome, "message": "" if error is None else f"{type(error).__name__}: {error}"[:300]})
     return out

@@ -29,7 +29,8 @@ import logging
 
 import torch
 
-from .base import LocalUpdate, check_count, check_real, optimizer_settings
+from ..checks import check_count, check_real
+from .base import LocalUpdate, optimizer_settings
 from .outer import outer_sgd
 
 __all__ = ["AdaAlter", "LocalAdaAlter"]

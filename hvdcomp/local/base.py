@@ -71,7 +71,7 @@ from ..spec import resolve_compression
 from ..reducer import Reducer, check_free, claim, release
 from .checkpoint import Checkpoints
 
-__all__ = ["LocalUpdate", "check_carries_delta", "check_outer_lr", "check_real", "check_count", "round_report"]
+__all__ = ["LocalUpdate", "check_carries_delta", "check_outer_lr", "round_report"]
 
 log = logging.getLogger(__name__)
 

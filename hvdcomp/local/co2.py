@@ -52,8 +52,9 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from ..checks import check_real
 from ..metrics import PhaseTimer
-from .base import LocalUpdate, check_real
+from .base import LocalUpdate
 
 __all__ = ["CO2", "CO2Momentum", "check_co2_arguments"]
 

@@ -56,7 +56,8 @@ import torch
 from ..checks import check_bool, check_choice
 from ..memory import ErrorFeedback
 from ..spec import resolve_compression
-from .base import _OUTER_LR_HINT, LocalUpdate, check_real
+from ..checks import check_real
+from .base import _OUTER_LR_HINT, LocalUpdate
 
 __all__ = ["DiLoCo", "SparseLoCo", "SPARSELOCO_FORMS", "outer_sgd"]
 
