@@ -86,7 +86,16 @@ def payload_kind(compression) -> str:
     The one place that reads what the method's payloads are, in the core's terms: a
     :class:`~hvdcomp.transports.stepwide.StepMethod` (``batched``), a payload that is the gradient
     itself (``Compressor.payload_is_gradient``: ``none``, reduced in place, as the core's allreduce
-    transport does), else its :class:`~hvdcomp.compressors.base.PayloadKind`."""
+    transport does), else its :class:`~hvdcomp.compressors.base.PayloadKind`.
+
+    Raises:
+        TypeError: ``compression="auto"`` (a choice among methods that the
+            :class:`~hvdcomp.reducer.Reducer` makes; the DDP hook takes one method).
+    """
+    if getattr(compression, "name", None) == "auto":
+        raise TypeError("compression='auto' is chosen and switched by hvdcomp.reducer.Reducer, which "
+                        "hvdcomp.DistributedOptimizer and the training modes (hvdcomp.local) use; the DDP hook "
+                        "takes one method: give it a spec such as 'powersgd:matrix_rank=2'")
     if isinstance(compression, StepMethod):
         return "batched"
     if compression.payload_is_gradient:
