@@ -528,7 +528,8 @@ class AutoState:
         self.p, self.bucket_bytes = group.size, settings.bucket_bytes
         drift = auto.drift if auto.drift is not None else (0.0 if given else 2.0)
         self.policy = Policy(auto, self.labels, self._price, model, self._remeasure, drift)
-        self.policy.start()["route"] = str(self.pipeline.plan)
+        first = self.policy.start()
+        first["route"] = str(self.pipeline.plan)
         self.carry: Dict[str, torch.Tensor] = {}
         self.steps = 0
         self.probe_origin: Optional[int] = 0  # the step the probe in progress starts at (its first `warmup` not measured)

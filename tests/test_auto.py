@@ -259,6 +259,7 @@ def test_auto_decides_from_measured_compute_on_one_rank(one_rank):
     decisions = opt.auto.decisions
     assert [d["cause"] for d in decisions[:2]] == ["start", "probe"]
     assert decisions[0]["chosen"] == "topk:density=0.25"     # the fastest link while measuring: a tie, the first
+    assert decisions[0]["route"] == str(opt.auto.pipelines[0].plan) and "allgather" in decisions[0]["route"]
     assert decisions[1]["chosen"] == "none" and decisions[1]["step"] == 2   # after warmup 1 + probe 2
     assert decisions[1]["compute_s"] == 0.5 and decisions[1]["measured_step_s"] == 0.5
     assert decisions[1]["table"]["topk:density=0.25"]["error"] > 0.3  # (a quarter of the entries kept)
@@ -270,3 +271,35 @@ def test_auto_decides_from_measured_compute_on_one_rank(one_rank):
 def test_two_ranks_agree_decide_redecide_and_switch_exactly():
     out = mpirun_check(2, ["tests/mpi/auto_checks.py"], timeout=240)
     assert "auto checks passed" in out, out[-3000:]
+
+
+def test_train_lm_records_decisions_and_the_report_plots_them(tmp_path):
+    """mpi_scripts/train_lm.py --compressor auto on a posed 10 Mbit/s-like link at 2 ranks: the
+    dense gradient (4.3 MB: 3.5 s by the model) cannot hide behind the measured compute, so auto
+    compresses; every decision is in results.json, and the report tabulates and plots them."""
+    import json
+    import os
+
+    from mpirun import TINY_SHAKESPEARE
+
+    if not os.path.isfile(TINY_SHAKESPEARE):
+        pytest.skip("../shared/data not present")
+    spec = "auto:candidates=none+powersgd:matrix_rank=1+topk:density=0.01,probe=2,window=2,interval=0"
+    out = mpirun_check(2, ["mpi_scripts/train_lm.py", "--compressor", spec, "--cost-model", "1e-3,8e-7",
+                           "--epochs", "1", "--max-steps", "7", "--no-progress", "--data", TINY_SHAKESPEARE,
+                           "--output", str(tmp_path / "run")], timeout=400)
+    assert "SUMMARY method=auto:" in out
+    r = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert r["config"]["compressor"]["name"] == "auto"
+    decisions = r["auto"]["decisions"]
+    assert [d["cause"] for d in decisions[:2]] == ["start", "probe"] and decisions[1]["step"] == 2
+    assert decisions[1]["chosen"] != "none", decisions[1]
+    none = decisions[1]["table"]["none"]
+    assert none["comm_s"] == pytest.approx(2e-3 + 4 * (10000 * 100 + 4 * 4 * 100 * 100 + 4 * 4 * 100) * 8e-7)
+    assert decisions[1]["measured_step_s"] is not None and decisions[1]["compute_s"] > 0
+    from mpi_scripts import report
+
+    assert report.main([str(tmp_path), "--out", str(tmp_path / "report")]) == 0
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "What compression='auto' decided" in text and f"`{decisions[1]['chosen']}`" in text
+    assert (tmp_path / "report" / "auto_choice.png").stat().st_size > 1000
