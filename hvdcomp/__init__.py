@@ -8,7 +8,9 @@ Entry points, re-exported here:
   :func:`parse_spec`, :func:`available` (the registered names);
 * :class:`Compressor` and :func:`register`: a method of your own (``docs/adding-a-method.md``);
   :class:`ErrorFeedback`, the residual memory every method uses;
-* :class:`PhaseTimer`: seconds per phase and bytes per step (``opt.timer``).
+* :class:`PhaseTimer`: seconds per phase and bytes per step (``opt.timer``);
+* :class:`Auto` (``compression="auto"``): the method chosen, and changed, from the measured link,
+  compute and training phase (:mod:`hvdcomp.auto`).
 
 The other front-ends and modes are subpackages: :mod:`hvdcomp.ddp` (a DDP communication hook),
 :mod:`hvdcomp.local` (local updates: DiLoCo, ...), :mod:`hvdcomp.adaptive_opt` (1-bit Adam, ...),
@@ -20,7 +22,8 @@ from .metrics import PhaseTimer
 from .spec import get_compressor, parse_spec
 from . import transports  # noqa: F401  (registers the transports and the step-wide methods)
 from .optimizer import DistributedOptimizer
+from .auto import Auto
 
 __version__ = "0.1.0"
-__all__ = ["Compressor", "ErrorFeedback", "DistributedOptimizer", "PhaseTimer", "available",
+__all__ = ["Auto", "Compressor", "ErrorFeedback", "DistributedOptimizer", "PhaseTimer", "available",
            "get_compressor", "parse_spec", "register", "__version__"]

@@ -99,10 +99,11 @@ def _step_comm(compression, group, timer, gatherer, prefix: str) -> StepComm:
 
 
 def assemble(settings, compression, group, order: List[torch.nn.Parameter], names: Dict, prefix: str,
-             timer) -> Pipeline:
+             timer, gatherer=None) -> Pipeline:
     """Build the pipeline of an optimizer over ``order`` (its parameters in expected backward
     order) averaging over ``group`` (see :class:`Pipeline`). Collective over the group: every
-    rank calls it with the same arguments.
+    rank calls it with the same arguments. ``gatherer``: an allgatherer of the group to use
+    (several pipelines of one reducer share one: ``compression="auto"``), else one is made.
 
     Raises:
         RuntimeError: a step-wide method that needs MPI point-to-point messages without MPI.
@@ -110,9 +111,8 @@ def assemble(settings, compression, group, order: List[torch.nn.Parameter], name
             ``"bucket"`` with a step-wide method that needs each gradient's shape.
     """
     per_tensor = is_per_tensor(compression)
-    gatherer = None
     gathered = per_tensor and any(r.bucketed and r.carries(compression) for r in routes().values())
-    if group.size > 1 or gathered:  # (it also carries the per-step agreement)
+    if gatherer is None and (group.size > 1 or gathered):  # (it also carries the per-step agreement)
         gatherer = group.allgatherer(settings.allgather)
     choice: Dict[str, float] = {}
     if settings.transport == "auto" and group.size > 1:  # the cost model picks the transport

@@ -136,7 +136,8 @@ class PhaseTimer:
 
     Use ``begin_step()``, ``with timer.phase(name): ...``, ``add_bytes(...)``, ``end_step()``;
     ``history`` holds one dict per finished step (the last ``history_limit``), ``steps`` counts
-    them all. A loop that never ends a step keeps nothing per step: in events mode the events are
+    them all; :attr:`events` holds what the pipeline decided along the way (:meth:`event`, e.g.
+    ``compression="auto"``'s decisions), outside the per-step sums. A loop that never ends a step keeps nothing per step: in events mode the events are
     resolved into :attr:`seconds` every :attr:`MAX_MARKS` boundaries (one host sync each time).
 
     Raises:
@@ -145,6 +146,8 @@ class PhaseTimer:
 
     #: events mode: boundaries recorded before they are resolved without an end_step()
     MAX_MARKS = 4096
+    #: at most this many :attr:`events` are kept (the newest)
+    MAX_EVENTS = 1000
     #: first step records kept aside, so totals(skip_first) can leave out warm-up steps
     HEAD = 8
 
@@ -158,6 +161,7 @@ class PhaseTimer:
         self._event_factory = None
         if use_events:
             self._event_factory = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
+        self.events: List[Dict[str, Any]] = []
         self._phases: Dict[str, "_Phase"] = {}
         self._stack: List[list] = []  # [name, start_of_current_slice, profiler range or None]
         self._marks: List[tuple] = []  # events mode: (event, phase charged for the slice ending here)
@@ -259,6 +263,16 @@ class PhaseTimer:
         self.bytes_sent += int(sent)
         self.bytes_received += int(received)
         self.dense_bytes += int(dense)
+
+    def event(self, kind: str, record: Dict[str, Any]) -> None:
+        """Keep ``record`` (a JSON-able dict the pipeline may still complete, e.g. a decision's
+        measured step time) in :attr:`events` as ``{"kind", "timer_step", "record"}``
+        (``timer_step``: steps ended so far). Not part of :meth:`sums` or :meth:`totals`. Bounded:
+        past :attr:`MAX_EVENTS` the oldest half is dropped (a results file keeps what it needs of
+        them as they come)."""
+        self.events.append({"kind": kind, "timer_step": self.steps, "record": record})
+        if len(self.events) > self.MAX_EVENTS:
+            del self.events[: self.MAX_EVENTS // 2]
 
     def end_step(self) -> Dict[str, Any]:
         """Close the step, append its record to ``history`` and return it."""

@@ -75,6 +75,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     compression = property(lambda self: self.reducer.compression, doc="The method (after ``transport='auto'``).")
     transport = property(lambda self: self.reducer.transport, doc="How each gradient travels (:class:`~hvdcomp.plan.TransportPlan`).")
     cost_model = property(lambda self: self.reducer.cost_model, doc="The α-β model that routed gradients, or None.")
+    auto = property(lambda self: self.reducer.auto,
+                    doc="With ``compression='auto'``: its :class:`~hvdcomp.auto.AutoState` (``.decisions``, "
+                        "``.describe()``); else None.")
 
     @property
     def skipped_steps(self) -> int:

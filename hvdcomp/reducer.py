@@ -42,6 +42,7 @@ import torch
 from .agreement import NonFiniteGuard, StateAgreement, check_consistency
 from .amp import LossScaleTracker
 from .assembly import assemble
+from .auto import Auto, AutoState
 from .plan import TransportPlan
 from .step import Staging, Status, StepState
 
@@ -94,9 +95,13 @@ class Reducer:
         prefix: names the collectives (unique per reducer, the same on every rank).
 
     Attributes:
-        compression: the method (the one ``transport="auto"`` chose, where it chose).
+        compression: the method (the one ``transport="auto"`` chose, where it chose; with
+            ``compression="auto"``, the candidate in use).
         transport: the :class:`hvdcomp.plan.TransportPlan`.
         cost_model: the α-β model that routed gradients, or None.
+        auto: with ``compression="auto"`` (:class:`hvdcomp.auto.Auto`), its
+            :class:`hvdcomp.auto.AutoState` (candidates, decisions); else None. Its decisions
+            take effect at step boundaries (:meth:`commit`), never within a step.
         skipped_steps: steps skipped on every rank for a non-finite gradient somewhere.
         active: whether anything is reduced (False outside the group, and for a job of one rank
             whose method leaves gradients as they are).
@@ -118,6 +123,7 @@ class Reducer:
         self.guard, self.restored = NonFiniteGuard(self.nonfinite), StateAgreement()
         self.loss_scale = LossScaleTracker(settings.grad_scaler)
         self.skipped_steps, self.cost_model, self.pipe, self._agreement = 0, None, None, None
+        self.auto: Optional[AutoState] = None
         self.transport = TransportPlan({names[p]: "local" for p in order})
         self.current = StepState([[i] for i in range(len(order))], self.passes)
         self.staging = Staging(compression)
@@ -129,11 +135,22 @@ class Reducer:
             return
         if settings.check_consistency and group.size > 1:  # before any collective ranks might not share
             check_consistency(group, settings.signature(compression, names, order, prefix), f"{prefix}.consistency")
-        pipe = self.pipe = assemble(settings, compression, group, order, names, prefix, timer)
-        self.compression, self.transport, self.cost_model = pipe.compression, pipe.plan, pipe.cost_model
+        if isinstance(compression, Auto):  # every candidate's pipeline; the first choice installed
+            self.auto = AutoState(compression, self)
+            self.install(self.auto.pipeline)
+            self.cost_model = self.auto.cost_model
+        else:
+            self.install(assemble(settings, compression, group, order, names, prefix, timer))
+        log.info("hvdcomp: %s", self.transport)
+
+    def install(self, pipe) -> None:
+        """Use ``pipe`` (a :class:`hvdcomp.assembly.Pipeline`) from the next step on: its method,
+        plan and transports, with fresh accumulation counters (between steps only)."""
+        self.pipe = pipe
+        self.compression, self.transport = pipe.compression, pipe.plan
+        self.cost_model = pipe.cost_model if self.auto is None else self.auto.cost_model
         self.current = StepState(pipe.units.members, self.passes, pipe.draw_order)
         self.staging = Staging(self.compression)
-        log.info("hvdcomp: %s", self.transport)
 
     @property
     def status(self) -> Status:
@@ -155,6 +172,8 @@ class Reducer:
         factor = self.loss_scale.factor()
         if factor is not None:
             self.compression.rescale_state(factor)
+            if self.auto is not None:
+                self.auto.rescale(factor)
         self.staging.open()
 
     def discard(self) -> None:
@@ -171,6 +190,8 @@ class Reducer:
         if self.current.status is not Status.CLOSED:
             self.current.status = Status.IDLE
         self.guard.reset()
+        if self.auto is not None:
+            self.auto.discarded()
 
     def _start(self, u: int) -> None:
         """Hand unit ``u`` to its transport (compress, start the collective), once a step. The
@@ -180,7 +201,15 @@ class Reducer:
             self._agreement = self.guard.launch_summed(self.group, self.restored.loaded_since_step, self.passes,
                                                        f"{self.prefix}.agree")
         self.current.started[u] = True
+        auto = self.auto
+        if auto is None:
+            self.pipe.transport_of[u].start(u)
+            return
+        t0 = auto.clock()
+        auto.prepare(u)  # (a switch's carry into the gradients; a probe's copy of them)
         self.pipe.transport_of[u].start(u)
+        if not auto.in_sync:
+            auto.hook_s += auto.clock() - t0
 
     def gradient_ready(self, p: torch.Tensor) -> None:
         """Backward produced ``p``'s gradient (a post-accumulate-grad hook): count it; a unit
@@ -204,6 +233,19 @@ class Reducer:
         ``backward_passes_per_step``) are sent now with their current (or zero) gradient, so every
         rank takes part in the same collectives. Calling it again before :meth:`commit` or
         :meth:`discard` does nothing."""
+        auto = self.auto
+        if auto is None or not self.active or self.current.synced:
+            return self._synchronize()
+        t0 = auto.clock()
+        auto.in_sync = True
+        try:
+            return self._synchronize()
+        finally:
+            auto.in_sync = False
+            auto.synced(auto.clock() - t0)
+
+    def _synchronize(self) -> bool:
+        """:meth:`synchronize` itself."""
         if not self.active or self.current.synced:
             skipped = self.current.status is Status.SKIPPED
             self.current.status = Status.SKIPPED if skipped else Status.SYNCED
@@ -278,6 +320,8 @@ class Reducer:
             if self.compression.has_scaled_state and optimizer is not None:
                 self.loss_scale.discover(optimizer)
             self.staging.commit()
+        if self.auto is not None:  # a step boundary: auto measures, and may decide and switch
+            self.auto.boundary()
 
     def restart(self, passes: int) -> None:
         """New accumulation counters (``backward_passes_per_step`` = ``passes``)."""
@@ -286,8 +330,12 @@ class Reducer:
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The method's state and the skipped-step count (tensors, numbers and strings only)."""
-        return {"compression": self.compression.state_dict(), "skipped_steps": self.skipped_steps}
+        """The method's state and the skipped-step count (tensors, numbers and strings only); with
+        ``auto``, also every candidate's state, the choice and the carry (under ``"auto"``)."""
+        state = {"compression": self.compression.state_dict(), "skipped_steps": self.skipped_steps}
+        if self.auto is not None:
+            state["auto"] = self.auto.state_dict()
+        return state
 
     def reset(self) -> None:
         """Drop the step in progress (transports forget it; staged state rolled back)."""
@@ -301,6 +349,8 @@ class Reducer:
         progress. Ranks agree on restored state at the next step's first compression."""
         self.reset()
         if state is not None:
+            if self.auto is not None and "auto" in state:
+                self.auto.load_state_dict(state["auto"])  # (installs the saved choice)
             self.compression.load_state_dict(state["compression"])
             self.skipped_steps = int(state.get("skipped_steps", 0))
             self.restored.note_load()

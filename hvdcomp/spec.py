@@ -68,9 +68,10 @@ def get_compressor(spec: str, **kwargs: Any):
     (``fp32``/``fp16``) and ``index`` (``int``/``compact``), see :mod:`hvdcomp.compressors.sparse`.
 
     Returns:
-        A :class:`hvdcomp.Compressor` (per-tensor methods, error feedback included), or a
+        A :class:`hvdcomp.Compressor` (per-tensor methods, error feedback included), a
         step-wide method of :mod:`hvdcomp.transports` (``powersgd``, ``gtopk``, ``cltk``,
-        ``twophase``).
+        ``twophase``), or for ``"auto[:...]"`` an :class:`hvdcomp.auto.Auto` (the reducer's choice
+        among methods).
 
     Raises:
         ValueError: unknown method name, unknown argument (the message lists accepted ones), or a
@@ -81,6 +82,10 @@ def get_compressor(spec: str, **kwargs: Any):
     if overlap:
         raise ValueError(f"argument(s) {sorted(overlap)} given both in the spec '{spec}' and as keywords")
     spec_kwargs.update(kwargs)
+    if name == "auto":  # not a method: the reducer's choice among methods (hvdcomp.auto)
+        from .auto import Auto
+
+        return Auto(**spec_kwargs)
     cls = compressor_class(name)
     ef = spec_kwargs.pop("ef", None)
     if ef is True and cls.builtin_error_feedback:

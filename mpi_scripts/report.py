@@ -56,8 +56,8 @@ def column_of(desc: dict) -> str:
         return col + (" (hierarchical)" if desc.get("hierarchical") else "")
     if name == "qsgd":
         return f"QSGD s={desc['levels']}"
-    if name == "none":
-        return "none"
+    if name in ("none", "auto"):
+        return name
     if name == "powersgd":
         return f"PowerSGD r={desc.get('matrix_rank', desc.get('rank'))}"
     if name == "sidco" and "density" in desc:
@@ -123,6 +123,7 @@ def load_results(root: str) -> List[dict]:
             "measured_ratio": r["measured_ratio"], "nominal_ratio": r["nominal_ratio"],
             "transport": cfg.get("transport"), "env": cfg.get("env", {}),
             "wall_seconds": _sweep_wall(path, r),
+            "auto": r.get("auto"),  # compression="auto": its settings and decisions
         })
     return rows
 
@@ -689,7 +690,75 @@ def plots(rows, out_dir: str, target_ppl=None) -> List[str]:
     fig.savefig(os.path.join(out_dir, "frontier.png"), dpi=110)
     names.append("frontier.png")
     plt.close(fig)
+    auto = auto_plot(rows, out_dir)
+    if auto is not None:
+        names.append(auto)
     return names
+
+
+def _seconds(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def auto_table(rows) -> Optional[str]:
+    """Every decision of the ``compression="auto"`` runs (results.json ``auto.decisions``): step,
+    cause, chosen method and route, regime, compute-only, predicted and measured step seconds,
+    relative error, why. None without such runs."""
+    lines = []
+    for r in rows:
+        if not r.get("auto"):
+            continue
+        lines += [f"**{r['variant']}** (seed {r['seed']}; link α {r['auto']['cost_model']['alpha_s']:.3g} s, "
+                  f"β {r['auto']['cost_model']['beta_s_per_byte']:.3g} s/B at the end)", "",
+                  "| step | cause | chosen | route | regime | compute s | predicted s | measured s | error | why |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for d in r["auto"]["decisions"]:
+            error = "-" if d.get("error") is None else f"{d['error']:.3g}"
+            lines.append(f"| {d['step']} | {d['cause']} | `{d['chosen']}` | {d.get('route', '')} | {d['regime']} | "
+                         f"{_seconds(d.get('compute_s'))} | {_seconds(d.get('predicted_step_s'))} | "
+                         f"{_seconds(d.get('measured_step_s'))} | {error} | {d['reason']} |")
+        lines.append("")
+    return "\n".join(lines).strip() or None
+
+
+def auto_plot(rows, out_dir: str) -> Optional[str]:
+    """``auto_choice.png``: per ``compression="auto"`` run, the chosen candidate over training
+    steps (top) and each decision's predicted against measured step seconds (bottom); None without
+    such runs."""
+    runs = [r for r in rows if r.get("auto")]
+    if not runs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(c for r in runs for c in r["auto"]["candidates"]))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    for r in runs:
+        decisions = r["auto"]["decisions"]
+        end = max(r["steps_per_epoch"] * len(r["val"]), decisions[-1]["step"] + 1)
+        steps = [d["step"] for d in decisions] + [end]
+        chosen = [labels.index(d["chosen"]) for d in decisions]
+        line, = top.step(steps, chosen + chosen[-1:], where="post", label=f"{r['variant']} seed {r['seed']}")
+        marks = [(d["step"], d["predicted_step_s"], d.get("measured_step_s")) for d in decisions
+                 if d.get("predicted_step_s") is not None]
+        if marks:
+            bottom.plot([m[0] for m in marks], [m[1] for m in marks], "o--", color=line.get_color(),
+                        label=f"{r['variant']}: predicted")
+            measured = [m for m in marks if m[2] is not None]
+            bottom.plot([m[0] for m in measured], [m[2] for m in measured], "s-", color=line.get_color(),
+                        label=f"{r['variant']}: measured")
+    top.set_yticks(range(len(labels)), labels, fontsize=7)
+    top.set(title="compression='auto': the method in use", ylabel="candidate")
+    bottom.set(xlabel="optimizer step", ylabel="seconds per step", yscale="log")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "auto_choice.png"), dpi=110)
+    plt.close(fig)
+    return "auto_choice.png"
 
 
 def missing_cells(root: str, grid_paths: List[str]) -> List[str]:
@@ -778,6 +847,12 @@ def render(rows, target_ppl=None, command: str = "", plot_names=(), missing=(), 
         "the spread it is *not distinguishable*; with one seed it is *not judged*.",
         "\n".join(f"- **{c}** — {v}. {e}." for c, v, e in check_claims(rows, target_ppl)),
     ]
+    decisions = auto_table(rows)
+    if decisions:
+        parts += ["## What compression='auto' decided",
+                  "Each decision (hvdcomp/auto.py, docs/auto.md): predicted = compute-only + measured coding + "
+                  "the cost model's communication; measured = the median step of the first window after it.",
+                  decisions]
     if missing:
         parts.append("## Cells not run yet\n\n" + ", ".join(f"`{m}`" for m in missing) +
                      "\n\nRerun the same sweep command: finished cells are skipped, these are run.")

@@ -75,7 +75,9 @@ def parse_args(argv=None):
                         "methods through DistributedDataParallel with hvdcomp's comm hook; the training modes "
                         "(--local-steps, --optimizer onebit-adam..., --gossip, --ab-training) run on either")
     p.add_argument("--compressor", default="none",
-                   help=f"method spec NAME[:key=value,...]; methods: {', '.join(hvdcomp.available())}")
+                   help=f"method spec NAME[:key=value,...]; methods: {', '.join(hvdcomp.available())}; or "
+                        "'auto[:candidates=A+B,slack=1.1,...]': the method chosen (and changed) from the measured "
+                        "link, compute and training phase (docs/auto.md; its decisions go to results.json)")
     p.add_argument("--optimizer", choices=["sgd", "adam", "adamw", *OPTIMIZERS], default="sgd",
                    help="sgd, adam or adamw (DiLoCo's inner optimizer), the optimizer of every step, with "
                         "--compressor (or the inner one with --local-steps); or one of hvdcomp.adaptive_opt "
@@ -179,6 +181,9 @@ def parse_args(argv=None):
             and not args.gossip and args.optimizer not in OPTIMIZERS):
         p.error("--transport auto is the Horovod front-end's (and the training modes'); the DDP hook takes the "
                 "method as given: drop --transport auto, or use --frontend horovod")
+    if args.compressor.split(":")[0] == "auto" and (args.gossip or (args.frontend == "ddp" and not args.local_steps)):
+        p.error("--compressor auto is chosen by the Horovod front-end's reducer (and the local-update modes'): "
+                "use --frontend horovod (or --local-steps), not --gossip or the DDP hook")
     if sum(bool(x) for x in (args.gossip, args.ab_training is not None, args.local_steps,
                              args.optimizer in OPTIMIZERS)) > 1:
         p.error("--gossip, --ab-training, --local-steps and an hvdcomp.adaptive_opt --optimizer are training "
@@ -434,6 +439,10 @@ def main(argv=None):
     if model_cm is not None:
         results["cost_model"] = {"alpha_s": model_cm.alpha, "beta_s_per_byte": model_cm.beta,
                                  "routes": opt.transport.routes}
+    auto = getattr(front, "auto", None) or getattr(getattr(front, "sync", None), "auto", None)
+    if auto is not None:  # every decision: step, chosen method and route, predicted/measured step, error, why
+        results["auto"] = auto.describe()
+        results["config"]["compressor"] = auto.auto.describe()  # (the method is auto's; it chose among these)
     if args.gossip:
         results["gossip"] = {**opt.describe(), "eval": args.gossip_eval,
                              "consensus_distance": opt.consensus_distance()}

@@ -57,7 +57,16 @@ _BY_PAYLOAD = {PayloadKind.MEAN: "average", PayloadKind.SUM: "sum", PayloadKind.
 def payload_kind(compression) -> str:
     """How ``compression``'s payloads travel (one of :data:`KINDS`): a step-wide method's own
     collectives (``batched``), a payload that is the gradient itself (``none``: ``gradient``,
-    reduced in place), else by its :class:`~hvdcomp.compressors.base.PayloadKind`."""
+    reduced in place), else by its :class:`~hvdcomp.compressors.base.PayloadKind`.
+
+    Raises:
+        TypeError: ``compression="auto"`` (a choice among methods that the
+            :class:`~hvdcomp.reducer.Reducer` makes; the DDP hook takes one method, for now).
+    """
+    if getattr(compression, "name", None) == "auto":
+        raise TypeError("compression='auto' is chosen and switched by hvdcomp.reducer.Reducer, which "
+                        "hvdcomp.DistributedOptimizer and the training modes (hvdcomp.local) use; the DDP hook "
+                        "takes one method: give it a spec such as 'powersgd:matrix_rank=2'")
     if isinstance(compression, StepMethod):
         return "batched"
     if compression.payload_is_gradient:
