@@ -73,6 +73,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from .checks import check_count, check_range
 from .comm.costmodel import CostModel, measure_cost_model
 from .comm.step import StepComm
 from .compressors.base import Compressor, Method
@@ -224,12 +225,11 @@ def _specs(candidates) -> List[str]:
 
 
 def _number(name: str, value, low: float, integer: bool = False, above: bool = False):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > low if above else value >= low) and (not integer or float(value).is_integer())
-    if not ok:
-        kind = "an integer" if integer else "a number"
-        raise ValueError(f"auto: {name} must be {kind} {'>' if above else '>='} {low:g}, got {value!r}")
-    return int(value) if integer else float(value)
+    """``value`` checked by :mod:`hvdcomp.checks` (an integer ≥ ``low``, or a finite number ≥ or,
+    with ``above``, > ``low``)."""
+    if integer:
+        return check_count(value, f"auto: {name}", int(low))
+    return check_range(value, f"auto: {name}", low, low_open=above)
 
 
 class Auto(Method):

@@ -320,6 +320,12 @@ CONSTRUCTORS: Dict[str, Ctor] = {
     "cltk": Ctor(_compressor("cltk"), {}, {"density": DENSITY}, spec="cltk"),
     "twophase": Ctor(_compressor("twophase"), {}, {"base": Choice(("efsignsgd", "qsgd", "terngrad"))},
                      spec="twophase"),
+    # compression="auto" (interval >= warmup + probe: each probed with the others where that holds)
+    "auto": Ctor(_compressor("auto"), {"probe": 1, "warmup": 0}, {
+        "slack": Real(1.0, good=1.1), "tolerance": Real(0.0, low_open=True, good=1.0), "interval": Int(0, good=200),
+        "window": Int(1, good=10), "accordion": Real(0.0, good=0.5), "critical_slack": Real(1.1, good=1.5, optional=True)},
+                 spec="auto"),
+    "auto(interval=0)": Ctor(_compressor("auto"), {"interval": 0}, {"probe": Int(1, good=3), "warmup": Int(0, good=1)}),
     # DistributedOptimizer's settings
     "DistributedOptimizer": Ctor(_settings, {}, {
         "backward_passes_per_step": Int(1, good=2), "gradient_predivide_factor": Real(0.0, low_open=True, good=1.0),

@@ -137,7 +137,7 @@ def test_drift_remeasures_and_redecides():
 
 
 def test_settings_are_validated_with_the_fix():
-    for kwargs, words in (({"slack": 0.9}, "slack must be a number >= 1"),
+    for kwargs, words in (({"slack": 0.9}, "slack must be >= 1 and finite, got 0.9"),
                           ({"candidates": ["fp16", "fp16"]}, "listed twice"),
                           ({"candidates": ["dgc"]}, "applies momentum itself"),
                           ({"candidates": ["twophase"]}, "server residual"),
