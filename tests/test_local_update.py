@@ -742,3 +742,17 @@ def test_train_lm_adaalter_counts_warmup_and_accumulators(tmp_path):
     assert lu["bytes_sent_per_round"] == 8 * n and lu["accumulator_bytes_per_round"] == 4 * n
     assert lu["bytes_sent_per_step"] == 4 * n and lu["ratio_vs_dense_per_step"] == 1.0
     assert r["epochs"][0]["val_ppl"] < r["initial_val_ppl"]
+
+
+def test_majority_vote_methods_cannot_carry_the_pseudo_gradient():
+    """signSGD's aggregate is a sign per element (its magnitude lost), by either vote route: refused
+    as Δ's method, by what the method says of itself (``majority_vote``), not by its name; the scaled
+    sign (efsignsgd, a mean of ‖v‖₁/n·sign(v)) is accepted."""
+    from hvdcomp.local.base import check_carries_delta
+
+    outer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.7)
+    for spec in ("signsgd", "signsgd:vote=allgather"):
+        with pytest.raises(ValueError, match="majority vote"):
+            check_carries_delta(get_compressor(spec), outer)
+    check_carries_delta(get_compressor("efsignsgd"), outer)
+    check_carries_delta(get_compressor("topk:density=0.1"), outer)

@@ -248,10 +248,14 @@ class Compressor(Method, _HorovodCompressor, metaclass=abc.ABCMeta):
         segmentable: :meth:`encode` accepts ``segments`` (:mod:`hvdcomp.compressors.segments`):
             several gradients in one flat buffer, compressed in one vectorised call with the
             result per-tensor calls would give.
+        majority_vote: the aggregate is a vote (a sign per element, whatever the gradients'
+            sizes), not an estimate of the mean gradient: modes that need the mean's magnitude
+            (local updates' pseudo-gradient) refuse it.
     """
 
     payload_kind = PayloadKind.MEAN
     aggregate_is_mean = False
+    majority_vote = False
     payload_is_gradient = False
     elementwise = False
 

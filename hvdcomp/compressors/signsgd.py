@@ -63,7 +63,7 @@ class SignSGDCompressor(AggregateInto, Compressor):
 
     name = "signsgd"
     elementwise = True
-    # aggregate_is_mean stays False: a majority vote, not a mean of decodes
+    majority_vote = True  # (and aggregate_is_mean stays False: a vote, not a mean of decodes)
 
     def __init__(self, vote: str = "allreduce"):
         self.vote = vote = check_choice(vote, "vote", ("allreduce", "allgather"))

@@ -72,7 +72,7 @@ class ChocoGossip(GossipMethod):
         super().__init__(params, names, topology, rank)
         self.compressor = gossip_compressor(compression)
         if consensus_step is None:
-            if self.compressor.name != "none":
+            if not self.compressor.payload_is_gradient:  # (identity: "none")
                 raise ValueError(f"Choco-SGD with '{self.compressor.name}' needs consensus_step (γ in (0, 1]), e.g. "
                                  "0.45 for sign or 0.04 for top-k 1 % on a ring of 8 (docs/gossip.md)")
             consensus_step = 1.0

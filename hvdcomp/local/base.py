@@ -63,7 +63,7 @@ from ..agreement import check_consistency, digest
 from ..checks import check_count, check_real
 from ..comm import resolve_group
 from ..comm.group import ProcessGroup
-from ..compressors.base import Compressor, PayloadKind
+from ..compressors.base import Compressor
 from ..config import Settings, check_method, name_parameters
 from ..memory import Wrapper
 from ..metrics import PhaseTimer, RecordLog
@@ -91,8 +91,7 @@ def check_carries_delta(method, outer: torch.optim.Optimizer) -> None:
     base = method
     while isinstance(base, Wrapper):
         base = base.inner
-    vote = isinstance(base, Compressor) and (base.payload_kind is PayloadKind.SUM or base.name == "signsgd")
-    if vote:
+    if isinstance(base, Compressor) and base.majority_vote:
         raise ValueError(f"'{method.name}' averages by majority vote: its result is a sign per element, not "
                          "the mean pseudo-gradient (Δ's size is lost). Carry Δ with a method whose average "
                          "estimates the mean, e.g. 'none', 'fp16', 'topk:density=0.01' or 'efsignsgd'")
