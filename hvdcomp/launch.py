@@ -162,7 +162,7 @@ ELASTIC_ENV = "HOROVOD_ELASTIC"
 #: the front-ends that follow a world-size change under elastic Horovod (they rebuild what depends
 #: on the size at Horovod's reset: docs/robustness.md, "Elastic Horovod"); every other one refuses
 #: such a job at construction (:func:`check_frontend_launch`)
-ELASTIC_FRONTENDS: tuple = ()
+ELASTIC_FRONTENDS = (HOROVOD_FRONTEND,)
 
 
 def elastic_launch(environ=None) -> bool:
