@@ -27,9 +27,16 @@ def digest(tensors) -> str:
     return h.hexdigest()[:16]
 
 
+def method_state(opt) -> dict:
+    """The method's checkpoint state (the facade's ``"hvdcomp"``, a local-update mode's pipeline's)."""
+    if hasattr(opt, "sync"):
+        return opt.sync.state_dict().get("compression", {})
+    return opt.state_dict().get("hvdcomp", {}).get("compression", {})
+
+
 def residuals(opt):
     """This rank's error-feedback residuals (name -> tensor), from the optimizer's checkpoint."""
-    state = opt.state_dict().get("hvdcomp", {}).get("compression", {})
+    state = method_state(opt)
     out = {}
 
     def walk(prefix, obj):
@@ -62,13 +69,20 @@ def main():
     base = torch.optim.SGD(model.parameters(), lr=0.1)
     if method == "stock":
         opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    elif method.startswith("diloco:"):  # DiLoCo, H = 2, Δ carried by the method after the colon
+        import hvdcomp.local
+
+        opt = hvdcomp.local.DiLoCo(base, model.named_parameters(), local_steps=2, compression=method[7:],
+                                   outer_lr=0.7, outer_momentum=0.9)
     else:
         import hvdcomp
 
         opt = hvdcomp.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=method)
-    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0, phase=0)
-    if hasattr(opt, "reset"):
-        state.register_reset_callbacks([opt.reset])
+    local = method.startswith("diloco:")
+    # (DiLoCo is not a torch.optim.Optimizer: TorchState keeps the model and the inner optimizer)
+    state = hvd.elastic.TorchState(model=model, optimizer=base if local else opt, step=0, phase=0)
+    if hasattr(opt, "reset") and os.environ.get("ELASTIC_CHECKS_CALLBACK", "1") == "1":
+        state.register_reset_callbacks([opt.reset])  # (0: the size change noticed at the next step)
 
     @hvd.elastic.run
     def train(state):
@@ -84,15 +98,19 @@ def main():
                 with torch.no_grad():
                     y = target(x)
                 before = {k: digest([v]) for k, v in sorted(residuals(opt).items())}
+                anchor_before = digest(opt.anchors.values()) if local else None
                 opt.zero_grad()
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 loss.backward()
                 opt.step()
                 line = {"step": state.step, "size": hvd.size(), "rank": hvd.rank(), "loss": loss.item(),
                         "params": digest(model.parameters()), "pid": os.getpid(),
-                        "residuals_before": before,
+                        "residuals_before": before, "anchor_before": anchor_before,
                         "residuals": {k: digest([v]) for k, v in sorted(residuals(opt).items())},
-                        "counter": opt.state_dict().get("hvdcomp", {}).get("compression", {}).get("step"),
+                        "counter": method_state(opt).get("step"),
+                        "anchor": digest(opt.anchors.values()) if local else None,
+                        "outer": digest(_tensors(opt.outer.state_dict()["state"])) if local else None,
+                        "rounds": getattr(opt, "rounds", None),
                         "shared": digest([t for t in _tensors(opt.compression.shared_state())])
                         if hasattr(opt, "compression") else None}
                 print("ELASTIC " + json.dumps(line), flush=True)

@@ -5,7 +5,8 @@ rank 0 rewrites says). Checked from each worker's per-step lines: the sizes visi
 identical on every rank at every step (a digest), the surviving rank's error-feedback residual
 carried over unchanged through each reset, the new rank's starting at zero, PowerSGD's shared
 step counter equal to the number of steps taken (the new rank takes it from the survivor), and a
-loss that goes on falling. Before (fce42e2): the shrink continued, the growth hung after Horovod's
+loss that goes on falling; for DiLoCo, θ_start and the outer momentum carried and handed to the
+new rank. Before (fce42e2): the shrink continued, the growth hung after Horovod's
 reset (no step at size 2 within 60 s)."""
 import json
 import os
@@ -45,32 +46,61 @@ def elastic_run(tmp_path, method: str, plan: str, timeout: float = 150) -> list:
     return [json.loads(line.split("ELASTIC ", 1)[1]) for line in logs.splitlines() if "ELASTIC {" in line]
 
 
-@pytest.mark.parametrize("method", ["topk:density=0.25", "powersgd"])
-def test_shrink_and_grow_keep_ranks_equal_and_carry_state(tmp_path, method):
-    lines = elastic_run(tmp_path, method, "2,1,2")
-    by_step = defaultdict(list)
-    for d in lines:
-        by_step[d["step"]].append(d)
+def check_run(lines, by_step, survivor_key: str) -> None:
+    """What every elastic run must show (see the module docstring)."""
     sizes = [2] * STEPS + [1] * STEPS + [2] * STEPS
     assert sorted(by_step) == list(range(len(sizes)))
     for step, size in enumerate(sizes):
         ranks = by_step[step]
         assert sorted(d["rank"] for d in ranks) == list(range(size)) and {d["size"] for d in ranks} == {size}, ranks
-        assert len({d["params"] for d in ranks}) == 1, (step, ranks)  # every rank has the same parameters
-        if method == "powersgd":  # the shared step counter: one per step the job took, on every rank
-            assert {d["counter"] for d in ranks} == {step + 1}, (step, ranks)
-            assert len({d["shared"] for d in ranks}) == 1, (step, ranks)
     old = {d["pid"] for d in by_step[0]}
     survivor = by_step[STEPS][0]["pid"]
     assert survivor in old
-    after = {(d["pid"], d["step"]): d["residuals"] for d in lines}
-    # the survivor's residual goes into each size's first step as the previous step left it
+    after = {(d["pid"], d["step"]): d for d in lines}
+    # the survivor goes into each size's first step with what the previous step left it
     for first in (STEPS, 2 * STEPS):
         mine = next(d for d in by_step[first] if d["pid"] == survivor)
-        assert mine["residuals_before"] and mine["residuals_before"] == after[(survivor, first - 1)], first
+        assert mine["residuals_before"] and mine["residuals_before"] == after[(survivor, first - 1)]["residuals"]
+        if survivor_key:
+            assert mine[f"{survivor_key}_before"] == after[(survivor, first - 1)][survivor_key], first
     # the new worker starts with no residual (zero), and trains on
     new = [d for d in by_step[2 * STEPS] if d["pid"] not in old]
     assert len(new) == 1 and new[0]["residuals_before"] == {}, by_step[2 * STEPS]
     loss = {s: sum(d["loss"] for d in by_step[s]) / len(by_step[s]) for s in by_step}
     first, last = sum(loss[s] for s in range(STEPS)), sum(loss[s] for s in range(2 * STEPS, 3 * STEPS))
     assert last < 0.5 * first, loss
+
+
+def steps_of(lines):
+    by_step = defaultdict(list)
+    for d in lines:
+        by_step[d["step"]].append(d)
+    return by_step
+
+
+@pytest.mark.parametrize("method", ["topk:density=0.25", "powersgd"])
+def test_shrink_and_grow_keep_ranks_equal_and_carry_state(tmp_path, method):
+    lines = elastic_run(tmp_path, method, "2,1,2")
+    by_step = steps_of(lines)
+    check_run(lines, by_step, "")
+    for step, ranks in by_step.items():
+        assert len({d["params"] for d in ranks}) == 1, (step, ranks)  # every rank has the same parameters
+        if method == "powersgd":  # the shared step counter: one per step the job took, on every rank
+            assert {d["counter"] for d in ranks} == {step + 1}, (step, ranks)
+            assert len({d["shared"] for d in ranks}) == 1, (step, ranks)
+
+
+def test_diloco_shrinks_and_grows_keeping_the_anchor_and_outer_momentum(tmp_path):
+    """DiLoCo (H = 2, top-k Δ, outer SGD with momentum 0.9): θ_start, the outer momentum and the
+    round counter identical on every rank at every step and carried by the survivor through each
+    reset; the new rank takes them from it (its own θ_start before joining differs); the round
+    counter equals the rounds taken, (step + 1) // H. Before (fce42e2), this run: the shrink (at a
+    round boundary) continued, the growth hung after Horovod's reset (no step at size 2 in 60 s)."""
+    lines = elastic_run(tmp_path, "diloco:topk:density=0.25", "2,1,2")
+    by_step = steps_of(lines)
+    check_run(lines, by_step, "anchor")
+    for step, ranks in by_step.items():
+        assert len({(d["anchor"], d["outer"]) for d in ranks}) == 1, (step, ranks)
+        assert {d["rounds"] for d in ranks} == {(step + 1) // 2}, (step, ranks)
+    new = [d for d in by_step[2 * STEPS] if d["pid"] not in {e["pid"] for e in by_step[0]}][0]
+    assert new["anchor_before"] != new["anchor"]  # (it joined with the survivor's θ_start)
