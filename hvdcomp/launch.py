@@ -22,7 +22,7 @@ import torch
 
 __all__ = ["LaunchInfo", "detect_launch", "launched_tasks", "check_launch", "check_frontend_launch",
            "start_frontend", "launch_fix", "select_device", "abort_on_uncaught_exception", "MPI_ENV", "recorded_env",
-           "RUNTIMES", "ABORT_ENV"]
+           "RUNTIMES", "ABORT_ENV", "elastic_launch", "ELASTIC_FRONTENDS"]
 
 
 def _read_env_file(path: str) -> Dict[str, str]:
@@ -155,6 +155,23 @@ LAUNCHER_NAMES = {"torchrun": "torchrun", "horovodrun": "horovodrun", "horovod-g
 HOROVOD_FRONTEND = "the Horovod front-end (hvdcomp.DistributedOptimizer)"
 
 
+#: the variable ``horovodrun`` sets in every worker of an elastic job (``--min-np``/``--max-np``/
+#: ``--host-discovery-script``), where the world size may change while the job runs
+ELASTIC_ENV = "HOROVOD_ELASTIC"
+
+#: the front-ends that follow a world-size change under elastic Horovod (they rebuild what depends
+#: on the size at Horovod's reset: docs/robustness.md, "Elastic Horovod"); every other one refuses
+#: such a job at construction (:func:`check_frontend_launch`)
+ELASTIC_FRONTENDS = (HOROVOD_FRONTEND, "hvdcomp.local.DiLoCo")
+
+
+def elastic_launch(environ=None) -> bool:
+    """Whether this process is a worker of an elastic Horovod job (``horovodrun --min-np/--max-np
+    /--host-discovery-script`` sets ``HOROVOD_ELASTIC=1``)."""
+    env = os.environ if environ is None else environ
+    return env.get(ELASTIC_ENV, "0").strip() == "1"
+
+
 def _script() -> str:
     """This process's command line as a user would retype it (``python train.py --lr 0.1``)."""
     argv = [a for a in sys.argv if a] or ["train.py"]
@@ -218,17 +235,29 @@ def check_frontend_launch(frontend: str, runtime: str, size: int, environ=None) 
             ``torch.distributed.get_world_size()``; 1 where it is not initialised).
         environ: the environment to read (``os.environ`` by default).
 
+    Under elastic Horovod (:func:`elastic_launch`), a front-end that cannot follow a change of the
+    world size (not in :data:`ELASTIC_FRONTENDS`) is refused too, whatever the size.
+
     Returns:
         The launch (:func:`launched_tasks`).
 
     Raises:
         RuntimeError: naming the launcher, the task count, the front-end and the command that
-            would work (:func:`launch_fix`).
+            would work (:func:`launch_fix`); or, under elastic Horovod, naming the front-end and
+            the two fixes (a fixed ``-np``, or a front-end that follows size changes).
         ValueError: an unknown ``runtime``.
     """
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
-    info = launched_tasks(environ)
+    env = os.environ if environ is None else environ
+    if elastic_launch(env) and frontend not in ELASTIC_FRONTENDS:
+        supported = " or ".join(ELASTIC_FRONTENDS) or "none of hvdcomp's front-ends yet"
+        raise RuntimeError(f"{frontend} cannot follow a change of the world size, and this job runs under elastic "
+                           f"Horovod ({ELASTIC_ENV}=1: horovodrun with --min-np/--max-np/--host-discovery-script): "
+                           f"launch with a fixed number of workers (`horovodrun -np N {_script()}`, without "
+                           f"--min-np, --max-np and --host-discovery-script), or train with a front-end that "
+                           f"follows size changes ({supported}; docs/robustness.md, \"Elastic Horovod\")")
+    info = launched_tasks(env)
     if info.size > 1 and size == 1:
         seen = {"horovod": "Horovod", "mpi": "the MPI world (mpi4py)",
                 "torch.distributed": "torch.distributed"}[runtime]

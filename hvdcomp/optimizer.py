@@ -70,7 +70,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.reducer = Reducer(order, names, compression, self.group, s, self.timer, f"hvdcomp.{next(_ids)}")
         self._sync_on_step = True
         self._hook_handles = ([p.register_post_accumulate_grad_hook(self.reducer.gradient_ready) for p in order]
-                              if self.reducer.active else [])
+                              if self.reducer.active or self.reducer.elastic else [])
 
     compression = property(lambda self: self.reducer.compression, doc="The method (after ``transport='auto'``).")
     transport = property(lambda self: self.reducer.transport, doc="How each gradient travels (:class:`~hvdcomp.plan.TransportPlan`).")
@@ -182,6 +182,32 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if reducer.current.synced or reducer.staging.staged:
             reducer.discard()
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+    def reset(self) -> None:
+        """Follow elastic Horovod's reset (workers lost or added): register it once,
+        ``state.register_reset_callbacks([optimizer.reset])``, on the
+        ``hvd.elastic.TorchState(model=..., optimizer=optimizer)`` of ``@hvd.elastic.run``.
+
+        Runs no collective. The step in progress is dropped; what depends on the world size (the
+        pipeline, the set-up agreement, the allgatherer) is rebuilt over the new world at the next
+        step, on every rank alike (:meth:`hvdcomp.reducer.Reducer.resize`). This rank's
+        error-feedback residuals and the shared state (PowerSGD's warm-start Q, step counters)
+        carry over; a new rank takes the shared state from the surviving ranks and starts with
+        zero residuals. Without the callback, a change of the world's size (or of this rank's
+        number) is noticed at the next step and followed the same way, but a worker replaced by
+        a new one at the same size is not: register it. Outside elastic Horovod it rebuilds
+        over the current world the same way.
+
+        Raises:
+            RuntimeError: the optimizer was closed (:meth:`close`).
+            ValueError: ``compression='auto'`` (refused under elastic Horovod at construction).
+        """
+        if self.reducer.status is Status.CLOSED:
+            raise RuntimeError(_CLOSED)
+        self.reducer.resize(HorovodGroup(self.settings.process_set))
+        if not self._hook_handles:  # (a job of one rank without compression had none)
+            self._hook_handles = [p.register_post_accumulate_grad_hook(self.reducer.gradient_ready)
+                                  for p in self.reducer.order]
 
     def remove_hooks(self) -> None:
         """Detach the backward hooks (the optimizer then no longer communicates)."""
@@ -303,10 +329,16 @@ DistributedOptimizer.__doc__ = """Wrap ``optimizer`` so that gradients are compr
             or ``granularity`` (or ``"bucket"`` with PowerSGD), an unknown ``transport`` (or
             ``"auto"`` with ``cost_model="off"``), a compressor already used by another
             optimizer, a compressor that applies momentum (DGC) with an optimizer that also does,
-            or ranks that disagree on any setting (raised on every rank, naming the difference).
+            ranks that disagree on any setting (raised on every rank, naming the difference), or,
+            under elastic Horovod (``HOROVOD_ELASTIC=1``), ``compression="auto"`` or a
+            ``process_set`` other than the whole job.
         TypeError: unsupported ``compression`` or ``grad_scaler``.
         RuntimeError: the launcher started several tasks but Horovod sees one (see :func:`hvdcomp.launch.start_frontend`), or a method that messages
             ranks directly (gtopk, twophase) in a job without MPI (``horovodrun --gloo``).
+
+    Under elastic Horovod (``horovodrun --min-np/--max-np``), register ``optimizer.reset`` as a reset
+    callback of the ``hvd.elastic.TorchState`` that holds it (docs/robustness.md, "Elastic
+    Horovod"); the set-up collectives then run at the first step instead of here.
 
     Example::
 

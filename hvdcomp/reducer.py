@@ -43,6 +43,7 @@ from .agreement import NonFiniteGuard, StateAgreement, check_consistency
 from .amp import LossScaleTracker
 from .assembly import assemble
 from .auto import Auto, AutoState
+from .launch import elastic_launch
 from .plan import TransportPlan
 from .step import Staging, Status, StepState
 
@@ -124,15 +125,40 @@ class Reducer:
         self.loss_scale = LossScaleTracker(settings.grad_scaler)
         self.skipped_steps, self.cost_model, self.pipe, self._agreement = 0, None, None, None
         self.auto: Optional[AutoState] = None
+        self.elastic = elastic_launch()
+        if self.elastic and isinstance(compression, Auto):
+            raise ValueError("compression='auto' cannot follow a change of the world size (its measurements and "
+                             "candidates' state are per size), and this job runs under elastic Horovod "
+                             "(HOROVOD_ELASTIC=1): name the method (e.g. 'topk:density=0.01' or 'powersgd'), or "
+                             "launch with a fixed `horovodrun -np N`")
+        if self.elastic and not group.is_global:
+            raise ValueError("under elastic Horovod (HOROVOD_ELASTIC=1) the reduction runs over the whole job, "
+                             "whose size changes: leave process_set unset (a process set's ranks do not survive "
+                             "Horovod's reset)")
+        # under elastic Horovod the set-up (collectives) waits for the first step, which every rank,
+        # old or new, reaches alike after Horovod's reset (a new worker builds its optimizer while
+        # the others are in the reset's broadcasts)
+        self.pending = self.elastic
+        self._setup()
+
+    def _setup(self) -> None:
+        """Build what depends on the group (its size bound into the method, the set-up
+        agreement, the pipeline: plan, transports, allgatherer), now or, while :attr:`pending`,
+        at the next step (collective over the group)."""
+        group, compression, settings, order, names = self.group, self.compression, self.settings, self.order, self.names
+        self.pipe, self._agreement = None, None
         self.transport = TransportPlan({names[p]: "local" for p in order})
         self.current = StepState([[i] for i in range(len(order))], self.passes)
         self.staging = Staging(compression)
-        compression.bind_group(group.size)
         # as Horovod: processes outside the group train locally, and a job of one rank without
         # compression leaves the gradients exactly as backward made them
         self.active = group.included and not (group.size == 1 and getattr(compression, "payload_is_gradient", False))
+        if self.pending:
+            return
+        compression.bind_group(group.size)
         if not self.active:
             return
+        prefix = self.prefix
         if settings.check_consistency and group.size > 1:  # before any collective ranks might not share
             check_consistency(group, settings.signature(compression, names, order, prefix), f"{prefix}.consistency")
         if isinstance(compression, Auto):  # every candidate's pipeline; the first choice installed
@@ -140,8 +166,50 @@ class Reducer:
             self.install(self.auto.pipeline)
             self.cost_model = self.auto.cost_model
         else:
-            self.install(assemble(settings, compression, group, order, names, prefix, timer))
+            self.install(assemble(settings, compression, group, order, names, prefix, self.timer))
         log.info("hvdcomp: %s", self.transport)
+
+    def resize(self, group) -> None:
+        """The world changed (elastic Horovod's reset: workers lost or added): from the next step
+        on, reduce over ``group`` (a :class:`~hvdcomp.comm.group.ProcessGroup` of the new world).
+
+        Runs no collective (Horovod's reset and its state broadcast come first): the step in
+        progress is dropped (its staged state rolled back), the old pipeline closed, and what
+        depends on the size (the method's bound size, the set-up agreement, the plan, the
+        transports and allgatherer, the cost model) is rebuilt at the next step's first gradient,
+        on every rank alike. The method's state carries over: this rank's error-feedback
+        residuals and momenta, and the shared part (step counters, PowerSGD's Q), which the
+        surviving ranks then give to new ranks (:class:`hvdcomp.agreement.StateAgreement`: a new
+        rank starts with zero residuals, and ranks whose shared state differs fail naming them).
+
+        Raises:
+            ValueError: ``compression='auto'`` (its per-size measurements cannot carry over).
+        """
+        if self.auto is not None:
+            raise ValueError("compression='auto' cannot follow a change of the world size: name the method")
+        for t in (self.pipe.transports if self.pipe is not None else []):
+            t.reset()
+        self.staging.rollback()
+        if self.pipe is not None and self.pipe.gatherer is not None:
+            self.pipe.gatherer.close()
+        self.group = group
+        self.guard = NonFiniteGuard(self.nonfinite)
+        self.restored = StateAgreement()
+        self.restored.loaded = True  # this rank holds state: new ranks take the shared part from it
+        self.pending = True
+        self._setup()
+
+    def _ready(self) -> None:
+        """Build the pipeline if :meth:`resize` (or an elastic start) left it pending; under
+        elastic Horovod, a world that changed without :meth:`resize` (no reset callback) is
+        noticed here by its size or this rank's number, and followed the same way."""
+        if self.elastic and not self.pending and self.current.status is Status.IDLE and not self.staging.staged:
+            hvd = getattr(self.group, "hvd", None)
+            if hvd is not None and self.group.is_global and (hvd.size(), hvd.rank()) != (self.group.size, self.group.rank):
+                self.resize(type(self.group)(self.group.process_set))
+        if self.pending:
+            self.pending = False
+            self._setup()
 
     def install(self, pipe) -> None:
         """Use ``pipe`` (a :class:`hvdcomp.assembly.Pipeline`) from the next step on: its method,
@@ -219,6 +287,10 @@ class Reducer:
         Raises:
             AssertionError: more backward passes than ``backward_passes_per_step`` (Horovod's message).
         """
+        if self.elastic or self.pending:
+            self._ready()
+            if not self.active:
+                return
         if self.current.synced:
             self.discard()
         u = self.current.gradient_ready(self.position[id(p)])
@@ -233,6 +305,8 @@ class Reducer:
         ``backward_passes_per_step``) are sent now with their current (or zero) gradient, so every
         rank takes part in the same collectives. Calling it again before :meth:`commit` or
         :meth:`discard` does nothing."""
+        if self.elastic or self.pending:
+            self._ready()
         auto = self.auto
         if auto is None or not self.active or self.current.synced:
             return self._synchronize()

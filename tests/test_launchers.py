@@ -162,3 +162,41 @@ def test_torchrun_and_mpirun_are_recorded_by_name(tmp_path):
                              timeout=120)
         assert out.returncode == 0, (cmd, out.stdout[-3000:])
         assert f"LAUNCHER={expected}\n" in out.stdout, (expected, out.stdout[-3000:])
+
+
+# ---- elastic Horovod (HOROVOD_ELASTIC=1): front-ends that cannot follow a size change refuse ----
+ELASTIC_ENV = {**HOROVOD_GLOO_ENV, "HOROVOD_ELASTIC": "1"}
+NOT_ELASTIC = ["hvdcomp.local.CO2", "hvdcomp.local.SparseLoCo", "hvdcomp.adaptive_opt.OneBitAdam", "hvdcomp.gossip.GossipOptimizer",
+               "hvdcomp.lowrank.ABTraining", "the DDP front-end (hvdcomp.ddp.register)"]
+
+
+@pytest.mark.parametrize("frontend", NOT_ELASTIC)
+@pytest.mark.parametrize("size", [1, 2])
+def test_elastic_horovod_refuses_front_ends_that_cannot_follow_a_size_change(monkeypatch, frontend, size):
+    """Under elastic Horovod (horovodrun --min-np/--max-np sets HOROVOD_ELASTIC=1) a front-end that
+    cannot rebuild for a new world size is refused at construction, whatever the size now, naming
+    the fixes (before: accepted; DiLoCo then died in KeyError: 0 after a scale-down). The same
+    launch without HOROVOD_ELASTIC is accepted."""
+    from hvdcomp.launch import start_frontend
+
+    monkeypatch.setenv("HVDCOMP_ABORT_ON_EXCEPTION", "0")
+    for key, value in ELASTIC_ENV.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(RuntimeError, match="cannot follow a change of the world size") as err:
+        start_frontend(frontend, "horovod", size)  # (os.environ: what a real worker reads)
+    for fragment in (frontend, "HOROVOD_ELASTIC=1", "without --min-np, --max-np and --host-discovery-script",
+                     "docs/robustness.md"):
+        assert fragment in str(err.value), (fragment, str(err.value))
+    monkeypatch.delenv("HOROVOD_ELASTIC")
+    assert start_frontend(frontend, "horovod", 2).launcher == "horovod-gloo"
+
+
+@pytest.mark.parametrize("frontend", ["the Horovod front-end (hvdcomp.DistributedOptimizer)", "hvdcomp.local.DiLoCo"])
+def test_elastic_horovod_accepts_the_front_ends_that_follow(monkeypatch, frontend):
+    """hvdcomp.DistributedOptimizer and DiLoCo follow a size change (tests/test_elastic.py): accepted."""
+    from hvdcomp.launch import start_frontend
+
+    monkeypatch.setenv("HVDCOMP_ABORT_ON_EXCEPTION", "0")
+    for key, value in ELASTIC_ENV.items():
+        monkeypatch.setenv(key, value)
+    assert start_frontend(frontend, "horovod", 2).launcher == "horovod-gloo"

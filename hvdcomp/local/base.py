@@ -62,10 +62,11 @@ import torch
 from ..agreement import check_consistency, digest
 from ..checks import check_count, check_real
 from ..comm import resolve_group
-from ..comm.group import ProcessGroup
+from ..comm.group import HorovodGroup, ProcessGroup
 from ..compressors.base import Compressor
 from ..config import Settings, check_method, name_parameters
 from ..memory import Wrapper
+from ..launch import elastic_launch
 from ..metrics import PhaseTimer, RecordLog
 from ..spec import resolve_compression
 from ..reducer import Reducer, check_free, claim, release
@@ -272,7 +273,10 @@ class LocalUpdate(Checkpoints):
         group = resolve_group(where if where is not None else pipeline.get("process_set"),
                               frontend=f"hvdcomp.local.{type(self).__name__}")
         settings = Settings.validate(getattr(group, "hvd", None), timer=self._sync_timer(), **pipeline)
-        if settings.check_consistency:
+        # under elastic Horovod (only modes in hvdcomp.launch.ELASTIC_FRONTENDS get here) nothing
+        # collective runs now: a new worker builds its optimizer during the others' reset
+        self._elastic, self._check = elastic_launch(), settings.check_consistency
+        if settings.check_consistency and not self._elastic:
             self._check_setup(group)
         names_c, self._carriers, self._carrier_grads = self._make_carriers()
         order = self._carriers[::-1]  # (the expected backward order of one parameter group)
@@ -282,6 +286,7 @@ class LocalUpdate(Checkpoints):
         self.steps = self.round_step = self.rounds = self.skipped_rounds = 0
         self._closed = False
         self._started = False  # θ_start taken from the model (at the first step: after the user's broadcast)
+        self._joining = self._elastic  # (elastic Horovod: the ranks agree on θ_start at the next step)
 
     # ---- construction helpers ------------------------------------------------------------------
     def _setup(self) -> Dict[str, Any]:
@@ -388,7 +393,9 @@ class LocalUpdate(Checkpoints):
         """
         if self._closed:
             raise RuntimeError("this local-update optimizer was closed; build a new one to keep training")
-        if not self._started:
+        if self._elastic:
+            self._follow_world()
+        if not self._started or self._joining:
             self._start_training()
         loss = self.inner.step(closure)
         self.steps += 1
@@ -397,13 +404,75 @@ class LocalUpdate(Checkpoints):
             self._end_round()
         return loss
 
+    def reset(self) -> None:
+        """Follow elastic Horovod's reset (workers lost or added; :data:`hvdcomp.launch.ELASTIC_FRONTENDS`
+        names the modes that can): register it once,
+        ``state.register_reset_callbacks([opt.reset])``, on the ``hvd.elastic.TorchState(model=model,
+        optimizer=inner)`` of ``@hvd.elastic.run``.
+
+        Runs no collective. The pipeline is rebuilt over the new world
+        (:meth:`hvdcomp.reducer.Reducer.resize`: this rank's residuals carry over, a new rank's
+        are zero), and at the next step every rank takes θ_start, the outer optimizer's state
+        (momentum) and the round counters from the lowest-numbered rank that held them before,
+        drops the round in progress and restarts from θ_start. Without the callback a change of
+        the world's size or of this rank's number is noticed at the next step.
+
+        Raises:
+            ValueError: the mode runs on ``torch.distributed`` (elastic Horovod only).
+            RuntimeError: after :meth:`close`.
+        """
+        if self._closed:
+            raise RuntimeError("this local-update optimizer was closed; build a new one to keep training")
+        if getattr(self.sync.group, "hvd", None) is None:
+            raise ValueError("reset() follows elastic Horovod's reset; this optimizer runs on torch.distributed")
+        self.sync.resize(HorovodGroup(self.sync.group.process_set))
+        self.round_step = 0
+        self._joining = True
+
+    def _follow_world(self) -> None:
+        """Under elastic Horovod: a world whose size or whose rank of this process changed
+        without :meth:`reset` is followed as if it had been called (at a step boundary)."""
+        group = self.sync.group
+        hvd = getattr(group, "hvd", None)
+        if not self._joining and hvd is not None and (hvd.size(), hvd.rank()) != (group.size, group.rank):
+            self.reset()
+
+    @torch.no_grad()
+    def _join(self) -> None:
+        """Elastic Horovod, the first step of a (re)started world, on every rank alike: the
+        set-up agreement, then θ_start, the outer optimizer's state and the round counters from
+        the lowest-numbered rank that held them (rank 0 of a fresh job: the model's parameters,
+        which ``TorchState`` broadcast), and every rank restarts the round from θ_start."""
+        group = self.sync.group
+        if self._check:
+            self._check_setup(group)
+        if not self._started:
+            for n, p in self._params:
+                self._anchor[n].copy_(p)
+        if group.size > 1:
+            held = group.allgather_object(self._started, name=f"{self.prefix}.join")
+            root = next((r for r, h in enumerate(held) if h), 0)
+            for n, a in self._anchor.items():
+                a.copy_(group.broadcast(a.detach().contiguous(), root, f"{self.prefix}.anchor.{n}"))
+            mine = (self.outer.state_dict(), self.steps, self.rounds, self.skipped_rounds)
+            outer, self.steps, self.rounds, self.skipped_rounds = group.broadcast_object(
+                mine if group.rank == root else None, root, f"{self.prefix}.outer")
+            if group.rank != root:
+                self.outer.load_state_dict(outer)
+        for n, p in self._params:
+            p.copy_(self._anchor[n])
+        self.round_step, self._started, self._joining = 0, True, False
+
     def _start_training(self) -> None:
         """At the first step: θ_start ← the model's parameters (``hvd.broadcast_parameters`` may
-        have run after construction), and every rank must have the same ones.
+        have run after construction), and every rank must have the same ones (under elastic
+        Horovod, at the first step of every world: :meth:`_join`).
 
         Raises:
             RuntimeError: on every rank, when the ranks' parameters differ.
         """
+        if self._joining:
+            return self._join()
         with torch.no_grad():
             for n, p in self._params:
                 self._anchor[n].copy_(p)

@@ -1,0 +1,128 @@
+"""One worker of an elastic Horovod job (tests/test_elastic.py starts it under ``horovodrun
+--min-np 1 --max-np 2 --host-discovery-script``): a tiny model trained with
+hvdcomp.DistributedOptimizer inside ``hvd.elastic.run``, the world resized by rewriting what the
+discovery script prints. Every step prints one ``ELASTIC {json}`` line: step, size, rank, loss, a
+digest of the parameters and of this rank's error-feedback residual.
+
+``python tests/elastic_checks.py METHOD HOSTS_FILE PLAN`` where PLAN is the sizes to visit, e.g.
+``2,1,2``: STEPS steps at each, rank 0 rewriting HOSTS_FILE to move on to the next.
+"""
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+
+import horovod.torch as hvd
+
+STEPS = 4  # steps at each size of the plan
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().double().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def method_state(opt) -> dict:
+    """The method's checkpoint state (the facade's ``"hvdcomp"``, a local-update mode's pipeline's)."""
+    if hasattr(opt, "sync"):
+        return opt.sync.state_dict().get("compression", {})
+    return opt.state_dict().get("hvdcomp", {}).get("compression", {})
+
+
+def residuals(opt):
+    """This rank's error-feedback residuals (name -> tensor), from the optimizer's checkpoint."""
+    state = method_state(opt)
+    out = {}
+
+    def walk(prefix, obj):
+        if torch.is_tensor(obj):
+            out[prefix] = obj
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}/{k}", v)
+    walk("", state)
+    return {k: v for k, v in out.items() if "/residuals/" in k or "/error/" in k}
+
+
+def _tensors(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            yield from _tensors(obj[k])
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def main():
+    method, hosts_file, plan = sys.argv[1], sys.argv[2], [int(x) for x in sys.argv[3].split(",")]
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    target = torch.nn.Linear(16, 1)
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    if method == "stock":
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    elif method.startswith("diloco:"):  # DiLoCo, H = 2, Δ carried by the method after the colon
+        import hvdcomp.local
+
+        opt = hvdcomp.local.DiLoCo(base, model.named_parameters(), local_steps=2, compression=method[7:],
+                                   outer_lr=0.7, outer_momentum=0.9)
+    else:
+        import hvdcomp
+
+        opt = hvdcomp.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=method)
+    local = method.startswith("diloco:")
+    # (DiLoCo is not a torch.optim.Optimizer: TorchState keeps the model and the inner optimizer)
+    state = hvd.elastic.TorchState(model=model, optimizer=base if local else opt, step=0, phase=0)
+    if hasattr(opt, "reset") and os.environ.get("ELASTIC_CHECKS_CALLBACK", "1") == "1":
+        state.register_reset_callbacks([opt.reset])  # (0: the size change noticed at the next step)
+
+    @hvd.elastic.run
+    def train(state):
+        while state.phase < len(plan):
+            if hvd.size() != plan[state.phase]:  # waiting for the driver to resize the job
+                if hvd.rank() == 0:
+                    with open(hosts_file, "w") as f:
+                        f.write(f"localhost:{plan[state.phase]}\n")
+                time.sleep(0.3)
+            else:
+                gen = torch.Generator().manual_seed(1000 * state.step + hvd.rank())
+                x = torch.randn(32, 16, generator=gen)
+                with torch.no_grad():
+                    y = target(x)
+                before = {k: digest([v]) for k, v in sorted(residuals(opt).items())}
+                anchor_before = digest(opt.anchors.values()) if local else None
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                line = {"step": state.step, "size": hvd.size(), "rank": hvd.rank(), "loss": loss.item(),
+                        "params": digest(model.parameters()), "pid": os.getpid(),
+                        "residuals_before": before, "anchor_before": anchor_before,
+                        "residuals": {k: digest([v]) for k, v in sorted(residuals(opt).items())},
+                        "counter": method_state(opt).get("step"),
+                        "anchor": digest(opt.anchors.values()) if local else None,
+                        "outer": digest(_tensors(opt.outer.state_dict()["state"])) if local else None,
+                        "rounds": getattr(opt, "rounds", None),
+                        "shared": digest([t for t in _tensors(opt.compression.shared_state())])
+                        if hasattr(opt, "compression") else None}
+                print("ELASTIC " + json.dumps(line), flush=True)
+                state.step += 1
+                if state.step % STEPS == 0:
+                    state.phase += 1
+            state.commit()
+        return state.step
+
+    train(state)
+    print(f"ELASTIC-DONE rank={hvd.rank()} size={hvd.size()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Elastic Horovod (``horovodrun --min-np 1 --max-np 2 --host-discovery-script``) with
+hvdcomp.DistributedOptimizer: the job shrinks from 2 workers to 1 and grows back to 2 while it
+trains (tests/elastic_checks.py, 4 steps at each size; the discovery script prints what the file
+rank 0 rewrites says). Checked from each worker's per-step lines: the sizes visited, parameters
+identical on every rank at every step (a digest), the surviving rank's error-feedback residual
+carried over unchanged through each reset, the new rank's starting at zero, PowerSGD's shared
+step counter equal to the number of steps taken (the new rank takes it from the survivor), and a
+loss that goes on falling; for DiLoCo, θ_start and the outer momentum carried and handed to the
+new rank. Before (fce42e2): the shrink continued, the growth hung after Horovod's
+reset (no step at size 2 within 60 s)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+
+from mpirun import MPI_ENV, ROOT
+
+HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+STEPS = 4  # per size (tests/elastic_checks.py)
+
+
+def elastic_run(tmp_path, method: str, plan: str, timeout: float = 150) -> list:
+    """Run tests/elastic_checks.py under elastic horovodrun on localhost; every step's line."""
+    hosts, discover = tmp_path / "hosts", tmp_path / "discover.sh"
+    hosts.write_text("localhost:2\n")
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    # (--network-interface: one host cannot resolve common interfaces between hosts)
+    cmd = [HOROVODRUN, "-np", "2", "--min-np", "1", "--max-np", "2", "--network-interface", "lo",
+           "--host-discovery-script", str(discover), sys.executable,
+           os.path.join(ROOT, "tests", "elastic_checks.py"), method, str(hosts), plan]
+    env = {**os.environ, **MPI_ENV, "PYTHONPATH": ROOT}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        logs, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"elastic horovodrun timed out: {' '.join(cmd)}\n{proc.communicate()[0][-4000:]}")
+    assert proc.returncode == 0, logs[-4000:]
+    assert logs.count("ELASTIC-DONE") == 2, logs[-4000:]
+    return [json.loads(line.split("ELASTIC ", 1)[1]) for line in logs.splitlines() if "ELASTIC {" in line]
+
+
+def check_run(lines, by_step, survivor_key: str) -> None:
+    """What every elastic run must show (see the module docstring)."""
+    sizes = [2] * STEPS + [1] * STEPS + [2] * STEPS
+    assert sorted(by_step) == list(range(len(sizes)))
+    for step, size in enumerate(sizes):
+        ranks = by_step[step]
+        assert sorted(d["rank"] for d in ranks) == list(range(size)) and {d["size"] for d in ranks} == {size}, ranks
+    old = {d["pid"] for d in by_step[0]}
+    survivor = by_step[STEPS][0]["pid"]
+    assert survivor in old
+    after = {(d["pid"], d["step"]): d for d in lines}
+    # the survivor goes into each size's first step with what the previous step left it
+    for first in (STEPS, 2 * STEPS):
+        mine = next(d for d in by_step[first] if d["pid"] == survivor)
+        assert mine["residuals_before"] and mine["residuals_before"] == after[(survivor, first - 1)]["residuals"]
+        if survivor_key:
+            assert mine[f"{survivor_key}_before"] == after[(survivor, first - 1)][survivor_key], first
+    # the new worker starts with no residual (zero), and trains on
+    new = [d for d in by_step[2 * STEPS] if d["pid"] not in old]
+    assert len(new) == 1 and new[0]["residuals_before"] == {}, by_step[2 * STEPS]
+    loss = {s: sum(d["loss"] for d in by_step[s]) / len(by_step[s]) for s in by_step}
+    first, last = sum(loss[s] for s in range(STEPS)), sum(loss[s] for s in range(2 * STEPS, 3 * STEPS))
+    assert last < 0.5 * first, loss
+
+
+def steps_of(lines):
+    by_step = defaultdict(list)
+    for d in lines:
+        by_step[d["step"]].append(d)
+    return by_step
+
+
+@pytest.mark.parametrize("method", ["topk:density=0.25", "powersgd"])
+def test_shrink_and_grow_keep_ranks_equal_and_carry_state(tmp_path, method):
+    lines = elastic_run(tmp_path, method, "2,1,2")
+    by_step = steps_of(lines)
+    check_run(lines, by_step, "")
+    for step, ranks in by_step.items():
+        assert len({d["params"] for d in ranks}) == 1, (step, ranks)  # every rank has the same parameters
+        if method == "powersgd":  # the shared step counter: one per step the job took, on every rank
+            assert {d["counter"] for d in ranks} == {step + 1}, (step, ranks)
+            assert len({d["shared"] for d in ranks}) == 1, (step, ranks)
+
+
+def test_diloco_shrinks_and_grows_keeping_the_anchor_and_outer_momentum(tmp_path):
+    """DiLoCo (H = 2, top-k Δ, outer SGD with momentum 0.9): θ_start, the outer momentum and the
+    round counter identical on every rank at every step and carried by the survivor through each
+    reset; the new rank takes them from it (its own θ_start before joining differs); the round
+    counter equals the rounds taken, (step + 1) // H. Before (fce42e2), this run: the shrink (at a
+    round boundary) continued, the growth hung after Horovod's reset (no step at size 2 in 60 s)."""
+    lines = elastic_run(tmp_path, "diloco:topk:density=0.25", "2,1,2")
+    by_step = steps_of(lines)
+    check_run(lines, by_step, "anchor")
+    for step, ranks in by_step.items():
+        assert len({(d["anchor"], d["outer"]) for d in ranks}) == 1, (step, ranks)
+        assert {d["rounds"] for d in ranks} == {(step + 1) // 2}, (step, ranks)
+    new = [d for d in by_step[2 * STEPS] if d["pid"] not in {e["pid"] for e in by_step[0]}][0]
+    assert new["anchor_before"] != new["anchor"]  # (it joined with the survivor's θ_start)
