@@ -73,6 +73,59 @@ def test_failing_rank_ends_the_job_within_30_s(launcher, frontend):
     assert ended - failed_at < 30, ended - failed_at
 
 
+RESTART = os.path.join(ROOT, "tests", "mpi", "restart_checks.py")
+
+
+def _torchrun_restart(mode, directory, fail_at, *flags):
+    """tests/mpi/restart_checks.py ``mode`` at 2 ranks under torchrun; returns (exit status,
+    rank 0's PARAMS line split: (sha256, sum, step resumed from) or None, output)."""
+    cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", "2", RESTART, mode, str(directory),
+           str(fail_at), *flags]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"torchrun {mode}: hung\n{proc.communicate()[0][-4000:]}")
+    line = re.search(rf"^PARAMS {mode} (\S+) (\S+) (\d+)$", out, re.M)
+    return proc.returncode, line.groups() if line else None, out
+
+
+@pytest.mark.parametrize("mode", ["ddp-topk", "diloco-topk"])
+def test_torchrun_restart_resumes_from_per_rank_checkpoints_exactly(mode, tmp_path):
+    """Rank 1 fails at step 4 (DiLoCo: mid-round, H = 3) and the job ends; the same torchrun
+    command again: each rank loads its own last checkpoint (model, optimizer, and the DDP hook's
+    ``hook.state_dict()`` / DiLoCo's ``state_dict()``: top-k residuals, θ_start, outer momentum)
+    and finishes with the parameters of the run without a failure, bit for bit
+    (docs/robustness.md, "Restarts")."""
+    rc, ref, out = _torchrun_restart(mode, tmp_path / "plain", -1)
+    assert rc == 0 and ref is not None and ref[2] == "0", out[-3000:]
+    rc, _, out = _torchrun_restart(mode, tmp_path / "failed", 4)
+    assert rc != 0 and "injected failure at step 4" in out, out[-3000:]
+    rc, resumed, out = _torchrun_restart(mode, tmp_path / "failed", -1)
+    assert rc == 0 and resumed is not None, out[-3000:]
+    assert resumed[2] == "4", resumed  # (it resumed from step 4's checkpoint)
+    assert resumed[:2] == ref[:2], (resumed, ref)
+
+
+def test_local_update_ranks_resumed_from_different_steps_are_refused(tmp_path):
+    """DiLoCo communicates once a round, so without a barrier before saving, rank 0 finishes (and
+    saves) step 4 while rank 1 fails in it: resumed so, the ranks would average rounds of different
+    steps (before: the run went on, rank 0 one local step ahead). At the first step after loading,
+    every rank raises naming each rank's step and the fix."""
+    rc, _, out = _torchrun_restart("diloco-topk", tmp_path, 4, "--no-barrier")
+    assert rc != 0 and "injected failure at step 4" in out, out[-3000:]
+    rc, resumed, out = _torchrun_restart("diloco-topk", tmp_path, -1, "--no-barrier")
+    assert rc != 0 and resumed is None, out[-3000:]
+    assert "ranks disagree on the checkpoint each rank loaded" in out, out[-3000:]
+    assert "rank 1 steps 4 != rank 0 5" in out, out[-3000:]
+    assert "opt.round_step == 0" in out, out[-3000:]
+
+
 def _hook_run(env_extra, code):
     """A fresh interpreter that looks like rank 0 of 2 under mpirun (no MPI started), runs
     ``code`` and raises; returns (exit status, stderr)."""

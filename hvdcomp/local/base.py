@@ -286,6 +286,7 @@ class LocalUpdate(Checkpoints):
         self.steps = self.round_step = self.rounds = self.skipped_rounds = 0
         self._closed = False
         self._started = False  # θ_start taken from the model (at the first step: after the user's broadcast)
+        self._loaded = False  # a checkpoint was loaded: the ranks' counters are compared at the next step
         self._joining = self._elastic  # (elastic Horovod: the ranks agree on θ_start at the next step)
 
     # ---- construction helpers ------------------------------------------------------------------
@@ -446,11 +447,13 @@ class LocalUpdate(Checkpoints):
         group = self.sync.group
         if self._check:
             self._check_setup(group)
-        if not self._started:
+        holds = self._started or self._loaded  # (θ_start of a run, or of a checkpoint loaded)
+        self._loaded = False
+        if not holds:
             for n, p in self._params:
                 self._anchor[n].copy_(p)
         if group.size > 1:
-            held = group.allgather_object(self._started, name=f"{self.prefix}.join")
+            held = group.allgather_object(holds, name=f"{self.prefix}.join")
             root = next((r for r, h in enumerate(held) if h), 0)
             for n, a in self._anchor.items():
                 a.copy_(group.broadcast(a.detach().contiguous(), root, f"{self.prefix}.anchor.{n}"))
@@ -464,27 +467,50 @@ class LocalUpdate(Checkpoints):
         self.round_step, self._started, self._joining = 0, True, False
 
     def _start_training(self) -> None:
-        """At the first step: θ_start ← the model's parameters (``hvd.broadcast_parameters`` may
-        have run after construction), and every rank must have the same ones (under elastic
-        Horovod, at the first step of every world: :meth:`_join`).
+        """At the first step (of this optimizer, or after :meth:`load_state_dict`), on every rank:
+        θ_start ← the model's parameters (``hvd.broadcast_parameters`` may have run after
+        construction) unless a checkpoint was loaded, and every rank must start alike: the same
+        θ_start, and after a load, every rank a checkpoint of the same step (one object allgather).
+        Per-rank checkpoints of a mode that communicates once a round can be of different steps: a
+        rank that fails mid-round leaves the others one or more local steps ahead, and resumed so
+        the ranks would average rounds of different steps. Under elastic Horovod this runs at the
+        first step of every world (:meth:`_join`).
 
         Raises:
             RuntimeError: on every rank, when the ranks' parameters differ.
+            ValueError: on every rank, when some ranks loaded a checkpoint and others did not, or
+                the checkpoints are of different steps or θ_start (naming each rank's step and
+                the fix).
         """
         if self._joining:
             return self._join()
-        with torch.no_grad():
-            for n, p in self._params:
-                self._anchor[n].copy_(p)
+        loaded, self._loaded = self._loaded, False
+        if not loaded:
+            with torch.no_grad():
+                for n, p in self._params:
+                    self._anchor[n].copy_(p)
         self._started = True
         group = self.sync.group
-        if group.size > 1:
-            every = group.allgather_object(digest({n: a.detach() for n, a in self._anchor.items()}),
-                                           name=f"{self.prefix}.start")
-            if len(set(every)) > 1:
-                raise RuntimeError("the ranks start local-update training from different parameters (rank(s) "
-                                   f"{[r for r, d in enumerate(every) if d != every[0]]} differ from rank 0): "
-                                   "broadcast them first, hvd.broadcast_parameters(model.state_dict(), root_rank=0)")
+        if group.size <= 1:
+            return
+        start = digest({n: a.detach() for n, a in self._anchor.items()})
+        every = group.allgather_object((loaded, start), name=f"{self.prefix}.start")
+        if any(e[0] for e in every) and not all(e[0] for e in every):
+            raise ValueError(f"rank(s) {[r for r, e in enumerate(every) if e[0]]} loaded a checkpoint and rank(s) "
+                             f"{[r for r, e in enumerate(every) if not e[0]]} did not: load one on every rank "
+                             "(opt.load_state_dict), or on one rank and then opt.broadcast_state(root_rank)")
+        if loaded:
+            counters = {"parameters": [], "steps": self.steps, "round_step": self.round_step, "rounds": self.rounds,
+                        "theta_start": start[:12]}
+            check_consistency(group, counters, f"{self.prefix}.loaded",
+                              setup="the checkpoint each rank loaded (resume every rank from a checkpoint of the same "
+                                    "step: save at a round's end, when opt.round_step == 0, or after "
+                                    "torch.distributed.barrier() / hvd.join(), so that no rank saves a step another "
+                                    "did not finish)")
+        elif len({e[1] for e in every}) > 1:
+            raise RuntimeError("the ranks start local-update training from different parameters (rank(s) "
+                               f"{[r for r, e in enumerate(every) if e[1] != every[0][1]]} differ from rank 0): "
+                               "broadcast them first, hvd.broadcast_parameters(model.state_dict(), root_rank=0)")
 
     # ---- the round -------------------------------------------------------------------------------
     def _end_round(self) -> None:

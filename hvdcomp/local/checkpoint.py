@@ -25,7 +25,9 @@ class Checkpoints:
                 "algorithm": self.algorithm}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict`.
+        """Inverse of :meth:`state_dict`. Every rank must load a checkpoint of the same step (or
+        one rank loads, then :meth:`broadcast_state`): the next :meth:`step` compares them on every
+        rank (one object allgather) and raises on every rank otherwise.
 
         Raises:
             ValueError: a checkpoint of another algorithm or of other parameters.
@@ -42,7 +44,7 @@ class Checkpoints:
                 a.copy_(state["anchor"][n])
         for k, v in state["counters"].items():
             setattr(self, k, int(v))
-        self._started = True
+        self._started, self._loaded = False, True  # (every rank compares what it loaded at its next step)
 
     def _global_state(self) -> Dict[str, Any]:
         """What :meth:`broadcast_state` sends besides tensors (counters)."""
@@ -72,5 +74,5 @@ class Checkpoints:
                 t.copy_(group.broadcast(t.detach(), root_rank, f"{self.prefix}.{n}"))
         for k, v in group.broadcast_object(self._global_state(), root_rank, f"{self.prefix}.counters").items():
             setattr(self, k, v)
-        self._started = True
+        self._started, self._loaded = True, False  # (every rank holds the root's: nothing to compare)
 

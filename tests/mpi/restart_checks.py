@@ -1,0 +1,90 @@
+"""A restart from per-rank checkpoints under torchrun: a run in which rank 1 fails at step
+``FAIL_AT`` (the job ends), then the same command again (a requeued job, or torchrun's own
+``--max-restarts``): every rank loads its own last checkpoint (saved after every step: the model,
+the optimizer and the mode's own state) and trains to the end. The parameters at the end must
+equal those of the same run without the failure, bit for bit (tests/test_reliability.py).
+
+Usage: torchrun --nproc_per_node 2 tests/mpi/restart_checks.py MODE DIR [FAIL_AT] [--no-barrier]
+prints "PARAMS <mode> <sha256> <sum> <resumed from step>" on rank 0 at the end.
+"""
+import hashlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+MODE, DIR = sys.argv[1], sys.argv[2]
+FAIL_AT = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+BARRIER = "--no-barrier" not in sys.argv  # (a barrier before each save: no rank saves a step another did not finish)
+STEPS = 8
+
+dist.init_process_group("gloo")
+RANK = dist.get_rank()
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 * RANK + step)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+
+
+def build():
+    """(the module trained, its optimizer, {name: object with state_dict/load_state_dict})"""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    if MODE == "ddp-topk":
+        import hvdcomp.ddp
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        hook = hvdcomp.ddp.register(model, "topk:density=0.3", optimizer=opt)
+        return model, opt, {"model": net, "opt": opt, "hook": hook}
+    if MODE == "diloco-topk":
+        import hvdcomp.local
+
+        inner = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        opt = hvdcomp.local.DiLoCo(inner, net.named_parameters(), local_steps=3, compression="topk:density=0.3",
+                                   cost_model="off")
+        return net, opt, {"model": net, "opt": opt}
+    raise SystemExit(f"unknown mode {MODE}")
+
+
+def main():
+    model, opt, parts = build()
+    os.makedirs(DIR, exist_ok=True)
+    path = os.path.join(DIR, f"rank{RANK}.pt")
+    start = 0
+    if os.path.exists(path):  # a restart: this rank's own last checkpoint
+        ck = torch.load(path, weights_only=True)
+        for name, part in parts.items():
+            part.load_state_dict(ck[name])
+        start = ck["step"]
+    for step in range(start, STEPS):
+        if step == FAIL_AT and start == 0 and RANK == 1:
+            raise RuntimeError(f"injected failure at step {step}")
+        x, y = batch(step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if BARRIER:
+            dist.barrier()
+        state = {name: part.state_dict() for name, part in parts.items()}
+        tmp = path + ".tmp"
+        torch.save({**state, "step": step + 1}, tmp)
+        os.replace(tmp, path)  # (a failure while saving leaves the previous checkpoint whole)
+    net = parts["model"]
+    if MODE.startswith("diloco"):
+        opt.flush()
+        with opt.global_parameters():
+            flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    else:
+        flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    if RANK == 0:
+        print(f"PARAMS {MODE} {hashlib.sha256(flat.numpy().tobytes()).hexdigest()} {flat.double().sum().item():.17g} "
+              f"{start}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
