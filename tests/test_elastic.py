@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import pytest
 
+from elastic_checks import digest
 from mpirun import MPI_ENV, ROOT
 
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -104,3 +105,26 @@ def test_diloco_shrinks_and_grows_keeping_the_anchor_and_outer_momentum(tmp_path
         assert {d["rounds"] for d in ranks} == {(step + 1) // 2}, (step, ranks)
     new = [d for d in by_step[2 * STEPS] if d["pid"] not in {e["pid"] for e in by_step[0]}][0]
     assert new["anchor_before"] != new["anchor"]  # (it joined with the survivor's θ_start)
+
+
+def test_onebit_adam_shrinks_and_grows_in_the_compressed_stage(tmp_path):
+    """1-bit Adam (freeze_step = 2: two warm-up steps at size 2, then the compressed stage at sizes
+    2, 1 and 2, through Horovod's alltoall and allgather under Gloo): parameters, the averaged
+    momentum exp_avg and the step counter identical on every rank at every step; the frozen
+    variance exp_avg_sq identical on every rank and unchanged by every step and reset after the
+    warm-up (the new rank takes it from rank 0); the survivor's worker residual carried, the new
+    rank's zero; the server residual (partitioned by the size) zero at size 1. Before (1b45952),
+    this run: refused at construction (OneBitAdam not in ELASTIC_FRONTENDS)."""
+    lines = elastic_run(tmp_path, "onebitadam", "2,1,2")
+    by_step = steps_of(lines)
+    check_run(lines, by_step, "")
+    frozen = {d["variance"] for d in by_step[1]}
+    assert len(frozen) == 1
+    for step, ranks in by_step.items():
+        assert len({d["params"] for d in ranks}) == 1, (step, ranks)
+        assert len({d["momentum"] for d in ranks}) == 1, (step, ranks)
+        assert {d["kind"] for d in ranks} == {"warmup" if step < 2 else "onebit"}, (step, ranks)
+        if step >= 2:  # the variance froze at the end of step 1: no step and no reset changes it
+            assert {d["variance_before"] for d in ranks} == {d["variance"] for d in ranks} == frozen, (step, ranks)
+        if ranks[0]["size"] == 1:  # no server side at size 1: the old server residual dropped, none made
+            assert {d["server"] for d in ranks} == {digest([])}, (step, ranks)
