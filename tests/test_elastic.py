@@ -128,3 +128,41 @@ def test_onebit_adam_shrinks_and_grows_in_the_compressed_stage(tmp_path):
             assert {d["variance_before"] for d in ranks} == {d["variance"] for d in ranks} == frozen, (step, ranks)
         if ranks[0]["size"] == 1:  # no server side at size 1: the old server residual dropped, none made
             assert {d["server"] for d in ranks} == {digest([])}, (step, ranks)
+
+
+def test_horovod_exchange_returns_each_ranks_message():
+    """hvdcomp.comm.exchange.HorovodExchange (1-bit Adam's all-to-all and allgather under elastic
+    Horovod) cuts Horovod's concatenated results back into one message per rank, of that rank's
+    length, and counts the bytes moved to and from other ranks: two ranks simulated by a table of
+    what each sends (every message a different length and content)."""
+    import torch
+
+    from hvdcomp.comm.exchange import HorovodExchange
+
+    sent = {(r, j): torch.arange(10 * r + j, 10 * r + j + 2 + r + 2 * j, dtype=torch.uint8) for r in (0, 1) for j in (0, 1)}
+    mine = {0: torch.tensor([7], dtype=torch.uint8), 1: torch.tensor([8, 9, 10], dtype=torch.uint8)}
+
+    class TwoRanks:  # Horovod's alltoall and allgather as rank `me` of two sees them
+        def __init__(self, me):
+            self.me = me
+
+        def alltoall(self, tensor, splits, name):
+            assert tensor.tolist() == torch.cat([sent[(self.me, j)] for j in (0, 1)]).tolist() and name
+            got = [sent[(j, self.me)] for j in (0, 1)]
+            return torch.cat(got), torch.tensor([len(g) for g in got], dtype=torch.int32)
+
+        def allgather(self, tensor, name):
+            if tensor.dtype == torch.int64:
+                return torch.tensor([len(mine[0]), len(mine[1])], dtype=torch.int64)
+            return torch.cat([mine[0], mine[1]])
+
+    for me in (0, 1):
+        x = HorovodExchange(TwoRanks(me), me, 2, "test")
+        got = x.alltoall([sent[(me, j)] for j in (0, 1)])
+        assert [g.tolist() for g in got] == [sent[(j, me)].tolist() for j in (0, 1)]
+        assert [g.tolist() for g in x.allgather(mine[me])] == [mine[0].tolist(), mine[1].tolist()]
+        other = 1 - me
+        assert x.bytes_sent == 4 + len(sent[(me, other)]) + 8 + len(mine[me])
+        assert x.bytes_received == 4 + len(sent[(other, me)]) + 8 + len(mine[other])
+    with pytest.raises(RuntimeError, match="mpirun"):
+        x.send(mine[0], 0)
