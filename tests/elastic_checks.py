@@ -1,6 +1,7 @@
 """One worker of an elastic Horovod job (tests/test_elastic.py starts it under ``horovodrun
 --min-np 1 --max-np 2 --host-discovery-script``): a tiny model trained with
-hvdcomp.DistributedOptimizer inside ``hvd.elastic.run``, the world resized by rewriting what the
+hvdcomp.DistributedOptimizer (or DiLoCo, or 1-bit Adam: METHOD ``diloco:<spec>``, ``onebitadam``)
+inside ``hvd.elastic.run``, the world resized by rewriting what the
 discovery script prints. Every step prints one ``ELASTIC {json}`` line: step, size, rank, loss, a
 digest of the parameters and of this rank's error-feedback residual.
 
@@ -28,7 +29,11 @@ def digest(tensors) -> str:
 
 
 def method_state(opt) -> dict:
-    """The method's checkpoint state (the facade's ``"hvdcomp"``, a local-update mode's pipeline's)."""
+    """The method's checkpoint state (the facade's ``"hvdcomp"``, a local-update mode's pipeline's,
+    1-bit Adam's compressed allreduce's: worker residuals under ``"residual"``, server's under
+    ``"server"``)."""
+    if hasattr(opt, "averaging"):
+        return opt.state_dict()["hvdcomp"]["reducers"].get("momentum", {})
     if hasattr(opt, "sync"):
         return opt.sync.state_dict().get("compression", {})
     return opt.state_dict().get("hvdcomp", {}).get("compression", {})
@@ -46,7 +51,14 @@ def residuals(opt):
             for k, v in obj.items():
                 walk(f"{prefix}/{k}", v)
     walk("", state)
-    return {k: v for k, v in out.items() if "/residuals/" in k or "/error/" in k}
+    return {k: v for k, v in out.items() if "/residuals/" in k or "/error/" in k or k.startswith("/residual/")}
+
+
+def adam_state(opt, key: str):
+    """A digest of one key of 1-bit Adam's torch state over every parameter (None for other optimizers)."""
+    if not hasattr(opt, "averaging"):
+        return None
+    return digest([opt.state[p][key] for p in opt.order])
 
 
 def _tensors(obj):
@@ -74,6 +86,10 @@ def main():
 
         opt = hvdcomp.local.DiLoCo(base, model.named_parameters(), local_steps=2, compression=method[7:],
                                    outer_lr=0.7, outer_momentum=0.9)
+    elif method == "onebitadam":  # 2 warm-up steps, then the compressed stage at every size
+        import hvdcomp.adaptive_opt
+
+        opt = hvdcomp.adaptive_opt.OneBitAdam(model.named_parameters(), lr=0.05, freeze_step=2)
     else:
         import hvdcomp
 
@@ -99,6 +115,7 @@ def main():
                     y = target(x)
                 before = {k: digest([v]) for k, v in sorted(residuals(opt).items())}
                 anchor_before = digest(opt.anchors.values()) if local else None
+                variance_before = adam_state(opt, "exp_avg_sq")
                 opt.zero_grad()
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 loss.backward()
@@ -111,6 +128,10 @@ def main():
                         "anchor": digest(opt.anchors.values()) if local else None,
                         "outer": digest(_tensors(opt.outer.state_dict()["state"])) if local else None,
                         "rounds": getattr(opt, "rounds", None),
+                        "variance_before": variance_before, "variance": adam_state(opt, "exp_avg_sq"),
+                        "momentum": adam_state(opt, "exp_avg"), "kind": getattr(opt, "last_step_kind", None),
+                        "server": digest(_tensors(method_state(opt).get("server", {})))
+                        if hasattr(opt, "averaging") else None,
                         "shared": digest([t for t in _tensors(opt.compression.shared_state())])
                         if hasattr(opt, "compression") else None}
                 print("ELASTIC " + json.dumps(line), flush=True)

@@ -17,6 +17,7 @@ from collections import defaultdict
 
 import pytest
 
+from elastic_checks import digest
 from mpirun import MPI_ENV, ROOT
 
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -104,3 +105,64 @@ def test_diloco_shrinks_and_grows_keeping_the_anchor_and_outer_momentum(tmp_path
         assert {d["rounds"] for d in ranks} == {(step + 1) // 2}, (step, ranks)
     new = [d for d in by_step[2 * STEPS] if d["pid"] not in {e["pid"] for e in by_step[0]}][0]
     assert new["anchor_before"] != new["anchor"]  # (it joined with the survivor's θ_start)
+
+
+def test_onebit_adam_shrinks_and_grows_in_the_compressed_stage(tmp_path):
+    """1-bit Adam (freeze_step = 2: two warm-up steps at size 2, then the compressed stage at sizes
+    2, 1 and 2, through Horovod's alltoall and allgather under Gloo): parameters, the averaged
+    momentum exp_avg and the step counter identical on every rank at every step; the frozen
+    variance exp_avg_sq identical on every rank and unchanged by every step and reset after the
+    warm-up (the new rank takes it from rank 0); the survivor's worker residual carried, the new
+    rank's zero; the server residual (partitioned by the size) zero at size 1. Before (1b45952),
+    this run: refused at construction (OneBitAdam not in ELASTIC_FRONTENDS)."""
+    lines = elastic_run(tmp_path, "onebitadam", "2,1,2")
+    by_step = steps_of(lines)
+    check_run(lines, by_step, "")
+    frozen = {d["variance"] for d in by_step[1]}
+    assert len(frozen) == 1
+    for step, ranks in by_step.items():
+        assert len({d["params"] for d in ranks}) == 1, (step, ranks)
+        assert len({d["momentum"] for d in ranks}) == 1, (step, ranks)
+        assert {d["kind"] for d in ranks} == {"warmup" if step < 2 else "onebit"}, (step, ranks)
+        if step >= 2:  # the variance froze at the end of step 1: no step and no reset changes it
+            assert {d["variance_before"] for d in ranks} == {d["variance"] for d in ranks} == frozen, (step, ranks)
+        if ranks[0]["size"] == 1:  # no server side at size 1: the old server residual dropped, none made
+            assert {d["server"] for d in ranks} == {digest([])}, (step, ranks)
+
+
+def test_horovod_exchange_returns_each_ranks_message():
+    """hvdcomp.comm.exchange.HorovodExchange (1-bit Adam's all-to-all and allgather under elastic
+    Horovod) cuts Horovod's concatenated results back into one message per rank, of that rank's
+    length, and counts the bytes moved to and from other ranks: two ranks simulated by a table of
+    what each sends (every message a different length and content)."""
+    import torch
+
+    from hvdcomp.comm.exchange import HorovodExchange
+
+    sent = {(r, j): torch.arange(10 * r + j, 10 * r + j + 2 + r + 2 * j, dtype=torch.uint8) for r in (0, 1) for j in (0, 1)}
+    mine = {0: torch.tensor([7], dtype=torch.uint8), 1: torch.tensor([8, 9, 10], dtype=torch.uint8)}
+
+    class TwoRanks:  # Horovod's alltoall and allgather as rank `me` of two sees them
+        def __init__(self, me):
+            self.me = me
+
+        def alltoall(self, tensor, splits, name):
+            assert tensor.tolist() == torch.cat([sent[(self.me, j)] for j in (0, 1)]).tolist() and name
+            got = [sent[(j, self.me)] for j in (0, 1)]
+            return torch.cat(got), torch.tensor([len(g) for g in got], dtype=torch.int32)
+
+        def allgather(self, tensor, name):
+            if tensor.dtype == torch.int64:
+                return torch.tensor([len(mine[0]), len(mine[1])], dtype=torch.int64)
+            return torch.cat([mine[0], mine[1]])
+
+    for me in (0, 1):
+        x = HorovodExchange(TwoRanks(me), me, 2, "test")
+        got = x.alltoall([sent[(me, j)] for j in (0, 1)])
+        assert [g.tolist() for g in got] == [sent[(j, me)].tolist() for j in (0, 1)]
+        assert [g.tolist() for g in x.allgather(mine[me])] == [mine[0].tolist(), mine[1].tolist()]
+        other = 1 - me
+        assert x.bytes_sent == 4 + len(sent[(me, other)]) + 8 + len(mine[me])
+        assert x.bytes_received == 4 + len(sent[(other, me)]) + 8 + len(mine[other])
+    with pytest.raises(RuntimeError, match="mpirun"):
+        x.send(mine[0], 0)

@@ -50,6 +50,15 @@ class Averaging:
             self.reducers[key].bind_group(self.owner.comm.size)
         return self.reducers[key]
 
+    def rejoin(self) -> None:
+        """Elastic Horovod, the first step of a new world (on every rank alike): every compressed
+        allreduce averages over the new size, its server residual (this rank's chunk of a
+        partition by the old size) dropped; worker residuals are kept."""
+        for red in self.reducers.values():
+            red.bind_group(self.owner.comm.size)
+            red.server_memory.load({})
+        self.agreed = False
+
     def agree_step(self) -> None:
         """Once after construction or loading (:attr:`agreed` reset), in one small collective:
         every rank is at the same step and, at the first step after construction where no rank

@@ -39,6 +39,10 @@ after construction (no rank loaded a checkpoint) that every rank holds the same 
 (``RuntimeError`` on every rank otherwise, naming the ranks; ``hvd.broadcast_parameters`` may run
 after construction).
 
+Elastic Horovod: 1-bit Adam follows a change of the world size (:meth:`AdaptiveOptimizer.reset`
+as ``TorchState``'s reset callback; docs/robustness.md, "Elastic Horovod"); the others are refused
+at construction (:data:`hvdcomp.launch.ELASTIC_FRONTENDS`).
+
 Non-finite gradients: every averaged result is identical on every rank (a NaN or Inf on one
 rank reaches every rank's result), so the ranks agree without an extra collective: with
 ``nonfinite="skip"`` the step is skipped on every rank (no state changes, ``step()`` returns
@@ -50,13 +54,16 @@ import abc
 import contextlib
 import itertools
 import logging
+from dataclasses import replace
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from ..agreement import NONFINITE_MODES, check_consistency
 from ..comm import resolve_group
+from ..comm.group import HorovodGroup
 from ..comm.step import StepComm
+from ..launch import elastic_launch
 from ..metrics import PhaseTimer
 from ..plan import BATCHED, TransportPlan
 from .averaging import ONEBIT_SPEC, Averaging
@@ -175,12 +182,21 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if self.group is not None and not self.group.included:
             raise RuntimeError(f"this process is not in process_set: build {type(self).__name__} on its "
                                "members only")
+        # under elastic Horovod (only front-ends of hvdcomp.launch.ELASTIC_FRONTENDS get here) nothing
+        # collective runs now: a new worker builds its optimizer while the others are in Horovod's
+        # reset broadcasts; every rank joins the world at its first step (:meth:`_join`)
+        self.elastic = self.group is not None and getattr(self.group, "hvd", None) is not None and elastic_launch()
+        if self.elastic and not self.group.is_global:
+            raise ValueError("under elastic Horovod (HOROVOD_ELASTIC=1) the optimizer averages over the whole job, "
+                             "whose size changes: leave process_set unset (a process set's ranks do not survive "
+                             "Horovod's reset)")
+        self._joining = self.elastic
         self.comm = comm if comm is not None else self._group_comm()
         self.averaging = Averaging(self)
         for p in self.order:
             self.state[p].update(self._init_state(p))  # never empty: hvd.broadcast_optimizer_state
             # then broadcasts it instead of stepping the fresh ranks alone
-        if self.group is not None and self.group.size > 1:
+        if self.group is not None and self.group.size > 1 and not self.elastic:
             check_consistency(self.group, self._signature(), f"{self._prefix}.consistency")
         if self._frozen:  # (after the set-up check: every rank raises alike)
             raise ValueError(f"{type(self).__name__} fixes the parameters it trains at construction (and later "
@@ -242,7 +258,11 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     # ---- set-up ---------------------------------------------------------------------------------
     def _group_comm(self) -> StepComm:
         group, p2p = self.group, None
-        if group.size > 1:
+        if group.size > 1 and self.elastic:  # (Gloo: no MPI, and MPI communicators would not survive a reset)
+            from ..comm.exchange import HorovodExchange
+
+            p2p = HorovodExchange(group.hvd, group.rank, group.size, f"{self._prefix}.exchange")
+        elif group.size > 1:
             p2p = group.point_to_point()
             if p2p is None:
                 raise RuntimeError(f"{type(self).__name__}'s compressed allreduce exchanges chunks all-to-all: "
@@ -314,6 +334,7 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """During the warm-up: average the gradients into ``p.grad`` (the warm-up optimizer's
         ``synchronize``). Afterwards nothing is averaged before ``step()``: ``p.grad`` stays
         this rank's gradient (clipping between ``synchronize()`` and ``step()`` clips it)."""
+        self._follow_world()
         self.averaging.agree_step()
         if self.step_count() < self.warmup_steps:
             self.warmup.open().synchronize()
@@ -340,6 +361,7 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             raise ValueError(f"{type(self).__name__}.step() takes no closure: compute the loss and call "
                              "backward() before step()")
         self._check_dense()
+        self._follow_world()
         self.averaging.agree_step()
         t = self.step_count()
         if t < self.warmup_steps:
@@ -362,6 +384,57 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             kind = self._step_after_warmup(t, self._local_gradients())
             self.timer.add_bytes(dense=4 * sum(p.numel() for p in self.order))
         self.last_step_kind = kind
+
+    # ---- elastic Horovod --------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Follow elastic Horovod's reset (workers lost or added; :data:`hvdcomp.launch.ELASTIC_FRONTENDS`
+        names the optimizers that can): register it once, ``state.register_reset_callbacks([opt.reset])``,
+        on the ``hvd.elastic.TorchState(model=model, optimizer=opt)`` of ``@hvd.elastic.run``.
+
+        Runs no collective: the collectives are rebuilt over the new world (a running warm-up's
+        ``reset()`` of its :func:`hvdcomp.DistributedOptimizer`), and at the next step every rank
+        joins it alike (:meth:`_join`). ``TorchState`` then gives every rank rank 0's parameters
+        and torch state (step counter, ``exp_avg``, the frozen ``exp_avg_sq``); each rank keeps
+        its own worker residuals (a new rank's are zero); the server residuals, partitioned by the
+        old size, are dropped on every rank. Without the callback, a change of the world's size or
+        of this rank's number is noticed at the next step and followed the same way.
+
+        Raises:
+            ValueError: the optimizer does not average over a Horovod process set (``comm=`` or
+                ``torch.distributed``).
+        """
+        if getattr(self.group, "hvd", None) is None:
+            raise ValueError(f"{type(self).__name__}.reset() follows elastic Horovod's reset; this optimizer "
+                             "does not run on Horovod")
+        self.group = HorovodGroup(self.group.process_set)
+        self.comm = self._group_comm()
+        if self.warmup.running:
+            self.warmup.optimizer.reset()
+        self._plan = replace(self._plan, ranks=self.group.ranks)
+        self.averaging.agreed = False
+        self._joining = True
+
+    def _follow_world(self) -> None:
+        """Under elastic Horovod, at the start of a step: a world whose size or whose rank of this
+        process changed without :meth:`reset` is followed as if it had been called; then, at the
+        first step of a world, :meth:`_join`."""
+        if not self.elastic:
+            return
+        group, hvd = self.group, self.group.hvd
+        if not self._joining and (hvd.size(), hvd.rank()) != (group.size, group.rank):
+            self.reset()
+        if self._joining:
+            self._join()
+
+    def _join(self) -> None:
+        """The first step of a (re)started world, on every rank alike: the set-up agreement
+        (collective), then every compressed allreduce bound to the new size with its server
+        residual dropped (:meth:`hvdcomp.adaptive_opt.averaging.Averaging.rejoin`); the step
+        agreement follows (:meth:`hvdcomp.adaptive_opt.averaging.Averaging.agree_step`)."""
+        if self.group.size > 1:
+            check_consistency(self.group, self._signature(), f"{self._prefix}.consistency")
+        self.averaging.rejoin()
+        self._joining = False
 
     def each(self):
         """``(parameter, its group)`` in :attr:`order`."""

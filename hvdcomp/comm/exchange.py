@@ -15,7 +15,7 @@ from typing import List, Optional, Protocol, Sequence
 import numpy as np
 import torch
 
-__all__ = ["PointToPoint", "MPIExchange", "SubGroup", "node_ids", "pack_payload", "unpack_payload"]
+__all__ = ["PointToPoint", "MPIExchange", "HorovodExchange", "SubGroup", "node_ids", "pack_payload", "unpack_payload"]
 
 # dtypes a payload tensor may have, by their code in a packed header
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8,
@@ -169,6 +169,61 @@ class MPIExchange:
         self.bytes_received += int(counts.sum() - counts[self.rank]) + 8 * (self.size - 1)
         out = torch.from_numpy(rbuf)
         return [out[int(o):int(o + c)] for o, c in zip(dis, counts)]
+
+
+class HorovodExchange:
+    """The all-to-all and allgather of :class:`PointToPoint` through Horovod's own collectives
+    (``hvd.alltoall`` with splits, ``hvd.allgather``), for a job whose ranks cannot message
+    each other through MPI: elastic Horovod runs on its Gloo controller, and MPI communicators
+    would not survive its reset anyway. Collectives only: ``send``, ``recv`` and ``sendrecv``
+    raise. Making one runs no collective.
+
+    Args:
+        hvd: the Horovod module (``horovod.torch``).
+        rank, size: this rank and the size of the global process set (the whole job).
+        prefix: names the collectives (``prefix.alltoall``, ``prefix.allgather``: blocking, so
+            one name serves every call).
+
+    Attributes:
+        bytes_sent, bytes_received: payload bytes this rank moved (a 4-byte size per message
+            to another rank included).
+    """
+
+    def __init__(self, hvd, rank: int, size: int, prefix: str):
+        self.hvd, self.rank, self.size, self.prefix = hvd, int(rank), int(size), prefix
+        self.bytes_sent = self.bytes_received = 0
+
+    def _name(self, what: str) -> str:
+        return f"{self.prefix}.{what}"
+
+    def _refuse(self, *_args):
+        raise RuntimeError("HorovodExchange has no point-to-point messages (Horovod's collectives only): "
+                           "launch with mpirun or horovodrun --mpi for this method")
+
+    send = recv = sendrecv = _refuse
+
+    def alltoall(self, parts):
+        if len(parts) != self.size:
+            raise ValueError(f"alltoall needs one part per rank ({self.size}), got {len(parts)}")
+        data = [p.detach().cpu().contiguous().view(torch.uint8).reshape(-1) for p in parts]
+        splits = torch.tensor([d.numel() for d in data], dtype=torch.int32)
+        out, received = self.hvd.alltoall(torch.cat(data), splits=splits, name=self._name("alltoall"))
+        counts = [int(c) for c in received]
+        me = self.rank
+        self.bytes_sent += sum(4 + d.numel() for j, d in enumerate(data) if j != me)
+        self.bytes_received += sum(4 + c for j, c in enumerate(counts) if j != me)
+        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        return [out[bounds[j]:bounds[j + 1]] for j in range(self.size)]
+
+    def allgather(self, data):
+        mine = data.detach().cpu().contiguous().view(torch.uint8).reshape(-1)
+        counts = self.hvd.allgather(torch.tensor([mine.numel()], dtype=torch.int64),
+                                    name=self._name("allgather.sizes")).tolist()
+        out = self.hvd.allgather(mine, name=self._name("allgather"))
+        self.bytes_sent += 8 + mine.numel()
+        self.bytes_received += sum(8 + c for j, c in enumerate(counts) if j != self.rank)
+        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        return [out[bounds[j]:bounds[j + 1]] for j in range(self.size)]
 
 
 def _host_buffer(data: torch.Tensor) -> np.ndarray:
