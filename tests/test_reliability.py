@@ -35,18 +35,18 @@ FAILURE = os.path.join(ROOT, "tests", "mpi", "failure_checks.py")
 BIN = os.path.dirname(sys.executable)
 
 
-def _launch(launcher: str, frontend: str, timeout: float = 120):
+def _launch(launcher: str, frontend: str, timeout: float = 120, *args):
     """``launcher`` (mpirun, horovodrun or torchrun) at 2 ranks of tests/mpi/failure_checks.py
     ``frontend``; returns (exit status, output, the time it ended)."""
     if launcher == "mpirun":
-        res = mpirun(2, [FAILURE, frontend], timeout=timeout)
+        res = mpirun(2, [FAILURE, frontend, *args], timeout=timeout)
         return res.returncode, res.stdout, time.time()
     cmd = {"horovodrun": [os.path.join(BIN, "horovodrun"), "-np", "2", "-H", "localhost:2", sys.executable],
            "torchrun": [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", "2"]}[launcher]
     env = {**os.environ, **MPI_ENV, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(name, None)
-    proc = subprocess.Popen([*cmd, FAILURE, frontend], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen([*cmd, FAILURE, frontend, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=ROOT, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -124,6 +124,16 @@ def test_local_update_ranks_resumed_from_different_steps_are_refused(tmp_path):
     assert "ranks disagree on the checkpoint each rank loaded" in out, out[-3000:]
     assert "rank 1 steps 4 != rank 0 5" in out, out[-3000:]
     assert "opt.round_step == 0" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("launcher,frontend", [("mpirun", "horovod"), ("horovodrun", "local"), ("torchrun", "ddp")])
+def test_killed_rank_ends_the_job_within_30_s(launcher, frontend):
+    """Rank 1 SIGKILLs itself at step 2 (no exception, no hook runs: the OOM killer's case): the
+    launcher ends the job within 30 s, the other rank blocked in a collective included."""
+    rc, out, ended = _launch(launcher, frontend, 120, "kill")
+    assert rc != 0 and "UNREACHABLE" not in out, out[-3000:]
+    failed_at = float(re.search(r"FAILING AT (\d+\.\d+)", out).group(1))
+    assert ended - failed_at < 30, ended - failed_at
 
 
 def _hook_run(env_extra, code):

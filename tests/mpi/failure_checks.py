@@ -7,7 +7,10 @@ Usage (rank 1 raises at step 2 of a loop of 1000 steps):
     ... failure_checks.py horovod-thread                          (the exception in a thread)
     ... failure_checks.py local                                   (hvdcomp.local.DiLoCo, H = 2)
     ... failure_checks.py gossip                                  (hvdcomp.gossip.GossipOptimizer)
+    ... failure_checks.py FRONTEND kill                           (rank 1 SIGKILLs itself instead)
 """
+import os
+import signal
 import sys
 import threading
 import time
@@ -15,6 +18,7 @@ import time
 import torch
 
 FRONTEND = sys.argv[1] if len(sys.argv) > 1 else "horovod"
+KILL = sys.argv[2:3] == ["kill"]
 if FRONTEND != "ddp":
     from mpi4py import MPI  # noqa: F401 - first, as the README's template starts (MPI_THREAD_MULTIPLE)
 torch.manual_seed(0)
@@ -63,6 +67,8 @@ else:
 
 def fail():
     print(f"FAILING AT {time.time():.3f}", flush=True)  # (the test measures the job's end from here)
+    if KILL:  # (no exception, no hook: the process is gone, as when the OOM killer takes it)
+        os.kill(os.getpid(), signal.SIGKILL)
     raise RuntimeError("injected failure at step 2")
 
 
