@@ -439,7 +439,7 @@ class LocalUpdate(Checkpoints):
             self.reset()
 
     @torch.no_grad()
-    def _join(self) -> None:
+    def _join_world(self) -> None:
         """Elastic Horovod, the first step of a (re)started world, on every rank alike: the
         set-up agreement, then θ_start, the outer optimizer's state and the round counters from
         the lowest-numbered rank that held them (rank 0 of a fresh job: the model's parameters,
@@ -474,7 +474,7 @@ class LocalUpdate(Checkpoints):
         Per-rank checkpoints of a mode that communicates once a round can be of different steps: a
         rank that fails mid-round leaves the others one or more local steps ahead, and resumed so
         the ranks would average rounds of different steps. Under elastic Horovod this runs at the
-        first step of every world (:meth:`_join`).
+        first step of every world (:meth:`_join_world`).
 
         Raises:
             RuntimeError: on every rank, when the ranks' parameters differ.
@@ -483,7 +483,7 @@ class LocalUpdate(Checkpoints):
                 the fix).
         """
         if self._joining:
-            return self._join()
+            return self._join_world()
         loaded, self._loaded = self._loaded, False
         if not loaded:
             with torch.no_grad():
