@@ -74,6 +74,7 @@ def main(mode):
         m = DDP(model())
         report("ddp.register", lambda: hvdcomp.ddp.register(m, "topk:density=0.5"))
         dist.destroy_process_group()
+        from mpi4py import MPI  # noqa: F401 - before Horovod, as the README's template (docs/troubleshooting.md)
         import horovod.torch as hvd
 
         import hvdcomp
