@@ -230,6 +230,8 @@ def test_vartopk_leader_is_the_largest_smoothed_norm():
     fresh = get_compressor("cltk:density=0.1,leader=variance,window=2,smoothing=0.5")
     fresh.load_state_dict(state)
     assert fresh.norms["window"] == pytest.approx((6.0, 3.0)) and fresh.step == 4
+    fresh.rescale_state(0.5)  # an AMP loss scale halved: the norms are in gradient units too
+    assert fresh.norms["window"] == pytest.approx((3.0, 1.5))
 
 
 def test_gtopk_full_density_is_the_dense_mean():

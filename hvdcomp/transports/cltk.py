@@ -144,6 +144,11 @@ class CyclicLeaderTopKCompressor(SparseStepMethod):
             mean[idx] = values
         return mean, idx
 
+    def rescale_state(self, factor):
+        """The residuals and the kept norms are in gradient units (an AMP loss scale changed)."""
+        super().rescale_state(factor)
+        self.norms = {"window": tuple(x * abs(factor) for x in self.norms["window"])}
+
     def state_dict(self):
         out = {**super().state_dict(), "step": self.step}
         if self.leader != "cyclic":
