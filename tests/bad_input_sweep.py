@@ -317,7 +317,9 @@ CONSTRUCTORS: Dict[str, Ctor] = {
                                                    "min_compression_rate": Real(1.0, good=2.0),
                                                    "epsilon": Real(0.0, good=0.0), "seed": SEED}, spec="powersgd"),
     "gtopk": Ctor(_compressor("gtopk"), {}, {"density": DENSITY, "hierarchical": Bool()}, spec="gtopk"),
-    "cltk": Ctor(_compressor("cltk"), {}, {"density": DENSITY}, spec="cltk"),
+    "cltk": Ctor(_compressor("cltk"), {}, {"density": DENSITY, "leader": Choice(("cyclic", "variance")),
+                                           "window": Int(1, good=25),
+                                           "smoothing": Real(0.0, 1.0, high_open=True, good=0.001)}, spec="cltk"),
     "twophase": Ctor(_compressor("twophase"), {}, {"base": Choice(("efsignsgd", "qsgd", "terngrad"))},
                      spec="twophase"),
     # compression="auto" (interval >= warmup + probe: each probed with the others where that holds)

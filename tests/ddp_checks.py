@@ -7,6 +7,8 @@ Checks (each raises on failure on every rank; the oracle is named in its docstri
   none-bitwise      none through the hook = DDP without a hook, bit for bit
   fp16-vs-pytorch   hvdcomp fp16 against PyTorch's fp16_compress_hook, both against the exact mean
   powersgd-vs-pytorch  hvdcomp PowerSGD against PyTorch's powerSGD_hook (same settings)
+  powersgd-collectives  hvdcomp PowerSGD's collectives and bytes per step, counted at torch.distributed:
+                    worked out by hand, and no more than powerSGD_hook's
   topk-bytes        top-k's payload bytes as counted = worked out from the tensor sizes
   bucket-granularity  granularity="bucket" = a reference written here from plain collectives
   one-rank          a job of one rank: top-k = its own encode/decode; none = the local gradient
@@ -176,6 +178,83 @@ def check_powersgd_vs_pytorch():
         floats = 2 * (12 + 16) + 2 * (8 + 12) + 2 * 8 + 12 + 8 + 2 if step >= 2 else 326
         assert rec["bytes_sent"] == 4 * floats, (step, rec["bytes_sent"], 4 * floats)
     return f"worst relative gradient difference {worst:.2e} (bound 1e-4)"
+
+
+@contextlib.contextmanager
+def counted_collectives():
+    """Every ``torch.distributed`` collective issued inside, as ``(name, numel)`` (the tensor it
+    reduces or sends), counted where both hooks call it (``dist.<name>``)."""
+    names = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
+             "reduce_scatter_tensor", "gather", "scatter", "send", "recv", "isend", "irecv", "all_gather_object",
+             "broadcast_object_list")
+    log, saved = [], {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+
+    def counting(name, fn):
+        def call(*args, **kwargs):
+            tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            log.append((name, None if tensor is None else tensor.numel()))
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, counting(name, fn))
+    try:
+        yield log
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def check_powersgd_collectives():
+    """Issue 59: hvdcomp's PowerSGD through the hook sends no more than PyTorch's powerSGD_hook,
+    in bytes and in collectives, counted at ``torch.distributed`` on the study's LSTM (hvdcomp.lm,
+    vocabulary 50, hidden 8: embedding 50x8 and four 32x8 LSTM matrices compressed at rank 2 with
+    min_compression_rate 2, as (50+8)·2·2 = 232 < 400 and (32+8)·2·2 = 160 < 256; four biases of 32
+    sent as they are). By hand, per step after the 2 plain ones: P = 50·2 + 4·32·2 = 356 floats,
+    Q = 8·2 + 4·8·2 = 80, biases 128. hvdcomp: two allreduces, [P with the biases, Q] =
+    [484, 80] floats (2,256 B); powerSGD_hook (one bucket, as benchmarks/e2e_lm.py runs it): three,
+    [biases, P, Q] = [128, 356, 80] (2,256 B). Before the start step both send the dense model in
+    one allreduce (1,552 floats); hvdcomp adds, at its first step only, one object allgather of the
+    shared state's digest (:mod:`hvdcomp.agreement`)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    from hvdcomp.lm.model import LSTMLM
+
+    torch.manual_seed(0)
+    model = LSTMLM(50, 8, dropout=0.0)
+    numel = sum(p.numel() for p in model.parameters())
+    assert numel == 50 * 8 + 2 * (2 * 32 * 8 + 2 * 32) == 1552
+    theirs, ours = DDP(copy.deepcopy(model), bucket_cap_mb=100), DDP(copy.deepcopy(model))
+    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                               min_compression_rate=2, use_error_feedback=True, warm_start=True, random_seed=0)
+    theirs.register_comm_hook(state, psgd.powerSGD_hook)
+    opt_t = torch.optim.SGD(theirs.parameters(), lr=0.05)
+    opt_o = torch.optim.SGD(ours.parameters(), lr=0.05)
+    hvdcomp.ddp.register(ours, "powersgd:matrix_rank=2,start_step=2,min_compression_rate=2", optimizer=opt_o)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    expected = {"hvdcomp": [("all_reduce", 484), ("all_reduce", 80)],
+                "pytorch": [("all_reduce", 128), ("all_reduce", 356), ("all_reduce", 80)]}
+    for step in range(4):
+        x, y = torch.randint(0, 50, (6, 3), generator=g), torch.randint(0, 50, (6, 3), generator=g)
+        logs = {}
+        for label, m, opt in (("pytorch", theirs, opt_t), ("hvdcomp", ours, opt_o)):
+            opt.zero_grad()
+            with counted_collectives() as log:
+                logits, _ = m(x)
+                torch.nn.functional.cross_entropy(logits.reshape(-1, 50), y.reshape(-1)).backward()
+                opt.step()
+            logs[label] = log
+        if step == 0:  # hvdcomp's one agreement on the shared state (hvdcomp.agreement), at the first step only
+            assert logs["hvdcomp"][0] == ("all_gather_object", None), logs
+            del logs["hvdcomp"][0]
+        if step < 2:
+            assert logs["hvdcomp"] == logs["pytorch"] == [("all_reduce", numel)], (step, logs)
+            continue
+        for label in ("hvdcomp", "pytorch"):
+            assert logs[label] == expected[label], (step, label, logs[label])
+        assert len(logs["hvdcomp"]) <= len(logs["pytorch"])
+        assert sum(n for _, n in logs["hvdcomp"]) <= sum(n for _, n in logs["pytorch"])
+    return "hvdcomp 2 allreduces [484, 80] floats, powerSGD_hook 3 [128, 356, 80]: 2,256 B each per step"
 
 
 def check_topk_bytes():

@@ -44,6 +44,8 @@ def hand_comm(label, model):
     if label == "cltk:density=0.01":
         k = math.ceil(0.01 * N)  # the leader's k int32 positions by binomial broadcast, k float32 values by allreduce
         return 2 * model.alpha + 2 * 4 * k * model.beta + ring_allreduce(model, 4 * k)
+    if label == "cltk:density=0.01,leader=variance":  # VAR-Topk: cltk after an allreduce of P float32
+        return hand_comm("cltk:density=0.01", model) + ring_allreduce(model, 4 * P)
     raise KeyError(label)
 
 
@@ -59,6 +61,10 @@ def test_candidates_priced_in_closed_form():
             method.bind_group(P)
             got = comm_seconds(method, model, P, SHAPES, 25 * 2**20)
             assert got == pytest.approx(hand_comm(label, model), rel=1e-9), (label, model)
+    var = hvdcomp.get_compressor("cltk:density=0.01,leader=variance")  # VAR-Topk, a candidate priced like the rest
+    var.bind_group(P)
+    assert comm_seconds(var, SLOW, P, SHAPES, 25 * 2**20) == pytest.approx(
+        hand_comm("cltk:density=0.01,leader=variance", SLOW), rel=1e-9)
     # the numbers the next test decides on, by hand: on the slow link none 5.044 s, fp16 2.525 s,
     # PowerSGD rank 2 0.03658 s, cltk 0.1256 s
     assert hand_comm("none", SLOW) == pytest.approx(6e-3 + 1.5 * 4 * N * 8e-7)

@@ -103,6 +103,13 @@ def test_two_ranks_none_fp16_powersgd_bytes_bucket_granularity_and_errors():
                "errors")
 
 
+def test_powersgd_sends_no_more_than_powersgd_hook():
+    """Issue 59: hvdcomp's PowerSGD collectives and bytes per step, counted at torch.distributed
+    on the study's LSTM: as worked out by hand, and no more than powerSGD_hook's (2 allreduces
+    against 3, the same 2,256 bytes)."""
+    ddp_checks(2, "powersgd-collectives")
+
+
 def test_four_ranks_none_fp16_powersgd_and_bytes():
     ddp_checks(4, "none-bitwise", "fp16-vs-pytorch", "powersgd-vs-pytorch", "topk-bytes")
 

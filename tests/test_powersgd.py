@@ -79,3 +79,23 @@ def test_matches_pytorch_ddp_powersgd_hook(ranks):
     port = str(random.Random().randint(20000, 40000))
     out = check(ranks, ["tests/mpi/powersgd_checks.py"], timeout=240, env={"MASTER_PORT": port})
     assert "OK powersgd matches DDP hook" in out, out[-3000:]
+
+
+def test_a_step_allocates_two_model_sized_tensors():
+    """Per-step work against powerSGD_hook (issue 59): with error feedback, a compressed step
+    allocates M = stacked gradient + error and the approximation P·Qᵀ, and nothing else of the
+    gradient's size (the error is added and the new error M − P·Qᵀ formed in place; PyTorch's
+    hook allocates one model-sized copy of its bucket). Counted by the profiler's allocations, the
+    factors (P, Q: (n + m)·r floats) aside."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n, m = 512, 256
+    comp = hvdcomp.get_compressor("powersgd:matrix_rank=1")
+    grads = [torch.randn(n, m, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    run(comp, [("w", grads[0])])                            # step 1 leaves an error to add
+    g = grads[1].clone()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        comp.reduce_batch([("w", g)], identity, PhaseTimer(cuda_sync=False))
+    allocated = sum(e.self_cpu_memory_usage for e in prof.key_averages() if e.self_cpu_memory_usage > 0)
+    matrix = 4 * n * m
+    assert 2 * matrix <= allocated <= 2 * matrix + 64 * 4 * (n + m), (allocated, matrix)

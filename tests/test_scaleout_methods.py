@@ -188,6 +188,52 @@ def test_cltk_matches_dense_reference():
         assert all(c.step == step + 1 for c in sim.comps)
 
 
+def test_vartopk_leader_is_the_largest_smoothed_norm():
+    """VAR-Topk (leader=variance), 3 ranks, window 2, α 0.5: the leader of a step is worked out
+    by hand from each rank's gradient norms (weights 1/2 for this step's norm, 1/4 for the previous
+    one's), the result is the dense mean of the compensated gradients at the leader's top-k
+    positions, and sent + new residual = gradient + old residual on every rank."""
+    size, shapes, n = 3, [(5, 6), (11,)], 41
+    k = math.ceil(0.1 * n)
+    sim = SimulatedRanks(lambda: get_compressor("cltk:density=0.1,leader=variance,window=2,smoothing=0.5"), size)
+    # ‖g_r(t)‖ = norms[t][r] (unit random directions, scaled); smoothed s = (x_t/2 + x_{t-1}/4) / (3/4):
+    # step 0 (one norm, s = x): 1, 3, 2 -> rank 1 (the cycle's leader would be rank 0)
+    # step 1: (2.4/2 + 1/4)/.75 = 1.93, (1/2 + 3/4)/.75 = 1.67, (2/2 + 2/4)/.75 = 2 -> rank 2 (this step's norm
+    #         alone would pick rank 0, the cycle rank 1)
+    # step 2: (1/2 + 2.4/4)/.75 = 1.47, (2.5/2 + 1/4)/.75 = 2, (6/2 + 2/4)/.75 = 4.67 -> rank 2
+    # step 3: (1/2 + 1/4)/.75 = 1, (4/2 + 2.5/4)/.75 = 3.5, (3/2 + 6/4)/.75 = 4 -> rank 2 (this step's norm: rank 1)
+    norms = [(1.0, 3.0, 2.0), (2.4, 1.0, 2.0), (1.0, 2.5, 6.0), (1.0, 4.0, 3.0)]
+    leaders = [1, 2, 2, 2]
+    for step in range(4):
+        g = torch.Generator().manual_seed(50 + step)
+        grads = []
+        for r in range(size):
+            u = [torch.randn(*s, generator=g, dtype=torch.float64) for s in shapes]
+            length = math.sqrt(sum(float(t.square().sum()) for t in u))
+            grads.append([(f"w{j}", (norms[step][r] / length * t).float()) for j, t in enumerate(u)])
+        acc = compensated(sim, grads)
+        got = committed_step(sim, grads)
+        leader = leaders[step]
+        idx = torch.topk(acc[leader].abs(), k).indices.sort().values
+        ref = torch.zeros(n)
+        ref[idx] = horovod_allreduce([a[idx] for a in acc])
+        assert torch.equal(got, ref), step
+        cyclic = torch.topk(acc[step % size].abs(), k).indices.sort().values
+        assert step % size == leader or not torch.equal(cyclic, idx)  # (the leader is observable)
+        for r, c in enumerate(sim.comps):
+            sent = torch.zeros(n)
+            sent[idx] = acc[r][idx]
+            resid = torch.cat([c.residual[name].reshape(-1) for name, _ in grads[0]])
+            assert torch.equal(sent + resid, acc[r]), (step, r)
+    assert [len(c.norms["window"]) for c in sim.comps] == [2, 2, 2]
+    state = sim.comps[2].state_dict()
+    fresh = get_compressor("cltk:density=0.1,leader=variance,window=2,smoothing=0.5")
+    fresh.load_state_dict(state)
+    assert fresh.norms["window"] == pytest.approx((6.0, 3.0)) and fresh.step == 4
+    fresh.rescale_state(0.5)  # an AMP loss scale halved: the norms are in gradient units too
+    assert fresh.norms["window"] == pytest.approx((3.0, 1.5))
+
+
 def test_gtopk_full_density_is_the_dense_mean():
     size, shapes = 4, [(6, 3), (5,)]
     sim = SimulatedRanks(lambda: get_compressor("gtopk:density=1"), size)

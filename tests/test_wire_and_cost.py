@@ -233,6 +233,9 @@ def test_step_collectives_in_closed_form():
     assert step_collectives(get_compressor("gtopk:density=0.01"), numels, p, 8000) == [("sparse-allreduce", 88.0, 1)]
     assert step_collectives(get_compressor("cltk:density=0.01"), numels, p, 8000) == [("broadcast", 44.0, 1),
                                                                                      ("allreduce", 44.0, 1)]
+    # VAR-Topk: every rank's statistic first (p float32 by allreduce)
+    assert step_collectives(get_compressor("cltk:density=0.01,leader=variance"), numels, p, 8000) == [
+        ("allreduce", 4.0 * p, 1), ("broadcast", 44.0, 1), ("allreduce", 44.0, 1)]
     q = get_compressor("qsgd:levels=4")
     whole = q.expected_payload_bytes(1010)
     assert step_collectives(get_compressor("twophase:base=qsgd,levels=4"), numels, p, 8000) == [

@@ -158,14 +158,16 @@ class PowerSGDCompressor(StepMethod):
                     mats = torch.stack(members).view(len(members), group.n, group.m).to(torch.float32)
                 else:
                     mats = torch.stack([g.reshape(group.n, group.m) for g in members]).to(torch.float32)
+                # (mats is this step's own copy: the error is added, and later subtracted, in place,
+                # so a step allocates two model-sized tensors, M and P·Qᵀ, as powerSGD_hook does)
                 errors = self._get_segments(self.memory.store, group)
                 if errors is not None:        # last step's errors: views of one (B, n, m) tensor
-                    mats = mats + errors
+                    mats.add_(errors)
                 else:
                     kept = self._get_many(self.memory.store, group.names)
                     if any(e is not None for e in kept):
-                        mats = mats + torch.stack([torch.zeros(group.n, group.m, device=group.device) if e is None
-                                                   else e for e in kept])
+                        mats.add_(torch.stack([torch.zeros(group.n, group.m, device=group.device) if e is None
+                                               else e for e in kept]))
                 batches.append((group, mats, torch.bmm(mats, qs[group.key])))
             plain = [grads[i] for i in plan.plain]
             first = torch.cat([b[2].reshape(-1) for b in batches] +
@@ -198,7 +200,7 @@ class PowerSGDCompressor(StepMethod):
                 pos += q.numel()
                 approx = torch.bmm(p, q.transpose(1, 2))
                 self._put_segments("q", group, q)
-                self.memory.keep_segments(mats - approx, group)
+                self.memory.keep_segments(mats.sub_(approx), group)  # e = M − P·Qᵀ (M is not read again)
                 # saturating: with the error added, g + e (and so P·Qᵀ) can exceed a float16 g's range
                 if group.matrices:
                     results = approx.unbind(0)

@@ -323,13 +323,14 @@ def check_scaleout_methods():
     * error feedback loses nothing: size·mean + Σ new residuals = Σ (gradient + old residual)
       (twophase: + size·Σ of the change of the server residuals, each at its rank's chunk);
     * cltk: the result is the mean of every rank's compensated values at the leader's top-k
-      positions (reference from the allgathered gradients);
+      positions (reference from the allgathered gradients); the leader is rank step mod p, or with
+      leader=variance,window=1 (VAR-Topk) the first rank of the largest gradient norm;
     * gtopk: ≤ k non-zeros, at most (log2(p) + 1)·k entries sent per rank (+ the fold's positions);
       at density 1, the dense mean;
     * gtopk without an MPI communicator (allgather='horovod') is refused with the fix."""
     p = hvd.size()
-    for spec in ("gtopk:density=0.1", "cltk:density=0.1", "gtopk:density=1", "twophase:base=qsgd,levels=4,block=8",
-                 "gtopk:density=0.1,hierarchical=true"):
+    for spec in ("gtopk:density=0.1", "cltk:density=0.1", "cltk:density=0.1,leader=variance,window=1", "gtopk:density=1",
+                 "twophase:base=qsgd,levels=4,block=8", "gtopk:density=0.1,hierarchical=true"):
         model = small_model()
         opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                            named_parameters=model.named_parameters(), compression=spec)
@@ -347,6 +348,8 @@ def check_scaleout_methods():
             acc = torch.cat([(params[m].grad + comp.residual.get(m, torch.zeros_like(params[m]))).reshape(-1)
                              for m in names])
             everyone = all_grads(acc, f"acc.{spec}.{step}")
+            raw = torch.cat([params[m].grad.reshape(-1) for m in names])
+            raw_norms = [float(g.double().norm()) for g in all_grads(raw, f"raw.{spec}.{step}")]
             server_before = comp.server.get("cpu", 0.0) if spec.startswith("twophase") else 0.0
             opt.synchronize()
             mean = torch.cat([params[m].grad.reshape(-1) for m in names])
@@ -360,7 +363,7 @@ def check_scaleout_methods():
             torch.testing.assert_close(p * mean + total, sum(everyone), rtol=1e-5, atol=1e-5)
             assert int((mean != 0).sum()) <= k, spec
             if spec.startswith("cltk"):
-                lead = everyone[step % p]
+                lead = everyone[raw_norms.index(max(raw_norms)) if "variance" in spec else step % p]
                 idx = torch.topk(lead.abs(), k).indices
                 ref = torch.zeros(n)
                 ref[idx] = sum(a[idx] for a in everyone) / p
