@@ -256,10 +256,11 @@ def reference(config, members, world):
 
 
 def message_bytes(spec):
-    """One Choco message on the wire: int64 header (count + one per tensor) + the payloads."""
+    """One Choco message on the wire (hvdcomp.comm.exchange.pack_payload): int64 header (count,
+    then dtype and element count per tensor) + the payloads."""
     name, kw = hvdcomp.parse_spec(spec)
     numels = [math.prod(s) for s in SHAPES.values()]
-    header = 8 * (1 + 2 * len(numels))  # two payload tensors per parameter
+    header = 8 * (1 + 2 * 2 * len(numels))  # two payload tensors per parameter
     if name == "topk":
         return header + sum(8 * num_kept(n, kw["density"]) for n in numels)
     if name == "sign":
