@@ -153,8 +153,7 @@ class GossipOptimizer:
             self._guard = NonFiniteGuard(nonfinite)
             self.overlap = check_bool(overlap, "overlap")
             return  # (as Horovod: a rank outside the process set trains on its own)
-        # under elastic Horovod nothing collective runs now (a new worker builds its optimizer while
-        # the others are in Horovod's reset): every rank builds the gossip at its first step (_follow_world)
+        # under elastic Horovod no collective now (a new worker builds this during the others' reset)
         self.elastic = getattr(self.group, "hvd", None) is not None and elastic_launch()
         if self.elastic and not self.group.is_global:
             raise ValueError("under elastic Horovod (HOROVOD_ELASTIC=1) gossip runs over the whole job, whose size "
@@ -201,19 +200,12 @@ class GossipOptimizer:
 
     # ---- elastic Horovod ----------------------------------------------------------------------
     def reset(self) -> None:
-        """Follow elastic Horovod's reset (workers lost or added): register it once,
-        ``state.register_reset_callbacks([opt.reset])``, on the
-        ``hvd.elastic.TorchState(model=model, optimizer=opt.optimizer)`` of ``@hvd.elastic.run``
-        (the wrapped optimizer: ``TorchState`` broadcasts rank 0's parameters and its state).
-
-        Runs no collective: the exchange in flight is dropped, and at the next step every rank
-        builds the topology for the new size and a fresh method (:meth:`_build`). What carries
-        over: the parameters and the wrapped optimizer's state (rank 0's, by ``TorchState``),
-        ``skipped_steps`` and the timer; what is reset on every rank alike: the gossip method's
-        per-neighbour state (Choco's public copies, DCD/ECD's replicas, PowerGossip's warm start
-        and step counter), since the neighbours change with the size. Without the callback, a
-        change of the world's size or of this rank's number is noticed at the next step and
-        followed the same way.
+        """Follow elastic Horovod's reset: ``state.register_reset_callbacks([opt.reset])`` on the
+        ``hvd.elastic.TorchState(model=model, optimizer=opt.optimizer)`` of ``@hvd.elastic.run``.
+        Runs no collective: drops the exchange in flight; at the next step every rank builds the
+        topology for the new size and a fresh method (:meth:`_build`; what carries over:
+        docs/robustness.md, "Elastic Horovod"). Without the callback, a new size or rank is
+        followed at the next step.
 
         Raises:
             ValueError: the optimizer does not run on Horovod.

@@ -114,12 +114,8 @@ Payloads = Union[Sequence[torch.Tensor], Dict[int, Sequence[torch.Tensor]]]
 
 
 def _unpack(buf: np.ndarray, count: int, device, source: int) -> List[torch.Tensor]:
-    """The tensors of one message (:func:`hvdcomp.comm.exchange.unpack_payload`), ``count`` of
-    them, on ``device``."""
-    try:
-        out = unpack_payload(torch.from_numpy(buf), device)
-    except (IndexError, RuntimeError) as exc:
-        raise ValueError(f"hvdcomp gossip: a malformed {buf.nbytes}-byte message from rank {source}") from exc
+    """The ``count`` tensors of one message (:func:`hvdcomp.comm.exchange.unpack_payload`)."""
+    out = unpack_payload(torch.from_numpy(buf), device)
     if len(out) != count:
         raise ValueError(f"hvdcomp gossip: rank {source} sent {len(out)} tensors where this rank expected {count}: "
                          "the ranks run different models, methods or compressors")
@@ -283,13 +279,11 @@ class TorchDistEdges:
 
 
 class HorovodEdges:
-    """The neighbour transport's messages through Horovod's own collectives, for a Horovod job
-    without a usable MPI world (elastic Horovod on its Gloo controller, whose MPI communicators
-    would not survive a reset anyway; ``horovodrun --gloo``): per exchange one ``hvd.alltoall``
-    over the process set whose part for rank j is this rank's message to j, empty for a rank that
-    is not a neighbour. Every rank joins every exchange (as gossip's ranks do, step by step).
-    Bytes are the messages to and from the neighbours, as over MPI; a silent rank cannot be
-    named (a collective does not say who is missing): Horovod's stall check reports it. Its
+    """The neighbour transport's messages through Horovod's collectives, where Horovod has no
+    usable MPI world (elastic Horovod's Gloo controller; ``horovodrun --gloo``): per exchange one
+    ``hvd.alltoall`` of the whole job (:class:`~hvdcomp.comm.exchange.HorovodExchange`), whose
+    part for rank j is this rank's message to j, empty for a non-neighbour. Bytes: the messages,
+    as over MPI. A silent rank is reported by Horovod's stall check, not named here; Horovod's
     errors (``HorovodInternalError`` at an elastic reset) reach the caller unchanged."""
 
     kind, how, threaded = "horovod-neighbor", "Horovod alltoall", True
