@@ -132,7 +132,8 @@ def main():
                     if gossip else None
                 opt.step()
                 line = {"params_before": params_before, "local_step": local_step,
-                        "flat": [p.detach().reshape(-1).tolist() for p in model.parameters()] if gossip else None,"step": state.step, "size": hvd.size(), "rank": hvd.rank(), "loss": loss.item(),
+                        "flat": [p.detach().reshape(-1).tolist() for p in model.parameters()] if gossip else None,
+                        "step": state.step, "size": hvd.size(), "rank": hvd.rank(), "loss": loss.item(),
                         "params": digest(model.parameters()), "pid": os.getpid(),
                         "residuals_before": before, "anchor_before": anchor_before,
                         "residuals": {} if gossip else {k: digest([v]) for k, v in sorted(residuals(opt).items())},

@@ -428,8 +428,8 @@ class NeighborTransport(Transport):
                 received = self.wait(h)
             with self.timer.phase("decompress"):
                 self.method.absorb(self.params, received, h.unit)
-            for key, value in (("sent", h.bytes_sent), ("received", h.bytes_received), ("dense", dense * len(h.peers))):
-                self.unapplied[key] += value
+            moved = (h.bytes_sent, h.bytes_received, dense * len(h.peers))
+            self.unapplied = {k: v + m for (k, v), m in zip(self.unapplied.items(), moved)}
 
     def reset(self) -> None:
         """Complete and drop every exchange in flight (their messages must still move: the
@@ -503,7 +503,7 @@ class NeighborTransport(Transport):
         h.done = True
         self._open.remove(h)
         if h.error is not None:
-            if isinstance(h.error, (NeighborTimeoutError, ValueError)) or type(h.error).__module__.startswith("horovod"):
+            if isinstance(h.error, (NeighborTimeoutError, ValueError)) or "horovod" in type(h.error).__module__:
                 raise h.error  # (Horovod's own errors unchanged: elastic Horovod recovers from them)
             raise RuntimeError(f"hvdcomp gossip: the neighbour exchange failed on rank {self.rank}: {h.error!r}") \
                 from h.error
