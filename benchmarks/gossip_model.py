@@ -48,22 +48,22 @@ def choco_message(spec: str) -> int:
     if spec.startswith("topk"):  # values (fp32) and indices (int32) of each tensor's k entries
         kept = [num_kept(n, comp.density) for n in NUMELS]
         return message_bytes([k for k in kept for _ in (0, 1)], [4, 4] * len(kept))
-    if spec.startswith("efsignsgd"):
-        return 8 * (1 + 2 * len(NUMELS)) + sum(4 + math.ceil(n / 8) for n in NUMELS)
-    if spec.startswith("qsgd"):
-        return 8 * (1 + 2 * len(NUMELS)) + sum(comp.wire_bytes(n) for n in NUMELS)
+    if spec.startswith("efsignsgd"):  # (scale, packed signs) per tensor
+        return message_bytes([0] * 2 * len(NUMELS), []) + sum(4 + math.ceil(n / 8) for n in NUMELS)
+    if spec.startswith("qsgd"):  # two payload tensors per tensor
+        return message_bytes([0] * 2 * len(NUMELS), []) + sum(comp.wire_bytes(n) for n in NUMELS)
     if spec == "none":
-        return 8 * (1 + len(NUMELS)) + 4 * sum(NUMELS)
+        return message_bytes(NUMELS, [4] * len(NUMELS))
     raise ValueError(spec)
 
 
 def powergossip_message() -> float:
     """Mean bytes of one PowerGossip message per edge: X v̂ (m) and Xᵀ v̂ (n) alternate, so
-    (m + n)/2 float32 per matrix, plus the 1-D tensors raw every step (the header: one int64 per
-    tensor and the count)."""
+    (m + n)/2 float32 per matrix, plus the 1-D tensors raw every step (the header of
+    :func:`hvdcomp.transports.neighbor.message_bytes`)."""
     vec = sum(4 * (s[0] + math.prod(s) // s[0]) / 2 for s in SHAPES if len(s) >= 2)
     raw = sum(4 * math.prod(s) for s in SHAPES if len(s) < 2)
-    return 8 * (1 + len(SHAPES)) + vec + raw
+    return message_bytes([0] * len(SHAPES), []) + vec + raw
 
 
 def gossip_rows() -> Dict[str, Callable]:

@@ -1,6 +1,7 @@
 """One worker of an elastic Horovod job (tests/test_elastic.py starts it under ``horovodrun
 --min-np 1 --max-np 2 --host-discovery-script``): a tiny model trained with
-hvdcomp.DistributedOptimizer (or DiLoCo, or 1-bit Adam: METHOD ``diloco:<spec>``, ``onebitadam``)
+hvdcomp.DistributedOptimizer (or DiLoCo, 1-bit Adam, gossip: METHOD ``diloco:<spec>``, ``onebitadam``,
+``gossip:<method>:<compressor>``)
 inside ``hvd.elastic.run``, the world resized by rewriting what the
 discovery script prints. Every step prints one ``ELASTIC {json}`` line: step, size, rank, loss, a
 digest of the parameters and of this rank's error-feedback residual.
@@ -90,13 +91,19 @@ def main():
         import hvdcomp.adaptive_opt
 
         opt = hvdcomp.adaptive_opt.OneBitAdam(model.named_parameters(), lr=0.05, freeze_step=2)
+    elif method.startswith("gossip:"):  # gossip:<method>:<compressor> on a ring, overlap on
+        import hvdcomp.gossip
+
+        _, name, spec = method.split(":", 2)
+        opt = hvdcomp.gossip.GossipOptimizer(base, model.named_parameters(), method=name, topology="ring",
+                                             compression=spec, **({"consensus_step": 0.5} if name == "choco" else {}))
     else:
         import hvdcomp
 
         opt = hvdcomp.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=method)
-    local = method.startswith("diloco:")
-    # (DiLoCo is not a torch.optim.Optimizer: TorchState keeps the model and the inner optimizer)
-    state = hvd.elastic.TorchState(model=model, optimizer=base if local else opt, step=0, phase=0)
+    local, gossip = method.startswith("diloco:"), method.startswith("gossip:")
+    # (DiLoCo and gossip are not torch.optim.Optimizers: TorchState keeps the model and the inner optimizer)
+    state = hvd.elastic.TorchState(model=model, optimizer=base if local or gossip else opt, step=0, phase=0)
     if hasattr(opt, "reset") and os.environ.get("ELASTIC_CHECKS_CALLBACK", "1") == "1":
         state.register_reset_callbacks([opt.reset])  # (0: the size change noticed at the next step)
 
@@ -113,18 +120,24 @@ def main():
                 x = torch.randn(32, 16, generator=gen)
                 with torch.no_grad():
                     y = target(x)
-                before = {k: digest([v]) for k, v in sorted(residuals(opt).items())}
+                before = {} if gossip else {k: digest([v]) for k, v in sorted(residuals(opt).items())}
+                params_before = digest(model.parameters())
                 anchor_before = digest(opt.anchors.values()) if local else None
                 variance_before = adam_state(opt, "exp_avg_sq")
                 opt.zero_grad()
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 loss.backward()
+                # gossip: the model after the local SGD step alone (the average over ranks gossip keeps)
+                local_step = [(p.detach() - 0.1 * p.grad).reshape(-1).tolist() for p in model.parameters()] \
+                    if gossip else None
                 opt.step()
-                line = {"step": state.step, "size": hvd.size(), "rank": hvd.rank(), "loss": loss.item(),
+                line = {"params_before": params_before, "local_step": local_step,
+                        "flat": [p.detach().reshape(-1).tolist() for p in model.parameters()] if gossip else None,
+                        "step": state.step, "size": hvd.size(), "rank": hvd.rank(), "loss": loss.item(),
                         "params": digest(model.parameters()), "pid": os.getpid(),
                         "residuals_before": before, "anchor_before": anchor_before,
-                        "residuals": {k: digest([v]) for k, v in sorted(residuals(opt).items())},
-                        "counter": method_state(opt).get("step"),
+                        "residuals": {} if gossip else {k: digest([v]) for k, v in sorted(residuals(opt).items())},
+                        "counter": None if gossip else method_state(opt).get("step"),
                         "anchor": digest(opt.anchors.values()) if local else None,
                         "outer": digest(_tensors(opt.outer.state_dict()["state"])) if local else None,
                         "rounds": getattr(opt, "rounds", None),
@@ -133,7 +146,7 @@ def main():
                         "server": digest(_tensors(method_state(opt).get("server", {})))
                         if hasattr(opt, "averaging") else None,
                         "shared": digest([t for t in _tensors(opt.compression.shared_state())])
-                        if hasattr(opt, "compression") else None}
+                        if hasattr(opt, "compression") and not gossip else None}
                 print("ELASTIC " + json.dumps(line), flush=True)
                 state.step += 1
                 if state.step % STEPS == 0:

@@ -166,3 +166,38 @@ def test_horovod_exchange_returns_each_ranks_message():
         assert x.bytes_received == 4 + len(sent[(other, me)]) + 8 + len(mine[other])
     with pytest.raises(RuntimeError, match="mpirun"):
         x.send(mine[0], 0)
+
+
+@pytest.mark.parametrize("method", ["gossip:choco:sign", "gossip:dcd:none"])
+def test_gossip_shrinks_and_grows_rebuilding_the_topology(tmp_path, method):
+    """Gossip (Choco-SGD with the scaled sign, γ = 0.5; DCD-PSGD uncompressed, whose replicas start
+    from the set-up exchange of each world; a ring, overlap on)
+    under elastic Horovod, its exchanges through Horovod's alltoall (no MPI under the Gloo
+    controller): at every step the average of the ranks' models equals the average of their
+    models after the local SGD step alone (gossip's mixing moves no mass: W is symmetric and
+    doubly stochastic; DCD with QSGD keeps it only in expectation, hence uncompressed; computed in
+    the worker from p − lr·grad, compared here in float64), so
+    the topology of each size was rebuilt and every rank's per-neighbour state reset alike (a
+    stale copy or replica of an old neighbour breaks it); every world starts from one model (rank
+    0's, by TorchState), the survivor's own; the loss falls. The ranks' models differ between
+    resets (gossip does not make them equal). Before: refused at construction (GossipOptimizer
+    not in ELASTIC_FRONTENDS), and under the Gloo controller gossip had no exchange (mpi4py)."""
+    import torch
+
+    lines = elastic_run(tmp_path, method, "2,1,2")
+    by_step = steps_of(lines)
+    sizes = [2] * STEPS + [1] * STEPS + [2] * STEPS
+    assert sorted(by_step) == list(range(len(sizes)))
+    after = {(d["pid"], d["step"]): d for d in lines}
+    survivor = by_step[STEPS][0]["pid"]
+    for step, size in enumerate(sizes):
+        ranks = by_step[step]
+        assert sorted(d["rank"] for d in ranks) == list(range(size)), ranks
+        mean = torch.tensor([sum(d["flat"], []) for d in ranks], dtype=torch.float64).mean(0)
+        local = torch.tensor([sum(d["local_step"], []) for d in ranks], dtype=torch.float64).mean(0)
+        assert torch.allclose(mean, local, rtol=0, atol=1e-6), (step, (mean - local).abs().max())
+    for first in (STEPS, 2 * STEPS):  # a new world: one model on every rank, the survivor's
+        assert {d["params_before"] for d in by_step[first]} == {after[(survivor, first - 1)]["params"]}, first
+    assert len({d["params"] for d in by_step[2 * STEPS + 1]}) == 2  # gossip again: the models differ
+    loss = {s: sum(d["loss"] for d in by_step[s]) / len(by_step[s]) for s in by_step}
+    assert sum(loss[s] for s in range(2 * STEPS, 3 * STEPS)) < 0.5 * sum(loss[s] for s in range(STEPS)), loss

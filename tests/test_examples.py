@@ -109,12 +109,13 @@ def test_onebit_adam():
 
 def test_gossip():
     """Choco-SGD on a ring of 2: one neighbour, one message per step: an int64 header (the tensor
-    count and each payload tensor's size: top-k sends two per parameter) and 8 bytes per kept entry
+    count, then each payload tensor's dtype and size: top-k sends two per parameter) and 8 bytes
+    per kept entry
     (docs/gossip.md, "Transport and failures")."""
     r = mpi_example("gossip.py", "--steps", "20")
     learned(r)
     assert r["neighbours"] == 1
-    assert r["bytes_sent_per_step"] == 8 * (1 + 2 * len(SIZES)) + 8 * sum(kept(0.1)) == 7768
+    assert r["bytes_sent_per_step"] == 8 * (1 + 2 * 2 * len(SIZES)) + 8 * sum(kept(0.1)) == 7832
 
 
 @pytest.mark.parametrize("frontend", ["horovod", "ddp"])

@@ -256,10 +256,11 @@ def reference(config, members, world):
 
 
 def message_bytes(spec):
-    """One Choco message on the wire: int64 header (count + one per tensor) + the payloads."""
+    """One Choco message on the wire (hvdcomp.comm.exchange.pack_payload): int64 header (count,
+    then dtype and element count per tensor) + the payloads."""
     name, kw = hvdcomp.parse_spec(spec)
     numels = [math.prod(s) for s in SHAPES.values()]
-    header = 8 * (1 + 2 * len(numels))  # two payload tensors per parameter
+    header = 8 * (1 + 2 * 2 * len(numels))  # two payload tensors per parameter
     if name == "topk":
         return header + sum(8 * num_kept(n, kw["density"]) for n in numels)
     if name == "sign":
@@ -427,7 +428,7 @@ def test_train_lm_gossip_choco_sign_on_a_ring(tmp_path):
     assert r["gossip"]["consensus_distance"] > 0  # the two local models differ
     h = 100
     sizes = [10000 * h] + [4 * h * h] * 4 + [4 * h] * 4
-    message = 8 * (1 + 2 * len(sizes)) + sum(4 + math.ceil(n / 8) for n in sizes)
+    message = 8 * (1 + 2 * 2 * len(sizes)) + sum(4 + math.ceil(n / 8) for n in sizes)  # (header: pack_payload)
     # timed steps skip the first, whose exchange is applied in the second (overlap): one message each
     assert r["per_step"]["bytes_sent"]["min"] == r["per_step"]["bytes_sent"]["max"] == message
     assert r["per_step"]["dense_bytes"]["mean"] == 4 * sum(sizes)

@@ -49,11 +49,14 @@ from ..agreement import NonFiniteGuard
 from ..metrics import PhaseTimer
 from ..transports.neighbor import NeighborTransport, neighbor_edges
 from ..comm import resolve_group
+from ..comm.group import HorovodGroup
+from ..launch import elastic_launch
 from .base import GossipMethod, copy_params
 from .choco import ChocoGossip
 from .dcd import DCDGossip, ECDGossip
 from .powergossip import PowerGossip
 from ..checks import check_bool, check_range
+from ..config import name_parameters
 from .topology import make_topology
 
 __all__ = ["GossipOptimizer", "METHODS", "make_method"]
@@ -137,9 +140,10 @@ class GossipOptimizer:
         self.skipped_steps = 0
         self.group = resolve_group(process_set, frontend="hvdcomp.gossip.GossipOptimizer")
         self._params: List[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
-        self._names = self._parameter_names(named_parameters)
-        self._pending = None
-        self._arrived = None  # bytes of the exchange absorbed, counted when it is applied
+        names = name_parameters(optimizer.param_groups, named_parameters)
+        self._names = [names[p] for p in self._params]
+        if len(set(self._params)) != len(self._params):
+            raise ValueError("the optimizer holds the same parameter twice; list each parameter once")
         self.method: Optional[GossipMethod] = None
         self.transport = None
         self.topology = None
@@ -149,15 +153,32 @@ class GossipOptimizer:
             self._guard = NonFiniteGuard(nonfinite)
             self.overlap = check_bool(overlap, "overlap")
             return  # (as Horovod: a rank outside the process set trains on its own)
+        # under elastic Horovod no collective now (a new worker builds this during the others' reset)
+        self.elastic = getattr(self.group, "hvd", None) is not None and elastic_launch()
+        if self.elastic and not self.group.is_global:
+            raise ValueError("under elastic Horovod (HOROVOD_ELASTIC=1) gossip runs over the whole job, whose size "
+                             "changes: leave process_set unset (a process set's ranks do not survive Horovod's reset)")
+        self._settings = (method, topology, compression, consensus_step, weights, timeout, method_kwargs)
+        self._joining = self.elastic
+        if not self._joining:
+            self._build()
+
+    def _build(self) -> None:
+        """The transport, topology and method over the group's current ranks, the set-up
+        agreement (collective) and, for DCD/ECD, the exact exchange of the initial models."""
+        method, topology, compression, consensus_step, weights, timeout, method_kwargs = self._settings
+        self.rank, self.size = self.group.rank, self.group.size
         comm = neighbor_edges(self.group)
         error, record = None, None
         try:
-            self._guard = NonFiniteGuard(nonfinite)
-            self.overlap = check_bool(overlap, "overlap", " (run each exchange in the background until the next step)")
+            self._guard = NonFiniteGuard(self.nonfinite)
+            self.overlap = check_bool(self.overlap, "overlap",
+                                      " (run each exchange in the background until the next step)")
             timeout = check_range(timeout, "timeout", 0.0, low_open=True, hint=" (seconds)")
         except ValueError as exc:
             error = exc
-        self.transport = NeighborTransport(comm, timeout=300.0 if error is not None else timeout)
+        self.transport = NeighborTransport(comm, timeout=300.0 if error is not None else timeout,
+                                           params=self._params, timer=self.timer)
         try:
             if error is not None:
                 raise error
@@ -165,6 +186,7 @@ class GossipOptimizer:
             self.method = make_method(method, self._params, self._names, self.topology, self.rank,
                                       compression=compression, consensus_step=consensus_step, **method_kwargs)
             self.compression = getattr(self.method, "compressor", None)
+            self.transport.method = self.method
             record = {"method": self.method.describe(), "topology": self.topology.fingerprint(),
                       "overlap": self.overlap, "nonfinite": self.nonfinite,
                       "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)]}
@@ -176,22 +198,41 @@ class GossipOptimizer:
             received = self.transport.exchange(self.method.setup_payload(self._params), peers)
             self.method.setup(self._params, received)
 
-    # ---- construction helpers ----------------------------------------------------------------
-    def _parameter_names(self, named_parameters) -> List[str]:
-        if named_parameters is None:
-            return [f"param.{i}" for i in range(len(self._params))]
-        by_id = {}
-        for name, p in list(named_parameters):
-            by_id.setdefault(id(p), name)
-        missing = [i for i, p in enumerate(self._params) if id(p) not in by_id]
-        if missing:
-            raise ValueError(f"named_parameters does not name {len(missing)} of the optimizer's parameters "
-                             f"(positions {missing[:5]}); pass model.named_parameters() of the optimized model")
-        names = [by_id[id(p)] for p in self._params]
-        if len(set(names)) != len(names):
-            raise ValueError("the optimizer holds the same parameter twice; list each parameter once")
-        return names
+    # ---- elastic Horovod ----------------------------------------------------------------------
+    def reset(self) -> None:
+        """Follow elastic Horovod's reset: ``state.register_reset_callbacks([opt.reset])`` on the
+        ``hvd.elastic.TorchState(model=model, optimizer=opt.optimizer)`` of ``@hvd.elastic.run``.
+        Runs no collective: drops the exchange in flight; at the next step every rank builds the
+        topology for the new size and a fresh method (:meth:`_build`; what carries over:
+        docs/robustness.md, "Elastic Horovod"). Without the callback, a new size or rank is
+        followed at the next step.
 
+        Raises:
+            ValueError: the optimizer does not run on Horovod.
+        """
+        if getattr(self.group, "hvd", None) is None:
+            raise ValueError("GossipOptimizer.reset() follows elastic Horovod's reset; this optimizer does not run "
+                             "on Horovod")
+        if self.transport is not None:
+            self.transport.reset()  # (a failed exchange of the old world is logged, not raised)
+            self.transport.close()
+        self.transport = self.method = self.topology = None
+        self.group = HorovodGroup(self.group.process_set)
+        self._joining = True
+
+    def _follow_world(self) -> None:
+        """Under elastic Horovod, at the start of a step: a world changed without :meth:`reset`
+        is followed as if it had been called; then, at the first step of a world, :meth:`_build`."""
+        if not getattr(self, "elastic", False):
+            return
+        hvd = self.group.hvd
+        if not self._joining and (hvd.size(), hvd.rank()) != (self.size, self.rank):
+            self.reset()
+        if self._joining:
+            self._joining = False
+            self._build()
+
+    # ---- construction helpers ----------------------------------------------------------------
     def _agree(self, error: Optional[BaseException], record) -> None:
         """Every rank learns every rank's construction error and settings; all raise together."""
         mine = {"error": None if error is None else f"{type(error).__name__}: {error}", "record": record}
@@ -250,6 +291,7 @@ class GossipOptimizer:
             FloatingPointError: ``nonfinite="raise"`` and a non-finite gradient on some rank (on
                 every rank, naming the ranks; nothing was changed).
         """
+        self._follow_world()
         if not self._agree_step():
             return None
         gossiping = self.method is not None and self.size > 1
@@ -258,14 +300,10 @@ class GossipOptimizer:
         if not gossiping:
             return loss
         self.flush()
-        method = self.method
-        for r in range(method.rounds):
-            with self.timer.phase("compress"):
-                out = method.outgoing(self._params, previous, r)
-            with self.timer.phase("communicate"):
-                handle = self.transport.start(out, method.peers())
-            self._pending = (handle, r, len(method.peers()))
-            if not (self.overlap and r == method.rounds - 1):
+        self.transport.previous = previous
+        for r in range(self.method.rounds):
+            self.transport.start(r)
+            if not (self.overlap and r == self.method.rounds - 1):
                 self.flush()
         return loss
 
@@ -301,29 +339,13 @@ class GossipOptimizer:
 
     def flush(self) -> None:
         """Finish the exchange in flight (if any) and apply it to the model."""
-        self._receive()
         if self.method is None:
             return
+        self.transport.finish()
         with self.timer.phase("decompress"):
             self.method.apply(self._params)
-        if self._arrived is not None:
-            self.timer.add_bytes(**self._arrived)
-            self._arrived = None
-
-    def _receive(self) -> None:
-        """Wait for the exchange in flight (if any) and absorb it into the method's state, its
-        update of the parameters staged (:meth:`hvdcomp.gossip.base.GossipMethod.absorb`), not
-        applied: :meth:`flush` applies it."""
-        if self._pending is None:
-            return
-        handle, r, degree = self._pending
-        self._pending = None
-        with self.timer.phase("communicate"):
-            received = self.transport.finish(handle)
-        with self.timer.phase("decompress"):
-            self.method.absorb(self._params, received, r)
-        dense = 4 * sum(p.numel() for p in self._params) * degree
-        self._arrived = {"sent": handle.bytes_sent, "received": handle.bytes_received, "dense": dense}
+        self.timer.add_bytes(**self.transport.unapplied)
+        self.transport.unapplied = dict.fromkeys(self.transport.unapplied, 0)
 
     # ---- which model to evaluate ------------------------------------------------------------
     def _mean_of_models(self) -> List[torch.Tensor]:
@@ -383,7 +405,8 @@ class GossipOptimizer:
         :meth:`step` after the local optimizer step. So a run that saves at every step equals
         one that never saves, bit for bit, and a run resumed from the saved state (with the
         model's parameters saved at the same moment) continues as the uninterrupted one."""
-        self._receive()
+        if self.transport is not None:
+            self.transport.finish()  # (absorbed, its update staged: applied at the next step)
         out = {"optimizer": self.optimizer.state_dict(), "rank": self.rank, "size": self.size,
                "skipped_steps": self.skipped_steps}
         if self.method is not None:

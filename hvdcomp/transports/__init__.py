@@ -28,8 +28,10 @@ Every transport runs over a :class:`hvdcomp.comm.group.ProcessGroup` (Horovod's 
 (:class:`hvdcomp.comm.torchdist.TorchDistAllgatherer`).
 
 The decentralized front-end (:mod:`hvdcomp.gossip`) moves each rank's payload to its graph
-neighbours only with :mod:`.neighbor` (point-to-point per edge on a background thread, exact
-bytes, a timeout naming a silent neighbour).
+neighbours only with :mod:`.neighbor`, a ``Transport`` too: its units are the gossip rounds of a
+step (``start(r)`` asks the gossip method for round ``r``'s payload, ``finish()`` hands the
+neighbours' payloads to the method), over the same group interface (point-to-point per edge on a
+background thread, exact bytes, a timeout naming a silent neighbour).
 
 Adding a transport is one new module here: a :class:`~hvdcomp.transports.base.Transport`
 subclass, registered with the plan by :func:`hvdcomp.plan.register_route` (what it carries, what

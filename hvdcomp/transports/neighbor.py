@@ -1,39 +1,32 @@
 """The neighbour transport: each rank's payload to its neighbours in a graph, point to point.
 
 Decentralized methods (:mod:`hvdcomp.gossip`) exchange only along the edges of a topology, so a
-rank's traffic per step is its degree times its payload, whatever the number of ranks. Horovod has
-no point-to-point or neighbourhood collectives; this transport moves its messages over one of two
-edge layers, so that gossip runs under either launcher: mpi4py on a duplicate of the job's (or the
-process set's) communicator (:class:`MPIEdges`: under mpirun / horovodrun), or
-``torch.distributed`` point-to-point messages on a gloo group of the ranks made for it
-(:class:`TorchDistEdges`: under torchrun / srun). Either way its messages never mix with the
-other collectives of the job.
+rank's traffic per step is its degree times its payload, whatever the number of ranks. The
+messages travel over one of three edge layers of the job's process group, never mixing with its
+other collectives: mpi4py on a duplicate of the job's (or the process set's) communicator
+(:class:`MPIEdges`: mpirun, horovodrun), ``torch.distributed`` point-to-point on a gloo group made
+for them (:class:`TorchDistEdges`: torchrun, srun), or Horovod's own alltoall where Horovod runs
+without a usable MPI world (:class:`HorovodEdges`: elastic Horovod, ``horovodrun --gloo``).
 
-Per exchange and edge, one message: an int64 header (the number of tensors, then each tensor's
-element count) followed by the tensors' raw bytes, end to end. The receiver learns the size with
-a matched probe (``Improbe``), so variable-size payloads (top-k of data-dependent density) need no
-separate counts round. It sends with ``Isend`` and receives with ``Mprobe``/``Irecv`` per edge
-rather than with a neighbourhood collective (``Neighbor_alltoallv`` on a
-``Create_dist_graph_adjacent`` communicator) because per-edge requests
+Per exchange and edge, one message in the package's one payload codec
+(:func:`hvdcomp.comm.exchange.pack_payload`: an int64 header, the number of tensors, then each
+tensor's dtype and element count, then the tensors' raw bytes). Over MPI the receiver learns its
+size with a matched probe (``Improbe`` + ``Irecv``), so variable-size payloads need no counts
+round; per-edge requests rather than a neighbourhood collective (``Neighbor_alltoallv``) let each
+edge carry its own payload (PowerGossip), follow a time-varying graph without one communicator
+per round, and name a missing neighbour: a wait past ``timeout`` raises
+:class:`NeighborTimeoutError` naming the rank(s) that sent nothing, instead of hanging the job.
 
-* let each edge carry its own payload (PowerGossip sends a different vector to every neighbour),
-* follow a time-varying graph (a different peer each step) without one communicator per round,
-* tell which neighbour is missing: a wait past ``timeout`` raises :class:`NeighborTimeoutError`
-  naming the rank(s) that sent nothing, instead of hanging the job.
-
-As :class:`hvdcomp.comm.allgather.MPIAllgatherer` does, the exchange runs on one background
-thread when MPI provides ``MPI_THREAD_MULTIPLE`` (what Horovod asks for), so it proceeds while the
-next forward and backward compute; the thread polls its requests with short sleeps (0.05 ms
-growing to 1 ms) instead of spinning. Without ``MPI_THREAD_MULTIPLE`` the exchange runs inside
-:meth:`NeighborTransport.start`. Exchanges complete in the order they were started.
-
-Bytes are counted exactly at the wire: a handle's ``bytes_sent`` / ``bytes_received`` are the
-message sizes, header included, summed over its edges.
+As :class:`hvdcomp.comm.allgather.MPIAllgatherer` does, the exchange runs on one background thread
+when MPI provides ``MPI_THREAD_MULTIPLE`` (what Horovod asks for), so it proceeds while the next
+forward and backward compute, polling with short sleeps (0.05 ms growing to 1 ms); otherwise
+inside :meth:`NeighborTransport.post`. Exchanges complete in the order they were started. Bytes
+are counted exactly at the wire: a handle's ``bytes_sent`` / ``bytes_received`` are the message
+sizes, header included, summed over its edges.
 
 Cost in the α-β model (:func:`neighbor_terms`): sending m bytes to each of d neighbours through
-one network interface takes ``d·α + d·m·β`` per exchange (receives overlap the sends on a
-full-duplex link): constant in the number of ranks p for a fixed degree, against the ring
-allgather's ``(p−1)·α + (p−1)·m·β``.
+one full-duplex interface takes ``d·α + d·m·β`` per exchange: constant in the number of ranks p
+for a fixed degree, against the ring allgather's ``(p−1)·α + (p−1)·m·β``.
 """
 from __future__ import annotations
 
@@ -46,11 +39,14 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from ..comm.exchange import pack_payload, unpack_payload
+from .base import Transport
+
 log = logging.getLogger(__name__)
 
-__all__ = ["NeighborTransport", "NeighborTimeoutError", "CollectiveTimeoutError", "neighbor_terms", "message_bytes", "HEADER_ITEM_BYTES"]
+__all__ = ["NeighborTransport", "NeighborTimeoutError", "CollectiveTimeoutError", "neighbor_terms", "message_bytes",
+           "neighbor_edges"]
 
-HEADER_ITEM_BYTES = 8  # int64: the tensor count, then one element count per tensor
 TAG_SPACE = 1 << 15    # MPI guarantees tags up to 32767
 
 
@@ -90,8 +86,9 @@ class CollectiveTimeoutError(TimeoutError):
 
 
 def message_bytes(numels: Sequence[int], itemsizes: Sequence[int]) -> int:
-    """Exact bytes of one message: header ``8·(1 + tensors)`` plus the tensors' bytes."""
-    return HEADER_ITEM_BYTES * (1 + len(numels)) + sum(int(n) * int(s) for n, s in zip(numels, itemsizes))
+    """Exact bytes of one message (:func:`hvdcomp.comm.exchange.pack_payload`): the int64 header
+    ``8·(1 + 2·tensors)`` (count; dtype and element count per tensor) plus the tensors' bytes."""
+    return 8 * (1 + 2 * len(numels)) + sum(int(n) * int(s) for n, s in zip(numels, itemsizes))
 
 
 def neighbor_terms(degree: int, nbytes: float, exchanges: int = 1) -> Tuple[float, float]:
@@ -109,41 +106,19 @@ def neighbor_terms(degree: int, nbytes: float, exchanges: int = 1) -> Tuple[floa
 
 
 class _Handle:
-    __slots__ = ("index", "peers", "send", "dtypes", "device", "future", "received", "bytes_sent",
+    __slots__ = ("index", "unit", "peers", "send", "counts", "device", "future", "received", "bytes_sent",
                  "bytes_received", "error", "done")
 
 
 Payloads = Union[Sequence[torch.Tensor], Dict[int, Sequence[torch.Tensor]]]
 
 
-def _pack(payload: Sequence[torch.Tensor]) -> np.ndarray:
-    """Header and raw bytes of ``payload`` in one new uint8 array (a copy: the caller may reuse
-    its tensors at once)."""
-    header = torch.tensor([len(payload)] + [t.numel() for t in payload], dtype=torch.int64)
-    parts = [header.view(torch.uint8)] + [t.detach().contiguous().reshape(-1).cpu().view(torch.uint8)
-                                           for t in payload]
-    return torch.cat(parts).numpy()
-
-
-def _unpack(buf: np.ndarray, dtypes: Sequence[torch.dtype], device, source: int) -> List[torch.Tensor]:
-    raw = torch.from_numpy(buf)
-    if raw.numel() < HEADER_ITEM_BYTES:
-        raise ValueError(f"hvdcomp gossip: a {raw.numel()}-byte message from rank {source} has no header")
-    count = int(raw[:HEADER_ITEM_BYTES].view(torch.int64)[0])
-    if count != len(dtypes):
-        raise ValueError(f"hvdcomp gossip: rank {source} sent {count} tensors where this rank expected {len(dtypes)}: "
+def _unpack(buf: np.ndarray, count: int, device, source: int) -> List[torch.Tensor]:
+    """The ``count`` tensors of one message (:func:`hvdcomp.comm.exchange.unpack_payload`)."""
+    out = unpack_payload(torch.from_numpy(buf), device)
+    if len(out) != count:
+        raise ValueError(f"hvdcomp gossip: rank {source} sent {len(out)} tensors where this rank expected {count}: "
                          "the ranks run different models, methods or compressors")
-    head = HEADER_ITEM_BYTES * (1 + count)
-    numels = raw[HEADER_ITEM_BYTES:head].view(torch.int64).tolist()
-    out, pos = [], head
-    for n, dt in zip(numels, dtypes):
-        nbytes = n * torch.empty((), dtype=dt).element_size()
-        piece = raw[pos:pos + nbytes]
-        if piece.numel() != nbytes:
-            raise ValueError(f"hvdcomp gossip: a truncated message from rank {source}")
-        t = piece.clone().view(dt) if nbytes else torch.empty(0, dtype=dt)
-        out.append(t.to(device))
-        pos += nbytes
     return out
 
 
@@ -153,7 +128,7 @@ class MPIEdges:
     so one message per edge and exchange; the requests are polled with short sleeps (0.05 ms
     growing to 1 ms), and a neighbour that sent nothing within the timeout is named."""
 
-    kind = "mpi4py-neighbor"
+    kind, how = "mpi4py-neighbor", "mpi4py Isend/Mprobe"
 
     def __init__(self, comm=None):
         from mpi4py import MPI
@@ -229,7 +204,7 @@ class TorchDistEdges:
     the job ends. The per-step agreement's allgather runs on a second gloo group, so that it never
     meets the messages the background thread moves at the same time."""
 
-    kind = "torch.distributed-neighbor"
+    kind, how = "torch.distributed-neighbor", "torch.distributed isend/irecv"
     threaded = True
 
     def __init__(self, group):
@@ -303,74 +278,126 @@ class TorchDistEdges:
         return work.is_completed, out.view(self.size, values.numel()).numpy()
 
 
+class HorovodEdges:
+    """The neighbour transport's messages through Horovod's collectives, where Horovod has no
+    usable MPI world (elastic Horovod's Gloo controller; ``horovodrun --gloo``): per exchange one
+    ``hvd.alltoall`` of the whole job (:class:`~hvdcomp.comm.exchange.HorovodExchange`), whose
+    part for rank j is this rank's message to j, empty for a non-neighbour. Bytes: the messages,
+    as over MPI. A silent rank is reported by Horovod's stall check, not named here; Horovod's
+    errors (``HorovodInternalError`` at an elastic reset) reach the caller unchanged."""
+
+    kind, how, threaded = "horovod-neighbor", "Horovod alltoall", True
+
+    def __init__(self, group, prefix: str = "hvdcomp.gossip"):
+        from ..comm.exchange import HorovodExchange
+
+        if not group.is_global:
+            raise RuntimeError("gossip on a Horovod process set exchanges through MPI, which this job lacks: "
+                               "launch with mpirun or horovodrun --mpi, or train over every rank")
+        self.hvd, self.group, self.prefix = group.hvd, group, prefix
+        self.rank, self.size = group.rank, group.size
+        self.x = HorovodExchange(group.hvd, group.rank, group.size, f"{prefix}.exchange")
+
+    def exchange(self, send: Dict[int, np.ndarray], peers: Sequence[int], tag: int, timeout: float,
+                 index: int) -> Dict[int, np.ndarray]:
+        """As :meth:`MPIEdges.exchange`, by one ``hvd.alltoall`` (an empty part to every other rank)."""
+        empty = np.empty(0, dtype=np.uint8)
+        got = self.x.alltoall([torch.from_numpy(send.get(j, empty)) for j in range(self.size)])
+        return {j: got[j].numpy() for j in peers}
+
+    def allgather_object(self, obj):
+        return self.group.allgather_object(obj, f"{self.prefix}.setup")
+
+    def iallgather_ints(self, mine: np.ndarray):
+        handle = self.hvd.allgather_async(torch.from_numpy(mine).view(1, -1), name=f"{self.prefix}.agree",
+                                          process_set=self.group.process_set)
+        out = np.empty((self.size, mine.size), dtype=np.int64)
+
+        def done() -> bool:
+            if not self.hvd.poll(handle):
+                return False
+            out[:] = self.hvd.synchronize(handle).numpy()
+            return True
+        return done, out
+
+
 def neighbor_edges(group):
     """The edge layer of ``group`` (:class:`~hvdcomp.comm.group.ProcessGroup`): mpi4py over a
     Horovod process set, ``torch.distributed`` over a ``torch.distributed`` group.
 
-    Raises:
-        RuntimeError: a Horovod job whose mpi4py is unusable or differs from Horovod's world
-            (``horovodrun --gloo``: launch with mpirun, or with torchrun).
+    Under elastic Horovod, or where mpi4py is unusable or its world differs from Horovod's
+    (``horovodrun --gloo``), Horovod's own collectives (:class:`HorovodEdges`).
     """
     if getattr(group, "hvd", None) is None:
         return TorchDistEdges(group)
+    from ..launch import elastic_launch
+
+    if elastic_launch():  # (no MPI world: mpi4py is not even imported)
+        return HorovodEdges(group)
     try:
         from mpi4py import MPI
-    except ImportError as exc:
-        raise RuntimeError(f"gossip under Horovod exchanges through mpi4py, which is not importable ({exc}): "
-                           "launch with mpirun, or with torchrun (torch.distributed)") from exc
+    except ImportError:
+        return HorovodEdges(group)
     if MPI.COMM_WORLD.Get_size() != group.hvd.size():
-        raise RuntimeError(f"gossip under Horovod exchanges through MPI, but the MPI world has "
-                           f"{MPI.COMM_WORLD.Get_size()} ranks and Horovod {group.hvd.size()}: launch with mpirun "
-                           "or horovodrun --mpi, or with torchrun (torch.distributed)")
+        return HorovodEdges(group)
     return MPIEdges(group.mpi_comm())
 
 
-class NeighborTransport:
-    """Exchanges payloads with the neighbours of this rank (see the module docstring).
+class NeighborTransport(Transport):
+    """Exchanges payloads with the neighbours of this rank (module docstring): a
+    :class:`~hvdcomp.transports.base.Transport` whose units are the gossip rounds of a step.
+    :meth:`start` ``(r)`` asks the gossip method for round ``r``'s payload (``method.outgoing``,
+    timed as ``compress``) and starts its exchange with ``method.peers()``; :meth:`finish` waits
+    for every started round, in order, and hands the neighbours' payloads to ``method.absorb``
+    (``decompress``: the update is staged), adding their bytes to :attr:`unapplied`.
+
+    Below that, any payloads: :meth:`post` ``(payload, peers) -> handle`` (a list of 1-D tensors
+    for every peer, or a dict peer -> list), :meth:`wait` ``(handle) -> {peer: tensors}`` (each
+    on the device of the payload sent to that peer), :meth:`exchange` both. Every rank posts in
+    the same order with matching peers (j in i's peers iff i in j's); :meth:`allgather_object`
+    and :meth:`allgather_ints` are the set-up's and the per-step agreement's collectives.
 
     Args:
-        comm: the mpi4py communicator to duplicate (``MPI.COMM_WORLD`` by default; for a Horovod
-            process set, ``hvdcomp.comm.group.Group(process_set).mpi_comm()``). Ranks and peers
-            are ranks in this communicator. Collective over it (the duplication).
-        timeout: seconds an exchange may wait for any one neighbour before
-            :class:`NeighborTimeoutError` (default 300; a neighbour's step may be slow); a Python
-            or numpy number.
-        threaded: force the background thread on/off (default: on with ``MPI_THREAD_MULTIPLE``).
+        edges: the edge layer (:func:`neighbor_edges`), or an mpi4py communicator to duplicate
+            (``MPI.COMM_WORLD`` when None; collective). Peers are ranks in it.
+        timeout: seconds an exchange may wait for a neighbour before :class:`NeighborTimeoutError`
+            (default 300).
+        threaded: force the background thread on/off (default: the edge layer's).
+        method, params, timer: the :class:`~hvdcomp.gossip.base.GossipMethod`, the parameters it
+            updates and the :class:`~hvdcomp.metrics.PhaseTimer` (for :meth:`start` only).
 
     Attributes:
-        rank, size: this rank and the number of ranks of the communicator.
-        bytes_sent, bytes_received: totals over every finished exchange (bytes, headers included).
-
-    Interface: ``start(payload, peers) -> handle`` (``payload``: a list of 1-D tensors sent to
-    every peer, or a dict peer -> list); ``finish(handle) -> {peer: list of tensors}`` (each
-    neighbour's payload has the dtypes of the payload this rank sent it, on its device);
-    ``busy``; ``reset()``; ``close()``; the small collectives ``allgather_object`` and
-    ``allgather_ints`` (the gossip front-end's set-up and per-step agreement). Every rank must call ``start`` in the same order with
-    matching peers (j is in i's peers at an exchange iff i is in j's).
+        rank, size: this rank and the edge layer's size.
+        previous: the parameters before this step's local update (set before :meth:`start`, for
+            a method that ``needs_previous``).
+        bytes_sent, bytes_received: totals over every finished exchange (headers included).
+        unapplied: ``{"sent", "received", "dense"}`` bytes of the rounds absorbed since the caller
+            last took them (dense: fp32 parameters per neighbour).
 
     Raises:
-        ValueError: ``timeout`` not positive; from :meth:`start`, a peer outside the communicator
-            or this rank itself.
+        ValueError: ``timeout`` not positive; from :meth:`post`, a peer outside the edge layer,
+            repeated, or this rank.
     """
 
-    def __init__(self, comm=None, timeout: float = 300.0, threaded: Optional[bool] = None):
+    def __init__(self, edges=None, timeout: float = 300.0, threaded: Optional[bool] = None, method=None,
+                 params=None, timer=None):
         if isinstance(timeout, bool) or not (isinstance(timeout, numbers.Real) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self.edges = comm if isinstance(comm, (MPIEdges, TorchDistEdges)) else MPIEdges(comm)
+        self.edges = edges if hasattr(edges, "exchange") else MPIEdges(edges)
         self.kind = self.edges.kind
         self.rank, self.size = self.edges.rank, self.edges.size
         self.timeout = float(timeout)
         if threaded is None:
             threaded = self.edges.threaded
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hvdcomp-neighbor") if threaded else None
+        self.method, self.params, self.timer, self.previous = method, params, timer, None
         self._count = 0
         self._open: List[_Handle] = []
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self.bytes_sent = self.bytes_received = 0
+        self.unapplied = {"sent": 0, "received": 0, "dense": 0}
 
     def __str__(self) -> str:
-        how = "mpi4py Isend/Mprobe" if isinstance(self.edges, MPIEdges) else "torch.distributed isend/irecv"
-        return f"neighbor ({how} per edge, {'background thread' if self.threaded else 'inline'})"
+        return f"neighbor ({self.edges.how} per edge, {'background thread' if self.threaded else 'inline'})"
 
     @property
     def threaded(self) -> bool:
@@ -382,8 +409,39 @@ class NeighborTransport:
         """Whether an exchange was started and not finished."""
         return bool(self._open)
 
-    # ---- exchange -----------------------------------------------------------------------------
-    def start(self, payload: Payloads, peers: Sequence[int]) -> _Handle:
+    # ---- the Transport interface: the gossip method's rounds ------------------------------------
+    def start(self, u: int) -> None:
+        """Round ``u`` of this step: the method's payload for its peers (``compress``), its
+        exchange started (``communicate``)."""
+        with self.timer.phase("compress"):
+            out = self.method.outgoing(self.params, self.previous, u)
+        with self.timer.phase("communicate"):
+            self.post(out, self.method.peers()).unit = u
+
+    def finish(self) -> None:
+        """Wait for every started round (in order) and absorb each into the method's state
+        (``decompress``); their bytes go to :attr:`unapplied`."""
+        dense = 4 * sum(p.numel() for p in self.params)
+        while self._open:
+            h = self._open[0]
+            with self.timer.phase("communicate"):
+                received = self.wait(h)
+            with self.timer.phase("decompress"):
+                self.method.absorb(self.params, received, h.unit)
+            moved = (h.bytes_sent, h.bytes_received, dense * len(h.peers))
+            self.unapplied = {k: v + m for (k, v), m in zip(self.unapplied.items(), moved)}
+
+    def reset(self) -> None:
+        """Complete and drop every exchange in flight (their messages must still move: the
+        neighbours expect them); errors of dropped exchanges are logged, not raised."""
+        for h in list(self._open):
+            try:
+                self.wait(h)
+            except Exception as exc:  # noqa: BLE001 - dropped on purpose, but worth a line
+                log.warning("hvdcomp gossip: dropped exchange %d failed: %s", h.index, exc)
+
+    # ---- payload exchange ---------------------------------------------------------------------
+    def post(self, payload: Payloads, peers: Sequence[int]) -> _Handle:
         """Start sending ``payload`` to ``peers`` and receiving theirs; returns a handle.
 
         Raises:
@@ -403,17 +461,15 @@ class NeighborTransport:
             shared = list(payload)
             per_peer = {j: shared for j in peers}
         h = _Handle()
-        h.index = self._count
+        h.index, h.unit, h.peers = self._count, None, peers
         self._count += 1
-        h.peers = peers
         packed = {}
-        h.send = {}
-        for j in peers:  # one packed buffer per distinct payload
+        for j in peers:  # one packed buffer (a copy: the caller may reuse its tensors) per payload
             key = id(per_peer[j])
             if key not in packed:
-                packed[key] = _pack(per_peer[j])
-            h.send[j] = packed[key]
-        h.dtypes = {j: [t.dtype for t in per_peer[j]] for j in peers}
+                packed[key] = pack_payload(per_peer[j]).numpy()
+        h.send = {j: packed[id(per_peer[j])] for j in peers}
+        h.counts = {j: len(per_peer[j]) for j in peers}
         h.device = {j: (per_peer[j][0].device if per_peer[j] else torch.device("cpu")) for j in peers}
         h.bytes_sent = sum(int(h.send[j].nbytes) for j in peers)
         h.received, h.error, h.done, h.bytes_received, h.future = None, None, False, 0, None
@@ -426,22 +482,19 @@ class NeighborTransport:
 
     def _exchange_safely(self, h: _Handle) -> None:
         try:
-            self._exchange(h)
-        except BaseException as exc:  # reported by finish() on the caller's thread
+            buffers = self.edges.exchange(h.send, h.peers, h.index % TAG_SPACE, self.timeout, h.index)
+            h.received = {j: _unpack(buffers[j], h.counts[j], h.device[j], j) for j in h.peers}
+            h.bytes_received = sum(int(buffers[j].nbytes) for j in h.peers)
+        except BaseException as exc:  # reported by wait() on the caller's thread
             h.error = exc
 
-    def _exchange(self, h: _Handle) -> None:
-        buffers = self.edges.exchange(h.send, h.peers, h.index % TAG_SPACE, self.timeout, h.index)
-        h.received = {j: _unpack(buffers[j], h.dtypes[j], h.device[j], j) for j in h.peers}
-        h.bytes_received = sum(int(buffers[j].nbytes) for j in h.peers)
-
-    def finish(self, h: _Handle) -> Dict[int, List[torch.Tensor]]:
+    def wait(self, h: _Handle) -> Dict[int, List[torch.Tensor]]:
         """Wait for exchange ``h``; every peer's payload (``{peer: tensors}``).
 
         Raises:
             NeighborTimeoutError: a neighbour sent nothing within the timeout (names it).
             ValueError: a message that does not fit this rank's payload (different models).
-            RuntimeError: the exchange failed in MPI (the cause chained).
+            RuntimeError: the exchange failed in the edge layer (the cause chained).
         """
         if h.done:
             raise RuntimeError(f"exchange {h.index} was already finished")
@@ -450,8 +503,8 @@ class NeighborTransport:
         h.done = True
         self._open.remove(h)
         if h.error is not None:
-            if isinstance(h.error, (NeighborTimeoutError, ValueError)):
-                raise h.error
+            if isinstance(h.error, (NeighborTimeoutError, ValueError)) or "horovod" in type(h.error).__module__:
+                raise h.error  # (Horovod's own errors unchanged: elastic Horovod recovers from them)
             raise RuntimeError(f"hvdcomp gossip: the neighbour exchange failed on rank {self.rank}: {h.error!r}") \
                 from h.error
         self.bytes_sent += h.bytes_sent
@@ -459,17 +512,8 @@ class NeighborTransport:
         return h.received
 
     def exchange(self, payload: Payloads, peers: Sequence[int]) -> Dict[int, List[torch.Tensor]]:
-        """:meth:`start` then :meth:`finish` (blocking)."""
-        return self.finish(self.start(payload, peers))
-
-    def reset(self) -> None:
-        """Complete and drop every exchange in flight (their messages must still move: the
-        neighbours expect them); errors of dropped exchanges are logged, not raised."""
-        for h in list(self._open):
-            try:
-                self.finish(h)
-            except Exception as exc:  # noqa: BLE001 - dropped on purpose, but worth a line
-                log.warning("hvdcomp gossip: dropped exchange %d failed: %s", h.index, exc)
+        """:meth:`post` then :meth:`wait` (blocking)."""
+        return self.wait(self.post(payload, peers))
 
     # ---- small collectives: set-up, and each step's non-finite verdict -------------------------
     def allgather_object(self, obj):

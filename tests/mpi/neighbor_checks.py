@@ -6,7 +6,7 @@ Per rank, against values computed from the senders' formulas: a ring with one pa
 neighbour (sizes that differ per rank, an empty tensor, three dtypes); a star (rank 0 talks to
 everyone, the others to rank 0 only: degrees N−1 and 1) with a different payload per edge; the
 same on a sub-communicator of the even ranks (as a Horovod process set's); exact byte counts
-(header 8·(1 + tensors) + data per message).
+(header 8·(1 + 2·tensors) + data per message: hvdcomp.comm.exchange.pack_payload).
 """
 from mpi4py import MPI
 import torch
@@ -32,7 +32,7 @@ def check_on(comm, label):
     r, n = t.rank, t.size
     # ring, one payload for all
     peers = sorted({(r - 1) % n, (r + 1) % n} - {r})
-    got = t.finish(t.start(payload(r), peers))
+    got = t.exchange(payload(r), peers)
     assert sorted(got) == peers, (label, got.keys())
     for j in peers:
         for a, b in zip(got[j], payload(j)):
@@ -42,10 +42,10 @@ def check_on(comm, label):
     assert (t.bytes_sent, t.bytes_received) == (sent, received), (label, t.bytes_sent, sent)
     # star, one payload per edge, started twice before finishing (order kept)
     peers = list(range(1, n)) if r == 0 else ([0] if n > 1 else [])
-    h1 = t.start({j: payload(r, j) for j in peers}, peers)
-    h2 = t.start({j: payload(r + 10, j) for j in peers}, peers)
+    h1 = t.post({j: payload(r, j) for j in peers}, peers)
+    h2 = t.post({j: payload(r + 10, j) for j in peers}, peers)
     assert t.busy
-    got1, got2 = t.finish(h1), t.finish(h2)
+    got1, got2 = t.wait(h1), t.wait(h2)
     assert not t.busy
     for j in peers:
         for a, b in zip(got1[j], payload(j, r)):
