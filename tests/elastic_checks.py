@@ -1,9 +1,9 @@
 """One worker of an elastic Horovod job (tests/test_elastic.py starts it under ``horovodrun
 --min-np 1 --max-np 2 --host-discovery-script``): a tiny model trained with
-hvdcomp.DistributedOptimizer (or DiLoCo, or 1-bit Adam: METHOD ``diloco:<spec>``, ``onebitadam``)
-inside ``hvd.elastic.run``, the world resized by rewriting what the
+hvdcomp.DistributedOptimizer (or DiLoCo, or an adaptive optimizer: METHOD ``diloco:<spec>``, one of
+:data:`ADAPTIVE`) inside ``hvd.elastic.run``, the world resized by rewriting what the
 discovery script prints. Every step prints one ``ELASTIC {json}`` line: step, size, rank, loss, a
-digest of the parameters and of this rank's error-feedback residual.
+digest of the parameters, of this rank's error-feedback residual and of each key of the torch state.
 
 ``python tests/elastic_checks.py METHOD HOSTS_FILE PLAN`` where PLAN is the sizes to visit, e.g.
 ``2,1,2``: STEPS steps at each, rank 0 rewriting HOSTS_FILE to move on to the next.
@@ -20,6 +20,18 @@ import horovod.torch as hvd
 
 STEPS = 4  # steps at each size of the plan
 
+#: the adaptive optimizers (METHOD): each with its compressed stage at every size of a 2,1,2 plan
+#: (tests/test_elastic.py::test_adaptive_optimizers_shrink_and_grow_in_the_compressed_stage)
+ADAPTIVE = {  # METHOD: (the class of hvdcomp.adaptive_opt, its arguments)
+    "onebitadam": ("OneBitAdam", {"lr": 0.05, "freeze_step": 2}),  # 2 warm-up steps, then 1-bit steps
+    "onebitlamb": ("OneBitLamb", {"lr": 0.2, "freeze_step": 2}),  # (LAMB: lr relative to |w|)
+    # variance steps 1, 2 and 4 (kappa = 1), 1-bit steps 3 and 5, the variance frozen after step 5,
+    # synchronisations at 6, 7, 9 and 13 (alpha = 1, H = 4), local steps in between
+    "zerooneadam": ("ZeroOneAdam", {"lr": 0.05, "var_freeze_step": 5, "var_update_scaler": 1,
+                                    "local_step_scaler": 1, "local_step_clipper": 4}),
+    "amsgrad": ("CompressedAMSGrad", {"lr": 0.05}),  # the two-way compressed gradient, AMSGrad
+}
+
 
 def digest(tensors) -> str:
     h = hashlib.sha256()
@@ -30,10 +42,12 @@ def digest(tensors) -> str:
 
 def method_state(opt) -> dict:
     """The method's checkpoint state (the facade's ``"hvdcomp"``, a local-update mode's pipeline's,
-    1-bit Adam's compressed allreduce's: worker residuals under ``"residual"``, server's under
-    ``"server"``)."""
+    an adaptive optimizer's compressed allreduces': worker residuals under ``"residual"``, server's
+    under ``"server"``)."""
     if hasattr(opt, "averaging"):
-        return opt.state_dict()["hvdcomp"]["reducers"].get("momentum", {})
+        reducers = sorted(opt.state_dict()["hvdcomp"]["reducers"].items())
+        return {part: {f"{key}.{n}": t for key, red in reducers for n, t in red.get(part, {}).items()}
+                for part in ("residual", "server")}
     if hasattr(opt, "sync"):
         return opt.sync.state_dict().get("compression", {})
     return opt.state_dict().get("hvdcomp", {}).get("compression", {})
@@ -54,11 +68,11 @@ def residuals(opt):
     return {k: v for k, v in out.items() if "/residuals/" in k or "/error/" in k or k.startswith("/residual/")}
 
 
-def adam_state(opt, key: str):
-    """A digest of one key of 1-bit Adam's torch state over every parameter (None for other optimizers)."""
-    if not hasattr(opt, "averaging"):
-        return None
-    return digest([opt.state[p][key] for p in opt.order])
+def torch_state(opt) -> dict:
+    """A digest of each key of a torch optimizer's per-parameter state over every parameter."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    keys = sorted({k for p in params for k in opt.state[p]})
+    return {k: digest([torch.as_tensor(opt.state[p][k]) for p in params]) for k in keys}
 
 
 def _tensors(obj):
@@ -86,10 +100,11 @@ def main():
 
         opt = hvdcomp.local.DiLoCo(base, model.named_parameters(), local_steps=2, compression=method[7:],
                                    outer_lr=0.7, outer_momentum=0.9)
-    elif method == "onebitadam":  # 2 warm-up steps, then the compressed stage at every size
+    elif method in ADAPTIVE:
         import hvdcomp.adaptive_opt
 
-        opt = hvdcomp.adaptive_opt.OneBitAdam(model.named_parameters(), lr=0.05, freeze_step=2)
+        name, kwargs = ADAPTIVE[method]
+        opt = getattr(hvdcomp.adaptive_opt, name)(model.named_parameters(), **kwargs)
     else:
         import hvdcomp
 
@@ -115,7 +130,7 @@ def main():
                     y = target(x)
                 before = {k: digest([v]) for k, v in sorted(residuals(opt).items())}
                 anchor_before = digest(opt.anchors.values()) if local else None
-                variance_before = adam_state(opt, "exp_avg_sq")
+                state_before = torch_state(opt) if method in ADAPTIVE else {}
                 opt.zero_grad()
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 loss.backward()
@@ -128,10 +143,9 @@ def main():
                         "anchor": digest(opt.anchors.values()) if local else None,
                         "outer": digest(_tensors(opt.outer.state_dict()["state"])) if local else None,
                         "rounds": getattr(opt, "rounds", None),
-                        "variance_before": variance_before, "variance": adam_state(opt, "exp_avg_sq"),
-                        "momentum": adam_state(opt, "exp_avg"), "kind": getattr(opt, "last_step_kind", None),
-                        "server": digest(_tensors(method_state(opt).get("server", {})))
-                        if hasattr(opt, "averaging") else None,
+                        "state_before": state_before, "state": torch_state(opt) if method in ADAPTIVE else {},
+                        "kind": getattr(opt, "last_step_kind", None),
+                        "server": digest(_tensors(method_state(opt).get("server", {}))),
                         "shared": digest([t for t in _tensors(opt.compression.shared_state())])
                         if hasattr(opt, "compression") else None}
                 print("ELASTIC " + json.dumps(line), flush=True)

@@ -54,8 +54,13 @@ class TwoPhaseCompressor(FlatStepMethod):
         **base_args: the quantizer's own arguments (e.g. ``levels=16`` for QSGD), as in
             ``"twophase:base=qsgd,levels=16"``.
 
-    State: ``residual`` per parameter name (worker), ``server`` (this rank's chunk, per device) and the
-    quantizer's state (its per-rank generator), all per rank.
+    State: ``residual`` per parameter name (worker), ``server`` (this rank's chunk, per device),
+    ``server_chunk`` (which chunk: this rank's number and the size, as ``[rank, size]``) and the
+    quantizer's state (its per-rank generator), all per rank. A server residual is one chunk of a
+    partition by the size: after a change of the world (elastic Horovod: another size, or
+    another number for this rank) it belongs to no chunk of the new partition, and the first
+    step there drops it (at size 1, where there is no server side, too); worker residuals are
+    per element and carry over.
 
     Raises:
         ValueError: ``base`` not a quantizer of :data:`QUANTIZERS`, or bad ``base_args`` (the
@@ -71,6 +76,7 @@ class TwoPhaseCompressor(FlatStepMethod):
                              f"decodes: base must be one of {', '.join(QUANTIZERS)}; got {base!r}")
         self.base = create(base, **base_args)
         self.server_memory = Residuals(self, "server")  # this rank's chunk, per device
+        self.server_chunk = None  # (rank, size) the server residual is the chunk of; None: not known
 
     def describe(self):
         return {"name": self.name, "base": self.base.describe()}
@@ -89,6 +95,10 @@ class TwoPhaseCompressor(FlatStepMethod):
 
     def reduce_flat(self, acc, comm, timer):
         p, me = comm.size, comm.rank
+        if self.server_chunk != (me, p):  # (a residual of another partition, or of another chunk)
+            if self.server_chunk is not None:
+                self.server_memory.load({})
+            self.server_chunk = (me, p)
         bounds = self.chunk_bounds(acc.numel(), p)
         chunks = [acc[bounds[j]:bounds[j + 1]] for j in range(p)]
         with timer.phase("compress"):
@@ -128,14 +138,17 @@ class TwoPhaseCompressor(FlatStepMethod):
 
     def state_dict(self):
         return {**super().state_dict(), "server": self.server_memory.state(),
-                "base": self.base.state_dict()}
+                "server_chunk": list(self.server_chunk or ()), "base": self.base.state_dict()}
 
     def load_state_dict(self, state):
         super().load_state_dict({k: v for k, v in state.items() if k == "residual"})
-        unknown = sorted(set(state) - {"residual", "server", "base"})
+        unknown = sorted(set(state) - {"residual", "server", "server_chunk", "base"})
         if unknown:
-            raise ValueError(f"twophase state has only 'residual', 'server' and 'base', got keys {unknown}")
+            raise ValueError(f"twophase state has only 'residual', 'server', 'server_chunk' and 'base', got keys "
+                             f"{unknown}")
         self.server_memory.load(state.get("server", {}))
+        chunk = tuple(int(v) for v in state.get("server_chunk", ()))
+        self.server_chunk = chunk or None  # (none saved: the loaded residual is taken for this rank's chunk)
         self.base.load_state_dict(state.get("base", {}))
 
 
