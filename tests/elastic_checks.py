@@ -1,7 +1,7 @@
 """One worker of an elastic Horovod job (tests/test_elastic.py starts it under ``horovodrun
 --min-np 1 --max-np 2 --host-discovery-script``): a tiny model trained with
 hvdcomp.DistributedOptimizer (or DiLoCo, or an adaptive optimizer: METHOD ``diloco:<spec>``, one of
-:data:`ADAPTIVE`) inside ``hvd.elastic.run``, the world resized by rewriting what the
+:data:`ADAPTIVE`, or ``adaptive``: all of them side by side, each on its own model) inside ``hvd.elastic.run``, the world resized by rewriting what the
 discovery script prints. Every step prints one ``ELASTIC {json}`` line: step, size, rank, loss, a
 digest of the parameters, of this rank's error-feedback residual and of each key of the torch state.
 
@@ -21,7 +21,7 @@ import horovod.torch as hvd
 STEPS = 4  # steps at each size of the plan
 
 #: the adaptive optimizers (METHOD): each with its compressed stage at every size of a 2,1,2 plan
-#: (tests/test_elastic.py::test_adaptive_optimizers_shrink_and_grow_in_the_compressed_stage)
+#: (tests/test_elastic.py::test_adaptive_optimizers_shrink_and_grow_in_the_compressed_stage, one job)
 ADAPTIVE = {  # METHOD: (the class of hvdcomp.adaptive_opt, its arguments)
     "onebitadam": ("OneBitAdam", {"lr": 0.05, "freeze_step": 2}),  # 2 warm-up steps, then 1-bit steps
     "onebitlamb": ("OneBitLamb", {"lr": 0.2, "freeze_step": 2}),  # (LAMB: lr relative to |w|)
@@ -86,34 +86,68 @@ def _tensors(obj):
             yield from _tensors(v)
 
 
-def main():
-    method, hosts_file, plan = sys.argv[1], sys.argv[2], [int(x) for x in sys.argv[3].split(",")]
-    hvd.init()
+def build(method: str):
+    """(model, the optimizer of METHOD ``method``, the torch optimizer TorchState keeps, or None
+    for the optimizer itself) and the target model, the same for every METHOD."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     target = torch.nn.Linear(16, 1)
     base = torch.optim.SGD(model.parameters(), lr=0.1)
     if method == "stock":
-        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
-    elif method.startswith("diloco:"):  # DiLoCo, H = 2, Δ carried by the method after the colon
+        return (model, hvd.DistributedOptimizer(base, named_parameters=model.named_parameters()), None), target
+    if method.startswith("diloco:"):  # DiLoCo, H = 2, Δ carried by the method after the colon
         import hvdcomp.local
 
-        opt = hvdcomp.local.DiLoCo(base, model.named_parameters(), local_steps=2, compression=method[7:],
-                                   outer_lr=0.7, outer_momentum=0.9)
-    elif method in ADAPTIVE:
+        # (DiLoCo is not a torch.optim.Optimizer: TorchState keeps the model and the inner optimizer)
+        return (model, hvdcomp.local.DiLoCo(base, model.named_parameters(), local_steps=2, compression=method[7:],
+                                            outer_lr=0.7, outer_momentum=0.9), base), target
+    if method in ADAPTIVE:
         import hvdcomp.adaptive_opt
 
         name, kwargs = ADAPTIVE[method]
-        opt = getattr(hvdcomp.adaptive_opt, name)(model.named_parameters(), **kwargs)
-    else:
-        import hvdcomp
+        return (model, getattr(hvdcomp.adaptive_opt, name)(model.named_parameters(), **kwargs), None), target
+    import hvdcomp
 
-        opt = hvdcomp.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=method)
-    local = method.startswith("diloco:")
-    # (DiLoCo is not a torch.optim.Optimizer: TorchState keeps the model and the inner optimizer)
-    state = hvd.elastic.TorchState(model=model, optimizer=base if local else opt, step=0, phase=0)
-    if hasattr(opt, "reset") and os.environ.get("ELASTIC_CHECKS_CALLBACK", "1") == "1":
-        state.register_reset_callbacks([opt.reset])  # (0: the size change noticed at the next step)
+    return (model, hvdcomp.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                                compression=method), None), target
+
+
+def train_step(method, model, opt, x, y) -> dict:
+    """One step of ``opt``; what the ``ELASTIC`` line of ``method`` says."""
+    local, adaptive = method.startswith("diloco:"), method in ADAPTIVE
+    before = {k: digest([v]) for k, v in sorted(residuals(opt).items())}
+    anchor_before = digest(opt.anchors.values()) if local else None
+    state_before = torch_state(opt) if adaptive else {}
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return {"method": method, "loss": loss.item(), "params": digest(model.parameters()), "pid": os.getpid(),
+            "residuals_before": before, "anchor_before": anchor_before,
+            "residuals": {k: digest([v]) for k, v in sorted(residuals(opt).items())},
+            "counter": method_state(opt).get("step"),
+            "anchor": digest(opt.anchors.values()) if local else None,
+            "outer": digest(_tensors(opt.outer.state_dict()["state"])) if local else None,
+            "rounds": getattr(opt, "rounds", None),
+            "state_before": state_before, "state": torch_state(opt) if adaptive else {},
+            "kind": getattr(opt, "last_step_kind", None),
+            "server": digest(_tensors(method_state(opt).get("server", {}))),
+            "shared": digest([t for t in _tensors(opt.compression.shared_state())])
+            if hasattr(opt, "compression") else None}
+
+
+def main():
+    method, hosts_file, plan = sys.argv[1], sys.argv[2], [int(x) for x in sys.argv[3].split(",")]
+    hvd.init()
+    methods = sorted(ADAPTIVE) if method == "adaptive" else [method]  # ("adaptive": all, side by side)
+    built = [build(m) for m in methods]
+    runs, target = [(m, *b[0]) for m, b in zip(methods, built)], built[0][1]
+    held = {}
+    for i, (m, model, opt, base) in enumerate(runs):
+        held.update({f"model{i}": model, f"optimizer{i}": base if base is not None else opt})
+    state = hvd.elastic.TorchState(**held, step=0, phase=0)
+    if os.environ.get("ELASTIC_CHECKS_CALLBACK", "1") == "1":  # (0: the size change noticed at the next step)
+        state.register_reset_callbacks([opt.reset for _, _, opt, _ in runs if hasattr(opt, "reset")])
 
     @hvd.elastic.run
     def train(state):
@@ -128,27 +162,10 @@ def main():
                 x = torch.randn(32, 16, generator=gen)
                 with torch.no_grad():
                     y = target(x)
-                before = {k: digest([v]) for k, v in sorted(residuals(opt).items())}
-                anchor_before = digest(opt.anchors.values()) if local else None
-                state_before = torch_state(opt) if method in ADAPTIVE else {}
-                opt.zero_grad()
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                loss.backward()
-                opt.step()
-                line = {"step": state.step, "size": hvd.size(), "rank": hvd.rank(), "loss": loss.item(),
-                        "params": digest(model.parameters()), "pid": os.getpid(),
-                        "residuals_before": before, "anchor_before": anchor_before,
-                        "residuals": {k: digest([v]) for k, v in sorted(residuals(opt).items())},
-                        "counter": method_state(opt).get("step"),
-                        "anchor": digest(opt.anchors.values()) if local else None,
-                        "outer": digest(_tensors(opt.outer.state_dict()["state"])) if local else None,
-                        "rounds": getattr(opt, "rounds", None),
-                        "state_before": state_before, "state": torch_state(opt) if method in ADAPTIVE else {},
-                        "kind": getattr(opt, "last_step_kind", None),
-                        "server": digest(_tensors(method_state(opt).get("server", {}))),
-                        "shared": digest([t for t in _tensors(opt.compression.shared_state())])
-                        if hasattr(opt, "compression") else None}
-                print("ELASTIC " + json.dumps(line), flush=True)
+                for m, model, opt, _ in runs:
+                    line = {"step": state.step, "size": hvd.size(), "rank": hvd.rank(),
+                            **train_step(m, model, opt, x, y)}
+                    print("ELASTIC " + json.dumps(line), flush=True)
                 state.step += 1
                 if state.step % STEPS == 0:
                     state.phase += 1

@@ -122,8 +122,15 @@ ADAPTIVE = {
 }
 
 
+@pytest.fixture(scope="module")
+def adaptive_lines(tmp_path_factory):
+    """Every line of one elastic job that trains each adaptive optimizer on its own model, side by
+    side (one job for the four: the resets, not the steps, take the time)."""
+    return elastic_run(tmp_path_factory.mktemp("adaptive"), "adaptive", "2,1,2", timeout=240)
+
+
 @pytest.mark.parametrize("method", sorted(ADAPTIVE))
-def test_adaptive_optimizers_shrink_and_grow_in_the_compressed_stage(tmp_path, method):
+def test_adaptive_optimizers_shrink_and_grow_in_the_compressed_stage(adaptive_lines, method):
     """The adaptive optimizers at 2 -> 1 -> 2 workers with their compressed stage at every size
     (1-bit Adam and 1-bit LAMB: freeze_step = 2; 0/1 Adam: 1-bit steps up to step 5, then local
     steps and 1-bit synchronisations, the growth between two synchronisations; compressed
@@ -138,7 +145,7 @@ def test_adaptive_optimizers_shrink_and_grow_in_the_compressed_stage(tmp_path, m
     (55451ee): 0/1 Adam, 1-bit LAMB and compressed AMSGrad refused at construction (not in
     ELASTIC_FRONTENDS); with them admitted, AMSGrad's twophase found no all-to-all under Gloo."""
     kinds, shared, frozen = ADAPTIVE[method]
-    lines = elastic_run(tmp_path, method, "2,1,2")
+    lines = [d for d in adaptive_lines if d["method"] == method]
     by_step = steps_of(lines)
     check_run(lines, by_step, "")
     after = {(d["pid"], d["step"]): d for d in lines}
