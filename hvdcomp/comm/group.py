@@ -269,10 +269,8 @@ class HorovodGroup(ProcessGroup):
         """:class:`hvdcomp.comm.exchange.MPIExchange` on a duplicate of an mpi4py communicator of
         the set: ``gatherer``'s (an :class:`~hvdcomp.comm.allgather.MPIAllgatherer`; a Horovod
         allgatherer has none, and then there is no point-to-point), or, without a gatherer, the
-        set's own (made once). Under elastic Horovod (Gloo, no MPI; MPI communicators would not
-        survive its reset anyway) the whole job's :class:`hvdcomp.comm.exchange.HorovodExchange`:
-        all-to-all and allgather through Horovod's collectives, no ``send``/``recv``. Otherwise
-        None without MPI (``horovodrun --gloo``)."""
+        set's own (made once). Under elastic Horovod (Gloo) the job's
+        :class:`hvdcomp.comm.exchange.HorovodExchange`; otherwise None without MPI."""
         from ..launch import elastic_launch
         from .exchange import HorovodExchange, MPIExchange
 

@@ -21,7 +21,7 @@ Wire per rank and step, for a payload of B bytes for the whole model: (p−1)/p�
 all-to-all and B/p contributed to the allgather (B in all as hvdcomp's byte counters count, plus
 the size headers; a ring allgather forwards (p−1)/p·B, so 2·(p−1)/p·B on the links), whatever p
 is; a quantizer's allgather receives (p−1)·B. Needs MPI
-(``mpirun`` / ``horovodrun --mpi`` with mpi4py) for the all-to-all.
+(``mpirun`` / ``horovodrun --mpi`` with mpi4py) for the all-to-all, or elastic Horovod (Horovod's).
 """
 from __future__ import annotations
 
@@ -54,13 +54,10 @@ class TwoPhaseCompressor(FlatStepMethod):
         **base_args: the quantizer's own arguments (e.g. ``levels=16`` for QSGD), as in
             ``"twophase:base=qsgd,levels=16"``.
 
-    State: ``residual`` per parameter name (worker), ``server`` (this rank's chunk, per device),
-    ``server_chunk`` (which chunk: this rank's number and the size, as ``[rank, size]``) and the
-    quantizer's state (its per-rank generator), all per rank. A server residual is one chunk of a
-    partition by the size: after a change of the world (elastic Horovod: another size, or
-    another number for this rank) it belongs to no chunk of the new partition, and the first
-    step there drops it (at size 1, where there is no server side, too); worker residuals are
-    per element and carry over.
+    State, all per rank: ``residual`` per parameter name (worker, per element: kept through any
+    change of the world), ``server`` (this rank's chunk, per device: dropped at the first step in
+    another world, elastic Horovod's other size or rank number, size 1 too), ``server_chunk``
+    (``[rank, size]`` of that chunk) and the quantizer's state (its per-rank generator).
 
     Raises:
         ValueError: ``base`` not a quantizer of :data:`QUANTIZERS`, or bad ``base_args`` (the
