@@ -758,3 +758,39 @@ def test_nonfinite_gradient_skips_on_every_rank():
 def test_scaled_sign_reference_is_the_scaled_sign():
     """The reference's compressor: mean |x| times the signs, sign(0) = +1."""
     assert torch.equal(scaled_sign(torch.tensor([1.0, -3.0, 0.0, 2.0])), torch.tensor([1.5, -1.5, 1.5, 1.5]))
+
+
+def test_twophase_server_residual_is_dropped_in_another_world():
+    """twophase's server residual is this rank's chunk of a partition by the size, so after a world
+    change (elastic Horovod) it belongs to no chunk and is dropped at the first step there, while
+    the worker residual (per element) carries over. Two simulated ranks take a step; they swap
+    numbers at the same size (a rank's old chunk 1 is the same length as chunk 0: kept, it would be
+    added to the wrong chunk) and take another, which equals the reference simulation
+    (tests/onebit_reference.py) with the worker residuals carried and no server residual, and not
+    the one that keeps them; then one rank, after a checkpoint round trip (``server_chunk`` saved),
+    takes a step alone: no server side at size 1, the old residual gone."""
+    from hvdcomp.transports.twophase import TwoPhaseCompressor
+
+    def step(methods, inputs):
+        def rank_fn(r, comm):
+            methods[r].bind_group(len(methods))
+            return methods[r].reduce_batch([("x", inputs[r].clone())], comm, _timer())[0]
+        return run_threads(len(methods), rank_fn)
+
+    first = [torch.tensor([1.0, -2, 3, 0.5, 4, -1]), torch.tensor([-3.0, 1, 2, 2, -0.5, 1])]
+    then = [torch.tensor([0.5, 1, -1, 2, 1, 3]), torch.tensor([2.0, -1, 0.25, -2, 1, 1])]
+    methods = [TwoPhaseCompressor(), TwoPhaseCompressor()]
+    out = step(methods, first)
+    want, worker, server = compressed_allreduce(first, [None, None], [None, None])
+    assert all(torch.equal(o, want) for o in out) and all(s.abs().sum() > 0 for s in server)
+    swapped = methods[::-1]  # old rank 1 is rank 0 now
+    out = step(swapped, then)
+    want, _, _ = compressed_allreduce(then, worker[::-1], [None, None])
+    kept, _, _ = compressed_allreduce(then, worker[::-1], server[::-1])
+    assert not torch.equal(want, kept)
+    assert all(torch.equal(o, want) for o in out), (out, want, kept)
+    alone = TwoPhaseCompressor()
+    alone.load_state_dict(swapped[0].state_dict())
+    assert alone.state_dict()["server"] and alone.state_dict()["server_chunk"] == [0, 2]
+    out = step([alone], [then[0]])
+    assert alone.state_dict()["server"] == {} and alone.state_dict()["server_chunk"] == [0, 1]

@@ -107,27 +107,66 @@ def test_diloco_shrinks_and_grows_keeping_the_anchor_and_outer_momentum(tmp_path
     assert new["anchor_before"] != new["anchor"]  # (it joined with the survivor's θ_start)
 
 
-def test_onebit_adam_shrinks_and_grows_in_the_compressed_stage(tmp_path):
-    """1-bit Adam (freeze_step = 2: two warm-up steps at size 2, then the compressed stage at sizes
-    2, 1 and 2, through Horovod's alltoall and allgather under Gloo): parameters, the averaged
-    momentum exp_avg and the step counter identical on every rank at every step; the frozen
-    variance exp_avg_sq identical on every rank and unchanged by every step and reset after the
-    warm-up (the new rank takes it from rank 0); the survivor's worker residual carried, the new
-    rank's zero; the server residual (partitioned by the size) zero at size 1. Before (1b45952),
-    this run: refused at construction (OneBitAdam not in ELASTIC_FRONTENDS)."""
-    lines = elastic_run(tmp_path, "onebitadam", "2,1,2")
+#: per adaptive optimizer of tests/elastic_checks.py (ADAPTIVE): the kind of each step (None: a
+#: DistributedOptimizer's, which has none), the torch-state keys identical on every rank at every
+#: step (0/1 Adam's momentum and parameters differ between ranks at its local steps), the keys
+#: frozen from a step on (unchanged by every later step and by every reset)
+ADAPTIVE = {
+    "onebitadam": (["warmup"] * 2 + ["onebit"] * 10, ("step", "exp_avg", "exp_avg_sq"), {"exp_avg_sq": 2}),
+    "onebitlamb": (["warmup"] * 2 + ["onebit"] * 10,
+                   ("step", "exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "lamb_coeff_freeze", "last_factor",
+                    "scaling_coeff"), {"exp_avg_sq": 2, "lamb_coeff_freeze": 2, "scaling_coeff": 3}),
+    "zerooneadam": (["full", "full", "onebit", "full", "onebit", "sync", "sync", "local", "sync", "local", "local",
+                     "local"], ("step", "exp_avg_sq", "params_at_sync", "lr_sum"), {"exp_avg_sq": 5}),
+    "amsgrad": ([None] * 12, ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), {}),
+}
+
+
+@pytest.fixture(scope="module")
+def adaptive_lines(tmp_path_factory):
+    """Every line of one elastic job that trains each adaptive optimizer on its own model, side by
+    side (one job for the four: the resets, not the steps, take the time)."""
+    return elastic_run(tmp_path_factory.mktemp("adaptive"), "adaptive", "2,1,2", timeout=240)
+
+
+@pytest.mark.parametrize("method", sorted(ADAPTIVE))
+def test_adaptive_optimizers_shrink_and_grow_in_the_compressed_stage(adaptive_lines, method):
+    """The adaptive optimizers at 2 -> 1 -> 2 workers with their compressed stage at every size
+    (1-bit Adam and 1-bit LAMB: freeze_step = 2; 0/1 Adam: 1-bit steps up to step 5, then local
+    steps and 1-bit synchronisations, the growth between two synchronisations; compressed
+    AMSGrad: every step), their all-to-all and allgather through Horovod's under Gloo. At every
+    step: the kinds of step as scheduled; the shared torch state (step counter, moments, the
+    frozen variance, 1-bit LAMB's frozen coefficients and momentum scales, 0/1 Adam's x_sync and
+    lr_sum) identical on every rank, and the parameters wherever the step averaged; frozen state
+    unchanged by every step and every reset. At each size's first step: the survivor's torch
+    state as it left the previous step, and the new rank's the survivor's (TorchState's
+    broadcast); the survivor's worker residuals carried, the new rank's zero. At size 1 no server
+    residual (the old size's chunk dropped: keeping it fails here). The loss falls. Before
+    (55451ee): 0/1 Adam, 1-bit LAMB and compressed AMSGrad refused at construction (not in
+    ELASTIC_FRONTENDS); with them admitted, AMSGrad's twophase found no all-to-all under Gloo."""
+    kinds, shared, frozen = ADAPTIVE[method]
+    lines = [d for d in adaptive_lines if d["method"] == method]
     by_step = steps_of(lines)
     check_run(lines, by_step, "")
-    frozen = {d["variance"] for d in by_step[1]}
-    assert len(frozen) == 1
+    after = {(d["pid"], d["step"]): d for d in lines}
     for step, ranks in by_step.items():
-        assert len({d["params"] for d in ranks}) == 1, (step, ranks)
-        assert len({d["momentum"] for d in ranks}) == 1, (step, ranks)
-        assert {d["kind"] for d in ranks} == {"warmup" if step < 2 else "onebit"}, (step, ranks)
-        if step >= 2:  # the variance froze at the end of step 1: no step and no reset changes it
-            assert {d["variance_before"] for d in ranks} == {d["variance"] for d in ranks} == frozen, (step, ranks)
-        if ranks[0]["size"] == 1:  # no server side at size 1: the old server residual dropped, none made
+        assert {d["kind"] for d in ranks} == {kinds[step]}, (step, ranks)
+        for key in shared:
+            assert len({d["state"][key] for d in ranks}) == 1, (step, key, ranks)
+        if kinds[step] != "local":
+            assert len({d["params"] for d in ranks}) == 1, (step, ranks)
+            assert len({d["state"]["exp_avg"] for d in ranks}) == 1, (step, ranks)
+        for key, first in frozen.items():  # frozen at the end of step `first` (1-based)
+            if step >= first:
+                value = by_step[first - 1][0]["state"][key]
+                assert {d["state_before"][key] for d in ranks} == {d["state"][key] for d in ranks} == {value}, \
+                    (step, key, ranks)
+        if ranks[0]["size"] == 1:  # no server side at size 1: the old size's server residual dropped
             assert {d["server"] for d in ranks} == {digest([])}, (step, ranks)
+    survivor = by_step[STEPS][0]["pid"]
+    for first in (STEPS, 2 * STEPS):  # the torch state carried through each reset
+        for d in by_step[first]:
+            assert d["state_before"] == after[(survivor, first - 1)]["state"], (first, d)
 
 
 def test_horovod_exchange_returns_each_ranks_message():

@@ -52,11 +52,11 @@ class Averaging:
 
     def rejoin(self) -> None:
         """Elastic Horovod, the first step of a new world (on every rank alike): every compressed
-        allreduce averages over the new size, its server residual (this rank's chunk of a
-        partition by the old size) dropped; worker residuals are kept."""
+        allreduce averages over the new size; worker residuals are kept, and a server residual
+        (this rank's chunk of a partition by the old size) is dropped at its first step there
+        (:class:`~hvdcomp.transports.twophase.TwoPhaseCompressor`'s ``server_chunk``)."""
         for red in self.reducers.values():
             red.bind_group(self.owner.comm.size)
-            red.server_memory.load({})
         self.agreed = False
 
     def agree_step(self) -> None:

@@ -39,9 +39,9 @@ after construction (no rank loaded a checkpoint) that every rank holds the same 
 (``RuntimeError`` on every rank otherwise, naming the ranks; ``hvd.broadcast_parameters`` may run
 after construction).
 
-Elastic Horovod: 1-bit Adam follows a change of the world size (:meth:`AdaptiveOptimizer.reset`
-as ``TorchState``'s reset callback; docs/robustness.md, "Elastic Horovod"); the others are refused
-at construction (:data:`hvdcomp.launch.ELASTIC_FRONTENDS`).
+Elastic Horovod: every optimizer here follows a change of the world size
+(:meth:`AdaptiveOptimizer.reset` as ``TorchState``'s reset callback; docs/robustness.md, "Elastic
+Horovod"; :data:`hvdcomp.launch.ELASTIC_FRONTENDS`).
 
 Non-finite gradients: every averaged result is identical on every rank (a NaN or Inf on one
 rank reaches every rank's result), so the ranks agree without an extra collective: with
@@ -258,11 +258,7 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     # ---- set-up ---------------------------------------------------------------------------------
     def _group_comm(self) -> StepComm:
         group, p2p = self.group, None
-        if group.size > 1 and self.elastic:  # (Gloo: no MPI, and MPI communicators would not survive a reset)
-            from ..comm.exchange import HorovodExchange
-
-            p2p = HorovodExchange(group.hvd, group.rank, group.size, f"{self._prefix}.exchange")
-        elif group.size > 1:
+        if group.size > 1:  # (under elastic Horovod, Horovod's collectives: HorovodGroup.point_to_point)
             p2p = group.point_to_point()
             if p2p is None:
                 raise RuntimeError(f"{type(self).__name__}'s compressed allreduce exchanges chunks all-to-all: "
@@ -394,10 +390,12 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         Runs no collective: the collectives are rebuilt over the new world (a running warm-up's
         ``reset()`` of its :func:`hvdcomp.DistributedOptimizer`), and at the next step every rank
         joins it alike (:meth:`_join`). ``TorchState`` then gives every rank rank 0's parameters
-        and torch state (step counter, ``exp_avg``, the frozen ``exp_avg_sq``); each rank keeps
-        its own worker residuals (a new rank's are zero); the server residuals, partitioned by the
-        old size, are dropped on every rank. Without the callback, a change of the world's size or
-        of this rank's number is noticed at the next step and followed the same way.
+        and torch state (step counter, ``exp_avg``, the frozen ``exp_avg_sq``, 1-bit LAMB's
+        coefficients, 0/1 Adam's ``params_at_sync`` and ``lr_sum``); each rank keeps its own
+        worker residuals (a new rank's are zero); the server residuals, partitioned by the old
+        size, are dropped on every rank at their first step in the new world. Without the
+        callback, a change of the world's size or of this rank's number is noticed at the next
+        step and followed the same way.
 
         Raises:
             ValueError: the optimizer does not average over a Horovod process set (``comm=`` or
@@ -428,8 +426,8 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def _join(self) -> None:
         """The first step of a (re)started world, on every rank alike: the set-up agreement
-        (collective), then every compressed allreduce bound to the new size with its server
-        residual dropped (:meth:`hvdcomp.adaptive_opt.averaging.Averaging.rejoin`); the step
+        (collective), then every compressed allreduce bound to the new size
+        (:meth:`hvdcomp.adaptive_opt.averaging.Averaging.rejoin`); the step
         agreement follows (:meth:`hvdcomp.adaptive_opt.averaging.Averaging.agree_step`)."""
         if self.group.size > 1:
             check_consistency(self.group, self._signature(), f"{self._prefix}.consistency")

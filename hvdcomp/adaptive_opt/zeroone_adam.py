@@ -245,6 +245,9 @@ class ZeroOneAdam(AdaptiveOptimizer):
     State per parameter: ``step``, ``exp_avg`` (m), ``exp_avg_sq`` (v), ``params_at_sync``
     (x at the last synchronisation) and ``lr_sum`` (Ση since, the same on every rank); m and x
     differ between ranks between synchronisations. Per rank: the residuals of both compressed allreduces.
+    Under elastic Horovod a growth gives every rank rank 0's m and x (``TorchState``'s broadcast:
+    the others' local steps since the last synchronisation are dropped); the schedule follows the
+    step counter (docs/robustness.md, "Elastic Horovod").
 
     Raises:
         ValueError: F, κ, α or H < 1, an unknown ``schedule``, Adam's ranges, bad masks, and those of

@@ -269,20 +269,22 @@ class HorovodGroup(ProcessGroup):
         """:class:`hvdcomp.comm.exchange.MPIExchange` on a duplicate of an mpi4py communicator of
         the set: ``gatherer``'s (an :class:`~hvdcomp.comm.allgather.MPIAllgatherer`; a Horovod
         allgatherer has none, and then there is no point-to-point), or, without a gatherer, the
-        set's own (made once). None without MPI (``horovodrun --gloo``)."""
+        set's own (made once). Under elastic Horovod (Gloo) the job's
+        :class:`hvdcomp.comm.exchange.HorovodExchange`; otherwise None without MPI."""
+        from ..launch import elastic_launch
+        from .exchange import HorovodExchange, MPIExchange
+
+        if self.is_global and not self.hvd.mpi_enabled() and elastic_launch():
+            if getattr(self, "_p2p", None) is None:
+                self._p2p = HorovodExchange(self.hvd, self.rank, self.size, "hvdcomp.exchange")
+            return self._p2p
         if gatherer is not None:
             comm = getattr(gatherer, "comm", None)
-            if comm is None:
-                return None
-            from .exchange import MPIExchange
-
-            return MPIExchange(comm.Dup())
+            return None if comm is None else MPIExchange(comm.Dup())
         if getattr(self, "_p2p", None) is None:
             comm = self.mpi_comm() if self.hvd.mpi_enabled() else None
             if comm is None:
                 return None
-            from .exchange import MPIExchange
-
             self._p2p = MPIExchange(comm.Dup())
         return self._p2p
 

@@ -21,7 +21,7 @@ Wire per rank and step, for a payload of B bytes for the whole model: (p−1)/p�
 all-to-all and B/p contributed to the allgather (B in all as hvdcomp's byte counters count, plus
 the size headers; a ring allgather forwards (p−1)/p·B, so 2·(p−1)/p·B on the links), whatever p
 is; a quantizer's allgather receives (p−1)·B. Needs MPI
-(``mpirun`` / ``horovodrun --mpi`` with mpi4py) for the all-to-all.
+(``mpirun`` / ``horovodrun --mpi`` with mpi4py) for the all-to-all, or elastic Horovod (Horovod's).
 """
 from __future__ import annotations
 
@@ -54,8 +54,10 @@ class TwoPhaseCompressor(FlatStepMethod):
         **base_args: the quantizer's own arguments (e.g. ``levels=16`` for QSGD), as in
             ``"twophase:base=qsgd,levels=16"``.
 
-    State: ``residual`` per parameter name (worker), ``server`` (this rank's chunk, per device) and the
-    quantizer's state (its per-rank generator), all per rank.
+    State, all per rank: ``residual`` per parameter name (worker, per element: kept through any
+    change of the world), ``server`` (this rank's chunk, per device: dropped at the first step in
+    another world, elastic Horovod's other size or rank number, size 1 too), ``server_chunk``
+    (``[rank, size]`` of that chunk) and the quantizer's state (its per-rank generator).
 
     Raises:
         ValueError: ``base`` not a quantizer of :data:`QUANTIZERS`, or bad ``base_args`` (the
@@ -71,6 +73,7 @@ class TwoPhaseCompressor(FlatStepMethod):
                              f"decodes: base must be one of {', '.join(QUANTIZERS)}; got {base!r}")
         self.base = create(base, **base_args)
         self.server_memory = Residuals(self, "server")  # this rank's chunk, per device
+        self.server_chunk = None  # (rank, size) the server residual is the chunk of; None: not known
 
     def describe(self):
         return {"name": self.name, "base": self.base.describe()}
@@ -89,6 +92,10 @@ class TwoPhaseCompressor(FlatStepMethod):
 
     def reduce_flat(self, acc, comm, timer):
         p, me = comm.size, comm.rank
+        if self.server_chunk != (me, p):  # (a residual of another partition, or of another chunk)
+            if self.server_chunk is not None:
+                self.server_memory.load({})
+            self.server_chunk = (me, p)
         bounds = self.chunk_bounds(acc.numel(), p)
         chunks = [acc[bounds[j]:bounds[j + 1]] for j in range(p)]
         with timer.phase("compress"):
@@ -128,14 +135,17 @@ class TwoPhaseCompressor(FlatStepMethod):
 
     def state_dict(self):
         return {**super().state_dict(), "server": self.server_memory.state(),
-                "base": self.base.state_dict()}
+                "server_chunk": list(self.server_chunk or ()), "base": self.base.state_dict()}
 
     def load_state_dict(self, state):
         super().load_state_dict({k: v for k, v in state.items() if k == "residual"})
-        unknown = sorted(set(state) - {"residual", "server", "base"})
+        unknown = sorted(set(state) - {"residual", "server", "server_chunk", "base"})
         if unknown:
-            raise ValueError(f"twophase state has only 'residual', 'server' and 'base', got keys {unknown}")
+            raise ValueError(f"twophase state has only 'residual', 'server', 'server_chunk' and 'base', got keys "
+                             f"{unknown}")
         self.server_memory.load(state.get("server", {}))
+        chunk = tuple(int(v) for v in state.get("server_chunk", ()))
+        self.server_chunk = chunk or None  # (none saved: the loaded residual is taken for this rank's chunk)
         self.base.load_state_dict(state.get("base", {}))
 
 
