@@ -1,8 +1,9 @@
 """One worker of an elastic Horovod job (tests/test_elastic.py starts it under ``horovodrun
 --min-np 1 --max-np 2 --host-discovery-script``): a tiny model trained with
-hvdcomp.DistributedOptimizer (or DiLoCo, or 1-bit Adam: METHOD ``diloco:<spec>``, ``onebitadam``)
-inside ``hvd.elastic.run``, the world resized by rewriting what the
-discovery script prints. Every step prints one ``ELASTIC {json}`` line: step, size, rank, loss, a
+hvdcomp.DistributedOptimizer (or a local-update mode, H = 2, Δ carried by ``<spec>``: METHOD
+``diloco:<spec>``, ``sparseloco:<spec>``, ``co2:<spec>``, ``adaalter:<spec>``; or 1-bit Adam:
+``onebitadam``) inside ``hvd.elastic.run``, the world resized by rewriting what the discovery
+script prints. Every step prints one ``ELASTIC {json}`` line: step, size, rank, loss, a
 digest of the parameters and of this rank's error-feedback residual.
 
 ``python tests/elastic_checks.py METHOD HOSTS_FILE PLAN`` where PLAN is the sizes to visit, e.g.
@@ -61,6 +62,16 @@ def adam_state(opt, key: str):
     return digest([opt.state[p][key] for p in opt.order])
 
 
+def mode_state(opt):
+    """CO2: whether an average waits to be applied, and a digest of the send buffers (which hold
+    it); Local AdaAlter: a digest of the denominators; None for the others."""
+    if hasattr(opt, "reduction_running"):
+        return [opt.pending, digest(opt.pseudo_gradients.values())]
+    if type(opt).__name__ == "LocalAdaAlter":
+        return digest([opt.state[p]["denominator"] for _, p in opt._params if "denominator" in opt.state[p]])
+    return None
+
+
 def _tensors(obj):
     if torch.is_tensor(obj):
         yield obj
@@ -81,11 +92,22 @@ def main():
     base = torch.optim.SGD(model.parameters(), lr=0.1)
     if method == "stock":
         opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
-    elif method.startswith("diloco:"):  # DiLoCo, H = 2, Δ carried by the method after the colon
-        import hvdcomp.local
+    elif ":" in method and method.split(":")[0] in ("diloco", "sparseloco", "co2", "adaalter"):
+        import hvdcomp.local as L  # H = 2, Δ carried by the method after the colon
 
-        opt = hvdcomp.local.DiLoCo(base, model.named_parameters(), local_steps=2, compression=method[7:],
-                                   outer_lr=0.7, outer_momentum=0.9)
+        mode, spec = method.split(":", 1)
+        if mode == "adaalter":  # (one synchronous warm-up step: the rounds end at odd steps)
+            base = L.AdaAlter(model.parameters(), lr=0.2, eps=1.0)  # (eps 1: a tame first step)
+            opt = L.LocalAdaAlter(base, model.named_parameters(), local_steps=2, warmup_steps=1, compression=spec)
+        elif mode == "sparseloco":
+            opt = L.SparseLoCo(base, model.named_parameters(), local_steps=2, compression=spec, chunk_size=None,
+                               beta=0.9, outer_lr=0.7)
+        elif mode == "co2":
+            opt = L.CO2(base, model.named_parameters(), local_steps=2, compression=spec, outer_lr=0.7,
+                        outer_momentum=0.5)
+        else:
+            opt = L.DiLoCo(base, model.named_parameters(), local_steps=2, compression=spec, outer_lr=0.7,
+                           outer_momentum=0.9)
     elif method == "onebitadam":  # 2 warm-up steps, then the compressed stage at every size
         import hvdcomp.adaptive_opt
 
@@ -94,7 +116,7 @@ def main():
         import hvdcomp
 
         opt = hvdcomp.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=method)
-    local = method.startswith("diloco:")
+    local = hasattr(opt, "anchors")
     # (DiLoCo is not a torch.optim.Optimizer: TorchState keeps the model and the inner optimizer)
     state = hvd.elastic.TorchState(model=model, optimizer=base if local else opt, step=0, phase=0)
     if hasattr(opt, "reset") and os.environ.get("ELASTIC_CHECKS_CALLBACK", "1") == "1":
@@ -116,10 +138,13 @@ def main():
                 before = {k: digest([v]) for k, v in sorted(residuals(opt).items())}
                 anchor_before = digest(opt.anchors.values()) if local else None
                 variance_before = adam_state(opt, "exp_avg_sq")
+                pending_before = mode_state(opt)
                 opt.zero_grad()
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 loss.backward()
                 opt.step()
+                while getattr(opt, "reduction_running", None):  # (CO2: its reduction finished, not joined)
+                    time.sleep(0.01)
                 line = {"step": state.step, "size": hvd.size(), "rank": hvd.rank(), "loss": loss.item(),
                         "params": digest(model.parameters()), "pid": os.getpid(),
                         "residuals_before": before, "anchor_before": anchor_before,
@@ -128,8 +153,8 @@ def main():
                         "anchor": digest(opt.anchors.values()) if local else None,
                         "outer": digest(_tensors(opt.outer.state_dict()["state"])) if local else None,
                         "rounds": getattr(opt, "rounds", None),
-                        "variance_before": variance_before, "variance": adam_state(opt, "exp_avg_sq"),
-                        "momentum": adam_state(opt, "exp_avg"), "kind": getattr(opt, "last_step_kind", None),
+                        "variance_before": variance_before, "pending_before": pending_before, "variance": adam_state(opt, "exp_avg_sq"),
+                        "momentum": adam_state(opt, "exp_avg"), "pending": mode_state(opt), "kind": getattr(opt, "last_step_kind", None),
                         "server": digest(_tensors(method_state(opt).get("server", {})))
                         if hasattr(opt, "averaging") else None,
                         "shared": digest([t for t in _tensors(opt.compression.shared_state())])

@@ -166,7 +166,7 @@ def test_torchrun_and_mpirun_are_recorded_by_name(tmp_path):
 
 # ---- elastic Horovod (HOROVOD_ELASTIC=1): front-ends that cannot follow a size change refuse ----
 ELASTIC_ENV = {**HOROVOD_GLOO_ENV, "HOROVOD_ELASTIC": "1"}
-NOT_ELASTIC = ["hvdcomp.local.CO2", "hvdcomp.local.SparseLoCo", "hvdcomp.adaptive_opt.ZeroOneAdam",
+NOT_ELASTIC = ["hvdcomp.adaptive_opt.ZeroOneAdam",
                "hvdcomp.adaptive_opt.OneBitLamb", "hvdcomp.gossip.GossipOptimizer",
                "hvdcomp.lowrank.ABTraining", "the DDP front-end (hvdcomp.ddp.register)"]
 
@@ -193,9 +193,11 @@ def test_elastic_horovod_refuses_front_ends_that_cannot_follow_a_size_change(mon
 
 
 @pytest.mark.parametrize("frontend", ["the Horovod front-end (hvdcomp.DistributedOptimizer)", "hvdcomp.local.DiLoCo",
+                                      "hvdcomp.local.SparseLoCo", "hvdcomp.local.CO2", "hvdcomp.local.LocalAdaAlter",
                                       "hvdcomp.adaptive_opt.OneBitAdam"])
 def test_elastic_horovod_accepts_the_front_ends_that_follow(monkeypatch, frontend):
-    """hvdcomp.DistributedOptimizer, DiLoCo and 1-bit Adam follow a size change (tests/test_elastic.py): accepted."""
+    """hvdcomp.DistributedOptimizer, the local-update modes and 1-bit Adam follow a size change
+    (tests/test_elastic.py): accepted."""
     from hvdcomp.launch import start_frontend
 
     monkeypatch.setenv("HVDCOMP_ABORT_ON_EXCEPTION", "0")
