@@ -7,11 +7,13 @@ script prints. Every step prints one ``ELASTIC {json}`` line: step, size, rank, 
 digest of the parameters and of this rank's error-feedback residual.
 
 ``python tests/elastic_checks.py METHOD HOSTS_FILE PLAN`` where PLAN is the sizes to visit, e.g.
-``2,1,2``: STEPS steps at each, rank 0 rewriting HOSTS_FILE to move on to the next.
+``2,1,2``: STEPS steps at each, rank 0 rewriting HOSTS_FILE to move on to the next; with
+``ELASTIC_CHECKS_KILL=1`` a shrink is the last rank killing itself with SIGKILL instead.
 """
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 
@@ -122,11 +124,15 @@ def main():
     if hasattr(opt, "reset") and os.environ.get("ELASTIC_CHECKS_CALLBACK", "1") == "1":
         state.register_reset_callbacks([opt.reset])  # (0: the size change noticed at the next step)
 
+    kill = os.environ.get("ELASTIC_CHECKS_KILL", "0") == "1"  # shrink by SIGKILL of the last rank instead
+
     @hvd.elastic.run
     def train(state):
         while state.phase < len(plan):
             if hvd.size() != plan[state.phase]:  # waiting for the driver to resize the job
-                if hvd.rank() == 0:
+                if kill and hvd.size() > plan[state.phase] and hvd.rank() == hvd.size() - 1:
+                    os.kill(os.getpid(), signal.SIGKILL)  # (no exception, no hook: the rank just ends)
+                if hvd.rank() == 0 and not kill:
                     with open(hosts_file, "w") as f:
                         f.write(f"localhost:{plan[state.phase]}\n")
                 time.sleep(0.3)
