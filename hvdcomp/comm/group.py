@@ -333,8 +333,8 @@ class FollowsWorld:
     place that tells whether this is elastic Horovod's world (:func:`elastic_world`), notices
     that the world changed (:func:`world_changed`), and rebuilds the group over the new world.
 
-    A front-end calls :meth:`_init_world` at construction (no collective: a new worker builds
-    its optimizer while the others are in Horovod's reset) and :meth:`_follow_world` at each step
+    A front-end calls ``_init_world()`` at construction (no collective: a new worker builds
+    its optimizer while the others are in Horovod's reset) and ``_follow_world()`` at each step
     boundary; the user registers :meth:`reset` as a reset callback of ``hvd.elastic.TorchState``.
     The front-end gives ``_world_group()`` (its group now), ``_resize(group)`` (rebuild over a new
     group; no collective) and ``_join_world()`` (the first step of a world, collective).
