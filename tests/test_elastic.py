@@ -36,14 +36,19 @@ def elastic_run(tmp_path, method: str, plan: str, timeout: float = 150, hosts_te
     cmd = [HOROVODRUN, "-np", "2", "--min-np", "1", "--max-np", "2", "--network-interface", "lo",
            "--host-discovery-script", str(discover), sys.executable,
            os.path.join(ROOT, "tests", "elastic_checks.py"), method, str(hosts), plan]
-    env = {**os.environ, **MPI_ENV, "PYTHONPATH": ROOT, **(env_extra or {})}
+    env = {**os.environ, **MPI_ENV, "PYTHONPATH": ROOT, "PYTHONFAULTHANDLER": "1", **(env_extra or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
                             start_new_session=True)
     try:
         logs, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"elastic horovodrun timed out: {' '.join(cmd)}\n{proc.communicate()[0][-4000:]}")
+        os.killpg(proc.pid, signal.SIGABRT)  # (every Python process prints its threads' stacks)
+        try:
+            logs = proc.communicate(timeout=10)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            logs = proc.communicate()[0]
+        raise AssertionError(f"elastic horovodrun timed out: {' '.join(cmd)}\n{logs[-12000:]}")
     assert proc.returncode == 0, logs[-4000:]
     assert logs.count("ELASTIC-DONE") == finish, logs[-4000:]
     return [json.loads(line.split("ELASTIC ", 1)[1]) for line in logs.splitlines() if "ELASTIC {" in line]
