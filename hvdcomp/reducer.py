@@ -43,7 +43,7 @@ from .agreement import NonFiniteGuard, StateAgreement, check_consistency
 from .amp import LossScaleTracker
 from .assembly import assemble
 from .auto import Auto, AutoState
-from .launch import elastic_launch
+from .comm.group import elastic_world, world_changed
 from .plan import TransportPlan
 from .step import Staging, Status, StepState
 
@@ -125,16 +125,12 @@ class Reducer:
         self.loss_scale = LossScaleTracker(settings.grad_scaler)
         self.skipped_steps, self.cost_model, self.pipe, self._agreement = 0, None, None, None
         self.auto: Optional[AutoState] = None
-        self.elastic = elastic_launch()
+        self.elastic = elastic_world(group, "the reduction")
         if self.elastic and isinstance(compression, Auto):
             raise ValueError("compression='auto' cannot follow a change of the world size (its measurements and "
                              "candidates' state are per size), and this job runs under elastic Horovod "
                              "(HOROVOD_ELASTIC=1): name the method (e.g. 'topk:density=0.01' or 'powersgd'), or "
                              "launch with a fixed `horovodrun -np N`")
-        if self.elastic and not group.is_global:
-            raise ValueError("under elastic Horovod (HOROVOD_ELASTIC=1) the reduction runs over the whole job, "
-                             "whose size changes: leave process_set unset (a process set's ranks do not survive "
-                             "Horovod's reset)")
         # under elastic Horovod the set-up (collectives) waits for the first step, which every rank,
         # old or new, reaches alike after Horovod's reset (a new worker builds its optimizer while
         # the others are in the reset's broadcasts)
@@ -203,10 +199,9 @@ class Reducer:
         """Build the pipeline if :meth:`resize` (or an elastic start) left it pending; under
         elastic Horovod, a world that changed without :meth:`resize` (no reset callback) is
         noticed here by its size or this rank's number, and followed the same way."""
-        if self.elastic and not self.pending and self.current.status is Status.IDLE and not self.staging.staged:
-            hvd = getattr(self.group, "hvd", None)
-            if hvd is not None and self.group.is_global and (hvd.size(), hvd.rank()) != (self.group.size, self.group.rank):
-                self.resize(type(self.group)(self.group.process_set))
+        if self.elastic and not self.pending and self.current.status is Status.IDLE and not self.staging.staged \
+                and world_changed(self.group):
+            self.resize(type(self.group)(self.group.process_set))
         if self.pending:
             self.pending = False
             self._setup()

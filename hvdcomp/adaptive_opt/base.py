@@ -61,9 +61,8 @@ import torch
 
 from ..agreement import NONFINITE_MODES, check_consistency
 from ..comm import resolve_group
-from ..comm.group import HorovodGroup
+from ..comm.group import FollowsWorld
 from ..comm.step import StepComm
-from ..launch import elastic_launch
 from ..metrics import PhaseTimer
 from ..plan import BATCHED, TransportPlan
 from .averaging import ONEBIT_SPEC, Averaging
@@ -107,7 +106,7 @@ def named_groups(named_parameters, frozen: Optional[List[str]] = None) -> Tuple[
     return out, names
 
 
-class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
+class AdaptiveOptimizer(torch.optim.Optimizer, FollowsWorld, metaclass=abc.ABCMeta):
     """Base of the optimizers of :mod:`hvdcomp.adaptive_opt` (see the module docstring).
 
     Subclasses give :meth:`_init_state` (a parameter's fresh state), :attr:`warmup_steps`
@@ -184,19 +183,14 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                                "members only")
         # under elastic Horovod (only front-ends of hvdcomp.launch.ELASTIC_FRONTENDS get here) nothing
         # collective runs now: a new worker builds its optimizer while the others are in Horovod's
-        # reset broadcasts; every rank joins the world at its first step (:meth:`_join`)
-        self.elastic = self.group is not None and getattr(self.group, "hvd", None) is not None and elastic_launch()
-        if self.elastic and not self.group.is_global:
-            raise ValueError("under elastic Horovod (HOROVOD_ELASTIC=1) the optimizer averages over the whole job, "
-                             "whose size changes: leave process_set unset (a process set's ranks do not survive "
-                             "Horovod's reset)")
-        self._joining = self.elastic
+        # reset broadcasts; every rank joins the world at its first step (:meth:`_join_world`)
+        self._init_world(self.group, type(self).__name__)
         self.comm = comm if comm is not None else self._group_comm()
         self.averaging = Averaging(self)
         for p in self.order:
             self.state[p].update(self._init_state(p))  # never empty: hvd.broadcast_optimizer_state
             # then broadcasts it instead of stepping the fresh ranks alone
-        if self.group is not None and self.group.size > 1 and not self.elastic:
+        if self.group is not None and self.group.size > 1 and not self._elastic:
             check_consistency(self.group, self._signature(), f"{self._prefix}.consistency")
         if self._frozen:  # (after the set-up check: every rank raises alike)
             raise ValueError(f"{type(self).__name__} fixes the parameters it trains at construction (and later "
@@ -387,44 +381,34 @@ class AdaptiveOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         names the optimizers that can): register it once, ``state.register_reset_callbacks([opt.reset])``,
         on the ``hvd.elastic.TorchState(model=model, optimizer=opt)`` of ``@hvd.elastic.run``.
 
-        Runs no collective: the collectives are rebuilt over the new world (a running warm-up's
-        ``reset()`` of its :func:`hvdcomp.DistributedOptimizer`), and at the next step every rank
-        joins it alike (:meth:`_join`). ``TorchState`` then gives every rank rank 0's parameters
-        and torch state (step counter, ``exp_avg``, the frozen ``exp_avg_sq``, 1-bit LAMB's
-        coefficients, 0/1 Adam's ``params_at_sync`` and ``lr_sum``); each rank keeps its own
-        worker residuals (a new rank's are zero); the server residuals, partitioned by the old
-        size, are dropped on every rank at their first step in the new world. Without the
-        callback, a change of the world's size or of this rank's number is noticed at the next
-        step and followed the same way.
+        Runs no collective (:meth:`hvdcomp.comm.group.FollowsWorld.reset`): the collectives are
+        rebuilt over the new world (a running warm-up's ``reset()`` of its
+        :func:`hvdcomp.DistributedOptimizer`), and at the next step every rank joins it alike
+        (``_join_world()``). ``TorchState`` then gives every rank rank 0's parameters
+        and torch state (step counter, ``exp_avg``, the frozen ``exp_avg_sq``, 1-bit LAMB's coefficients, 0/1 Adam's
+        ``params_at_sync`` and ``lr_sum``); each rank keeps its own worker residuals (a new rank's
+        are zero); the server residuals, partitioned by the old size, are dropped on every rank at
+        their first step in the new world. Without the callback, a change of the world's size or
+        of this rank's number is noticed at the next step and followed the same way.
 
         Raises:
             ValueError: the optimizer does not average over a Horovod process set (``comm=`` or
                 ``torch.distributed``).
         """
-        if getattr(self.group, "hvd", None) is None:
-            raise ValueError(f"{type(self).__name__}.reset() follows elastic Horovod's reset; this optimizer "
-                             "does not run on Horovod")
-        self.group = HorovodGroup(self.group.process_set)
+        super().reset()
+
+    def _world_group(self):
+        return self.group
+
+    def _resize(self, group) -> None:
+        self.group = group
         self.comm = self._group_comm()
         if self.warmup.running:
             self.warmup.optimizer.reset()
         self._plan = replace(self._plan, ranks=self.group.ranks)
         self.averaging.agreed = False
-        self._joining = True
 
-    def _follow_world(self) -> None:
-        """Under elastic Horovod, at the start of a step: a world whose size or whose rank of this
-        process changed without :meth:`reset` is followed as if it had been called; then, at the
-        first step of a world, :meth:`_join`."""
-        if not self.elastic:
-            return
-        group, hvd = self.group, self.group.hvd
-        if not self._joining and (hvd.size(), hvd.rank()) != (group.size, group.rank):
-            self.reset()
-        if self._joining:
-            self._join()
-
-    def _join(self) -> None:
+    def _join_world(self) -> None:
         """The first step of a (re)started world, on every rank alike: the set-up agreement
         (collective), then every compressed allreduce bound to the new size
         (:meth:`hvdcomp.adaptive_opt.averaging.Averaging.rejoin`); the step

@@ -25,7 +25,8 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["ProcessGroup", "HorovodGroup", "Group", "HOROVOD_ALLREDUCE_DTYPES", "horovod"]
+__all__ = ["ProcessGroup", "HorovodGroup", "Group", "HOROVOD_ALLREDUCE_DTYPES", "horovod", "FollowsWorld", "elastic_world",
+           "world_changed"]
 
 # dtypes Horovod 0.28's PyTorch allreduce accepts on CPU/MPI (no bfloat16)
 HOROVOD_ALLREDUCE_DTYPES = (torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8,
@@ -301,3 +302,80 @@ class HorovodGroup(ProcessGroup):
         return world.Create_group(world.Get_group().Incl(self.ranks))
 
 Group = HorovodGroup  # (the name the training modes used; one release)
+
+
+def elastic_world(group: ProcessGroup, what: str) -> bool:
+    """Whether ``group`` is elastic Horovod's world (a Horovod group under ``HOROVOD_ELASTIC=1``,
+    set by ``horovodrun --min-np/--max-np``), whose size may change while the job runs.
+
+    Raises:
+        ValueError: a process set other than the whole job under elastic Horovod (``what`` names
+            the front-end in the message).
+    """
+    from ..launch import elastic_launch
+
+    elastic = getattr(group, "hvd", None) is not None and elastic_launch()
+    if elastic and not group.is_global:
+        raise ValueError(f"under elastic Horovod (HOROVOD_ELASTIC=1) {what} runs over the whole job, whose size "
+                         "changes: leave process_set unset (a process set's ranks do not survive Horovod's reset)")
+    return elastic
+
+
+def world_changed(group: ProcessGroup) -> bool:
+    """Whether elastic Horovod reset the world under ``group`` (the whole job's
+    :class:`HorovodGroup`): its size or this process's rank is no longer Horovod's. A worker
+    replaced at the same size and rank is not seen: register the reset callback."""
+    hvd = getattr(group, "hvd", None)
+    return hvd is not None and group.is_global and (hvd.size(), hvd.rank()) != (group.size, group.rank)
+
+
+class FollowsWorld:
+    """What every front-end that follows elastic Horovod (``horovodrun --min-np/--max-np``;
+    :data:`hvdcomp.launch.ELASTIC_FRONTENDS`) does alike when workers are lost or added: the one
+    place that tells whether this is elastic Horovod's world (:func:`elastic_world`), notices
+    that the world changed (:func:`world_changed`), and rebuilds the group over the new world.
+
+    A front-end calls ``_init_world()`` at construction (no collective: a new worker builds
+    its optimizer while the others are in Horovod's reset) and ``_follow_world()`` at each step
+    boundary; the user registers :meth:`reset` as a reset callback of ``hvd.elastic.TorchState``.
+    The front-end gives ``_world_group()`` (its group now), ``_resize(group)`` (rebuild over a new
+    group; no collective) and ``_join_world()`` (the first step of a world, collective).
+    """
+
+    _elastic = False
+    _joining = False
+
+    def _init_world(self, group: ProcessGroup, what: str) -> None:
+        """Whether ``group`` is elastic Horovod's world (Horovod under ``HOROVOD_ELASTIC=1``); if
+        so, the first step joins it (``_join_world()``).
+
+        Raises:
+            ValueError: a process set other than the whole job under elastic Horovod.
+        """
+        self._elastic = self._joining = elastic_world(group, what)
+
+    def reset(self) -> None:
+        """Follow elastic Horovod's reset (workers lost or added): register it once,
+        ``state.register_reset_callbacks([opt.reset])``. Runs no collective: what depends on the
+        world is rebuilt over the new one, and every rank joins it at its next step.
+
+        Raises:
+            ValueError: the front-end does not run on Horovod (elastic Horovod only).
+        """
+        group = self._world_group()
+        if getattr(group, "hvd", None) is None:
+            raise ValueError(f"{type(self).__name__}.reset() follows elastic Horovod's reset; this optimizer does "
+                             "not run on Horovod")
+        self._resize(HorovodGroup(group.process_set))
+        self._joining = True
+
+    def _follow_world(self) -> None:
+        """At a step boundary, under elastic Horovod: a world whose size or whose rank of this
+        process changed without :meth:`reset` (no callback registered) is followed as if it had
+        been called; then, at the first step of a world, ``_join_world()``."""
+        if not self._elastic:
+            return
+        if not self._joining and world_changed(self._world_group()):
+            self.reset()
+        if self._joining:
+            self._join_world()

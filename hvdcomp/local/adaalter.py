@@ -121,6 +121,8 @@ class LocalAdaAlter(LocalUpdate):
 
     def step(self, closure=None):
         """A synchronous step during the warm-up (gradients averaged), else a local one."""
+        if not self._closed:
+            self._follow_world()  # (elastic Horovod: a joining rank takes the step count first)
         if self._closed or self.steps >= self.warmup_steps:
             self.inner.synchronous = False
             return super().step(closure)
@@ -215,6 +217,18 @@ class LocalAdaAlter(LocalUpdate):
         rank that had the non-finite one) leave no trace."""
         for state in self._states():
             state["accumulator"].copy_(state["denominator"])
+
+    def _world_state(self):
+        """The denominators (every rank's is the last agreed average of the accumulators)."""
+        return [state["denominator"] for state in self._states()]
+
+    @torch.no_grad()
+    def _load_world_state(self, denominators) -> None:
+        """Elastic Horovod, joining a world: the holder's denominators, and every accumulator back
+        to its denominator (the round in progress is dropped, as :meth:`_drop_round` does)."""
+        for state, d in zip(self._states(), denominators):
+            state["denominator"].copy_(d)
+            state["accumulator"].copy_(d)
 
     def _reduce(self):
         record = super()._reduce()

@@ -62,11 +62,10 @@ import torch
 from ..agreement import check_consistency, digest
 from ..checks import check_count, check_real
 from ..comm import resolve_group
-from ..comm.group import HorovodGroup, ProcessGroup
+from ..comm.group import FollowsWorld, ProcessGroup
 from ..compressors.base import Compressor
 from ..config import Settings, check_method, name_parameters
 from ..memory import Wrapper
-from ..launch import elastic_launch
 from ..metrics import PhaseTimer, RecordLog
 from ..spec import resolve_compression
 from ..reducer import Reducer, check_free, claim, release
@@ -193,7 +192,7 @@ def optimizer_settings(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
                              for g in optimizer.param_groups]}
 
 
-class LocalUpdate(Checkpoints):
+class LocalUpdate(Checkpoints, FollowsWorld):
     """Base of the local-update wrappers (:class:`hvdcomp.local.DiLoCo`, ``SparseLoCo``, ``CO2``,
     ``LocalAdaAlter``): see the module docstring for the round.
 
@@ -275,7 +274,8 @@ class LocalUpdate(Checkpoints):
         settings = Settings.validate(getattr(group, "hvd", None), timer=self._sync_timer(), **pipeline)
         # under elastic Horovod (only modes in hvdcomp.launch.ELASTIC_FRONTENDS get here) nothing
         # collective runs now: a new worker builds its optimizer during the others' reset
-        self._elastic, self._check = elastic_launch(), settings.check_consistency
+        self._init_world(group, f"hvdcomp.local.{type(self).__name__}")
+        self._check = settings.check_consistency
         if settings.check_consistency and not self._elastic:
             self._check_setup(group)
         names_c, self._carriers, self._carrier_grads = self._make_carriers()
@@ -287,7 +287,6 @@ class LocalUpdate(Checkpoints):
         self._closed = False
         self._started = False  # θ_start taken from the model (at the first step: after the user's broadcast)
         self._loaded = False  # a checkpoint was loaded: the ranks' counters are compared at the next step
-        self._joining = self._elastic  # (elastic Horovod: the ranks agree on θ_start at the next step)
 
     # ---- construction helpers ------------------------------------------------------------------
     def _setup(self) -> Dict[str, Any]:
@@ -394,9 +393,8 @@ class LocalUpdate(Checkpoints):
         """
         if self._closed:
             raise RuntimeError("this local-update optimizer was closed; build a new one to keep training")
-        if self._elastic:
-            self._follow_world()
-        if not self._started or self._joining:
+        self._follow_world()
+        if not self._started:
             self._start_training()
         loss = self.inner.step(closure)
         self.steps += 1
@@ -411,12 +409,13 @@ class LocalUpdate(Checkpoints):
         ``state.register_reset_callbacks([opt.reset])``, on the ``hvd.elastic.TorchState(model=model,
         optimizer=inner)`` of ``@hvd.elastic.run``.
 
-        Runs no collective. The pipeline is rebuilt over the new world
-        (:meth:`hvdcomp.reducer.Reducer.resize`: this rank's residuals carry over, a new rank's
-        are zero), and at the next step every rank takes θ_start, the outer optimizer's state
-        (momentum) and the round counters from the lowest-numbered rank that held them before,
-        drops the round in progress and restarts from θ_start. Without the callback a change of
-        the world's size or of this rank's number is noticed at the next step.
+        Runs no collective (:meth:`hvdcomp.comm.group.FollowsWorld.reset`). The pipeline is rebuilt
+        over the new world (:meth:`hvdcomp.reducer.Reducer.resize`: this rank's residuals carry
+        over, a new rank's are zero), and at the next step every rank takes θ_start, the outer
+        optimizer's state (momentum), the round counters and the mode's shared state
+        (``_world_state()``) from the lowest-numbered rank that held them before, drops the
+        round in progress and restarts from θ_start (``_join_world()``). Without the callback a
+        change of the world's size or of this rank's number is noticed at the next step.
 
         Raises:
             ValueError: the mode runs on ``torch.distributed`` (elastic Horovod only).
@@ -424,19 +423,23 @@ class LocalUpdate(Checkpoints):
         """
         if self._closed:
             raise RuntimeError("this local-update optimizer was closed; build a new one to keep training")
-        if getattr(self.sync.group, "hvd", None) is None:
-            raise ValueError("reset() follows elastic Horovod's reset; this optimizer runs on torch.distributed")
-        self.sync.resize(HorovodGroup(self.sync.group.process_set))
-        self.round_step = 0
-        self._joining = True
+        super().reset()
 
-    def _follow_world(self) -> None:
-        """Under elastic Horovod: a world whose size or whose rank of this process changed
-        without :meth:`reset` is followed as if it had been called (at a step boundary)."""
-        group = self.sync.group
-        hvd = getattr(group, "hvd", None)
-        if not self._joining and hvd is not None and (hvd.size(), hvd.rank()) != (group.size, group.rank):
-            self.reset()
+    def _world_group(self) -> ProcessGroup:
+        return self.sync.group
+
+    def _resize(self, group) -> None:
+        self.sync.resize(group)
+        self.round_step = 0
+
+    def _world_state(self) -> Any:
+        """The mode's state that every rank takes from the holder when it joins a world
+        (:meth:`_join_world`; picklable); None here."""
+        return None
+
+    def _load_world_state(self, state: Any) -> None:
+        """Take the holder's :meth:`_world_state` (on every rank, the holder included, where the
+        mode also drops what the round in progress changed)."""
 
     @torch.no_grad()
     def _join_world(self) -> None:
@@ -457,11 +460,14 @@ class LocalUpdate(Checkpoints):
             root = next((r for r, h in enumerate(held) if h), 0)
             for n, a in self._anchor.items():
                 a.copy_(group.broadcast(a.detach().contiguous(), root, f"{self.prefix}.anchor.{n}"))
-            mine = (self.outer.state_dict(), self.steps, self.rounds, self.skipped_rounds)
-            outer, self.steps, self.rounds, self.skipped_rounds = group.broadcast_object(
+            mine = (self.outer.state_dict(), self.steps, self.rounds, self.skipped_rounds, self._world_state())
+            outer, self.steps, self.rounds, self.skipped_rounds, mode = group.broadcast_object(
                 mine if group.rank == root else None, root, f"{self.prefix}.outer")
             if group.rank != root:
                 self.outer.load_state_dict(outer)
+        else:
+            mode = self._world_state()
+        self._load_world_state(mode)
         for n, p in self._params:
             p.copy_(self._anchor[n])
         self.round_step, self._started, self._joining = 0, True, False
@@ -473,8 +479,8 @@ class LocalUpdate(Checkpoints):
         θ_start, and after a load, every rank a checkpoint of the same step (one object allgather).
         Per-rank checkpoints of a mode that communicates once a round can be of different steps: a
         rank that fails mid-round leaves the others one or more local steps ahead, and resumed so
-        the ranks would average rounds of different steps. Under elastic Horovod this runs at the
-        first step of every world (:meth:`_join_world`).
+        the ranks would average rounds of different steps. Under elastic Horovod the first step
+        of every world runs :meth:`_join_world` instead.
 
         Raises:
             RuntimeError: on every rank, when the ranks' parameters differ.
@@ -482,8 +488,6 @@ class LocalUpdate(Checkpoints):
                 the checkpoints are of different steps or θ_start (naming each rank's step and
                 the fix).
         """
-        if self._joining:
-            return self._join_world()
         loaded, self._loaded = self._loaded, False
         if not loaded:
             with torch.no_grad():
