@@ -162,7 +162,7 @@ ELASTIC_ENV = "HOROVOD_ELASTIC"
 #: the front-ends that follow a world-size change under elastic Horovod (they rebuild what depends
 #: on the size at Horovod's reset: docs/robustness.md, "Elastic Horovod"); every other one refuses
 #: such a job at construction (:func:`check_frontend_launch`)
-ELASTIC_FRONTENDS = (HOROVOD_FRONTEND, "hvdcomp.local.DiLoCo", "hvdcomp.local.SparseLoCo", "hvdcomp.local.CO2",
+ELASTIC_FRONTENDS = (HOROVOD_FRONTEND, "hvdcomp.local.DiLoCo", "hvdcomp.local.SparseLoCo",
                      "hvdcomp.local.LocalAdaAlter", "hvdcomp.adaptive_opt.OneBitAdam",
                      "hvdcomp.adaptive_opt.ZeroOneAdam", "hvdcomp.adaptive_opt.OneBitLamb",
                      "hvdcomp.adaptive_opt.CompressedAMSGrad", "hvdcomp.gossip.GossipOptimizer")

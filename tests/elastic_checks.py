@@ -1,7 +1,7 @@
 """One worker of an elastic Horovod job (tests/test_elastic.py starts it under ``horovodrun
 --min-np 1 --max-np 2 --host-discovery-script``): a tiny model trained with
 hvdcomp.DistributedOptimizer; or a local-update mode, H = 2, Δ carried by ``<spec>`` (METHOD
-``diloco:<spec>``, ``sparseloco:<spec>``, ``co2:<spec>``, ``adaalter:<spec>``); or an adaptive
+``diloco:<spec>``, ``sparseloco:<spec>``, ``adaalter:<spec>``); or an adaptive
 optimizer (one of :data:`ADAPTIVE`, or ``adaptive``: all of them side by side, each on its own
 model); or gossip (``gossip:<method>:<compressor>``, on a ring) inside ``hvd.elastic.run``, the
 world resized by rewriting what the discovery script prints. Every step prints one ``ELASTIC
@@ -81,10 +81,7 @@ def torch_state(opt) -> dict:
 
 
 def mode_state(opt):
-    """CO2: whether an average waits to be applied, and a digest of the send buffers (which hold
-    it); Local AdaAlter: a digest of the denominators; None for the others."""
-    if hasattr(opt, "reduction_running"):
-        return [opt.pending, digest(opt.pseudo_gradients.values())]
+    """Local AdaAlter: a digest of the denominators; None for the others."""
     if type(opt).__name__ == "LocalAdaAlter":
         return digest([opt.state[p]["denominator"] for _, p in opt._params if "denominator" in opt.state[p]])
     return None
@@ -111,7 +108,7 @@ def build(method: str):
     if method == "stock":
         return (model, hvd.DistributedOptimizer(base, named_parameters=model.named_parameters()), None), target
     mode = method.split(":", 1)[0]
-    if mode in ("diloco", "sparseloco", "co2", "adaalter"):  # H = 2, Δ carried by the method after the colon
+    if mode in ("diloco", "sparseloco", "adaalter"):  # H = 2, Δ carried by the method after the colon
         import hvdcomp.local as L
 
         spec = method.split(":", 1)[1]
@@ -121,9 +118,6 @@ def build(method: str):
         elif mode == "sparseloco":
             opt = L.SparseLoCo(base, model.named_parameters(), local_steps=2, compression=spec, chunk_size=None,
                                beta=0.9, outer_lr=0.7)
-        elif mode == "co2":
-            opt = L.CO2(base, model.named_parameters(), local_steps=2, compression=spec, outer_lr=0.7,
-                        outer_momentum=0.5)
         else:
             opt = L.DiLoCo(base, model.named_parameters(), local_steps=2, compression=spec, outer_lr=0.7,
                            outer_momentum=0.9)
@@ -161,8 +155,6 @@ def train_step(method, model, opt, x, y) -> dict:
     # gossip: the model after the local SGD step alone (the average over ranks gossip keeps)
     local_step = [(p.detach() - 0.1 * p.grad).reshape(-1).tolist() for p in model.parameters()] if gossip else None
     opt.step()
-    while getattr(opt, "reduction_running", None):  # (CO2: its reduction finished, not joined)
-        time.sleep(0.01)
     return {"method": method, "loss": loss.item(), "params": digest(model.parameters()), "pid": os.getpid(),
             "params_before": params_before, "local_step": local_step,
             "flat": [p.detach().reshape(-1).tolist() for p in model.parameters()] if gossip else None,

@@ -46,7 +46,6 @@ inner steps (``hidden_s``). The reduction's own phases are recorded per round (`
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from typing import Any, Dict, Optional
@@ -58,9 +57,6 @@ from ..metrics import PhaseTimer
 from .base import LocalUpdate
 
 __all__ = ["CO2", "CO2Momentum", "check_co2_arguments"]
-
-log = logging.getLogger(__name__)
-
 
 def check_co2_arguments(lr, momentum, gap_penalty, clip) -> None:
     """Raises ``ValueError`` unless α is a finite number > 0, β in [0, 1), λ a finite number >= 1
@@ -251,34 +247,6 @@ class CO2(LocalUpdate):
             self._drop_round()
         else:
             self.pending = True
-
-    # ---- elastic Horovod -------------------------------------------------------------------------
-    def _resize(self, group) -> None:
-        """Elastic Horovod's reset: first drain the reduction in flight (joined, whatever became of
-        it: finished, its average becomes the pending update; failed when Horovod shut the old
-        world down, the round is dropped on this rank), then rebuild over ``group``."""
-        if self._thread is not None:
-            try:
-                self._join()
-            except RuntimeError as exc:
-                log.warning("hvdcomp.local.CO2: the reduction in flight at Horovod's reset failed (%s): its round "
-                            "is dropped", exc)
-                self._drop_round()
-        super()._resize(group)
-
-    def _world_state(self):
-        """Whether an average waits to be applied, and the average (the same on every rank that
-        finished the old world's reduction): every rank takes the holder's."""
-        return self.pending, ({n: d.clone() for n, d in self._delta.items()} if self.pending else {})
-
-    @torch.no_grad()
-    def _load_world_state(self, state) -> None:
-        self.pending, delta = state
-        for n, d in self._delta.items():
-            if self.pending:
-                d.copy_(delta[n])
-            else:
-                d.zero_()
 
     def flush(self) -> None:
         """Join the reduction in flight and apply it, then reduce and apply the current round's
