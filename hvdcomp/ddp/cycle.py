@@ -183,7 +183,7 @@ class StepCycle:
         loaded, self.state.loaded_since_step = self.state.loaded_since_step, False
         if self.nonfinite == "ignore":
             return False
-        direct = [b.buffer for b in self.buckets if b.kind == "gradient"]
+        direct = [b.buffer for b in self.buckets if b.in_place]
         if direct:
             self.guard.observe(direct, averaged=True)
         if len(direct) == len(self.buckets):  # (the results agree)

@@ -78,6 +78,7 @@ from torch.distributed.algorithms.join import JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.torchdist import TorchDistGroup
+from ..compressors.base import PayloadKind
 from ..compressors.segments import needs_draw_order
 from ..checks import check_bool, check_choice
 from ..config import check_method
@@ -86,7 +87,7 @@ from ..metrics import PhaseTimer
 from ..agreement import NONFINITE_MODES, check_consistency
 from ..reducer import check_free, claim
 from ..spec import resolve_compression
-from .buckets import IN_PLACE_DTYPES, Bucket, BucketPath, describe, payload_kind
+from .buckets import IN_PLACE_DTYPES, Bucket, BucketPath, bucket_kind, describe
 from .cycle import StepCycle
 from .layout import GRANULARITIES, BucketLayout, Layouts
 
@@ -137,7 +138,8 @@ class HookState:
     Attributes:
         compression: the :class:`hvdcomp.Compressor` (its state: residuals, momenta, ...).
         group: the :class:`hvdcomp.comm.torchdist.TorchDistGroup` averaged over.
-        kind: how payloads travel (:func:`hvdcomp.ddp.buckets.payload_kind`).
+        kind: how payloads travel: the method's :class:`~hvdcomp.compressors.base.PayloadKind`, or
+            None for a step-wide method (:func:`hvdcomp.ddp.buckets.bucket_kind`).
         granularity: ``"tensor"`` or ``"bucket"`` (:mod:`hvdcomp.ddp.layout`).
         nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"``.
         timer: the :class:`hvdcomp.metrics.PhaseTimer` phases and bytes are recorded in.
@@ -148,8 +150,12 @@ class HookState:
     def __init__(self, ddp_model, compression, process_group, optimizer, granularity: str,
                  nonfinite: str, timer: Optional[PhaseTimer], grad_scaler, named_parameters,
                  check_consistency: bool):
+        if getattr(compression, "name", None) == "auto":
+            raise TypeError("compression='auto' is chosen and switched by hvdcomp.reducer.Reducer, which "
+                            "hvdcomp.DistributedOptimizer and the training modes (hvdcomp.local) use; the DDP hook "
+                            "takes one method: give it a spec such as 'powersgd:matrix_rank=2'")
         self.compression = compression
-        self.kind = payload_kind(compression)
+        self.kind = bucket_kind(compression)
         self.group = TorchDistGroup(process_group)
         compression.bind_group(self.group.size)
         self.granularity = granularity
@@ -162,7 +168,7 @@ class HookState:
         self._cycle = StepCycle(compression, self.group, nonfinite, grad_scaler, self.timer)
         self._path = BucketPath(compression, self.group, self.timer,
                                 [n for n, _ in self._layouts.order])
-        self.transport = (f"torch.distributed {self.group.backend}: {describe(self.kind, compression)}; "
+        self.transport = (f"torch.distributed {self.group.backend}: {describe(compression)}; "
                           f"per DDP bucket, granularity {granularity}")
         if check_consistency and self.group.size > 1:
             self._check_consistency()
@@ -186,7 +192,7 @@ class HookState:
 
     def describe(self) -> dict:
         """JSON-able summary: compressor, transport, group, granularity."""
-        return {"compression": self.compression.describe(), "kind": self.kind, "transport": self.transport,
+        return {"compression": self.compression.describe(), "kind": None if self.kind is None else self.kind.value, "transport": self.transport,
                 "granularity": self.granularity, "nonfinite": self.nonfinite, **self.group.describe()}
 
     def _check_consistency(self) -> None:
@@ -245,17 +251,19 @@ class HookState:
         ddp_model.join_hook = join_hook
 
     # ---- the hook ------------------------------------------------------------------------------
-    def _kind_of(self, layout: BucketLayout, buffer: torch.Tensor) -> str:
-        """How this bucket travels this step: the method's kind; ``"gradient"`` (uncompressed, as
-        DDP) for the first backward with granularity ``"bucket"`` (see :func:`register`); none on
-        half-precision gradients goes by ``"average"`` (as float32, like the Horovod front-end)."""
-        if self.kind == "gradient":
-            return "gradient" if buffer.dtype in IN_PLACE_DTYPES else "average"
-        if self.granularity == "bucket" and self.kind != "batched":
+    def _raw(self, layout: BucketLayout, buffer: torch.Tensor) -> bool:
+        """Whether this bucket's gradients travel as they are this step: ``none`` (but in float32 on
+        half-precision gradients: by its own encode, as the Horovod front-end), and the first
+        backward of granularity ``"bucket"`` (see :func:`register`)."""
+        if self.kind is None:  # (a step-wide method reduces the whole step at the last bucket)
+            return False
+        if self.compression.payload_is_gradient:
+            return buffer.dtype in IN_PLACE_DTYPES
+        if self.granularity == "bucket":
             if self._cycle.backward_steps == 0:
-                return "gradient" if buffer.dtype in IN_PLACE_DTYPES else "plain"
+                return True
             self._layouts.check_recorded(layout)
-        return self.kind
+        return False
 
     def reduce_bucket(self, bucket) -> "torch.futures.Future[torch.Tensor]":
         """The DDP communication hook's body (see the module docstring).
@@ -286,11 +294,12 @@ class HookState:
             cycle.open()
         layout = self._layouts.of(bucket)
         devices = [buffer.device] if buffer.is_cuda else None
+        raw = self._raw(layout, buffer)
         entry = Bucket(bucket.index(), buffer, layout, torch.futures.Future(devices=devices),
-                       self._kind_of(layout, buffer))
+                       PayloadKind.MEAN if raw else self.kind, raw)
         previous = cycle.buckets[-1] if cycle.buckets else None
         cycle.buckets.append(entry)
-        if entry.kind != "gradient":  # (none: checked on the allreduced results instead)
+        if not entry.in_place:  # (none: checked on the allreduced results instead)
             cycle.guard.observe([buffer])
         self._path.start(entry, previous)
         if bucket.is_last():
@@ -304,11 +313,11 @@ class HookState:
         buckets = cycle.buckets
         try:
             path.wait(buckets)
-            if self.kind != "batched":  # a saturated payload is sent again, or reads NaN (overflowed)
+            if self.kind is not None:  # a saturated payload is sent again, or reads NaN (overflowed)
                 cycle.guard.observe(path.check_saturation(buckets), averaged=True)
             if cycle.agree():
                 cycle.skip()
-            elif self.kind == "batched":
+            elif self.kind is None:
                 path.reduce_batched(buckets)
             else:
                 path.decompress(buckets)
