@@ -758,7 +758,7 @@ class AutoState:
             AssertionError: a step is in progress.
         """
         reducer = self.reducer
-        if reducer.busy or reducer.staging.staged or reducer.current.synced:
+        if reducer.busy or reducer.life.staged or reducer.current.synced:
             raise AssertionError("auto: a method is switched between steps only (after step() applied one)")
         old = reducer.pipe
         for name, e in self.take_residuals(old).items():

@@ -1,12 +1,18 @@
 """One step's state: where the step is (:class:`Status`), the method's staged state
-(:class:`Staging`: the one place that opens, commits and rolls back a step of a method's state,
-for every front-end), and the accumulation counters that tell when a unit's gradients are ready."""
+(:class:`Staging`: the one place that opens, commits and rolls back a step of a method's state),
+the lifecycle every front-end drives it by (:class:`Lifecycle`), and the accumulation counters
+that tell when a unit's gradients are ready."""
 from __future__ import annotations
 
 import enum
-from typing import List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
-__all__ = ["Status", "Staging", "StepState"]
+import torch
+
+from .agreement import NonFiniteGuard, StateAgreement
+from .amp import LossScaleTracker
+
+__all__ = ["Status", "Staging", "Lifecycle", "StepState"]
 
 
 class Status(enum.Enum):
@@ -29,9 +35,9 @@ class Status(enum.Enum):
 class Staging:
     """A method's state across one step (:class:`hvdcomp.compressors.state.StagedState`): opened at
     the step's first compression, then committed when the step counts or rolled back when it does
-    not, so a skipped or discarded step leaves no trace. Every front-end (the
-    :class:`~hvdcomp.reducer.Reducer`, the DDP hook's :class:`~hvdcomp.ddp.cycle.StepCycle`, the
-    adaptive optimizers' compressed allreduces) drives its method's steps through one of these.
+    not, so a skipped or discarded step leaves no trace. Every front-end drives its method's steps
+    through one of these: the :class:`~hvdcomp.reducer.Reducer` and the DDP hook through their
+    :class:`Lifecycle`, the adaptive optimizers' compressed allreduces directly.
 
     Args:
         method: the method (``begin_step`` / ``commit`` / ``rollback``).
@@ -62,6 +68,81 @@ class Staging:
         if self.staged:
             self.method.rollback()
             self.staged = False
+
+
+class Lifecycle:
+    """The one step lifecycle of a method over a group, for every front-end that reduces
+    gradients step by step (the :class:`~hvdcomp.reducer.Reducer`, the DDP hook's
+    :class:`~hvdcomp.ddp.cycle.StepCycle`): a step is opened at its first compression
+    (:meth:`open`: restored state agreed on once, the loss scale followed, the method's state
+    staged), then committed when its update is applied (:meth:`commit`), rolled back when it is
+    discarded (:meth:`rollback`), or skipped on every rank when some rank's gradient was
+    non-finite (:meth:`skip`).
+
+    Args:
+        compression: the method (``begin_step`` / ``commit`` / ``rollback``, ``rescale_state``).
+        nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"`` (:class:`hvdcomp.agreement.NonFiniteGuard`).
+        grad_scaler: a ``torch.amp.GradScaler`` to follow, or None (then found at the first
+            committed step where the method keeps state in gradient units).
+
+    Attributes:
+        staging: the method's :class:`Staging`.
+        guard: the per-step :class:`~hvdcomp.agreement.NonFiniteGuard`.
+        restored: the :class:`~hvdcomp.agreement.StateAgreement` on restored state.
+        loss_scale: the :class:`~hvdcomp.amp.LossScaleTracker`.
+        skipped_steps: steps skipped on every rank for a non-finite gradient somewhere.
+    """
+
+    def __init__(self, compression, nonfinite: str, grad_scaler=None):
+        self.nonfinite, self.skipped_steps = nonfinite, 0
+        self.guard, self.restored = NonFiniteGuard(nonfinite), StateAgreement()
+        self.loss_scale = LossScaleTracker(grad_scaler)
+        self.use(compression)
+
+    def use(self, compression) -> None:
+        """Drive ``compression`` from the next step on (between steps: a switch of ``auto``)."""
+        self.compression, self.staging = compression, Staging(compression)
+
+    @property
+    def staged(self) -> bool:
+        """A step is open (its updates are staged)."""
+        return self.staging.staged
+
+    def open(self, group, prefix: str, rescale: Iterable[Callable[[float], None]] = ()) -> None:
+        """A step's first compression: agree with every rank on restored state (once, collective
+        over ``group``, names prefixed ``prefix``), follow a loss-scale change (the method's
+        state, and each of ``rescale``, times the factor), stage the method's state. Nothing
+        when a step is open."""
+        if self.staging.staged:
+            return
+        if not self.restored.agreed:
+            self.skipped_steps = self.restored.agree(group, self.compression, self.skipped_steps, prefix)
+        factor = self.loss_scale.factor()
+        if factor is not None:
+            self.compression.rescale_state(factor)
+            for f in rescale:
+                f(factor)
+        self.staging.open()
+
+    def commit(self, optimizer=None) -> None:
+        """The step's update was applied: commit its staged state (with a method whose state is
+        in gradient units, ``optimizer`` is where a ``GradScaler`` is looked for)."""
+        if self.staging.staged:
+            if optimizer is not None and self.compression.has_scaled_state:
+                self.loss_scale.discover(optimizer)
+            self.staging.commit()
+
+    def rollback(self) -> None:
+        """The step will not be applied: drop its staged state (nothing when none is open)."""
+        self.staging.rollback()
+
+    def skip(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Every rank skips the step: its state rolled back, counted, and every one of ``tensors``
+        NaN (as an allreduced Inf would be, so a ``GradScaler`` sees the overflow)."""
+        self.staging.rollback()
+        self.skipped_steps += 1
+        for t in tensors:
+            t.fill_(float("nan"))
 
 
 class StepState:

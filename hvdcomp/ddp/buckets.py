@@ -41,6 +41,7 @@ import torch
 
 from ..compressors.base import PayloadKind
 from ..plan import step_route_of
+from ..transports.allreduce import resend_saturated
 from ..transports.stepwide import StepMethod
 from .layout import BucketLayout
 
@@ -219,13 +220,11 @@ class BucketPath:
         without error feedback), its check: a saturated payload is never decoded as is.
 
         The method reads from the reduced payload whether some rank's values left its window
-        (``compression.saturation(payload, ctx)``: the same on every rank, since every rank reads
-        the same reduced payload) and decides, as under the Horovod front-end
-        (:meth:`hvdcomp.transports.allreduce.AllreduceTransport.resend_saturated`): a replacement
-        payload is reduced now (a summed ``all_reduce`` per tensor, ``× 1/N`` as the first; bucket
-        and unit order, from the hook's thread, so every rank issues the same ones) and decoded
-        with the new context instead; no replacement (fp16's ``on_saturation="skip"``): the unit
-        is overflowed, its view of the buffer reads NaN.
+        and decides, by the resend every front-end uses
+        (:func:`hvdcomp.transports.allreduce.resend_saturated`): a replacement payload is reduced
+        now (a summed ``all_reduce`` per tensor, ``× 1/N`` as the first; bucket and unit order,
+        from the hook's thread) and decoded with the new context instead; no replacement (fp16's
+        ``on_saturation="skip"``): the unit is overflowed, its view of the buffer reads NaN.
 
         Returns:
             The NaN views of overflowed units, for the non-finite guard (the step is then skipped
@@ -245,37 +244,35 @@ class BucketPath:
                 for length in b.lengths:
                     b.reduced.append(outputs[pos:pos + length])
                     pos += length
-        check = getattr(self.compression, "saturation", None)
-        if check is None:
+        if getattr(self.compression, "saturation", None) is None:
             return []
-        overflowed, resends = [], []
-        with self.timer.phase("communicate"):
-            for b in summed:
-                for i, ctx in enumerate(b.ctxs):
-                    action = check(b.reduced[i], ctx)
-                    if action is None:
-                        continue
-                    if action.payload is None:
-                        b.reduced[i] = None
-                        overflowed.append(b.layout.units[i].view(b.buffer))
-                        continue
-                    payload = list(action.payload)
-                    start = len(b.handles)
-                    self._allreduce(b, payload)
-                    b.ctxs[i] = action.ctx
-                    resends.append((b, i, payload, b.handles[start:]))
-            for b, i, payload, handles in resends:
+        units = [(b, i) for b in summed for i in range(len(b.ctxs))]
+        reduced = [(b.reduced[i], b.ctxs[i]) for b, i in units]
+
+        def resend(k: int, payload: List[torch.Tensor]):
+            b = units[k][0]
+            start = len(b.handles)
+            self._allreduce(b, payload)
+            handles = b.handles[start:]
+
+            def wait() -> List[torch.Tensor]:
                 for h in handles:
                     self.group.synchronize(h)
                 if b.kind is PayloadKind.MEAN and size > 1:
                     for t in payload:
                         t.mul_(1.0 / size)
-                b.reduced[i] = payload
-            for b in summed:
-                b.handles = []
-        for view in overflowed:  # (after every resend: a check may read this rank's gradient)
-            view.fill_(float("nan"))
-        return overflowed
+                return payload
+            return wait
+
+        with self.timer.phase("communicate"):
+            overflowed = resend_saturated(self.compression, reduced, resend)
+        for (b, i), (outputs, ctx) in zip(units, reduced):
+            b.reduced[i], b.ctxs[i], b.handles = outputs, ctx, []
+        views = []
+        for b, i in (units[k] for k in overflowed):  # (after every resend: a check may read this rank's gradient)
+            b.reduced[i] = None
+            views.append(b.layout.units[i].view(b.buffer).fill_(float("nan")))
+        return views
 
     def decompress(self, buckets: List[Bucket]) -> None:
         """Write every bucket's averaged result into its buffer (summable buckets: after

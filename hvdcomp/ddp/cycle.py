@@ -1,6 +1,7 @@
-"""The DDP hook's step in progress: where it is (:class:`hvdcomp.step.Status`), whether its
-compressor state is staged, what the ranks agree on (:mod:`hvdcomp.agreement`), and when the
-state is committed or rolled back.
+"""The DDP hook's step in progress: where it is (:class:`hvdcomp.step.Status`), and when DDP's
+step opens, commits, rolls back or skips the method's state, through the one step lifecycle of
+every front-end (:class:`hvdcomp.step.Lifecycle`, as the :class:`~hvdcomp.reducer.Reducer`). What
+is DDP's own: a joined rank's shadow steps, and synchronized accumulation without ``no_sync``.
 
 A step's compressor updates are staged when its first bucket is compressed (``begin_step``) and
 committed when its reduction counts:
@@ -37,9 +38,7 @@ import contextlib
 import types
 from typing import List
 
-from ..agreement import NonFiniteGuard, StateAgreement
-from ..amp import LossScaleTracker
-from ..step import Staging, Status
+from ..step import Lifecycle, Status
 from .buckets import Bucket
 
 __all__ = ["StepCycle"]
@@ -60,20 +59,17 @@ class StepCycle:
     Attributes:
         status: a :class:`hvdcomp.step.Status`.
         buckets: the :class:`~hvdcomp.ddp.buckets.Bucket` s of the step in progress.
-        guard: the :class:`~hvdcomp.agreement.NonFiniteGuard` (buffers are observed as they come).
-        state: the :class:`~hvdcomp.agreement.StateAgreement` (restored state, once).
-        skipped_steps: steps skipped because some rank had a non-finite gradient.
+        life: the :class:`hvdcomp.step.Lifecycle` (staged state, the non-finite guard, which
+            observes buffers as they come, restored state, the loss scale, ``skipped_steps``).
         backward_steps: synchronized backward passes reduced so far.
         optimizer: the attached optimizer, or None.
     """
 
     def __init__(self, compression, group, nonfinite: str, grad_scaler, timer):
         self.compression, self.group, self.nonfinite, self.timer = compression, group, nonfinite, timer
-        self.guard, self.state = NonFiniteGuard(nonfinite), StateAgreement()
-        self.loss_scale = LossScaleTracker(grad_scaler)
-        self.status, self.staging = Status.IDLE, Staging(compression)
+        self.life, self.status = Lifecycle(compression, nonfinite, grad_scaler), Status.IDLE
         self.buckets: List[Bucket] = []
-        self.skipped_steps = self.backward_steps = 0
+        self.backward_steps = 0
         self.optimizer = self._original_step = self._original_zero_grad = None
         self._shadowing = False
 
@@ -110,20 +106,13 @@ class StepCycle:
             return None
         result = original(*args, **kwargs)
         if self.unapplied:
-            if self.compression.has_scaled_state:
-                self.loss_scale.discover(self.optimizer)
-            self.staging.commit()
+            self.life.commit(self.optimizer)
         return result
-
-    @property
-    def staged(self) -> bool:
-        """The step's compressor state is staged (:class:`hvdcomp.step.Staging`)."""
-        return self.staging.staged
 
     @property
     def unapplied(self) -> bool:
         """A reduced step's state is staged and nobody applied it (yet)."""
-        return self.staging.staged and self.status is Status.SYNCED
+        return self.life.staged and self.status is Status.SYNCED
 
     def zeroed(self) -> None:
         """The attached optimizer zeroes the gradients: a reduced step not applied is discarded
@@ -154,7 +143,7 @@ class StepCycle:
     def needs_open(self, index: int) -> bool:
         """Whether bucket ``index`` starts a new step (the first bucket, or a backward after the
         last one was reduced)."""
-        return index == 0 or not self.staging.staged or self.status in (Status.SYNCED, Status.SKIPPED)
+        return index == 0 or not self.life.staged or self.status in (Status.SYNCED, Status.SKIPPED)
 
     def open(self) -> None:
         """A backward's first bucket: commit a reduced step not applied and not discarded (this
@@ -162,42 +151,35 @@ class StepCycle:
         state (once, :meth:`hvdcomp.agreement.StateAgreement.agree`), follow the loss scale, and
         stage this step's updates."""
         if self.unapplied:
-            self.staging.commit()
-        elif self.staging.staged:  # (a backward that never reached its last bucket)
+            self.life.commit()
+        elif self.life.staged:  # (a backward that never reached its last bucket)
             self._drop()
         self.status = Status.BACKWARD
         self.buckets = []
-        self.guard.reset()
-        if not self.state.agreed:
-            self.skipped_steps = self.state.agree(self.group, self.compression, self.skipped_steps, "hvdcomp.ddp")
-        factor = self.loss_scale.factor()
-        if factor is not None:
-            self.compression.rescale_state(factor)
-        self.staging.open()
+        self.life.guard.reset()
+        self.life.open(self.group, "hvdcomp.ddp")
 
     def agree(self) -> bool:
         """Whether the ranks skip this step (some rank's gradient was non-finite); raises under
         ``nonfinite="raise"`` (:meth:`hvdcomp.agreement.NonFiniteGuard.decide`). ``none``'s
         buckets are checked on their allreduced results, identical on every rank: a step of only
         those needs no exchange."""
-        loaded, self.state.loaded_since_step = self.state.loaded_since_step, False
+        restored, guard = self.life.restored, self.life.guard
+        loaded, restored.loaded_since_step = restored.loaded_since_step, False
         if self.nonfinite == "ignore":
             return False
         direct = [b.buffer for b in self.buckets if b.in_place]
         if direct:
-            self.guard.observe(direct, averaged=True)
+            guard.observe(direct, averaged=True)
         if len(direct) == len(self.buckets):  # (the results agree)
-            return self.guard.agree(lambda v: [list(v)], loaded, 1).skip
+            return guard.agree(lambda v: [list(v)], loaded, 1).skip
         with self.timer.phase("communicate") if self.group.size > 1 else contextlib.nullcontext():
-            return self.guard.decide(self.group, self.group, None, loaded, 1).skip
+            return guard.decide(self.group, self.group, None, loaded, 1).skip
 
     def skip(self) -> None:
         """Every rank skips: state rolled back, every result NaN (a GradScaler sees the overflow)."""
-        self.staging.rollback()
+        self.life.skip(b.buffer for b in self.buckets)
         self.status = Status.SKIPPED
-        self.skipped_steps += 1
-        for b in self.buckets:
-            b.buffer.fill_(float("nan"))
 
     def reduced(self) -> None:
         """The last bucket is reduced: the update waits to be applied (without an optimizer,
@@ -207,18 +189,18 @@ class StepCycle:
         if self.status is not Status.SKIPPED:
             self.status = Status.SYNCED
         if self.optimizer is None or self._shadowing:
-            self.staging.commit()
+            self.life.commit()
 
     def discard(self) -> None:
         """Drop the step in progress (an error, or a state loaded in the middle of it)."""
-        self.staging.rollback()
+        self.life.rollback()
         if self.status is not Status.SKIPPED:
             self.status = Status.IDLE
         self.buckets = []
-        self.guard.reset()
+        self.life.guard.reset()
 
     def _drop(self) -> None:
         """Roll back a reduced step that is discarded."""
-        self.staging.rollback()
+        self.life.rollback()
         self.status = Status.IDLE
 

@@ -184,11 +184,11 @@ class HookState:
 
     @property
     def skipped_steps(self) -> int:
-        return self._cycle.skipped_steps
+        return self._cycle.life.skipped_steps
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
-        self._cycle.skipped_steps = int(value)
+        self._cycle.life.skipped_steps = int(value)
 
     def describe(self) -> dict:
         """JSON-able summary: compressor, transport, group, granularity."""
@@ -300,7 +300,7 @@ class HookState:
         previous = cycle.buckets[-1] if cycle.buckets else None
         cycle.buckets.append(entry)
         if not entry.in_place:  # (none: checked on the allreduced results instead)
-            cycle.guard.observe([buffer])
+            cycle.life.guard.observe([buffer])
         self._path.start(entry, previous)
         if bucket.is_last():
             self._finish()
@@ -314,7 +314,7 @@ class HookState:
         try:
             path.wait(buckets)
             if self.kind is not None:  # a saturated payload is sent again, or reads NaN (overflowed)
-                cycle.guard.observe(path.check_saturation(buckets), averaged=True)
+                cycle.life.guard.observe(path.check_saturation(buckets), averaged=True)
             if cycle.agree():
                 cycle.skip()
             elif self.kind is None:
@@ -380,7 +380,7 @@ class HookState:
         self.compression.load_state_dict(state["compression"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self._layouts.load_state_dict(state.get("bucket_layouts", {}))
-        self._cycle.state.note_load()
+        self._cycle.life.restored.note_load()
 
     def __repr__(self) -> str:
         return f"HookState({self.compression!r}, {self.transport})"
