@@ -223,6 +223,11 @@ class Reducer:
         return self.current.status
 
     @property
+    def between_steps(self) -> bool:
+        """No step is in progress (nothing in flight, staged, or synchronized and not taken)."""
+        return not (self.busy or self.life.staged or self.current.synced)
+
+    @property
     def busy(self) -> bool:
         """Whether collectives are queued or in flight."""
         return self.pipe is not None and any(t.busy for t in self.pipe.transports)

@@ -48,13 +48,13 @@ class StepCycle:
     """The step in progress of one DDP hook.
 
     Args:
-        compression: the method whose state is staged (``begin_step`` / ``commit`` /
-            ``rollback``).
         group: the :class:`~hvdcomp.comm.torchdist.TorchDistGroup` the ranks agree in.
         nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"`` (:class:`hvdcomp.agreement.NonFiniteGuard`).
         grad_scaler: a ``torch.amp.GradScaler`` to follow, or None (found at the first applied
             step where the method keeps state in gradient units).
         timer: a :class:`hvdcomp.metrics.PhaseTimer` (the agreement's exchange is ``communicate``).
+        compression: the method whose state is staged (``begin_step`` / ``commit`` /
+            ``rollback``; the hook installs another where ``compression="auto"`` switches).
 
     Attributes:
         status: a :class:`hvdcomp.step.Status`.
@@ -63,10 +63,12 @@ class StepCycle:
             observes buffers as they come, restored state, the loss scale, ``skipped_steps``).
         backward_steps: synchronized backward passes reduced so far.
         optimizer: the attached optimizer, or None.
+        auto: ``compression="auto"``'s :class:`hvdcomp.auto.AutoState`, told of every step
+            committed (:meth:`~hvdcomp.auto.AutoState.boundary`) or dropped; else None.
     """
 
-    def __init__(self, compression, group, nonfinite: str, grad_scaler, timer):
-        self.compression, self.group, self.nonfinite, self.timer = compression, group, nonfinite, timer
+    def __init__(self, group, nonfinite: str, grad_scaler, timer, compression):
+        self.group, self.nonfinite, self.timer, self.auto = group, nonfinite, timer, None
         self.life, self.status = Lifecycle(compression, nonfinite, grad_scaler), Status.IDLE
         self.buckets: List[Bucket] = []
         self.backward_steps = 0
@@ -106,8 +108,14 @@ class StepCycle:
             return None
         result = original(*args, **kwargs)
         if self.unapplied:
-            self.life.commit(self.optimizer)
+            self._commit(self.optimizer)
         return result
+
+    def _commit(self, optimizer=None) -> None:
+        """The step counts: its state committed (a step boundary for ``auto``)."""
+        self.life.commit(optimizer)
+        if self.auto is not None:
+            self.auto.boundary()
 
     @property
     def unapplied(self) -> bool:
@@ -151,7 +159,7 @@ class StepCycle:
         state (once, :meth:`hvdcomp.agreement.StateAgreement.agree`), follow the loss scale, and
         stage this step's updates."""
         if self.unapplied:
-            self.life.commit()
+            self._commit()
         elif self.life.staged:  # (a backward that never reached its last bucket)
             self._drop()
         self.status = Status.BACKWARD
@@ -189,18 +197,18 @@ class StepCycle:
         if self.status is not Status.SKIPPED:
             self.status = Status.SYNCED
         if self.optimizer is None or self._shadowing:
-            self.life.commit()
+            self._commit()
 
     def discard(self) -> None:
         """Drop the step in progress (an error, or a state loaded in the middle of it)."""
-        self.life.rollback()
-        if self.status is not Status.SKIPPED:
-            self.status = Status.IDLE
+        self._drop(self.status if self.status is Status.SKIPPED else Status.IDLE)
         self.buckets = []
         self.life.guard.reset()
 
-    def _drop(self) -> None:
-        """Roll back a reduced step that is discarded."""
+    def _drop(self, status: Status = Status.IDLE) -> None:
+        """Roll back a step that is discarded (for ``auto``: its time is not a step's)."""
         self.life.rollback()
-        self.status = Status.IDLE
+        self.status = status
+        if self.auto is not None:
+            self.auto.discarded()
 

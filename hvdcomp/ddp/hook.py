@@ -70,6 +70,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
+from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
@@ -77,11 +78,12 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
+from ..auto import Auto, AutoState
 from ..comm.torchdist import TorchDistGroup
 from ..compressors.base import PayloadKind
 from ..compressors.segments import needs_draw_order
 from ..checks import check_bool, check_choice
-from ..config import check_method
+from ..config import Settings, check_method
 from ..launch import start_frontend
 from ..metrics import PhaseTimer
 from ..agreement import NONFINITE_MODES, check_consistency
@@ -127,6 +129,16 @@ class _ShadowingJoinHook(JoinHook):
         self.inner.post_hook(is_last_joiner)
 
 
+@dataclass
+class _Candidate:
+    """A method as the hook runs it: ``plan`` says how its payloads travel (for records)."""
+
+    compression: Any
+    plan: str
+    layouts: Layouts
+    path: BucketPath
+
+
 class HookState:
     """Everything the DDP hook keeps: the compressor, the group, the step in progress, the timer.
 
@@ -145,35 +157,58 @@ class HookState:
         timer: the :class:`hvdcomp.metrics.PhaseTimer` phases and bytes are recorded in.
         skipped_steps: steps skipped because some rank had a non-finite gradient.
         transport: one line saying how gradients travel, for logs and results.
+        auto: with ``compression="auto"``, its :class:`hvdcomp.auto.AutoState` (candidates,
+            ``decisions``), else None.
     """
 
     def __init__(self, ddp_model, compression, process_group, optimizer, granularity: str,
                  nonfinite: str, timer: Optional[PhaseTimer], grad_scaler, named_parameters,
-                 check_consistency: bool):
-        if getattr(compression, "name", None) == "auto":
-            raise TypeError("compression='auto' is chosen and switched by hvdcomp.reducer.Reducer, which "
-                            "hvdcomp.DistributedOptimizer and the training modes (hvdcomp.local) use; the DDP hook "
-                            "takes one method: give it a spec such as 'powersgd:matrix_rank=2'")
-        self.compression = compression
-        self.kind = bucket_kind(compression)
+                 check_consistency: bool, cost_model="measure"):
         self.group = TorchDistGroup(process_group)
-        compression.bind_group(self.group.size)
-        self.granularity = granularity
-        self.nonfinite = nonfinite
+        self.granularity, self.nonfinite, self.prefix = granularity, nonfinite, "hvdcomp.ddp"
         self.timer = timer if timer is not None else PhaseTimer()
-        # methods that draw at each call (QSGD, TernGrad, DGC, sampled top-k) compress one gradient
-        # per call in the expected backward order, so they draw what the Horovod front-end draws
-        fused = getattr(compression, "segmentable", False) and not needs_draw_order(compression)
-        self._layouts = Layouts(ddp_model.module, named_parameters, fused, granularity)
-        self._cycle = StepCycle(compression, self.group, nonfinite, grad_scaler, self.timer)
-        self._path = BucketPath(compression, self.group, self.timer,
-                                [n for n, _ in self._layouts.order])
-        self.transport = (f"torch.distributed {self.group.backend}: {describe(compression)}; "
-                          f"per DDP bucket, granularity {granularity}")
+        self._module, self._named = ddp_model.module, named_parameters
+        self._layouts = Layouts(ddp_model.module, named_parameters, False, granularity)
+        self.order = [p for _, p in self._layouts.order]
+        self.names = {p: n for n, p in self._layouts.order}
+        self._cycle = StepCycle(self.group, nonfinite, grad_scaler, self.timer, compression)
+        self.compression, self.auto, self._cost_model = compression, None, cost_model
         if check_consistency and self.group.size > 1:
             self._check_consistency()
+        if isinstance(compression, Auto):  # every candidate built; the first choice installed
+            if granularity != "tensor":
+                raise ValueError("compression='auto' carries each parameter's residual across a switch: use "
+                                 "granularity='tensor' (state per parameter), not 'bucket'")
+            self.settings = Settings.validate(None, nonfinite=nonfinite, cost_model=cost_model, granularity=granularity)
+            self.auto = self._cycle.auto = AutoState(compression, self, build=self._candidate)
+            self.install(self.auto.pipeline)
+        else:
+            self.install(self._candidate(0, compression))
         if optimizer is not None:
             self.attach(optimizer)
+
+    def _candidate(self, k: int, method, settings=None, gatherer=None) -> _Candidate:
+        """What the hook runs ``method`` with (its bucket layouts and path)."""
+        method.bind_group(self.group.size)
+        # methods that draw at each call (QSGD, TernGrad, DGC, sampled top-k) compress one gradient
+        # per call in the expected backward order, so they draw what the Horovod front-end draws
+        fused = getattr(method, "segmentable", False) and not needs_draw_order(method)
+        layouts = Layouts(self._module, self._named, fused, self.granularity)
+        return _Candidate(method, f"torch.distributed {self.group.backend}: {describe(method)}; per DDP bucket, "
+                                  f"granularity {self.granularity}",
+                          layouts, BucketPath(method, self.group, self.timer, [n for n, _ in layouts.order]))
+
+    def install(self, pipe: _Candidate) -> None:
+        """Run ``pipe``'s method from the next step on (between steps: ``compression="auto"``'s
+        switch, :class:`hvdcomp.auto.AutoState`)."""
+        self.pipe, self.compression, self.kind = pipe, pipe.compression, bucket_kind(pipe.compression)
+        self._layouts, self._path, self.transport = pipe.layouts, pipe.path, pipe.plan
+        self._cycle.life.use(pipe.compression)
+
+    @property
+    def between_steps(self) -> bool:
+        """No step's state is staged (``compression="auto"`` switches only then)."""
+        return not self._cycle.life.staged
 
     # ---- set-up ----------------------------------------------------------------------------------
     @property
@@ -193,7 +228,8 @@ class HookState:
     def describe(self) -> dict:
         """JSON-able summary: compressor, transport, group, granularity."""
         return {"compression": self.compression.describe(), "kind": None if self.kind is None else self.kind.value, "transport": self.transport,
-                "granularity": self.granularity, "nonfinite": self.nonfinite, **self.group.describe()}
+                "granularity": self.granularity, "nonfinite": self.nonfinite, **self.group.describe(),
+                **({"auto": self.auto.describe()} if self.auto is not None else {})}
 
     def _check_consistency(self) -> None:
         """Every rank must register the same method and settings on the same parameters
@@ -203,7 +239,7 @@ class HookState:
             ValueError: on every rank, naming the first differences.
         """
         mine = {"compression": {"class": type(self.compression).__name__, **self.compression.describe()},
-                "granularity": self.granularity, "nonfinite": self.nonfinite,
+                "granularity": self.granularity, "nonfinite": self.nonfinite, "cost_model": repr(self._cost_model),
                 "parameters": self._layouts.signature()}
         check_consistency(self.group, mine, "hvdcomp.ddp.consistency",
                           setup="the DDP hook's set-up (build the same model and call hvdcomp.ddp.register "
@@ -289,10 +325,13 @@ class HookState:
             raise TypeError("hvdcomp's DDP hook compresses dense gradient buckets; a sparse gradient "
                             "(Embedding(sparse=True)) reached it: use sparse=False, or the Horovod front-end "
                             "(hvdcomp.DistributedOptimizer), which makes sparse gradients dense")
-        cycle = self._cycle
+        cycle, auto = self._cycle, self.auto
+        t0 = auto.clock() if auto is not None else 0.0
         if cycle.needs_open(bucket.index()):
             cycle.open()
         layout = self._layouts.of(bucket)
+        if auto is not None:  # (a switch's carry into the gradients; a probe's copy of them)
+            auto.add_carry(zip(layout.names, layout.views(buffer)))
         devices = [buffer.device] if buffer.is_cuda else None
         raw = self._raw(layout, buffer)
         entry = Bucket(bucket.index(), buffer, layout, torch.futures.Future(devices=devices),
@@ -303,10 +342,12 @@ class HookState:
             cycle.life.guard.observe([buffer])
         self._path.start(entry, previous)
         if bucket.is_last():
-            self._finish()
+            self._finish(t0)
+        elif auto is not None:
+            auto.hook_s += auto.clock() - t0
         return entry.future
 
-    def _finish(self) -> None:
+    def _finish(self, t0: float) -> None:
         """The last bucket: wait, check for saturation (:meth:`BucketPath.check_saturation`), agree
         on the step, decompress every bucket, complete the futures."""
         cycle, path = self._cycle, self._path
@@ -328,6 +369,8 @@ class HookState:
             cycle.discard()
             raise
         path.count_bytes(buckets)
+        if self.auto is not None:  # (the last bucket, with the step's wait: auto's "synchronize")
+            self.auto.synced(self.auto.clock() - t0)
         cycle.reduced()
         for b in buckets:
             b.future.set_result(b.buffer)
@@ -365,7 +408,8 @@ class HookState:
         rank 0 only, in which case the shared part is shared at the first step and the other
         ranks' per-rank state starts fresh (as with the Horovod front-end)."""
         return {"compression": self.compression.state_dict(), "skipped_steps": self.skipped_steps,
-                "granularity": self.granularity, "bucket_layouts": self._layouts.state_dict()}
+                "granularity": self.granularity, "bucket_layouts": self._layouts.state_dict(),
+                **({"auto": self.auto.state_dict()} if self.auto is not None else {})}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Inverse of :meth:`state_dict`; drops a step in progress.
@@ -377,6 +421,8 @@ class HookState:
             raise ValueError(f"this hook state was saved with granularity={state['granularity']!r}; "
                              f"register the hook with the same granularity (now {self.granularity!r})")
         self._cycle.discard()
+        if self.auto is not None and "auto" in state:
+            self.auto.load_state_dict(state["auto"])  # (installs the saved choice)
         self.compression.load_state_dict(state["compression"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self._layouts.load_state_dict(state.get("bucket_layouts", {}))
@@ -411,7 +457,7 @@ def check_optimizer_of(ddp_model, optimizer) -> None:
 def register(ddp_model, compression="none", process_group=None, *, optimizer: Optional[torch.optim.Optimizer] = None,
              granularity: str = "tensor", nonfinite: str = "skip", timer: Optional[PhaseTimer] = None,
              grad_scaler=None, named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
-             check_consistency: bool = True) -> HookState:
+             check_consistency: bool = True, cost_model="measure") -> HookState:
     """Compress ``ddp_model``'s gradient buckets with an hvdcomp method (a DDP communication hook).
 
     Call it on every rank after wrapping the model in ``DistributedDataParallel`` and before the
@@ -441,6 +487,13 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
             the names the Horovod front-end is given); compressor state is keyed by them.
         check_consistency: verify (one object gather) that every rank registers the same method,
             settings and parameters.
+        cost_model: what prices ``compression="auto"``'s candidates: ``"measure"`` (default: α
+            and β measured by a few allgathers at registration) or ``(alpha_seconds,
+            beta_seconds_per_byte)`` (a link posed, the same on every rank); unused by a named
+            method. With ``"auto"`` (spec ``"auto[:...]"``, :class:`hvdcomp.auto.Auto`) the hook
+            chooses the method and switches it at step boundaries, every rank at the same step,
+            by the rule and with the records of the Horovod front-end (``state.auto.decisions``;
+            granularity ``"tensor"`` only).
 
     Returns:
         The :class:`HookState` (``.timer``, ``.compression``, ``.state_dict()``, ...).
@@ -486,7 +539,7 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
     if process_group is None:
         process_group = getattr(ddp_model, "process_group", None)
     state = HookState(ddp_model, compression, process_group, optimizer, granularity, nonfinite, timer,
-                      grad_scaler, named_parameters, check_consistency)
+                      grad_scaler, named_parameters, check_consistency, cost_model)
     ddp_model.register_comm_hook(state, hvdcomp_hook)
     state._watch(ddp_model)
     claim(compression, state)
