@@ -233,11 +233,6 @@ class Reducer:
         return self.pipe is not None and any(t.busy for t in self.pipe.transports)
 
     # ---- the step in progress ------------------------------------------------------------------
-    def _open(self) -> None:
-        """First compression of a step: agree on restored state (once), follow the loss scale,
-        stage the method's state."""
-        self.life.open(self.group, self.prefix, () if self.auto is None else (self.auto.rescale,))
-
     def discard(self) -> None:
         """The synchronized (or partly compressed) step will not be applied: roll its staged
         state back, so it leaves no trace.
@@ -258,10 +253,10 @@ class Reducer:
     def _start(self, u: int) -> None:
         """Hand unit ``u`` to its transport (compress, start the collective), once a step. The
         summed agreement (``none``) goes first, so it is issued at the same point on every rank."""
-        self._open()
+        self.life.open(self.group, self.prefix, () if self.auto is None else (self.auto.rescale,))  # (once a step)
         if self.pipe.summed_agreement and self._agreement is None:  # (fused with the gradients')
-            self._agreement = self.life.guard.launch_summed(self.group, self.life.restored.loaded_since_step, self.passes,
-                                                       f"{self.prefix}.agree")
+            self._agreement = self.life.guard.launch_summed(
+                self.group, self.life.restored.loaded_since_step, self.passes, f"{self.prefix}.agree")
         self.current.started[u] = True
         auto = self.auto
         if auto is None:
@@ -332,8 +327,8 @@ class Reducer:
             for t in pipe.transports:
                 t.finish()
             overflowed = [i for t in pipe.transports for u in t.overflowed_units() for i in pipe.units.members[u]]
-            self.life.guard.observe_gradients(self.order, only=None if pipe.summed_agreement else {*in_place, *overflowed},
-                                         averaged=True)
+            self.life.guard.observe_gradients(
+                self.order, only=None if pipe.summed_agreement else {*in_place, *overflowed}, averaged=True)
         step.restart(self.passes)
         ahead = self._agree()
         if ahead and pipe.deferred:  # agreed first: a skipped step runs no collective and changes no state

@@ -1,7 +1,6 @@
-"""One step's state: where the step is (:class:`Status`), the method's staged state
-(:class:`Staging`: the one place that opens, commits and rolls back a step of a method's state),
-the lifecycle every front-end drives it by (:class:`Lifecycle`), and the accumulation counters
-that tell when a unit's gradients are ready."""
+"""One step's state: where the step is (:class:`Status`), the one step lifecycle of every
+front-end (:class:`Lifecycle`: the one place that opens, commits and rolls back a step of a
+method's state), and the accumulation counters that tell when a unit's gradients are ready."""
 from __future__ import annotations
 
 import enum
@@ -12,7 +11,7 @@ import torch
 from .agreement import NonFiniteGuard, StateAgreement
 from .amp import LossScaleTracker
 
-__all__ = ["Status", "Staging", "Lifecycle", "StepState"]
+__all__ = ["Status", "Lifecycle", "StepState"]
 
 
 class Status(enum.Enum):
@@ -32,52 +31,15 @@ class Status(enum.Enum):
     CLOSED = "closed"
 
 
-class Staging:
-    """A method's state across one step (:class:`hvdcomp.compressors.state.StagedState`): opened at
-    the step's first compression, then committed when the step counts or rolled back when it does
-    not, so a skipped or discarded step leaves no trace. Every front-end drives its method's steps
-    through one of these: the :class:`~hvdcomp.reducer.Reducer` and the DDP hook through their
-    :class:`Lifecycle`, the adaptive optimizers' compressed allreduces directly.
-
-    Args:
-        method: the method (``begin_step`` / ``commit`` / ``rollback``).
-
-    Attributes:
-        staged: a step is open (its updates are staged).
-    """
-
-    __slots__ = ("method", "staged")
-
-    def __init__(self, method):
-        self.method, self.staged = method, False
-
-    def open(self) -> None:
-        """Open a step (nothing when one is open)."""
-        if not self.staged:
-            self.method.begin_step()
-            self.staged = True
-
-    def commit(self) -> None:
-        """The step counts: apply its staged updates (nothing when none is open)."""
-        if self.staged:
-            self.method.commit()
-            self.staged = False
-
-    def rollback(self) -> None:
-        """The step does not count: drop its staged updates (nothing when none is open)."""
-        if self.staged:
-            self.method.rollback()
-            self.staged = False
-
-
 class Lifecycle:
-    """The one step lifecycle of a method over a group, for every front-end that reduces
-    gradients step by step (the :class:`~hvdcomp.reducer.Reducer`, the DDP hook's
-    :class:`~hvdcomp.ddp.cycle.StepCycle`): a step is opened at its first compression
-    (:meth:`open`: restored state agreed on once, the loss scale followed, the method's state
-    staged), then committed when its update is applied (:meth:`commit`), rolled back when it is
-    discarded (:meth:`rollback`), or skipped on every rank when some rank's gradient was
-    non-finite (:meth:`skip`).
+    """The one step lifecycle of a method (:class:`hvdcomp.compressors.state.StagedState`), for
+    every front-end (the :class:`~hvdcomp.reducer.Reducer`, the DDP hook's
+    :class:`~hvdcomp.ddp.cycle.StepCycle`, the adaptive optimizers' compressed allreduces): a step
+    is opened at its first compression (:meth:`open` over a group: restored state agreed on once,
+    the loss scale followed; or :meth:`stage` alone), then committed when it counts
+    (:meth:`commit`), rolled back when it does not (:meth:`rollback`), or skipped on every rank
+    when some rank's gradient was non-finite (:meth:`skip`), so a skipped or discarded step
+    leaves no trace.
 
     Args:
         compression: the method (``begin_step`` / ``commit`` / ``rollback``, ``rescale_state``).
@@ -86,7 +48,7 @@ class Lifecycle:
             committed step where the method keeps state in gradient units).
 
     Attributes:
-        staging: the method's :class:`Staging`.
+        staged: a step is open (its updates are staged).
         guard: the per-step :class:`~hvdcomp.agreement.NonFiniteGuard`.
         restored: the :class:`~hvdcomp.agreement.StateAgreement` on restored state.
         loss_scale: the :class:`~hvdcomp.amp.LossScaleTracker`.
@@ -101,19 +63,20 @@ class Lifecycle:
 
     def use(self, compression) -> None:
         """Drive ``compression`` from the next step on (between steps: a switch of ``auto``)."""
-        self.compression, self.staging = compression, Staging(compression)
+        self.compression, self.staged = compression, False
 
-    @property
-    def staged(self) -> bool:
-        """A step is open (its updates are staged)."""
-        return self.staging.staged
+    def stage(self) -> None:
+        """Open a step of the method's state (nothing when one is open)."""
+        if not self.staged:
+            self.compression.begin_step()
+            self.staged = True
 
     def open(self, group, prefix: str, rescale: Iterable[Callable[[float], None]] = ()) -> None:
         """A step's first compression: agree with every rank on restored state (once, collective
         over ``group``, names prefixed ``prefix``), follow a loss-scale change (the method's
         state, and each of ``rescale``, times the factor), stage the method's state. Nothing
         when a step is open."""
-        if self.staging.staged:
+        if self.staged:
             return
         if not self.restored.agreed:
             self.skipped_steps = self.restored.agree(group, self.compression, self.skipped_steps, prefix)
@@ -122,24 +85,27 @@ class Lifecycle:
             self.compression.rescale_state(factor)
             for f in rescale:
                 f(factor)
-        self.staging.open()
+        self.stage()
 
     def commit(self, optimizer=None) -> None:
         """The step's update was applied: commit its staged state (with a method whose state is
         in gradient units, ``optimizer`` is where a ``GradScaler`` is looked for)."""
-        if self.staging.staged:
+        if self.staged:
             if optimizer is not None and self.compression.has_scaled_state:
                 self.loss_scale.discover(optimizer)
-            self.staging.commit()
+            self.compression.commit()
+            self.staged = False
 
     def rollback(self) -> None:
-        """The step will not be applied: drop its staged state (nothing when none is open)."""
-        self.staging.rollback()
+        """The step does not count: drop its staged state (nothing when none is open)."""
+        if self.staged:
+            self.compression.rollback()
+            self.staged = False
 
     def skip(self, tensors: Iterable[torch.Tensor]) -> None:
         """Every rank skips the step: its state rolled back, counted, and every one of ``tensors``
         NaN (as an allreduced Inf would be, so a ``GradScaler`` sees the overflow)."""
-        self.staging.rollback()
+        self.rollback()
         self.skipped_steps += 1
         for t in tensors:
             t.fill_(float("nan"))

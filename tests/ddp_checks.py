@@ -977,7 +977,8 @@ def check_auto():
         hook.auto.switch(0)
 
     def residuals():
-        return {n: e.detach().reshape(-1).clone() for mem in memories(hook.compression) for n, e in mem.committed.items()}
+        return {n: e.detach().reshape(-1).clone() for mem in memories(hook.compression)
+                for n, e in mem.committed.items()}
 
     def step(k):
         ref = copy.deepcopy(model.module)

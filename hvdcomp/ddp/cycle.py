@@ -3,21 +3,8 @@ step opens, commits, rolls back or skips the method's state, through the one ste
 every front-end (:class:`hvdcomp.step.Lifecycle`, as the :class:`~hvdcomp.reducer.Reducer`). What
 is DDP's own: a joined rank's shadow steps, and synchronized accumulation without ``no_sync``.
 
-A step's compressor updates are staged when its first bucket is compressed (``begin_step``) and
-committed when its reduction counts:
-
-* the optimizer applies the update (the attached ``optimizer.step``; without an optimizer, at the
-  step's last bucket);
-* the next synchronized backward starts while the gradients are still there (accumulation
-  without ``no_sync``: DDP adds that backward's gradients to these, so this reduction counts, as
-  it does for PyTorch's own hooks);
-* DDP's join runs it as a joined rank's shadow step (:meth:`StepCycle.shadowing`): that rank has nothing to
-  apply, and the other ranks commit the same step when they apply it.
-
-It is rolled back when it is discarded: the gradients were zeroed before the next forward
-(:meth:`StepCycle.forward_starts`) or by the attached ``optimizer.zero_grad()`` (:meth:`StepCycle.zeroed`), with no
-``step()`` between; a step some rank found non-finite, at once on every rank. The hook
-(:mod:`hvdcomp.ddp.hook`) drives it:
+When a step's state counts and when it does not is said in :mod:`hvdcomp.ddp.hook`; the hook
+drives the cycle:
 
 ================================ ========================= =================================================
 call                             from                      status after

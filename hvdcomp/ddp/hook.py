@@ -53,6 +53,11 @@ momenta, counters, generator states) are staged when its first bucket is compres
 * without an optimizer the state is committed when the last bucket is reduced (a finite step the
   training loop then discards still counts; non-finite steps still leave no trace).
 
+With ``compression="auto"`` (:mod:`hvdcomp.auto`) the hook runs one candidate at a time, each
+with its own bucket layouts and path, and switches at a committed step's boundary, every rank at
+the same step; a switch's carry (the old method's residuals) is added to each bucket's gradients
+before the new method compresses them.
+
 DDP's Python reducer (``torch._dynamo.config.optimize_ddp = "python_reducer"``, for compiled
 autograd) calls a comm hook once per parameter with ``(grad, param)`` from inside the traced
 backward and ignores its result: :func:`register` refuses such a model (use the default
@@ -82,16 +87,15 @@ from ..auto import Auto, AutoState
 from ..comm.torchdist import TorchDistGroup
 from ..compressors.base import PayloadKind
 from ..compressors.segments import needs_draw_order
-from ..checks import check_bool, check_choice
 from ..config import Settings, check_method
 from ..launch import start_frontend
 from ..metrics import PhaseTimer
-from ..agreement import NONFINITE_MODES, check_consistency
+from ..agreement import check_consistency
 from ..reducer import check_free, claim
 from ..spec import resolve_compression
 from .buckets import IN_PLACE_DTYPES, Bucket, BucketPath, bucket_kind, describe
 from .cycle import StepCycle
-from .layout import GRANULARITIES, BucketLayout, Layouts
+from .layout import BucketLayout, Layouts
 
 __all__ = ["HookState", "register", "hvdcomp_hook"]
 
@@ -161,25 +165,24 @@ class HookState:
             ``decisions``), else None.
     """
 
-    def __init__(self, ddp_model, compression, process_group, optimizer, granularity: str,
-                 nonfinite: str, timer: Optional[PhaseTimer], grad_scaler, named_parameters,
-                 check_consistency: bool, cost_model="measure"):
-        self.group = TorchDistGroup(process_group)
-        self.granularity, self.nonfinite, self.prefix = granularity, nonfinite, "hvdcomp.ddp"
-        self.timer = timer if timer is not None else PhaseTimer()
+    def __init__(self, ddp_model, compression, process_group, optimizer, settings: Settings, named_parameters):
+        if isinstance(compression, Auto) and settings.granularity != "tensor":
+            raise ValueError("compression='auto' carries each parameter's residual across a switch: use "
+                             "granularity='tensor' (state per parameter), not 'bucket'")
+        self.group, self.settings, self.prefix = TorchDistGroup(process_group), settings, "hvdcomp.ddp"
+        self.granularity, self.nonfinite = settings.granularity, settings.nonfinite
+        self.timer = settings.timer if settings.timer is not None else PhaseTimer()
         self._module, self._named = ddp_model.module, named_parameters
-        self._layouts = Layouts(ddp_model.module, named_parameters, False, granularity)
+        self._layouts = Layouts(ddp_model.module, named_parameters, False, self.granularity)
         self.order = [p for _, p in self._layouts.order]
         self.names = {p: n for n, p in self._layouts.order}
-        self._cycle = StepCycle(self.group, nonfinite, grad_scaler, self.timer, compression)
-        self.compression, self.auto, self._cost_model = compression, None, cost_model
-        if check_consistency and self.group.size > 1:
-            self._check_consistency()
+        self._cycle = StepCycle(self.group, self.nonfinite, settings.grad_scaler, self.timer, compression)
+        self.compression, self.auto = compression, None
+        if settings.check_consistency and self.group.size > 1:  # (before any other collective)
+            check_consistency(self.group, settings.signature(compression, self.names, self.order, self.prefix),
+                              "hvdcomp.ddp.consistency", setup="the DDP hook's set-up (build the same model and "
+                              "call hvdcomp.ddp.register with the same method and settings on every rank)")
         if isinstance(compression, Auto):  # every candidate built; the first choice installed
-            if granularity != "tensor":
-                raise ValueError("compression='auto' carries each parameter's residual across a switch: use "
-                                 "granularity='tensor' (state per parameter), not 'bucket'")
-            self.settings = Settings.validate(None, nonfinite=nonfinite, cost_model=cost_model, granularity=granularity)
             self.auto = self._cycle.auto = AutoState(compression, self, build=self._candidate)
             self.install(self.auto.pipeline)
         else:
@@ -227,23 +230,10 @@ class HookState:
 
     def describe(self) -> dict:
         """JSON-able summary: compressor, transport, group, granularity."""
-        return {"compression": self.compression.describe(), "kind": None if self.kind is None else self.kind.value, "transport": self.transport,
+        return {"compression": self.compression.describe(), "kind": self.kind and self.kind.value,
+                "transport": self.transport,
                 "granularity": self.granularity, "nonfinite": self.nonfinite, **self.group.describe(),
                 **({"auto": self.auto.describe()} if self.auto is not None else {})}
-
-    def _check_consistency(self) -> None:
-        """Every rank must register the same method and settings on the same parameters
-        (:func:`hvdcomp.agreement.check_consistency`).
-
-        Raises:
-            ValueError: on every rank, naming the first differences.
-        """
-        mine = {"compression": {"class": type(self.compression).__name__, **self.compression.describe()},
-                "granularity": self.granularity, "nonfinite": self.nonfinite, "cost_model": repr(self._cost_model),
-                "parameters": self._layouts.signature()}
-        check_consistency(self.group, mine, "hvdcomp.ddp.consistency",
-                          setup="the DDP hook's set-up (build the same model and call hvdcomp.ddp.register "
-                                "with the same method and settings on every rank)")
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Let ``optimizer.step()`` tell the hook that the step was applied (see the module
@@ -527,9 +517,8 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
     start_frontend("the DDP front-end (hvdcomp.ddp.register)", "torch.distributed",
                    dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
     compression = resolve_compression(compression)
-    check_choice(granularity, "granularity", GRANULARITIES)
-    check_choice(nonfinite, "nonfinite", NONFINITE_MODES)
-    check_consistency = check_bool(check_consistency, "check_consistency")
+    settings = Settings.validate(None, nonfinite=nonfinite, check_consistency=check_consistency, cost_model=cost_model,
+                                 granularity=granularity, grad_scaler=grad_scaler, timer=timer)
     if optimizer is not None:
         check_optimizer_of(ddp_model, optimizer)
     check_method(compression, None, granularity)
@@ -538,8 +527,7 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
         raise ValueError(PYTHON_REDUCER_FIX)
     if process_group is None:
         process_group = getattr(ddp_model, "process_group", None)
-    state = HookState(ddp_model, compression, process_group, optimizer, granularity, nonfinite, timer,
-                      grad_scaler, named_parameters, check_consistency, cost_model)
+    state = HookState(ddp_model, compression, process_group, optimizer, settings, named_parameters)
     ddp_model.register_comm_hook(state, hvdcomp_hook)
     state._watch(ddp_model)
     claim(compression, state)
