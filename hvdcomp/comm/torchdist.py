@@ -132,22 +132,11 @@ class TorchDistGroup(ProcessGroup):
         return self._p2p
 
     # ---- asynchronous collectives (work handles: ``.wait()``) ---------------------------------------
-    def all_reduce_async(self, tensor: torch.Tensor):
-        """Start a summed ``all_reduce`` of ``tensor`` in place."""
-        retain(tensor)  # (every tensor handed to a collective: held until the backend lets go, retain.py)
-        return self.dist.all_reduce(tensor, group=self.process_group, async_op=True)
-
     def all_gather_into_async(self, out: torch.Tensor, tensor: torch.Tensor):
         """Start gathering every rank's ``tensor`` (same size everywhere) into the 1-D ``out`` of
         ``size`` times its size, in rank order."""
-        retain(out, tensor)
+        retain(out, tensor)  # (every tensor handed to a collective: held until the backend lets go, retain.py)
         return self._gather_into(out, tensor, group=self.process_group, async_op=True)
-
-    def all_gather_async(self, pieces: List[torch.Tensor], tensor: torch.Tensor):
-        """Start gathering every rank's ``tensor`` (same size everywhere) into ``pieces`` (one per
-        rank)."""
-        retain(*pieces, tensor)
-        return self.dist.all_gather(pieces, tensor, group=self.process_group, async_op=True)
 
     # ---- small blocking collectives -----------------------------------------------------------------
     def allgather_ints(self, values: Sequence[int], name: Optional[str] = None) -> List[List[int]]:

@@ -15,12 +15,12 @@ kind                collectives on the group                                    
 ==================  ===========================================================  ====================
 ``MEAN``, raw       the bucket itself, as DDP's own path: ÷N, then a summed      ``none`` (float32,
                     ``all_reduce`` in place (bit-identical to DDP without a      float64)
-                    hook); on half-precision buckets (the first backward of
-                    granularity ``"bucket"``), the bucket as float32, summed, ÷N
-``MEAN``            summed ``all_reduce`` of the payload (one per dtype), then   fp16, bf16, ...
+                    hook); a half-precision bucket (the first backward of
+                    granularity ``"bucket"``) as float32, summed, then ÷N
+``MEAN``            summed ``all_reduce`` of the payload (one per dtype), then   fp16, random-k, ...
                     ÷N (Horovod's ``op=Average``); ``decode`` of the mean
 ``SUM``             summed ``all_reduce``; ``decode`` receives the sum (votes)   signsgd
-``GATHERED``        the group's allgatherer (counts, then every rank's payload   top-k, DGC, QSGD, ...
+``GATHERED``        the group's allgatherer (counts, then every rank's payload   top-k, DGC, bf16, ...
                     padded to the largest rank's row); aggregated on every rank
 None                the method's own step-wide collectives (the group's          PowerSGD, gtopk, ...
                     ``StepComm``) once per step, at the last bucket
@@ -75,7 +75,6 @@ class Bucket:
     """One bucket of the step in progress.
 
     Attributes:
-        index: ``bucket.index()``.
         buffer: the bucket's flat 1-D gradient buffer; the averaged result is written into it.
         layout: its :class:`~hvdcomp.ddp.layout.BucketLayout`.
         future: the ``torch.futures.Future`` returned to DDP.
@@ -96,7 +95,6 @@ class Bucket:
             ``ctxs``; None where the method reported the unit overflowed (its view reads NaN).
     """
 
-    index: int
     buffer: torch.Tensor
     layout: BucketLayout
     future: Any
@@ -152,7 +150,7 @@ class BucketPath:
             entry.received += nbytes
 
     # ---- during backward -----------------------------------------------------------------------------
-    def start(self, entry: Bucket, previous: Optional[Bucket]) -> None:
+    def start(self, entry: Bucket) -> None:
         """Compress ``entry`` and start its collectives (a step-wide method: nothing before the
         last bucket; a gather's data starts once its counts are in, at the next gather or the
         last bucket: :class:`~hvdcomp.comm.torchdist.TorchDistAllgatherer`)."""

@@ -172,8 +172,8 @@ class HookState:
         self.group, self.settings, self.prefix = TorchDistGroup(process_group), settings, "hvdcomp.ddp"
         self.granularity, self.nonfinite = settings.granularity, settings.nonfinite
         self.timer = settings.timer if settings.timer is not None else PhaseTimer()
-        self._module, self._named = ddp_model.module, named_parameters
-        self._layouts = Layouts(ddp_model.module, named_parameters, False, self.granularity)
+        self._module, self._named = ddp_model.module, None if named_parameters is None else list(named_parameters)
+        self._layouts = Layouts(ddp_model.module, self._named, False, self.granularity)
         self.order = [p for _, p in self._layouts.order]
         self.names = {p: n for n, p in self._layouts.order}
         self._cycle = StepCycle(self.group, self.nonfinite, settings.grad_scaler, self.timer, compression)
@@ -324,13 +324,12 @@ class HookState:
             auto.add_carry(zip(layout.names, layout.views(buffer)))
         devices = [buffer.device] if buffer.is_cuda else None
         raw = self._raw(layout, buffer)
-        entry = Bucket(bucket.index(), buffer, layout, torch.futures.Future(devices=devices),
+        entry = Bucket(buffer, layout, torch.futures.Future(devices=devices),
                        PayloadKind.MEAN if raw else self.kind, raw)
-        previous = cycle.buckets[-1] if cycle.buckets else None
         cycle.buckets.append(entry)
         if not entry.in_place:  # (none: checked on the allreduced results instead)
             cycle.life.guard.observe([buffer])
-        self._path.start(entry, previous)
+        self._path.start(entry)
         if bucket.is_last():
             self._finish(t0)
         elif auto is not None:
