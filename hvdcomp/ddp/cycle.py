@@ -152,7 +152,7 @@ class StepCycle:
         self.status = Status.BACKWARD
         self.buckets = []
         self.life.guard.reset()
-        self.life.open(self.group, "hvdcomp.ddp")
+        self.life.open(self.group, "hvdcomp.ddp", () if self.auto is None else (self.auto.rescale,))
 
     def agree(self) -> bool:
         """Whether the ranks skip this step (some rank's gradient was non-finite); raises under
