@@ -454,17 +454,21 @@ def _one_rank_comm() -> StepComm:
 
 
 class AutoState:
-    """``auto`` inside a :class:`~hvdcomp.reducer.Reducer`: every candidate's pipeline, the step
-    clock, the probes and windows, the carry of a switch, and the :class:`Policy`.
+    """``auto`` inside a front-end: every candidate's pipeline, the step clock, the probes and
+    windows, the carry of a switch, and the :class:`Policy`.
 
-    Built by the reducer (collective: every rank builds the same pipelines, and measures the link
-    unless a cost model is given). The reducer calls :meth:`prepare` before a unit starts,
-    :meth:`synced` after ``synchronize``, :meth:`boundary` once a step is applied,
-    :meth:`discarded` when one is not.
+    Built by the front-end (collective: every rank builds the same pipelines, and measures the
+    link unless a cost model is given): the :class:`~hvdcomp.reducer.Reducer`, or the DDP hook
+    (:class:`hvdcomp.ddp.hook.HookState`). It calls :meth:`prepare` (or :meth:`add_carry`) before
+    gradients are compressed, :meth:`synced` after the step's wait, :meth:`boundary` once a step
+    is applied, :meth:`discarded` when one is not.
 
     Args:
         auto: the :class:`Auto` settings.
-        reducer: the reducer (its group, settings, parameters, timer and prefix).
+        reducer: the front-end: its ``group``, ``settings``, ``order``, ``names``, ``timer``,
+            ``prefix``, ``pipe`` (the candidate in use), ``install(pipe)`` and ``between_steps``.
+        build: ``f(k, method, settings, gatherer)`` -> candidate ``k``'s pipeline (its
+            ``compression`` and ``plan``); default :func:`hvdcomp.assembly.assemble`'s.
 
     Attributes:
         pipelines: one :class:`hvdcomp.assembly.Pipeline` per candidate left in.
@@ -478,11 +482,16 @@ class AutoState:
             candidate left.
     """
 
-    def __init__(self, auto: Auto, reducer):
+    def __init__(self, auto: Auto, reducer, build=None):
         from dataclasses import replace
 
         from .assembly import assemble
         from .config import check_method
+
+        if build is None:
+            def build(k, method, planned, gatherer):
+                return assemble(planned, method, reducer.group, reducer.order, reducer.names,
+                                f"{reducer.prefix}.auto{k}", reducer.timer, gatherer=gatherer)
 
         self.auto, self.reducer, self.clock = auto, reducer, auto.clock
         group, settings = reducer.group, reducer.settings
@@ -519,8 +528,7 @@ class AutoState:
             raise ValueError(f"compression='auto': no candidate can run in this job ({self.excluded})")
         self.labels = [s for s, _ in kept]
         planned = replace(settings, cost_model=model, transport="planned")
-        self.pipelines = [assemble(planned, method, group, self.order, self.names, f"{reducer.prefix}.auto{k}",
-                                   reducer.timer, gatherer=self.gatherer) for k, (_, method) in enumerate(kept)]
+        self.pipelines = [build(k, method, planned, self.gatherer) for k, (_, method) in enumerate(kept)]
         fresh = dict(zip(auto.candidates, auto.instances()))
         self.shadows = [fresh[label] for label in self.labels]  # one-rank copies for the probes
         for s in self.shadows:
@@ -595,16 +603,18 @@ class AutoState:
     def prepare(self, u: int) -> None:
         """Unit ``u`` is about to be compressed: add the carry of a switch into its gradients, and
         in a probe step keep a copy of them."""
-        pipe = self.pipeline
-        for i in pipe.units.members[u]:
-            p = self.order[i]
-            name = self.names[p]
+        units = self.pipeline.units
+        self.add_carry((self.names[self.order[i]], units.gradient(self.order[i])) for i in units.members[u])
+
+    def add_carry(self, named) -> None:
+        """``(name, gradient)`` pairs about to be compressed: add the carry of a switch into each
+        gradient (in place), and in a probe step keep a copy of it."""
+        for name, g in named:
             carry = self.carry.get(name)
             if carry is not None:
-                g = pipe.units.gradient(p)
-                g.add_(carry.to(g.dtype))
+                g.add_(carry.to(g.dtype).reshape(g.shape))
             if self.snapshot is not None:
-                self.snapshot[name] = pipe.units.gradient(p).detach().clone()
+                self.snapshot[name] = g.detach().clone()
 
     def rescale(self, factor: float) -> None:
         """The loss scale changed by ``factor``: the carry is in gradient units too."""
@@ -758,7 +768,7 @@ class AutoState:
             AssertionError: a step is in progress.
         """
         reducer = self.reducer
-        if reducer.busy or reducer.staging.staged or reducer.current.synced:
+        if not reducer.between_steps:
             raise AssertionError("auto: a method is switched between steps only (after step() applied one)")
         old = reducer.pipe
         for name, e in self.take_residuals(old).items():
@@ -772,7 +782,7 @@ class AutoState:
         out: Dict[str, torch.Tensor] = {}
         for mem in memories(pipe.compression):
             for name, e in mem.committed.items():
-                members = pipe.plan.units.get(name, [name])
+                members = getattr(pipe.plan, "units", {}).get(name, [name])
                 flat, start = e.detach().reshape(-1), 0
                 for member in members:
                     p = self.by_name[member]

@@ -82,11 +82,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     @property
     def skipped_steps(self) -> int:
         """Steps skipped on every rank because some rank had a non-finite gradient."""
-        return self.reducer.skipped_steps
+        return self.reducer.life.skipped_steps
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
-        self.reducer.skipped_steps = int(value)
+        self.reducer.life.skipped_steps = int(value)
 
     # ---- synchronisation ----------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -179,7 +179,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize(). This is prohibited "
                                  "as it can cause a race condition.")
-        if reducer.current.synced or reducer.staging.staged:
+        if reducer.current.synced or reducer.life.staged:
             reducer.discard()
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 

@@ -40,12 +40,11 @@ from typing import Dict, List, Optional
 import torch
 
 from .agreement import NonFiniteGuard, StateAgreement, check_consistency
-from .amp import LossScaleTracker
 from .assembly import assemble
 from .auto import Auto, AutoState
 from .comm.group import elastic_world, world_changed
 from .plan import TransportPlan
-from .step import Staging, Status, StepState
+from .step import Lifecycle, Status, StepState
 
 __all__ = ["Reducer", "check_free", "claim", "release"]
 
@@ -103,7 +102,8 @@ class Reducer:
         auto: with ``compression="auto"`` (:class:`hvdcomp.auto.Auto`), its
             :class:`hvdcomp.auto.AutoState` (candidates, decisions); else None. Its decisions
             take effect at step boundaries (:meth:`commit`), never within a step.
-        skipped_steps: steps skipped on every rank for a non-finite gradient somewhere.
+        life: the step lifecycle (:class:`hvdcomp.step.Lifecycle`: staged state, the non-finite
+            guard, restored state, the loss scale, ``skipped_steps``).
         active: whether anything is reduced (False outside the group, and for a job of one rank
             whose method leaves gradients as they are).
         status: where the step is (:class:`hvdcomp.step.Status`).
@@ -121,9 +121,8 @@ class Reducer:
         self.passes = settings.backward_passes_per_step
         self.nonfinite = settings.nonfinite
         self.position = {id(p): i for i, p in enumerate(order)}  # (no tensor hashing per hook)
-        self.guard, self.restored = NonFiniteGuard(self.nonfinite), StateAgreement()
-        self.loss_scale = LossScaleTracker(settings.grad_scaler)
-        self.skipped_steps, self.cost_model, self.pipe, self._agreement = 0, None, None, None
+        self.life = Lifecycle(compression, self.nonfinite, settings.grad_scaler)
+        self.cost_model, self.pipe, self._agreement = None, None, None
         self.auto: Optional[AutoState] = None
         self.elastic = elastic_world(group, "the reduction")
         if self.elastic and isinstance(compression, Auto):
@@ -145,7 +144,7 @@ class Reducer:
         self.pipe, self._agreement = None, None
         self.transport = TransportPlan({names[p]: "local" for p in order})
         self.current = StepState([[i] for i in range(len(order))], self.passes)
-        self.staging = Staging(compression)
+        self.life.use(compression)
         # as Horovod: processes outside the group train locally, and a job of one rank without
         # compression leaves the gradients exactly as backward made them
         self.active = group.included and not (group.size == 1 and getattr(compression, "payload_is_gradient", False))
@@ -185,13 +184,12 @@ class Reducer:
             raise ValueError("compression='auto' cannot follow a change of the world size: name the method")
         for t in (self.pipe.transports if self.pipe is not None else []):
             t.reset()
-        self.staging.rollback()
+        self.life.rollback()
         if self.pipe is not None and self.pipe.gatherer is not None:
             self.pipe.gatherer.close()
         self.group = group
-        self.guard = NonFiniteGuard(self.nonfinite)
-        self.restored = StateAgreement()
-        self.restored.loaded = True  # this rank holds state: new ranks take the shared part from it
+        self.life.guard, self.life.restored = NonFiniteGuard(self.nonfinite), StateAgreement()
+        self.life.restored.loaded = True  # this rank holds state: new ranks take the shared part from it
         self.pending = True
         self._setup()
 
@@ -199,7 +197,7 @@ class Reducer:
         """Build the pipeline if :meth:`resize` (or an elastic start) left it pending; under
         elastic Horovod, a world that changed without :meth:`resize` (no reset callback) is
         noticed here by its size or this rank's number, and followed the same way."""
-        if self.elastic and not self.pending and self.current.status is Status.IDLE and not self.staging.staged \
+        if self.elastic and not self.pending and self.current.status is Status.IDLE and not self.life.staged \
                 and world_changed(self.group):
             self.resize(type(self.group)(self.group.process_set))
         if self.pending:
@@ -213,11 +211,16 @@ class Reducer:
         self.compression, self.transport = pipe.compression, pipe.plan
         self.cost_model = pipe.cost_model if self.auto is None else self.auto.cost_model
         self.current = StepState(pipe.units.members, self.passes, pipe.draw_order)
-        self.staging = Staging(self.compression)
+        self.life.use(self.compression)
 
     @property
     def status(self) -> Status:
         return self.current.status
+
+    @property
+    def between_steps(self) -> bool:
+        """No step is in progress (nothing in flight, staged, or synchronized and not taken)."""
+        return not (self.busy or self.life.staged or self.current.synced)
 
     @property
     def busy(self) -> bool:
@@ -225,20 +228,6 @@ class Reducer:
         return self.pipe is not None and any(t.busy for t in self.pipe.transports)
 
     # ---- the step in progress ------------------------------------------------------------------
-    def _open(self) -> None:
-        """First compression of a step: agree on restored state (once), follow the loss scale,
-        stage the method's state."""
-        if self.staging.staged:
-            return
-        if not self.restored.agreed:
-            self.skipped_steps = self.restored.agree(self.group, self.compression, self.skipped_steps, self.prefix)
-        factor = self.loss_scale.factor()
-        if factor is not None:
-            self.compression.rescale_state(factor)
-            if self.auto is not None:
-                self.auto.rescale(factor)
-        self.staging.open()
-
     def discard(self) -> None:
         """The synchronized (or partly compressed) step will not be applied: roll its staged
         state back, so it leaves no trace.
@@ -249,20 +238,20 @@ class Reducer:
         if self.busy:
             raise AssertionError("a step was discarded while collectives were in flight; call "
                                  "optimizer.synchronize() first")
-        self.staging.rollback()
+        self.life.rollback()
         if self.current.status is not Status.CLOSED:
             self.current.status = Status.IDLE
-        self.guard.reset()
+        self.life.guard.reset()
         if self.auto is not None:
             self.auto.discarded()
 
     def _start(self, u: int) -> None:
         """Hand unit ``u`` to its transport (compress, start the collective), once a step. The
         summed agreement (``none``) goes first, so it is issued at the same point on every rank."""
-        self._open()
+        self.life.open(self.group, self.prefix, () if self.auto is None else (self.auto.rescale,))  # (once a step)
         if self.pipe.summed_agreement and self._agreement is None:  # (fused with the gradients')
-            self._agreement = self.guard.launch_summed(self.group, self.restored.loaded_since_step, self.passes,
-                                                       f"{self.prefix}.agree")
+            self._agreement = self.life.guard.launch_summed(
+                self.group, self.life.restored.loaded_since_step, self.passes, f"{self.prefix}.agree")
         self.current.started[u] = True
         auto = self.auto
         if auto is None:
@@ -328,13 +317,13 @@ class Reducer:
         in_place = set() if pipe.summed_agreement else {pipe.units.members[u][0] for t in pipe.transports
                                                         for u in t.in_place_units() if len(pipe.units.members[u]) == 1}
         if not pipe.summed_agreement:
-            self.guard.observe_gradients(self.order, exclude=in_place)
+            self.life.guard.observe_gradients(self.order, exclude=in_place)
         if not pipe.deferred:
             for t in pipe.transports:
                 t.finish()
             overflowed = [i for t in pipe.transports for u in t.overflowed_units() for i in pipe.units.members[u]]
-            self.guard.observe_gradients(self.order, only=None if pipe.summed_agreement else {*in_place, *overflowed},
-                                         averaged=True)
+            self.life.guard.observe_gradients(
+                self.order, only=None if pipe.summed_agreement else {*in_place, *overflowed}, averaged=True)
         step.restart(self.passes)
         ahead = self._agree()
         if ahead and pipe.deferred:  # agreed first: a skipped step runs no collective and changes no state
@@ -351,17 +340,13 @@ class Reducer:
         if self.nonfinite == "ignore":
             return True
         with self.timer.phase("communicate") if self.group.size > 1 else contextlib.nullcontext():
-            verdict = self.guard.decide(self.group, self.pipe.gatherer, self._agreement,
-                                        self.restored.loaded_since_step, self.passes)
-        self._agreement, self.restored.loaded_since_step = None, False
+            verdict = self.life.guard.decide(self.group, self.pipe.gatherer, self._agreement,
+                                             self.life.restored.loaded_since_step, self.passes)
+        self._agreement, self.life.restored.loaded_since_step = None, False
         if not verdict.skip:
             return True
-        self.staging.rollback()
+        self.life.skip(p.grad for p in self.order if p.grad is not None)
         self.current.status = Status.SKIPPED
-        self.skipped_steps += 1
-        for p in self.order:
-            if p.grad is not None:
-                p.grad.fill_(float("nan"))
         return False
 
     def take(self) -> bool:
@@ -385,10 +370,7 @@ class Reducer:
     def commit(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """The step's update was applied: commit its compressor state (with a method whose state
         is in gradient units, ``optimizer`` is where a ``GradScaler`` is looked for)."""
-        if self.staging.staged:
-            if self.compression.has_scaled_state and optimizer is not None:
-                self.loss_scale.discover(optimizer)
-            self.staging.commit()
+        self.life.commit(optimizer)
         if self.auto is not None:  # a step boundary: auto measures, and may decide and switch
             self.auto.boundary()
 
@@ -401,7 +383,7 @@ class Reducer:
     def state_dict(self) -> dict:
         """The method's state and the skipped-step count (tensors, numbers and strings only); with
         ``auto``, also every candidate's state, the choice and the carry (under ``"auto"``)."""
-        state = {"compression": self.compression.state_dict(), "skipped_steps": self.skipped_steps}
+        state = {"compression": self.compression.state_dict(), "skipped_steps": self.life.skipped_steps}
         if self.auto is not None:
             state["auto"] = self.auto.state_dict()
         return state
@@ -421,8 +403,8 @@ class Reducer:
             if self.auto is not None and "auto" in state:
                 self.auto.load_state_dict(state["auto"])  # (installs the saved choice)
             self.compression.load_state_dict(state["compression"])
-            self.skipped_steps = int(state.get("skipped_steps", 0))
-            self.restored.note_load()
+            self.life.skipped_steps = int(state.get("skipped_steps", 0))
+            self.life.restored.note_load()
 
     def close(self) -> None:
         """Stop the allgather's background thread (the reducer no longer communicates)."""

@@ -1,12 +1,17 @@
-"""One step's state: where the step is (:class:`Status`), the method's staged state
-(:class:`Staging`: the one place that opens, commits and rolls back a step of a method's state,
-for every front-end), and the accumulation counters that tell when a unit's gradients are ready."""
+"""One step's state: where the step is (:class:`Status`), the one step lifecycle of every
+front-end (:class:`Lifecycle`: the one place that opens, commits and rolls back a step of a
+method's state), and the accumulation counters that tell when a unit's gradients are ready."""
 from __future__ import annotations
 
 import enum
-from typing import List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
-__all__ = ["Status", "Staging", "StepState"]
+import torch
+
+from .agreement import NonFiniteGuard, StateAgreement
+from .amp import LossScaleTracker
+
+__all__ = ["Status", "Lifecycle", "StepState"]
 
 
 class Status(enum.Enum):
@@ -26,42 +31,84 @@ class Status(enum.Enum):
     CLOSED = "closed"
 
 
-class Staging:
-    """A method's state across one step (:class:`hvdcomp.compressors.state.StagedState`): opened at
-    the step's first compression, then committed when the step counts or rolled back when it does
-    not, so a skipped or discarded step leaves no trace. Every front-end (the
-    :class:`~hvdcomp.reducer.Reducer`, the DDP hook's :class:`~hvdcomp.ddp.cycle.StepCycle`, the
-    adaptive optimizers' compressed allreduces) drives its method's steps through one of these.
+class Lifecycle:
+    """The one step lifecycle of a method (:class:`hvdcomp.compressors.state.StagedState`), for
+    every front-end (the :class:`~hvdcomp.reducer.Reducer`, the DDP hook's
+    :class:`~hvdcomp.ddp.cycle.StepCycle`, the adaptive optimizers' compressed allreduces): a step
+    is opened at its first compression (:meth:`open` over a group: restored state agreed on once,
+    the loss scale followed; or :meth:`stage` alone), then committed when it counts
+    (:meth:`commit`), rolled back when it does not (:meth:`rollback`), or skipped on every rank
+    when some rank's gradient was non-finite (:meth:`skip`), so a skipped or discarded step
+    leaves no trace.
 
     Args:
-        method: the method (``begin_step`` / ``commit`` / ``rollback``).
+        compression: the method (``begin_step`` / ``commit`` / ``rollback``, ``rescale_state``).
+        nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"`` (:class:`hvdcomp.agreement.NonFiniteGuard`).
+        grad_scaler: a ``torch.amp.GradScaler`` to follow, or None (then found at the first
+            committed step where the method keeps state in gradient units).
 
     Attributes:
         staged: a step is open (its updates are staged).
+        guard: the per-step :class:`~hvdcomp.agreement.NonFiniteGuard`.
+        restored: the :class:`~hvdcomp.agreement.StateAgreement` on restored state.
+        loss_scale: the :class:`~hvdcomp.amp.LossScaleTracker`.
+        skipped_steps: steps skipped on every rank for a non-finite gradient somewhere.
     """
 
-    __slots__ = ("method", "staged")
+    def __init__(self, compression, nonfinite: str, grad_scaler=None):
+        self.nonfinite, self.skipped_steps = nonfinite, 0
+        self.guard, self.restored = NonFiniteGuard(nonfinite), StateAgreement()
+        self.loss_scale = LossScaleTracker(grad_scaler)
+        self.use(compression)
 
-    def __init__(self, method):
-        self.method, self.staged = method, False
+    def use(self, compression) -> None:
+        """Drive ``compression`` from the next step on (between steps: a switch of ``auto``)."""
+        self.compression, self.staged = compression, False
 
-    def open(self) -> None:
-        """Open a step (nothing when one is open)."""
+    def stage(self) -> None:
+        """Open a step of the method's state (nothing when one is open)."""
         if not self.staged:
-            self.method.begin_step()
+            self.compression.begin_step()
             self.staged = True
 
-    def commit(self) -> None:
-        """The step counts: apply its staged updates (nothing when none is open)."""
+    def open(self, group, prefix: str, rescale: Iterable[Callable[[float], None]] = ()) -> None:
+        """A step's first compression: agree with every rank on restored state (once, collective
+        over ``group``, names prefixed ``prefix``), follow a loss-scale change (the method's
+        state, and each of ``rescale``, times the factor), stage the method's state. Nothing
+        when a step is open."""
         if self.staged:
-            self.method.commit()
+            return
+        if not self.restored.agreed:
+            self.skipped_steps = self.restored.agree(group, self.compression, self.skipped_steps, prefix)
+        factor = self.loss_scale.factor()
+        if factor is not None:
+            self.compression.rescale_state(factor)
+            for f in rescale:
+                f(factor)
+        self.stage()
+
+    def commit(self, optimizer=None) -> None:
+        """The step's update was applied: commit its staged state (with a method whose state is
+        in gradient units, ``optimizer`` is where a ``GradScaler`` is looked for)."""
+        if self.staged:
+            if optimizer is not None and self.compression.has_scaled_state:
+                self.loss_scale.discover(optimizer)
+            self.compression.commit()
             self.staged = False
 
     def rollback(self) -> None:
-        """The step does not count: drop its staged updates (nothing when none is open)."""
+        """The step does not count: drop its staged state (nothing when none is open)."""
         if self.staged:
-            self.method.rollback()
+            self.compression.rollback()
             self.staged = False
+
+    def skip(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Every rank skips the step: its state rolled back, counted, and every one of ``tensors``
+        NaN (as an allreduced Inf would be, so a ``GradScaler`` sees the overflow)."""
+        self.rollback()
+        self.skipped_steps += 1
+        for t in tensors:
+            t.fill_(float("nan"))
 
 
 class StepState:

@@ -181,9 +181,9 @@ def parse_args(argv=None):
             and not args.gossip and args.optimizer not in OPTIMIZERS):
         p.error("--transport auto is the Horovod front-end's (and the training modes'); the DDP hook takes the "
                 "method as given: drop --transport auto, or use --frontend horovod")
-    if args.compressor.split(":")[0] == "auto" and (args.gossip or (args.frontend == "ddp" and not args.local_steps)):
-        p.error("--compressor auto is chosen by the Horovod front-end's reducer (and the local-update modes'): "
-                "use --frontend horovod (or --local-steps), not --gossip or the DDP hook")
+    if args.compressor.split(":")[0] == "auto" and args.gossip:
+        p.error("--compressor auto is chosen by the per-step front-ends (Horovod's reducer, the DDP hook) and the "
+                "local-update modes: not --gossip")
     if sum(bool(x) for x in (args.gossip, args.ab_training is not None, args.local_steps,
                              args.optimizer in OPTIMIZERS)) > 1:
         p.error("--gossip, --ab-training, --local-steps and an hvdcomp.adaptive_opt --optimizer are training "
@@ -265,7 +265,8 @@ def build_optimizer(args, model, compressor, device):
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                       bucket_cap_mb=args.bucket_mb)
         opt = inner_optimizer(args, model.parameters())
-        return ddp, opt, hvdcomp.ddp.register(ddp, compressor, optimizer=opt, granularity=args.granularity)
+        return ddp, opt, hvdcomp.ddp.register(ddp, compressor, optimizer=opt, granularity=args.granularity,
+                                              cost_model=args.cost_model)
     pipeline = dict(allgather=args.allgather, bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
                     cost_model=args.cost_model, granularity=args.granularity, transport=args.transport)
     if args.local_steps:

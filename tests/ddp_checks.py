@@ -22,6 +22,9 @@ Checks (each raises on failure on every rank; the oracle is named in its docstri
   errors            bad set-ups raise clearly on every rank (no hang)
   nonfinite-names   a NaN on one rank: its error names that rank (top-k), or none where averaged in place
   no-horovod        (run with horovod unimportable) the Horovod front-end names the fix; topk trains
+  auto              (2 ranks) compression="auto" through the hook: a posed slow link compresses, a fast one
+                    stays dense, with the closed-form prices and decisions of tests/mpi/auto_checks.py (the
+                    Horovod front-end's twin); every rank decides alike; a switch keeps error feedback exact
   nccl-none-bitwise, nccl-methods   the same on NCCL (one GPU per rank)
 """
 import contextlib
@@ -992,6 +995,101 @@ def check_nccl_methods():
             opt.step()
         out.append(spec)
     return ", ".join(out)
+
+
+def check_auto():
+    """compression="auto" under the DDP hook, 2 ranks, a Linear(64, 64) (n = 4160 float32), 62.5 ms
+    of compute per step on a fake clock (the hook's own time is then 0), cost models given:
+
+    * 10 Mbit/s-like (α 1 ms, β 8e-7 s/B): none costs 2α + 16 640 B·β = 15.3 ms (predicted 77.8 ms),
+      fp16 2α + 8 320 B·β = 8.66 ms (71.2 ms), PowerSGD rank 1 (P: 64 floats with the bias' 64, then
+      Q: 64 floats) 4α + 768 B·β = 4.61 ms (67.1 ms): only PowerSGD is within 1.1 x 62.5 ms: chosen
+      at the probe (step 2), as it was at the start (the cheapest link);
+    * 10 Gbit/s-like (α 1 µs, β 1e-10 s/B): fp16 is the cheapest link at the start, then none
+      (error 0, predicted 62.504 ms) at the probe: a switch, at step 2 on both ranks.
+
+    Decisions are in the timer's events, the same on every rank; then top-k → PowerSGD by hand:
+    mean(sent) + mean(new residual) = mean(gradient + old residual) on the step after the switch."""
+    from hvdcomp.auto import Auto, memories
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self):
+            return self.now
+
+    labels = ["none", "fp16", "powersgd:matrix_rank=1"]
+    for (alpha, beta), want in (((1e-3, 8e-7), ["powersgd:matrix_rank=1"] * 2), ((1e-6, 1e-10), ["fp16", "none"])):
+        clock = Clock()
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(64, 64))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        auto = Auto(candidates=labels, probe=2, window=2, warmup=1, interval=0, accordion=0, clock=clock)
+        hook = hvdcomp.ddp.register(model, auto, optimizer=opt, cost_model=(alpha, beta))
+        for step in range(6):
+            clock.now += 0.0625
+            g = torch.Generator().manual_seed(1000 * rank() + step)
+            x, y = torch.randn(16, 64, generator=g), torch.randn(16, 64, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        decisions = hook.auto.decisions
+        got = [(d["step"], d["cause"], d["chosen"]) for d in decisions]
+        assert got == [(0, "start", want[0]), (2, "probe", want[1])], (alpha, got)
+        table = decisions[1]["table"]
+        assert abs(table["none"]["comm_s"] - (2 * alpha + 16640 * beta)) < 1e-12, table
+        assert abs(table["fp16"]["comm_s"] - (2 * alpha + 8320 * beta)) < 1e-12, table
+        assert abs(table["powersgd:matrix_rank=1"]["comm_s"] - (4 * alpha + 768 * beta)) < 1e-12, table
+        assert decisions[1]["compute_s"] == 0.0625 and decisions[1]["measured_step_s"] == 0.0625, decisions[1]
+        assert decisions[1]["predicted_step_s"] == table[want[1]]["predicted_step_s"], decisions[1]
+        assert hook.compression.name == want[1].split(":")[0]
+        assert [e["record"] for e in hook.timer.events if e["kind"] == "auto"] == decisions
+        every = [None, None]
+        dist.all_gather_object(every, got)
+        assert every[0] == every[1], every
+
+    model = DDP(mlp(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    hook = hvdcomp.ddp.register(model, Auto(candidates=["topk:density=0.1", "powersgd:matrix_rank=1"], probe=50,
+                                            interval=0), optimizer=opt, cost_model=(1e-6, 1e-10))
+    if hook.compression.name != "topk":
+        hook.auto.switch(0)
+
+    def residuals():
+        return {n: e.detach().reshape(-1).clone() for mem in memories(hook.compression)
+                for n, e in mem.committed.items()}
+
+    def step(k):
+        ref = copy.deepcopy(model.module)
+        loss(ref, 100 + k).backward()
+        g = {n: p.grad.reshape(-1).clone() for n, p in ref.named_parameters()}
+        opt.zero_grad()
+        loss(model, 100 + k).backward()
+        sent = {n: p.grad.reshape(-1).clone() for n, p in model.module.named_parameters()}
+        opt.step()
+        return g, sent
+
+    def mean(t):
+        t = t.clone()
+        dist.all_reduce(t)
+        return t / dist.get_world_size()
+
+    step(0)
+    step(1)
+    old = residuals()
+    assert max(float(e.abs().max()) for e in old.values()) > 1e-3
+    hook.auto.switch(1)
+    assert hook.compression.name == "powersgd" and not residuals()
+    g, sent = step(2)
+    new = residuals()
+    for n in g:
+        lhs = sent[n] + mean(new.get(n, torch.zeros_like(sent[n])))
+        rhs = mean(g[n] + old[n])
+        assert torch.allclose(lhs, rhs, rtol=0, atol=1e-5), (n, float((lhs - rhs).abs().max()))
+        # without the carry the old residual would be missing: the check would be off by its mean
+        assert float(mean(old[n]).abs().max()) > 1e-5, n
+    assert hook.auto.carry == {}
+    return "slow link: powersgd; fast link: fp16, then none at step 2; a switch keeps error feedback exact"
 
 
 CHECKS = {name[len("check_"):].replace("_", "-"): fn for name, fn in dict(globals()).items()

@@ -2,7 +2,8 @@
 pricing of the candidates in closed form, phases (Accordion) and drift on a policy driven by hand,
 a switch mid-run keeping error feedback exact (one rank, torch.distributed gloo), and at 2 ranks
 under mpirun the whole loop: agreement, the hand-worked choice, re-decision when the link slows,
-and the exactness of a switch on the mean over ranks (tests/mpi/auto_checks.py)."""
+and the exactness of a switch on the mean over ranks (tests/mpi/auto_checks.py); the same through
+the DDP hook (tests/ddp_checks.py check_auto)."""
 from __future__ import annotations
 
 import copy
@@ -272,6 +273,16 @@ def test_auto_decides_from_measured_compute_on_one_rank(one_rank):
     assert decisions[1]["table"]["none"]["error"] == 0.0
     assert opt.compression.name == "none"
     assert [e["record"] for e in opt.timer.events if e["kind"] == "auto"] == decisions
+
+
+def test_ddp_hook_compresses_on_a_slow_link_stays_dense_on_a_fast_one_and_switches_exactly():
+    """compression="auto" through the DDP hook, 2 ranks over gloo: the closed-form prices and the
+    decisions of the Horovod front-end's check below, on a posed 10 Mbit/s and 10 Gbit/s link,
+    recorded in the timer's events and the same on both ranks; a top-k -> PowerSGD switch keeps
+    error feedback exact on the mean over ranks (tests/ddp_checks.py check_auto)."""
+    from test_ddp import ddp_checks
+
+    ddp_checks(2, "auto")
 
 
 def test_two_ranks_agree_decide_redecide_and_switch_exactly():

@@ -176,18 +176,18 @@ def test_duplicate_spec_keys_raise_in_every_front_end():
 
 
 def test_staging_opens_commits_and_rolls_back_once():
-    """hvdcomp.step.Staging, every front-end's lifecycle: a committed step's residual stays, a
+    """hvdcomp.step.Lifecycle, every front-end's lifecycle: a committed step's residual stays, a
     rolled-back one's goes, and a second commit or rollback does nothing."""
-    from hvdcomp.step import Staging
+    from hvdcomp.step import Lifecycle
     comp = hvdcomp.get_compressor("topk:density=0.5")
-    staging = Staging(comp)
+    staging = Lifecycle(comp, "skip")
     g = torch.tensor([1.0, -3.0, 0.5, 2.0])
-    staging.open()
+    staging.stage()
     comp.encode(g, "w")
     staging.commit()
     assert not staging.staged and torch.equal(comp.memory.committed["w"], torch.tensor([1.0, 0.0, 0.5, 0.0]))
     staging.commit()
-    staging.open()
+    staging.stage()
     comp.encode(torch.zeros(4), "w")
     staging.rollback()
     staging.rollback()

@@ -18,7 +18,7 @@ import torch
 
 from ..agreement import check_same_start, parameters_digest
 from ..spec import get_compressor
-from ..step import Staging
+from ..step import Lifecycle
 
 __all__ = ["Averaging", "ONEBIT_SPEC"]
 
@@ -120,8 +120,8 @@ class Averaging:
         """The mean over ranks of ``tensors`` through the compressed allreduce ``key`` (about n/8
         bytes per rank for n elements); None (its residuals unchanged) where it is not finite."""
         o, red = self.owner, self.reducer(key)
-        staging = Staging(red)
-        staging.open()
+        staging = Lifecycle(red, "ignore")
+        staging.stage()
         try:
             out = red.reduce_batch([(o._names[p], t) for p, t in zip(o.order, tensors)], o.comm, o.timer)
             ok = self.verdict(out)

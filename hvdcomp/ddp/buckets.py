@@ -6,23 +6,25 @@ check summed payloads for saturation (sending a saturated one again, or reportin
 then decompress every bucket into its buffer (or hand the whole step to a step-wide method's
 ``reduce_batch``).
 
-How a bucket travels this step (:attr:`Bucket.kind`), read from the method in one place
-(:func:`payload_kind`):
+How a bucket travels this step, read from the method in one place (:func:`bucket_kind`): its
+:attr:`Bucket.kind` is the method's :class:`~hvdcomp.compressors.base.PayloadKind`, or None for a
+step-wide method, and :attr:`Bucket.raw` says that the bucket's gradients travel as they are:
 
-============  ==================================================================  ====================
-kind          collectives on the group                                            methods
-============  ==================================================================  ====================
-``gradient``  the bucket itself, as DDP's own path: ÷N, then a summed             ``none``
-              ``all_reduce`` in place (bit-identical to DDP without a hook)
-``average``   summed ``all_reduce`` of the payload (one per dtype), then ÷N       fp16, bf16, ...
-              (Horovod's ``op=Average``); ``decode`` of the mean
-``sum``       summed ``all_reduce``; ``decode`` receives the sum (sign votes)     signsgd
-``gather``    the group's allgatherer (counts, then every rank's payload padded   top-k, DGC, QSGD, ...
-              to the largest rank's row); aggregated on every rank
-``batched``   the method's own step-wide collectives (the group's ``StepComm``)   PowerSGD, gtopk, ...
-``plain``     the bucket as float32, summed and ÷N, uncompressed (the first
-              backward of granularity ``"bucket"`` on half-precision gradients)
-============  ==================================================================  ====================
+==================  ===========================================================  ====================
+kind                collectives on the group                                     methods
+==================  ===========================================================  ====================
+``MEAN``, raw       the bucket itself, as DDP's own path: ÷N, then a summed      ``none`` (float32,
+                    ``all_reduce`` in place (bit-identical to DDP without a      float64)
+                    hook); a half-precision bucket (the first backward of
+                    granularity ``"bucket"``) as float32, summed, then ÷N
+``MEAN``            summed ``all_reduce`` of the payload (one per dtype), then   fp16, random-k, ...
+                    ÷N (Horovod's ``op=Average``); ``decode`` of the mean
+``SUM``             summed ``all_reduce``; ``decode`` receives the sum (votes)   signsgd
+``GATHERED``        the group's allgatherer (counts, then every rank's payload   top-k, DGC, bf16, ...
+                    padded to the largest rank's row); aggregated on every rank
+None                the method's own step-wide collectives (the group's          PowerSGD, gtopk, ...
+                    ``StepComm``) once per step, at the last bucket
+==================  ===========================================================  ====================
 
 Bytes are counted as everywhere in hvdcomp: an allreduce of B bytes sends and receives B; a
 gather sends this rank's counts and row and receives every rank's, its own included. All
@@ -39,49 +41,33 @@ import torch
 
 from ..compressors.base import PayloadKind
 from ..plan import step_route_of
+from ..transports.allreduce import resend_saturated
 from ..transports.stepwide import StepMethod
 from .layout import BucketLayout
 
-__all__ = ["Bucket", "BucketPath", "payload_kind", "describe", "KINDS", "IN_PLACE_DTYPES"]
+__all__ = ["Bucket", "BucketPath", "bucket_kind", "describe", "IN_PLACE_DTYPES"]
 
-#: how a bucket may travel (see the module docstring; ``plain`` is the first backward's only)
-KINDS = ("gradient", "average", "sum", "gather", "batched")
-
-#: dtypes ``none`` reduces in place as DDP does (half-precision gradients travel as ``average``,
-#: in float32, as under the Horovod front-end: their sums could overflow)
+#: dtypes a raw bucket is reduced in place as DDP does (half-precision gradients travel in
+#: float32, as under the Horovod front-end: their sums could overflow)
 IN_PLACE_DTYPES = (torch.float32, torch.float64)
 
-_BY_PAYLOAD = {PayloadKind.MEAN: "average", PayloadKind.SUM: "sum", PayloadKind.GATHERED: "gather"}
+
+def bucket_kind(compression) -> Optional[PayloadKind]:
+    """How ``compression``'s payloads travel: its :class:`~hvdcomp.compressors.base.PayloadKind`,
+    or None for a step-wide method (its own collectives, once per step)."""
+    return None if isinstance(compression, StepMethod) else compression.payload_kind
 
 
-def payload_kind(compression) -> str:
-    """How ``compression``'s payloads travel (one of :data:`KINDS`): a step-wide method's own
-    collectives (``batched``), a payload that is the gradient itself (``none``: ``gradient``,
-    reduced in place), else by its :class:`~hvdcomp.compressors.base.PayloadKind`.
-
-    Raises:
-        TypeError: ``compression="auto"`` (a choice among methods that the
-            :class:`~hvdcomp.reducer.Reducer` makes; the DDP hook takes one method, for now).
-    """
-    if getattr(compression, "name", None) == "auto":
-        raise TypeError("compression='auto' is chosen and switched by hvdcomp.reducer.Reducer, which "
-                        "hvdcomp.DistributedOptimizer and the training modes (hvdcomp.local) use; the DDP hook "
-                        "takes one method: give it a spec such as 'powersgd:matrix_rank=2'")
-    if isinstance(compression, StepMethod):
-        return "batched"
-    if compression.payload_is_gradient:
-        return "gradient"
-    return _BY_PAYLOAD[compression.payload_kind]
-
-
-def describe(kind: str, compression) -> str:
-    """How payloads of ``kind`` travel (one phrase, for logs and results files)."""
-    if kind == "batched":
+def describe(compression) -> str:
+    """How ``compression``'s payloads travel (one phrase, for logs and results files)."""
+    kind = bucket_kind(compression)
+    if kind is None:
         return f"the method's own collectives ({step_route_of(compression).collective}) once per step"
-    return {"gradient": "all_reduce of the bucket (DDP's arithmetic)",
-            "average": "summed all_reduce of the payload, then 1/N",
-            "sum": "summed all_reduce of the payload (votes)",
-            "gather": "counts exchange + padded all_gather_into_tensor, aggregated on every rank"}[kind]
+    if getattr(compression, "payload_is_gradient", False):
+        return "all_reduce of the bucket (DDP's arithmetic)"
+    return {PayloadKind.MEAN: "summed all_reduce of the payload, then 1/N",
+            PayloadKind.SUM: "summed all_reduce of the payload (votes)",
+            PayloadKind.GATHERED: "counts exchange + padded all_gather_into_tensor, aggregated on every rank"}[kind]
 
 
 @dataclass
@@ -89,11 +75,13 @@ class Bucket:
     """One bucket of the step in progress.
 
     Attributes:
-        index: ``bucket.index()``.
         buffer: the bucket's flat 1-D gradient buffer; the averaged result is written into it.
         layout: its :class:`~hvdcomp.ddp.layout.BucketLayout`.
         future: the ``torch.futures.Future`` returned to DDP.
-        kind: how it travels this step (see the module docstring).
+        kind: how it travels this step: a :class:`~hvdcomp.compressors.base.PayloadKind`, or
+            None for a step-wide method (see the module docstring).
+        raw: its gradients travel as they are, not encoded (:attr:`in_place` on float32 and
+            float64 buffers, else as a float32 copy averaged like a ``MEAN`` payload).
         handles: its summed allreduces in flight (the group's handles, in place on ``outputs``).
         outputs: what the allreduces reduce (the payload flats, one per dtype).
         gather: its gather in flight (the allgatherer's handle), or None; ``gathered``: every
@@ -103,15 +91,15 @@ class Bucket:
         placed: summable: per payload tensor, ``(dtype, start, numel)`` in the reduced flat of
             its dtype; ``dtypes``: the dtype of each reduced flat.
         reduced: summable, once the collectives are in (:meth:`BucketPath.check_saturation`): per
-            unit, its reduced payload (averaged for ``"average"``) to decode with its entry of
+            unit, its reduced payload (averaged for ``MEAN``) to decode with its entry of
             ``ctxs``; None where the method reported the unit overflowed (its view reads NaN).
     """
 
-    index: int
     buffer: torch.Tensor
     layout: BucketLayout
     future: Any
-    kind: str
+    kind: Optional[PayloadKind]
+    raw: bool = False
     handles: List[Any] = field(default_factory=list)
     outputs: List[torch.Tensor] = field(default_factory=list)
     gather: Any = None
@@ -123,6 +111,16 @@ class Bucket:
     placed: List[tuple] = field(default_factory=list)
     dtypes: List[torch.dtype] = field(default_factory=list)
     reduced: List[Optional[List[torch.Tensor]]] = field(default_factory=list)
+
+    @property
+    def in_place(self) -> bool:
+        """Reduced in place with DDP's arithmetic (÷N, then summed): a raw float32/float64 bucket."""
+        return self.raw and self.buffer.dtype in IN_PLACE_DTYPES
+
+    @property
+    def summed(self) -> bool:
+        """Its payload is reduced by a summed ``all_reduce`` and decoded (not in place)."""
+        return self.kind in (PayloadKind.MEAN, PayloadKind.SUM) and not self.in_place
 
 
 class BucketPath:
@@ -152,17 +150,17 @@ class BucketPath:
             entry.received += nbytes
 
     # ---- during backward -----------------------------------------------------------------------------
-    def start(self, entry: Bucket, previous: Optional[Bucket]) -> None:
+    def start(self, entry: Bucket) -> None:
         """Compress ``entry`` and start its collectives (a step-wide method: nothing before the
         last bucket; a gather's data starts once its counts are in, at the next gather or the
         last bucket: :class:`~hvdcomp.comm.torchdist.TorchDistAllgatherer`)."""
-        if entry.kind == "gradient":
+        if entry.in_place:
             with self.timer.phase("communicate"):
                 self._allreduce(entry, [entry.buffer], average=True)
                 entry.outputs = [entry.buffer]
-        elif entry.kind in ("average", "sum", "plain"):
+        elif entry.summed:
             self._start_allreduce(entry)
-        elif entry.kind == "gather":
+        elif entry.kind is PayloadKind.GATHERED:
             self._start_gather(entry)
 
     def _encode(self, entry: Bucket) -> List[torch.Tensor]:
@@ -176,10 +174,10 @@ class BucketPath:
         return payload
 
     def _start_allreduce(self, entry: Bucket) -> None:
-        """Summable payloads: one summed all_reduce per payload dtype (``"plain"``: the bucket
-        as float32)."""
+        """Summable payloads: one summed all_reduce per payload dtype (raw: the bucket as
+        float32)."""
         with self.timer.phase("compress"):
-            payload = [entry.buffer.to(torch.float32)] if entry.kind == "plain" else self._encode(entry)
+            payload = [entry.buffer.to(torch.float32)] if entry.raw else self._encode(entry)
             by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
             for t in payload:
                 group = by_dtype.setdefault(t.dtype, [])
@@ -215,18 +213,16 @@ class BucketPath:
 
     def check_saturation(self, buckets: List[Bucket]) -> List[torch.Tensor]:
         """After :meth:`wait`, before the step's agreement: each summable bucket's reduced payload
-        per unit (``× 1/N`` for ``"average"``, as Horovod's ``op=Average``; into
+        per unit (``× 1/N`` for ``MEAN``, as Horovod's ``op=Average``; into
         :attr:`Bucket.reduced`), then, where the method can saturate (fp16's scaled steps, with or
         without error feedback), its check: a saturated payload is never decoded as is.
 
         The method reads from the reduced payload whether some rank's values left its window
-        (``compression.saturation(payload, ctx)``: the same on every rank, since every rank reads
-        the same reduced payload) and decides, as under the Horovod front-end
-        (:meth:`hvdcomp.transports.allreduce.AllreduceTransport.resend_saturated`): a replacement
-        payload is reduced now (a summed ``all_reduce`` per tensor, ``× 1/N`` as the first; bucket
-        and unit order, from the hook's thread, so every rank issues the same ones) and decoded
-        with the new context instead; no replacement (fp16's ``on_saturation="skip"``): the unit
-        is overflowed, its view of the buffer reads NaN.
+        and decides, by the resend every front-end uses
+        (:func:`hvdcomp.transports.allreduce.resend_saturated`): a replacement payload is reduced
+        now (a summed ``all_reduce`` per tensor, ``× 1/N`` as the first; bucket and unit order,
+        from the hook's thread) and decoded with the new context instead; no replacement (fp16's
+        ``on_saturation="skip"``): the unit is overflowed, its view of the buffer reads NaN.
 
         Returns:
             The NaN views of overflowed units, for the non-finite guard (the step is then skipped
@@ -234,11 +230,11 @@ class BucketPath:
             bucket.
         """
         size = self.group.size
-        summed = [b for b in buckets if b.kind in ("average", "sum")]
+        summed = [b for b in buckets if b.summed]
         with self.timer.phase("decompress"):
             for b in summed:
                 flats = dict(zip(b.dtypes, b.outputs))
-                if b.kind == "average" and size > 1:
+                if b.kind is PayloadKind.MEAN and size > 1:
                     for flat in flats.values():
                         flat.mul_(1.0 / size)
                 outputs = [flats[dtype][start:start + n] for dtype, start, n in b.placed]
@@ -246,50 +242,46 @@ class BucketPath:
                 for length in b.lengths:
                     b.reduced.append(outputs[pos:pos + length])
                     pos += length
-        check = getattr(self.compression, "saturation", None)
-        if check is None:
+        if getattr(self.compression, "saturation", None) is None:
             return []
-        overflowed, resends = [], []
-        with self.timer.phase("communicate"):
-            for b in summed:
-                for i, ctx in enumerate(b.ctxs):
-                    action = check(b.reduced[i], ctx)
-                    if action is None:
-                        continue
-                    if action.payload is None:
-                        b.reduced[i] = None
-                        overflowed.append(b.layout.units[i].view(b.buffer))
-                        continue
-                    payload = list(action.payload)
-                    start = len(b.handles)
-                    self._allreduce(b, payload)
-                    b.ctxs[i] = action.ctx
-                    resends.append((b, i, payload, b.handles[start:]))
-            for b, i, payload, handles in resends:
+        units = [(b, i) for b in summed for i in range(len(b.ctxs))]
+        reduced = [(b.reduced[i], b.ctxs[i]) for b, i in units]
+
+        def resend(k: int, payload: List[torch.Tensor]):
+            b = units[k][0]
+            start = len(b.handles)
+            self._allreduce(b, payload)
+            handles = b.handles[start:]
+
+            def wait() -> List[torch.Tensor]:
                 for h in handles:
                     self.group.synchronize(h)
-                if b.kind == "average" and size > 1:
+                if b.kind is PayloadKind.MEAN and size > 1:
                     for t in payload:
                         t.mul_(1.0 / size)
-                b.reduced[i] = payload
-            for b in summed:
-                b.handles = []
-        for view in overflowed:  # (after every resend: a check may read this rank's gradient)
-            view.fill_(float("nan"))
-        return overflowed
+                return payload
+            return wait
+
+        with self.timer.phase("communicate"):
+            overflowed = resend_saturated(self.compression, reduced, resend)
+        for (b, i), (outputs, ctx) in zip(units, reduced):
+            b.reduced[i], b.ctxs[i], b.handles = outputs, ctx, []
+        views = []
+        for b, i in (units[k] for k in overflowed):  # (after every resend: a check may read this rank's gradient)
+            b.reduced[i] = None
+            views.append(b.layout.units[i].view(b.buffer).fill_(float("nan")))
+        return views
 
     def decompress(self, buckets: List[Bucket]) -> None:
         """Write every bucket's averaged result into its buffer (summable buckets: after
         :meth:`check_saturation`; an overflowed unit keeps its NaN)."""
-        size = self.group.size
         with self.timer.phase("decompress"):
             for b in buckets:
-                if b.kind == "gather":
+                if b.kind is PayloadKind.GATHERED:
                     self._aggregate(b, b.gathered)
-                elif b.kind == "plain":
-                    flat = b.outputs[0]
-                    b.buffer.copy_(flat.mul_(1.0 / size) if size > 1 else flat)
-                elif b.kind in ("average", "sum"):
+                elif b.raw and b.summed:  # (the float32 copy, averaged by check_saturation)
+                    b.buffer.copy_(b.outputs[0])
+                elif b.summed:
                     for unit, ctx, reduced in zip(b.layout.units, b.ctxs, b.reduced):
                         if reduced is not None:
                             self.compression.decode_into(unit.view(b.buffer), reduced, ctx)

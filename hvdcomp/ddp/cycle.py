@@ -1,22 +1,10 @@
-"""The DDP hook's step in progress: where it is (:class:`hvdcomp.step.Status`), whether its
-compressor state is staged, what the ranks agree on (:mod:`hvdcomp.agreement`), and when the
-state is committed or rolled back.
+"""The DDP hook's step in progress: where it is (:class:`hvdcomp.step.Status`), and when DDP's
+step opens, commits, rolls back or skips the method's state, through the one step lifecycle of
+every front-end (:class:`hvdcomp.step.Lifecycle`, as the :class:`~hvdcomp.reducer.Reducer`). What
+is DDP's own: a joined rank's shadow steps, and synchronized accumulation without ``no_sync``.
 
-A step's compressor updates are staged when its first bucket is compressed (``begin_step``) and
-committed when its reduction counts:
-
-* the optimizer applies the update (the attached ``optimizer.step``; without an optimizer, at the
-  step's last bucket);
-* the next synchronized backward starts while the gradients are still there (accumulation
-  without ``no_sync``: DDP adds that backward's gradients to these, so this reduction counts, as
-  it does for PyTorch's own hooks);
-* DDP's join runs it as a joined rank's shadow step (:meth:`StepCycle.shadowing`): that rank has nothing to
-  apply, and the other ranks commit the same step when they apply it.
-
-It is rolled back when it is discarded: the gradients were zeroed before the next forward
-(:meth:`StepCycle.forward_starts`) or by the attached ``optimizer.zero_grad()`` (:meth:`StepCycle.zeroed`), with no
-``step()`` between; a step some rank found non-finite, at once on every rank. The hook
-(:mod:`hvdcomp.ddp.hook`) drives it:
+When a step's state counts and when it does not is said in :mod:`hvdcomp.ddp.hook`; the hook
+drives the cycle:
 
 ================================ ========================= =================================================
 call                             from                      status after
@@ -37,9 +25,7 @@ import contextlib
 import types
 from typing import List
 
-from ..agreement import NonFiniteGuard, StateAgreement
-from ..amp import LossScaleTracker
-from ..step import Staging, Status
+from ..step import Lifecycle, Status
 from .buckets import Bucket
 
 __all__ = ["StepCycle"]
@@ -49,31 +35,30 @@ class StepCycle:
     """The step in progress of one DDP hook.
 
     Args:
-        compression: the method whose state is staged (``begin_step`` / ``commit`` /
-            ``rollback``).
         group: the :class:`~hvdcomp.comm.torchdist.TorchDistGroup` the ranks agree in.
         nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"`` (:class:`hvdcomp.agreement.NonFiniteGuard`).
         grad_scaler: a ``torch.amp.GradScaler`` to follow, or None (found at the first applied
             step where the method keeps state in gradient units).
         timer: a :class:`hvdcomp.metrics.PhaseTimer` (the agreement's exchange is ``communicate``).
+        compression: the method whose state is staged (``begin_step`` / ``commit`` /
+            ``rollback``; the hook installs another where ``compression="auto"`` switches).
 
     Attributes:
         status: a :class:`hvdcomp.step.Status`.
         buckets: the :class:`~hvdcomp.ddp.buckets.Bucket` s of the step in progress.
-        guard: the :class:`~hvdcomp.agreement.NonFiniteGuard` (buffers are observed as they come).
-        state: the :class:`~hvdcomp.agreement.StateAgreement` (restored state, once).
-        skipped_steps: steps skipped because some rank had a non-finite gradient.
+        life: the :class:`hvdcomp.step.Lifecycle` (staged state, the non-finite guard, which
+            observes buffers as they come, restored state, the loss scale, ``skipped_steps``).
         backward_steps: synchronized backward passes reduced so far.
         optimizer: the attached optimizer, or None.
+        auto: ``compression="auto"``'s :class:`hvdcomp.auto.AutoState`, told of every step
+            committed (:meth:`~hvdcomp.auto.AutoState.boundary`) or dropped; else None.
     """
 
-    def __init__(self, compression, group, nonfinite: str, grad_scaler, timer):
-        self.compression, self.group, self.nonfinite, self.timer = compression, group, nonfinite, timer
-        self.guard, self.state = NonFiniteGuard(nonfinite), StateAgreement()
-        self.loss_scale = LossScaleTracker(grad_scaler)
-        self.status, self.staging = Status.IDLE, Staging(compression)
+    def __init__(self, group, nonfinite: str, grad_scaler, timer, compression):
+        self.group, self.nonfinite, self.timer, self.auto = group, nonfinite, timer, None
+        self.life, self.status = Lifecycle(compression, nonfinite, grad_scaler), Status.IDLE
         self.buckets: List[Bucket] = []
-        self.skipped_steps = self.backward_steps = 0
+        self.backward_steps = 0
         self.optimizer = self._original_step = self._original_zero_grad = None
         self._shadowing = False
 
@@ -110,20 +95,19 @@ class StepCycle:
             return None
         result = original(*args, **kwargs)
         if self.unapplied:
-            if self.compression.has_scaled_state:
-                self.loss_scale.discover(self.optimizer)
-            self.staging.commit()
+            self._commit(self.optimizer)
         return result
 
-    @property
-    def staged(self) -> bool:
-        """The step's compressor state is staged (:class:`hvdcomp.step.Staging`)."""
-        return self.staging.staged
+    def _commit(self, optimizer=None) -> None:
+        """The step counts: its state committed (a step boundary for ``auto``)."""
+        self.life.commit(optimizer)
+        if self.auto is not None:
+            self.auto.boundary()
 
     @property
     def unapplied(self) -> bool:
         """A reduced step's state is staged and nobody applied it (yet)."""
-        return self.staging.staged and self.status is Status.SYNCED
+        return self.life.staged and self.status is Status.SYNCED
 
     def zeroed(self) -> None:
         """The attached optimizer zeroes the gradients: a reduced step not applied is discarded
@@ -154,7 +138,7 @@ class StepCycle:
     def needs_open(self, index: int) -> bool:
         """Whether bucket ``index`` starts a new step (the first bucket, or a backward after the
         last one was reduced)."""
-        return index == 0 or not self.staging.staged or self.status in (Status.SYNCED, Status.SKIPPED)
+        return index == 0 or not self.life.staged or self.status in (Status.SYNCED, Status.SKIPPED)
 
     def open(self) -> None:
         """A backward's first bucket: commit a reduced step not applied and not discarded (this
@@ -162,42 +146,35 @@ class StepCycle:
         state (once, :meth:`hvdcomp.agreement.StateAgreement.agree`), follow the loss scale, and
         stage this step's updates."""
         if self.unapplied:
-            self.staging.commit()
-        elif self.staging.staged:  # (a backward that never reached its last bucket)
+            self._commit()
+        elif self.life.staged:  # (a backward that never reached its last bucket)
             self._drop()
         self.status = Status.BACKWARD
         self.buckets = []
-        self.guard.reset()
-        if not self.state.agreed:
-            self.skipped_steps = self.state.agree(self.group, self.compression, self.skipped_steps, "hvdcomp.ddp")
-        factor = self.loss_scale.factor()
-        if factor is not None:
-            self.compression.rescale_state(factor)
-        self.staging.open()
+        self.life.guard.reset()
+        self.life.open(self.group, "hvdcomp.ddp", () if self.auto is None else (self.auto.rescale,))
 
     def agree(self) -> bool:
         """Whether the ranks skip this step (some rank's gradient was non-finite); raises under
         ``nonfinite="raise"`` (:meth:`hvdcomp.agreement.NonFiniteGuard.decide`). ``none``'s
         buckets are checked on their allreduced results, identical on every rank: a step of only
         those needs no exchange."""
-        loaded, self.state.loaded_since_step = self.state.loaded_since_step, False
+        restored, guard = self.life.restored, self.life.guard
+        loaded, restored.loaded_since_step = restored.loaded_since_step, False
         if self.nonfinite == "ignore":
             return False
-        direct = [b.buffer for b in self.buckets if b.kind == "gradient"]
+        direct = [b.buffer for b in self.buckets if b.in_place]
         if direct:
-            self.guard.observe(direct, averaged=True)
+            guard.observe(direct, averaged=True)
         if len(direct) == len(self.buckets):  # (the results agree)
-            return self.guard.agree(lambda v: [list(v)], loaded, 1).skip
+            return guard.agree(lambda v: [list(v)], loaded, 1).skip
         with self.timer.phase("communicate") if self.group.size > 1 else contextlib.nullcontext():
-            return self.guard.decide(self.group, self.group, None, loaded, 1).skip
+            return guard.decide(self.group, self.group, None, loaded, 1).skip
 
     def skip(self) -> None:
         """Every rank skips: state rolled back, every result NaN (a GradScaler sees the overflow)."""
-        self.staging.rollback()
+        self.life.skip(b.buffer for b in self.buckets)
         self.status = Status.SKIPPED
-        self.skipped_steps += 1
-        for b in self.buckets:
-            b.buffer.fill_(float("nan"))
 
     def reduced(self) -> None:
         """The last bucket is reduced: the update waits to be applied (without an optimizer,
@@ -207,18 +184,18 @@ class StepCycle:
         if self.status is not Status.SKIPPED:
             self.status = Status.SYNCED
         if self.optimizer is None or self._shadowing:
-            self.staging.commit()
+            self._commit()
 
     def discard(self) -> None:
         """Drop the step in progress (an error, or a state loaded in the middle of it)."""
-        self.staging.rollback()
-        if self.status is not Status.SKIPPED:
-            self.status = Status.IDLE
+        self._drop(self.status if self.status is Status.SKIPPED else Status.IDLE)
         self.buckets = []
-        self.guard.reset()
+        self.life.guard.reset()
 
-    def _drop(self) -> None:
-        """Roll back a reduced step that is discarded."""
-        self.staging.rollback()
-        self.status = Status.IDLE
+    def _drop(self, status: Status = Status.IDLE) -> None:
+        """Roll back a step that is discarded (for ``auto``: its time is not a step's)."""
+        self.life.rollback()
+        self.status = status
+        if self.auto is not None:
+            self.auto.discarded()
 

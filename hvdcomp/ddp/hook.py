@@ -53,6 +53,11 @@ momenta, counters, generator states) are staged when its first bucket is compres
 * without an optimizer the state is committed when the last bucket is reduced (a finite step the
   training loop then discards still counts; non-finite steps still leave no trace).
 
+With ``compression="auto"`` (:mod:`hvdcomp.auto`) the hook runs one candidate at a time, each
+with its own bucket layouts and path, and switches at a committed step's boundary, every rank at
+the same step; a switch's carry (the old method's residuals) is added to each bucket's gradients
+before the new method compresses them.
+
 DDP's Python reducer (``torch._dynamo.config.optimize_ddp = "python_reducer"``, for compiled
 autograd) calls a comm hook once per parameter with ``(grad, param)`` from inside the traced
 backward and ignores its result: :func:`register` refuses such a model (use the default
@@ -70,6 +75,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
+from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
@@ -77,18 +83,19 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
+from ..auto import Auto, AutoState
 from ..comm.torchdist import TorchDistGroup
+from ..compressors.base import PayloadKind
 from ..compressors.segments import needs_draw_order
-from ..checks import check_bool, check_choice
-from ..config import check_method
+from ..config import Settings, check_method
 from ..launch import start_frontend
 from ..metrics import PhaseTimer
-from ..agreement import NONFINITE_MODES, check_consistency
+from ..agreement import check_consistency
 from ..reducer import check_free, claim
 from ..spec import resolve_compression
-from .buckets import IN_PLACE_DTYPES, Bucket, BucketPath, describe, payload_kind
+from .buckets import IN_PLACE_DTYPES, Bucket, BucketPath, bucket_kind, describe
 from .cycle import StepCycle
-from .layout import GRANULARITIES, BucketLayout, Layouts
+from .layout import BucketLayout, Layouts
 
 __all__ = ["HookState", "register", "hvdcomp_hook"]
 
@@ -126,6 +133,16 @@ class _ShadowingJoinHook(JoinHook):
         self.inner.post_hook(is_last_joiner)
 
 
+@dataclass
+class _Candidate:
+    """A method as the hook runs it: ``plan`` says how its payloads travel (for records)."""
+
+    compression: Any
+    plan: str
+    layouts: Layouts
+    path: BucketPath
+
+
 class HookState:
     """Everything the DDP hook keeps: the compressor, the group, the step in progress, the timer.
 
@@ -137,37 +154,64 @@ class HookState:
     Attributes:
         compression: the :class:`hvdcomp.Compressor` (its state: residuals, momenta, ...).
         group: the :class:`hvdcomp.comm.torchdist.TorchDistGroup` averaged over.
-        kind: how payloads travel (:func:`hvdcomp.ddp.buckets.payload_kind`).
+        kind: how payloads travel: the method's :class:`~hvdcomp.compressors.base.PayloadKind`, or
+            None for a step-wide method (:func:`hvdcomp.ddp.buckets.bucket_kind`).
         granularity: ``"tensor"`` or ``"bucket"`` (:mod:`hvdcomp.ddp.layout`).
         nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"``.
         timer: the :class:`hvdcomp.metrics.PhaseTimer` phases and bytes are recorded in.
         skipped_steps: steps skipped because some rank had a non-finite gradient.
         transport: one line saying how gradients travel, for logs and results.
+        auto: with ``compression="auto"``, its :class:`hvdcomp.auto.AutoState` (candidates,
+            ``decisions``), else None.
     """
 
-    def __init__(self, ddp_model, compression, process_group, optimizer, granularity: str,
-                 nonfinite: str, timer: Optional[PhaseTimer], grad_scaler, named_parameters,
-                 check_consistency: bool):
-        self.compression = compression
-        self.kind = payload_kind(compression)
-        self.group = TorchDistGroup(process_group)
-        compression.bind_group(self.group.size)
-        self.granularity = granularity
-        self.nonfinite = nonfinite
-        self.timer = timer if timer is not None else PhaseTimer()
-        # methods that draw at each call (QSGD, TernGrad, DGC, sampled top-k) compress one gradient
-        # per call in the expected backward order, so they draw what the Horovod front-end draws
-        fused = getattr(compression, "segmentable", False) and not needs_draw_order(compression)
-        self._layouts = Layouts(ddp_model.module, named_parameters, fused, granularity)
-        self._cycle = StepCycle(compression, self.group, nonfinite, grad_scaler, self.timer)
-        self._path = BucketPath(compression, self.group, self.timer,
-                                [n for n, _ in self._layouts.order])
-        self.transport = (f"torch.distributed {self.group.backend}: {describe(self.kind, compression)}; "
-                          f"per DDP bucket, granularity {granularity}")
-        if check_consistency and self.group.size > 1:
-            self._check_consistency()
+    def __init__(self, ddp_model, compression, process_group, optimizer, settings: Settings, named_parameters):
+        if isinstance(compression, Auto) and settings.granularity != "tensor":
+            raise ValueError("compression='auto' carries each parameter's residual across a switch: use "
+                             "granularity='tensor' (state per parameter), not 'bucket'")
+        self.group, self.settings, self.prefix = TorchDistGroup(process_group), settings, "hvdcomp.ddp"
+        self.granularity, self.nonfinite = settings.granularity, settings.nonfinite
+        self.timer = settings.timer if settings.timer is not None else PhaseTimer()
+        self._module, self._named = ddp_model.module, None if named_parameters is None else list(named_parameters)
+        self._layouts = Layouts(ddp_model.module, self._named, False, self.granularity)
+        self.order = [p for _, p in self._layouts.order]
+        self.names = {p: n for n, p in self._layouts.order}
+        self._cycle = StepCycle(self.group, self.nonfinite, settings.grad_scaler, self.timer, compression)
+        self.compression, self.auto = compression, None
+        if settings.check_consistency and self.group.size > 1:  # (before any other collective)
+            check_consistency(self.group, settings.signature(compression, self.names, self.order, self.prefix),
+                              "hvdcomp.ddp.consistency", setup="the DDP hook's set-up (build the same model and "
+                              "call hvdcomp.ddp.register with the same method and settings on every rank)")
+        if isinstance(compression, Auto):  # every candidate built; the first choice installed
+            self.auto = self._cycle.auto = AutoState(compression, self, build=self._candidate)
+            self.install(self.auto.pipeline)
+        else:
+            self.install(self._candidate(0, compression))
         if optimizer is not None:
             self.attach(optimizer)
+
+    def _candidate(self, k: int, method, settings=None, gatherer=None) -> _Candidate:
+        """What the hook runs ``method`` with (its bucket layouts and path)."""
+        method.bind_group(self.group.size)
+        # methods that draw at each call (QSGD, TernGrad, DGC, sampled top-k) compress one gradient
+        # per call in the expected backward order, so they draw what the Horovod front-end draws
+        fused = getattr(method, "segmentable", False) and not needs_draw_order(method)
+        layouts = Layouts(self._module, self._named, fused, self.granularity)
+        return _Candidate(method, f"torch.distributed {self.group.backend}: {describe(method)}; per DDP bucket, "
+                                  f"granularity {self.granularity}",
+                          layouts, BucketPath(method, self.group, self.timer, [n for n, _ in layouts.order]))
+
+    def install(self, pipe: _Candidate) -> None:
+        """Run ``pipe``'s method from the next step on (between steps: ``compression="auto"``'s
+        switch, :class:`hvdcomp.auto.AutoState`)."""
+        self.pipe, self.compression, self.kind = pipe, pipe.compression, bucket_kind(pipe.compression)
+        self._layouts, self._path, self.transport = pipe.layouts, pipe.path, pipe.plan
+        self._cycle.life.use(pipe.compression)
+
+    @property
+    def between_steps(self) -> bool:
+        """No step's state is staged (``compression="auto"`` switches only then)."""
+        return not self._cycle.life.staged
 
     # ---- set-up ----------------------------------------------------------------------------------
     @property
@@ -178,30 +222,18 @@ class HookState:
 
     @property
     def skipped_steps(self) -> int:
-        return self._cycle.skipped_steps
+        return self._cycle.life.skipped_steps
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
-        self._cycle.skipped_steps = int(value)
+        self._cycle.life.skipped_steps = int(value)
 
     def describe(self) -> dict:
         """JSON-able summary: compressor, transport, group, granularity."""
-        return {"compression": self.compression.describe(), "kind": self.kind, "transport": self.transport,
-                "granularity": self.granularity, "nonfinite": self.nonfinite, **self.group.describe()}
-
-    def _check_consistency(self) -> None:
-        """Every rank must register the same method and settings on the same parameters
-        (:func:`hvdcomp.agreement.check_consistency`).
-
-        Raises:
-            ValueError: on every rank, naming the first differences.
-        """
-        mine = {"compression": {"class": type(self.compression).__name__, **self.compression.describe()},
-                "granularity": self.granularity, "nonfinite": self.nonfinite,
-                "parameters": self._layouts.signature()}
-        check_consistency(self.group, mine, "hvdcomp.ddp.consistency",
-                          setup="the DDP hook's set-up (build the same model and call hvdcomp.ddp.register "
-                                "with the same method and settings on every rank)")
+        return {"compression": self.compression.describe(), "kind": self.kind and self.kind.value,
+                "transport": self.transport,
+                "granularity": self.granularity, "nonfinite": self.nonfinite, **self.group.describe(),
+                **({"auto": self.auto.describe()} if self.auto is not None else {})}
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Let ``optimizer.step()`` tell the hook that the step was applied (see the module
@@ -245,17 +277,19 @@ class HookState:
         ddp_model.join_hook = join_hook
 
     # ---- the hook ------------------------------------------------------------------------------
-    def _kind_of(self, layout: BucketLayout, buffer: torch.Tensor) -> str:
-        """How this bucket travels this step: the method's kind; ``"gradient"`` (uncompressed, as
-        DDP) for the first backward with granularity ``"bucket"`` (see :func:`register`); none on
-        half-precision gradients goes by ``"average"`` (as float32, like the Horovod front-end)."""
-        if self.kind == "gradient":
-            return "gradient" if buffer.dtype in IN_PLACE_DTYPES else "average"
-        if self.granularity == "bucket" and self.kind != "batched":
+    def _raw(self, layout: BucketLayout, buffer: torch.Tensor) -> bool:
+        """Whether this bucket's gradients travel as they are this step: ``none`` (but in float32 on
+        half-precision gradients: by its own encode, as the Horovod front-end), and the first
+        backward of granularity ``"bucket"`` (see :func:`register`)."""
+        if self.kind is None:  # (a step-wide method reduces the whole step at the last bucket)
+            return False
+        if self.compression.payload_is_gradient:
+            return buffer.dtype in IN_PLACE_DTYPES
+        if self.granularity == "bucket":
             if self._cycle.backward_steps == 0:
-                return "gradient" if buffer.dtype in IN_PLACE_DTYPES else "plain"
+                return True
             self._layouts.check_recorded(layout)
-        return self.kind
+        return False
 
     def reduce_bucket(self, bucket) -> "torch.futures.Future[torch.Tensor]":
         """The DDP communication hook's body (see the module docstring).
@@ -281,34 +315,39 @@ class HookState:
             raise TypeError("hvdcomp's DDP hook compresses dense gradient buckets; a sparse gradient "
                             "(Embedding(sparse=True)) reached it: use sparse=False, or the Horovod front-end "
                             "(hvdcomp.DistributedOptimizer), which makes sparse gradients dense")
-        cycle = self._cycle
+        cycle, auto = self._cycle, self.auto
+        t0 = auto.clock() if auto is not None else 0.0
         if cycle.needs_open(bucket.index()):
             cycle.open()
         layout = self._layouts.of(bucket)
+        if auto is not None:  # (a switch's carry into the gradients; a probe's copy of them)
+            auto.add_carry(zip(layout.names, layout.views(buffer)))
         devices = [buffer.device] if buffer.is_cuda else None
-        entry = Bucket(bucket.index(), buffer, layout, torch.futures.Future(devices=devices),
-                       self._kind_of(layout, buffer))
-        previous = cycle.buckets[-1] if cycle.buckets else None
+        raw = self._raw(layout, buffer)
+        entry = Bucket(buffer, layout, torch.futures.Future(devices=devices),
+                       PayloadKind.MEAN if raw else self.kind, raw)
         cycle.buckets.append(entry)
-        if entry.kind != "gradient":  # (none: checked on the allreduced results instead)
-            cycle.guard.observe([buffer])
-        self._path.start(entry, previous)
+        if not entry.in_place:  # (none: checked on the allreduced results instead)
+            cycle.life.guard.observe([buffer])
+        self._path.start(entry)
         if bucket.is_last():
-            self._finish()
+            self._finish(t0)
+        elif auto is not None:
+            auto.hook_s += auto.clock() - t0
         return entry.future
 
-    def _finish(self) -> None:
+    def _finish(self, t0: float) -> None:
         """The last bucket: wait, check for saturation (:meth:`BucketPath.check_saturation`), agree
         on the step, decompress every bucket, complete the futures."""
         cycle, path = self._cycle, self._path
         buckets = cycle.buckets
         try:
             path.wait(buckets)
-            if self.kind != "batched":  # a saturated payload is sent again, or reads NaN (overflowed)
-                cycle.guard.observe(path.check_saturation(buckets), averaged=True)
+            if self.kind is not None:  # a saturated payload is sent again, or reads NaN (overflowed)
+                cycle.life.guard.observe(path.check_saturation(buckets), averaged=True)
             if cycle.agree():
                 cycle.skip()
-            elif self.kind == "batched":
+            elif self.kind is None:
                 path.reduce_batched(buckets)
             else:
                 path.decompress(buckets)
@@ -319,6 +358,8 @@ class HookState:
             cycle.discard()
             raise
         path.count_bytes(buckets)
+        if self.auto is not None:  # (the last bucket, with the step's wait: auto's "synchronize")
+            self.auto.synced(self.auto.clock() - t0)
         cycle.reduced()
         for b in buckets:
             b.future.set_result(b.buffer)
@@ -356,7 +397,8 @@ class HookState:
         rank 0 only, in which case the shared part is shared at the first step and the other
         ranks' per-rank state starts fresh (as with the Horovod front-end)."""
         return {"compression": self.compression.state_dict(), "skipped_steps": self.skipped_steps,
-                "granularity": self.granularity, "bucket_layouts": self._layouts.state_dict()}
+                "granularity": self.granularity, "bucket_layouts": self._layouts.state_dict(),
+                **({"auto": self.auto.state_dict()} if self.auto is not None else {})}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Inverse of :meth:`state_dict`; drops a step in progress.
@@ -368,10 +410,12 @@ class HookState:
             raise ValueError(f"this hook state was saved with granularity={state['granularity']!r}; "
                              f"register the hook with the same granularity (now {self.granularity!r})")
         self._cycle.discard()
+        if self.auto is not None and "auto" in state:
+            self.auto.load_state_dict(state["auto"])  # (installs the saved choice)
         self.compression.load_state_dict(state["compression"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self._layouts.load_state_dict(state.get("bucket_layouts", {}))
-        self._cycle.state.note_load()
+        self._cycle.life.restored.note_load()
 
     def __repr__(self) -> str:
         return f"HookState({self.compression!r}, {self.transport})"
@@ -402,7 +446,7 @@ def check_optimizer_of(ddp_model, optimizer) -> None:
 def register(ddp_model, compression="none", process_group=None, *, optimizer: Optional[torch.optim.Optimizer] = None,
              granularity: str = "tensor", nonfinite: str = "skip", timer: Optional[PhaseTimer] = None,
              grad_scaler=None, named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
-             check_consistency: bool = True) -> HookState:
+             check_consistency: bool = True, cost_model="measure") -> HookState:
     """Compress ``ddp_model``'s gradient buckets with an hvdcomp method (a DDP communication hook).
 
     Call it on every rank after wrapping the model in ``DistributedDataParallel`` and before the
@@ -432,6 +476,13 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
             the names the Horovod front-end is given); compressor state is keyed by them.
         check_consistency: verify (one object gather) that every rank registers the same method,
             settings and parameters.
+        cost_model: what prices ``compression="auto"``'s candidates: ``"measure"`` (default: α
+            and β measured by a few allgathers at registration) or ``(alpha_seconds,
+            beta_seconds_per_byte)`` (a link posed, the same on every rank); unused by a named
+            method. With ``"auto"`` (spec ``"auto[:...]"``, :class:`hvdcomp.auto.Auto`) the hook
+            chooses the method and switches it at step boundaries, every rank at the same step,
+            by the rule and with the records of the Horovod front-end (``state.auto.decisions``;
+            granularity ``"tensor"`` only).
 
     Returns:
         The :class:`HookState` (``.timer``, ``.compression``, ``.state_dict()``, ...).
@@ -465,9 +516,8 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
     start_frontend("the DDP front-end (hvdcomp.ddp.register)", "torch.distributed",
                    dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
     compression = resolve_compression(compression)
-    check_choice(granularity, "granularity", GRANULARITIES)
-    check_choice(nonfinite, "nonfinite", NONFINITE_MODES)
-    check_consistency = check_bool(check_consistency, "check_consistency")
+    settings = Settings.validate(None, nonfinite=nonfinite, check_consistency=check_consistency, cost_model=cost_model,
+                                 granularity=granularity, grad_scaler=grad_scaler, timer=timer)
     if optimizer is not None:
         check_optimizer_of(ddp_model, optimizer)
     check_method(compression, None, granularity)
@@ -476,8 +526,7 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
         raise ValueError(PYTHON_REDUCER_FIX)
     if process_group is None:
         process_group = getattr(ddp_model, "process_group", None)
-    state = HookState(ddp_model, compression, process_group, optimizer, granularity, nonfinite, timer,
-                      grad_scaler, named_parameters, check_consistency)
+    state = HookState(ddp_model, compression, process_group, optimizer, settings, named_parameters)
     ddp_model.register_comm_hook(state, hvdcomp_hook)
     state._watch(ddp_model)
     claim(compression, state)

@@ -3,7 +3,7 @@
 (``decoded-allreduce``)."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -12,9 +12,50 @@ from ..compressors.base import PayloadKind
 from ..plan import Route, register_route
 from .base import Transport, Wiring
 
-__all__ = ["AllreduceTransport", "DecodedAllreduceTransport"]
+__all__ = ["AllreduceTransport", "DecodedAllreduceTransport", "resend_saturated"]
 
 _IN_PLACE_DTYPES = (torch.float32, torch.float64)
+
+
+def resend_saturated(compression, reduced: List[Optional[tuple]],
+                     resend: Callable[[int, List[torch.Tensor]], Callable[[], List[torch.Tensor]]]) -> List[int]:
+    """The fp16 saturation resend, for every front-end: after a step's first reduction of summed
+    payloads, a method that can saturate (fp16's scaled steps) checks each reduced payload, and
+    a saturated one is never decoded as is.
+
+    The method reads from the reduced payload whether some rank's values left its scale's window
+    (``compression.saturation(outputs, ctx)``: identical on every rank, since every rank reads the
+    same reduced payload) and decides: a replacement payload is reduced now (``resend``; every
+    replacement is started, in the order of ``reduced``, before the first is waited for, so every
+    rank issues the same collectives in the same order) and replaces the entry with the new
+    context; no replacement (fp16's ``on_saturation="skip"``) reports the entry overflowed.
+
+    Args:
+        compression: the method (nothing is checked without a ``saturation`` method).
+        reduced: per unit, ``(reduced payload tensors, ctx)``, or None (not summed); replaced
+            in place by ``(reduced replacement, new ctx)`` where the method resends.
+        resend: ``f(i, payload)`` starts the reduction of entry ``i``'s replacement (with the
+            same op as the first) and returns ``g()`` that waits for it and returns its result.
+
+    Returns:
+        The indices of the entries the method reports overflowed (their results must read NaN,
+        for the non-finite guard to skip the step on every rank).
+    """
+    check = getattr(compression, "saturation", None)
+    if check is None:
+        return []
+    overflowed, pending = [], []
+    for i, entry in enumerate(reduced):
+        action = None if entry is None else check(*entry)
+        if action is None:
+            continue
+        if action.payload is None:
+            overflowed.append(i)
+        else:
+            pending.append((i, resend(i, list(action.payload)), action.ctx))
+    for i, wait, ctx in pending:
+        reduced[i] = (wait(), ctx)
+    return overflowed
 
 
 class AllreduceTransport(Transport):
@@ -140,47 +181,36 @@ class AllreduceTransport(Transport):
         self.timer.add_bytes(sent=nbytes, received=nbytes, dense=dense)
 
     def resend_saturated(self, done: List[tuple]) -> int:
-        """After the first allreduce of a step: payloads whose method can saturate (fp16's scaled
-        steps) are checked, and a saturated one is never decoded as is.
-
-        The method reads from the reduced payload whether some rank's values left its scale's
-        window (``compression.saturation``: identical on every rank) and decides: a replacement
-        payload is allreduced now (same op, prescale and postscale; one blocking collective per
-        such unit, in unit order, so every rank runs the same ones) and replaces the first in
-        ``done``; no replacement (fp16's ``on_saturation="skip"``) marks the unit overflowed: its
-        target reads NaN and it is listed in :attr:`overflowed`, for the optimizer's non-finite
-        guard to skip the step on every rank.
-
-        Args:
-            done: ``(unit, kind, reduced outputs, ctx, payload dtypes)`` per finished unit;
-                updated in place.
-
-        Returns:
-            Bytes this rank sent (and received) in the extra allreduces.
-        """
-        check = getattr(self.compression, "saturation", None)
-        if check is None:
+        """After the first allreduce of a step: :func:`resend_saturated` over the allreduced units
+        of ``done`` (``(unit, kind, reduced outputs, ctx, payload dtypes)`` per finished unit,
+        updated in place). A replacement is allreduced with the same op, prescale and postscale;
+        an overflowed unit is marked ``"overflow"`` (its target reads NaN) and listed in
+        :attr:`overflowed`. Returns the bytes this rank sent (and received) in the resends."""
+        if getattr(self.compression, "saturation", None) is None:
             return 0
         average, pre, post = self.reduce_args
-        extra = 0
-        for i, (u, kind, outputs, ctx, dtypes) in enumerate(done):
-            if kind != "allreduce":
-                continue
-            outputs = [o if o.dtype == dt else o.to(dt) for o, dt in zip(outputs, dtypes)]
-            action = check(outputs, ctx)
-            if action is None:
-                continue
-            if action.payload is None:
+        summed = [i for i, d in enumerate(done) if d[1] == "allreduce"]
+        reduced = [([o if o.dtype == dt else o.to(dt) for o, dt in zip(done[i][2], done[i][4])], done[i][3])
+                   for i in summed]
+        sent = [0]
+
+        def resend(k: int, payload: List[torch.Tensor]):
+            name = self.units.wire_name[done[summed[k]][0]]
+            handles = [self.group.allreduce_async(t, f"{name}.resend.{j}", average, pre, post)
+                       for j, t in enumerate(payload)]
+            sent[0] += sum(t.numel() * t.element_size() for t in payload)
+            return lambda: [self.group.synchronize(h) for h in handles]
+
+        overflowed = set(resend_saturated(self.compression, reduced, resend))
+        for k, i in enumerate(summed):
+            u = done[i][0]
+            if k in overflowed:
                 done[i] = (u, "overflow", None, None, None)
                 self.overflowed.append(u)
-                continue
-            name = self.units.wire_name[u]
-            handles = [self.group.allreduce_async(t, f"{name}.resend.{k}", average, pre, post)
-                       for k, t in enumerate(action.payload)]
-            done[i] = (u, kind, [self.group.synchronize(h) for h in handles], action.ctx,
-                       [t.dtype for t in action.payload])
-            extra += sum(t.numel() * t.element_size() for t in action.payload)
-        return extra
+            else:
+                outputs, ctx = reduced[k]
+                done[i] = (u, "allreduce", outputs, ctx, [t.dtype for t in outputs])
+        return sent[0]
 
 
 class DecodedAllreduceTransport(AllreduceTransport):
