@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Report of ``benchmarks/run_gossip.sh``: step time and bytes per rank on the emulated links, and
+"""Report of ``docs/results/gossip/run.sh``: step time and bytes per rank on the emulated links, and
 perplexity after the same epochs, for decentralized gossip against allreduce / allgather routes.
 
     .venv/bin/python benchmarks/gossip_report.py --input docs/results/gossip --output docs/results/gossip
@@ -7,7 +7,7 @@ perplexity after the same epochs, for decentralized gossip against allreduce / a
 Reads ``INPUT/{cluster,slow,accuracy}/<contender>[-seed<k>]/results.json`` (``train_lm.py``
 outputs). Step time is the mean over the timed steps (the first is skipped) of the slowest rank's
 wall time (``per_step.wall.max``); bytes are those one rank sent per step (mean over ranks).
-Each timed cell's ``machine.json`` (written by run_gossip.sh before the cell: the load average and
+Each timed cell's ``machine.json`` (written by docs/results/gossip/run.sh before the cell: the load average and
 the rest of the machine's CPU share, :mod:`hygiene`) is shown; a cell that started on a loaded
 machine, or has no such record, is no evidence and is left out of the targets.
 Perplexity: test perplexity of the best-validation weights (network average for gossip runs), mean
@@ -47,7 +47,7 @@ def inter_node_edges(r: dict) -> str:
 
 
 def machine(path: str, name: str) -> dict:
-    """The cell's ``machine.json`` (run_gossip.sh), or ``{"loaded": True}`` when it has none."""
+    """The cell's ``machine.json`` (docs/results/gossip/run.sh), or ``{"loaded": True}`` when it has none."""
     fn = os.path.join(path, name, "machine.json")
     return json.load(open(fn)) if os.path.isfile(fn) else {"loaded": True, "before": None}
 
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output", default="docs/results/gossip")
     args = ap.parse_args(argv)
     lines = ["# Decentralized gossip against allreduce / allgather", "",
-             "Measurements: `bash benchmarks/run_gossip.sh` (see its header). Report: "
+             "Measurements: `bash docs/results/gossip/run.sh` (see its header). Report: "
              f"`.venv/bin/python benchmarks/gossip_report.py {' '.join(argv or sys.argv[1:])}`", "",
              __doc__[__doc__.index("Reads"):].strip(), ""]
     cluster_dir, slow_dir = os.path.join(args.input, "cluster"), os.path.join(args.input, "slow")

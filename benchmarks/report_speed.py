@@ -715,7 +715,7 @@ def main(argv=None) -> int:
     if e2e_t:
         t_target_lines, t_summary["target"] = transformer_target(e2e_t)
     else:
-        t_target_lines = [f"Not measured: no cells under {args.e2e_transformer} (`bash benchmarks/run_speed.sh OUT "
+        t_target_lines = [f"Not measured: no cells under {args.e2e_transformer} (`bash docs/results/speed/run.sh OUT "
                           "transformer` runs them)."]
     cost_lines, cost_summary = cost_section(comm, args.output)
     lines = ["# hvdcomp speed report", ""]

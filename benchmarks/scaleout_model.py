@@ -6,7 +6,7 @@ the α-β model fitted to the emulated links; and, when given, the measured 2 ×
         --measured docs/results/scaleout/cluster --accuracy docs/results/scaleout/accuracy \\
         --output docs/results/scaleout
 
-(``bash benchmarks/run_scaleout.sh`` runs the measurements first.)
+(``bash docs/results/scaleout/run.sh`` runs the measurements first.)
 
 The fits (α in seconds per message, β in seconds per byte, per collective and link rate) come
 from the speed report's communication benchmark (``summary.json``, ``cost_model.<rate>.fits``).
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     rows = row_functions(N_MEDIUM)
     os.makedirs(args.output, exist_ok=True)
     lines = ["# Scale-out transports: communication per step from 2 to 1024 ranks", "",
-             "Measurements: `bash benchmarks/run_scaleout.sh docs/results/scaleout` (the 2 × 4 emulated "
+             "Measurements: `bash docs/results/scaleout/run.sh docs/results/scaleout` (the 2 × 4 emulated "
              "cluster, then the accuracy runs; about 30 min on 2 cores). Report:", "",
              f"Command: `{' '.join(['.venv/bin/python', 'benchmarks/scaleout_model.py'] + (argv or sys.argv[1:]))}`", "",
              __doc__[__doc__.index("The fits"):__doc__.index("Targets")].strip(), ""]
