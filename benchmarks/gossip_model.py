@@ -35,6 +35,7 @@ from hvdcomp.comm.costmodel import CostModel  # noqa: E402
 from hvdcomp.compressors.topk import num_kept  # noqa: E402
 from hvdcomp.gossip.topology import make_topology  # noqa: E402
 from hvdcomp.transports.neighbor import message_bytes, neighbor_terms  # noqa: E402
+from mpi_scripts.results import write_json  # noqa: E402
 from scaleout_model import RANKS, row_functions  # noqa: E402
 
 H = 300  # the medium LSTM: embedding 10000 x H, two layers of (4H x H) x 2 and 4H biases x 2
@@ -129,8 +130,7 @@ def main(argv=None) -> int:
     os.makedirs(args.output, exist_ok=True)
     with open(os.path.join(args.output, "report.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
-    with open(os.path.join(args.output, "model.json"), "w") as fh:
-        json.dump(model, fh, indent=1)
+    write_json(os.path.join(args.output, "model.json"), model)
     print("\n".join(lines))
     return 0
 

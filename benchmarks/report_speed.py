@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import logging
 import math
 import os
@@ -45,6 +44,7 @@ from typing import Dict, List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from hvdcomp.comm.costmodel import CostModel, fit_alpha_beta, ring_terms  # noqa: E402
+from mpi_scripts.results import read_json, write_json  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peers import PEERS, STOCK_HOROVOD, STOCK_HOROVOD_DENSE, label  # noqa: E402
@@ -63,14 +63,6 @@ TRANSFORMER_TARGET = {"methods": ["hvdcomp:topk:density=0.01", "hvdcomp:topk:den
 EXTRAPOLATE = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 #: which collective carries each method's payload (for the cost model)
 ALLREDUCE_METHODS = ("none", "fp16", "powersgd")
-
-
-def read_json(path: str) -> Optional[dict]:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 def slug_rate(path: str) -> str:
@@ -731,9 +723,8 @@ def main(argv=None) -> int:
     lines += ["## Per-tensor overhead", ""] + overhead_section(args.overhead)
     with open(os.path.join(args.output, "report.md"), "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
-    with open(os.path.join(args.output, "summary.json"), "w") as f:
-        json.dump({"e2e": e2e_summary, "e2e_transformer": t_summary, "cost_model": cost_summary}, f, indent=1,
-                  default=str)
+    write_json(os.path.join(args.output, "summary.json"),
+               {"e2e": e2e_summary, "e2e_transformer": t_summary, "cost_model": cost_summary})
     log.info("wrote %s", os.path.join(args.output, "report.md"))
     return 0
 

@@ -44,6 +44,7 @@ from hvdcomp.comm.costmodel import CostModel  # noqa: E402
 from hvdcomp.compressors.topk import num_kept  # noqa: E402
 from hvdcomp.config import DEFAULT_BUCKET_BYTES as BUCKET_BYTES  # noqa: E402
 from hvdcomp.plan import HOROVOD_KINDS, step_collectives  # noqa: E402
+from mpi_scripts.results import write_json  # noqa: E402
 
 N_MEDIUM = 10000 * 300 + 2 * (8 * 300 * 300 + 8 * 300)   # the medium LSTM's parameters (4,444,800)
 POWERSGD_BYTES = 149_600                                 # measured (speed report), rank 2, per step
@@ -220,8 +221,7 @@ def main(argv=None) -> int:
             accuracy_section(args.accuracy)
     with open(os.path.join(args.output, "report.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
-    with open(os.path.join(args.output, "model.json"), "w") as fh:
-        json.dump(model, fh, indent=1)
+    write_json(os.path.join(args.output, "model.json"), model)
     print("\n".join(lines))
     return 0
 

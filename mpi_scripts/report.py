@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (run as a script)
 from mpi_scripts import grid  # noqa: E402
+from mpi_scripts.results import mean as _mean, sd as _sd  # noqa: E402
 from hvdcomp.lm import PlateauSchedule  # noqa: E402
 from hvdcomp.metrics import PHASES  # noqa: E402  (the phase names' one definition)
 
@@ -73,20 +74,6 @@ def column_of(desc: dict) -> str:
         return f"AB-training ({desc['mode']}, cutoff {desc['cutoff']})"
     args = ",".join(f"{k}={v}" for k, v in sorted(desc.items()) if k != "name")
     return f"{name}:{args}" if args else name
-
-
-def _mean(xs: List[float]) -> float:
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else math.nan
-
-
-def _sd(xs: List[float]) -> float:
-    """Sample standard deviation (n − 1); NaN below two values."""
-    xs = [x for x in xs if x is not None]
-    if len(xs) < 2:
-        return math.nan
-    m = _mean(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
 def load_results(root: str) -> List[dict]:

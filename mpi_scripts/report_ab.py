@@ -34,6 +34,8 @@ from typing import Dict, List, Optional, Tuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (run as a script)
 from hvdcomp.lowrank.schedule import STAGES  # noqa: E402  (the stage names' one definition)
 from hvdcomp.lowrank.traffic import read  # noqa: E402  (results before and after the stage rename)
+from mpi_scripts import report  # noqa: E402  (the seed-spread comparison of every report)
+from mpi_scripts.results import mean as _mean, sd as _sd  # noqa: E402
 
 #: the paper's model-compression figure (VGG16 on CIFAR-10)
 PAPER_MODEL_RATIO = 44.14
@@ -45,17 +47,6 @@ PAPER_TRAFFIC_REDUCTION = (0.50, 0.7031)
 #: a sync every 759 steps, 60 full-rank steps after it, a 267-step rebound from 1e-5
 AUTHORS_VGG16 = {"steps": 15000, "lr_warmup": 1000, "lr": 3e-3, "min_lr": 1e-5, "weight_decay": 0.1,
                  "ab_warmup": 4330, "period": 759, "full_rank": 60, "rebound": 267, "start_lr": 1e-5}
-
-
-def _mean(xs):
-    return sum(xs) / len(xs)
-
-
-def _sd(xs):
-    if len(xs) < 2:
-        return float("nan")
-    m = _mean(xs)
-    return (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
 
 
 def _pm(xs, fmt="{:.2f}", scale=1.0):
@@ -89,16 +80,15 @@ def authors_decay(cfg: dict = AUTHORS_VGG16) -> float:
     return prod
 
 
+VERDICTS = {"?": "one seed", "~": "within the seed spread", ">": "above the seed spread",
+            "<": "below the seed spread"}
+
+
 def compare(a: List[float], b: List[float]) -> Tuple[float, float, str]:
-    """Difference of means ``mean(a) − mean(b)``, its seed spread ``sqrt(sd_a² + sd_b²)`` and a
-    verdict: "within the seed spread", "above"/"below the seed spread", or "one seed" (no spread)."""
-    d = _mean(a) - _mean(b)
-    spread = math.sqrt(_sd(a) ** 2 + _sd(b) ** 2)
-    if spread != spread:
-        return d, spread, "one seed"
-    if abs(d) <= spread:
-        return d, spread, "within the seed spread"
-    return d, spread, ("above" if d > 0 else "below") + " the seed spread"
+    """:func:`report.compare` (difference of means, its seed spread) with the verdict in words:
+    "within the seed spread", "above"/"below the seed spread", or "one seed" (no spread)."""
+    d, spread, direction = report.compare(a, b)
+    return d, spread, VERDICTS[direction]
 
 
 def load(root: str) -> Dict[str, List[dict]]:
