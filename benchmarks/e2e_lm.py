@@ -405,13 +405,8 @@ def compute_reference(args, w, raw: torch.nn.Module, start_step: int) -> List[fl
     state, times = w.init_state(ref), []
     for k in range(args.compute_ref_steps):
         x, y = w.batch(start_step + k)
-        t0 = time.perf_counter()
-        loss, state = w.loss(ref, x, y, state)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), args.clip)
-        opt.step()
-        times.append(time.perf_counter() - t0)
+        _, state, parts = train_step(ref, opt, lambda m: w.loss(m, x, y, state), ref.parameters(), args.clip)
+        times.append(parts["wall"])
     return times
 
 
