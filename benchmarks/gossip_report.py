@@ -18,22 +18,21 @@ the seed spread of synchronous top-k 1 %: stated met or missed, with the figures
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import re
 import sys
 from typing import Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (run as a script)
+from mpi_scripts.results import read_all, read_json  # noqa: E402
 
 COLLECTIVE = ("none", "topk-allgather", "gtopk")
 CHOCO = ("choco-topk", "choco-sign")
 
 
 def load(path: str) -> Dict[str, dict]:
-    out = {}
-    for fn in sorted(glob.glob(os.path.join(path, "*", "results.json"))):
-        out[os.path.basename(os.path.dirname(fn))] = json.load(open(fn))
-    return out
+    """Cell name -> its train_lm results, for every ``path/<cell>/results.json``."""
+    return {os.path.basename(os.path.dirname(fn)): r for fn, r in read_all(path, "*/results.json").items()}
 
 
 def inter_node_edges(r: dict) -> str:
@@ -48,8 +47,7 @@ def inter_node_edges(r: dict) -> str:
 
 def machine(path: str, name: str) -> dict:
     """The cell's ``machine.json`` (docs/results/gossip/run.sh), or ``{"loaded": True}`` when it has none."""
-    fn = os.path.join(path, name, "machine.json")
-    return json.load(open(fn)) if os.path.isfile(fn) else {"loaded": True, "before": None}
+    return read_json(os.path.join(path, name, "machine.json")) or {"loaded": True, "before": None}
 
 
 def timing_section(title: str, runs: Dict[str, dict], path: str) -> List[str]:

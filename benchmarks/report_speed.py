@@ -44,7 +44,7 @@ from typing import Dict, List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from hvdcomp.comm.costmodel import CostModel, fit_alpha_beta, ring_terms  # noqa: E402
-from mpi_scripts.results import read_json, write_json  # noqa: E402
+from mpi_scripts.results import read_all, write_json  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peers import PEERS, STOCK_HOROVOD, STOCK_HOROVOD_DENSE, label  # noqa: E402
@@ -73,9 +73,8 @@ def slug_rate(path: str) -> str:
 def load_e2e(directory: str) -> Dict[str, Dict[str, dict]]:
     """{contender: {rate: cell}} (failed cells included, with status 'failed')."""
     out: Dict[str, Dict[str, dict]] = {}
-    for path in sorted(glob.glob(os.path.join(directory, "cells", "*", "*.json"))):
-        cell = read_json(path)
-        if not cell or cell.get("bench", "e2e") != "e2e" or "contender" not in cell:
+    for path, cell in read_all(directory, "cells/*/*.json").items():
+        if cell.get("bench", "e2e") != "e2e" or "contender" not in cell:
             continue
         out.setdefault(cell["contender"], {})[slug_rate(path)] = cell
     return out
@@ -467,8 +466,7 @@ def transformer_target(e2e) -> (List[str], List[dict]):
 # ---- cost model ----------------------------------------------------------------------------------
 def load_comm(directory: str) -> Dict[str, Dict[int, dict]]:
     out: Dict[str, Dict[int, dict]] = {}
-    for path in sorted(glob.glob(os.path.join(directory, "cells", "*", "comm-np*.json"))):
-        cell = read_json(path)
+    for path, cell in read_all(directory, "cells/*/comm-np*.json").items():
         if ok(cell):
             out.setdefault(slug_rate(path), {})[int(cell["world_size"])] = cell
     return out
@@ -645,7 +643,7 @@ def overhead_section(directory: Optional[str]) -> List[str]:
     stack's targets, met or missed with the measured ratio."""
     if not directory:
         return ["No overhead results (run benchmarks/overhead.py)."]
-    runs = sorted(glob.glob(os.path.join(directory, "**", "overhead.json"), recursive=True))
+    runs = read_all(directory, "**/overhead.json")
     if not runs:
         return [f"No overhead.json under {directory}."]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -660,8 +658,7 @@ def overhead_section(directory: Optional[str]) -> List[str]:
              "every contender's tensor names (`HOROVOD_CACHE_CAPACITY=16384`), as it holds one "
              "model's in a real job.", ""]
     targets = ["| ranks | model | contender | target | measured | verdict |", "|---:|---|---|---|---:|---|"]
-    for path in runs:
-        run = read_json(path)
+    for path, run in runs.items():
         machine = run.get("machine")
         if machine:
             b, a = machine["before"], machine["after"]

@@ -23,8 +23,6 @@ plots ``ab_accuracy.png``, ``ab_compression.png`` and ``ab_spectra.png``.
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import math
 import os
 import sys
@@ -35,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from hvdcomp.lowrank.schedule import STAGES  # noqa: E402  (the stage names' one definition)
 from hvdcomp.lowrank.traffic import read  # noqa: E402  (results before and after the stage rename)
 from mpi_scripts import report  # noqa: E402  (the seed-spread comparison of every report)
-from mpi_scripts.results import mean as _mean, sd as _sd  # noqa: E402
+from mpi_scripts.results import mean as _mean, read_all, sd as _sd  # noqa: E402
 
 #: the paper's model-compression figure (VGG16 on CIFAR-10)
 PAPER_MODEL_RATIO = 44.14
@@ -95,9 +93,7 @@ def load(root: str) -> Dict[str, List[dict]]:
     """Method label -> runs (sorted by seed), from ``root/cells/<name>/results.json``; the label is
     the cell name between ``-np<N>-`` and ``-seed<S>``."""
     by: Dict[str, List[dict]] = defaultdict(list)
-    for path in sorted(glob.glob(os.path.join(root, "cells", "*", "results.json"))):
-        with open(path) as f:
-            r = json.load(f)
+    for path, r in read_all(root, "cells/*/results.json").items():
         name = os.path.basename(os.path.dirname(path))
         label = name.split("-np", 1)[1].split("-", 1)[1].rsplit("-seed", 1)[0]
         by[label].append(r)

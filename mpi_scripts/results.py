@@ -2,11 +2,12 @@
 
 Every script of ``mpi_scripts/``, ``benchmarks/`` and ``scripts/`` writes its JSON through
 :func:`write_json` (hvdcomp's atomic writer: a temporary file and ``os.replace``, so a reader never
-sees half a file), reads it back through :func:`read_json`, and summarises seeds, steps or
+sees half a file), reads it back through :func:`read_json` (a folder of runs through :func:`read_all`), and summarises seeds, steps or
 repetitions through :func:`summary`, :func:`mean` and :func:`sd` (Python's :mod:`statistics`).
 """
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -25,6 +26,13 @@ def read_json(path: str) -> Optional[dict]:
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
+def read_all(root: str, pattern: str) -> Dict[str, dict]:
+    """Every JSON file under ``root`` whose path matches the glob ``pattern`` (``**`` recursive),
+    sorted, by its path (``root`` joined with the match); files that are not valid JSON are left out."""
+    found = ((path, read_json(path)) for path in sorted(glob.glob(os.path.join(root, pattern), recursive=True)))
+    return {path: obj for path, obj in found if obj is not None}
 
 
 def _present(values: Iterable[Optional[float]]) -> list:
