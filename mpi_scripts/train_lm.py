@@ -262,7 +262,8 @@ def start(args):
 def train_step(module, opt, loss_of, params, clip, timer=None, sync=None, skip_sync=contextlib.nullcontext):
     """One optimizer step, as every script trains: forward and backward (``loss_of(module)`` returns
     ``(loss, carry)``), ``sync()`` (the front-end's explicit synchronize, where it has one), the
-    averaged gradient of ``params`` clipped to norm ``clip``, ``opt.step()`` under ``skip_sync()``.
+    averaged gradient of ``params`` clipped to norm ``clip`` (0: not clipped), ``opt.step()`` under
+    ``skip_sync()``.
     With hvdcomp's ``timer`` (:class:`hvdcomp.metrics.PhaseTimer`) the step is a timed step and its
     compute phases are marked.
 
@@ -285,7 +286,8 @@ def train_step(module, opt, loss_of, params, clip, timer=None, sync=None, skip_s
         sync()
     t2 = time.perf_counter()
     with compute():
-        torch.nn.utils.clip_grad_norm_(params, clip)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip)
         with skip_sync():
             opt.step()
     rec = timer.end_step() if timer else None
