@@ -64,7 +64,7 @@ study-v1: install
 
 # The speed benchmarks (root: network namespaces; about 1.7 hours on 2 cores), then the report.
 speed: install
-	bash benchmarks/run_speed.sh docs/results/speed
+	bash docs/results/speed/run.sh docs/results/speed
 
 # Issue 32's local-update grid (root: network namespaces; about 3.7 hours on 2 cores for both workloads
 # at 10 and 100 Mbit/s): LOCAL_WORKLOADS / LOCAL_RATES pick a part, e.g. LOCAL_WORKLOADS=lstm LOCAL_RATES=10mbit.
@@ -72,7 +72,7 @@ LOCAL_OUT       ?= runs/local-update
 LOCAL_WORKLOADS ?= lstm transformer
 LOCAL_RATES     ?= 10mbit 100mbit
 speed-local: install
-	bash benchmarks/run_local.sh '$(LOCAL_OUT)' '$(LOCAL_WORKLOADS)' '$(LOCAL_RATES)'
+	bash docs/results/local-update/run.sh '$(LOCAL_OUT)' '$(LOCAL_WORKLOADS)' '$(LOCAL_RATES)'
 
 clean:
 	rm -rf runs .pytest_cache

@@ -22,7 +22,6 @@ planned settings of the last step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -32,6 +31,7 @@ sys.path.insert(0, ROOT)
 import hvdcomp  # noqa: E402
 from benchmarks.bench_models import lstm_gradients  # noqa: E402
 from hvdcomp.compressors.adaptive import AdaptiveCompressor  # noqa: E402
+from mpi_scripts.results import write_json  # noqa: E402
 
 
 def payload_bytes(payload) -> int:
@@ -90,9 +90,7 @@ def main(argv=None):
     print(f"adaptive vs uniform on the small LSTM's gradients ({corpus['source']}), steps 1..{args.steps - 1}\n")
     print(table)
     if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w", encoding="utf-8") as f:
-            json.dump({"settings": vars(args), "corpus": corpus, "rows": rows, "table": table}, f, indent=1)
+        write_json(args.output, {"settings": vars(args), "corpus": corpus, "rows": rows, "table": table})
     return rows
 
 

@@ -55,7 +55,6 @@ import os
 import resource
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -70,6 +69,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 from hvdcomp.launch import MPI_ENV  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
+from mpi_scripts.results import read_json, summary, write_json  # noqa: E402
 
 log = logging.getLogger("adaptive_lm")
 
@@ -124,7 +124,7 @@ def invocations(a) -> List[str]:
     for rate in a.rates:
         for name in a.contenders:
             for s in a.seeds:
-                run = netem_e2e.read_json(os.path.join(a.output, "cells", rate, f"{name}-s{s}", "run.json"))
+                run = read_json(os.path.join(a.output, "cells", rate, f"{name}-s{s}", "run.json"))
                 cmd = (run or {}).get("invocation")
                 if cmd and cmd not in seen:
                     seen.append(cmd)
@@ -185,14 +185,14 @@ class Runner:
             cpu = resource.getrusage(resource.RUSAGE_CHILDREN)  # (the ranks, waited for by mpirun)
             run = {"returncode": rc, "elapsed_s": time.perf_counter() - t0,
                    "cpu_s": cpu.ru_utime + cpu.ru_stime - cpu0.ru_utime - cpu0.ru_stime}
-            netem_e2e.write_json(os.path.join(out_dir, "run.json"), {"command": cmd, "invocation": invocation(), **run})
+            write_json(os.path.join(out_dir, "run.json"), {"command": cmd, "invocation": invocation(), **run})
         else:
             env = {**self.netem.base_env(), **self.netem.netem_env, "NETEM_TIMEOUT": str(int(self.args.timeout))}
             limit = self.args.load_limit or None
             before = hygiene.wait_quiet(self.args.max_wait_quiet, log=log.warning, limit=limit)
             run = self.netem.launch(cmd, env, results, log_path, self.args.timeout)
             run["machine"] = {"before": before, "after": hygiene.machine_state(), "loaded": hygiene.is_loaded(before, limit)}
-            netem_e2e.write_json(os.path.join(out_dir, "run.json"), {"command": cmd, "invocation": invocation(), **run})
+            write_json(os.path.join(out_dir, "run.json"), {"command": cmd, "invocation": invocation(), **run})
         status = "ok" if os.path.exists(results) and run["returncode"] == 0 else "failed"
         if status != "ok":
             with open(log_path, errors="replace") as f:
@@ -222,17 +222,11 @@ class Runner:
 
     def write_table(self, failed: int) -> int:
         a = self.args
-        netem_e2e.write_json(os.path.join(a.output, "table.json"), table(a))
+        write_json(os.path.join(a.output, "table.json"), table(a))
         with open(os.path.join(a.output, "table.md"), "w") as f:
             f.write(markdown(a))
         log.info("done, %d failed; %s", failed, os.path.join(a.output, "table.md"))
         return 1 if failed else 0
-
-
-def _summary(values: List[float]) -> dict:
-    if not values:
-        return {}
-    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def table(a) -> dict:
@@ -242,24 +236,24 @@ def table(a) -> dict:
     for rate in a.rates:
         rows = {}
         for name in a.contenders:
-            res = [netem_e2e.read_json(os.path.join(a.output, "cells", rate, f"{name}-s{s}", "results.json"))
+            res = [read_json(os.path.join(a.output, "cells", rate, f"{name}-s{s}", "results.json"))
                    for s in a.seeds]
             res = [r for r in res if r]
             if not res:
                 continue
-            runs = [netem_e2e.read_json(os.path.join(a.output, "cells", rate, f"{name}-s{s}", "run.json"))
+            runs = [read_json(os.path.join(a.output, "cells", rate, f"{name}-s{s}", "run.json"))
                     for s in a.seeds]
             machines = [r["machine"] for r in runs if r and "machine" in r]
             steps = [sum(e["steps"] for e in r["epochs"]) for r in res]
             rows[name] = {
                 "steps": steps[0],
-                "bytes_per_step": _summary([r["run_bytes"]["bytes_sent"]["mean"] / n for r, n in zip(res, steps)]),
+                "bytes_per_step": summary([r["run_bytes"]["bytes_sent"]["mean"] / n for r, n in zip(res, steps)]),
                 "dense_bytes_per_step": res[0]["run_bytes"]["dense_bytes"]["mean"] / steps[0],
-                "seconds_per_step": _summary([r["per_step"]["wall"]["mean"] for r in res]),
-                "val_ppl": _summary([r["epochs"][-1]["val_ppl"] for r in res]),
-                "test_ppl": _summary([r["test_ppl"] for r in res]),
+                "seconds_per_step": summary([r["per_step"]["wall"]["mean"] for r in res]),
+                "val_ppl": summary([r["epochs"][-1]["val_ppl"] for r in res]),
+                "test_ppl": summary([r["test_ppl"] for r in res]),
                 "seeds": len(res),
-                "load_before": _summary([m["before"]["load_1min"] for m in machines]),
+                "load_before": summary([m["before"]["load_1min"] for m in machines]),
                 "loaded": sum(bool(m["loaded"]) for m in machines),
             }
         base = rows["adam"]["bytes_per_step"]["mean"] if "adam" in rows else None

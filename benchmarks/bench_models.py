@@ -172,6 +172,7 @@ def lstm_gradients(steps: int = 5, data: str = "", seed: int = 0, batch_size: in
     """
     from hvdcomp.lm import batchify, load_corpus, make_lm, window_loss
     from hvdcomp.lm.data import default_data_path
+    from mpi_scripts.train_lm import train_step
 
     corpus = load_corpus(data or default_data_path(), vocab_size=10000)
     train = batchify(corpus.train, batch_size)
@@ -181,13 +182,11 @@ def lstm_gradients(steps: int = 5, data: str = "", seed: int = 0, batch_size: in
     opt = torch.optim.SGD(model.parameters(), lr=20.0)
     state = model.init_state(batch_size)
     grads = []
+
+    def record(step):  # (train_step's sync: after backward, before the clip)
+        grads.extend((name, step, p.grad.detach().reshape(-1).clone()) for name, p in model.named_parameters()
+                     if p.grad is not None and p.numel() >= min_numel)
     for step in range(steps):
-        loss_value, state, _ = window_loss(model, train, step * bptt, bptt, state)
-        opt.zero_grad()
-        loss_value.backward()
-        for name, p in model.named_parameters():
-            if p.grad is not None and p.numel() >= min_numel:
-                grads.append((name, step, p.grad.detach().reshape(-1).clone()))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
-        opt.step()
+        _, state, _ = train_step(model, opt, lambda m: window_loss(m, train, step * bptt, bptt, state)[:2],
+                                 model.parameters(), 0.25, sync=lambda: record(step))
     return grads, corpus.describe()

@@ -49,7 +49,7 @@ sys.path.insert(0, ROOT)
 import hvdcomp  # noqa: E402
 from hvdcomp.launch import abort_on_uncaught_exception, recorded_env  # noqa: E402
 from hvdcomp.lm import LSTMLM, MODEL_SIZES  # noqa: E402
-from hvdcomp.metrics import write_json_atomic  # noqa: E402
+from mpi_scripts.results import summary, write_json  # noqa: E402
 
 log = logging.getLogger("comm_lm")
 
@@ -129,9 +129,7 @@ def summarize(comm, recs: List[Dict[str, float]]) -> Dict[str, object]:
     for key in sorted(recs[0]):
         per_rep = [worst(comm, float(r[key])) for r in recs]
         mean_rep = [comm.allreduce(float(r[key]), op=MPI.SUM) / comm.size for r in recs]
-        out[key] = {"median": statistics.median(per_rep), "mean": statistics.fmean(per_rep),
-                    "min": min(per_rep), "max": max(per_rep),
-                    "median_of_rank_mean": statistics.median(mean_rep)}
+        out[key] = {**summary(per_rep), "median_of_rank_mean": statistics.median(mean_rep)}
     return out
 
 
@@ -267,7 +265,7 @@ def main(argv=None) -> int:
     if comm.rank == 0:
         import horovod
 
-        write_json_atomic(args.output, {
+        write_json(args.output, {
             "status": "ok",
             "bench": "comm",
             "units": "seconds (max over ranks per repetition, median over repetitions); bytes per rank",

@@ -25,7 +25,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -33,7 +32,8 @@ from typing import Dict, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from netem_e2e import DEFAULT_NETEM, DEFAULT_PYTHON, slug  # noqa: E402
+from netem_e2e import DEFAULT_NETEM, DEFAULT_PYTHON, slug  # noqa: E402  (first: it puts the project on sys.path)
+from mpi_scripts.results import read_json  # noqa: E402
 
 POWERSGD = "powersgd:matrix_rank=2,start_step=2,min_compression_rate=2"  # = e2e_lm's powerSGD_hook settings
 METHODS = ["topk:density=0.01", "dgc:density=0.01", POWERSGD]
@@ -75,11 +75,7 @@ def driver_command(args, model: str):
 
 def read_cell(output: str, model: str, rate: str, contender: str) -> Optional[dict]:
     """The cell's JSON (:mod:`netem_e2e`'s), or None when it is missing."""
-    path = os.path.join(output, model, "cells", rate, slug(contender) + ".json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    return read_json(os.path.join(output, model, "cells", rate, slug(contender) + ".json"))
 
 
 def median_step(output: str, model: str, rate: str, contender: str) -> Optional[float]:

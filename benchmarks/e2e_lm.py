@@ -50,10 +50,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import faulthandler
 import logging
-import math
 import os
 import platform
 import signal
@@ -72,10 +70,11 @@ sys.path.insert(0, ROOT)
 import hvdcomp  # noqa: E402
 import hvdcomp.ddp  # noqa: E402
 from hvdcomp.launch import abort_on_uncaught_exception, recorded_env  # noqa: E402
-from hvdcomp.lm import LSTMLM, MODEL_SIZES, batchify, load_corpus, loss_sums, rank_columns  # noqa: E402
+from hvdcomp.lm import LSTMLM, MODEL_SIZES, batchify, load_corpus, rank_columns  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
-from hvdcomp.metrics import PHASES, PhaseTimer, write_json_atomic  # noqa: E402
-from mpi_scripts.train_lm import evaluate as hvd_evaluate  # noqa: E402
+from hvdcomp.metrics import PhaseTimer  # noqa: E402
+from mpi_scripts.results import summary, write_json  # noqa: E402
+from mpi_scripts.train_lm import evaluate, train_step  # noqa: E402  (train_lm's step and evaluation)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_models  # noqa: E402
@@ -164,12 +163,6 @@ def parse_args(argv=None):
 
 
 # ---- helpers -----------------------------------------------------------------------------------
-def stats(values: List[float]) -> Dict[str, float]:
-    """median / mean / min / max of a non-empty list."""
-    return {"median": statistics.median(values), "mean": statistics.fmean(values),
-            "min": min(values), "max": max(values)}
-
-
 def across_ranks(per_rank: List[List[float]]) -> Dict[str, object]:
     """Per-step max and mean over ranks, then statistics over steps (``per_step`` = the maxima).
 
@@ -179,46 +172,26 @@ def across_ranks(per_rank: List[List[float]]) -> Dict[str, object]:
     worst = [max(col) for col in zip(*per_rank)]
     mean = [statistics.fmean(col) for col in zip(*per_rank)]
     least = [min(col) for col in zip(*per_rank)]
-    return {**stats(worst), "median_of_rank_mean": statistics.median(mean),
+    return {**summary(worst), "median_of_rank_mean": statistics.median(mean),
             "median_of_rank_min": statistics.median(least),
             "per_step": worst, "per_rank_median": [statistics.median(r) for r in per_rank]}
 
 
-def master_address(comm, given: Optional[str]) -> str:
-    """Rendezvous host for torch.distributed (collective over ``comm``)."""
-    if given or os.environ.get("MASTER_ADDR"):
-        return given or os.environ["MASTER_ADDR"]
-    hosts = comm.allgather(socket.gethostname())
-    if len(set(hosts)) == 1:
-        return "127.0.0.1"
-    return comm.bcast(socket.gethostbyname(hosts[0]) if comm.rank == 0 else None, root=0)
-
-
-def init_gloo(comm, args) -> str:
-    """``torch.distributed`` on gloo with rank/size from MPI; returns ``host:port`` of the store."""
-    import torch.distributed as dist
-
-    addr = master_address(comm, args.master_addr)
-    port = args.master_port or int(os.environ.get("MASTER_PORT", "0"))
-    timeout = datetime.timedelta(seconds=args.dist_timeout)
-    store = None
-    if comm.rank == 0:  # port 0: the store binds a free port, which the other ranks learn over MPI
-        store = dist.TCPStore(addr, port, comm.size, is_master=True, timeout=timeout, wait_for_workers=False)
-        port = store.port
-    port = comm.bcast(port, root=0)
-    if comm.rank != 0:
-        store = dist.TCPStore(addr, port, comm.size, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=comm.size, timeout=timeout)
-    return f"{addr}:{port}"
-
-
-def evaluate_gloo(model, stream, eval_batch, bptt, rank, size):
-    """Perplexity as :func:`mpi_scripts.train_lm.evaluate`, with the sums reduced over gloo (DDP runs)."""
-    import torch.distributed as dist
-
-    total = loss_sums(model, stream, eval_batch, bptt, rank, size)
-    dist.all_reduce(total)
-    return math.exp(total[0].item() / total[1].item())
+def init_gloo(comm, args) -> hvdcomp.ddp.runtime.TorchDistCollectives:
+    """``torch.distributed`` on gloo (:func:`hvdcomp.ddp.init_process_group`, rank and size from
+    Open MPI's environment) at ``--master-addr``/``--master-port`` (else ``$MASTER_ADDR``/``$MASTER_PORT``,
+    else rank 0's address where the ranks span hosts, and a port free on rank 0, sent over MPI)."""
+    addr = args.master_addr or os.environ.get("MASTER_ADDR")
+    if addr is None and len(set(comm.allgather(socket.gethostname()))) > 1:
+        addr = comm.bcast(socket.gethostbyname(socket.gethostname()) if comm.rank == 0 else None, root=0)
+    port = args.master_port or os.environ.get("MASTER_PORT")
+    if port is None:
+        with socket.socket() as s:  # (a port that was free a moment ago: the store binds it next)
+            s.bind(("", 0))
+            port = comm.bcast(s.getsockname()[1] if comm.rank == 0 else None, root=0)
+    os.environ.update({"MASTER_PORT": str(port), **({"MASTER_ADDR": addr} if addr else {})})
+    return hvdcomp.ddp.runtime.TorchDistCollectives(
+        hvdcomp.ddp.init_process_group("gloo", timeout_s=args.dist_timeout))
 
 
 def ddp_powersgd_payload(model, rank: int = 2, min_compression_rate: float = 2.0) -> int:
@@ -363,13 +336,14 @@ def build(args, raw: torch.nn.Module, comm) -> Setup:
             s.payload_bytes_est = n_params * (2 if args.variant == "fp16" else 4)
             s.info["transport"] = "horovod-allreduce"
         s.sync, s.skip_sync = s.opt.synchronize, s.opt.skip_synchronize
-        s.evaluate = lambda model, stream: hvd_evaluate(model, stream, args.eval_batch_size, args.bptt)
+        s.evaluate = lambda model, stream: evaluate(model, stream, args.eval_batch_size, args.bptt, hvd)
         s.info["horovod_controller"] = "mpi" if hvd.mpi_enabled() else "gloo"
     else:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        s.info["rendezvous"] = init_gloo(comm, args)
+        coll = init_gloo(comm, args)
+        s.info["rendezvous"] = f"{coll.info.master_addr}:{coll.info.master_port}"
         # PyTorch's powerSGD_hook issues its second allreduce from the first one's callback; on gloo
         # with more than one bucket the ranks then interleave the buckets' collectives in different
         # orders and gloo aborts ("Received data size doesn't match expected size"). One bucket
@@ -403,39 +377,8 @@ def build(args, raw: torch.nn.Module, comm) -> Setup:
             s.payload_bytes_est = 4 * n_params
         s.opt = sgd
         s.info.setdefault("transport", "gloo-allreduce (DDP buckets)")
-        s.evaluate = lambda model, stream: evaluate_gloo(model, stream, args.eval_batch_size, args.bptt,
-                                                         comm.rank, comm.size)
+        s.evaluate = lambda model, stream: evaluate(model, stream, args.eval_batch_size, args.bptt, coll)
     return s
-
-
-def train_step(s: Setup, w, x, y, state, clip: float):
-    """One optimizer step of workload ``w``; returns ``(loss, state, parts)`` with ``parts`` in seconds:
-    ``fwd_bwd`` (forward+backward; includes DDP's in-backward communication), ``sync``
-    (explicit synchronize: Horovod/hvdcomp), ``update`` (clip + SGD) and ``wall`` (the whole step)."""
-    timer = s.timer
-    compute = timer.phase("compute") if timer else contextlib.nullcontext()
-    t0 = time.perf_counter()
-    if timer:
-        timer.begin_step()
-    with compute:
-        loss, state = w.loss(s.module, x, y, state)
-        s.opt.zero_grad()
-        loss.backward()
-    t1 = time.perf_counter()
-    if s.sync:
-        s.sync()
-    t2 = time.perf_counter()
-    with timer.phase("compute") if timer else contextlib.nullcontext():
-        torch.nn.utils.clip_grad_norm_(s.raw.parameters(), clip)
-        with s.skip_sync():
-            s.opt.step()
-    rec = timer.end_step() if timer else None
-    t3 = time.perf_counter()
-    parts = {"fwd_bwd": t1 - t0, "sync": t2 - t1, "update": t3 - t2, "wall": t3 - t0}
-    if rec is not None:
-        parts.update({f"phase_{k}": rec.get(k, 0.0) for k in PHASES})
-        parts.update({k: float(rec[k]) for k in ("bytes_sent", "bytes_received", "dense_bytes")})
-    return loss, state, parts
 
 
 def nic_tx_bytes() -> Optional[int]:
@@ -462,13 +405,8 @@ def compute_reference(args, w, raw: torch.nn.Module, start_step: int) -> List[fl
     state, times = w.init_state(ref), []
     for k in range(args.compute_ref_steps):
         x, y = w.batch(start_step + k)
-        t0 = time.perf_counter()
-        loss, state = w.loss(ref, x, y, state)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), args.clip)
-        opt.step()
-        times.append(time.perf_counter() - t0)
+        _, state, parts = train_step(ref, opt, lambda m: w.loss(m, x, y, state), ref.parameters(), args.clip)
+        times.append(parts["wall"])
     return times
 
 
@@ -529,7 +467,8 @@ def main(argv=None) -> int:
             state = w.init_state(raw)  # a new pass over the data
         x, y = w.batch(step)
         tx0 = nic_tx_bytes()
-        loss, state, parts = train_step(s, w, x, y, state, args.clip)
+        loss, state, parts = train_step(s.module, s.opt, lambda m: w.loss(m, x, y, state), s.raw.parameters(),
+                                        args.clip, s.timer, s.sync, s.skip_sync)
         tx1 = nic_tx_bytes()
         if tx0 is not None and tx1 is not None:  # frames on the wire incl. TCP/IP headers
             parts["nic_tx_bytes"] = float(tx1 - tx0)
@@ -610,7 +549,7 @@ def main(argv=None) -> int:
             "final_val_ppl": curve[-1][1] if curve else None,
             "train_loss_rank0": losses,
         }
-        write_json_atomic(args.output, results)
+        write_json(args.output, results)
         ph = " ".join(f"{k} {v['median']:.3f}" for k, v in phase_stats.items())
         print(f"SUMMARY contender={args.contender} ranks={size} model={args.model} "
               f"step_median={step_stats['median']:.3f}s step_mean={step_stats['mean']:.3f}s "

@@ -21,7 +21,6 @@ Writes ``OUTPUT/report.md`` and ``OUTPUT/model.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -35,6 +34,7 @@ from hvdcomp.comm.costmodel import CostModel  # noqa: E402
 from hvdcomp.compressors.topk import num_kept  # noqa: E402
 from hvdcomp.gossip.topology import make_topology  # noqa: E402
 from hvdcomp.transports.neighbor import message_bytes, neighbor_terms  # noqa: E402
+from mpi_scripts.results import read_json, write_json  # noqa: E402
 from scaleout_model import RANKS, row_functions  # noqa: E402
 
 H = 300  # the medium LSTM: embedding 10000 x H, two layers of (4H x H) x 2 and 4H biases x 2
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--summary", default=os.path.join(ROOT, "docs/results/speed/summary.json"))
     ap.add_argument("--output", default=os.path.join(ROOT, "docs/results/gossip-model"))
     args = ap.parse_args(argv)
-    fits_by_rate = {rate: v["fits"] for rate, v in json.load(open(args.summary))["cost_model"].items()}
+    fits_by_rate = {rate: v["fits"] for rate, v in read_json(args.summary)["cost_model"].items()}
     n = sum(NUMELS)
     rows = {**row_functions(n), **gossip_rows()}
     lines: List[str] = ["# Gossip transport in the α-β model, beside the scale-out rows", "",
@@ -129,8 +129,7 @@ def main(argv=None) -> int:
     os.makedirs(args.output, exist_ok=True)
     with open(os.path.join(args.output, "report.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
-    with open(os.path.join(args.output, "model.json"), "w") as fh:
-        json.dump(model, fh, indent=1)
+    write_json(os.path.join(args.output, "model.json"), model)
     print("\n".join(lines))
     return 0
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Report of ``benchmarks/run_gossip.sh``: step time and bytes per rank on the emulated links, and
+"""Report of ``docs/results/gossip/run.sh``: step time and bytes per rank on the emulated links, and
 perplexity after the same epochs, for decentralized gossip against allreduce / allgather routes.
 
     .venv/bin/python benchmarks/gossip_report.py --input docs/results/gossip --output docs/results/gossip
@@ -7,7 +7,7 @@ perplexity after the same epochs, for decentralized gossip against allreduce / a
 Reads ``INPUT/{cluster,slow,accuracy}/<contender>[-seed<k>]/results.json`` (``train_lm.py``
 outputs). Step time is the mean over the timed steps (the first is skipped) of the slowest rank's
 wall time (``per_step.wall.max``); bytes are those one rank sent per step (mean over ranks).
-Each timed cell's ``machine.json`` (written by run_gossip.sh before the cell: the load average and
+Each timed cell's ``machine.json`` (written by docs/results/gossip/run.sh before the cell: the load average and
 the rest of the machine's CPU share, :mod:`hygiene`) is shown; a cell that started on a loaded
 machine, or has no such record, is no evidence and is left out of the targets.
 Perplexity: test perplexity of the best-validation weights (network average for gossip runs), mean
@@ -18,22 +18,21 @@ the seed spread of synchronous top-k 1 %: stated met or missed, with the figures
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import re
 import sys
 from typing import Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (run as a script)
+from mpi_scripts.results import read_all, read_json  # noqa: E402
 
 COLLECTIVE = ("none", "topk-allgather", "gtopk")
 CHOCO = ("choco-topk", "choco-sign")
 
 
 def load(path: str) -> Dict[str, dict]:
-    out = {}
-    for fn in sorted(glob.glob(os.path.join(path, "*", "results.json"))):
-        out[os.path.basename(os.path.dirname(fn))] = json.load(open(fn))
-    return out
+    """Cell name -> its train_lm results, for every ``path/<cell>/results.json``."""
+    return {os.path.basename(os.path.dirname(fn)): r for fn, r in read_all(path, "*/results.json").items()}
 
 
 def inter_node_edges(r: dict) -> str:
@@ -47,9 +46,8 @@ def inter_node_edges(r: dict) -> str:
 
 
 def machine(path: str, name: str) -> dict:
-    """The cell's ``machine.json`` (run_gossip.sh), or ``{"loaded": True}`` when it has none."""
-    fn = os.path.join(path, name, "machine.json")
-    return json.load(open(fn)) if os.path.isfile(fn) else {"loaded": True, "before": None}
+    """The cell's ``machine.json`` (docs/results/gossip/run.sh), or ``{"loaded": True}`` when it has none."""
+    return read_json(os.path.join(path, name, "machine.json")) or {"loaded": True, "before": None}
 
 
 def timing_section(title: str, runs: Dict[str, dict], path: str) -> List[str]:
@@ -83,7 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output", default="docs/results/gossip")
     args = ap.parse_args(argv)
     lines = ["# Decentralized gossip against allreduce / allgather", "",
-             "Measurements: `bash benchmarks/run_gossip.sh` (see its header). Report: "
+             "Measurements: `bash docs/results/gossip/run.sh` (see its header). Report: "
              f"`.venv/bin/python benchmarks/gossip_report.py {' '.join(argv or sys.argv[1:])}`", "",
              __doc__[__doc__.index("Reads"):].strip(), ""]
     cluster_dir, slow_dir = os.path.join(args.input, "cluster"), os.path.join(args.input, "slow")

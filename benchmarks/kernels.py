@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import platform
 import re
@@ -60,6 +59,7 @@ import hvdcomp  # noqa: E402
 from hvdcomp.transports import StepMethod  # noqa: E402
 import hvdcomp.native  # noqa: E402
 from hvdcomp.compressors.sparse import SparseCompressor  # noqa: E402
+from mpi_scripts.results import write_json  # noqa: E402
 from benchmarks.reference import reference_for  # noqa: E402
 
 DEFAULT_METHODS = ["qsgd:levels=127", "qsgd:levels=64", "qsgd:levels=16", "qsgd:levels=4", "terngrad",
@@ -478,8 +478,7 @@ def main(argv=None) -> int:
                 f.write(text)
     if args.output:
         os.makedirs(args.output, exist_ok=True)
-        with open(os.path.join(args.output, "kernels.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(os.path.join(args.output, "kernels.json"), result)
         with open(os.path.join(args.output, "kernels.md"), "w") as f:
             f.write(table)
         print(f"wrote {os.path.join(args.output, 'kernels.json')} and kernels.md", file=sys.stderr)

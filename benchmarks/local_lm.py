@@ -13,7 +13,6 @@ every rank had the same one (``env_same_on_all_ranks``; the driver checks it, ``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -30,7 +29,7 @@ sys.path.insert(0, os.path.join(ROOT, "mpi_scripts"))
 import horovod.torch as hvd  # noqa: E402
 import train_lm  # noqa: E402
 from hvdcomp.launch import recorded_env  # noqa: E402
-from hvdcomp.metrics import write_json_atomic  # noqa: E402
+from mpi_scripts.results import read_json, write_json  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -42,10 +41,9 @@ def main(argv=None) -> int:
     train_lm.main([*rest, "--output", run_dir, "--no-progress"])
     envs = hvd.allgather_object(recorded_env(), name="local_lm.env")
     if hvd.rank() == 0:
-        with open(os.path.join(run_dir, "results.json")) as f:
-            results = json.load(f)
-        write_json_atomic(args.output, {"status": "ok", "contender": args.contender, "train_lm": results,
-                                        "env": envs[0], "env_same_on_all_ranks": all(e == envs[0] for e in envs)})
+        write_json(args.output, {"status": "ok", "contender": args.contender,
+                                 "train_lm": read_json(os.path.join(run_dir, "results.json")),
+                                 "env": envs[0], "env_same_on_all_ranks": all(e == envs[0] for e in envs)})
     return 0
 
 

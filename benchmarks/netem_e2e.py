@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import os
 import re
@@ -41,7 +40,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Dict, List, Optional
 
@@ -52,6 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 from hvdcomp.launch import MPI_ENV  # noqa: E402  (the one definition of the launch environment)
+from mpi_scripts.results import read_json, write_json  # noqa: E402
 
 DEFAULT_NETEM = os.path.normpath(os.path.join(ROOT, "..", "shared", "tools", "netem_mpi.sh"))
 DEFAULT_PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
@@ -108,24 +107,6 @@ def model_parameters(model: str, vocab: int = 10000, layers: int = 2) -> int:
         return sum(p.numel() for p in bench_models.make_model(model).parameters())
     h = HIDDEN[model]
     return vocab * h + layers * (8 * h * h + 8 * h)
-
-
-def write_json(path: str, obj) -> None:
-    """Atomic JSON write (temporary file + rename)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def read_json(path: str) -> Optional[dict]:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def error_lines(text: str, limit: int = 8) -> List[str]:

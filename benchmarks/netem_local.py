@@ -45,6 +45,7 @@ from typing import Dict, List, Optional
 
 import netem_e2e
 import peers
+from mpi_scripts.results import read_json, summary, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 log = logging.getLogger("netem_local")
@@ -137,11 +138,6 @@ class LocalDriver(netem_e2e.Driver):
 
 
 # ---- the report ---------------------------------------------------------------------------------
-def _spread(values: List[float]) -> Dict[str, Optional[float]]:
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else None,
-            "min": min(values), "max": max(values), "n": len(values)}
-
-
 def cell_summary(cell: dict) -> dict:
     """The figures of one finished cell (its train_lm results)."""
     r = cell["train_lm"]
@@ -175,8 +171,8 @@ def summarize(cells: List[dict], baseline: str, versus: str, target_factor: floa
         for c, runs in contenders.items():
             ttt = [time_to(s["curve"], target) for s in runs] if target is not None else []
             reached = [t for t in ttt if t is not None]
-            rows[c] = {"seeds": len(runs), "best_val_ppl": _spread([s["best_val_ppl"] for s in runs]),
-                       "test_ppl": _spread([s["test_ppl"] for s in runs]),
+            rows[c] = {"seeds": len(runs), "best_val_ppl": summary([s["best_val_ppl"] for s in runs]),
+                       "test_ppl": summary([s["test_ppl"] for s in runs]),
                        "bytes_sent_per_step": statistics.fmean(s["bytes_sent_per_step"] for s in runs),
                        "ratio_vs_dense_fp32": statistics.fmean(4 * s["parameters"] / max(1.0, s["bytes_sent_per_step"])
                                                                for s in runs),
@@ -293,16 +289,16 @@ def write_report(args) -> int:
         folder = os.path.join(args.output, "cells", rate)
         for name in sorted(os.listdir(folder)):
             if name.endswith(".json"):
-                cell = netem_e2e.read_json(os.path.join(folder, name))
+                cell = read_json(os.path.join(folder, name))
                 if cell is not None:
                     cells.append(cell)
     machines = [c.get("driver", {}).get("machine", {}) for c in cells]
     loaded = [c["driver"]["rate"] + "/" + c["contender"] for c, m in zip(cells, machines) if m.get("loaded")]
     loads = [m["before"]["load_1min"] for m in machines if (m.get("before") or {}).get("load_1min") is not None]
-    summary = summarize([c for c, m in zip(cells, machines) if not m.get("loaded")],
+    rows = summarize([c for c, m in zip(cells, machines) if not m.get("loaded")],
                         args.baseline, args.versus, args.target_factor)
-    netem_e2e.write_json(os.path.join(args.output, "report.json"), summary)
-    text = report_markdown(summary, args.baseline, args.versus)
+    write_json(os.path.join(args.output, "report.json"), rows)
+    text = report_markdown(rows, args.baseline, args.versus)
     if loads:
         text += (f"\n1-minute load average before each cell: {min(loads):.2f}-{max(loads):.2f} "
                  f"({len(loads)} cells).\n")

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import logging
 import math
 import os
@@ -45,6 +44,7 @@ from typing import Dict, List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from hvdcomp.comm.costmodel import CostModel, fit_alpha_beta, ring_terms  # noqa: E402
+from mpi_scripts.results import read_all, write_json  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peers import PEERS, STOCK_HOROVOD, STOCK_HOROVOD_DENSE, label  # noqa: E402
@@ -65,14 +65,6 @@ EXTRAPOLATE = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 ALLREDUCE_METHODS = ("none", "fp16", "powersgd")
 
 
-def read_json(path: str) -> Optional[dict]:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
 def slug_rate(path: str) -> str:
     return os.path.basename(os.path.dirname(path))
 
@@ -81,9 +73,8 @@ def slug_rate(path: str) -> str:
 def load_e2e(directory: str) -> Dict[str, Dict[str, dict]]:
     """{contender: {rate: cell}} (failed cells included, with status 'failed')."""
     out: Dict[str, Dict[str, dict]] = {}
-    for path in sorted(glob.glob(os.path.join(directory, "cells", "*", "*.json"))):
-        cell = read_json(path)
-        if not cell or cell.get("bench", "e2e") != "e2e" or "contender" not in cell:
+    for path, cell in read_all(directory, "cells/*/*.json").items():
+        if cell.get("bench", "e2e") != "e2e" or "contender" not in cell:
             continue
         out.setdefault(cell["contender"], {})[slug_rate(path)] = cell
     return out
@@ -475,8 +466,7 @@ def transformer_target(e2e) -> (List[str], List[dict]):
 # ---- cost model ----------------------------------------------------------------------------------
 def load_comm(directory: str) -> Dict[str, Dict[int, dict]]:
     out: Dict[str, Dict[int, dict]] = {}
-    for path in sorted(glob.glob(os.path.join(directory, "cells", "*", "comm-np*.json"))):
-        cell = read_json(path)
+    for path, cell in read_all(directory, "cells/*/comm-np*.json").items():
         if ok(cell):
             out.setdefault(slug_rate(path), {})[int(cell["world_size"])] = cell
     return out
@@ -653,7 +643,7 @@ def overhead_section(directory: Optional[str]) -> List[str]:
     stack's targets, met or missed with the measured ratio."""
     if not directory:
         return ["No overhead results (run benchmarks/overhead.py)."]
-    runs = sorted(glob.glob(os.path.join(directory, "**", "overhead.json"), recursive=True))
+    runs = read_all(directory, "**/overhead.json")
     if not runs:
         return [f"No overhead.json under {directory}."]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -668,8 +658,7 @@ def overhead_section(directory: Optional[str]) -> List[str]:
              "every contender's tensor names (`HOROVOD_CACHE_CAPACITY=16384`), as it holds one "
              "model's in a real job.", ""]
     targets = ["| ranks | model | contender | target | measured | verdict |", "|---:|---|---|---|---:|---|"]
-    for path in runs:
-        run = read_json(path)
+    for path, run in runs.items():
         machine = run.get("machine")
         if machine:
             b, a = machine["before"], machine["after"]
@@ -715,7 +704,7 @@ def main(argv=None) -> int:
     if e2e_t:
         t_target_lines, t_summary["target"] = transformer_target(e2e_t)
     else:
-        t_target_lines = [f"Not measured: no cells under {args.e2e_transformer} (`bash benchmarks/run_speed.sh OUT "
+        t_target_lines = [f"Not measured: no cells under {args.e2e_transformer} (`bash docs/results/speed/run.sh OUT "
                           "transformer` runs them)."]
     cost_lines, cost_summary = cost_section(comm, args.output)
     lines = ["# hvdcomp speed report", ""]
@@ -731,9 +720,8 @@ def main(argv=None) -> int:
     lines += ["## Per-tensor overhead", ""] + overhead_section(args.overhead)
     with open(os.path.join(args.output, "report.md"), "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
-    with open(os.path.join(args.output, "summary.json"), "w") as f:
-        json.dump({"e2e": e2e_summary, "e2e_transformer": t_summary, "cost_model": cost_summary}, f, indent=1,
-                  default=str)
+    write_json(os.path.join(args.output, "summary.json"),
+               {"e2e": e2e_summary, "e2e_transformer": t_summary, "cost_model": cost_summary})
     log.info("wrote %s", os.path.join(args.output, "report.md"))
     return 0
 

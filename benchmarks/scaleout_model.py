@@ -6,7 +6,7 @@ the α-β model fitted to the emulated links; and, when given, the measured 2 ×
         --measured docs/results/scaleout/cluster --accuracy docs/results/scaleout/accuracy \\
         --output docs/results/scaleout
 
-(``bash benchmarks/run_scaleout.sh`` runs the measurements first.)
+(``bash docs/results/scaleout/run.sh`` runs the measurements first.)
 
 The fits (α in seconds per message, β in seconds per byte, per collective and link rate) come
 from the speed report's communication benchmark (``summary.json``, ``cost_model.<rate>.fits``).
@@ -31,8 +31,6 @@ Writes ``OUTPUT/report.md``, ``OUTPUT/model.json`` and one plot per link rate.
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import sys
 from typing import Callable, Dict, List
@@ -44,6 +42,7 @@ from hvdcomp.comm.costmodel import CostModel  # noqa: E402
 from hvdcomp.compressors.topk import num_kept  # noqa: E402
 from hvdcomp.config import DEFAULT_BUCKET_BYTES as BUCKET_BYTES  # noqa: E402
 from hvdcomp.plan import HOROVOD_KINDS, step_collectives  # noqa: E402
+from mpi_scripts.results import read_all, read_json, write_json  # noqa: E402
 
 N_MEDIUM = 10000 * 300 + 2 * (8 * 300 * 300 + 8 * 300)   # the medium LSTM's parameters (4,444,800)
 POWERSGD_BYTES = 149_600                                 # measured (speed report), rank 2, per step
@@ -120,8 +119,7 @@ def measured_section(path: str) -> List[str]:
     """The 2 × 4 cluster's communication per method (``netem_e2e.py --bench comm`` results:
     ``DIR/cells/<rate>/comm-np<p>.json``)."""
     lines = []
-    for fn in sorted(glob.glob(os.path.join(path, "cells", "*", "comm-np*.json"))):
-        data = json.load(open(fn))
+    for fn, data in read_all(path, "cells/*/comm-np*.json").items():
         rate = os.path.basename(os.path.dirname(fn))
         methods = data.get("methods", {})
         if not methods:
@@ -157,7 +155,7 @@ def accuracy_section(path: str) -> List[str]:
     """Perplexity after the same steps per method (``train_lm.py`` results, one directory each)."""
     lines = ["| method | seed | test perplexity | best validation perplexity | measured compression ratio | steps | seconds |",
              "|---|---|---|---|---|---|---|"]
-    runs = [json.load(open(fn)) for fn in glob.glob(os.path.join(path, "*", "results.json"))]
+    runs = list(read_all(path, "*/results.json").values())
     for r in sorted(runs, key=lambda r: (r["config"].get("compressor_spec", ""), r["config"].get("seed", 0))):
         cfg = r.get("config", {})
         lines.append(f"| {cfg.get('compressor_spec', '?')} | {cfg.get('seed', '?')} | {r['test_ppl']:.1f} | "
@@ -174,11 +172,11 @@ def main(argv=None) -> int:
     ap.add_argument("--accuracy", default=None, help="directory of train_lm.py runs, one subdirectory each")
     ap.add_argument("--output", default=os.path.join(ROOT, "docs/results/scaleout"))
     args = ap.parse_args(argv)
-    fits_by_rate = {rate: v["fits"] for rate, v in json.load(open(args.summary))["cost_model"].items()}
+    fits_by_rate = {rate: v["fits"] for rate, v in read_json(args.summary)["cost_model"].items()}
     rows = row_functions(N_MEDIUM)
     os.makedirs(args.output, exist_ok=True)
     lines = ["# Scale-out transports: communication per step from 2 to 1024 ranks", "",
-             "Measurements: `bash benchmarks/run_scaleout.sh docs/results/scaleout` (the 2 × 4 emulated "
+             "Measurements: `bash docs/results/scaleout/run.sh docs/results/scaleout` (the 2 × 4 emulated "
              "cluster, then the accuracy runs; about 30 min on 2 cores). Report:", "",
              f"Command: `{' '.join(['.venv/bin/python', 'benchmarks/scaleout_model.py'] + (argv or sys.argv[1:]))}`", "",
              __doc__[__doc__.index("The fits"):__doc__.index("Targets")].strip(), ""]
@@ -220,8 +218,7 @@ def main(argv=None) -> int:
             accuracy_section(args.accuracy)
     with open(os.path.join(args.output, "report.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
-    with open(os.path.join(args.output, "model.json"), "w") as fh:
-        json.dump(model, fh, indent=1)
+    write_json(os.path.join(args.output, "model.json"), model)
     print("\n".join(lines))
     return 0
 

@@ -35,7 +35,6 @@ Prints a markdown table; ``--output FILE.json`` also writes the settings and eve
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -49,6 +48,7 @@ sys.path.insert(0, ROOT)
 import hvdcomp  # noqa: E402
 from hvdcomp.compressors.sidco import SIDCoCompressor  # noqa: E402
 from hvdcomp.compressors.topk import num_kept  # noqa: E402
+from mpi_scripts.results import write_json  # noqa: E402
 from benchmarks.bench_models import lstm_gradients  # noqa: E402
 
 MIN_NUMEL = 1000
@@ -152,10 +152,7 @@ def main(argv=None):
                "corpus": corpus,
                "lm_tensors": [{"name": name, "step": st, "numel": g.numel()} for name, st, g in grads],
                "seconds": elapsed, "rows": rows, "table": table}
-        directory = os.path.dirname(os.path.abspath(args.output))
-        os.makedirs(directory, exist_ok=True)
-        with open(args.output, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.output, out)
     return rows
 
 

@@ -4,7 +4,6 @@ with their learning-rate search; read by :mod:`mpi_scripts.sweep` (which runs th
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -14,6 +13,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import yaml
+
+from mpi_scripts.results import read_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -182,8 +183,7 @@ def choose_lr(out_root: str, search: List[Cell]) -> Dict[str, dict]:
         path = os.path.join(out_root, "search", cell.name, "results.json")
         val = math.nan
         if os.path.isfile(path):
-            with open(path) as f:
-                val = float(json.load(f).get("best_val_ppl", math.nan))
+            val = float((read_json(path) or {}).get("best_val_ppl", math.nan))
         elif not os.path.isfile(os.path.join(out_root, "search", cell.name, "failed")):
             tried.setdefault(key, {})["incomplete"] = math.nan
         tried.setdefault(key, {})[cell.lr_value] = val

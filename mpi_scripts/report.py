@@ -13,9 +13,7 @@ of the runs, not a bandwidth model.
 from __future__ import annotations
 
 import argparse
-import glob
 import inspect
-import json
 import math
 import os
 import re
@@ -26,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (run as a script)
 from mpi_scripts import grid  # noqa: E402
+from mpi_scripts.results import mean as _mean, read_all, read_json, sd as _sd  # noqa: E402
 from hvdcomp.lm import PlateauSchedule  # noqa: E402
 from hvdcomp.metrics import PHASES  # noqa: E402  (the phase names' one definition)
 
@@ -75,29 +74,13 @@ def column_of(desc: dict) -> str:
     return f"{name}:{args}" if args else name
 
 
-def _mean(xs: List[float]) -> float:
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else math.nan
-
-
-def _sd(xs: List[float]) -> float:
-    """Sample standard deviation (n − 1); NaN below two values."""
-    xs = [x for x in xs if x is not None]
-    if len(xs) < 2:
-        return math.nan
-    m = _mean(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
-
-
 def load_results(root: str) -> List[dict]:
     """Flat rows (one per training cell's results.json under ``root``; the learning-rate search's
     runs under ``search/`` are left out) with the fields the report uses."""
     rows = []
-    for path in sorted(glob.glob(os.path.join(root, "**", "results.json"), recursive=True)):
+    for path, r in read_all(root, "**/results.json").items():
         if os.path.relpath(path, root).split(os.sep)[0] == "search":
             continue
-        with open(path) as f:
-            r = json.load(f)
         cfg = r["config"]
         steps = r["epochs"][0]["steps"] if r["epochs"] else 0
         val = [e["val_ppl"] for e in r["epochs"]]
@@ -130,21 +113,14 @@ def load_results(root: str) -> List[dict]:
 
 def _sweep_wall(results_path: str, r: dict) -> float:
     """The cell's wall seconds as the sweep measured them (start-up included), else the run's own."""
-    side = os.path.join(os.path.dirname(results_path), "sweep.json")
-    if os.path.isfile(side):
-        with open(side) as f:
-            return float(json.load(f)["wall_seconds"])
-    return float(r.get("seconds_total", 0.0))
+    side = read_json(os.path.join(os.path.dirname(results_path), "sweep.json"))
+    return float(side["wall_seconds"] if side else r.get("seconds_total", 0.0))
 
 
 def search_wall_seconds(root: str) -> Tuple[int, float]:
     """(runs, wall seconds) of the learning-rate search under ``root/search``."""
-    n, total = 0, 0.0
-    for side in glob.glob(os.path.join(root, "search", "*", "sweep.json")):
-        with open(side) as f:
-            total += float(json.load(f)["wall_seconds"])
-        n += 1
-    return n, total
+    sides = read_all(root, "search/*/sweep.json").values()
+    return len(sides), sum(float(s["wall_seconds"]) for s in sides)
 
 
 def ordered_columns(rows) -> List[str]:
@@ -552,10 +528,8 @@ def lr_search_table(root: str, search: Optional[dict] = None) -> Optional[str]:
     """The learning-rate search: best validation perplexity at each value tried, the chosen value
     in bold. ``search`` as :func:`mpi_scripts.grid.choose_lr` returns it, else read from
     ``root/lr_search.json`` (written by sweep.py). None without a search."""
-    path = os.path.join(root, "lr_search.json")
-    if search is None and os.path.isfile(path):
-        with open(path) as f:
-            search = json.load(f)
+    if search is None:
+        search = read_json(os.path.join(root, "lr_search.json"))
     if not search:
         return None
     values = sorted({float(v) for s in search.values() for v in s["values"]})

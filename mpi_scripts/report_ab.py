@@ -23,8 +23,6 @@ plots ``ab_accuracy.png``, ``ab_compression.png`` and ``ab_spectra.png``.
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import math
 import os
 import sys
@@ -34,6 +32,8 @@ from typing import Dict, List, Optional, Tuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (run as a script)
 from hvdcomp.lowrank.schedule import STAGES  # noqa: E402  (the stage names' one definition)
 from hvdcomp.lowrank.traffic import read  # noqa: E402  (results before and after the stage rename)
+from mpi_scripts import report  # noqa: E402  (the seed-spread comparison of every report)
+from mpi_scripts.results import mean as _mean, read_all, sd as _sd  # noqa: E402
 
 #: the paper's model-compression figure (VGG16 on CIFAR-10)
 PAPER_MODEL_RATIO = 44.14
@@ -45,17 +45,6 @@ PAPER_TRAFFIC_REDUCTION = (0.50, 0.7031)
 #: a sync every 759 steps, 60 full-rank steps after it, a 267-step rebound from 1e-5
 AUTHORS_VGG16 = {"steps": 15000, "lr_warmup": 1000, "lr": 3e-3, "min_lr": 1e-5, "weight_decay": 0.1,
                  "ab_warmup": 4330, "period": 759, "full_rank": 60, "rebound": 267, "start_lr": 1e-5}
-
-
-def _mean(xs):
-    return sum(xs) / len(xs)
-
-
-def _sd(xs):
-    if len(xs) < 2:
-        return float("nan")
-    m = _mean(xs)
-    return (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5
 
 
 def _pm(xs, fmt="{:.2f}", scale=1.0):
@@ -89,25 +78,22 @@ def authors_decay(cfg: dict = AUTHORS_VGG16) -> float:
     return prod
 
 
+VERDICTS = {"?": "one seed", "~": "within the seed spread", ">": "above the seed spread",
+            "<": "below the seed spread"}
+
+
 def compare(a: List[float], b: List[float]) -> Tuple[float, float, str]:
-    """Difference of means ``mean(a) − mean(b)``, its seed spread ``sqrt(sd_a² + sd_b²)`` and a
-    verdict: "within the seed spread", "above"/"below the seed spread", or "one seed" (no spread)."""
-    d = _mean(a) - _mean(b)
-    spread = math.sqrt(_sd(a) ** 2 + _sd(b) ** 2)
-    if spread != spread:
-        return d, spread, "one seed"
-    if abs(d) <= spread:
-        return d, spread, "within the seed spread"
-    return d, spread, ("above" if d > 0 else "below") + " the seed spread"
+    """:func:`report.compare` (difference of means, its seed spread) with the verdict in words:
+    "within the seed spread", "above"/"below the seed spread", or "one seed" (no spread)."""
+    d, spread, direction = report.compare(a, b)
+    return d, spread, VERDICTS[direction]
 
 
 def load(root: str) -> Dict[str, List[dict]]:
     """Method label -> runs (sorted by seed), from ``root/cells/<name>/results.json``; the label is
     the cell name between ``-np<N>-`` and ``-seed<S>``."""
     by: Dict[str, List[dict]] = defaultdict(list)
-    for path in sorted(glob.glob(os.path.join(root, "cells", "*", "results.json"))):
-        with open(path) as f:
-            r = json.load(f)
+    for path, r in read_all(root, "cells/*/results.json").items():
         name = os.path.basename(os.path.dirname(path))
         label = name.split("-np", 1)[1].split("-", 1)[1].rsplit("-seed", 1)[0]
         by[label].append(r)

@@ -27,7 +27,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import subprocess
@@ -40,6 +39,7 @@ from mpi_scripts.grid import (ROOT, Cell, cells_of, choose_lr, load_grid, resolv
                                search_cells_of)
 from mpi_scripts import report  # noqa: E402
 from hvdcomp.launch import MPI_ENV  # noqa: E402
+from mpi_scripts.results import write_json  # noqa: E402
 
 log = logging.getLogger("sweep")
 
@@ -71,18 +71,11 @@ def run_cell(cell: Cell, out_root: str, data: Optional[str], timeout: float, sub
             logf.write(f"\nsweep: killed after {timeout} s\n")
             rc = -9
     ok = rc == 0 and os.path.isfile(os.path.join(cell_dir, "results.json"))
-    with open(os.path.join(cell_dir, "sweep.json"), "w") as f:
-        json.dump({"wall_seconds": time.time() - t0, "returncode": rc, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+    write_json(os.path.join(cell_dir, "sweep.json"),
+               {"wall_seconds": time.time() - t0, "returncode": rc, "finished": time.strftime("%Y-%m-%d %H:%M:%S")})
     if not ok:
         open(marker, "w").close()
     return "done" if ok else "failed"
-
-
-def write_json(path: str, obj) -> None:
-    """Write ``obj`` as indented JSON (NaN allowed), creating the directory."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
 
 
 def main(argv=None) -> int:

@@ -52,6 +52,7 @@ import hvdcomp  # noqa: E402
 from hvdcomp.launch import abort_on_uncaught_exception  # noqa: E402
 from hvdcomp.lowrank import ABTraining, matrix_view, traffic_summary, unit_singular_values_  # noqa: E402
 from hvdcomp.metrics import reduce_across_ranks, write_json_atomic  # noqa: E402
+from mpi_scripts.train_lm import train_step  # noqa: E402  (the one training step of the scripts)
 
 log = logging.getLogger("train_cnn")
 TEST_IMAGES = 400
@@ -272,23 +273,14 @@ def main(argv=None):
                 for g in opt.param_groups:
                     g["lr"] = lr
             idx = order[i * args.batch_size + rank * per_rank: i * args.batch_size + (rank + 1) * per_rank]
-            opt.timer.begin_step()
-            with opt.timer.phase("compute"):
-                loss = torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx],
-                                                         label_smoothing=args.label_smoothing)
-                opt.zero_grad()
-                loss.backward()
-            opt.synchronize()
-            with opt.timer.phase("compute"):
-                if args.clip > 0:
-                    params = opt.parameters() if isinstance(opt, ABTraining) else list(model.parameters())
-                    torch.nn.utils.clip_grad_norm_(params, args.clip)
-                with opt.skip_synchronize():
-                    opt.step()
+            loss, _, _ = train_step(
+                model, opt, lambda m: (torch.nn.functional.cross_entropy(m(x_train[idx]), y_train[idx],
+                                                                         label_smoothing=args.label_smoothing), None),
+                opt.parameters() if isinstance(opt, ABTraining) else model.parameters(), args.clip, opt.timer,
+                opt.synchronize, opt.skip_synchronize)
             applied = opt.param_groups[0]["lr"]
             lr_sum += applied
             decay *= 1.0 - applied * args.weight_decay if args.optimizer == "adamw" else 1.0
-            opt.timer.end_step()
             loss_sum += loss.item()
             step += 1
         train_loss = hvd.allreduce(torch.tensor(loss_sum / steps_per_epoch), name=f"loss.{epoch}").item()

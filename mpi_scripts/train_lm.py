@@ -230,10 +230,13 @@ def local_update_optimizer(args, model, compressor, **pipeline):
                                    compression=compressor, **spec, **pipeline)
 
 
-def evaluate(model, stream, eval_batch, bptt):
-    """Perplexity of ``stream``: each rank takes columns rank, rank+N, ...; sums are allreduced."""
-    total = loss_sums(model, stream, eval_batch, bptt, hvd.rank(), hvd.size())
-    total = hvd.allreduce(total, op=hvd.Sum, name="eval.sum")
+def evaluate(model, stream, eval_batch, bptt, collectives=None):
+    """Perplexity of ``stream``: each rank takes columns rank, rank+N, ...; sums are allreduced
+    over ``collectives`` (``horovod.torch`` or :class:`hvdcomp.ddp.runtime.TorchDistCollectives`;
+    default this script's)."""
+    coll = collectives or hvd
+    total = loss_sums(model, stream, eval_batch, bptt, coll.rank(), coll.size())
+    total = coll.allreduce(total, op=coll.Sum, name="eval.sum")
     loss = total[0].item() / total[1].item()
     return math.exp(loss) if loss < 709.0 else math.inf  # (a diverged run: the schedule stops it)
 
@@ -254,6 +257,46 @@ def start(args):
         pass
     hvd = require_horovod()
     hvd.init()
+
+
+def train_step(module, opt, loss_of, params, clip, timer=None, sync=None, skip_sync=contextlib.nullcontext):
+    """One optimizer step, as every script trains: forward and backward (``loss_of(module)`` returns
+    ``(loss, carry)``), ``sync()`` (the front-end's explicit synchronize, where it has one), the
+    averaged gradient of ``params`` clipped to norm ``clip`` (0: not clipped), ``opt.step()`` under
+    ``skip_sync()``.
+    With hvdcomp's ``timer`` (:class:`hvdcomp.metrics.PhaseTimer`) the step is a timed step and its
+    compute phases are marked.
+
+    Returns:
+        ``(loss, carry, parts)``: ``parts`` in seconds (``time.perf_counter``): ``fwd_bwd`` (forward and
+        backward; with DDP its in-backward communication), ``sync``, ``update`` (clip and step) and
+        ``wall``; with a timer also ``phase_<phase>`` and the step's ``bytes_sent``,
+        ``bytes_received``, ``dense_bytes``.
+    """
+    compute = (lambda: timer.phase("compute")) if timer else contextlib.nullcontext
+    t0 = time.perf_counter()
+    if timer:
+        timer.begin_step()
+    with compute():
+        loss, carry = loss_of(module)
+        opt.zero_grad()
+        loss.backward()
+    t1 = time.perf_counter()
+    if sync:
+        sync()
+    t2 = time.perf_counter()
+    with compute():
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        with skip_sync():
+            opt.step()
+    rec = timer.end_step() if timer else None
+    t3 = time.perf_counter()
+    parts = {"fwd_bwd": t1 - t0, "sync": t2 - t1, "update": t3 - t2, "wall": t3 - t0}
+    if rec is not None:
+        parts.update({f"phase_{k}": rec.get(k, 0.0) for k in PHASES})
+        parts.update({k: float(rec[k]) for k in ("bytes_sent", "bytes_received", "dense_bytes")})
+    return loss, carry, parts
 
 
 def build_optimizer(args, model, compressor, device):
@@ -363,17 +406,10 @@ def main(argv=None):
             else:
                 for g in opt.param_groups:
                     g["lr"] = lr
-            timer.begin_step()
-            with timer.phase("compute"):
-                loss, state, _ = window_loss(forward, train, step * args.bptt, args.bptt, state)
-                opt.zero_grad()
-                loss.backward()
-            front.synchronize()
-            with timer.phase("compute"):
-                torch.nn.utils.clip_grad_norm_(ab.parameters() if ab else model.parameters(), args.clip)
-                with front.skip_synchronize():
-                    opt.step()
-            timer.end_step()
+            loss, state, _ = train_step(
+                forward, opt, lambda m: window_loss(m, train, step * args.bptt, args.bptt, state)[:2],
+                ab.parameters() if ab else model.parameters(), args.clip, timer, front.synchronize,
+                front.skip_synchronize)
             global_step += 1
             loss_sum += loss.item()
             bar.update(1)

@@ -3,6 +3,7 @@ same schedule for everyone, the warm-up fraction as freeze_step), its launch env
 table built from finished cells (bytes per step over the whole run, ratio to Adam, seeds)."""
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -66,7 +67,9 @@ def test_table_from_finished_cells(tmp_path):
         _cell(tmp_path, "onebit-adam", seed, 800.0, ppl + 2)
     rows = adaptive_lm.table(a)["rates"]["local"]
     assert rows["adam"]["ratio_vs_adam"] == 1.0 and rows["onebit-adam"]["ratio_vs_adam"] == 5.0
-    assert rows["onebit-adam"]["val_ppl"] == {"mean": 104.0, "min": 102.0, "max": 106.0, "n": 2}
+    # (the one summary of every script: median and sample standard deviation too; sqrt(((102-104)² + (106-104)²) / 1))
+    assert rows["onebit-adam"]["val_ppl"] == {"mean": 104.0, "median": 104.0, "std": math.sqrt(8.0), "min": 102.0,
+                                              "max": 106.0, "n": 2}
     assert rows["adam"]["bytes_per_step"]["mean"] == 4000.0 and rows["adam"]["steps"] == 200
     md = adaptive_lm.markdown(a)
     assert "| onebit-adam | 0.8 KB | 5.0x | 0.500 | 104.0 (102.0-106.0) | 105.0 | 2 |" in md

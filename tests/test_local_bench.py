@@ -142,7 +142,7 @@ def test_time_targets_are_judged_at_10mbit_only():
 
 
 def test_run_local_script_launches_the_committed_one_sitting_grids(tmp_path):
-    """benchmarks/run_local.sh (`make speed-local`) through a fake interpreter: per workload and
+    """docs/results/local-update/run.sh (`make speed-local`) through a fake interpreter: per workload and
     rate, one launch whose arguments (parsed by netem_local's own parser) are the settings the
     committed one-sitting grids of docs/results/local-update ran with (their run.json), then
     that directory's report."""
@@ -154,7 +154,7 @@ def test_run_local_script_launches_the_committed_one_sitting_grids(tmp_path):
     fake.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
     fake.chmod(0o755)
     out = tmp_path / "out"
-    subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "run_local.sh"), str(out)], check=True,
+    subprocess.run(["bash", os.path.join(ROOT, "docs", "results", "local-update", "run.sh"), str(out)], check=True,
                    env={**os.environ, "PYTHON": str(fake)}, timeout=60)
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     cells = [(w, r) for w in ("lstm", "transformer") for r in ("10mbit", "100mbit")]

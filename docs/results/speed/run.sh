@@ -3,13 +3,13 @@
 # Sequential on purpose: keep the machine otherwise quiet while it runs. Resumable (finished cells
 # are kept). Writes OUT/netem-e2e, OUT/netem-e2e-transformer, OUT/netem-comm, OUT/kernels-cpu,
 # OUT/overhead and OUT/report.md + plots.
-#   bash benchmarks/run_speed.sh [OUT] [all|transformer|overhead]
+#   bash docs/results/speed/run.sh [OUT] [all|transformer|overhead]
 #     OUT          default runs/speed; `make speed` uses docs/results/speed
 #     overhead     only step 5 (issue 17's per-tensor overhead, 2 and 4 ranks; ~25 min), then the report
 #     transformer  only step 2b (issue 17's transformer target at 4 ranks, 100 Mbit/s; ~10 min), then
 #                  the report, whose "Transformer encoder (issue 17)" table gives the verdicts
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 OUT=${1:-runs/speed}
 WHAT=${2:-all}
 PY=.venv/bin/python

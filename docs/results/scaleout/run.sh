@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 14's measurements behind docs/results/scaleout/report.md, exactly as run (root; ~30 min on
 # 2 cores). Sequential on purpose: run it on an otherwise quiet machine.
-#   bash benchmarks/run_scaleout.sh [OUT]      (default docs/results/scaleout)
+#   bash docs/results/scaleout/run.sh [OUT]      (default docs/results/scaleout)
 # 1. communication only, 8 ranks as 2 emulated nodes x 4 (shared memory inside a node, links
 #    between the nodes shaped at 1 Gbit/s and 100 Mbit/s): synchronize() of each method on the
 #    medium LSTM's fixed gradients (benchmarks/comm_lm.py through benchmarks/netem_e2e.py);
@@ -11,7 +11,7 @@
 #    top-k 1 % and QSGD, each by flat and by hierarchical allgather, into OUT/cluster-hierarchical;
 # 4. the report (fitted model to 1024 ranks + the measurements).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 OUT=${1:-docs/results/scaleout}
 PY=.venv/bin/python
 WHAT=${2:-all}

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 34's measurements behind docs/results/gossip/report.md (root). Sequential on purpose: run it
 # on an otherwise quiet machine; timings from a loaded one are not evidence.
-#   bash benchmarks/run_gossip.sh [OUT] [WHAT]     (OUT default docs/results/gossip; WHAT default all)
+#   bash docs/results/gossip/run.sh [OUT] [WHAT]     (OUT default docs/results/gossip; WHAT default all)
 # WHAT:
 #   cluster   8 ranks on 2 emulated nodes x 4 (shared memory inside a node, 100 Mbit/s between the
 #             nodes; ../shared/tools/netem_mpi.sh), the medium LSTM, STEPS (20) optimizer steps of
@@ -16,7 +16,7 @@
 # ring: Choco-SGD with the scaled sign (gamma 0.45) and with top-k 1 % (gamma 0.04), PowerGossip,
 # DCD-PSGD with QSGD (s = 16).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 OUT=${1:-docs/results/gossip}
 WHAT=${2:-all}
 PY=$(pwd)/.venv/bin/python

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 15's measurements behind docs/results/related/, exactly as run (root for step 3; ~40 min on
 # 2 cores). Sequential on purpose: run it on an otherwise quiet machine.
-#   bash benchmarks/run_related.sh [OUT] [all|fit|speed]      (default docs/results/related)
+#   bash docs/results/related/run.sh [OUT] [all|fit|speed]      (default docs/results/related)
 # 1. SIDCo: kept/k of the fitted thresholds on Laplace data and real LSTM gradients (one process);
 # 2. adaptive (L-GreCo): compression error of the per-layer plan against the uniform setting at
 #    equal bytes, on real LSTM gradients (one process);
@@ -10,7 +10,7 @@
 #    then their speed tables (benchmarks/report_speed.py on these cells only).
 # The 2-epoch study cells of the new methods are `make study-v1` (mpi_scripts/grids/related_small.yaml); study v2 (`make study`) has them too.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 OUT=${1:-docs/results/related}
 WHAT=${2:-all}
 PY=.venv/bin/python

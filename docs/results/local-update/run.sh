@@ -6,13 +6,13 @@
 # 40-70 min per workload and rate on 2 cores (the 2026-12-05 sittings). Sequential on purpose:
 # keep the machine otherwise quiet while it runs (each cell waits up to 5 min for a load under the
 # core count and records the load, and run.json the CPU). Resumable: finished cells are kept.
-#   bash benchmarks/run_local.sh [OUT] [WORKLOADS] [RATES]
+#   bash docs/results/local-update/run.sh [OUT] [WORKLOADS] [RATES]
 #     OUT        default runs/local-update (`make speed-local` too)
 #     WORKLOADS  "lstm transformer" (default), or one of them
 #     RATES      "10mbit 100mbit" (default), or one of them
 #   PYTHON       the interpreter (default .venv/bin/python)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 OUT=${1:-runs/local-update}
 WORKLOADS=${2:-lstm transformer}
 RATES=${3:-10mbit 100mbit}
