@@ -1,6 +1,7 @@
 """Fault handling: non-finite gradients, disagreeing ranks, checkpoints, accumulation, huge
 messages and failing ranks (under mpirun with timeouts); launch detection; property tests over
 random shapes, dtypes and values for every registered method."""
+import copy
 import math
 import os
 import re
@@ -76,10 +77,10 @@ def test_failing_rank_ends_the_job_within_30_s(launcher, frontend):
 RESTART = os.path.join(ROOT, "tests", "mpi", "restart_checks.py")
 
 
-def _torchrun_restart(mode, directory, fail_at, *flags):
-    """tests/mpi/restart_checks.py ``mode`` at 2 ranks under torchrun; returns (exit status,
+def _torchrun_restart(mode, directory, fail_at, *flags, ranks=2):
+    """tests/mpi/restart_checks.py ``mode`` at ``ranks`` ranks under torchrun; returns (exit status,
     rank 0's PARAMS line split: (sha256, sum, step resumed from) or None, output)."""
-    cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", "2", RESTART, mode, str(directory),
+    cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", str(ranks), RESTART, mode, str(directory),
            str(fail_at), *flags]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
@@ -110,6 +111,66 @@ def test_torchrun_restart_resumes_from_per_rank_checkpoints_exactly(mode, tmp_pa
     assert rc == 0 and resumed is not None, out[-3000:]
     assert resumed[2] == "4", resumed  # (it resumed from step 4's checkpoint)
     assert resumed[:2] == ref[:2], (resumed, ref)
+
+
+def _topk_ef_reference(checkpoints, start, steps, density=0.3):
+    """tests/mpi/restart_checks.py's ddp-topk run from step ``start`` to ``steps`` at
+    ``len(checkpoints)`` ranks, simulated in one process without hvdcomp: the model and SGD state
+    from ``checkpoints[0]``; rank r's top-k residuals from ``checkpoints[r]`` (zeros where None);
+    each step every rank keeps the k = ceil(ρ·n) largest entries of gradient + residual, the rest
+    is its new residual, and the kept ones are averaged over the ranks."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net.load_state_dict(checkpoints[0]["model"])
+    opt.load_state_dict(copy.deepcopy(checkpoints[0]["opt"]))  # (SGD would step the saved momentum in place)
+    named = list(net.named_parameters())
+    res = [dict(ck["hook"]["compression"]["residuals"]) if ck is not None else {n: torch.zeros_like(p) for n, p in named}
+           for ck in checkpoints]
+    assert all(set(r) == {n for n, _ in named} for r in res), [sorted(r) for r in res]
+    for step in range(start, steps):
+        total = {n: torch.zeros_like(p) for n, p in named}
+        for rank, mine in enumerate(res):
+            g = torch.Generator().manual_seed(100 * rank + step)
+            x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+            net.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            for n, p in named:
+                acc = (p.grad + mine[n]).reshape(-1)
+                keep = acc.abs().topk(min(acc.numel(), math.ceil(density * acc.numel()))).indices
+                sparse = torch.zeros_like(acc)
+                sparse[keep] = acc[keep]
+                mine[n] = (acc - sparse).reshape(p.shape)
+                total[n] += sparse.reshape(p.shape)
+        for n, p in named:
+            p.grad = total[n] / len(res)
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+def test_torchrun_resume_at_another_world_size_keeps_each_ranks_residual(before, after, tmp_path):
+    """The DDP hook with top-k and error feedback saves per-rank checkpoints after 3 steps at
+    ``before`` ranks; torchrun again at ``after`` ranks (an elastic job after a membership change)
+    resumes to step 6: a rank that saved a checkpoint loads its own (its residual), a new rank loads
+    rank 0's model and optimizer and starts with a zero residual; the compressor's shared state
+    comes from rank 0 at the first step. The end equals the one-process simulation from the saved
+    model and each surviving rank's residual (docs/robustness.md, "Restarts")."""
+    import shutil
+
+    rc, _, out = _torchrun_restart("ddp-topk", tmp_path / "job", -1, "--steps", "3", ranks=before)
+    assert rc == 0, out[-3000:]
+    shutil.copytree(tmp_path / "job", tmp_path / "saved")
+    rc, resumed, out = _torchrun_restart("ddp-topk", tmp_path / "job", -1, "--steps", "6", ranks=after)
+    assert rc == 0 and resumed is not None and resumed[2] == "3", out[-3000:]
+    saved = [torch.load(tmp_path / "saved" / f"rank{r}.pt", weights_only=True) if r < before else None
+             for r in range(after)]
+    expected = _topk_ef_reference(saved, 3, 6)
+    final = torch.load(tmp_path / "job" / "final.pt", weights_only=True)
+    assert torch.allclose(final, expected, rtol=0, atol=1e-6), (final - expected).abs().max()
+    zero = {"hook": {"compression": {"residuals": {n: torch.zeros_like(t) for n, t in saved[0]["model"].items()}}}}
+    control = _topk_ef_reference([{**saved[0], **zero}] + [None] * (after - 1), 3, 6)
+    assert not torch.allclose(final, control, rtol=0, atol=1e-4)  # (the residual carried over matters)
 
 
 def test_local_update_ranks_resumed_from_different_steps_are_refused(tmp_path):
