@@ -7,6 +7,7 @@ equal those of the same run without the failure, bit for bit (tests/test_reliabi
 At another world size (``--steps N`` ends the run after step N, so that the next run resumes
 from it at another ``--nproc_per_node``): a rank with its own checkpoint loads it; a rank without
 one (the job grew) loads the model and optimizer from rank 0's and starts its own hook state fresh
+(DiLoCo: the model only, a round's end: θ_start; the outer state comes from rank 0 at the first step)
 (docs/robustness.md, "Restarts"). Rank 0 saves the final parameters to DIR/final.pt.
 
 Usage: torchrun --nproc_per_node 2 tests/mpi/restart_checks.py MODE DIR [FAIL_AT] [--no-barrier] [--steps N]
@@ -65,10 +66,10 @@ def main():
         for name, part in parts.items():
             part.load_state_dict(ck[name])
         start = ck["step"]
-    elif MODE.startswith("ddp") and os.path.exists(os.path.join(DIR, "rank0.pt")):  # the job grew
+    elif os.path.exists(os.path.join(DIR, "rank0.pt")):  # the job grew
         ck = torch.load(os.path.join(DIR, "rank0.pt"), weights_only=True)
-        for name in ("model", "opt"):  # (equal on every rank; the hook's residuals are rank 0's own)
-            parts[name].load_state_dict(ck[name])
+        for name in ("model", "opt") if MODE.startswith("ddp") else ("model",):  # (equal on every rank; not
+            parts[name].load_state_dict(ck[name])  # the residuals, DiLoCo's inner state: rank 0's own)
         start = ck["step"]
     for step in range(start, STEPS):
         if step == FAIL_AT and start == 0 and RANK == 1:
