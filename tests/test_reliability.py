@@ -175,14 +175,17 @@ def _resume_reference(mode, checkpoints, start, steps):
     for opt, ck in zip(inner, checkpoints):
         if ck is not None:
             opt.load_state_dict(copy.deepcopy(ck["opt"]["inner"]))
-    assert start % 3 == 0 and steps % 3 == 0
-    for round_start in range(start, steps, 3):
+    assert steps % 3 == 0
+    for round_start in range(start - start % 3, steps, 3):  # (mid-round: each rank from its own model)
         total = [0.0] * len(names)
         for rank, (opt, mine) in enumerate(zip(inner, res)):
-            with torch.no_grad():
-                for p, a in zip(net.parameters(), anchor):
-                    p.copy_(a)
-            for step in range(round_start, round_start + 3):
+            if round_start < start:
+                net.load_state_dict(checkpoints[rank]["model"])
+            else:
+                with torch.no_grad():
+                    for p, a in zip(net.parameters(), anchor):
+                        p.copy_(a)
+            for step in range(max(start, round_start), round_start + 3):
                 opt.zero_grad()
                 x, y = batch(rank, step)
                 torch.nn.functional.mse_loss(net(x), y).backward()
@@ -196,35 +199,36 @@ def _resume_reference(mode, checkpoints, start, steps):
     return torch.cat([a.reshape(-1) for a in anchor])
 
 
-@pytest.mark.parametrize("mode", ["ddp-topk", "diloco-topk"])
-@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
-def test_torchrun_resume_at_another_world_size_keeps_each_ranks_residual(mode, before, after, tmp_path):
-    """Per-rank checkpoints saved after 3 steps (DiLoCo: a round's end, H = 3) at ``before``
-    ranks; torchrun again at ``after`` ranks (an elastic job after a membership change) resumes to
-    step 6: a rank that saved a checkpoint loads its own (its top-k residual; DiLoCo's inner
-    optimizer), a new rank starts them fresh (zero residual) and takes what every rank shares from
-    rank 0 (the DDP hook: the script loads rank 0's model and optimizer, the compressor's shared
-    state follows at the first step; DiLoCo: θ_start, outer momentum and counters at the first
-    step). The end equals a one-process simulation from the saved checkpoints
-    (docs/robustness.md, "Restarts"). Before, DiLoCo refused 1 -> 2 ("rank(s) [0] loaded a
-    checkpoint and rank(s) [1] did not")."""
+@pytest.mark.parametrize("mode,before,after,saved_at", [
+    ("ddp-topk", 2, 1, 3), ("ddp-topk", 1, 2, 3), ("diloco-topk", 2, 1, 4), ("diloco-topk", 1, 2, 3)])
+def test_torchrun_resume_at_another_world_size_keeps_each_ranks_residual(mode, before, after, saved_at, tmp_path):
+    """Per-rank checkpoints saved after ``saved_at`` steps at ``before`` ranks (DiLoCo, H = 3:
+    mid-round for the shrink, a round's end for the growth); torchrun again at ``after`` ranks (an
+    elastic job after a membership change) resumes to step 6: a rank that saved a checkpoint loads
+    its own (its top-k residual; DiLoCo's inner optimizer and local progress), a new rank starts
+    them fresh (zero residual) and takes what every rank shares from rank 0 (the DDP hook: the
+    script loads rank 0's model and optimizer, the compressor's shared state follows at the first
+    step; DiLoCo: the model (θ_start), then outer momentum and counters at the first step). The
+    end equals a one-process simulation from the saved checkpoints (docs/robustness.md,
+    "Restarts"). Before, DiLoCo refused 1 -> 2 ("rank(s) [0] loaded a checkpoint and rank(s) [1]
+    did not")."""
     import shutil
 
-    rc, _, out = _torchrun_restart(mode, tmp_path / "job", -1, "--steps", "3", ranks=before)
+    rc, _, out = _torchrun_restart(mode, tmp_path / "job", -1, "--steps", str(saved_at), ranks=before)
     assert rc == 0, out[-3000:]
     shutil.copytree(tmp_path / "job", tmp_path / "saved")
     rc, resumed, out = _torchrun_restart(mode, tmp_path / "job", -1, "--steps", "6", ranks=after)
-    assert rc == 0 and resumed is not None and resumed[2] == "3", out[-3000:]
+    assert rc == 0 and resumed is not None and resumed[2] == str(saved_at), out[-3000:]
     saved = [torch.load(tmp_path / "saved" / f"rank{r}.pt", weights_only=True) if r < before else None
              for r in range(after)]
-    expected = _resume_reference(mode, saved, 3, 6)
+    expected = _resume_reference(mode, saved, saved_at, 6)
     final = torch.load(tmp_path / "job" / "final.pt", weights_only=True)
     assert torch.allclose(final, expected, rtol=0, atol=1e-6), (final - expected).abs().max()
     key = ("hook", "compression") if mode == "ddp-topk" else ("opt", "sync", "compression")
     zeroed = copy.deepcopy(saved[0])
     for r in functools.reduce(dict.__getitem__, key, zeroed)["residuals"].values():
         r.zero_()
-    control = _resume_reference(mode, [zeroed] + saved[1:], 3, 6)
+    control = _resume_reference(mode, [zeroed] + saved[1:], saved_at, 6)
     assert not torch.allclose(final, control, rtol=0, atol=1e-4)  # (rank 0's residual carried over matters)
 
 
