@@ -1,6 +1,8 @@
 """Fault handling: non-finite gradients, disagreeing ranks, checkpoints, accumulation, huge
 messages and failing ranks (under mpirun with timeouts); launch detection; property tests over
 random shapes, dtypes and values for every registered method."""
+import copy
+import functools
 import math
 import os
 import re
@@ -76,10 +78,10 @@ def test_failing_rank_ends_the_job_within_30_s(launcher, frontend):
 RESTART = os.path.join(ROOT, "tests", "mpi", "restart_checks.py")
 
 
-def _torchrun_restart(mode, directory, fail_at, *flags):
-    """tests/mpi/restart_checks.py ``mode`` at 2 ranks under torchrun; returns (exit status,
+def _torchrun_restart(mode, directory, fail_at, *flags, ranks=2):
+    """tests/mpi/restart_checks.py ``mode`` at ``ranks`` ranks under torchrun; returns (exit status,
     rank 0's PARAMS line split: (sha256, sum, step resumed from) or None, output)."""
-    cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", "2", RESTART, mode, str(directory),
+    cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", str(ranks), RESTART, mode, str(directory),
            str(fail_at), *flags]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
@@ -110,6 +112,140 @@ def test_torchrun_restart_resumes_from_per_rank_checkpoints_exactly(mode, tmp_pa
     assert rc == 0 and resumed is not None, out[-3000:]
     assert resumed[2] == "4", resumed  # (it resumed from step 4's checkpoint)
     assert resumed[:2] == ref[:2], (resumed, ref)
+
+
+def _net_and_batch():
+    """tests/mpi/restart_checks.py's model (seed 0) and its ``batch(rank, step)``."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+    def batch(rank, step):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+    return net, batch
+
+
+def _topk_ef(value, residual, density=0.3):
+    """Top-k with error feedback, by hand: (the k = ceil(ρ·n) largest entries of value +
+    residual, zeros elsewhere; the new residual)."""
+    acc = (value + residual).reshape(-1)
+    keep = acc.abs().topk(min(acc.numel(), math.ceil(density * acc.numel()))).indices
+    sparse = torch.zeros_like(acc)
+    sparse[keep] = acc[keep]
+    return sparse.reshape(value.shape), (acc - sparse).reshape(value.shape)
+
+
+def _resume_reference(mode, checkpoints, start, steps):
+    """tests/mpi/restart_checks.py's ``mode`` run from step ``start`` to ``steps`` at
+    ``len(checkpoints)`` ranks, simulated in one process without hvdcomp, from the checkpoints
+    saved at step ``start``: what every rank shares (model and SGD state of ddp-topk; θ_start and
+    the outer Nesterov state of diloco-topk) from ``checkpoints[0]``; rank r's own top-k
+    residuals (and DiLoCo's inner SGD state) from ``checkpoints[r]``, fresh where it is None."""
+    net, batch = _net_and_batch()
+    names = [n for n, _ in net.named_parameters()]
+    first = copy.deepcopy(checkpoints[0])  # (SGD steps a loaded momentum buffer in place)
+
+    def residuals(ck):
+        if ck is None:
+            return {n: torch.zeros_like(p) for n, p in net.named_parameters()}
+        return dict(ck["hook"]["compression"]["residuals"] if mode == "ddp-topk" else ck["opt"]["sync"]["compression"]["residuals"])
+    res = [residuals(ck) for ck in checkpoints]
+    assert all(set(r) == set(names) for r in res), [sorted(r) for r in res]
+    if mode == "ddp-topk":
+        net.load_state_dict(first["model"])
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        opt.load_state_dict(first["opt"])
+        for step in range(start, steps):
+            total = {n: 0.0 for n in names}
+            for rank, mine in enumerate(res):
+                net.zero_grad()
+                x, y = batch(rank, step)
+                torch.nn.functional.mse_loss(net(x), y).backward()
+                for n, p in net.named_parameters():
+                    kept, mine[n] = _topk_ef(p.grad, mine[n])
+                    total[n] = total[n] + kept
+            for n, p in net.named_parameters():
+                p.grad = total[n] / len(res)
+            opt.step()
+        return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    anchor = [first["opt"]["anchor"][n].clone() for n in names]  # diloco-topk: H = 3
+    outer = torch.optim.SGD(anchor, lr=0.7, momentum=0.9, nesterov=True)
+    outer.load_state_dict(first["opt"]["outer"])
+    inner = [torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9) for _ in checkpoints]
+    for opt, ck in zip(inner, checkpoints):
+        if ck is not None:
+            opt.load_state_dict(copy.deepcopy(ck["opt"]["inner"]))
+    assert steps % 3 == 0
+    for round_start in range(start - start % 3, steps, 3):  # (mid-round: each rank from its own model)
+        total = [0.0] * len(names)
+        for rank, (opt, mine) in enumerate(zip(inner, res)):
+            if round_start < start:
+                net.load_state_dict(checkpoints[rank]["model"])
+            else:
+                with torch.no_grad():
+                    for p, a in zip(net.parameters(), anchor):
+                        p.copy_(a)
+            for step in range(max(start, round_start), round_start + 3):
+                opt.zero_grad()
+                x, y = batch(rank, step)
+                torch.nn.functional.mse_loss(net(x), y).backward()
+                opt.step()
+            for i, (n, p) in enumerate(net.named_parameters()):
+                kept, mine[n] = _topk_ef(anchor[i] - p.detach(), mine[n])
+                total[i] = total[i] + kept
+        for a, t in zip(anchor, total):
+            a.grad = t / len(res)
+        outer.step()
+    return torch.cat([a.reshape(-1) for a in anchor])
+
+
+@pytest.mark.parametrize("mode,before,after,saved_at", [
+    ("ddp-topk", 2, 1, 3), ("ddp-topk", 1, 2, 3), ("diloco-topk", 2, 1, 4), ("diloco-topk", 1, 2, 3)])
+def test_torchrun_resume_at_another_world_size_keeps_each_ranks_residual(mode, before, after, saved_at, tmp_path):
+    """Per-rank checkpoints saved after ``saved_at`` steps at ``before`` ranks (DiLoCo, H = 3:
+    mid-round for the shrink, a round's end for the growth); torchrun again at ``after`` ranks (an
+    elastic job after a membership change) resumes to step 6: a rank that saved a checkpoint loads
+    its own (its top-k residual; DiLoCo's inner optimizer and local progress), a new rank starts
+    them fresh (zero residual) and takes what every rank shares from rank 0 (the DDP hook: the
+    script loads rank 0's model and optimizer, the compressor's shared state follows at the first
+    step; DiLoCo: the model (θ_start), then outer momentum and counters at the first step). The
+    end equals a one-process simulation from the saved checkpoints (docs/robustness.md,
+    "Restarts"). Before, DiLoCo refused 1 -> 2 ("rank(s) [0] loaded a checkpoint and rank(s) [1]
+    did not")."""
+    import shutil
+
+    rc, _, out = _torchrun_restart(mode, tmp_path / "job", -1, "--steps", str(saved_at), ranks=before)
+    assert rc == 0, out[-3000:]
+    shutil.copytree(tmp_path / "job", tmp_path / "saved")
+    rc, resumed, out = _torchrun_restart(mode, tmp_path / "job", -1, "--steps", "6", ranks=after)
+    assert rc == 0 and resumed is not None and resumed[2] == str(saved_at), out[-3000:]
+    saved = [torch.load(tmp_path / "saved" / f"rank{r}.pt", weights_only=True) if r < before else None
+             for r in range(after)]
+    expected = _resume_reference(mode, saved, saved_at, 6)
+    final = torch.load(tmp_path / "job" / "final.pt", weights_only=True)
+    assert torch.allclose(final, expected, rtol=0, atol=1e-6), (final - expected).abs().max()
+    key = ("hook", "compression") if mode == "ddp-topk" else ("opt", "sync", "compression")
+    zeroed = copy.deepcopy(saved[0])
+    for r in functools.reduce(dict.__getitem__, key, zeroed)["residuals"].values():
+        r.zero_()
+    control = _resume_reference(mode, [zeroed] + saved[1:], saved_at, 6)
+    assert not torch.allclose(final, control, rtol=0, atol=1e-4)  # (rank 0's residual carried over matters)
+
+
+def test_local_update_resume_at_another_world_size_mid_round_is_refused(tmp_path):
+    """DiLoCo saved at 1 rank mid-round (step 4, H = 3), resumed at 2: the round in progress is
+    one rank's local progress, which a new rank cannot share; both ranks raise at the first step,
+    naming each rank's checkpoint and the fix (before: "rank(s) [0] loaded a checkpoint and rank(s)
+    [1] did not", pointing at broadcast_state)."""
+    rc, _, out = _torchrun_restart("diloco-topk", tmp_path, -1, "--steps", "4", ranks=1)
+    assert rc == 0, out[-3000:]
+    rc, resumed, out = _torchrun_restart("diloco-topk", tmp_path, -1, "--steps", "6", ranks=2)
+    assert rc != 0 and resumed is None, out[-3000:]
+    for rank in (0, 1):
+        assert re.search(rf"\[rank{rank}\]: ValueError: resuming at 2 ranks from checkpoints saved at another world "
+                         r"size needs every checkpoint of the same round's end \(save when opt.round_step == 0\)", out), \
+            out[-3000:]
+    assert "rank 0: saved at 1 ranks, step 4, round step 1; rank 1: no checkpoint, parameters" in out, out[-3000:]
 
 
 def test_local_update_ranks_resumed_from_different_steps_are_refused(tmp_path):

@@ -287,6 +287,7 @@ class LocalUpdate(Checkpoints, FollowsWorld):
         self._closed = False
         self._started = False  # θ_start taken from the model (at the first step: after the user's broadcast)
         self._loaded = False  # a checkpoint was loaded: the ranks' counters are compared at the next step
+        self._saved_size = 0  # the world size the loaded checkpoint was saved at (0: unknown)
 
     # ---- construction helpers ------------------------------------------------------------------
     def _setup(self) -> Dict[str, Any]:
@@ -480,13 +481,15 @@ class LocalUpdate(Checkpoints, FollowsWorld):
         Per-rank checkpoints of a mode that communicates once a round can be of different steps: a
         rank that fails mid-round leaves the others one or more local steps ahead, and resumed so
         the ranks would average rounds of different steps. Under elastic Horovod the first step
-        of every world runs :meth:`_join_world` instead.
+        of every world runs :meth:`_join_world` instead, and so does a resume at a larger world
+        size from checkpoints saved at a smaller one (:meth:`_resume_resized`).
 
         Raises:
             RuntimeError: on every rank, when the ranks' parameters differ.
             ValueError: on every rank, when some ranks loaded a checkpoint and others did not, or
                 the checkpoints are of different steps or θ_start (naming each rank's step and
-                the fix).
+                the fix); after the job grew, unless they are of one round's end and the new ranks
+                hold its θ_start.
         """
         loaded, self._loaded = self._loaded, False
         if not loaded:
@@ -498,7 +501,10 @@ class LocalUpdate(Checkpoints, FollowsWorld):
         if group.size <= 1:
             return
         start = digest({n: a.detach() for n, a in self._anchor.items()})
-        every = group.allgather_object((loaded, start), name=f"{self.prefix}.start")
+        every = group.allgather_object((loaded, start, self._saved_size if loaded else 0,
+                                        (self.steps, self.round_step, self.rounds)), name=f"{self.prefix}.start")
+        if not all(e[0] for e in every) and {e[2] for e in every} - {0, group.size}:
+            return self._resume_resized(every)  # (the job grew)
         if any(e[0] for e in every) and not all(e[0] for e in every):
             raise ValueError(f"rank(s) {[r for r, e in enumerate(every) if e[0]]} loaded a checkpoint and rank(s) "
                              f"{[r for r, e in enumerate(every) if not e[0]]} did not: load one on every rank "
@@ -515,6 +521,33 @@ class LocalUpdate(Checkpoints, FollowsWorld):
             raise RuntimeError("the ranks start local-update training from different parameters (rank(s) "
                                f"{[r for r, e in enumerate(every) if e[1] != every[0][1]]} differ from rank 0): "
                                "broadcast them first, hvd.broadcast_parameters(model.state_dict(), root_rank=0)")
+
+    def _resume_resized(self, every: List[tuple]) -> None:
+        """A resume from per-rank checkpoints saved at another world size where some ranks have
+        none (the job grew); ``every``: each rank's (loaded, θ_start digest, world size saved at,
+        (steps, round step, rounds)). A new rank has no part in a round in progress, so every rank
+        must start a round alike: the checkpoints are of the same round's end, and a rank without
+        one starts from their θ_start (it loaded rank 0's model). Then, as after a change of world
+        under elastic Horovod (:meth:`_join_world`), every rank takes the outer optimizer's state
+        and the counters from the lowest rank that loaded; each rank's residuals and
+        inner-optimizer state carry over where it loaded them, fresh elsewhere. (A job that
+        shrank needs nothing of this: every rank loaded its own, the round goes on among them.)
+
+        Raises:
+            ValueError: on every rank, naming each rank's checkpoint and the fix, otherwise.
+        """
+        held = {r: e[1:] for r, e in enumerate(every) if e[0]}
+        first = next(iter(held.values()))
+        fresh = [r for r, e in enumerate(every) if not e[0]]
+        if len(set(held.values())) > 1 or first[2][1] != 0 or any(every[r][1] != first[0] for r in fresh):
+            ranks = [f"rank {r}: saved at {e[1]} ranks, step {e[2][0]}, round step {e[2][1]}" for r, e in held.items()]
+            ranks += [f"rank {r}: no checkpoint, parameters {'==' if every[r][1] == first[0] else '!='} θ_start"
+                      for r in fresh]
+            raise ValueError(f"resuming at {len(every)} ranks from checkpoints saved at another world size needs "
+                             "every checkpoint of the same round's end (save when opt.round_step == 0) and, on a "
+                             "rank without its own, the model loaded from rank 0's checkpoint: " + "; ".join(ranks))
+        self._started, self._loaded = False, every[self.sync.group.rank][0]
+        self._join_world()
 
     # ---- the round -------------------------------------------------------------------------------
     def _end_round(self) -> None:

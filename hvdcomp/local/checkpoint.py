@@ -22,7 +22,7 @@ class Checkpoints:
                 "sync": self.sync.state_dict(), "anchor": {n: a.detach().clone() for n, a in self._anchor.items()},
                 "counters": {"steps": self.steps, "round_step": self.round_step, "rounds": self.rounds,
                              "skipped_rounds": self.skipped_rounds},
-                "algorithm": self.algorithm}
+                "algorithm": self.algorithm, "world_size": self.sync.group.size}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Inverse of :meth:`state_dict`. Every rank must load a checkpoint of the same step (or
@@ -44,6 +44,7 @@ class Checkpoints:
                 a.copy_(state["anchor"][n])
         for k, v in state["counters"].items():
             setattr(self, k, int(v))
+        self._saved_size = int(state.get("world_size", 0))  # (0: a checkpoint before 2026-12-07)
         self._started, self._loaded = False, True  # (every rank compares what it loaded at its next step)
 
     def _global_state(self) -> Dict[str, Any]:

@@ -4,7 +4,13 @@
 the optimizer and the mode's own state) and trains to the end. The parameters at the end must
 equal those of the same run without the failure, bit for bit (tests/test_reliability.py).
 
-Usage: torchrun --nproc_per_node 2 tests/mpi/restart_checks.py MODE DIR [FAIL_AT] [--no-barrier]
+At another world size (``--steps N`` ends the run after step N, so that the next run resumes
+from it at another ``--nproc_per_node``): a rank with its own checkpoint loads it; a rank without
+one (the job grew) loads the model and optimizer from rank 0's and starts its own hook state fresh
+(DiLoCo: the model only, a round's end: θ_start; the outer state comes from rank 0 at the first step)
+(docs/robustness.md, "Restarts"). Rank 0 saves the final parameters to DIR/final.pt.
+
+Usage: torchrun --nproc_per_node 2 tests/mpi/restart_checks.py MODE DIR [FAIL_AT] [--no-barrier] [--steps N]
 prints "PARAMS <mode> <sha256> <sum> <resumed from step>" on rank 0 at the end.
 """
 import hashlib
@@ -17,7 +23,7 @@ import torch.distributed as dist
 MODE, DIR = sys.argv[1], sys.argv[2]
 FAIL_AT = int(sys.argv[3]) if len(sys.argv) > 3 else -1
 BARRIER = "--no-barrier" not in sys.argv  # (a barrier before each save: no rank saves a step another did not finish)
-STEPS = 8
+STEPS = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 8
 
 dist.init_process_group("gloo")
 RANK = dist.get_rank()
@@ -60,6 +66,11 @@ def main():
         for name, part in parts.items():
             part.load_state_dict(ck[name])
         start = ck["step"]
+    elif os.path.exists(os.path.join(DIR, "rank0.pt")):  # the job grew
+        ck = torch.load(os.path.join(DIR, "rank0.pt"), weights_only=True)
+        for name in ("model", "opt") if MODE.startswith("ddp") else ("model",):  # (equal on every rank; not
+            parts[name].load_state_dict(ck[name])  # the residuals, DiLoCo's inner state: rank 0's own)
+        start = ck["step"]
     for step in range(start, STEPS):
         if step == FAIL_AT and start == 0 and RANK == 1:
             raise RuntimeError(f"injected failure at step {step}")
@@ -81,6 +92,7 @@ def main():
     else:
         flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     if RANK == 0:
+        torch.save(flat, os.path.join(DIR, "final.pt"))
         print(f"PARAMS {MODE} {hashlib.sha256(flat.numpy().tobytes()).hexdigest()} {flat.double().sum().item():.17g} "
               f"{start}", flush=True)
     dist.destroy_process_group()
