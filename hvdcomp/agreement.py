@@ -179,7 +179,7 @@ class NonFiniteGuard:
         """This step's verdict in ``group`` (a :class:`hvdcomp.comm.group.Group`, or any group
         with ``size``): from the summed row started by :meth:`launch_summed` (``summed``, a
         Horovod handle) where there is one, else by the small allgather of ``gatherer``
-        (``allgather_ints``: :meth:`hvdcomp.comm.allgather.Allgatherer.allgather_ints`,
+        (``allgather_ints``: :meth:`hvdcomp.comm.allgatherv.Allgatherer.allgather_ints`,
         :meth:`hvdcomp.comm.torchdist.TorchDistGroup.allgather_ints`); alone when one rank.
 
         Raises:

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .comm.costmodel import CostModel, measure_cost_model
-from .comm.step import StepComm
+from .comm.stepcomm import StepComm
 from .compressors.rng import DrawOrder
 from .compressors.segments import Segments, needs_draw_order
 from .plan import (TransportPlan, choose_transport, fuse_units, make_units, plan_transport, routes, split_groups,

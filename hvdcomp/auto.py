@@ -75,7 +75,7 @@ import torch
 
 from .checks import check_count, check_range
 from .comm.costmodel import CostModel, measure_cost_model
-from .comm.step import StepComm
+from .comm.stepcomm import StepComm
 from .compressors.base import Compressor, Method
 from .memory import Residuals
 from .metrics import PhaseTimer

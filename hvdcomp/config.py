@@ -56,7 +56,7 @@ ARGUMENTS_DOC = """    Args:
             ``Allgatherv`` under MPI, Horovod allgather otherwise), ``"mpi4py"``,
             ``"hierarchical"`` (mpi4py, node-aware: gathered inside each node, exchanged between
             node leaders, broadcast back; same results), ``"horovod"``, or an
-            :class:`hvdcomp.comm.allgather.Allgatherer` instance over the process set's ranks.
+            :class:`hvdcomp.comm.allgatherv.Allgatherer` instance over the process set's ranks.
         timer: a :class:`hvdcomp.metrics.PhaseTimer` to record into (a new one by default;
             available as ``optimizer.timer``).
         nonfinite: what a NaN/Inf gradient on any rank does: ``"skip"`` (default: every rank

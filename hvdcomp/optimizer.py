@@ -221,7 +221,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         the process set, between steps; idempotent. Afterwards ``synchronize()`` and ``step()``
         raise, and the compressor, with its state, may serve a new optimizer. The MPI
         communicators it made stay until ``MPI_Finalize`` (freeing them crashed Open MPI 4.1.4:
-        :meth:`hvdcomp.comm.allgather.MPIAllgatherer.close`), so thousands of optimizers should not
+        :meth:`hvdcomp.comm.allgatherv.MPIAllgatherer.close`), so thousands of optimizers should not
         share one process.
 
         Raises:

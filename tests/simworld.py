@@ -21,7 +21,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from hvdcomp.comm.step import StepComm
+from hvdcomp.comm.stepcomm import StepComm
 from hvdcomp.compressors import PayloadKind
 from hvdcomp.compressors import simulated_world
 from hvdcomp.metrics import PhaseTimer

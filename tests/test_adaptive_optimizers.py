@@ -15,7 +15,7 @@ from hvdcomp.adaptive_opt import (Lamb, OneBitAdam, OneBitLamb, ZeroOneAdam, is_
                                   make_optimizer, step_kinds)
 from hvdcomp.adaptive_opt.base import ONEBIT_SPEC
 from hvdcomp.comm.exchange import unpack_payload
-from hvdcomp.comm.step import StepComm
+from hvdcomp.comm.stepcomm import StepComm
 from hvdcomp.compressors.bitpack import unpack_codes
 from hvdcomp import get_compressor
 from tests.onebit_reference import compressed_allreduce, scaled_sign

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hvdcomp
-from hvdcomp.comm.allgather import _split, _stage
+from hvdcomp.comm.allgatherv import _split, _stage
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 import hvdcomp
 from hvdcomp.compressors import PayloadKind
 from hvdcomp.transports import StepMethod
-from hvdcomp.comm.allgather import plan_rounds
+from hvdcomp.comm.allgatherv import plan_rounds
 from hvdcomp.launch import check_launch, detect_launch
 from tests.mpirun import MPI_ENV, ROOT, check, mpirun
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hvdcomp
-from hvdcomp.comm.allgather import _split, _stage
+from hvdcomp.comm.allgatherv import _split, _stage
 from hvdcomp.comm.costmodel import CostModel, fit_alpha_beta, measure_cost_model
 from hvdcomp.compressors.sparse import compact_index_bytes
 from hvdcomp.plan import make_buckets, step_collectives

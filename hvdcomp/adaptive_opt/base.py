@@ -22,7 +22,7 @@ steps is one of these kinds (:attr:`AdaptiveOptimizer.last_step_kind`):
   compressed allreduce (0/1 Adam).
 
 Collectives: the warm-up's are its :func:`hvdcomp.DistributedOptimizer`'s; the others run within
-``step()``, in the same order on every rank, through a :class:`hvdcomp.comm.step.StepComm` (Horovod
+``step()``, in the same order on every rank, through a :class:`hvdcomp.comm.stepcomm.StepComm` (Horovod
 allreduce and broadcast, MPI point-to-point messages on a duplicate of the process set's
 communicator). Every compressed step sends about n/8 bytes per rank for n parameters.
 
@@ -62,7 +62,7 @@ import torch
 from ..agreement import NONFINITE_MODES, check_consistency
 from ..comm import resolve_group
 from ..comm.group import FollowsWorld
-from ..comm.step import StepComm
+from ..comm.stepcomm import StepComm
 from ..metrics import PhaseTimer
 from ..plan import BATCHED, TransportPlan
 from .averaging import ONEBIT_SPEC, Averaging
@@ -126,7 +126,7 @@ class AdaptiveOptimizer(torch.optim.Optimizer, FollowsWorld, metaclass=abc.ABCMe
         warmup_compression: the warm-up's :func:`hvdcomp.DistributedOptimizer` compression (a spec).
         backward_passes_per_step: must be 1.
         comm: the collectives of the steps after the warm-up, a
-            :class:`hvdcomp.comm.step.StepComm` (with point-to-point messages where it has more
+            :class:`hvdcomp.comm.stepcomm.StepComm` (with point-to-point messages where it has more
             than one rank); default: Horovod's within ``process_set``, with an MPI duplicate of
             its communicator.
 

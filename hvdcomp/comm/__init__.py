@@ -1,6 +1,6 @@
 """Collectives: the process-group interface and its Horovod implementation (:mod:`.group`),
 its ``torch.distributed`` implementation (:mod:`.torchdist`), mpi4py's byte layer
-(:mod:`.allgather`, :mod:`.hierarchical`, :mod:`.exchange`, :mod:`.sparse_allreduce`), the world
+(:mod:`.allgatherv`, :mod:`.hierarchical`, :mod:`.exchange`, :mod:`.sparse_allreduce`), the world
 (:mod:`.world`) and the α-β cost model (:mod:`.costmodel`); :func:`resolve_group` picks the group a
 front-end runs on."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 
-from .allgather import Allgatherer, HorovodAllgatherer, MPIAllgatherer
+from .allgatherv import Allgatherer, HorovodAllgatherer, MPIAllgatherer
 from .group import Group, HorovodGroup, ProcessGroup
 from .hierarchical import HierarchicalAllgatherer
 

@@ -122,7 +122,7 @@ class ProcessGroup(abc.ABC):
     @abc.abstractmethod
     def allgatherer(self, prefer: str = "auto"):
         """The variable-size allgather of payloads among the members
-        (:class:`hvdcomp.comm.allgather.Allgatherer`), made now (collectively).
+        (:class:`hvdcomp.comm.allgatherv.Allgatherer`), made now (collectively).
 
         Raises:
             RuntimeError: ``prefer`` names a path this group cannot take.
@@ -136,10 +136,10 @@ class ProcessGroup(abc.ABC):
         one); None where the members cannot message each other (Horovod without MPI)."""
 
     def step_comm(self, timer, prefix: str, point_to_point=None):
-        """The collectives of a step-wide method's step (:func:`hvdcomp.comm.step.timed_step_comm`:
+        """The collectives of a step-wide method's step (:func:`hvdcomp.comm.stepcomm.timed_step_comm`:
         blocking mean allreduce and broadcast, named ``prefix.name``, timed as ``communicate`` and
         counted in ``timer``), with the given :meth:`point_to_point` messages (or None)."""
-        from .step import timed_step_comm
+        from .stepcomm import timed_step_comm
 
         p2p = point_to_point
         return timed_step_comm(lambda tensor, name: self.allreduce(tensor, f"{prefix}.{name}"),
@@ -268,7 +268,7 @@ class HorovodGroup(ProcessGroup):
 
     def point_to_point(self, gatherer=None):
         """:class:`hvdcomp.comm.exchange.MPIExchange` on a duplicate of an mpi4py communicator of
-        the set: ``gatherer``'s (an :class:`~hvdcomp.comm.allgather.MPIAllgatherer`; a Horovod
+        the set: ``gatherer``'s (an :class:`~hvdcomp.comm.allgatherv.MPIAllgatherer`; a Horovod
         allgatherer has none, and then there is no point-to-point), or, without a gatherer, the
         set's own (made once). Under elastic Horovod (Gloo) the job's
         :class:`hvdcomp.comm.exchange.HorovodExchange`; otherwise None without MPI."""

@@ -11,7 +11,7 @@ several ring links and pays (p − 1) latencies. Here, per call (counts header a
 3. each leader puts the bundles in global rank order and broadcasts the whole buffer inside its
    node.
 
-Every rank ends with exactly what :class:`hvdcomp.comm.allgather.MPIAllgatherer` gives (the
+Every rank ends with exactly what :class:`hvdcomp.comm.allgatherv.MPIAllgatherer` gives (the
 payloads in rank order), so aggregation, results and checkpoints do not depend on it. As in the
 node-aware collectives of MPICH/Open MPI ("hierarchical" or "two-level" algorithms; Träff,
 "Relationships between regular and irregular collective communication operations", 2013) and
@@ -24,14 +24,14 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from .allgather import COUNT_BYTES, MPIAllgatherer
+from .allgatherv import COUNT_BYTES, MPIAllgatherer
 from .exchange import node_ids
 
 __all__ = ["HierarchicalAllgatherer"]
 
 
 class HierarchicalAllgatherer(MPIAllgatherer):
-    """:class:`~hvdcomp.comm.allgather.MPIAllgatherer` whose exchanges go leader to leader
+    """:class:`~hvdcomp.comm.allgatherv.MPIAllgatherer` whose exchanges go leader to leader
     (see the module docstring); same interface, same results, on the same background thread.
 
     Args:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .allgather import COUNT_BYTES, Allgatherer
+from .allgatherv import COUNT_BYTES, Allgatherer
 from .exchange import node_ids
 from .group import ProcessGroup
 from .retain import retain
@@ -190,7 +190,7 @@ class _Gather:
 
 class TorchDistAllgatherer(Allgatherer):
     """The variable-size allgather of payloads over a :class:`TorchDistGroup`
-    (:class:`~hvdcomp.comm.allgather.Allgatherer`), on the group itself (gloo on the host, NCCL on
+    (:class:`~hvdcomp.comm.allgatherv.Allgatherer`), on the group itself (gloo on the host, NCCL on
     the device: no staging copy), issued from the caller's thread in call order:
 
     1. counts: every rank's element count per payload tensor (int64, one

@@ -296,7 +296,7 @@ class BucketPath:
     def reduce_batched(self, buckets: List[Bucket]) -> None:
         """A step-wide method reduces every gradient of the step at once, in the expected
         backward order (so the same as under the Horovod front-end, whatever DDP's bucket
-        layout), over the group's :class:`~hvdcomp.comm.step.StepComm` (made once)."""
+        layout), over the group's :class:`~hvdcomp.comm.stepcomm.StepComm` (made once)."""
         views: Dict[str, torch.Tensor] = {}
         for b in buckets:
             views.update(zip(b.layout.names, b.layout.views(b.buffer)))

@@ -1,5 +1,5 @@
 """The allgather transport: ``GATHERED`` payloads (sparse, quantized) gathered in buckets by a
-variable-size allgather (:mod:`hvdcomp.comm.allgather`), then aggregated on every rank."""
+variable-size allgather (:mod:`hvdcomp.comm.allgatherv`), then aggregated on every rank."""
 from __future__ import annotations
 
 from typing import Dict, List
@@ -17,7 +17,7 @@ class AllgatherTransport(Transport):
 
     Args:
         wiring: the optimizer's :class:`~hvdcomp.transports.base.Wiring`: its ``gatherer`` (an
-            :class:`hvdcomp.comm.allgather.Allgatherer`, mpi4py or Horovod), ``buckets`` (unit
+            :class:`hvdcomp.comm.allgatherv.Allgatherer`, mpi4py or Horovod), ``buckets`` (unit
             indices per bucket, in launch order), timer, method, units and prefix; with
             ``op_sum`` the aggregate (a mean) is multiplied by the group size.
     """

@@ -22,12 +22,12 @@ class Wiring:
             every rank).
         op_sum: ``op=hvd.Sum`` (results are sums over ranks, not means).
         predivide: Horovod's ``gradient_predivide_factor``.
-        gatherer: the variable-size allgather (:class:`hvdcomp.comm.allgather.Allgatherer`), or
+        gatherer: the variable-size allgather (:class:`hvdcomp.comm.allgatherv.Allgatherer`), or
             None where no route needs one.
         buckets: unit indices per bucket of the bucketed route, in launch order.
         names: the parameters' names in launch order (step-wide transports).
         step_comm: the collectives a step-wide method may run
-            (:class:`hvdcomp.comm.step.StepComm`), or None.
+            (:class:`hvdcomp.comm.stepcomm.StepComm`), or None.
         direct: every unit is one gradient whose payload is the gradient itself (``none`` with
             ``granularity="tensor"``): reduced in place as stock Horovod does, charged to compute.
         units_of_route: route name -> the units it carries (a transport on a group that matches

@@ -17,7 +17,7 @@ edge carry its own payload (PowerGossip), follow a time-varying graph without on
 per round, and name a missing neighbour: a wait past ``timeout`` raises
 :class:`NeighborTimeoutError` naming the rank(s) that sent nothing, instead of hanging the job.
 
-As :class:`hvdcomp.comm.allgather.MPIAllgatherer` does, the exchange runs on one background thread
+As :class:`hvdcomp.comm.allgatherv.MPIAllgatherer` does, the exchange runs on one background thread
 when MPI provides ``MPI_THREAD_MULTIPLE`` (what Horovod asks for), so it proceeds while the next
 forward and backward compute, polling with short sleeps (0.05 ms growing to 1 ms); otherwise
 inside :meth:`NeighborTransport.post`. Exchanges complete in the order they were started. Bytes
@@ -544,7 +544,7 @@ class NeighborTransport(Transport):
 
     def close(self) -> None:
         """Stop the background thread (waits for exchanges in flight); idempotent. The duplicated
-        communicator is left to ``MPI_Finalize`` (see :meth:`hvdcomp.comm.allgather.MPIAllgatherer.close`)."""
+        communicator is left to ``MPI_Finalize`` (see :meth:`hvdcomp.comm.allgatherv.MPIAllgatherer.close`)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

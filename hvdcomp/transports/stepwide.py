@@ -2,7 +2,7 @@
 and reduce it with their own collectives (PowerSGD, global top-k, CLT-k, two-phase), in the shape
 of PyTorch DDP's PowerSGD hook: a state object (the method: hyper-parameters, residuals, factors,
 counters, all checkpointable and staged) and a reduce step (:meth:`StepMethod.reduce_batch`)
-over the collectives of one step (:class:`hvdcomp.comm.step.StepComm`).
+over the collectives of one step (:class:`hvdcomp.comm.stepcomm.StepComm`).
 
 :class:`FlatStepMethod` is the common base of the methods that see the whole model as one vector
 (gtopk, cltk, twophase): per step, per device, ``acc = concat(grad.float()) + residual`` (float32,
@@ -55,7 +55,7 @@ class StepMethod(Method):
         Args:
             named_grads: ``(name, gradient)`` pairs in the same order on every rank (any shapes,
                 floating dtypes).
-            comm: a :class:`hvdcomp.comm.step.StepComm` of the optimizer's group.
+            comm: a :class:`hvdcomp.comm.stepcomm.StepComm` of the optimizer's group.
             timer: a :class:`hvdcomp.metrics.PhaseTimer` (compress / communicate / decompress).
 
         Returns:
@@ -83,7 +83,7 @@ class FlatStepMethod(StepMethod):
 
         Args:
             acc: 1-D float32 (n,), this rank's gradients plus residual (the method may modify it).
-            comm: a :class:`hvdcomp.comm.step.StepComm`.
+            comm: a :class:`hvdcomp.comm.stepcomm.StepComm`.
             timer: a :class:`hvdcomp.metrics.PhaseTimer`.
 
         Returns:

@@ -39,7 +39,7 @@ def check_none_matches_horovod():
     stock = hvd.DistributedOptimizer(torch.optim.SGD(models[0].parameters(), lr=0.1),
                                      named_parameters=models[0].named_parameters(),
                                      compression=hvd.Compression.none)
-    from hvdcomp.comm.allgather import MPIAllgatherer
+    from hvdcomp.comm.allgatherv import MPIAllgatherer
 
     exchanges = []  # the per-step agreement travels with the gradients: no allgather of flags
 
@@ -140,7 +140,7 @@ def check_buckets_and_wire():
 def check_threaded_and_inline_exchange_agree():
     """The background-thread exchange (default under MPI_THREAD_MULTIPLE) and the inline one
     give the same aggregated gradients over three steps with error feedback."""
-    from hvdcomp.comm.allgather import MPIAllgatherer
+    from hvdcomp.comm.allgatherv import MPIAllgatherer
 
     grads = []
     for threaded in (True, False):
@@ -443,7 +443,7 @@ def check_hierarchical_allgather():
     several dtypes, empty contributions), for emulated node layouts: one node, contiguous nodes
     of 2, interleaved nodes, one rank per node; and an optimizer on it (top-k, 3 steps) ends
     with parameters bit-identical to one on the flat allgather."""
-    from hvdcomp.comm.allgather import MPIAllgatherer
+    from hvdcomp.comm.allgatherv import MPIAllgatherer
     from hvdcomp.comm.hierarchical import HierarchicalAllgatherer
 
     p, me = hvd.size(), hvd.rank()

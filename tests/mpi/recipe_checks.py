@@ -413,7 +413,7 @@ def check_bf16_dense_route():
 def check_allgather_thread_failure_aborts_the_job():
     """The background allgather thread fails on rank 1: the job ends on every rank (MPI_Abort)
     instead of leaving rank 0 waiting in the collective. Expected to exit non-zero."""
-    from hvdcomp.comm.allgather import MPIAllgatherer
+    from hvdcomp.comm.allgatherv import MPIAllgatherer
 
     class Broken(MPIAllgatherer):
         """Rank 1's exchange fails on the background thread."""

@@ -63,7 +63,7 @@ def mpi_exchange(ps):
 def reference_step_comm(prefix, ps, p2p, float64=False):
     """A batched method's collectives for a reference computation, written with plain Horovod:
     averages (in float64 if asked), broadcasts, and ``p2p`` (:func:`mpi_exchange`)."""
-    from hvdcomp.comm.step import StepComm
+    from hvdcomp.comm.stepcomm import StepComm
 
     ranks = ps.ranks or list(range(hvd.size()))
 

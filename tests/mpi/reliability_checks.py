@@ -8,7 +8,7 @@ import torch
 import horovod.torch as hvd
 
 import hvdcomp
-from hvdcomp.comm.allgather import MPIAllgatherer
+from hvdcomp.comm.allgatherv import MPIAllgatherer
 
 SPECS = ["topk:density=0.3", "dgc:density=0.3", "randomk:density=0.3", "qsgd:levels=4,block=8",
          "efsignsgd", "powersgd:matrix_rank=1"]
