@@ -38,7 +38,7 @@ else
 endif
 
 test: install
-	$(PY) -m pytest -v tests
+	$(PY) -m pytest -v --durations=40 tests
 
 # Study v2 (issue 18): the seed study's claims at 4 ranks, trained to convergence with a learning-rate
 # search and three seeds, within an 8-hour budget on 2 cores; then AB-training's CNN on the digits
