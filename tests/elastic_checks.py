@@ -215,14 +215,16 @@ def main():
                 with torch.no_grad():
                     y = target(x)
                 for m, model, opt, _ in runs:
+                    if m.startswith("gossip:"):
+                        # (the other gossip optimizers' exchanges in flight would run beside this
+                        # one's under the same Horovod names: received now, applied at their next
+                        # step as with overlap; the last one's stays in flight through a reset)
+                        for other in (o for n, _, o, _ in runs if n.startswith("gossip:") and o is not opt):
+                            if other.transport is not None:
+                                other.transport.finish()
                     line = {"step": state.step, "size": hvd.size(), "rank": hvd.rank(),
                             **train_step(m, model, opt, x, y)}
                     print("ELASTIC " + json.dumps(line), flush=True)
-                    if m.startswith("gossip:") and len(runs) > 1 and opt.transport is not None:
-                        # (the next gossip optimizer's exchange would run beside this one's in
-                        # flight under the same Horovod names: received now, applied at its next
-                        # step as with overlap, dropped at a reset as before)
-                        opt.transport.finish()
                 state.step += 1
                 if state.step % STEPS == 0:
                     state.phase += 1

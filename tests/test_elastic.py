@@ -102,7 +102,8 @@ def _group_job(group: str):
 
         def of(method):
             mine = [d for d in lines if d["method"] == method]
-            assert mine, f"{method}: no ELASTIC line in the {group!r} job (methods seen: {sorted({d['method'] for d in lines})})"
+            seen = sorted({d["method"] for d in lines})
+            assert mine, f"{method}: no ELASTIC line in the {group!r} job (methods seen: {seen})"
             return mine
         return of
     return job
@@ -267,7 +268,8 @@ def test_horovod_exchange_returns_each_ranks_message():
         x.send(mine[0], 0)
 
 
-@pytest.mark.parametrize("method", ["gossip:choco:sign", "gossip:dcd:none", "gossip:ecd:none", "gossip:powergossip:none"])
+@pytest.mark.parametrize("method", ["gossip:choco:sign", "gossip:dcd:none", "gossip:ecd:none",
+                                    "gossip:powergossip:none"])
 def test_gossip_shrinks_and_grows_rebuilding_the_topology(gossip_job, method):
     """Gossip (Choco-SGD with the scaled sign, γ = 0.5; DCD-PSGD and ECD-PSGD uncompressed, whose
     replicas start from the set-up exchange of each world; PowerGossip, its rank-1 power iteration
