@@ -107,15 +107,32 @@ RESTART_MODES = ["ddp-topk", "diloco-topk"]
 
 
 @pytest.fixture(scope="module")
-def restarted(tmp_path_factory):
+def failed_at_4(tmp_path_factory):
+    """Every mode of RESTART_MODES at 2 ranks, rank 1 failing at step 4 (one torchrun launch): the
+    directory of the per-rank checkpoints it left (each rank's of step 4: with the barrier before
+    each save no rank saves a step another did not finish). Resumed at 2 ranks by
+    :func:`restarted`, at 1 by :func:`resized` (each from a copy)."""
+    import shutil
+
+    tmp_path = tmp_path_factory.mktemp("failed")
+    rc, _, out = _torchrun_restart(",".join(RESTART_MODES), tmp_path / "job", 4)
+    assert rc != 0 and "injected failure at step 4" in out, out[-3000:]
+    shutil.copytree(tmp_path / "job", tmp_path / "at4")
+    return tmp_path / "at4"
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory, failed_at_4):
     """Every mode of RESTART_MODES (one torchrun launch each run): (the PARAMS of the run without
-    a failure, of the run resumed after rank 1 failed at step 4); both runs checked to end so."""
+    a failure, of the run resumed from :func:`failed_at_4`'s checkpoints); both runs checked to
+    end so."""
+    import shutil
+
     tmp_path = tmp_path_factory.mktemp("restart")
     modes = ",".join(RESTART_MODES)
     rc, ref, out = _torchrun_restart(modes, tmp_path / "plain", -1)
     assert rc == 0, out[-3000:]
-    rc, _, out = _torchrun_restart(modes, tmp_path / "failed", 4)
-    assert rc != 0 and "injected failure at step 4" in out, out[-3000:]
+    shutil.copytree(failed_at_4, tmp_path / "failed")
     rc, resumed, out = _torchrun_restart(modes, tmp_path / "failed", -1)
     assert rc == 0, out[-3000:]
     return ref, resumed, out
@@ -229,18 +246,17 @@ RESIZES = {"shrink": (2, 1, 4, 6), "grow": (1, 2, 6, 9)}
 
 
 @pytest.fixture(scope="module")
-def resized(tmp_path_factory):
-    """Every mode of RESTART_MODES side by side through three torchrun launches: 2 ranks to step
-    4, 1 rank resumed from there to step 6 (the shrink), 2 ranks resumed from there to step 9 (the
-    growth; the departed rank 1's step-4 checkpoint removed first: the rank that joins is new).
-    change -> (the checkpoints each resumed from, a copy; the job's directory after it)."""
+def resized(tmp_path_factory, failed_at_4):
+    """Every mode of RESTART_MODES side by side: from the checkpoints of 2 ranks at step 4
+    (:func:`failed_at_4`), 1 rank resumed to step 6 (the shrink; one torchrun launch), 2 ranks
+    resumed from there to step 9 (the growth, one launch; the departed rank 1's step-4 checkpoint
+    removed first: the rank that joins is new). The directory holding, per change,
+    ``saved-<change>`` (a copy of the checkpoints it resumed from) and ``after-<change>``."""
     import shutil
 
     tmp_path = tmp_path_factory.mktemp("resize")
     job, modes = tmp_path / "job", ",".join(RESTART_MODES)
-    rc, _, out = _torchrun_restart(modes, job, -1, "--steps", "4", ranks=2)
-    assert rc == 0, out[-3000:]
-    done = {}
+    shutil.copytree(failed_at_4, job)
     for change, (before, after, saved_at, steps) in RESIZES.items():
         shutil.copytree(job, tmp_path / f"saved-{change}")
         for mode in RESTART_MODES:  # (a rank beyond the saving world's size: a new one)
@@ -257,7 +273,8 @@ def resized(tmp_path_factory):
 @pytest.mark.parametrize("mode", RESTART_MODES)
 def test_torchrun_resume_at_another_world_size_keeps_each_ranks_residual(mode, change, resized):
     """Per-rank checkpoints saved at one world size; torchrun again at another (an elastic job after
-    a membership change) resumes from them: 2 ranks to step 4, 1 rank on to step 6 (the shrink;
+    a membership change) resumes from them: 2 ranks to step 4 (where rank 1 failed, in
+    test_torchrun_restart_resumes_from_per_rank_checkpoints_exactly), 1 rank on to step 6 (the shrink;
     DiLoCo, H = 3, mid-round), 2 ranks on to step 9 (the growth, from a round's end); the modes side
     by side in each launch. A rank that saved a checkpoint loads its own (its top-k residual;
     DiLoCo's inner optimizer and local progress), a new rank starts them fresh (zero residual) and
