@@ -630,9 +630,19 @@ class AutoState:
         """The step in progress will not be applied: its time is not a step's."""
         self.valid = False
 
-    def boundary(self) -> None:
+    def skipped(self) -> None:
+        """The step in progress was skipped on every rank (a non-finite gradient somewhere): not a
+        step (no boundary: probes, windows and decisions stay at the same steps on every rank, a
+        joined DDP rank's shadow step included), and its time is not the next step's."""
+        self._reset_step()
+        self.snapshot = {} if self._probing(self.steps) else None
+        self.mark = self.clock()
+
+    def boundary(self, applied: Optional[Dict[str, torch.Tensor]] = None) -> None:
         """A step was applied (every rank, at the same step): measure it, and at a probe's or a
-        window's end agree, decide, and switch."""
+        window's end agree, decide, and switch. ``applied``: parameter name -> the step's averaged
+        gradient where ``.grad`` does not hold it (a DDP step committed at its last bucket: a joined
+        rank's shadow step, or no optimizer attached); None: ``.grad``."""
         now = self.clock()
         step = self.steps
         self.steps += 1
@@ -643,7 +653,7 @@ class AutoState:
         record = (step_s, step_s - exposed, exposed) if valid else None
         self._reset_step()
         if self.auto.accordion and self.window_origin is not None and step >= self.window_origin:
-            self._accumulate()
+            self._accumulate(applied)
         if self._probing(step):
             self._shadow(step, record)
             if step == self.probe_origin + self.auto.warmup + self.auto.probe - 1:
@@ -736,9 +746,12 @@ class AutoState:
         if decision is not None:
             self._apply(decision)
 
-    def _accumulate(self) -> None:
+    def _accumulate(self, applied: Optional[Dict[str, torch.Tensor]]) -> None:
         """Add the applied (averaged) gradient to the window's sum (Accordion's norm)."""
-        grads = [p.grad.detach() for p in self.order if p.grad is not None and not p.grad.is_sparse]
+        if applied is None:
+            grads = [p.grad.detach() for p in self.order if p.grad is not None and not p.grad.is_sparse]
+        else:
+            grads = [applied[self.names[p]].detach().view_as(p) for p in self.order if self.names[p] in applied]
         if not grads:
             return
         if self.sum_grad is None:

@@ -285,6 +285,18 @@ def test_ddp_hook_compresses_on_a_slow_link_stays_dense_on_a_fast_one_and_switch
     ddp_checks(2, "auto")
 
 
+def test_ddp_join_and_a_skipped_step_leave_auto_as_explicit_zeros_and_as_without_that_step():
+    """auto under ``ddp.join()`` while it probes, switches and re-probes (rank 0 joined) = the run
+    where rank 0 trains on with zero gradients: decisions, Accordion's norm, parameters and state
+    bit for bit (a joined rank took its norm from its stale ``.grad``: a spurious "phase" switch at
+    step 10, 5 decisions against 4). A NaN on rank 1 in the re-probe, rank 0 joined: skipped on
+    every rank, the run = the one without that iteration (the joined rank counted the skipped
+    step as a boundary and the next window's allgather hung) (tests/ddp_checks.py check_auto_join)."""
+    from test_ddp import ddp_checks
+
+    ddp_checks(2, "auto-join", timeout=120)
+
+
 def test_two_ranks_agree_decide_redecide_and_switch_exactly():
     out = mpirun_check(2, ["tests/mpi/auto_checks.py"], timeout=240)
     assert "auto checks passed" in out, out[-3000:]
