@@ -64,6 +64,7 @@ timer's :attr:`hvdcomp.metrics.PhaseTimer.events` and ``results.json`` of
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import statistics
@@ -819,16 +820,36 @@ class AutoState:
                 "horovod_latency_s": self.horovod_latency, "decisions": self.decisions}
 
     def state_dict(self) -> dict:
-        """The choice, the carry and every candidate's state (tensors, numbers, strings)."""
-        return {"current": self.labels[self.policy.current], "steps": self.steps,
+        """The choice, the carry, every candidate's state and all that later decisions depend on
+        (tensors, numbers, strings: ``torch.load(weights_only=True)``): the policy (decisions so
+        far, the measured compute, coding costs and errors, the regime, Accordion's last norm, the
+        drift calibration, the cost model), where the probe and window in progress stand and what
+        they have summed, and the one-rank copies' state (their residuals) - so a run resumed from
+        a checkpoint taken mid-probe decides as the uninterrupted run. Per rank, as the method's
+        state."""
+        policy = self.policy
+        return {"current": self.labels[policy.current], "steps": self.steps,
                 "carry": {k: v.clone() for k, v in self.carry.items()},
-                "candidates": {label: pipe.compression.state_dict() for label, pipe in zip(self.labels, self.pipelines)}}
+                "candidates": {label: pipe.compression.state_dict() for label, pipe in zip(self.labels, self.pipelines)},
+                "shadows": {label: shadow.state_dict() for label, shadow in zip(self.labels, self.shadows)},
+                "schedule": {"probe_origin": self.probe_origin, "next_probe": self.next_probe,
+                             "window_origin": self.window_origin, "records": [list(r) for r in self.records],
+                             "probe_records": list(self.probe_records), "probe_code": list(self.probe_code),
+                             "probe_err2": list(self.probe_err2), "probe_norm2": list(self.probe_norm2),
+                             "sum_grad": None if self.sum_grad is None else [t.clone() for t in self.sum_grad]},
+                "policy": {"alpha": policy.model.alpha, "beta": policy.model.beta,
+                           "horovod_latency": self.horovod_latency, "compute_s": policy.compute_s,
+                           "code_s": list(policy.code_s), "errors": policy.errors, "regime": policy.regime,
+                           "previous_norm": policy.previous_norm, "calibration": policy.calibration,
+                           "decisions": copy.deepcopy(policy.decisions)}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Inverse of :meth:`state_dict` (between steps).
+        """Inverse of :meth:`state_dict` (between steps; a state without the policy, from an older
+        hvdcomp, restores the choice, the carry and the candidates only).
 
         Raises:
-            ValueError: the saved choice is not among this job's candidates.
+            ValueError: the saved choice is not among this job's candidates, or the checkpoint
+                measured another number of candidates.
         """
         if state["current"] not in self.labels:
             raise ValueError(f"auto: the checkpoint's method '{state['current']}' is not among this job's candidates "
@@ -836,8 +857,33 @@ class AutoState:
         for label, pipe in zip(self.labels, self.pipelines):
             if label in state.get("candidates", {}):
                 pipe.compression.load_state_dict(state["candidates"][label])
+        for label, shadow in zip(self.labels, self.shadows):
+            if label in state.get("shadows", {}):
+                shadow.load_state_dict(state["shadows"][label])
         self.carry = {k: v.clone() for k, v in state.get("carry", {}).items()}
         self.steps = int(state.get("steps", self.steps))
+        saved, policy = state.get("policy"), self.policy
+        if saved is not None:
+            if saved["code_s"] and len(saved["code_s"]) != len(self.labels):
+                raise ValueError(f"auto: the checkpoint measured {len(saved['code_s'])} candidates, this job has "
+                                 f"{len(self.labels)} ({self.labels}): resume with the same candidates")
+            policy.model = CostModel(float(saved["alpha"]), float(saved["beta"]))
+            self.horovod_latency = float(saved["horovod_latency"])
+            policy.comm = policy.price(policy.model)
+            policy.compute_s, policy.code_s = float(saved["compute_s"]), list(saved["code_s"])
+            policy.errors = None if saved["errors"] is None else list(saved["errors"])
+            policy.regime, policy.previous_norm = saved["regime"], saved["previous_norm"]
+            policy.calibration, policy.decisions = saved["calibration"], copy.deepcopy(saved["decisions"])
+            sched = state["schedule"]
+            self.probe_origin, self.next_probe = sched["probe_origin"], sched["next_probe"]
+            self.window_origin = sched["window_origin"]
+            self.records = [tuple(r) for r in sched["records"]]
+            self.probe_records, self.probe_code = list(sched["probe_records"]), list(sched["probe_code"])
+            self.probe_err2, self.probe_norm2 = list(sched["probe_err2"]), list(sched["probe_norm2"])
+            self.sum_grad = None if sched["sum_grad"] is None else [t.clone() for t in sched["sum_grad"]]
+        self._reset_step()
+        self.snapshot = {} if self._probing(self.steps) else None
+        self.mark = self.clock()
         index = self.labels.index(state["current"])
-        self.policy.current = index
+        policy.current = index
         self.reducer.install(self.pipelines[index])
