@@ -51,7 +51,9 @@ class StepCycle:
         backward_steps: synchronized backward passes reduced so far.
         optimizer: the attached optimizer, or None.
         auto: ``compression="auto"``'s :class:`hvdcomp.auto.AutoState`, told of every step
-            committed (:meth:`~hvdcomp.auto.AutoState.boundary`) or dropped; else None.
+            committed (:meth:`~hvdcomp.auto.AutoState.boundary`), skipped
+            (:meth:`~hvdcomp.auto.AutoState.skipped`, on every rank, a joined one too) or dropped;
+            else None.
     """
 
     def __init__(self, group, nonfinite: str, grad_scaler, timer, compression):
