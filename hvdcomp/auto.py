@@ -30,8 +30,11 @@ step boundaries):
   steps), each candidate compresses a copy of this rank's gradients as on one rank (its own
   instance, with its own error feedback over the probe's steps): seconds of encode + decode, and
   ``‖C(p) − p‖ / ‖p‖`` over the whole model, p = gradient + that candidate's residual. For the
-  step-wide methods this is their one-rank step (PowerSGD's factors of this rank's matrix; gtopk
-  and cltk: this rank's top-k), a proxy for the error of the multi-rank step.
+  step-wide methods this is their one-rank step (PowerSGD's factors of this rank's matrix; gtopk:
+  this rank's top-k), a proxy for the error of the multi-rank step; a leader's top-k (``cltk``,
+  cyclic or VAR-Topk's variance leader) runs its step with the group's collectives, each rank's
+  error being what it keeps off the leader's positions (its new residual), since on one rank
+  every leader rule gives the same top-k.
 
 Every rank takes the same decision: the measurements of every rank are gathered (one small
 allgather per probe and per window) and combined by one deterministic rule (compute and code: the
@@ -89,7 +92,8 @@ log = logging.getLogger(__name__)
 
 #: the candidates of ``compression="auto"`` when none are given (dense first: ties go to the earlier)
 DEFAULT_CANDIDATES = ("none", "fp16", "powersgd:matrix_rank=4", "powersgd:matrix_rank=2", "powersgd:matrix_rank=1",
-                      "qsgd", "topk:density=0.01", "topk:density=0.001", "cltk:density=0.01", "gtopk:density=0.01")
+                      "qsgd", "topk:density=0.01", "topk:density=0.001", "cltk:density=0.01",
+                      "cltk:density=0.01,leader=variance", "gtopk:density=0.01")
 
 
 # ---- what a method keeps: residuals that a switch carries over --------------------------------------
@@ -531,9 +535,12 @@ class AutoState:
         planned = replace(settings, cost_model=model, transport="planned")
         self.pipelines = [build(k, method, planned, self.gatherer) for k, (_, method) in enumerate(kept)]
         fresh = dict(zip(auto.candidates, auto.instances()))
-        self.shadows = [fresh[label] for label in self.labels]  # one-rank copies for the probes
-        for s in self.shadows:
-            s.bind_group(1)
+        self.shadows = [fresh[label] for label in self.labels]  # the probes' copies
+        # (a leader's top-k, cltk and VAR-Topk, is measured across the ranks: on one rank every
+        # leader rule gives the same top-k; the others as on one rank)
+        self.across = [getattr(s, "leader", None) is not None and group.size > 1 for s in self.shadows]
+        for s, across in zip(self.shadows, self.across):
+            s.bind_group(group.size if across else 1)
         self.p, self.bucket_bytes = group.size, settings.bucket_bytes
         drift = auto.drift if auto.drift is not None else (0.0 if given else 2.0)
         self.policy = Policy(auto, self.labels, self._price, model, self._remeasure, drift)
@@ -678,7 +685,11 @@ class AutoState:
         self.probe_norm2 = [0.0] * len(self.labels)
 
     def _shadow(self, step: int, record) -> None:
-        """Compress this step's gradient copy with every candidate, as on one rank."""
+        """Compress this step's gradient copy with every candidate, as on one rank, or, for a
+        leader's top-k (:attr:`across`), with the group's collectives: each rank sends its values
+        at the leader's positions, and its error is what it keeps (its new residual), so the
+        leader rule (cyclic or VAR-Topk's) shows in the error. Collective where any candidate is
+        measured across the ranks: every rank calls it at the same step, a joined DDP rank too."""
         if record is not None:
             self.probe_records.append(record[1])
         grads = self.snapshot or {}
@@ -700,17 +711,26 @@ class AutoState:
                     payload, ctx = shadow.encode(g, name)
                     outs.append(shadow.decode(payload, ctx))
             else:
-                outs = shadow.reduce_batch(named, _one_rank_comm(), PhaseTimer(cuda_sync=False))
+                timer = PhaseTimer(cuda_sync=False, clock=self.clock)
+                comm = (self.reducer.group.step_comm(timer, f"{self.reducer.prefix}.auto.shadow{k}")
+                        if self.across[k] else _one_rank_comm())
+                outs = shadow.reduce_batch(named, comm, timer)
+                t0 += timer.seconds["communicate"]  # (coding costs only)
             shadow.commit()
             if cuda:
                 torch.cuda.synchronize()
             self.probe_code[k] += self.clock() - t0
+            kept = {}
+            if self.across[k]:
+                for mem in memories(shadow):
+                    kept.update({n: e.detach().reshape(-1).float() for n, e in mem.committed.items()})
             for (name, g), out in zip(named, outs):
                 p = g.reshape(-1).float()
                 e = before.get(name)
                 if e is not None and e.numel() == p.numel():
                     p = p + e
-                self.probe_err2[k] += float((out.reshape(-1).float() - p).square().sum())
+                left = kept[name] if name in kept else out.reshape(-1).float() - p
+                self.probe_err2[k] += float(left.square().sum())
                 self.probe_norm2[k] += float(p.square().sum())
 
     def _end_probe(self, step: int) -> None:

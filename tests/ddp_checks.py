@@ -27,6 +27,8 @@ Checks (each raises on failure on every rank; the oracle is named in its docstri
                     Horovod front-end's twin); every rank decides alike; a switch keeps error feedback exact
   auto-join         (2 ranks) auto under ddp.join() while it probes and decides = explicit zero gradients; a NaN
                     on one rank in a probe is skipped everywhere and leaves the run as without that step
+  auto-var          (2 ranks) auto measures a leader's top-k (cltk, VAR-Topk) across the ranks: errors worked
+                    out in one process; VAR-Topk chosen where its leader keeps more
   nccl-none-bitwise, nccl-methods   the same on NCCL (one GPU per rank)
 """
 import contextlib
@@ -1183,6 +1185,81 @@ def check_auto_join():
     _same(state, {k: v for k, v in hook.state_dict().items() if k != "skipped_steps"},
           "a skipped step in the probe: compressor state against the run without it")
     return f"decisions {got}"
+
+
+def check_auto_var():
+    """A leader's top-k measured across the ranks (issue 59): candidates cltk (cyclic leader) and
+    VAR-Topk (``leader=variance``) at density 0.1 on a Linear(16, 8) (n = 136, k = 14), rank 1's
+    loss 10x rank 0's, lr 0 (each rank's gradient at a step is known in closed form), a fast posed
+    link (both within slack: the least error wins). The probe (steps 1-2) measures each
+    candidate's error with the group's collectives: Σ_r ‖kept_r‖² / Σ_r ‖p_r‖² over its steps, p_r
+    = gradient + residual of rank r, kept_r = p_r off the leader's top-k positions. Oracle: that
+    error worked out here in one process from each rank's gradient (cyclic: rank 0 leads the
+    first probe step, rank 1 the second; VAR-Topk: rank 1, the larger smoothed norm, both), within
+    1e-5; VAR-Topk's error is the smaller and it is chosen at step 2 on both ranks. (Measured as
+    on one rank, both read the same error and the tie went to cyclic.)"""
+    from hvdcomp.auto import Auto
+    from hvdcomp.compressors.topk import num_kept
+
+    labels = ["cltk:density=0.1", "cltk:density=0.1,leader=variance"]
+    data = dict(n=16, features=16, out=8)
+    clock = _Clock()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(16, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    auto = Auto(candidates=labels, probe=2, warmup=1, window=2, interval=0, accordion=0, clock=clock)
+    hook = hvdcomp.ddp.register(model, auto, optimizer=opt, cost_model=(1e-6, 1e-10))
+    for step in range(4):
+        clock.now += 0.0625
+        opt.zero_grad()
+        (loss(model, step, **data) * (1.0 + 9.0 * rank())).backward()
+        opt.step()
+    got = [(d["step"], d["cause"], d["chosen"]) for d in hook.auto.decisions]
+    table = hook.auto.decisions[1]["table"]
+
+    module = copy.deepcopy(model.module)
+    names = [n for n, _ in module.named_parameters()]
+    hook_order = [n for b in hook.buckets.values() for n in b]
+    assert sorted(hook_order) == sorted(names), hook_order
+
+    def local(step, r):  # rank r's gradient at step, flat in the hook's order
+        module.zero_grad()
+        x, y = batch(step, of=r, **data)
+        (torch.nn.functional.mse_loss(module(x), y) * (1.0 + 9.0 * r)).backward()
+        grads = dict(module.named_parameters())
+        return torch.cat([grads[n].grad.reshape(-1) for n in hook_order])
+
+    want = {}
+    for label in labels:
+        residual = [torch.zeros(136), torch.zeros(136)]
+        norms = [[], []]
+        err2 = norm2 = 0.0
+        for t, step in enumerate((1, 2)):
+            g = [local(step, r) for r in range(2)]
+            p = [g[r] + residual[r] for r in range(2)]
+            if label.endswith("variance"):  # smoothed norms, weights (1 - 0.001)^j, j = 1 for the newest
+                stats = []
+                for r in range(2):
+                    norms[r].append(float(g[r].norm()))
+                    w = [(1 - 0.001) ** j for j in range(1, len(norms[r]) + 1)]
+                    stats.append(sum(a * b for a, b in zip(w, reversed(norms[r]))) / sum(w))
+                leader = max(range(2), key=lambda r: (stats[r], -r))
+            else:
+                leader = t % 2
+            idx = p[leader].abs().topk(num_kept(136, 0.1)).indices
+            for r in range(2):
+                residual[r] = p[r].clone()
+                residual[r][idx] = 0.0
+                err2 += float(residual[r].square().sum())
+                norm2 += float(p[r].square().sum())
+        want[label] = math.sqrt(err2 / norm2)
+    for label in labels:
+        assert abs(table[label]["error"] - want[label]) <= 1e-5 * want[label], (label, table[label], want)
+    assert want[labels[1]] < want[labels[0]], want
+    assert got == [(0, "start", labels[0]), (2, "probe", labels[1])], got
+    everyone = _gather_objects(got)
+    assert everyone[0] == everyone[1], everyone
+    return f"cyclic {want[labels[0]]:.4f}, VAR-Topk {want[labels[1]]:.4f}: VAR-Topk chosen"
 
 
 CHECKS = {name[len("check_"):].replace("_", "-"): fn for name, fn in dict(globals()).items()

@@ -2,8 +2,10 @@
 pricing of the candidates in closed form, phases (Accordion) and drift on a policy driven by hand,
 a switch mid-run keeping error feedback exact (one rank, torch.distributed gloo), and at 2 ranks
 under mpirun the whole loop: agreement, the hand-worked choice, re-decision when the link slows,
-and the exactness of a switch on the mean over ranks (tests/mpi/auto_checks.py); the same through
-the DDP hook (tests/ddp_checks.py check_auto)."""
+the exactness of a switch on the mean over ranks, a leader's top-k measured across the ranks
+(tests/mpi/auto_checks.py); the same through the DDP hook (tests/ddp_checks.py check_auto,
+check_auto_var), under ddp.join() and with a skipped step (check_auto_join); checkpoints mid-probe
+and skipped steps in one process, both front-ends."""
 from __future__ import annotations
 
 import copy
@@ -405,6 +407,17 @@ def test_ddp_join_and_a_skipped_step_leave_auto_as_explicit_zeros_and_as_without
     from test_ddp import ddp_checks
 
     ddp_checks(2, "auto-join", timeout=120)
+
+
+def test_a_leader_topk_is_measured_across_the_ranks_so_var_topk_can_win():
+    """cltk (cyclic) against VAR-Topk, 2 ranks over gloo, rank 1's gradient 10x rank 0's: each
+    probe error equals the one worked out in one process from both ranks' gradients (cyclic 0.834,
+    VAR-Topk 0.769) and VAR-Topk is chosen. Measured as on one rank (each rank's own top-k), both
+    read 0.764 and the tie went to cyclic (tests/ddp_checks.py check_auto_var; the Horovod
+    front-end's twin in tests/mpi/auto_checks.py)."""
+    from test_ddp import ddp_checks
+
+    ddp_checks(2, "auto-var", timeout=120)
 
 
 def test_two_ranks_agree_decide_redecide_and_switch_exactly():
