@@ -458,6 +458,12 @@ def _one_rank_comm() -> StepComm:
     return StepComm(lambda tensor, name: tensor, 0, 1, lambda tensor, root, name: tensor)
 
 
+#: what a checkpoint keeps of the policy and of the probe and window in progress (AutoState.state_dict)
+_POLICY = ("compute_s", "code_s", "errors", "regime", "previous_norm", "calibration", "decisions")
+_SCHEDULE = ("probe_origin", "next_probe", "window_origin", "records", "probe_records", "probe_code", "probe_err2",
+             "probe_norm2", "sum_grad")
+
+
 class AutoState:
     """``auto`` inside a front-end: every candidate's pipeline, the step clock, the probes and
     windows, the carry of a switch, and the :class:`Policy`.
@@ -852,16 +858,9 @@ class AutoState:
                 "carry": {k: v.clone() for k, v in self.carry.items()},
                 "candidates": {label: pipe.compression.state_dict() for label, pipe in zip(self.labels, self.pipelines)},
                 "shadows": {label: shadow.state_dict() for label, shadow in zip(self.labels, self.shadows)},
-                "schedule": {"probe_origin": self.probe_origin, "next_probe": self.next_probe,
-                             "window_origin": self.window_origin, "records": [list(r) for r in self.records],
-                             "probe_records": list(self.probe_records), "probe_code": list(self.probe_code),
-                             "probe_err2": list(self.probe_err2), "probe_norm2": list(self.probe_norm2),
-                             "sum_grad": None if self.sum_grad is None else [t.clone() for t in self.sum_grad]},
-                "policy": {"alpha": policy.model.alpha, "beta": policy.model.beta,
-                           "horovod_latency": self.horovod_latency, "compute_s": policy.compute_s,
-                           "code_s": list(policy.code_s), "errors": policy.errors, "regime": policy.regime,
-                           "previous_norm": policy.previous_norm, "calibration": policy.calibration,
-                           "decisions": copy.deepcopy(policy.decisions)}}
+                "schedule": {a: copy.deepcopy(getattr(self, a)) for a in _SCHEDULE},
+                "policy": {"alpha": policy.model.alpha, "beta": policy.model.beta, "horovod_latency": self.horovod_latency,
+                           **{a: copy.deepcopy(getattr(policy, a)) for a in _POLICY}}}
 
     def load_state_dict(self, state: dict) -> None:
         """Inverse of :meth:`state_dict` (between steps; a state without the policy, from an older
@@ -890,17 +889,10 @@ class AutoState:
             policy.model = CostModel(float(saved["alpha"]), float(saved["beta"]))
             self.horovod_latency = float(saved["horovod_latency"])
             policy.comm = policy.price(policy.model)
-            policy.compute_s, policy.code_s = float(saved["compute_s"]), list(saved["code_s"])
-            policy.errors = None if saved["errors"] is None else list(saved["errors"])
-            policy.regime, policy.previous_norm = saved["regime"], saved["previous_norm"]
-            policy.calibration, policy.decisions = saved["calibration"], copy.deepcopy(saved["decisions"])
-            sched = state["schedule"]
-            self.probe_origin, self.next_probe = sched["probe_origin"], sched["next_probe"]
-            self.window_origin = sched["window_origin"]
-            self.records = [tuple(r) for r in sched["records"]]
-            self.probe_records, self.probe_code = list(sched["probe_records"]), list(sched["probe_code"])
-            self.probe_err2, self.probe_norm2 = list(sched["probe_err2"]), list(sched["probe_norm2"])
-            self.sum_grad = None if sched["sum_grad"] is None else [t.clone() for t in sched["sum_grad"]]
+            for a in _POLICY:
+                setattr(policy, a, copy.deepcopy(saved[a]))
+            for a in _SCHEDULE:
+                setattr(self, a, copy.deepcopy(state["schedule"][a]))
         self._reset_step()
         self.snapshot = {} if self._probing(self.steps) else None
         self.mark = self.clock()
