@@ -354,6 +354,8 @@ class Reducer:
         skipped on every rank, nothing to apply). The reducer is idle again; :meth:`commit` once
         the update is applied."""
         skipped, self.current.status = self.current.status is Status.SKIPPED, Status.IDLE
+        if skipped and self.auto is not None:
+            self.auto.skipped()
         return not skipped
 
     def reduce(self) -> bool:

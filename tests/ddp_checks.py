@@ -25,6 +25,10 @@ Checks (each raises on failure on every rank; the oracle is named in its docstri
   auto              (2 ranks) compression="auto" through the hook: a posed slow link compresses, a fast one
                     stays dense, with the closed-form prices and decisions of tests/mpi/auto_checks.py (the
                     Horovod front-end's twin); every rank decides alike; a switch keeps error feedback exact
+  auto-join         (2 ranks) auto under ddp.join() while it probes and decides = explicit zero gradients; a NaN
+                    on one rank in a probe is skipped everywhere and leaves the run as without that step
+  auto-var          (2 ranks) auto measures a leader's top-k (cltk, VAR-Topk) across the ranks: errors worked
+                    out in one process; VAR-Topk chosen where its leader keeps more
   nccl-none-bitwise, nccl-methods   the same on NCCL (one GPU per rank)
 """
 import contextlib
@@ -1090,6 +1094,172 @@ def check_auto():
         assert float(mean(old[n]).abs().max()) > 1e-5, n
     assert hook.auto.carry == {}
     return "slow link: powersgd; fast link: fp16, then none at step 2; a switch keeps error feedback exact"
+
+
+# ---- compression="auto" under DDP's Join, and a skipped step during a probe (issue 59) -------------
+#: (rank 0's batches, rank 1's batches) per epoch: rank 0 joins after step 1 and shadows steps 2-7
+#: (the probe that decides at step 2, a window, the re-probe that decides at step 7); then an even epoch
+AUTO_JOIN_EPOCHS = ((2, 8), (6, 6))
+AUTO_JOIN_COST = (1e-3, 2e-5)  # s, s/B: on join_model (326 float32) only PowerSGD hides within 1.1x
+
+
+class _Clock:
+    """A fake clock: 62.5 ms of compute per iteration of the training loop, nothing else."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _auto_join_run(join=True, nan_before=None):
+    """2 ranks, ``join_model``, SGD, ``compression="auto"`` (fp16, top-k 30 %, PowerSGD rank 1;
+    probe 2 after a warm-up of 1, windows of 2, a re-probe every 5 steps, Accordion on) on the
+    posed link ``AUTO_JOIN_COST`` and a fake clock, over ``AUTO_JOIN_EPOCHS``, each epoch
+    ``with ddp.join():`` (or, ``join=False``, a rank out of batches trains on with a zero
+    gradient). ``nan_before=s``: before data step ``s``, one extra iteration whose loss is NaN on
+    rank 1 (rank 0 takes part: its own zero loss, or DDP's shadow step when joined): skipped on
+    every rank. Returns the final parameters, the hook and what the policy holds."""
+    from hvdcomp.auto import Auto
+
+    clock = _Clock()
+    ddp = DDP(join_model(), bucket_cap_mb=100)
+    opt = torch.optim.SGD(ddp.parameters(), lr=JOIN_LR)
+    auto = Auto(candidates=["fp16", "topk:density=0.3", "powersgd:matrix_rank=1"], probe=2, warmup=1, window=2,
+                interval=5, accordion=0.5, clock=clock)
+    hook = hvdcomp.ddp.register(ddp, auto, optimizer=opt, cost_model=AUTO_JOIN_COST)
+    first = 0
+    for counts in AUTO_JOIN_EPOCHS:
+        with ddp.join() if join else contextlib.nullcontext():
+            for step in range(first, first + max(counts)):
+                mine = step - first < counts[rank()]
+                if not (mine or not join):
+                    break
+                for bad in ((True, False) if step == nan_before else (False,)):
+                    clock.now += 0.0625
+                    opt.zero_grad()
+                    scale = float("nan") if bad and rank() == 1 else (1.0 if mine and not bad else 0.0)
+                    (loss(ddp, step, **JOIN_DATA) * scale).backward()
+                    opt.step()
+        first += max(counts)
+    policy = hook.auto.policy
+    held = {"steps": hook.auto.steps, "regime": policy.regime, "previous_norm": policy.previous_norm,
+            "current": hook.compression.name}
+    return [p.detach().clone() for p in ddp.parameters()], hook, held
+
+
+def _decisions(hook):
+    return [{k: v for k, v in d.items() if k != "route"} for d in hook.auto.decisions]
+
+
+def check_auto_join():
+    """compression="auto" under ``with ddp.join():`` (issue 59): rank 0 runs out of batches while
+    auto probes, decides (a switch at step 2, on the joined rank inside DDP's shadow step), measures
+    a window and re-probes. Oracle: the run where rank 0 trains on with an explicit zero gradient
+    (what DDP's join says a joined rank contributes): final parameters and committed compressor
+    state bit for bit, every decision (step, cause, choice, regime, the measured table) and what
+    the policy holds (Accordion's last norm, the regime) equal; the same on both ranks. Then a
+    NaN on rank 1 during the re-probe while rank 0 is joined: the step is skipped on every rank
+    and the run equals the one without that iteration (parameters, state, decisions)."""
+    assert dist.get_world_size() == 2, "AUTO_JOIN_EPOCHS is for 2 ranks"
+    w, hook, held = _auto_join_run()
+    zw, zhook, zheld = _auto_join_run(join=False)
+    got = [(d["step"], d["cause"], d["chosen"]) for d in hook.auto.decisions]
+    # not vacuous: a probe decides on the joined rank, the choice changes there, and a later decision
+    assert [s for s, c, _ in got if c == "probe"] == [2, 7, 12], got
+    assert len({c for _, _, c in got}) > 1, got
+    _same(_decisions(hook), _decisions(zhook), "auto under join: decisions against explicit zeros")
+    _same(held, zheld, "auto under join: the policy against explicit zeros")
+    _same(w, zw, "auto under join: final parameters against explicit zeros")
+    _same(hook.state_dict(), zhook.state_dict(), "auto under join: compressor state against explicit zeros")
+    everyone = _gather_objects((got, [p.tolist() for p in w]))
+    assert everyone[0] == everyone[1], "the ranks' decisions or parameters differ"
+
+    nw, nhook, nheld = _auto_join_run(nan_before=6)
+    assert nhook.skipped_steps == 1, nhook.skipped_steps
+    _same(_decisions(nhook), _decisions(hook), "a skipped step in the probe: decisions against the run without it")
+    _same(nheld, held, "a skipped step in the probe: the policy against the run without it")
+    _same(nw, w, "a skipped step in the probe: final parameters against the run without it")
+    state = {k: v for k, v in nhook.state_dict().items() if k != "skipped_steps"}
+    _same(state, {k: v for k, v in hook.state_dict().items() if k != "skipped_steps"},
+          "a skipped step in the probe: compressor state against the run without it")
+    return f"decisions {got}"
+
+
+def check_auto_var():
+    """A leader's top-k measured across the ranks (issue 59): candidates cltk (cyclic leader) and
+    VAR-Topk (``leader=variance``) at density 0.1 on a Linear(16, 8) (n = 136, k = 14), rank 1's
+    loss 10x rank 0's, lr 0 (each rank's gradient at a step is known in closed form), a fast posed
+    link (both within slack: the least error wins). The probe (steps 1-2) measures each
+    candidate's error with the group's collectives: Σ_r ‖kept_r‖² / Σ_r ‖p_r‖² over its steps, p_r
+    = gradient + residual of rank r, kept_r = p_r off the leader's top-k positions. Oracle: that
+    error worked out here in one process from each rank's gradient (cyclic: rank 0 leads the
+    first probe step, rank 1 the second; VAR-Topk: rank 1, the larger smoothed norm, both), within
+    1e-5; VAR-Topk's error is the smaller and it is chosen at step 2 on both ranks. (Measured as
+    on one rank, both read the same error and the tie went to cyclic.)"""
+    from hvdcomp.auto import Auto
+    from hvdcomp.compressors.topk import num_kept
+
+    labels = ["cltk:density=0.1", "cltk:density=0.1,leader=variance"]
+    data = dict(n=16, features=16, out=8)
+    clock = _Clock()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(16, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    auto = Auto(candidates=labels, probe=2, warmup=1, window=2, interval=0, accordion=0, clock=clock)
+    hook = hvdcomp.ddp.register(model, auto, optimizer=opt, cost_model=(1e-6, 1e-10))
+    for step in range(4):
+        clock.now += 0.0625
+        opt.zero_grad()
+        (loss(model, step, **data) * (1.0 + 9.0 * rank())).backward()
+        opt.step()
+    got = [(d["step"], d["cause"], d["chosen"]) for d in hook.auto.decisions]
+    table = hook.auto.decisions[1]["table"]
+
+    module = copy.deepcopy(model.module)
+    names = [n for n, _ in module.named_parameters()]
+    hook_order = [n for b in hook.buckets.values() for n in b]
+    assert sorted(hook_order) == sorted(names), hook_order
+
+    def local(step, r):  # rank r's gradient at step, flat in the hook's order
+        module.zero_grad()
+        x, y = batch(step, of=r, **data)
+        (torch.nn.functional.mse_loss(module(x), y) * (1.0 + 9.0 * r)).backward()
+        grads = dict(module.named_parameters())
+        return torch.cat([grads[n].grad.reshape(-1) for n in hook_order])
+
+    want = {}
+    for label in labels:
+        residual = [torch.zeros(136), torch.zeros(136)]
+        norms = [[], []]
+        err2 = norm2 = 0.0
+        for t, step in enumerate((1, 2)):
+            g = [local(step, r) for r in range(2)]
+            p = [g[r] + residual[r] for r in range(2)]
+            if label.endswith("variance"):  # smoothed norms, weights (1 - 0.001)^j, j = 1 for the newest
+                stats = []
+                for r in range(2):
+                    norms[r].append(float(g[r].norm()))
+                    w = [(1 - 0.001) ** j for j in range(1, len(norms[r]) + 1)]
+                    stats.append(sum(a * b for a, b in zip(w, reversed(norms[r]))) / sum(w))
+                leader = max(range(2), key=lambda r: (stats[r], -r))
+            else:
+                leader = t % 2
+            idx = p[leader].abs().topk(num_kept(136, 0.1)).indices
+            for r in range(2):
+                residual[r] = p[r].clone()
+                residual[r][idx] = 0.0
+                err2 += float(residual[r].square().sum())
+                norm2 += float(p[r].square().sum())
+        want[label] = math.sqrt(err2 / norm2)
+    for label in labels:
+        assert abs(table[label]["error"] - want[label]) <= 1e-5 * want[label], (label, table[label], want)
+    assert want[labels[1]] < want[labels[0]], want
+    assert got == [(0, "start", labels[0]), (2, "probe", labels[1])], got
+    everyone = _gather_objects(got)
+    assert everyone[0] == everyone[1], everyone
+    return f"cyclic {want[labels[0]]:.4f}, VAR-Topk {want[labels[1]]:.4f}: VAR-Topk chosen"
 
 
 CHECKS = {name[len("check_"):].replace("_", "-"): fn for name, fn in dict(globals()).items()

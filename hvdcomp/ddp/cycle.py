@@ -51,7 +51,9 @@ class StepCycle:
         backward_steps: synchronized backward passes reduced so far.
         optimizer: the attached optimizer, or None.
         auto: ``compression="auto"``'s :class:`hvdcomp.auto.AutoState`, told of every step
-            committed (:meth:`~hvdcomp.auto.AutoState.boundary`) or dropped; else None.
+            committed (:meth:`~hvdcomp.auto.AutoState.boundary`), skipped
+            (:meth:`~hvdcomp.auto.AutoState.skipped`, on every rank, a joined one too) or dropped;
+            else None.
     """
 
     def __init__(self, group, nonfinite: str, grad_scaler, timer, compression):
@@ -98,11 +100,13 @@ class StepCycle:
             self._commit(self.optimizer)
         return result
 
-    def _commit(self, optimizer=None) -> None:
-        """The step counts: its state committed (a step boundary for ``auto``)."""
+    def _commit(self, optimizer=None, buckets=()) -> None:
+        """The step counts: its state committed (a step boundary for ``auto``; ``buckets``: the
+        step's averaged buffers where ``.grad`` does not hold them)."""
         self.life.commit(optimizer)
         if self.auto is not None:
-            self.auto.boundary()
+            self.auto.boundary({n: v for b in buckets for n, v in zip(b.layout.names, b.layout.views(b.buffer))}
+                               if buckets else None)
 
     @property
     def unapplied(self) -> bool:
@@ -181,10 +185,13 @@ class StepCycle:
         nobody tells, and a joined rank's shadow step is never applied: what was reduced counts,
         committed now)."""
         self.backward_steps += 1
-        if self.status is not Status.SKIPPED:
-            self.status = Status.SYNCED
+        if self.status is Status.SKIPPED:  # (not a step: for auto, on every rank, a joined one too)
+            if self.auto is not None:
+                self.auto.skipped()
+            return
+        self.status = Status.SYNCED
         if self.optimizer is None or self._shadowing:
-            self._commit()
+            self._commit(buckets=self.buckets)
 
     def discard(self) -> None:
         """Drop the step in progress (an error, or a state loaded in the middle of it)."""
