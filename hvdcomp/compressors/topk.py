@@ -193,7 +193,5 @@ class TopKCompressor(SparseCompressor):
         return {"rng": self.rng.state_dict()} if self.select_mode == "sample" else {}
 
     def load_state_dict(self, state):
-        unknown = sorted(set(state) - {"rng"})
-        if unknown:
-            raise ValueError(f"topk state has only 'rng' (select=sample), got keys {unknown}")
+        self._check_state_keys(state, "rng", hint=" (select=sample)")
         self.rng.load_state_dict(state.get("rng", {}))
