@@ -51,7 +51,6 @@ None), with ``"raise"`` every rank raises ``FloatingPointError``.
 from __future__ import annotations
 
 import abc
-import contextlib
 import itertools
 import logging
 from dataclasses import replace
@@ -65,6 +64,7 @@ from ..comm.group import FollowsWorld
 from ..comm.stepcomm import StepComm
 from ..metrics import PhaseTimer
 from ..plan import BATCHED, TransportPlan
+from ..step import SkipSynchronize
 from .averaging import ONEBIT_SPEC, Averaging
 from .warmup import WarmupStage
 
@@ -106,7 +106,7 @@ def named_groups(named_parameters, frozen: Optional[List[str]] = None) -> Tuple[
     return out, names
 
 
-class AdaptiveOptimizer(torch.optim.Optimizer, FollowsWorld, metaclass=abc.ABCMeta):
+class AdaptiveOptimizer(SkipSynchronize, torch.optim.Optimizer, FollowsWorld, metaclass=abc.ABCMeta):
     """Base of the optimizers of :mod:`hvdcomp.adaptive_opt` (see the module docstring).
 
     Subclasses give :meth:`_init_state` (a parameter's fresh state), :attr:`warmup_steps`
@@ -175,7 +175,7 @@ class AdaptiveOptimizer(torch.optim.Optimizer, FollowsWorld, metaclass=abc.ABCMe
         self.skipped_steps, self.last_step_kind = 0, None
         self._prefix = f"hvdcomp.adaptive.{next(_ids)}"
         self.warmup = WarmupStage(self)
-        self._sync_on_step, self._masks = True, {}
+        self._masks = {}
         self.group = None if comm is not None else resolve_group(
             process_set, frontend=f"hvdcomp.adaptive_opt.{type(self).__name__}")
         if self.group is not None and not self.group.included:
@@ -310,15 +310,6 @@ class AdaptiveOptimizer(torch.optim.Optimizer, FollowsWorld, metaclass=abc.ABCMe
 
     def _variance_changed(self) -> None:
         self._masks = {}
-
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """Let ``step()`` skip ``synchronize()`` (call it yourself first, e.g. to clip gradients)."""
-        self._sync_on_step = False
-        try:
-            yield
-        finally:
-            self._sync_on_step = True
 
     def synchronize(self) -> None:
         """During the warm-up: average the gradients into ``p.grad`` (the warm-up optimizer's

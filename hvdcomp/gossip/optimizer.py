@@ -47,6 +47,7 @@ import torch
 
 from ..agreement import NonFiniteGuard
 from ..metrics import PhaseTimer
+from ..step import LocalOptimizerSurface
 from ..transports.neighbor import NeighborTransport, neighbor_edges
 from ..comm import resolve_group
 from ..comm.group import HorovodGroup
@@ -80,7 +81,7 @@ def make_method(method: str, params, names, topology, rank, compression=None, co
                            consensus_step=consensus_step, **kwargs)
 
 
-class GossipOptimizer:
+class GossipOptimizer(LocalOptimizerSurface):
     """Local optimizer step, then a compressed gossip step with the neighbours (module docstring).
 
     Args:
@@ -249,30 +250,7 @@ class GossipOptimizer:
                                      f"{_short(e['record'][field])} vs {_short(ref[field])}; every rank must pass the "
                                      "same method, topology, consensus_step, compression and model")
 
-    # ---- torch.optim.Optimizer-like facade ----------------------------------------------------
-    @property
-    def param_groups(self):
-        """The wrapped optimizer's parameter groups (set ``lr`` here for schedules)."""
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        """The wrapped optimizer's state (momentum buffers, ...)."""
-        return self.optimizer.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad``."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def synchronize(self) -> None:
-        """Nothing to do: gradients stay local in decentralized training (for scripts written for
-        :class:`hvdcomp.DistributedOptimizer`, which call it before clipping)."""
-
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """A no-op context (see :meth:`synchronize`)."""
-        yield
-
+    # ---- torch.optim.Optimizer-like facade: LocalOptimizerSurface's, over the wrapped optimizer ------
     def step(self, closure=None):
         """The non-finite check, the local optimizer step, then the gossip step; returns the
         closure's loss, or None for a skipped step.
