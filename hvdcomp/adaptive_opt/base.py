@@ -129,9 +129,12 @@ class AdaptiveOptimizer(SkipSynchronize, torch.optim.Optimizer, FollowsWorld, me
             :class:`hvdcomp.comm.stepcomm.StepComm` (with point-to-point messages where it has more
             than one rank); default: Horovod's within ``process_set``, with an MPI duplicate of
             its communicator.
+        momentum_masks: ``{parameter name: tensor of 0/1}`` (:func:`check_masks`; see
+            :meth:`momentum_mask`), or None.
 
     Raises:
-        ValueError: ``backward_passes_per_step != 1``, an unknown ``nonfinite``, parameters that
+        ValueError: ``backward_passes_per_step != 1``, an unknown ``nonfinite``, a bad
+            ``momentum_masks`` (:func:`check_masks`), parameters that
             are not float32/float64, parameters with ``requires_grad=False`` (the trained set is
             fixed at construction and the variance frozen later, so one unfrozen afterwards could
             not train: pass the trainable ones only), ranks that disagree on the
@@ -149,7 +152,7 @@ class AdaptiveOptimizer(SkipSynchronize, torch.optim.Optimizer, FollowsWorld, me
 
     def __init__(self, named_parameters, defaults: dict, *, process_set=None, timer: Optional[PhaseTimer] = None,
                  nonfinite: str = "skip", warmup_compression: str = "none", backward_passes_per_step: int = 1,
-                 comm: Optional[StepComm] = None):
+                 comm: Optional[StepComm] = None, momentum_masks: Optional[Dict[str, torch.Tensor]] = None):
         if backward_passes_per_step != 1:
             raise ValueError(f"{type(self).__name__} averages the momentum once per step() and does not "
                              "accumulate: use backward_passes_per_step=1 (to accumulate, run several "
@@ -197,7 +200,8 @@ class AdaptiveOptimizer(SkipSynchronize, torch.optim.Optimizer, FollowsWorld, me
                              "freezes their variance), so a parameter unfrozen afterwards could never train; "
                              f"{self._frozen[:5]} have requires_grad=False. Pass the trainable ones only: "
                              "[(n, p) for n, p in model.named_parameters() if p.requires_grad]")
-        self.user_masks: Dict[str, torch.Tensor] = {}  # by parameter name (1: keep, 0: drop)
+        self.user_masks = check_masks(momentum_masks, self._names.values(),  # by name (1: keep, 0: drop)
+                                      {n: p.shape for p, n in self._names.items()})
         self._built = True
         self._plan = TransportPlan({self._names[p]: BATCHED for p in self.order}, collective="alltoall+allgather",
                                    ranks=self.group.ranks if self.group is not None else list(range(self.comm.size)))
