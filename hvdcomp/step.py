@@ -201,7 +201,7 @@ class LocalOptimizerSurface(SkipSynchronize):
     """The ``torch.optim.Optimizer`` surface of a front-end that steps a local optimizer (its
     attribute named by ``_local_optimizer``) and averages no gradient before ``step()``:
     ``param_groups``, ``state`` and ``zero_grad`` are that optimizer's; ``synchronize()`` and
-    :meth:`skip_synchronize` do nothing (kept so loops written for
+    :meth:`SkipSynchronize.skip_synchronize` do nothing (kept so loops written for
     :func:`hvdcomp.DistributedOptimizer` run unchanged)."""
 
     _local_optimizer = "optimizer"

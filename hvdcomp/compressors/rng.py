@@ -59,7 +59,7 @@ class DrawOrder:
 class DrawsPerCall:
     """Mixin of methods that draw from their per-rank generator (``self.rng``, a
     :class:`RankGenerators`) at each call: ``draws_per_call`` (read by
-    :func:`hvdcomp.compressors.segments.draws_per_call`) and :meth:`bind_draw_order`."""
+    :func:`hvdcomp.compressors.segments.needs_draw_order`) and :meth:`bind_draw_order`."""
 
     draws_per_call = True
 
