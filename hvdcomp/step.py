@@ -1,8 +1,11 @@
 """One step's state: where the step is (:class:`Status`), the one step lifecycle of every
 front-end (:class:`Lifecycle`: the one place that opens, commits and rolls back a step of a
-method's state), and the accumulation counters that tell when a unit's gradients are ready."""
+method's state), the accumulation counters that tell when a unit's gradients are ready
+(:class:`StepState`), and the optimizer surface the front-ends share with Horovod's
+(:class:`SkipSynchronize`, :class:`LocalOptimizerSurface`)."""
 from __future__ import annotations
 
+import contextlib
 import enum
 from typing import Callable, Iterable, List, Optional, Sequence
 
@@ -11,7 +14,7 @@ import torch
 from .agreement import NonFiniteGuard, StateAgreement
 from .amp import LossScaleTracker
 
-__all__ = ["Status", "Lifecycle", "StepState"]
+__all__ = ["Status", "Lifecycle", "StepState", "SkipSynchronize", "LocalOptimizerSurface"]
 
 
 class Status(enum.Enum):
@@ -175,3 +178,47 @@ class StepState:
         u = self.unit_of[i]
         self.waiting[u] -= 1
         return u if self.waiting[u] == 0 else None
+
+
+class SkipSynchronize:
+    """Horovod's clipping recipe, ``opt.synchronize(); clip; with opt.skip_synchronize(): opt.step()``:
+    inside the block ``_sync_on_step`` is False, so a ``step()`` that synchronizes first skips it;
+    a front-end whose ``synchronize()`` has nothing to wait for runs the block as it is."""
+
+    _sync_on_step = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Let ``step()`` skip ``synchronize()`` (call it yourself first, e.g. to clip gradients)."""
+        self._sync_on_step = False
+        try:
+            yield
+        finally:
+            self._sync_on_step = True
+
+
+class LocalOptimizerSurface(SkipSynchronize):
+    """The ``torch.optim.Optimizer`` surface of a front-end that steps a local optimizer (its
+    attribute named by ``_local_optimizer``) and averages no gradient before ``step()``:
+    ``param_groups``, ``state`` and ``zero_grad`` are that optimizer's; ``synchronize()`` and
+    :meth:`SkipSynchronize.skip_synchronize` do nothing (kept so loops written for
+    :func:`hvdcomp.DistributedOptimizer` run unchanged)."""
+
+    _local_optimizer = "optimizer"
+
+    @property
+    def param_groups(self):
+        """The local optimizer's parameter groups (learning-rate schedules set them)."""
+        return getattr(self, self._local_optimizer).param_groups
+
+    @property
+    def state(self):
+        """The local optimizer's state (momentum buffers, ...)."""
+        return getattr(self, self._local_optimizer).state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The local optimizer's ``zero_grad``."""
+        getattr(self, self._local_optimizer).zero_grad(set_to_none=set_to_none)
+
+    def synchronize(self) -> None:
+        """Nothing to do: no gradient is averaged before ``step()``."""

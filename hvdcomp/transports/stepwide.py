@@ -122,9 +122,7 @@ class FlatStepMethod(StepMethod):
         return {"residual": self.memory.state()}
 
     def load_state_dict(self, state):
-        unknown = sorted(set(state) - {"residual"})
-        if unknown:
-            raise ValueError(f"{self.name} state has only 'residual', got keys {unknown}")
+        self._check_state_keys(state, "residual")
         self.memory.load(state.get("residual", {}))
 
 
