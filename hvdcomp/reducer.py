@@ -356,6 +356,18 @@ class Reducer:
         skipped, self.current.status = self.current.status is Status.SKIPPED, Status.IDLE
         return not skipped
 
+    def launch(self) -> None:
+        """Compress every tensor's ``.grad`` and start its collectives now, without waiting (the
+        first half of :meth:`reduce`; :meth:`reduce` later finishes them): for a mode whose
+        training thread must issue every collective itself (CO2 under elastic Horovod, where
+        Horovod's own thread then runs them behind the next round)."""
+        if self.elastic or self.pending:
+            self._ready()
+        if self.active and not self.current.synced:
+            for u in self.pipe.flush_order:  # (the order synchronize() starts them in)
+                if not self.current.started[u]:
+                    self._start(u)
+
     def reduce(self) -> bool:
         """Reduce the ``.grad`` of every tensor now and commit (for modes that reduce tensors of
         their own, e.g. the pseudo-gradient, with nothing to apply in between): returns whether
