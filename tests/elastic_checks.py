@@ -116,8 +116,8 @@ def build(method: str):
             base = L.AdaAlter(model.parameters(), lr=0.2, eps=1.0)  # (eps 1: a tame first step)
             opt = L.LocalAdaAlter(base, model.named_parameters(), local_steps=2, warmup_steps=1, compression=spec)
         elif mode == "co2":  # (the constants of tests/test_elastic.py's one-process reference)
-            opt = L.CO2(base, model.named_parameters(), local_steps=2, compression=spec, outer_lr=0.7,
-                        outer_momentum=0.5, gap_penalty=1.0)
+            opt = L.CO2(base, model.named_parameters(), local_steps=2, compression=spec, outer_lr=1.0,
+                        outer_momentum=0.5)
         elif mode == "sparseloco":
             opt = L.SparseLoCo(base, model.named_parameters(), local_steps=2, compression=spec, chunk_size=None,
                                beta=0.9, outer_lr=0.7)
