@@ -48,7 +48,7 @@ collectives would issue the next into the new world and hang it. The training th
 and the join waits for them and agrees on the round (:meth:`hvdcomp.reducer.Reducer.reduce`):
 the same operations on the same buffers in the same order, so the same values. At a reset the
 handles of the old world are dropped with the round in flight, on every rank alike
-(:meth:`CO2._resize`); a failure is raised as Horovod raised it (``HorovodInternalError``), for
+(``CO2._resize``); a failure is raised as Horovod raised it (``HorovodInternalError``), for
 ``hvd.elastic.run`` to recover from. Methods whose collectives are not asynchronous (the step-wide
 ones, e.g. PowerSGD) then run them at the join, without overlap.
 
@@ -57,7 +57,8 @@ optimizer's timer (``exposed_s`` per round); the rest of the reduction's wall ti
 inner steps (``hidden_s``). Under elastic Horovod the launch is charged to ``communicate`` and
 ``exposed_s`` too, and ``wall_s`` runs from the launch to the end of the join, so ``hidden_s``
 is the time the collectives had to run behind the inner steps (an upper bound of what they
-took there: their completion is not polled). The reduction's own phases are recorded per round (``history``).
+took there: their completion is not polled). The reduction's own phases are recorded per round
+(``history``).
 """
 from __future__ import annotations
 
@@ -147,7 +148,8 @@ class CO2(LocalUpdate):
 
     Raises:
         ValueError: as :class:`hvdcomp.local.DiLoCo` and :class:`CO2Momentum`.
-        RuntimeError: at the end of a round, when the previous reduction failed on its thread.
+        RuntimeError: at the end of a round, when the previous reduction failed on its thread
+            (under elastic Horovod, Horovod's own error, e.g. ``HorovodInternalError``).
     """
 
     algorithm = "co2"
@@ -222,10 +224,9 @@ class CO2(LocalUpdate):
         self._inflight = {"inner_steps": self.round_step, "step": self.steps, "t0": time.perf_counter()}
         self._error = None
         if self._elastic:
-            t0 = time.perf_counter()
             with self.timer.phase("communicate"):
                 self.sync.launch()
-            self._inflight["launch_s"] = time.perf_counter() - t0
+            self._inflight["launch_s"] = time.perf_counter() - self._inflight["t0"]
             self._launched = True
             return
         self._thread = threading.Thread(target=self._reduce_in_thread, name="hvdcomp-co2", daemon=True)
