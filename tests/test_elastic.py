@@ -6,7 +6,7 @@ identical on every rank at every step (a digest), the surviving rank's error-fee
 carried over unchanged through each reset, the new rank's starting at zero, PowerSGD's shared
 step counter equal to the number of steps taken (the new rank takes it from the survivor), and a
 loss that goes on falling; for DiLoCo, θ_start and the outer momentum carried and handed to the
-new rank. Before (fce42e2): the shrink continued, the growth hung after Horovod's
+new rank; for CO2, θ_start, the outer momentum and the rounds against a one-process simulation. Before (fce42e2): the shrink continued, the growth hung after Horovod's
 reset (no step at size 2 within 60 s)."""
 import json
 import os
@@ -116,14 +116,15 @@ def test_diloco_shrinks_and_grows_keeping_the_anchor_and_outer_momentum(tmp_path
 
 @pytest.mark.parametrize("mode", ["sparseloco", "co2", "adaalter"])
 def test_local_update_modes_shrink_and_grow_carrying_their_state(tmp_path, mode):
-    """SparseLoCo and Local AdaAlter (H = 2, top-k 25 % Δ with error feedback) under
+    """SparseLoCo, CO2 and Local AdaAlter (H = 2, top-k 25 % Δ with error feedback) under
     2 -> 1 -> 2: the global parameters θ_start, the outer state, the round counter and the mode's
     own state identical on every rank at every step (the model's own parameters are per rank
     within a round); the survivor's residual (SparseLoCo's decaying
     error-feedback accumulator among them) and θ_start carried through each reset, the new rank's
     residual zero and its θ_start the survivor's; the loss falls. The mode's state, checked
     against its value before the change: Local AdaAlter: every rank's denominator is the survivor's (the last agreed average of the
-    accumulators). Before (41a4339): refused at construction (not in ELASTIC_FRONTENDS)."""
+    accumulators). Before (41a4339; CO2: cda4510): refused at construction (not in
+    ELASTIC_FRONTENDS)."""
     lines = elastic_run(tmp_path, f"{mode}:topk:density=0.25", "2,1,2")
     by_step = steps_of(lines)
     check_run(lines, by_step, "anchor")
