@@ -357,10 +357,8 @@ class Reducer:
         return not skipped
 
     def launch(self) -> None:
-        """Compress every tensor's ``.grad`` and start its collectives now, without waiting (the
-        first half of :meth:`reduce`; :meth:`reduce` later finishes them): for a mode whose
-        training thread must issue every collective itself (CO2 under elastic Horovod, where
-        Horovod's own thread then runs them behind the next round)."""
+        """Compress every ``.grad`` and start its collectives without waiting; :meth:`reduce`
+        finishes them (CO2 under elastic Horovod: no thread of its own issues a collective)."""
         if self.elastic or self.pending:
             self._ready()
         if self.active and not self.current.synced:

@@ -40,25 +40,19 @@ from any thread (its own thread runs them, and waiting releases the GIL); the mp
 runs on its own thread (``MPI_THREAD_MULTIPLE``: import mpi4py before Horovod). A failure on the
 background thread is raised in the training thread at the next join.
 
-Under elastic Horovod no thread of ours issues a collective: Horovod shuts the old world down
-and starts the new one before it calls the reset callback, so a thread caught between two
-collectives would issue the next into the new world and hang it. The training thread compresses
-Δ and starts every collective of the round as Horovod asynchronous operations at the round's end
-(:meth:`hvdcomp.reducer.Reducer.launch`), Horovod's own thread runs them behind the next round,
-and the join waits for them and agrees on the round (:meth:`hvdcomp.reducer.Reducer.reduce`):
-the same operations on the same buffers in the same order, so the same values. At a reset the
-handles of the old world are dropped with the round in flight, on every rank alike
-(``CO2._resize``); a failure is raised as Horovod raised it (``HorovodInternalError``), for
-``hvd.elastic.run`` to recover from. Methods whose collectives are not asynchronous (the step-wide
-ones, e.g. PowerSGD) then run them at the join, without overlap.
+Under elastic Horovod no thread of ours issues a collective (Horovod calls the reset callback
+after starting the new world: a thread between two collectives would issue the next into it and
+hang): the training thread starts the round's collectives as Horovod asynchronous operations
+(:meth:`hvdcomp.reducer.Reducer.launch`), Horovod's thread runs them behind the next round, and
+the join finishes them (:meth:`hvdcomp.reducer.Reducer.reduce`); a reset drops them with the round
+(``CO2._resize``). Step-wide methods (PowerSGD) have no asynchronous collectives: they run at the
+join, without overlap.
 
 Timing: time the training thread waits at the join is charged to ``communicate`` on the
 optimizer's timer (``exposed_s`` per round); the rest of the reduction's wall time ran behind the
-inner steps (``hidden_s``). Under elastic Horovod the launch is charged to ``communicate`` and
-``exposed_s`` too, and ``wall_s`` runs from the launch to the end of the join, so ``hidden_s``
-is the time the collectives had to run behind the inner steps (an upper bound of what they
-took there: their completion is not polled). The reduction's own phases are recorded per round
-(``history``).
+inner steps (``hidden_s``; under elastic Horovod the launch counts as exposed, and ``hidden_s`` is
+the time the collectives had behind the inner steps). The reduction's own phases are recorded per
+round (``history``).
 """
 from __future__ import annotations
 
@@ -242,8 +236,7 @@ class CO2(LocalUpdate):
         return None if self._thread is None else self._thread.is_alive()
 
     def _finish_reduction(self) -> None:
-        """Finish the reduction (all of it on the background thread; under elastic Horovod the
-        wait for the started collectives and the agreement) and record it in ``_inflight``."""
+        """Finish the reduction (all of it, on the background thread) and record it."""
         skipped = not self.sync.reduce()
         rec = self._round_timer.end_step()
         self._inflight.update({"wall_s": time.perf_counter() - self._inflight.pop("t0"), "skipped": skipped,
@@ -257,9 +250,8 @@ class CO2(LocalUpdate):
             self._error = exc
 
     def _join(self) -> None:
-        """Wait for the reduction in flight (charged to ``communicate``), record its round. Under
-        elastic Horovod a failure (``HorovodInternalError``) is raised as it is, for
-        ``hvd.elastic.run``."""
+        """Wait for the reduction in flight (charged to ``communicate``), record its round (under
+        elastic Horovod a ``HorovodInternalError`` is raised as it is, for ``hvd.elastic.run``)."""
         if self._thread is None and not self._launched:
             return
         t0 = time.perf_counter()
@@ -329,12 +321,9 @@ class CO2(LocalUpdate):
         super().broadcast_state(root_rank)
 
     def _resize(self, group) -> None:
-        """Elastic Horovod's reset (:meth:`hvdcomp.comm.group.FollowsWorld.reset`; no collective):
-        the round in flight is dropped on every rank alike, with the handles of the old world
-        (:meth:`hvdcomp.reducer.Reducer.resize` forgets them and rolls the method's staged state
-        back), and so is an average already joined and not yet applied: no pending update, the
-        send buffers zeroed. θ_start and the outer momentum then come from the holder at the next
-        step (:meth:`LocalUpdate._join_world`)."""
+        """Elastic Horovod's reset (no collective): the round in flight (its old world's handles,
+        forgotten by :meth:`hvdcomp.reducer.Reducer.resize`, which rolls the staged state back) and
+        an average joined but not applied are dropped on every rank alike."""
         self._launched = False
         self._inflight = {}
         self._drop_round()
