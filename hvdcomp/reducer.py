@@ -358,6 +358,16 @@ class Reducer:
             self.auto.skipped()
         return not skipped
 
+    def launch(self) -> None:
+        """Compress every ``.grad`` and start its collectives without waiting; :meth:`reduce`
+        finishes them (CO2 under elastic Horovod: no thread of its own issues a collective)."""
+        if self.elastic or self.pending:
+            self._ready()
+        if self.active and not self.current.synced:
+            for u in self.pipe.flush_order:  # (the order synchronize() starts them in)
+                if not self.current.started[u]:
+                    self._start(u)
+
     def reduce(self) -> bool:
         """Reduce the ``.grad`` of every tensor now and commit (for modes that reduce tensors of
         their own, e.g. the pseudo-gradient, with nothing to apply in between): returns whether
