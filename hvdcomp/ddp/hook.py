@@ -93,7 +93,8 @@ from ..metrics import PhaseTimer
 from ..agreement import check_consistency
 from ..reducer import check_free, claim
 from ..spec import resolve_compression
-from .buckets import IN_PLACE_DTYPES, Bucket, BucketPath, bucket_kind, describe
+from ..transports.allreduce import IN_PLACE_DTYPES
+from .buckets import Bucket, BucketTransport, bucket_kind, describe
 from .cycle import StepCycle
 from .layout import BucketLayout, Layouts
 
@@ -135,12 +136,13 @@ class _ShadowingJoinHook(JoinHook):
 
 @dataclass
 class _Candidate:
-    """A method as the hook runs it: ``plan`` says how its payloads travel (for records)."""
+    """A method as the hook runs it: ``plan`` says how its payloads travel (for records);
+    ``fused``: it compresses several gradients of a bucket in one call."""
 
     compression: Any
     plan: str
-    layouts: Layouts
-    path: BucketPath
+    fused: bool
+    path: BucketTransport
 
 
 class HookState:
@@ -148,8 +150,8 @@ class HookState:
 
     Build it with :func:`register` (which validates the arguments and registers the hook). Its
     parts: the parameters and bucket layouts (:class:`hvdcomp.ddp.layout.Layouts`), the step in
-    progress (:class:`hvdcomp.ddp.cycle.StepCycle`) and a bucket's path
-    (:class:`hvdcomp.ddp.buckets.BucketPath`).
+    progress (:class:`hvdcomp.ddp.cycle.StepCycle`) and the buckets' transport
+    (:class:`hvdcomp.ddp.buckets.BucketTransport`).
 
     Attributes:
         compression: the :class:`hvdcomp.Compressor` (its state: residuals, momenta, ...).
@@ -172,8 +174,8 @@ class HookState:
         self.group, self.settings, self.prefix = TorchDistGroup(process_group), settings, "hvdcomp.ddp"
         self.granularity, self.nonfinite = settings.granularity, settings.nonfinite
         self.timer = settings.timer if settings.timer is not None else PhaseTimer()
-        self._module, self._named = ddp_model.module, None if named_parameters is None else list(named_parameters)
-        self._layouts = Layouts(ddp_model.module, self._named, False, self.granularity)
+        self._named = None if named_parameters is None else list(named_parameters)
+        self._layouts = Layouts(ddp_model.module, self._named, self.granularity)
         self.order = [p for _, p in self._layouts.order]
         self.names = {p: n for n, p in self._layouts.order}
         self._cycle = StepCycle(self.group, self.nonfinite, settings.grad_scaler, self.timer, compression)
@@ -191,21 +193,20 @@ class HookState:
             self.attach(optimizer)
 
     def _candidate(self, k: int, method, settings=None, gatherer=None) -> _Candidate:
-        """What the hook runs ``method`` with (its bucket layouts and path)."""
+        """What the hook runs ``method`` with (how it plans its buckets, its transport)."""
         method.bind_group(self.group.size)
         # methods that draw at each call (QSGD, TernGrad, DGC, sampled top-k) compress one gradient
         # per call in the expected backward order, so they draw what the Horovod front-end draws
         fused = getattr(method, "segmentable", False) and not needs_draw_order(method)
-        layouts = Layouts(self._module, self._named, fused, self.granularity)
         return _Candidate(method, f"torch.distributed {self.group.backend}: {describe(method)}; per DDP bucket, "
                                   f"granularity {self.granularity}",
-                          layouts, BucketPath(method, self.group, self.timer, [n for n, _ in layouts.order]))
+                          fused, BucketTransport(method, self.group, self.timer, [n for n, _ in self._layouts.order]))
 
     def install(self, pipe: _Candidate) -> None:
         """Run ``pipe``'s method from the next step on (between steps: ``compression="auto"``'s
         switch, :class:`hvdcomp.auto.AutoState`)."""
         self.pipe, self.compression, self.kind = pipe, pipe.compression, bucket_kind(pipe.compression)
-        self._layouts, self._path, self.transport = pipe.layouts, pipe.path, pipe.plan
+        self._path, self.transport = pipe.path, pipe.plan
         self._cycle.life.use(pipe.compression)
 
     @property
@@ -319,17 +320,19 @@ class HookState:
         t0 = auto.clock() if auto is not None else 0.0
         if cycle.needs_open(bucket.index()):
             cycle.open()
-        layout = self._layouts.of(bucket)
+            self._path.reset()
+        layout = self._layouts.of(bucket, self.pipe.fused)
         if auto is not None:  # (a switch's carry into the gradients; a probe's copy of them)
             auto.add_carry(zip(layout.names, layout.views(buffer)))
         devices = [buffer.device] if buffer.is_cuda else None
         raw = self._raw(layout, buffer)
         entry = Bucket(buffer, layout, torch.futures.Future(devices=devices),
                        PayloadKind.MEAN if raw else self.kind, raw)
-        cycle.buckets.append(entry)
+        path = self._path
+        path.buckets.append(entry)
         if not entry.in_place:  # (none: checked on the allreduced results instead)
             cycle.life.guard.observe([buffer])
-        self._path.start(entry)
+        path.start(len(path.buckets) - 1)
         if bucket.is_last():
             self._finish(t0)
         elif auto is not None:
@@ -337,33 +340,33 @@ class HookState:
         return entry.future
 
     def _finish(self, t0: float) -> None:
-        """The last bucket: wait, check for saturation (:meth:`BucketPath.check_saturation`), agree
-        on the step, decompress every bucket, complete the futures."""
+        """The last bucket: the transport's :meth:`~BucketTransport.finish` (wait, resend a
+        saturated payload or read it NaN, decompress every bucket), the step's agreement (a
+        step-wide method's finish after it, as the Reducer's deferred transports), complete the
+        futures."""
         cycle, path = self._cycle, self._path
-        buckets = cycle.buckets
+        buckets = path.buckets
         try:
-            path.wait(buckets)
-            if self.kind is not None:  # a saturated payload is sent again, or reads NaN (overflowed)
-                cycle.life.guard.observe(path.check_saturation(buckets), averaged=True)
-            if cycle.agree():
-                cycle.skip()
-            elif self.kind is None:
-                path.reduce_batched(buckets)
-            else:
-                path.decompress(buckets)
+            if not path.deferred:
+                path.finish()
+                cycle.life.guard.observe([view for _, view in path.overflowed], averaged=True)
+            if cycle.agree(buckets):
+                cycle.skip(buckets)
+            elif path.deferred:
+                path.finish()
         except BaseException as exc:
             for b in buckets:
                 if not b.future.done():
                     b.future.set_exception(exc)
             cycle.discard()
+            path.reset()
             raise
-        path.count_bytes(buckets)
         if self.auto is not None:  # (the last bucket, with the step's wait: auto's "synchronize")
             self.auto.synced(self.auto.clock() - t0)
         cycle.reduced()
+        path.reset()
         for b in buckets:
             b.future.set_result(b.buffer)
-        cycle.buckets = []
 
     # ---- loops written for the Horovod front-end ------------------------------------------------
     def synchronize(self) -> None:
@@ -376,7 +379,7 @@ class HookState:
             RuntimeError: called while a backward's buckets are still being reduced (from a
                 hook or another thread).
         """
-        if self._cycle.buckets:
+        if self._path.buckets:
             raise RuntimeError("synchronize() during a backward: DDP is still reducing buckets; call it "
                                "after loss.backward() returns")
 
@@ -410,6 +413,7 @@ class HookState:
             raise ValueError(f"this hook state was saved with granularity={state['granularity']!r}; "
                              f"register the hook with the same granularity (now {self.granularity!r})")
         self._cycle.discard()
+        self._path.reset()
         if self.auto is not None and "auto" in state:
             self.auto.load_state_dict(state["auto"])  # (installs the saved choice)
         self.compression.load_state_dict(state["compression"])
