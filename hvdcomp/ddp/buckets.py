@@ -45,6 +45,7 @@ import torch
 
 from ..assembly import step_comm_of
 from ..compressors.base import PayloadKind
+from ..compressors.segments import needs_draw_order
 from ..plan import step_route_of
 from ..transports.allgather import aggregate_gathered
 from ..transports.allreduce import IN_PLACE_DTYPES, resend_saturated
@@ -128,18 +129,28 @@ class BucketTransport(Transport):
             the bytes).
         order: parameter names in the expected backward order (a step-wide method reduces the
             step's gradients in this order, whatever DDP's bucket layout).
+        granularity: ``"tensor"`` or ``"bucket"`` (:mod:`hvdcomp.ddp.layout`).
 
     Attributes:
         buckets: the :class:`Bucket` s of the step in progress.
+        kind: the method's payload kind (:func:`bucket_kind`); ``plan``: one line saying how
+            gradients travel, for logs and results.
+        fused: the method compresses several gradients of a bucket in one call (segmentable, and
+            drawing no random numbers at each call: those compress one gradient per call in the
+            expected backward order, so they draw what the Horovod front-end draws).
         deferred: a step-wide method: nothing travels before :meth:`finish`, which the hook calls
             after the step's agreement (a skipped step runs no collective).
-        overflowed: after :meth:`finish`, ``(bucket, NaN view)`` per unit the method reported
-            overflowed (the views are for the non-finite guard).
+        overflowed: after :meth:`finish`, ``(bucket position, NaN view)`` per unit the method
+            reported overflowed (the views are for the non-finite guard).
     """
 
-    def __init__(self, compression, group, timer, order: List[str]):
+    def __init__(self, compression, group, timer, order: List[str], granularity: str = "tensor"):
         self.compression, self.group, self.timer, self.order = compression, group, timer, order
-        self.deferred = bucket_kind(compression) is None
+        self.kind = bucket_kind(compression)
+        self.deferred = self.kind is None
+        self.fused = getattr(compression, "segmentable", False) and not needs_draw_order(compression)
+        self.plan = (f"torch.distributed {group.backend}: {describe(compression)}; per DDP bucket, "
+                     f"granularity {granularity}")
         self.gatherer = group.allgatherer()
         self._step_comm = None
         self.reset()
@@ -150,7 +161,7 @@ class BucketTransport(Transport):
 
     def reset(self) -> None:
         self.buckets: List[Bucket] = []
-        self.overflowed: List[tuple] = []  # (bucket, NaN view) per overflowed unit
+        self.overflowed: List[tuple] = []
         self.sent = self.received = 0
 
     def in_place_units(self) -> List[int]:

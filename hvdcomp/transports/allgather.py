@@ -86,8 +86,9 @@ class AllgatherTransport(Transport):
         with self.timer.phase("communicate"):
             gathered = self.gatherer.finish(handle)
         with self.timer.phase("decompress"):
+            encoded = [self.encoded.pop(u) for u in bucket]
             aggregate_gathered(self.compression, gathered, [(self.units.target(u), ctx, len(payload))
-                                                            for u, (payload, ctx) in zip(bucket, map(self.encoded.pop, bucket))])
+                                                            for u, (payload, ctx) in zip(bucket, encoded)])
             for u in bucket:
                 if self.scale != 1.0:
                     self.units.target(u).mul_(self.scale)
