@@ -141,7 +141,7 @@ class Layouts:
         granularity: ``"tensor"`` or ``"bucket"`` (see the module docstring).
 
     Attributes:
-        names: parameter names in ``module.parameters()`` order.
+        params: the parameters that require a gradient, in ``module.parameters()`` order.
         order: ``(name, parameter)`` in the expected backward order (the reverse of
             ``module.parameters()``, the Horovod front-end's).
         recorded: granularity ``"bucket"``: per bucket index, the layout key its compressor state
@@ -158,7 +158,6 @@ class Layouts:
         by_param = name_parameters([{"params": params}],
                                    module.named_parameters() if named_parameters is None else named_parameters)
         self.params = params
-        self.names = [by_param[p] for p in params]
         self.order: List[Tuple[str, torch.nn.Parameter]] = [(by_param[p], p) for p in reversed(params)]
         self._names: Dict[int, str] = {id(p): n for n, p in self.order}
         self._position: Dict[int, int] = {id(p): i for i, (_, p) in enumerate(self.order)}
@@ -166,11 +165,6 @@ class Layouts:
         self._layouts: Dict[Tuple[int, bool], BucketLayout] = {}  # (index, segmentable) -> layout
         self._seen: Dict[int, Tuple[str, ...]] = {}
         self.recorded: Dict[int, Tuple[str, ...]] = {}
-
-    def signature(self) -> List[tuple]:
-        """``(name, shape, dtype)`` of every parameter, in ``module.parameters()`` order (what
-        every rank must share)."""
-        return [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self.names, self.params)]
 
     def seen(self) -> Dict[int, Tuple[str, ...]]:
         """The buckets seen so far: index -> parameter names in buffer order."""
