@@ -343,12 +343,22 @@ def _local_grads(ddp_model, step):
 
 def check_one_rank():
     """A job of one rank: none leaves the local gradient as it is; top-k with error feedback gives
-    each tensor's own encode/decode by a separate compressor (the reference), bit for bit."""
+    each tensor's own encode/decode by a separate compressor (the reference), bit for bit. The
+    hook's buckets travel by a :class:`hvdcomp.transports.base.Transport`, and it names the
+    model's parameters once (one ``Layouts`` per hook: it built two before issue 58)."""
+    from unittest import mock
+
+    from hvdcomp.ddp import layout
+    from hvdcomp.transports.base import Transport
+
     assert dist.get_world_size() == 1
     local, ours, topk = mlp(), DDP(mlp()), DDP(mlp())
     hvdcomp.ddp.register(ours, "none")
     opt = torch.optim.SGD(topk.parameters(), lr=0.1)
-    hook = hvdcomp.ddp.register(topk, "topk:density=0.3", optimizer=opt)
+    with mock.patch.object(layout, "name_parameters", wraps=layout.name_parameters) as named:
+        hook = hvdcomp.ddp.register(topk, "topk:density=0.3", optimizer=opt)
+    assert named.call_count == 1, named.call_count
+    assert isinstance(hook.pipe, Transport), type(hook.pipe)
     ref = hvdcomp.get_compressor("topk:density=0.3")
     for step in range(STEPS):
         for m in (local, ours, topk):
