@@ -395,10 +395,7 @@ class Reducer:
     def state_dict(self) -> dict:
         """The method's state and the skipped-step count (tensors, numbers and strings only); with
         ``auto``, also every candidate's state, the choice and the carry (under ``"auto"``)."""
-        state = {"compression": self.compression.state_dict(), "skipped_steps": self.life.skipped_steps}
-        if self.auto is not None:
-            state["auto"] = self.auto.state_dict()
-        return state
+        return self.life.state_dict(self.auto)
 
     def reset(self) -> None:
         """Drop the step in progress (transports forget it; staged state rolled back)."""
@@ -412,11 +409,7 @@ class Reducer:
         progress. Ranks agree on restored state at the next step's first compression."""
         self.reset()
         if state is not None:
-            if self.auto is not None and "auto" in state:
-                self.auto.load_state_dict(state["auto"])  # (installs the saved choice)
-            self.compression.load_state_dict(state["compression"])
-            self.life.skipped_steps = int(state.get("skipped_steps", 0))
-            self.life.restored.note_load()
+            self.life.load_state_dict(state, self.auto)
 
     def close(self) -> None:
         """Stop the allgather's background thread (the reducer no longer communicates)."""

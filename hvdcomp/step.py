@@ -68,6 +68,24 @@ class Lifecycle:
         """Drive ``compression`` from the next step on (between steps: a switch of ``auto``)."""
         self.compression, self.staged = compression, False
 
+    def state_dict(self, auto=None) -> dict:
+        """Every front-end's checkpoint of its method: the method's state and the skipped-step
+        count (tensors, numbers and strings only); with ``compression="auto"``'s ``auto``, every
+        candidate's state, the choice and the carry too (under ``"auto"``)."""
+        state = {"compression": self.compression.state_dict(), "skipped_steps": self.skipped_steps}
+        if auto is not None:
+            state["auto"] = auto.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict, auto=None) -> None:
+        """Inverse of :meth:`state_dict` (``auto`` installs its saved choice first, which
+        :meth:`use` s it); the ranks agree on the restored state at the next step."""
+        if auto is not None and "auto" in state:
+            auto.load_state_dict(state["auto"])
+        self.compression.load_state_dict(state["compression"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.restored.note_load()
+
     def stage(self) -> None:
         """Open a step of the method's state (nothing when one is open)."""
         if not self.staged:

@@ -115,6 +115,29 @@ def _sync(models):
             b.data.copy_(a.data)
 
 
+def _powersgd_state(start=2, min_compression_rate=1):
+    """PyTorch's ``PowerSGDState`` with the settings every PowerSGD check compares against (rank 2,
+    error feedback, warm start, seed 0)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    return psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=start,
+                              min_compression_rate=min_compression_rate, use_error_feedback=True, warm_start=True,
+                              random_seed=0)
+
+
+def _powersgd_pair(model, spec, min_compression_rate=1, lr=0.05, **ddp):
+    """Two DDP copies of ``model`` (one bucket each; ``ddp``: more DistributedDataParallel
+    arguments): PyTorch's ``powerSGD_hook`` (:func:`_powersgd_state`, start 2) on the first,
+    hvdcomp's ``spec`` on the second, each with its SGD optimizer. Returns
+    ``(theirs, ours, opt_t, opt_o, hook)``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    theirs, ours = (DDP(copy.deepcopy(model), bucket_cap_mb=100, **ddp) for _ in range(2))
+    theirs.register_comm_hook(_powersgd_state(2, min_compression_rate), psgd.powerSGD_hook)
+    opt_t, opt_o = (torch.optim.SGD(m.parameters(), lr=lr) for m in (theirs, ours))
+    return theirs, ours, opt_t, opt_o, hvdcomp.ddp.register(ours, spec, optimizer=opt_o)
+
+
 def check_fp16_vs_pytorch():
     """hvdcomp fp16 and PyTorch's fp16_compress_hook on the same parameters and inputs each step,
     against the exact float32 mean (DDP without a hook). Both round each rank's gradient to float16
@@ -157,18 +180,10 @@ def check_powersgd_vs_pytorch():
     bucket): the same averaged gradients within 1e-4 (relative norm, per tensor and step; float32
     reductions, and Gram-Schmidt written differently), and hvdcomp's bytes = r(n+m) floats per
     compressed matrix plus the uncompressed tensors."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.ReLU(), torch.nn.Linear(12, 8),
                                 torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    theirs, ours = DDP(copy.deepcopy(model), bucket_cap_mb=100), DDP(copy.deepcopy(model))
-    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
-                               min_compression_rate=1, use_error_feedback=True, warm_start=True, random_seed=0)
-    theirs.register_comm_hook(state, psgd.powerSGD_hook)
-    opt_t = torch.optim.SGD(theirs.parameters(), lr=0.05)
-    opt_o = torch.optim.SGD(ours.parameters(), lr=0.05)
-    hook = hvdcomp.ddp.register(ours, "powersgd:matrix_rank=2,start_step=2,seed=0", optimizer=opt_o)
+    theirs, ours, opt_t, opt_o, hook = _powersgd_pair(model, "powersgd:matrix_rank=2,start_step=2,seed=0")
     worst = 0.0
     for step in range(8):
         hook.timer.begin_step()
@@ -223,21 +238,14 @@ def check_powersgd_collectives():
     [biases, P, Q] = [128, 356, 80] (2,256 B). Before the start step both send the dense model in
     one allreduce (1,552 floats); hvdcomp adds, at its first step only, one object allgather of the
     shared state's digest (:mod:`hvdcomp.agreement`)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
     from hvdcomp.lm.model import LSTMLM
 
     torch.manual_seed(0)
     model = LSTMLM(50, 8, dropout=0.0)
     numel = sum(p.numel() for p in model.parameters())
     assert numel == 50 * 8 + 2 * (2 * 32 * 8 + 2 * 32) == 1552
-    theirs, ours = DDP(copy.deepcopy(model), bucket_cap_mb=100), DDP(copy.deepcopy(model))
-    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
-                               min_compression_rate=2, use_error_feedback=True, warm_start=True, random_seed=0)
-    theirs.register_comm_hook(state, psgd.powerSGD_hook)
-    opt_t = torch.optim.SGD(theirs.parameters(), lr=0.05)
-    opt_o = torch.optim.SGD(ours.parameters(), lr=0.05)
-    hvdcomp.ddp.register(ours, "powersgd:matrix_rank=2,start_step=2,min_compression_rate=2", optimizer=opt_o)
+    theirs, ours, opt_t, opt_o, _ = _powersgd_pair(
+        model, "powersgd:matrix_rank=2,start_step=2,min_compression_rate=2", min_compression_rate=2)
     g = torch.Generator().manual_seed(dist.get_rank())
     expected = {"hvdcomp": [("all_reduce", 484), ("all_reduce", 80)],
                 "pytorch": [("all_reduce", 128), ("all_reduce", 356), ("all_reduce", 80)]}
@@ -339,12 +347,22 @@ def _local_grads(ddp_model, step):
 
 def check_one_rank():
     """A job of one rank: none leaves the local gradient as it is; top-k with error feedback gives
-    each tensor's own encode/decode by a separate compressor (the reference), bit for bit."""
+    each tensor's own encode/decode by a separate compressor (the reference), bit for bit. The
+    hook's buckets travel by a :class:`hvdcomp.transports.base.Transport`, and it names the
+    model's parameters once (one ``Layouts`` per hook: it built two before issue 58)."""
+    from unittest import mock
+
+    from hvdcomp.ddp import layout
+    from hvdcomp.transports.base import Transport
+
     assert dist.get_world_size() == 1
     local, ours, topk = mlp(), DDP(mlp()), DDP(mlp())
     hvdcomp.ddp.register(ours, "none")
     opt = torch.optim.SGD(topk.parameters(), lr=0.1)
-    hook = hvdcomp.ddp.register(topk, "topk:density=0.3", optimizer=opt)
+    with mock.patch.object(layout, "name_parameters", wraps=layout.name_parameters) as named:
+        hook = hvdcomp.ddp.register(topk, "topk:density=0.3", optimizer=opt)
+    assert named.call_count == 1, named.call_count
+    assert isinstance(hook.pipe, Transport), type(hook.pipe)
     ref = hvdcomp.get_compressor("topk:density=0.3")
     for step in range(STEPS):
         for m in (local, ours, topk):
@@ -656,9 +674,7 @@ def check_join():
             notes.append(f"fp16 within {worst:.1e} of the exact mean (bound {bound:.1e})")
         elif spec.startswith("powersgd"):
             start = int(spec.split("start_step=")[1].split(",")[0])
-            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=start,
-                                       min_compression_rate=1, use_error_feedback=True, warm_start=True,
-                                       random_seed=0)
+            state = _powersgd_state(start)
             _, tgrads, tw, _ = _join_run(pytorch_hook=(state, psgd.powerSGD_hook))
             worst = _worst(grads, tgrads)
             assert worst < 1e-4, (spec, "against powerSGD_hook", worst)
@@ -778,8 +794,7 @@ def check_accumulate():
     _same(w, ref_w, "top-k: final parameters against the reference")
 
     spec = "powersgd:matrix_rank=2,start_step=2,seed=0"
-    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
-                               min_compression_rate=1, use_error_feedback=True, warm_start=True, random_seed=0)
+    state = _powersgd_state()
     grads, w = _accumulate_run(spec)
     tgrads, tw = _accumulate_run(pytorch_hook=(state, psgd.powerSGD_hook))
     worst = _worst(grads, tgrads)
@@ -841,17 +856,10 @@ def check_powersgd_draw_order():
     relative norm per matrix), and the two differ (a.weight and b.weight by more than 0.1). With
     every layer used and no ``find_unused_parameters`` (DDP rebuilt its bucket in gradient-ready
     order) they agree: ``powersgd-vs-pytorch``."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
     assert dist.get_world_size() == 1, "one rank: each hook's step is its local reference"
     model = SideLayer(use_side=False)
-    theirs = DDP(copy.deepcopy(model), bucket_cap_mb=100, find_unused_parameters=True)
-    ours = DDP(copy.deepcopy(model), bucket_cap_mb=100, find_unused_parameters=True)
-    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
-                               min_compression_rate=1, use_error_feedback=True, warm_start=True, random_seed=0)
-    theirs.register_comm_hook(state, psgd.powerSGD_hook)
-    opt_t, opt_o = (torch.optim.SGD(m.parameters(), lr=JOIN_LR) for m in (theirs, ours))
-    hvdcomp.ddp.register(ours, "powersgd:matrix_rank=2,start_step=2,seed=0", optimizer=opt_o)
+    theirs, ours, opt_t, opt_o, _ = _powersgd_pair(model, "powersgd:matrix_rank=2,start_step=2,seed=0", lr=JOIN_LR,
+                                                   find_unused_parameters=True)
     for step in range(3):
         if step == 2:  # the first compressed step: the local gradients M, at parameters equal in both
             _same(list(theirs.parameters()), list(ours.parameters()), "parameters before the compressed step")

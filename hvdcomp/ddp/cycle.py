@@ -45,7 +45,6 @@ class StepCycle:
 
     Attributes:
         status: a :class:`hvdcomp.step.Status`.
-        buckets: the :class:`~hvdcomp.ddp.buckets.Bucket` s of the step in progress.
         life: the :class:`hvdcomp.step.Lifecycle` (staged state, the non-finite guard, which
             observes buffers as they come, restored state, the loss scale, ``skipped_steps``).
         backward_steps: synchronized backward passes reduced so far.
@@ -59,7 +58,6 @@ class StepCycle:
     def __init__(self, group, nonfinite: str, grad_scaler, timer, compression):
         self.group, self.nonfinite, self.timer, self.auto = group, nonfinite, timer, None
         self.life, self.status = Lifecycle(compression, nonfinite, grad_scaler), Status.IDLE
-        self.buckets: List[Bucket] = []
         self.backward_steps = 0
         self.optimizer = self._original_step = self._original_zero_grad = None
         self._shadowing = False
@@ -154,11 +152,10 @@ class StepCycle:
         elif self.life.staged:  # (a backward that never reached its last bucket)
             self._drop()
         self.status = Status.BACKWARD
-        self.buckets = []
         self.life.guard.reset()
         self.life.open(self.group, "hvdcomp.ddp", () if self.auto is None else (self.auto.rescale,))
 
-    def agree(self) -> bool:
+    def agree(self, buckets: List[Bucket]) -> bool:
         """Whether the ranks skip this step (some rank's gradient was non-finite); raises under
         ``nonfinite="raise"`` (:meth:`hvdcomp.agreement.NonFiniteGuard.decide`). ``none``'s
         buckets are checked on their allreduced results, identical on every rank: a step of only
@@ -167,17 +164,18 @@ class StepCycle:
         loaded, restored.loaded_since_step = restored.loaded_since_step, False
         if self.nonfinite == "ignore":
             return False
-        direct = [b.buffer for b in self.buckets if b.in_place]
+        direct = [b.buffer for b in buckets if b.in_place]
         if direct:
             guard.observe(direct, averaged=True)
-        if len(direct) == len(self.buckets):  # (the results agree)
+        if len(direct) == len(buckets):  # (the results agree)
             return guard.agree(lambda v: [list(v)], loaded, 1).skip
         with self.timer.phase("communicate") if self.group.size > 1 else contextlib.nullcontext():
             return guard.decide(self.group, self.group, None, loaded, 1).skip
 
-    def skip(self) -> None:
-        """Every rank skips: state rolled back, every result NaN (a GradScaler sees the overflow)."""
-        self.life.skip(b.buffer for b in self.buckets)
+    def skip(self, buckets: List[Bucket]) -> None:
+        """Every rank skips: state rolled back, every bucket's result NaN (a GradScaler sees the
+        overflow)."""
+        self.life.skip(b.buffer for b in buckets)
         self.status = Status.SKIPPED
 
     def reduced(self) -> None:
@@ -196,7 +194,6 @@ class StepCycle:
     def discard(self) -> None:
         """Drop the step in progress (an error, or a state loaded in the middle of it)."""
         self._drop(self.status if self.status is Status.SKIPPED else Status.IDLE)
-        self.buckets = []
         self.life.guard.reset()
 
     def _drop(self, status: Status = Status.IDLE) -> None:
