@@ -178,10 +178,10 @@ class StepCycle:
         self.life.skip(b.buffer for b in buckets)
         self.status = Status.SKIPPED
 
-    def reduced(self) -> None:
-        """The last bucket is reduced: the update waits to be applied (without an optimizer,
-        nobody tells, and a joined rank's shadow step is never applied: what was reduced counts,
-        committed now)."""
+    def reduced(self, buckets: List[Bucket]) -> None:
+        """The last bucket is reduced (``buckets``: the step's, averaged): the update waits to be
+        applied (without an optimizer, nobody tells, and a joined rank's shadow step is never
+        applied: what was reduced counts, committed now)."""
         self.backward_steps += 1
         if self.status is Status.SKIPPED:  # (not a step: for auto, on every rank, a joined one too)
             if self.auto is not None:
@@ -189,7 +189,7 @@ class StepCycle:
             return
         self.status = Status.SYNCED
         if self.optimizer is None or self._shadowing:
-            self._commit(buckets=self.buckets)
+            self._commit(buckets=buckets)
 
     def discard(self) -> None:
         """Drop the step in progress (an error, or a state loaded in the middle of it)."""

@@ -338,7 +338,7 @@ class HookState:
             raise
         if self.auto is not None:  # (the last bucket, with the step's wait: auto's "synchronize")
             self.auto.synced(self.auto.clock() - t0)
-        cycle.reduced()
+        cycle.reduced(buckets)
         path.reset()
         for b in buckets:
             b.future.set_result(b.buffer)
