@@ -21,7 +21,7 @@ from .plan import (TransportPlan, choose_transport, fuse_units, make_units, plan
 from .spec import is_per_tensor
 from .transports import Units, Wiring
 
-__all__ = ["Pipeline", "assemble"]
+__all__ = ["Pipeline", "assemble", "step_comm_of"]
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def _routing_cost_model(settings, compression, group, order, gatherer) -> Option
     return measure_cost_model(gatherer.probe, group.size, agree=gatherer.agree)
 
 
-def _step_comm(compression, group, timer, gatherer, prefix: str) -> StepComm:
+def step_comm_of(compression, group, timer, gatherer, prefix: str) -> StepComm:
     """The collectives of a step-wide method's step (:meth:`hvdcomp.comm.group.ProcessGroup.step_comm`:
     the group's allreduce and broadcast, timed and counted), with point-to-point messages beside
     the allgather's channel where the method needs them.
@@ -176,7 +176,7 @@ def assemble(settings, compression, group, order: List[torch.nn.Parameter], name
     wiring = Wiring(group, timer, compression, unit_set, prefix, op_sum=settings.op_sum,
                     predivide=settings.gradient_predivide_factor, gatherer=gatherer, buckets=buckets,
                     names=unit_names,
-                    step_comm=_step_comm(compression, group, timer, gatherer, prefix) if step_route else None,
+                    step_comm=step_comm_of(compression, group, timer, gatherer, prefix) if step_route else None,
                     direct=compression.payload_is_gradient and settings.granularity == "tensor" if per_tensor
                     else False,
                     units_of_route={r: [u for u, x in enumerate(route_of) if x == r] for r in set(route_of)})

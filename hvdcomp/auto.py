@@ -30,8 +30,11 @@ step boundaries):
   steps), each candidate compresses a copy of this rank's gradients as on one rank (its own
   instance, with its own error feedback over the probe's steps): seconds of encode + decode, and
   ``‖C(p) − p‖ / ‖p‖`` over the whole model, p = gradient + that candidate's residual. For the
-  step-wide methods this is their one-rank step (PowerSGD's factors of this rank's matrix; gtopk
-  and cltk: this rank's top-k), a proxy for the error of the multi-rank step.
+  step-wide methods this is their one-rank step (PowerSGD's factors of this rank's matrix; gtopk:
+  this rank's top-k), a proxy for the error of the multi-rank step; a leader's top-k (``cltk``,
+  cyclic or VAR-Topk's variance leader) runs its step with the group's collectives, each rank's
+  error being what it keeps off the leader's positions (its new residual), since on one rank
+  every leader rule gives the same top-k.
 
 Every rank takes the same decision: the measurements of every rank are gathered (one small
 allgather per probe and per window) and combined by one deterministic rule (compute and code: the
@@ -64,6 +67,7 @@ timer's :attr:`hvdcomp.metrics.PhaseTimer.events` and ``results.json`` of
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import statistics
@@ -88,7 +92,8 @@ log = logging.getLogger(__name__)
 
 #: the candidates of ``compression="auto"`` when none are given (dense first: ties go to the earlier)
 DEFAULT_CANDIDATES = ("none", "fp16", "powersgd:matrix_rank=4", "powersgd:matrix_rank=2", "powersgd:matrix_rank=1",
-                      "qsgd", "topk:density=0.01", "topk:density=0.001", "cltk:density=0.01", "gtopk:density=0.01")
+                      "qsgd", "topk:density=0.01", "topk:density=0.001", "cltk:density=0.01",
+                      "cltk:density=0.01,leader=variance", "gtopk:density=0.01")
 
 
 # ---- what a method keeps: residuals that a switch carries over --------------------------------------
@@ -453,6 +458,12 @@ def _one_rank_comm() -> StepComm:
     return StepComm(lambda tensor, name: tensor, 0, 1, lambda tensor, root, name: tensor)
 
 
+#: what a checkpoint keeps of the policy and of the probe and window in progress (AutoState.state_dict)
+_POLICY = ("compute_s", "code_s", "errors", "regime", "previous_norm", "calibration", "decisions")
+_SCHEDULE = ("probe_origin", "next_probe", "window_origin", "records", "probe_records", "probe_code", "probe_err2",
+             "probe_norm2", "sum_grad")
+
+
 class AutoState:
     """``auto`` inside a front-end: every candidate's pipeline, the step clock, the probes and
     windows, the carry of a switch, and the :class:`Policy`.
@@ -530,9 +541,12 @@ class AutoState:
         planned = replace(settings, cost_model=model, transport="planned")
         self.pipelines = [build(k, method, planned, self.gatherer) for k, (_, method) in enumerate(kept)]
         fresh = dict(zip(auto.candidates, auto.instances()))
-        self.shadows = [fresh[label] for label in self.labels]  # one-rank copies for the probes
-        for s in self.shadows:
-            s.bind_group(1)
+        self.shadows = [fresh[label] for label in self.labels]  # the probes' copies
+        # (a leader's top-k, cltk and VAR-Topk, is measured across the ranks: on one rank every
+        # leader rule gives the same top-k; the others as on one rank)
+        self.across = [getattr(s, "leader", None) is not None and group.size > 1 for s in self.shadows]
+        for s, across in zip(self.shadows, self.across):
+            s.bind_group(group.size if across else 1)
         self.p, self.bucket_bytes = group.size, settings.bucket_bytes
         drift = auto.drift if auto.drift is not None else (0.0 if given else 2.0)
         self.policy = Policy(auto, self.labels, self._price, model, self._remeasure, drift)
@@ -630,9 +644,19 @@ class AutoState:
         """The step in progress will not be applied: its time is not a step's."""
         self.valid = False
 
-    def boundary(self) -> None:
+    def skipped(self) -> None:
+        """The step in progress was skipped on every rank (a non-finite gradient somewhere): not a
+        step (no boundary: probes, windows and decisions stay at the same steps on every rank, a
+        joined DDP rank's shadow step included), and its time is not the next step's."""
+        self._reset_step()
+        self.snapshot = {} if self._probing(self.steps) else None
+        self.mark = self.clock()
+
+    def boundary(self, applied: Optional[Dict[str, torch.Tensor]] = None) -> None:
         """A step was applied (every rank, at the same step): measure it, and at a probe's or a
-        window's end agree, decide, and switch."""
+        window's end agree, decide, and switch. ``applied``: parameter name -> the step's averaged
+        gradient where ``.grad`` does not hold it (a DDP step committed at its last bucket: a joined
+        rank's shadow step, or no optimizer attached); None: ``.grad``."""
         now = self.clock()
         step = self.steps
         self.steps += 1
@@ -643,7 +667,7 @@ class AutoState:
         record = (step_s, step_s - exposed, exposed) if valid else None
         self._reset_step()
         if self.auto.accordion and self.window_origin is not None and step >= self.window_origin:
-            self._accumulate()
+            self._accumulate(applied)
         if self._probing(step):
             self._shadow(step, record)
             if step == self.probe_origin + self.auto.warmup + self.auto.probe - 1:
@@ -667,7 +691,11 @@ class AutoState:
         self.probe_norm2 = [0.0] * len(self.labels)
 
     def _shadow(self, step: int, record) -> None:
-        """Compress this step's gradient copy with every candidate, as on one rank."""
+        """Compress this step's gradient copy with every candidate, as on one rank, or, for a
+        leader's top-k (:attr:`across`), with the group's collectives: each rank sends its values
+        at the leader's positions, and its error is what it keeps (its new residual), so the
+        leader rule (cyclic or VAR-Topk's) shows in the error. Collective where any candidate is
+        measured across the ranks: every rank calls it at the same step, a joined DDP rank too."""
         if record is not None:
             self.probe_records.append(record[1])
         grads = self.snapshot or {}
@@ -689,17 +717,26 @@ class AutoState:
                     payload, ctx = shadow.encode(g, name)
                     outs.append(shadow.decode(payload, ctx))
             else:
-                outs = shadow.reduce_batch(named, _one_rank_comm(), PhaseTimer(cuda_sync=False))
+                timer = PhaseTimer(cuda_sync=False, clock=self.clock)
+                comm = (self.reducer.group.step_comm(timer, f"{self.reducer.prefix}.auto.shadow{k}")
+                        if self.across[k] else _one_rank_comm())
+                outs = shadow.reduce_batch(named, comm, timer)
+                t0 += timer.seconds["communicate"]  # (coding costs only)
             shadow.commit()
             if cuda:
                 torch.cuda.synchronize()
             self.probe_code[k] += self.clock() - t0
+            kept = {}
+            if self.across[k]:
+                for mem in memories(shadow):
+                    kept.update({n: e.detach().reshape(-1).float() for n, e in mem.committed.items()})
             for (name, g), out in zip(named, outs):
                 p = g.reshape(-1).float()
                 e = before.get(name)
                 if e is not None and e.numel() == p.numel():
                     p = p + e
-                self.probe_err2[k] += float((out.reshape(-1).float() - p).square().sum())
+                left = kept[name] if name in kept else out.reshape(-1).float() - p
+                self.probe_err2[k] += float(left.square().sum())
                 self.probe_norm2[k] += float(p.square().sum())
 
     def _end_probe(self, step: int) -> None:
@@ -736,9 +773,12 @@ class AutoState:
         if decision is not None:
             self._apply(decision)
 
-    def _accumulate(self) -> None:
+    def _accumulate(self, applied: Optional[Dict[str, torch.Tensor]]) -> None:
         """Add the applied (averaged) gradient to the window's sum (Accordion's norm)."""
-        grads = [p.grad.detach() for p in self.order if p.grad is not None and not p.grad.is_sparse]
+        if applied is None:
+            grads = [p.grad.detach() for p in self.order if p.grad is not None and not p.grad.is_sparse]
+        else:
+            grads = [applied[self.names[p]].detach().view_as(p) for p in self.order if self.names[p] in applied]
         if not grads:
             return
         if self.sum_grad is None:
@@ -806,16 +846,29 @@ class AutoState:
                 "horovod_latency_s": self.horovod_latency, "decisions": self.decisions}
 
     def state_dict(self) -> dict:
-        """The choice, the carry and every candidate's state (tensors, numbers, strings)."""
-        return {"current": self.labels[self.policy.current], "steps": self.steps,
+        """The choice, the carry, every candidate's state and all that later decisions depend on
+        (tensors, numbers, strings: ``torch.load(weights_only=True)``): the policy (decisions so
+        far, the measured compute, coding costs and errors, the regime, Accordion's last norm, the
+        drift calibration, the cost model), where the probe and window in progress stand and what
+        they have summed, and the one-rank copies' state (their residuals) - so a run resumed from
+        a checkpoint taken mid-probe decides as the uninterrupted run. Per rank, as the method's
+        state."""
+        policy = self.policy
+        return {"current": self.labels[policy.current], "steps": self.steps,
                 "carry": {k: v.clone() for k, v in self.carry.items()},
-                "candidates": {label: pipe.compression.state_dict() for label, pipe in zip(self.labels, self.pipelines)}}
+                "candidates": {label: pipe.compression.state_dict() for label, pipe in zip(self.labels, self.pipelines)},
+                "shadows": {label: shadow.state_dict() for label, shadow in zip(self.labels, self.shadows)},
+                "schedule": {a: copy.deepcopy(getattr(self, a)) for a in _SCHEDULE},
+                "policy": {"alpha": policy.model.alpha, "beta": policy.model.beta, "horovod_latency": self.horovod_latency,
+                           **{a: copy.deepcopy(getattr(policy, a)) for a in _POLICY}}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Inverse of :meth:`state_dict` (between steps).
+        """Inverse of :meth:`state_dict` (between steps; a state without the policy, from an older
+        hvdcomp, restores the choice, the carry and the candidates only).
 
         Raises:
-            ValueError: the saved choice is not among this job's candidates.
+            ValueError: the saved choice is not among this job's candidates, or the checkpoint
+                measured another number of candidates.
         """
         if state["current"] not in self.labels:
             raise ValueError(f"auto: the checkpoint's method '{state['current']}' is not among this job's candidates "
@@ -823,8 +876,26 @@ class AutoState:
         for label, pipe in zip(self.labels, self.pipelines):
             if label in state.get("candidates", {}):
                 pipe.compression.load_state_dict(state["candidates"][label])
+        for label, shadow in zip(self.labels, self.shadows):
+            if label in state.get("shadows", {}):
+                shadow.load_state_dict(state["shadows"][label])
         self.carry = {k: v.clone() for k, v in state.get("carry", {}).items()}
         self.steps = int(state.get("steps", self.steps))
+        saved, policy = state.get("policy"), self.policy
+        if saved is not None:
+            if saved["code_s"] and len(saved["code_s"]) != len(self.labels):
+                raise ValueError(f"auto: the checkpoint measured {len(saved['code_s'])} candidates, this job has "
+                                 f"{len(self.labels)} ({self.labels}): resume with the same candidates")
+            policy.model = CostModel(float(saved["alpha"]), float(saved["beta"]))
+            self.horovod_latency = float(saved["horovod_latency"])
+            policy.comm = policy.price(policy.model)
+            for a in _POLICY:
+                setattr(policy, a, copy.deepcopy(saved[a]))
+            for a in _SCHEDULE:
+                setattr(self, a, copy.deepcopy(state["schedule"][a]))
+        self._reset_step()
+        self.snapshot = {} if self._probing(self.steps) else None
+        self.mark = self.clock()
         index = self.labels.index(state["current"])
-        self.policy.current = index
+        policy.current = index
         self.reducer.install(self.pipelines[index])

@@ -163,7 +163,7 @@ ELASTIC_ENV = "HOROVOD_ELASTIC"
 #: on the size at Horovod's reset: docs/robustness.md, "Elastic Horovod"); every other one refuses
 #: such a job at construction (:func:`check_frontend_launch`)
 ELASTIC_FRONTENDS = (HOROVOD_FRONTEND, "hvdcomp.local.DiLoCo", "hvdcomp.local.SparseLoCo",
-                     "hvdcomp.local.LocalAdaAlter", "hvdcomp.adaptive_opt.OneBitAdam",
+                     "hvdcomp.local.CO2", "hvdcomp.local.LocalAdaAlter", "hvdcomp.adaptive_opt.OneBitAdam",
                      "hvdcomp.adaptive_opt.ZeroOneAdam", "hvdcomp.adaptive_opt.OneBitLamb",
                      "hvdcomp.adaptive_opt.CompressedAMSGrad", "hvdcomp.gossip.GossipOptimizer")
 

@@ -23,7 +23,6 @@ Time and bytes per phase go to ``optimizer.timer`` (:class:`hvdcomp.metrics.Phas
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import warnings
@@ -40,7 +39,7 @@ from .metrics import PhaseTimer
 from .rebuild import keeping_class, template
 from .spec import resolve_compression
 from .reducer import Reducer, check_free, claim, release
-from .step import Status
+from .step import SkipSynchronize, Status
 
 __all__ = ["DistributedOptimizer", "distributed", "wrap", "resolve_compression", "DEFAULT_BUCKET_BYTES", "OPTIMIZER_ENV"]
 
@@ -68,7 +67,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # expected backward order: last parameters first. Fixed, identical on every rank.
         order = [p for g in reversed(self.param_groups) for p in reversed(g["params"]) if p.requires_grad]
         self.reducer = Reducer(order, names, compression, self.group, s, self.timer, f"hvdcomp.{next(_ids)}")
-        self._sync_on_step = True
+        self._sync_on_step = True  # (the class is built from this one's __dict__: no inherited default)
         self._hook_handles = ([p.register_post_accumulate_grad_hook(self.reducer.gradient_ready) for p in order]
                               if self.reducer.active or self.reducer.elastic else [])
 
@@ -101,14 +100,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError(_CLOSED)
         self.reducer.synchronize()
 
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """Let ``step()`` skip ``synchronize()`` (call it yourself first, e.g. to clip gradients)."""
-        self._sync_on_step = False
-        try:
-            yield
-        finally:
-            self._sync_on_step = True
+    skip_synchronize = SkipSynchronize.skip_synchronize
 
     def step(self, closure=None):
         """``synchronize()`` unless inside :meth:`skip_synchronize` (or already synchronized),

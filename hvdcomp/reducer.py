@@ -354,7 +354,19 @@ class Reducer:
         skipped on every rank, nothing to apply). The reducer is idle again; :meth:`commit` once
         the update is applied."""
         skipped, self.current.status = self.current.status is Status.SKIPPED, Status.IDLE
+        if skipped and self.auto is not None:
+            self.auto.skipped()
         return not skipped
+
+    def launch(self) -> None:
+        """Compress every ``.grad`` and start its collectives without waiting; :meth:`reduce`
+        finishes them (CO2 under elastic Horovod: no thread of its own issues a collective)."""
+        if self.elastic or self.pending:
+            self._ready()
+        if self.active and not self.current.synced:
+            for u in self.pipe.flush_order:  # (the order synchronize() starts them in)
+                if not self.current.started[u]:
+                    self._start(u)
 
     def reduce(self) -> bool:
         """Reduce the ``.grad`` of every tensor now and commit (for modes that reduce tensors of
@@ -383,10 +395,7 @@ class Reducer:
     def state_dict(self) -> dict:
         """The method's state and the skipped-step count (tensors, numbers and strings only); with
         ``auto``, also every candidate's state, the choice and the carry (under ``"auto"``)."""
-        state = {"compression": self.compression.state_dict(), "skipped_steps": self.life.skipped_steps}
-        if self.auto is not None:
-            state["auto"] = self.auto.state_dict()
-        return state
+        return self.life.state_dict(self.auto)
 
     def reset(self) -> None:
         """Drop the step in progress (transports forget it; staged state rolled back)."""
@@ -400,11 +409,7 @@ class Reducer:
         progress. Ranks agree on restored state at the next step's first compression."""
         self.reset()
         if state is not None:
-            if self.auto is not None and "auto" in state:
-                self.auto.load_state_dict(state["auto"])  # (installs the saved choice)
-            self.compression.load_state_dict(state["compression"])
-            self.life.skipped_steps = int(state.get("skipped_steps", 0))
-            self.life.restored.note_load()
+            self.life.load_state_dict(state, self.auto)
 
     def close(self) -> None:
         """Stop the allgather's background thread (the reducer no longer communicates)."""

@@ -1,8 +1,11 @@
 """One step's state: where the step is (:class:`Status`), the one step lifecycle of every
 front-end (:class:`Lifecycle`: the one place that opens, commits and rolls back a step of a
-method's state), and the accumulation counters that tell when a unit's gradients are ready."""
+method's state), the accumulation counters that tell when a unit's gradients are ready
+(:class:`StepState`), and the optimizer surface the front-ends share with Horovod's
+(:class:`SkipSynchronize`, :class:`LocalOptimizerSurface`)."""
 from __future__ import annotations
 
+import contextlib
 import enum
 from typing import Callable, Iterable, List, Optional, Sequence
 
@@ -11,7 +14,7 @@ import torch
 from .agreement import NonFiniteGuard, StateAgreement
 from .amp import LossScaleTracker
 
-__all__ = ["Status", "Lifecycle", "StepState"]
+__all__ = ["Status", "Lifecycle", "StepState", "SkipSynchronize", "LocalOptimizerSurface"]
 
 
 class Status(enum.Enum):
@@ -64,6 +67,24 @@ class Lifecycle:
     def use(self, compression) -> None:
         """Drive ``compression`` from the next step on (between steps: a switch of ``auto``)."""
         self.compression, self.staged = compression, False
+
+    def state_dict(self, auto=None) -> dict:
+        """Every front-end's checkpoint of its method: the method's state and the skipped-step
+        count (tensors, numbers and strings only); with ``compression="auto"``'s ``auto``, every
+        candidate's state, the choice and the carry too (under ``"auto"``)."""
+        state = {"compression": self.compression.state_dict(), "skipped_steps": self.skipped_steps}
+        if auto is not None:
+            state["auto"] = auto.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict, auto=None) -> None:
+        """Inverse of :meth:`state_dict` (``auto`` installs its saved choice first, which
+        :meth:`use` s it); the ranks agree on the restored state at the next step."""
+        if auto is not None and "auto" in state:
+            auto.load_state_dict(state["auto"])
+        self.compression.load_state_dict(state["compression"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.restored.note_load()
 
     def stage(self) -> None:
         """Open a step of the method's state (nothing when one is open)."""
@@ -175,3 +196,47 @@ class StepState:
         u = self.unit_of[i]
         self.waiting[u] -= 1
         return u if self.waiting[u] == 0 else None
+
+
+class SkipSynchronize:
+    """Horovod's clipping recipe, ``opt.synchronize(); clip; with opt.skip_synchronize(): opt.step()``:
+    inside the block ``_sync_on_step`` is False, so a ``step()`` that synchronizes first skips it;
+    a front-end whose ``synchronize()`` has nothing to wait for runs the block as it is."""
+
+    _sync_on_step = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Let ``step()`` skip ``synchronize()`` (call it yourself first, e.g. to clip gradients)."""
+        self._sync_on_step = False
+        try:
+            yield
+        finally:
+            self._sync_on_step = True
+
+
+class LocalOptimizerSurface(SkipSynchronize):
+    """The ``torch.optim.Optimizer`` surface of a front-end that steps a local optimizer (its
+    attribute named by ``_local_optimizer``) and averages no gradient before ``step()``:
+    ``param_groups``, ``state`` and ``zero_grad`` are that optimizer's; ``synchronize()`` and
+    :meth:`SkipSynchronize.skip_synchronize` do nothing (kept so loops written for
+    :func:`hvdcomp.DistributedOptimizer` run unchanged)."""
+
+    _local_optimizer = "optimizer"
+
+    @property
+    def param_groups(self):
+        """The local optimizer's parameter groups (learning-rate schedules set them)."""
+        return getattr(self, self._local_optimizer).param_groups
+
+    @property
+    def state(self):
+        """The local optimizer's state (momentum buffers, ...)."""
+        return getattr(self, self._local_optimizer).state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The local optimizer's ``zero_grad``."""
+        getattr(self, self._local_optimizer).zero_grad(set_to_none=set_to_none)
+
+    def synchronize(self) -> None:
+        """Nothing to do: no gradient is averaged before ``step()``."""

@@ -25,6 +25,10 @@ Checks (each raises on failure on every rank; the oracle is named in its docstri
   auto              (2 ranks) compression="auto" through the hook: a posed slow link compresses, a fast one
                     stays dense, with the closed-form prices and decisions of tests/mpi/auto_checks.py (the
                     Horovod front-end's twin); every rank decides alike; a switch keeps error feedback exact
+  auto-join         (2 ranks) auto under ddp.join() while it probes and decides = explicit zero gradients; a NaN
+                    on one rank in a probe is skipped everywhere and leaves the run as without that step
+  auto-var          (2 ranks) auto measures a leader's top-k (cltk, VAR-Topk) across the ranks: errors worked
+                    out in one process; VAR-Topk chosen where its leader keeps more
   nccl-none-bitwise, nccl-methods   the same on NCCL (one GPU per rank)
 """
 import contextlib
@@ -111,6 +115,29 @@ def _sync(models):
             b.data.copy_(a.data)
 
 
+def _powersgd_state(start=2, min_compression_rate=1):
+    """PyTorch's ``PowerSGDState`` with the settings every PowerSGD check compares against (rank 2,
+    error feedback, warm start, seed 0)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    return psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=start,
+                              min_compression_rate=min_compression_rate, use_error_feedback=True, warm_start=True,
+                              random_seed=0)
+
+
+def _powersgd_pair(model, spec, min_compression_rate=1, lr=0.05, **ddp):
+    """Two DDP copies of ``model`` (one bucket each; ``ddp``: more DistributedDataParallel
+    arguments): PyTorch's ``powerSGD_hook`` (:func:`_powersgd_state`, start 2) on the first,
+    hvdcomp's ``spec`` on the second, each with its SGD optimizer. Returns
+    ``(theirs, ours, opt_t, opt_o, hook)``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    theirs, ours = (DDP(copy.deepcopy(model), bucket_cap_mb=100, **ddp) for _ in range(2))
+    theirs.register_comm_hook(_powersgd_state(2, min_compression_rate), psgd.powerSGD_hook)
+    opt_t, opt_o = (torch.optim.SGD(m.parameters(), lr=lr) for m in (theirs, ours))
+    return theirs, ours, opt_t, opt_o, hvdcomp.ddp.register(ours, spec, optimizer=opt_o)
+
+
 def check_fp16_vs_pytorch():
     """hvdcomp fp16 and PyTorch's fp16_compress_hook on the same parameters and inputs each step,
     against the exact float32 mean (DDP without a hook). Both round each rank's gradient to float16
@@ -153,18 +180,10 @@ def check_powersgd_vs_pytorch():
     bucket): the same averaged gradients within 1e-4 (relative norm, per tensor and step; float32
     reductions, and Gram-Schmidt written differently), and hvdcomp's bytes = r(n+m) floats per
     compressed matrix plus the uncompressed tensors."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.ReLU(), torch.nn.Linear(12, 8),
                                 torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    theirs, ours = DDP(copy.deepcopy(model), bucket_cap_mb=100), DDP(copy.deepcopy(model))
-    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
-                               min_compression_rate=1, use_error_feedback=True, warm_start=True, random_seed=0)
-    theirs.register_comm_hook(state, psgd.powerSGD_hook)
-    opt_t = torch.optim.SGD(theirs.parameters(), lr=0.05)
-    opt_o = torch.optim.SGD(ours.parameters(), lr=0.05)
-    hook = hvdcomp.ddp.register(ours, "powersgd:matrix_rank=2,start_step=2,seed=0", optimizer=opt_o)
+    theirs, ours, opt_t, opt_o, hook = _powersgd_pair(model, "powersgd:matrix_rank=2,start_step=2,seed=0")
     worst = 0.0
     for step in range(8):
         hook.timer.begin_step()
@@ -219,21 +238,14 @@ def check_powersgd_collectives():
     [biases, P, Q] = [128, 356, 80] (2,256 B). Before the start step both send the dense model in
     one allreduce (1,552 floats); hvdcomp adds, at its first step only, one object allgather of the
     shared state's digest (:mod:`hvdcomp.agreement`)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
     from hvdcomp.lm.model import LSTMLM
 
     torch.manual_seed(0)
     model = LSTMLM(50, 8, dropout=0.0)
     numel = sum(p.numel() for p in model.parameters())
     assert numel == 50 * 8 + 2 * (2 * 32 * 8 + 2 * 32) == 1552
-    theirs, ours = DDP(copy.deepcopy(model), bucket_cap_mb=100), DDP(copy.deepcopy(model))
-    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
-                               min_compression_rate=2, use_error_feedback=True, warm_start=True, random_seed=0)
-    theirs.register_comm_hook(state, psgd.powerSGD_hook)
-    opt_t = torch.optim.SGD(theirs.parameters(), lr=0.05)
-    opt_o = torch.optim.SGD(ours.parameters(), lr=0.05)
-    hvdcomp.ddp.register(ours, "powersgd:matrix_rank=2,start_step=2,min_compression_rate=2", optimizer=opt_o)
+    theirs, ours, opt_t, opt_o, _ = _powersgd_pair(
+        model, "powersgd:matrix_rank=2,start_step=2,min_compression_rate=2", min_compression_rate=2)
     g = torch.Generator().manual_seed(dist.get_rank())
     expected = {"hvdcomp": [("all_reduce", 484), ("all_reduce", 80)],
                 "pytorch": [("all_reduce", 128), ("all_reduce", 356), ("all_reduce", 80)]}
@@ -335,12 +347,22 @@ def _local_grads(ddp_model, step):
 
 def check_one_rank():
     """A job of one rank: none leaves the local gradient as it is; top-k with error feedback gives
-    each tensor's own encode/decode by a separate compressor (the reference), bit for bit."""
+    each tensor's own encode/decode by a separate compressor (the reference), bit for bit. The
+    hook's buckets travel by a :class:`hvdcomp.transports.base.Transport`, and it names the
+    model's parameters once (one ``Layouts`` per hook: it built two before issue 58)."""
+    from unittest import mock
+
+    from hvdcomp.ddp import layout
+    from hvdcomp.transports.base import Transport
+
     assert dist.get_world_size() == 1
     local, ours, topk = mlp(), DDP(mlp()), DDP(mlp())
     hvdcomp.ddp.register(ours, "none")
     opt = torch.optim.SGD(topk.parameters(), lr=0.1)
-    hook = hvdcomp.ddp.register(topk, "topk:density=0.3", optimizer=opt)
+    with mock.patch.object(layout, "name_parameters", wraps=layout.name_parameters) as named:
+        hook = hvdcomp.ddp.register(topk, "topk:density=0.3", optimizer=opt)
+    assert named.call_count == 1, named.call_count
+    assert isinstance(hook.pipe, Transport), type(hook.pipe)
     ref = hvdcomp.get_compressor("topk:density=0.3")
     for step in range(STEPS):
         for m in (local, ours, topk):
@@ -652,9 +674,7 @@ def check_join():
             notes.append(f"fp16 within {worst:.1e} of the exact mean (bound {bound:.1e})")
         elif spec.startswith("powersgd"):
             start = int(spec.split("start_step=")[1].split(",")[0])
-            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=start,
-                                       min_compression_rate=1, use_error_feedback=True, warm_start=True,
-                                       random_seed=0)
+            state = _powersgd_state(start)
             _, tgrads, tw, _ = _join_run(pytorch_hook=(state, psgd.powerSGD_hook))
             worst = _worst(grads, tgrads)
             assert worst < 1e-4, (spec, "against powerSGD_hook", worst)
@@ -774,8 +794,7 @@ def check_accumulate():
     _same(w, ref_w, "top-k: final parameters against the reference")
 
     spec = "powersgd:matrix_rank=2,start_step=2,seed=0"
-    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
-                               min_compression_rate=1, use_error_feedback=True, warm_start=True, random_seed=0)
+    state = _powersgd_state()
     grads, w = _accumulate_run(spec)
     tgrads, tw = _accumulate_run(pytorch_hook=(state, psgd.powerSGD_hook))
     worst = _worst(grads, tgrads)
@@ -837,17 +856,10 @@ def check_powersgd_draw_order():
     relative norm per matrix), and the two differ (a.weight and b.weight by more than 0.1). With
     every layer used and no ``find_unused_parameters`` (DDP rebuilt its bucket in gradient-ready
     order) they agree: ``powersgd-vs-pytorch``."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
     assert dist.get_world_size() == 1, "one rank: each hook's step is its local reference"
     model = SideLayer(use_side=False)
-    theirs = DDP(copy.deepcopy(model), bucket_cap_mb=100, find_unused_parameters=True)
-    ours = DDP(copy.deepcopy(model), bucket_cap_mb=100, find_unused_parameters=True)
-    state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
-                               min_compression_rate=1, use_error_feedback=True, warm_start=True, random_seed=0)
-    theirs.register_comm_hook(state, psgd.powerSGD_hook)
-    opt_t, opt_o = (torch.optim.SGD(m.parameters(), lr=JOIN_LR) for m in (theirs, ours))
-    hvdcomp.ddp.register(ours, "powersgd:matrix_rank=2,start_step=2,seed=0", optimizer=opt_o)
+    theirs, ours, opt_t, opt_o, _ = _powersgd_pair(model, "powersgd:matrix_rank=2,start_step=2,seed=0", lr=JOIN_LR,
+                                                   find_unused_parameters=True)
     for step in range(3):
         if step == 2:  # the first compressed step: the local gradients M, at parameters equal in both
             _same(list(theirs.parameters()), list(ours.parameters()), "parameters before the compressed step")
@@ -1090,6 +1102,172 @@ def check_auto():
         assert float(mean(old[n]).abs().max()) > 1e-5, n
     assert hook.auto.carry == {}
     return "slow link: powersgd; fast link: fp16, then none at step 2; a switch keeps error feedback exact"
+
+
+# ---- compression="auto" under DDP's Join, and a skipped step during a probe (issue 59) -------------
+#: (rank 0's batches, rank 1's batches) per epoch: rank 0 joins after step 1 and shadows steps 2-7
+#: (the probe that decides at step 2, a window, the re-probe that decides at step 7); then an even epoch
+AUTO_JOIN_EPOCHS = ((2, 8), (6, 6))
+AUTO_JOIN_COST = (1e-3, 2e-5)  # s, s/B: on join_model (326 float32) only PowerSGD hides within 1.1x
+
+
+class _Clock:
+    """A fake clock: 62.5 ms of compute per iteration of the training loop, nothing else."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _auto_join_run(join=True, nan_before=None):
+    """2 ranks, ``join_model``, SGD, ``compression="auto"`` (fp16, top-k 30 %, PowerSGD rank 1;
+    probe 2 after a warm-up of 1, windows of 2, a re-probe every 5 steps, Accordion on) on the
+    posed link ``AUTO_JOIN_COST`` and a fake clock, over ``AUTO_JOIN_EPOCHS``, each epoch
+    ``with ddp.join():`` (or, ``join=False``, a rank out of batches trains on with a zero
+    gradient). ``nan_before=s``: before data step ``s``, one extra iteration whose loss is NaN on
+    rank 1 (rank 0 takes part: its own zero loss, or DDP's shadow step when joined): skipped on
+    every rank. Returns the final parameters, the hook and what the policy holds."""
+    from hvdcomp.auto import Auto
+
+    clock = _Clock()
+    ddp = DDP(join_model(), bucket_cap_mb=100)
+    opt = torch.optim.SGD(ddp.parameters(), lr=JOIN_LR)
+    auto = Auto(candidates=["fp16", "topk:density=0.3", "powersgd:matrix_rank=1"], probe=2, warmup=1, window=2,
+                interval=5, accordion=0.5, clock=clock)
+    hook = hvdcomp.ddp.register(ddp, auto, optimizer=opt, cost_model=AUTO_JOIN_COST)
+    first = 0
+    for counts in AUTO_JOIN_EPOCHS:
+        with ddp.join() if join else contextlib.nullcontext():
+            for step in range(first, first + max(counts)):
+                mine = step - first < counts[rank()]
+                if not (mine or not join):
+                    break
+                for bad in ((True, False) if step == nan_before else (False,)):
+                    clock.now += 0.0625
+                    opt.zero_grad()
+                    scale = float("nan") if bad and rank() == 1 else (1.0 if mine and not bad else 0.0)
+                    (loss(ddp, step, **JOIN_DATA) * scale).backward()
+                    opt.step()
+        first += max(counts)
+    policy = hook.auto.policy
+    held = {"steps": hook.auto.steps, "regime": policy.regime, "previous_norm": policy.previous_norm,
+            "current": hook.compression.name}
+    return [p.detach().clone() for p in ddp.parameters()], hook, held
+
+
+def _decisions(hook):
+    return [{k: v for k, v in d.items() if k != "route"} for d in hook.auto.decisions]
+
+
+def check_auto_join():
+    """compression="auto" under ``with ddp.join():`` (issue 59): rank 0 runs out of batches while
+    auto probes, decides (a switch at step 2, on the joined rank inside DDP's shadow step), measures
+    a window and re-probes. Oracle: the run where rank 0 trains on with an explicit zero gradient
+    (what DDP's join says a joined rank contributes): final parameters and committed compressor
+    state bit for bit, every decision (step, cause, choice, regime, the measured table) and what
+    the policy holds (Accordion's last norm, the regime) equal; the same on both ranks. Then a
+    NaN on rank 1 during the re-probe while rank 0 is joined: the step is skipped on every rank
+    and the run equals the one without that iteration (parameters, state, decisions)."""
+    assert dist.get_world_size() == 2, "AUTO_JOIN_EPOCHS is for 2 ranks"
+    w, hook, held = _auto_join_run()
+    zw, zhook, zheld = _auto_join_run(join=False)
+    got = [(d["step"], d["cause"], d["chosen"]) for d in hook.auto.decisions]
+    # not vacuous: a probe decides on the joined rank, the choice changes there, and a later decision
+    assert [s for s, c, _ in got if c == "probe"] == [2, 7, 12], got
+    assert len({c for _, _, c in got}) > 1, got
+    _same(_decisions(hook), _decisions(zhook), "auto under join: decisions against explicit zeros")
+    _same(held, zheld, "auto under join: the policy against explicit zeros")
+    _same(w, zw, "auto under join: final parameters against explicit zeros")
+    _same(hook.state_dict(), zhook.state_dict(), "auto under join: compressor state against explicit zeros")
+    everyone = _gather_objects((got, [p.tolist() for p in w]))
+    assert everyone[0] == everyone[1], "the ranks' decisions or parameters differ"
+
+    nw, nhook, nheld = _auto_join_run(nan_before=6)
+    assert nhook.skipped_steps == 1, nhook.skipped_steps
+    _same(_decisions(nhook), _decisions(hook), "a skipped step in the probe: decisions against the run without it")
+    _same(nheld, held, "a skipped step in the probe: the policy against the run without it")
+    _same(nw, w, "a skipped step in the probe: final parameters against the run without it")
+    state = {k: v for k, v in nhook.state_dict().items() if k != "skipped_steps"}
+    _same(state, {k: v for k, v in hook.state_dict().items() if k != "skipped_steps"},
+          "a skipped step in the probe: compressor state against the run without it")
+    return f"decisions {got}"
+
+
+def check_auto_var():
+    """A leader's top-k measured across the ranks (issue 59): candidates cltk (cyclic leader) and
+    VAR-Topk (``leader=variance``) at density 0.1 on a Linear(16, 8) (n = 136, k = 14), rank 1's
+    loss 10x rank 0's, lr 0 (each rank's gradient at a step is known in closed form), a fast posed
+    link (both within slack: the least error wins). The probe (steps 1-2) measures each
+    candidate's error with the group's collectives: Σ_r ‖kept_r‖² / Σ_r ‖p_r‖² over its steps, p_r
+    = gradient + residual of rank r, kept_r = p_r off the leader's top-k positions. Oracle: that
+    error worked out here in one process from each rank's gradient (cyclic: rank 0 leads the
+    first probe step, rank 1 the second; VAR-Topk: rank 1, the larger smoothed norm, both), within
+    1e-5; VAR-Topk's error is the smaller and it is chosen at step 2 on both ranks. (Measured as
+    on one rank, both read the same error and the tie went to cyclic.)"""
+    from hvdcomp.auto import Auto
+    from hvdcomp.compressors.topk import num_kept
+
+    labels = ["cltk:density=0.1", "cltk:density=0.1,leader=variance"]
+    data = dict(n=16, features=16, out=8)
+    clock = _Clock()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(16, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    auto = Auto(candidates=labels, probe=2, warmup=1, window=2, interval=0, accordion=0, clock=clock)
+    hook = hvdcomp.ddp.register(model, auto, optimizer=opt, cost_model=(1e-6, 1e-10))
+    for step in range(4):
+        clock.now += 0.0625
+        opt.zero_grad()
+        (loss(model, step, **data) * (1.0 + 9.0 * rank())).backward()
+        opt.step()
+    got = [(d["step"], d["cause"], d["chosen"]) for d in hook.auto.decisions]
+    table = hook.auto.decisions[1]["table"]
+
+    module = copy.deepcopy(model.module)
+    names = [n for n, _ in module.named_parameters()]
+    hook_order = [n for b in hook.buckets.values() for n in b]
+    assert sorted(hook_order) == sorted(names), hook_order
+
+    def local(step, r):  # rank r's gradient at step, flat in the hook's order
+        module.zero_grad()
+        x, y = batch(step, of=r, **data)
+        (torch.nn.functional.mse_loss(module(x), y) * (1.0 + 9.0 * r)).backward()
+        grads = dict(module.named_parameters())
+        return torch.cat([grads[n].grad.reshape(-1) for n in hook_order])
+
+    want = {}
+    for label in labels:
+        residual = [torch.zeros(136), torch.zeros(136)]
+        norms = [[], []]
+        err2 = norm2 = 0.0
+        for t, step in enumerate((1, 2)):
+            g = [local(step, r) for r in range(2)]
+            p = [g[r] + residual[r] for r in range(2)]
+            if label.endswith("variance"):  # smoothed norms, weights (1 - 0.001)^j, j = 1 for the newest
+                stats = []
+                for r in range(2):
+                    norms[r].append(float(g[r].norm()))
+                    w = [(1 - 0.001) ** j for j in range(1, len(norms[r]) + 1)]
+                    stats.append(sum(a * b for a, b in zip(w, reversed(norms[r]))) / sum(w))
+                leader = max(range(2), key=lambda r: (stats[r], -r))
+            else:
+                leader = t % 2
+            idx = p[leader].abs().topk(num_kept(136, 0.1)).indices
+            for r in range(2):
+                residual[r] = p[r].clone()
+                residual[r][idx] = 0.0
+                err2 += float(residual[r].square().sum())
+                norm2 += float(p[r].square().sum())
+        want[label] = math.sqrt(err2 / norm2)
+    for label in labels:
+        assert abs(table[label]["error"] - want[label]) <= 1e-5 * want[label], (label, table[label], want)
+    assert want[labels[1]] < want[labels[0]], want
+    assert got == [(0, "start", labels[0]), (2, "probe", labels[1])], got
+    everyone = _gather_objects(got)
+    assert everyone[0] == everyone[1], everyone
+    return f"cyclic {want[labels[0]]:.4f}, VAR-Topk {want[labels[1]]:.4f}: VAR-Topk chosen"
 
 
 CHECKS = {name[len("check_"):].replace("_", "-"): fn for name, fn in dict(globals()).items()

@@ -1,7 +1,7 @@
 """One worker of an elastic Horovod job (tests/test_elastic.py starts it under ``horovodrun
 --min-np 1 --max-np 2 --host-discovery-script``): a tiny model trained with
 hvdcomp.DistributedOptimizer; or a local-update mode, H = 2, Δ carried by ``<spec>`` (METHOD
-``diloco:<spec>``, ``sparseloco:<spec>``, ``adaalter:<spec>``); or an adaptive
+``diloco:<spec>``, ``sparseloco:<spec>``, ``co2:<spec>``, ``adaalter:<spec>``); or an adaptive
 optimizer (one of :data:`ADAPTIVE`); or gossip (``gossip:<method>:<compressor>``, on a ring); or a
 group of :data:`GROUPS` (its METHODs side by side, each on its own model) inside ``hvd.elastic.run``, the
 world resized by rewriting what the discovery script prints. Every step prints one ``ELASTIC
@@ -44,7 +44,7 @@ GROUPS = {
     "adaptive": sorted(ADAPTIVE),
     # hvdcomp.DistributedOptimizer (per-step compression) and the local-update modes
     "allreduce-and-local": ["topk:density=0.25", "powersgd", "diloco:topk:density=0.25",
-                            "sparseloco:topk:density=0.25", "adaalter:topk:density=0.25"],
+                            "sparseloco:topk:density=0.25", "co2:topk:density=0.25", "adaalter:topk:density=0.25"],
     # gossip on a ring, overlap on; the compressors that keep the network average exactly
     "gossip": ["gossip:choco:sign", "gossip:dcd:none", "gossip:ecd:none", "gossip:powergossip:none"],
 }
@@ -120,13 +120,16 @@ def build(method: str):
     if method == "stock":
         return (model, hvd.DistributedOptimizer(base, named_parameters=model.named_parameters()), None), target
     mode = method.split(":", 1)[0]
-    if mode in ("diloco", "sparseloco", "adaalter"):  # H = 2, Δ carried by the method after the colon
+    if mode in ("diloco", "sparseloco", "co2", "adaalter"):  # H = 2, Δ carried by the method after the colon
         import hvdcomp.local as L
 
         spec = method.split(":", 1)[1]
         if mode == "adaalter":  # (one synchronous warm-up step: the rounds end at odd steps)
             base = L.AdaAlter(model.parameters(), lr=0.2, eps=1.0)  # (eps 1: a tame first step)
             opt = L.LocalAdaAlter(base, model.named_parameters(), local_steps=2, warmup_steps=1, compression=spec)
+        elif mode == "co2":  # (the constants of tests/test_elastic.py's one-process reference)
+            opt = L.CO2(base, model.named_parameters(), local_steps=2, compression=spec, outer_lr=1.0,
+                        outer_momentum=0.5)
         elif mode == "sparseloco":
             opt = L.SparseLoCo(base, model.named_parameters(), local_steps=2, compression=spec, chunk_size=None,
                                beta=0.9, outer_lr=0.7)
@@ -174,6 +177,11 @@ def train_step(method, model, opt, x, y) -> dict:
             "residuals": {} if gossip else {k: digest([v]) for k, v in sorted(residuals(opt).items())},
             "counter": None if gossip else method_state(opt).get("step"),
             "anchor": digest(opt.anchors.values()) if local else None,
+            "anchor_flat": [v for a in opt.anchors.values() for v in a.reshape(-1).tolist()]
+            if method.startswith("co2:") else None,
+            "momentum_flat": [v for p in opt.outer.param_groups[0]["params"]
+                              for v in opt.outer.state.get(p, {}).get("momentum_buffer", torch.zeros_like(p))
+                              .reshape(-1).tolist()] if method.startswith("co2:") else None,
             "outer": digest(_tensors(opt.outer.state_dict()["state"])) if local else None,
             "rounds": getattr(opt, "rounds", None),
             "state_before": state_before, "state": torch_state(opt) if adaptive else {},

@@ -6,13 +6,16 @@ identical on every rank at every step (a digest), the surviving rank's error-fee
 carried over unchanged through each reset, the new rank's starting at zero, PowerSGD's shared
 step counter equal to the number of steps taken (the new rank takes it from the survivor), and a
 loss that goes on falling; for DiLoCo, θ_start and the outer momentum carried and handed to the
-new rank. Before (fce42e2): the shrink continued, the growth hung after Horovod's
-reset (no step at size 2 within 60 s).
+new rank; for CO2, θ_start, the outer momentum and the rounds against a one-process simulation.
+Before (fce42e2): the shrink continued, the growth hung after Horovod's reset (no step at size 2
+within 60 s).
 
 The modes run side by side, each on its own model and optimizer, in three jobs (the resets, not
 the steps, take the time): hvdcomp.DistributedOptimizer and the local-update modes, the adaptive
 optimizers, the gossip methods (tests/elastic_checks.py GROUPS); each test checks one mode's lines
-of its group's job. A mode joins a job by its METHOD in GROUPS and a test that reads its lines."""
+of its group's job. A mode joins a job by its METHOD in GROUPS and a test that reads its lines
+(CO2 uncompressed against its one-process reference runs in a job of its own: two CO2 optimizers'
+rounds in flight together would share Horovod names)."""
 import json
 import os
 import signal
@@ -146,16 +149,17 @@ def test_diloco_shrinks_and_grows_keeping_the_anchor_and_outer_momentum(local_jo
     assert new["anchor_before"] != new["anchor"]  # (it joined with the survivor's θ_start)
 
 
-@pytest.mark.parametrize("mode", ["sparseloco", "adaalter"])
+@pytest.mark.parametrize("mode", ["sparseloco", "co2", "adaalter"])
 def test_local_update_modes_shrink_and_grow_carrying_their_state(local_job, mode):
-    """SparseLoCo and Local AdaAlter (H = 2, top-k 25 % Δ with error feedback) under
+    """SparseLoCo, CO2 and Local AdaAlter (H = 2, top-k 25 % Δ with error feedback) under
     2 -> 1 -> 2: the global parameters θ_start, the outer state, the round counter and the mode's
     own state identical on every rank at every step (the model's own parameters are per rank
     within a round); the survivor's residual (SparseLoCo's decaying
     error-feedback accumulator among them) and θ_start carried through each reset, the new rank's
     residual zero and its θ_start the survivor's; the loss falls. The mode's state, checked
     against its value before the change: Local AdaAlter: every rank's denominator is the survivor's (the last agreed average of the
-    accumulators). Before (41a4339): refused at construction (not in ELASTIC_FRONTENDS)."""
+    accumulators). Before (41a4339; CO2: cda4510): refused at construction (not in
+    ELASTIC_FRONTENDS)."""
     lines = local_job(f"{mode}:topk:density=0.25")
     by_step = steps_of(lines)
     check_run(lines, by_step, "anchor")
@@ -171,6 +175,97 @@ def test_local_update_modes_shrink_and_grow_carrying_their_state(local_job, mode
         if mode == "adaalter":
             assert carried and {d["pending"] for d in by_step[first]} == {carried}, (first, by_step[first])
 
+
+def co2_reference(sizes, local_steps=2, outer_lr=1.0, outer_momentum=0.5, keep_in_flight=False):
+    """CO2 under elastic Horovod in one process, uncompressed (the model, data and inner SGD of
+    tests/elastic_checks.py): per step, θ_start, the outer momentum (flattened, float64), the
+    rounds joined and the mean loss over the ranks. A world-size change between two steps drops
+    the round in flight and the round in progress on every rank, which restart from θ_start;
+    θ_start and the momentum carry over (``keep_in_flight``: the in-flight average kept instead,
+    the behaviour the check must tell apart)."""
+    import copy
+
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    target = torch.nn.Linear(16, 1)
+    anchor = [p.detach().clone() for p in model.parameters()]
+    momentum = [torch.zeros_like(a) for a in anchor]
+    pending, rounds, round_step, out = None, 0, 0, []
+
+    def restart(size):
+        models = [copy.deepcopy(model) for _ in range(size)]
+        with torch.no_grad():
+            for m in models:
+                for p, a in zip(m.parameters(), anchor):
+                    p.copy_(a)
+        return models, [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+
+    models, inner = restart(sizes[0])
+    for step, size in enumerate(sizes):
+        if step and size != sizes[step - 1]:  # the reset: both rounds dropped unless kept
+            pending = pending if keep_in_flight else None
+            round_step = 0
+            models, inner = restart(size)
+        losses = []
+        for r, (m, opt) in enumerate(zip(models, inner)):
+            gen = torch.Generator().manual_seed(1000 * step + r)
+            x = torch.randn(32, 16, generator=gen)
+            with torch.no_grad():
+                y = target(x)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        round_step += 1
+        if round_step == local_steps:
+            with torch.no_grad():
+                deltas = [[a - p for a, p in zip(anchor, m.parameters())] for m in models]
+                mean = [sum(ds) * (1.0 / size) if size > 1 else ds[0] for ds in zip(*deltas)]
+                if pending is not None:  # Δ̄ of the previous round, one round late
+                    rounds += 1
+                    for a, mo, g in zip(anchor, momentum, pending):
+                        mo.mul_(outer_momentum).add_(g)
+                        a.add_(mo, alpha=-outer_lr)
+                pending, round_step = mean, 0
+            models, inner = restart(size)
+        out.append({"anchor": torch.cat([a.reshape(-1) for a in anchor]).double(),
+                    "momentum": torch.cat([m.reshape(-1) for m in momentum]).double(), "rounds": rounds,
+                    "loss": sum(losses) / len(losses)})
+    return out
+
+
+def test_co2_shrinks_and_grows_against_a_one_process_reference(tmp_path):
+    """CO2 (H = 2, uncompressed Δ, α = 1, β = 0.5) under 2 -> 1 -> 2, its round's collectives
+    started by the training thread as Horovod asynchronous operations and finished one round later
+    (no thread of ours issues a collective): at every step, on every rank, θ_start, the outer
+    momentum, the rounds joined and the loss equal those of a one-process simulation
+    (:func:`co2_reference`) in which each world-size change drops the round in flight and the
+    round in progress on every rank, and θ_start and the momentum carry over; keeping the
+    in-flight average instead differs (checked here too, so the comparison can fail); the loss
+    falls. Before: refused at construction (a reduction thread caught in Horovod's reset hung
+    2 of 20 runs)."""
+    import torch
+
+    lines = elastic_run(tmp_path, "co2:none", "2,1,2")
+    by_step = steps_of(lines)
+    sizes = [2] * STEPS + [1] * STEPS + [2] * STEPS
+    assert sorted(by_step) == list(range(len(sizes)))
+    want, kept = co2_reference(sizes), co2_reference(sizes, keep_in_flight=True)
+    for step, size in enumerate(sizes):
+        ranks, ref = by_step[step], want[step]
+        assert sorted(d["rank"] for d in ranks) == list(range(size)), ranks
+        for d in ranks:
+            got = torch.tensor(d["anchor_flat"], dtype=torch.float64), torch.tensor(d["momentum_flat"], dtype=torch.float64)
+            assert torch.allclose(got[0], ref["anchor"], rtol=0, atol=1e-5), (step, (got[0] - ref["anchor"]).abs().max())
+            assert torch.allclose(got[1], ref["momentum"], rtol=0, atol=1e-5), (step, (got[1] - ref["momentum"]).abs().max())
+            assert d["rounds"] == ref["rounds"], (step, d["rounds"], ref["rounds"])
+        loss = sum(d["loss"] for d in ranks) / size
+        assert abs(loss - ref["loss"]) < 1e-4, (step, loss, ref["loss"])
+    assert (want[-1]["anchor"] - kept[-1]["anchor"]).abs().max() > 1e-2  # (the check tells the two apart)
+    assert sum(d["loss"] for d in want[2 * STEPS:]) < 0.5 * sum(d["loss"] for d in want[:STEPS])
 
 #: per adaptive optimizer of tests/elastic_checks.py (ADAPTIVE): the kind of each step (None: a
 #: DistributedOptimizer's, which has none), the torch-state keys identical on every rank at every

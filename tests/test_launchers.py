@@ -166,8 +166,7 @@ def test_torchrun_and_mpirun_are_recorded_by_name(tmp_path):
 
 # ---- elastic Horovod (HOROVOD_ELASTIC=1): front-ends that cannot follow a size change refuse ----
 ELASTIC_ENV = {**HOROVOD_GLOO_ENV, "HOROVOD_ELASTIC": "1"}
-NOT_ELASTIC = ["hvdcomp.local.CO2",
-               "hvdcomp.lowrank.ABTraining", "the DDP front-end (hvdcomp.ddp.register)"]
+NOT_ELASTIC = ["hvdcomp.lowrank.ABTraining", "the DDP front-end (hvdcomp.ddp.register)"]
 
 
 @pytest.mark.parametrize("frontend", NOT_ELASTIC)
@@ -192,8 +191,8 @@ def test_elastic_horovod_refuses_front_ends_that_cannot_follow_a_size_change(mon
 
 
 @pytest.mark.parametrize("frontend", ["the Horovod front-end (hvdcomp.DistributedOptimizer)", "hvdcomp.local.DiLoCo",
-                                      "hvdcomp.local.SparseLoCo", "hvdcomp.local.LocalAdaAlter",
-                                      "hvdcomp.adaptive_opt.OneBitAdam", "hvdcomp.adaptive_opt.ZeroOneAdam",
+                                      "hvdcomp.local.SparseLoCo", "hvdcomp.local.CO2",
+                                      "hvdcomp.local.LocalAdaAlter", "hvdcomp.adaptive_opt.OneBitAdam", "hvdcomp.adaptive_opt.ZeroOneAdam",
                                       "hvdcomp.adaptive_opt.OneBitLamb", "hvdcomp.adaptive_opt.CompressedAMSGrad",
                                       "hvdcomp.gossip.GossipOptimizer"])
 def test_elastic_horovod_accepts_the_front_ends_that_follow(monkeypatch, frontend):

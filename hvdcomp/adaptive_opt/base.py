@@ -51,7 +51,6 @@ None), with ``"raise"`` every rank raises ``FloatingPointError``.
 from __future__ import annotations
 
 import abc
-import contextlib
 import itertools
 import logging
 from dataclasses import replace
@@ -65,6 +64,7 @@ from ..comm.group import FollowsWorld
 from ..comm.stepcomm import StepComm
 from ..metrics import PhaseTimer
 from ..plan import BATCHED, TransportPlan
+from ..step import SkipSynchronize
 from .averaging import ONEBIT_SPEC, Averaging
 from .warmup import WarmupStage
 
@@ -106,7 +106,7 @@ def named_groups(named_parameters, frozen: Optional[List[str]] = None) -> Tuple[
     return out, names
 
 
-class AdaptiveOptimizer(torch.optim.Optimizer, FollowsWorld, metaclass=abc.ABCMeta):
+class AdaptiveOptimizer(SkipSynchronize, torch.optim.Optimizer, FollowsWorld, metaclass=abc.ABCMeta):
     """Base of the optimizers of :mod:`hvdcomp.adaptive_opt` (see the module docstring).
 
     Subclasses give :meth:`_init_state` (a parameter's fresh state), :attr:`warmup_steps`
@@ -129,9 +129,12 @@ class AdaptiveOptimizer(torch.optim.Optimizer, FollowsWorld, metaclass=abc.ABCMe
             :class:`hvdcomp.comm.stepcomm.StepComm` (with point-to-point messages where it has more
             than one rank); default: Horovod's within ``process_set``, with an MPI duplicate of
             its communicator.
+        momentum_masks: ``{parameter name: tensor of 0/1}`` (:func:`check_masks`; see
+            :meth:`momentum_mask`), or None.
 
     Raises:
-        ValueError: ``backward_passes_per_step != 1``, an unknown ``nonfinite``, parameters that
+        ValueError: ``backward_passes_per_step != 1``, an unknown ``nonfinite``, a bad
+            ``momentum_masks`` (:func:`check_masks`), parameters that
             are not float32/float64, parameters with ``requires_grad=False`` (the trained set is
             fixed at construction and the variance frozen later, so one unfrozen afterwards could
             not train: pass the trainable ones only), ranks that disagree on the
@@ -149,7 +152,7 @@ class AdaptiveOptimizer(torch.optim.Optimizer, FollowsWorld, metaclass=abc.ABCMe
 
     def __init__(self, named_parameters, defaults: dict, *, process_set=None, timer: Optional[PhaseTimer] = None,
                  nonfinite: str = "skip", warmup_compression: str = "none", backward_passes_per_step: int = 1,
-                 comm: Optional[StepComm] = None):
+                 comm: Optional[StepComm] = None, momentum_masks: Optional[Dict[str, torch.Tensor]] = None):
         if backward_passes_per_step != 1:
             raise ValueError(f"{type(self).__name__} averages the momentum once per step() and does not "
                              "accumulate: use backward_passes_per_step=1 (to accumulate, run several "
@@ -175,7 +178,7 @@ class AdaptiveOptimizer(torch.optim.Optimizer, FollowsWorld, metaclass=abc.ABCMe
         self.skipped_steps, self.last_step_kind = 0, None
         self._prefix = f"hvdcomp.adaptive.{next(_ids)}"
         self.warmup = WarmupStage(self)
-        self._sync_on_step, self._masks = True, {}
+        self._masks = {}
         self.group = None if comm is not None else resolve_group(
             process_set, frontend=f"hvdcomp.adaptive_opt.{type(self).__name__}")
         if self.group is not None and not self.group.included:
@@ -197,7 +200,8 @@ class AdaptiveOptimizer(torch.optim.Optimizer, FollowsWorld, metaclass=abc.ABCMe
                              "freezes their variance), so a parameter unfrozen afterwards could never train; "
                              f"{self._frozen[:5]} have requires_grad=False. Pass the trainable ones only: "
                              "[(n, p) for n, p in model.named_parameters() if p.requires_grad]")
-        self.user_masks: Dict[str, torch.Tensor] = {}  # by parameter name (1: keep, 0: drop)
+        self.user_masks = check_masks(momentum_masks, self._names.values(),  # by name (1: keep, 0: drop)
+                                      {n: p.shape for p, n in self._names.items()})
         self._built = True
         self._plan = TransportPlan({self._names[p]: BATCHED for p in self.order}, collective="alltoall+allgather",
                                    ranks=self.group.ranks if self.group is not None else list(range(self.comm.size)))
@@ -310,15 +314,6 @@ class AdaptiveOptimizer(torch.optim.Optimizer, FollowsWorld, metaclass=abc.ABCMe
 
     def _variance_changed(self) -> None:
         self._masks = {}
-
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """Let ``step()`` skip ``synchronize()`` (call it yourself first, e.g. to clip gradients)."""
-        self._sync_on_step = False
-        try:
-            yield
-        finally:
-            self._sync_on_step = True
 
     def synchronize(self) -> None:
         """During the warm-up: average the gradients into ``p.grad`` (the warm-up optimizer's

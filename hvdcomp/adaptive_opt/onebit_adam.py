@@ -70,7 +70,7 @@ import torch
 
 from ..checks import check_bool, check_choice, check_count, check_range
 from ..spec import get_compressor
-from .base import AdaptiveOptimizer, check_masks
+from .base import AdaptiveOptimizer
 
 __all__ = ["OneBitAdam", "check_adam_hyper", "check_betas", "MOMENTUM_AVERAGING"]
 
@@ -155,9 +155,7 @@ class OneBitAdam(AdaptiveOptimizer):
         super().__init__(named_parameters, hyper,
                          process_set=process_set, timer=timer, nonfinite=nonfinite,
                          warmup_compression=warmup_compression, backward_passes_per_step=backward_passes_per_step,
-                         comm=comm)
-        self.user_masks = check_masks(momentum_masks, self._names.values(),
-                                      {n: p.shape for p, n in self._names.items()})
+                         comm=comm, momentum_masks=momentum_masks)
         if momentum_averaging == "exact":
             self._plan = replace(self._plan, collective="allreduce")
 

@@ -53,7 +53,7 @@ from typing import Dict, Optional
 import torch
 
 from ..checks import check_bool, check_count, check_range
-from .base import AdaptiveOptimizer, check_masks
+from .base import AdaptiveOptimizer
 from .onebit_adam import adam_state, check_adam_hyper
 
 __all__ = ["OneBitLamb", "Lamb"]
@@ -184,9 +184,7 @@ class OneBitLamb(AdaptiveOptimizer):
         super().__init__(named_parameters, hyper,
                          process_set=process_set, timer=timer, nonfinite=nonfinite,
                          warmup_compression=warmup_compression, backward_passes_per_step=backward_passes_per_step,
-                         comm=comm)
-        self.user_masks = check_masks(momentum_masks, self._names.values(),
-                                      {n: p.shape for p, n in self._names.items()})
+                         comm=comm, momentum_masks=momentum_masks)
 
     def _check_hyper(self, group, where):
         group.update(check_lamb_hyper(*(group[k] for k in ("lr", "betas", "eps", "weight_decay", "max_coeff",

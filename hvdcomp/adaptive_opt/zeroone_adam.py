@@ -78,7 +78,7 @@ from typing import Dict, Optional
 import torch
 
 from ..checks import check_bool, check_choice, check_count
-from .base import AdaptiveOptimizer, check_masks
+from .base import AdaptiveOptimizer
 from .onebit_adam import adam_state, check_adam_hyper
 
 __all__ = ["ZeroOneAdam", "is_variance_step", "is_sync_step", "variance_updates", "local_interval", "step_kinds",
@@ -272,9 +272,7 @@ class ZeroOneAdam(AdaptiveOptimizer):
         self._poisoned = False  # a local gradient was non-finite since the last synchronisation
         super().__init__(named_parameters, hyper,
                          process_set=process_set, timer=timer, nonfinite=nonfinite,
-                         backward_passes_per_step=backward_passes_per_step, comm=comm)
-        self.user_masks = check_masks(momentum_masks, self._names.values(),
-                                      {n: p.shape for p, n in self._names.items()})
+                         backward_passes_per_step=backward_passes_per_step, comm=comm, momentum_masks=momentum_masks)
 
     def _hyper(self):
         return {k: getattr(self, k) for k in ("var_freeze_step", "var_update_scaler", "local_step_scaler",

@@ -20,9 +20,8 @@ import abc
 import io
 import pickle
 import time
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Sequence
 
-import numpy as np
 import torch
 
 __all__ = ["ProcessGroup", "HorovodGroup", "Group", "HOROVOD_ALLREDUCE_DTYPES", "horovod", "FollowsWorld", "elastic_world",

@@ -320,10 +320,7 @@ class AdaptiveCompressor(Compressor):
                 "candidates": [m.state_dict() for m in self.methods]}
 
     def load_state_dict(self, state):
-        unknown = sorted(set(state) - {"steps", "numels", "errors", "plan", "plan_round", "candidates"})
-        if unknown:
-            raise ValueError(f"adaptive state has keys steps, numels, errors, plan, plan_round, "
-                             f"candidates; got unknown {unknown}")
+        self._check_state_keys(state, "steps", "numels", "errors", "plan", "plan_round", "candidates")
         self.steps = dict(state.get("steps", {}))
         self.numels = dict(state.get("numels", {}))
         self.errors = {n: (r, np.array(e, dtype=np.float64)) for n, (r, e) in state.get("errors", {}).items()}

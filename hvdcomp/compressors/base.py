@@ -219,6 +219,17 @@ class Method(StagedState):
         if state:
             raise ValueError(f"{self.name} is stateless but got state with keys {sorted(state)}")
 
+    def _check_state_keys(self, state: Dict[str, Any], *keys: str, hint: str = "") -> None:
+        """Refuse a checkpoint (for :meth:`load_state_dict`) with keys other than ``keys``.
+
+        Raises:
+            ValueError: naming the accepted keys and the unknown ones.
+        """
+        unknown = sorted(set(state) - set(keys))
+        if unknown:
+            raise ValueError(f"{self.name} state has only the key{'s' * (len(keys) > 1)} "
+                             f"{', '.join(map(repr, keys))}{hint}, got unknown key(s) {unknown}")
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.describe().items() if k != "name")
         return f"{type(self).__name__}({args})"
@@ -372,10 +383,6 @@ class Compressor(Method, _HorovodCompressor, metaclass=abc.ABCMeta):
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:  # type: ignore[override]
         """Horovod ``Compressor.decompress``: inverse of :meth:`compress` (after allreduce)."""
         return self.decode([tensor], ctx)
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v}" for k, v in self.describe().items() if k != "name")
-        return f"{type(self).__name__}({args})"
 
 
 

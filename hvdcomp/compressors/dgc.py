@@ -27,7 +27,7 @@ import torch
 
 from ..memory import Residuals
 from .registry import register
-from .rng import RankGenerators
+from .rng import DrawsPerCall, RankGenerators
 from .selection import MIN_SAMPLE, check_sample_ratio, sample_draws, sampled_threshold_topk, select_segments
 from .segments import SegmentsContext
 from .base import ErrorBound
@@ -37,7 +37,7 @@ from ..checks import check_bool, check_count, check_range, check_seed
 
 
 @register("dgc")
-class DGCCompressor(SparseCompressor):
+class DGCCompressor(DrawsPerCall, SparseCompressor):
     """Deep Gradient Compression (sparse payload ``[values float32, indices int32]``).
 
     Args:
@@ -72,7 +72,6 @@ class DGCCompressor(SparseCompressor):
     shared_state_keys = ("epoch",)
     recycled_stores = ("u", "v")
     min_sample = MIN_SAMPLE
-    draws_per_call = True  # the threshold's sample, from the per-rank generator, per gradient
 
     def __init__(self, density: float = 0.001, momentum: float = 0.9, sample_ratio: float = 0.01,
                  warmup_epochs: int = 0, clip_norm: float = 0.0, nesterov: bool = False,
@@ -131,12 +130,6 @@ class DGCCompressor(SparseCompressor):
         counts = self.__dict__.setdefault("_sample_counts", {}).setdefault(density, {})
         return self.rng.ordered(names, items, lambda todo: sample_draws(
             self.rng, todo, lambda n: num_kept(n, density), self.sample_ratio, self.min_sample, counts))
-
-    def bind_draw_order(self, order) -> None:
-        """Take the sampling generator's draws in ``order`` (a
-        :class:`~hvdcomp.compressors.rng.DrawOrder`, or None: in call order); set by the optimizer
-        on fused pipelines."""
-        self.rng.order = order
 
     def threshold_select(self, mag: torch.Tensor, k: int) -> torch.Tensor:
         """Indices (int64) of about k entries of ``mag`` (1-D, >= 0) via a sampled threshold

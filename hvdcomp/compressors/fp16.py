@@ -577,7 +577,5 @@ class FP16Compressor(SaturationCheck, Compressor):
         return {"exponents": dict(self.exponents)}
 
     def load_state_dict(self, state):
-        unknown = sorted(set(state) - {"exponents"})
-        if unknown:
-            raise ValueError(f"fp16 state has only 'exponents', got keys {unknown}")
+        self._check_state_keys(state, "exponents")
         self.exponents = {k: int(v) for k, v in state.get("exponents", {}).items()}

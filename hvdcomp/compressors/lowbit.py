@@ -363,9 +363,7 @@ class LowBitCompressor(AggregateInto, Compressor):
             ValueError: keys other than ``"residuals"``, or a residual that is not a floating
                 tensor.
         """
-        unknown = sorted(set(state) - {"residuals"})
-        if unknown:
-            raise ValueError(f"lowbit state accepts only the key 'residuals', got unknown key(s) {unknown}")
+        self._check_state_keys(state, "residuals")
         residuals = state.get("residuals", {})
         if not isinstance(residuals, dict):
             raise ValueError(f"lowbit state 'residuals' must be a dict {{name: tensor}}, got {type(residuals).__name__}")

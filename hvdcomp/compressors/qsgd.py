@@ -34,14 +34,14 @@ from ..checks import check_choice, check_count, check_int, check_seed
 from .base import AggregateInto, Compressor, ErrorBound, float32_flat, write_back, PayloadKind
 from .bitpack import bits_for_levels, pack_bits, packed_nbytes, unpack_bits, unpack_codes
 from .registry import register
-from .rng import RankGenerators, rounding_draws
+from .rng import DrawsPerCall, RankGenerators, rounding_draws
 from .segments import SegmentsContext
 
 FP32_MAX = torch.finfo(torch.float32).max
 
 
 @register("qsgd")
-class QSGDCompressor(AggregateInto, Compressor):
+class QSGDCompressor(DrawsPerCall, AggregateInto, Compressor):
     """QSGD with ``levels`` = s quantization levels per sign and quantization blocks of ``block`` elements.
 
     Args:
@@ -70,7 +70,6 @@ class QSGDCompressor(AggregateInto, Compressor):
     name = "qsgd"
     payload_kind = PayloadKind.GATHERED
     aggregate_is_mean = True
-    draws_per_call = True  # one key (or torch.rand) from the per-rank generator per gradient
 
     def __init__(self, levels: int = 16, block: int = 512, scale: str = "l2", seed: int = 0,
                  bucket: Optional[int] = None):
@@ -132,11 +131,6 @@ class QSGDCompressor(AggregateInto, Compressor):
         call per gradient takes them (:meth:`hvdcomp.compressors.rng.RankGenerators.ordered`)."""
         return self.rng.ordered(names, items, lambda todo: rounding_draws(
             self.rng, todo, self._native_on, lambda n: (math.ceil(n / self.block), self.block)))
-
-    def bind_draw_order(self, order) -> None:
-        """Take the generator's draws in ``order`` (a :class:`~hvdcomp.compressors.rng.DrawOrder`,
-        or None: in call order); set by the optimizer on fused pipelines."""
-        self.rng.order = order
 
     def _layout(self, segments):
         """Per segment: where its scales and its code bytes start in a segmented payload

@@ -20,7 +20,7 @@ import torch
 
 from ..comm.world import rank
 
-__all__ = ["RankGenerators", "DrawOrder", "rounding_draws"]
+__all__ = ["RankGenerators", "DrawOrder", "DrawsPerCall", "rounding_draws"]
 
 
 class DrawOrder:
@@ -54,6 +54,19 @@ class DrawOrder:
         """The whole step's order, once backward is over: ``ready``, then ``flush`` without them."""
         seen = set(self.ready)
         return self.ready + [i for i in self.flush if i not in seen]
+
+
+class DrawsPerCall:
+    """Mixin of methods that draw from their per-rank generator (``self.rng``, a
+    :class:`RankGenerators`) at each call: ``draws_per_call`` (read by
+    :func:`hvdcomp.compressors.segments.needs_draw_order`) and :meth:`bind_draw_order`."""
+
+    draws_per_call = True
+
+    def bind_draw_order(self, order) -> None:
+        """Take the generator's draws in ``order`` (a :class:`DrawOrder`, or None: in call
+        order); set by the optimizer on fused pipelines."""
+        self.rng.order = order
 
 
 class RankGenerators:

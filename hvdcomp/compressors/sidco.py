@@ -452,9 +452,7 @@ class SIDCoCompressor(SparseCompressor):
         Raises:
             ValueError: keys other than ``"stages"``, or a count that is not an integer >= 1.
         """
-        unknown = sorted(set(state) - {"stages"})
-        if unknown:
-            raise ValueError(f"sidco state has only the key 'stages' ({{name: number of stages}}), got keys {unknown}")
+        self._check_state_keys(state, "stages", hint=" ({name: number of stages})")
         counts = {}
         for name, value in dict(state.get("stages", {})).items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -25,12 +25,12 @@ from ..checks import check_range, check_seed
 from .base import AggregateInto, Compressor, ErrorBound, float32_flat, write_back, PayloadKind
 from .bitpack import pack_bits, packed_nbytes, unpack_codes
 from .registry import register
-from .rng import RankGenerators, rounding_draws
+from .rng import DrawsPerCall, RankGenerators, rounding_draws
 from .segments import SegmentsContext
 
 
 @register("terngrad")
-class TernGradCompressor(AggregateInto, Compressor):
+class TernGradCompressor(DrawsPerCall, AggregateInto, Compressor):
     """Ternary {−s, 0, s} quantization with 2.5σ clipping.
 
     Args:
@@ -55,7 +55,6 @@ class TernGradCompressor(AggregateInto, Compressor):
     name = "terngrad"
     payload_kind = PayloadKind.GATHERED
     aggregate_is_mean = True
-    draws_per_call = True  # one key (or torch.rand) from the per-rank generator per gradient
 
     def __init__(self, clip_sigmas: float = 2.5, seed: int = 0):
         self.clip_sigmas = check_range(clip_sigmas, "clip_sigmas", 0.0, hint=" (0 disables clipping)")
@@ -90,11 +89,6 @@ class TernGradCompressor(AggregateInto, Compressor):
         call per gradient takes them (:meth:`hvdcomp.compressors.rng.RankGenerators.ordered`)."""
         return self.rng.ordered(names, items, lambda todo: rounding_draws(
             self.rng, todo, native.usable_on, lambda n: (n,)))
-
-    def bind_draw_order(self, order) -> None:
-        """Take the generator's draws in ``order`` (a :class:`~hvdcomp.compressors.rng.DrawOrder`,
-        or None: in call order); set by the optimizer on fused pipelines."""
-        self.rng.order = order
 
     def _encode_native(self, g, key):
         n = g.numel()

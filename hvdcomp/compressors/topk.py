@@ -18,7 +18,7 @@ import math
 import torch
 
 from .registry import register
-from .rng import RankGenerators
+from .rng import DrawsPerCall, RankGenerators
 from .selection import (
     check_sample_ratio,
     check_select,
@@ -50,7 +50,7 @@ def num_kept(numel: int, density: float) -> int:
 
 
 @register("topk")
-class TopKCompressor(SparseCompressor):
+class TopKCompressor(DrawsPerCall, SparseCompressor):
     """Keep the k = max(1, ceil(ρ·n)) entries of largest magnitude.
 
     Args:
@@ -183,17 +183,9 @@ class TopKCompressor(SparseCompressor):
         return self.rng.ordered(names, items, lambda todo: sample_draws(
             self.rng, todo, lambda n: num_kept(n, self.density), self.sample_ratio, counts=counts))
 
-    def bind_draw_order(self, order) -> None:
-        """Take the sampling generator's draws in ``order`` (a
-        :class:`~hvdcomp.compressors.rng.DrawOrder`, or None: in call order); set by the optimizer
-        on fused pipelines."""
-        self.rng.order = order
-
     def state_dict(self):
         return {"rng": self.rng.state_dict()} if self.select_mode == "sample" else {}
 
     def load_state_dict(self, state):
-        unknown = sorted(set(state) - {"rng"})
-        if unknown:
-            raise ValueError(f"topk state has only 'rng' (select=sample), got keys {unknown}")
+        self._check_state_keys(state, "rng", hint=" (select=sample)")
         self.rng.load_state_dict(state.get("rng", {}))

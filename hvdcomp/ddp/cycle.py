@@ -45,19 +45,19 @@ class StepCycle:
 
     Attributes:
         status: a :class:`hvdcomp.step.Status`.
-        buckets: the :class:`~hvdcomp.ddp.buckets.Bucket` s of the step in progress.
         life: the :class:`hvdcomp.step.Lifecycle` (staged state, the non-finite guard, which
             observes buffers as they come, restored state, the loss scale, ``skipped_steps``).
         backward_steps: synchronized backward passes reduced so far.
         optimizer: the attached optimizer, or None.
         auto: ``compression="auto"``'s :class:`hvdcomp.auto.AutoState`, told of every step
-            committed (:meth:`~hvdcomp.auto.AutoState.boundary`) or dropped; else None.
+            committed (:meth:`~hvdcomp.auto.AutoState.boundary`), skipped
+            (:meth:`~hvdcomp.auto.AutoState.skipped`, on every rank, a joined one too) or dropped;
+            else None.
     """
 
     def __init__(self, group, nonfinite: str, grad_scaler, timer, compression):
         self.group, self.nonfinite, self.timer, self.auto = group, nonfinite, timer, None
         self.life, self.status = Lifecycle(compression, nonfinite, grad_scaler), Status.IDLE
-        self.buckets: List[Bucket] = []
         self.backward_steps = 0
         self.optimizer = self._original_step = self._original_zero_grad = None
         self._shadowing = False
@@ -98,11 +98,13 @@ class StepCycle:
             self._commit(self.optimizer)
         return result
 
-    def _commit(self, optimizer=None) -> None:
-        """The step counts: its state committed (a step boundary for ``auto``)."""
+    def _commit(self, optimizer=None, buckets=()) -> None:
+        """The step counts: its state committed (a step boundary for ``auto``; ``buckets``: the
+        step's averaged buffers where ``.grad`` does not hold them)."""
         self.life.commit(optimizer)
         if self.auto is not None:
-            self.auto.boundary()
+            self.auto.boundary({n: v for b in buckets for n, v in zip(b.layout.names, b.layout.views(b.buffer))}
+                               if buckets else None)
 
     @property
     def unapplied(self) -> bool:
@@ -150,11 +152,10 @@ class StepCycle:
         elif self.life.staged:  # (a backward that never reached its last bucket)
             self._drop()
         self.status = Status.BACKWARD
-        self.buckets = []
         self.life.guard.reset()
         self.life.open(self.group, "hvdcomp.ddp", () if self.auto is None else (self.auto.rescale,))
 
-    def agree(self) -> bool:
+    def agree(self, buckets: List[Bucket]) -> bool:
         """Whether the ranks skip this step (some rank's gradient was non-finite); raises under
         ``nonfinite="raise"`` (:meth:`hvdcomp.agreement.NonFiniteGuard.decide`). ``none``'s
         buckets are checked on their allreduced results, identical on every rank: a step of only
@@ -163,33 +164,36 @@ class StepCycle:
         loaded, restored.loaded_since_step = restored.loaded_since_step, False
         if self.nonfinite == "ignore":
             return False
-        direct = [b.buffer for b in self.buckets if b.in_place]
+        direct = [b.buffer for b in buckets if b.in_place]
         if direct:
             guard.observe(direct, averaged=True)
-        if len(direct) == len(self.buckets):  # (the results agree)
+        if len(direct) == len(buckets):  # (the results agree)
             return guard.agree(lambda v: [list(v)], loaded, 1).skip
         with self.timer.phase("communicate") if self.group.size > 1 else contextlib.nullcontext():
             return guard.decide(self.group, self.group, None, loaded, 1).skip
 
-    def skip(self) -> None:
-        """Every rank skips: state rolled back, every result NaN (a GradScaler sees the overflow)."""
-        self.life.skip(b.buffer for b in self.buckets)
+    def skip(self, buckets: List[Bucket]) -> None:
+        """Every rank skips: state rolled back, every bucket's result NaN (a GradScaler sees the
+        overflow)."""
+        self.life.skip(b.buffer for b in buckets)
         self.status = Status.SKIPPED
 
-    def reduced(self) -> None:
-        """The last bucket is reduced: the update waits to be applied (without an optimizer,
-        nobody tells, and a joined rank's shadow step is never applied: what was reduced counts,
-        committed now)."""
+    def reduced(self, buckets: List[Bucket]) -> None:
+        """The last bucket is reduced (``buckets``: the step's, averaged): the update waits to be
+        applied (without an optimizer, nobody tells, and a joined rank's shadow step is never
+        applied: what was reduced counts, committed now)."""
         self.backward_steps += 1
-        if self.status is not Status.SKIPPED:
-            self.status = Status.SYNCED
+        if self.status is Status.SKIPPED:  # (not a step: for auto, on every rank, a joined one too)
+            if self.auto is not None:
+                self.auto.skipped()
+            return
+        self.status = Status.SYNCED
         if self.optimizer is None or self._shadowing:
-            self._commit()
+            self._commit(buckets=buckets)
 
     def discard(self) -> None:
         """Drop the step in progress (an error, or a state loaded in the middle of it)."""
         self._drop(self.status if self.status is Status.SKIPPED else Status.IDLE)
-        self.buckets = []
         self.life.guard.reset()
 
     def _drop(self, status: Status = Status.IDLE) -> None:

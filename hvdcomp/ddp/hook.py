@@ -3,26 +3,17 @@
 ``register(ddp_model, "topk:density=0.01", optimizer=opt)`` registers :func:`hvdcomp_hook` with
 ``ddp_model.register_comm_hook(state, hook)``. DDP calls the hook once per gradient bucket during
 backward, in bucket order, with a ``torch.distributed.GradBucket``; the hook returns a
-``torch.futures.Future`` of the averaged bucket. One bucket's path:
-
-1. **compress** (:mod:`hvdcomp.ddp.buckets`): the bucket's units (:mod:`hvdcomp.ddp.layout`: each
-   gradient by its own rules, several in one vectorised call where the method can) are encoded
-   with the compressor's own ``encode``, error feedback included, under their parameter names;
-2. **communicate** (:mod:`hvdcomp.ddp.buckets` over the group): summable payloads start a summed
-   ``all_reduce`` at once; other payloads start their counts exchange, and their data gather starts
-   at the next bucket's hook (when the counts are in); batched methods (PowerSGD, gtopk, cltk,
-   twophase) wait for the last bucket and reduce every gradient of the step in one call of their
-   ``reduce_batch`` (their own collectives over ``torch.distributed``);
-3. at the **last bucket** (``bucket.is_last()``) the hook waits for the step's collectives, lets
-   a method that can saturate (fp16) check the reduced payloads (a saturated one is reduced again
-   as the method's replacement, or reported overflowed: NaN, so the step is skipped), agrees
-   with every rank on the step (non-finite gradients, restored state: :mod:`hvdcomp.ddp.cycle`
-   over :mod:`hvdcomp.agreement`),
-   **decompresses** every bucket into its buffer (``decode`` / ``aggregate``), and completes every
-   bucket's future; DDP then copies the buffers into ``p.grad``.
-
-All collectives are issued from the thread that runs the hooks, in bucket order (never from
-future callbacks), so every rank issues the same sequence.
+``torch.futures.Future`` of the averaged bucket. The step's buckets are the units of one
+:class:`~hvdcomp.ddp.buckets.BucketTransport` (the :class:`~hvdcomp.transports.base.Transport`
+interface of every transport): each bucket is started as it comes (its units,
+:mod:`hvdcomp.ddp.layout`, compressed with the method's own ``encode``, error feedback included,
+and its collectives started); at the **last bucket** (``bucket.is_last()``) the transport
+finishes (waits, resends a saturated fp16 payload or reads it NaN, decompresses every bucket into
+its buffer), the ranks agree on the step (:mod:`hvdcomp.ddp.cycle` over :mod:`hvdcomp.agreement`;
+a step-wide method such as PowerSGD reduces the whole step after that agreement), and every
+bucket's future is completed; DDP then copies the buffers into ``p.grad``. How each payload kind
+travels: :mod:`hvdcomp.ddp.buckets`. All collectives are issued from the thread that runs the
+hooks, in bucket order (never from future callbacks), so every rank issues the same sequence.
 
 State follows what is applied (:mod:`hvdcomp.ddp.cycle`). A step's compressor updates (residuals,
 momenta, counters, generator states) are staged when its first bucket is compressed
@@ -75,7 +66,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
@@ -86,14 +76,14 @@ from torch.nn.parallel import DistributedDataParallel
 from ..auto import Auto, AutoState
 from ..comm.torchdist import TorchDistGroup
 from ..compressors.base import PayloadKind
-from ..compressors.segments import needs_draw_order
 from ..config import Settings, check_method
 from ..launch import start_frontend
 from ..metrics import PhaseTimer
 from ..agreement import check_consistency
 from ..reducer import check_free, claim
 from ..spec import resolve_compression
-from .buckets import IN_PLACE_DTYPES, Bucket, BucketPath, bucket_kind, describe
+from ..transports.allreduce import IN_PLACE_DTYPES
+from .buckets import Bucket, BucketTransport
 from .cycle import StepCycle
 from .layout import BucketLayout, Layouts
 
@@ -133,23 +123,13 @@ class _ShadowingJoinHook(JoinHook):
         self.inner.post_hook(is_last_joiner)
 
 
-@dataclass
-class _Candidate:
-    """A method as the hook runs it: ``plan`` says how its payloads travel (for records)."""
-
-    compression: Any
-    plan: str
-    layouts: Layouts
-    path: BucketPath
-
-
 class HookState:
     """Everything the DDP hook keeps: the compressor, the group, the step in progress, the timer.
 
     Build it with :func:`register` (which validates the arguments and registers the hook). Its
     parts: the parameters and bucket layouts (:class:`hvdcomp.ddp.layout.Layouts`), the step in
-    progress (:class:`hvdcomp.ddp.cycle.StepCycle`) and a bucket's path
-    (:class:`hvdcomp.ddp.buckets.BucketPath`).
+    progress (:class:`hvdcomp.ddp.cycle.StepCycle`) and the buckets' transport
+    (:class:`hvdcomp.ddp.buckets.BucketTransport`).
 
     Attributes:
         compression: the :class:`hvdcomp.Compressor` (its state: residuals, momenta, ...).
@@ -161,6 +141,8 @@ class HookState:
         timer: the :class:`hvdcomp.metrics.PhaseTimer` phases and bytes are recorded in.
         skipped_steps: steps skipped because some rank had a non-finite gradient.
         transport: one line saying how gradients travel, for logs and results.
+        pipe: the :class:`~hvdcomp.ddp.buckets.BucketTransport` the buckets travel by (with
+            ``compression="auto"``, the candidate's in use).
         auto: with ``compression="auto"``, its :class:`hvdcomp.auto.AutoState` (candidates,
             ``decisions``), else None.
     """
@@ -172,8 +154,8 @@ class HookState:
         self.group, self.settings, self.prefix = TorchDistGroup(process_group), settings, "hvdcomp.ddp"
         self.granularity, self.nonfinite = settings.granularity, settings.nonfinite
         self.timer = settings.timer if settings.timer is not None else PhaseTimer()
-        self._module, self._named = ddp_model.module, None if named_parameters is None else list(named_parameters)
-        self._layouts = Layouts(ddp_model.module, self._named, False, self.granularity)
+        self._named = None if named_parameters is None else list(named_parameters)
+        self._layouts = Layouts(ddp_model.module, self._named, self.granularity)
         self.order = [p for _, p in self._layouts.order]
         self.names = {p: n for n, p in self._layouts.order}
         self._cycle = StepCycle(self.group, self.nonfinite, settings.grad_scaler, self.timer, compression)
@@ -190,22 +172,16 @@ class HookState:
         if optimizer is not None:
             self.attach(optimizer)
 
-    def _candidate(self, k: int, method, settings=None, gatherer=None) -> _Candidate:
-        """What the hook runs ``method`` with (its bucket layouts and path)."""
+    def _candidate(self, k: int, method, settings=None, gatherer=None) -> BucketTransport:
+        """The transport the hook runs ``method`` with."""
         method.bind_group(self.group.size)
-        # methods that draw at each call (QSGD, TernGrad, DGC, sampled top-k) compress one gradient
-        # per call in the expected backward order, so they draw what the Horovod front-end draws
-        fused = getattr(method, "segmentable", False) and not needs_draw_order(method)
-        layouts = Layouts(self._module, self._named, fused, self.granularity)
-        return _Candidate(method, f"torch.distributed {self.group.backend}: {describe(method)}; per DDP bucket, "
-                                  f"granularity {self.granularity}",
-                          layouts, BucketPath(method, self.group, self.timer, [n for n, _ in layouts.order]))
+        return BucketTransport(method, self.group, self.timer, [n for n, _ in self._layouts.order], self.granularity)
 
-    def install(self, pipe: _Candidate) -> None:
-        """Run ``pipe``'s method from the next step on (between steps: ``compression="auto"``'s
+    def install(self, pipe: BucketTransport) -> None:
+        """Run ``pipe`` (its method) from the next step on (between steps: ``compression="auto"``'s
         switch, :class:`hvdcomp.auto.AutoState`)."""
-        self.pipe, self.compression, self.kind = pipe, pipe.compression, bucket_kind(pipe.compression)
-        self._layouts, self._path, self.transport = pipe.layouts, pipe.path, pipe.plan
+        self.pipe = pipe
+        self.compression, self.kind, self.transport = pipe.compression, pipe.kind, pipe.plan
         self._cycle.life.use(pipe.compression)
 
     @property
@@ -319,17 +295,19 @@ class HookState:
         t0 = auto.clock() if auto is not None else 0.0
         if cycle.needs_open(bucket.index()):
             cycle.open()
-        layout = self._layouts.of(bucket)
+            self.pipe.reset()
+        layout = self._layouts.of(bucket, self.pipe.fused)
         if auto is not None:  # (a switch's carry into the gradients; a probe's copy of them)
             auto.add_carry(zip(layout.names, layout.views(buffer)))
         devices = [buffer.device] if buffer.is_cuda else None
         raw = self._raw(layout, buffer)
         entry = Bucket(buffer, layout, torch.futures.Future(devices=devices),
                        PayloadKind.MEAN if raw else self.kind, raw)
-        cycle.buckets.append(entry)
+        path = self.pipe
+        path.buckets.append(entry)
         if not entry.in_place:  # (none: checked on the allreduced results instead)
             cycle.life.guard.observe([buffer])
-        self._path.start(entry)
+        path.start(len(path.buckets) - 1)
         if bucket.is_last():
             self._finish(t0)
         elif auto is not None:
@@ -337,33 +315,33 @@ class HookState:
         return entry.future
 
     def _finish(self, t0: float) -> None:
-        """The last bucket: wait, check for saturation (:meth:`BucketPath.check_saturation`), agree
-        on the step, decompress every bucket, complete the futures."""
-        cycle, path = self._cycle, self._path
-        buckets = cycle.buckets
+        """The last bucket: the transport's :meth:`~BucketTransport.finish` (wait, resend a
+        saturated payload or read it NaN, decompress every bucket), the step's agreement (a
+        step-wide method's finish after it, as the Reducer's deferred transports), complete the
+        futures."""
+        cycle, path = self._cycle, self.pipe
+        buckets = path.buckets
         try:
-            path.wait(buckets)
-            if self.kind is not None:  # a saturated payload is sent again, or reads NaN (overflowed)
-                cycle.life.guard.observe(path.check_saturation(buckets), averaged=True)
-            if cycle.agree():
-                cycle.skip()
-            elif self.kind is None:
-                path.reduce_batched(buckets)
-            else:
-                path.decompress(buckets)
+            if not path.deferred:
+                path.finish()
+                cycle.life.guard.observe([view for _, view in path.overflowed], averaged=True)
+            if cycle.agree(buckets):
+                cycle.skip(buckets)
+            elif path.deferred:
+                path.finish()
         except BaseException as exc:
             for b in buckets:
                 if not b.future.done():
                     b.future.set_exception(exc)
             cycle.discard()
+            path.reset()
             raise
-        path.count_bytes(buckets)
         if self.auto is not None:  # (the last bucket, with the step's wait: auto's "synchronize")
             self.auto.synced(self.auto.clock() - t0)
-        cycle.reduced()
+        cycle.reduced(buckets)
+        path.reset()
         for b in buckets:
             b.future.set_result(b.buffer)
-        cycle.buckets = []
 
     # ---- loops written for the Horovod front-end ------------------------------------------------
     def synchronize(self) -> None:
@@ -376,7 +354,7 @@ class HookState:
             RuntimeError: called while a backward's buckets are still being reduced (from a
                 hook or another thread).
         """
-        if self._cycle.buckets:
+        if self.pipe.buckets:
             raise RuntimeError("synchronize() during a backward: DDP is still reducing buckets; call it "
                                "after loss.backward() returns")
 
@@ -396,9 +374,8 @@ class HookState:
         (``torch.save(state.state_dict(), f"hook.{rank}.pt")``) to resume bit-identically, or on
         rank 0 only, in which case the shared part is shared at the first step and the other
         ranks' per-rank state starts fresh (as with the Horovod front-end)."""
-        return {"compression": self.compression.state_dict(), "skipped_steps": self.skipped_steps,
-                "granularity": self.granularity, "bucket_layouts": self._layouts.state_dict(),
-                **({"auto": self.auto.state_dict()} if self.auto is not None else {})}
+        return {**self._cycle.life.state_dict(self.auto), "granularity": self.granularity,
+                "bucket_layouts": self._layouts.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Inverse of :meth:`state_dict`; drops a step in progress.
@@ -410,12 +387,9 @@ class HookState:
             raise ValueError(f"this hook state was saved with granularity={state['granularity']!r}; "
                              f"register the hook with the same granularity (now {self.granularity!r})")
         self._cycle.discard()
-        if self.auto is not None and "auto" in state:
-            self.auto.load_state_dict(state["auto"])  # (installs the saved choice)
-        self.compression.load_state_dict(state["compression"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.pipe.reset()
+        self._cycle.life.load_state_dict(state, self.auto)
         self._layouts.load_state_dict(state.get("bucket_layouts", {}))
-        self._cycle.life.restored.note_load()
 
     def __repr__(self) -> str:
         return f"HookState({self.compression!r}, {self.transport})"

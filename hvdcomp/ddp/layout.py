@@ -130,16 +130,18 @@ def plan_bucket(index: int, names: Sequence[str], shapes: Sequence[Sequence[int]
 class Layouts:
     """One DDP model's parameters as the hook sees them, and the layout of every bucket seen.
 
+    Built once per hook; every method the hook runs (``compression="auto"``'s candidates) plans
+    its buckets here, by whether it compresses several gradients in one call (:meth:`of`).
+
     Args:
         module: the model DDP wraps (``ddp_model.module``); its parameters that require a
             gradient are the ones DDP's buckets hold.
         named_parameters: ``(name, parameter)`` pairs naming them (compressor state is keyed by
             these names), or None for ``module.named_parameters()``.
-        segmentable: the method compresses several gradients in one call (``Compressor.segmentable``).
         granularity: ``"tensor"`` or ``"bucket"`` (see the module docstring).
 
     Attributes:
-        names: parameter names in ``module.parameters()`` order.
+        params: the parameters that require a gradient, in ``module.parameters()`` order.
         order: ``(name, parameter)`` in the expected backward order (the reverse of
             ``module.parameters()``, the Horovod front-end's).
         recorded: granularity ``"bucket"``: per bucket index, the layout key its compressor state
@@ -151,39 +153,35 @@ class Layouts:
     """
 
     def __init__(self, module: torch.nn.Module, named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]],
-                 segmentable: bool, granularity: str):
+                 granularity: str):
         params = [p for p in module.parameters() if p.requires_grad]
         by_param = name_parameters([{"params": params}],
                                    module.named_parameters() if named_parameters is None else named_parameters)
         self.params = params
-        self.names = [by_param[p] for p in params]
         self.order: List[Tuple[str, torch.nn.Parameter]] = [(by_param[p], p) for p in reversed(params)]
         self._names: Dict[int, str] = {id(p): n for n, p in self.order}
         self._position: Dict[int, int] = {id(p): i for i, (_, p) in enumerate(self.order)}
-        self.segmentable, self.granularity = segmentable, granularity
-        self._layouts: Dict[int, BucketLayout] = {}
+        self.granularity = granularity
+        self._layouts: Dict[Tuple[int, bool], BucketLayout] = {}  # (index, segmentable) -> layout
+        self._seen: Dict[int, Tuple[str, ...]] = {}
         self.recorded: Dict[int, Tuple[str, ...]] = {}
-
-    def signature(self) -> List[tuple]:
-        """``(name, shape, dtype)`` of every parameter, in ``module.parameters()`` order (what
-        every rank must share)."""
-        return [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self.names, self.params)]
 
     def seen(self) -> Dict[int, Tuple[str, ...]]:
         """The buckets seen so far: index -> parameter names in buffer order."""
-        return {k: layout.names for k, layout in sorted(self._layouts.items())}
+        return dict(sorted(self._seen.items()))
 
-    def of(self, bucket) -> BucketLayout:
-        """The units of a ``torch.distributed.GradBucket``, planned once per bucket layout (DDP
+    def of(self, bucket, segmentable: bool) -> BucketLayout:
+        """The units of a ``torch.distributed.GradBucket`` for a method that does (``segmentable``)
+        or does not compress several gradients in one call, planned once per bucket layout (DDP
         rebuilds its buckets once)."""
         index = bucket.index()
         params = bucket.parameters()
-        key = tuple(self._names[id(p)] for p in params)
-        layout = self._layouts.get(index)
+        key = self._seen[index] = tuple(self._names[id(p)] for p in params)
+        layout = self._layouts.get((index, segmentable))
         if layout is None or layout.key != key:
-            layout = self._layouts[index] = plan_bucket(
+            layout = self._layouts[index, segmentable] = plan_bucket(
                 index, key, [tuple(p.shape) for p in params], [self._position[id(p)] for p in params],
-                self.segmentable, self.granularity)
+                segmentable, self.granularity)
         return layout
 
     def check_recorded(self, layout: BucketLayout) -> None:

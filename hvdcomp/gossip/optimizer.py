@@ -47,10 +47,10 @@ import torch
 
 from ..agreement import NonFiniteGuard
 from ..metrics import PhaseTimer
+from ..step import LocalOptimizerSurface
 from ..transports.neighbor import NeighborTransport, neighbor_edges
 from ..comm import resolve_group
-from ..comm.group import HorovodGroup
-from ..launch import elastic_launch
+from ..comm.group import FollowsWorld
 from .base import GossipMethod, copy_params
 from .choco import ChocoGossip
 from .dcd import DCDGossip, ECDGossip
@@ -80,7 +80,7 @@ def make_method(method: str, params, names, topology, rank, compression=None, co
                            consensus_step=consensus_step, **kwargs)
 
 
-class GossipOptimizer:
+class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
     """Local optimizer step, then a compressed gossip step with the neighbours (module docstring).
 
     Args:
@@ -153,13 +153,9 @@ class GossipOptimizer:
             self._guard = NonFiniteGuard(nonfinite)
             self.overlap = check_bool(overlap, "overlap")
             return  # (as Horovod: a rank outside the process set trains on its own)
-        # under elastic Horovod no collective now (a new worker builds this during the others' reset)
-        self.elastic = getattr(self.group, "hvd", None) is not None and elastic_launch()
-        if self.elastic and not self.group.is_global:
-            raise ValueError("under elastic Horovod (HOROVOD_ELASTIC=1) gossip runs over the whole job, whose size "
-                             "changes: leave process_set unset (a process set's ranks do not survive Horovod's reset)")
         self._settings = (method, topology, compression, consensus_step, weights, timeout, method_kwargs)
-        self._joining = self.elastic
+        # under elastic Horovod no collective now (a new worker builds this during the others' reset)
+        self._init_world(self.group, "gossip")
         if not self._joining:
             self._build()
 
@@ -210,27 +206,21 @@ class GossipOptimizer:
         Raises:
             ValueError: the optimizer does not run on Horovod.
         """
-        if getattr(self.group, "hvd", None) is None:
-            raise ValueError("GossipOptimizer.reset() follows elastic Horovod's reset; this optimizer does not run "
-                             "on Horovod")
+        super().reset()
+
+    def _world_group(self):
+        return self.group
+
+    def _resize(self, group) -> None:
         if self.transport is not None:
             self.transport.reset()  # (a failed exchange of the old world is logged, not raised)
             self.transport.close()
         self.transport = self.method = self.topology = None
-        self.group = HorovodGroup(self.group.process_set)
-        self._joining = True
+        self.group = group
 
-    def _follow_world(self) -> None:
-        """Under elastic Horovod, at the start of a step: a world changed without :meth:`reset`
-        is followed as if it had been called; then, at the first step of a world, :meth:`_build`."""
-        if not getattr(self, "elastic", False):
-            return
-        hvd = self.group.hvd
-        if not self._joining and (hvd.size(), hvd.rank()) != (self.size, self.rank):
-            self.reset()
-        if self._joining:
-            self._joining = False
-            self._build()
+    def _join_world(self) -> None:
+        self._joining = False
+        self._build()
 
     # ---- construction helpers ----------------------------------------------------------------
     def _agree(self, error: Optional[BaseException], record) -> None:
@@ -249,30 +239,7 @@ class GossipOptimizer:
                                      f"{_short(e['record'][field])} vs {_short(ref[field])}; every rank must pass the "
                                      "same method, topology, consensus_step, compression and model")
 
-    # ---- torch.optim.Optimizer-like facade ----------------------------------------------------
-    @property
-    def param_groups(self):
-        """The wrapped optimizer's parameter groups (set ``lr`` here for schedules)."""
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        """The wrapped optimizer's state (momentum buffers, ...)."""
-        return self.optimizer.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad``."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def synchronize(self) -> None:
-        """Nothing to do: gradients stay local in decentralized training (for scripts written for
-        :class:`hvdcomp.DistributedOptimizer`, which call it before clipping)."""
-
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """A no-op context (see :meth:`synchronize`)."""
-        yield
-
+    # ---- torch.optim.Optimizer-like facade: LocalOptimizerSurface's, over the wrapped optimizer ------
     def step(self, closure=None):
         """The non-finite check, the local optimizer step, then the gossip step; returns the
         closure's loss, or None for a skipped step.

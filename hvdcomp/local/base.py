@@ -69,6 +69,7 @@ from ..memory import Wrapper
 from ..metrics import PhaseTimer, RecordLog
 from ..spec import resolve_compression
 from ..reducer import Reducer, check_free, claim, release
+from ..step import LocalOptimizerSurface
 from .checkpoint import Checkpoints
 
 __all__ = ["LocalUpdate", "check_carries_delta", "check_outer_lr", "round_report"]
@@ -192,7 +193,7 @@ def optimizer_settings(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
                              for g in optimizer.param_groups]}
 
 
-class LocalUpdate(Checkpoints, FollowsWorld):
+class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
     """Base of the local-update wrappers (:class:`hvdcomp.local.DiLoCo`, ``SparseLoCo``, ``CO2``,
     ``LocalAdaAlter``): see the module docstring for the round.
 
@@ -338,16 +339,8 @@ class LocalUpdate(Checkpoints, FollowsWorld):
         """The timer the reduction records into (the caller's thread: ``self.timer``)."""
         return self.timer
 
-    # ---- torch.optim-like surface ----------------------------------------------------------------
-    @property
-    def param_groups(self):
-        """The inner optimizer's parameter groups (learning-rate schedules set them)."""
-        return self.inner.param_groups
-
-    @property
-    def state(self):
-        """The inner optimizer's state."""
-        return self.inner.state
+    # ---- torch.optim-like surface: LocalOptimizerSurface's over the inner optimizer, and these ------
+    _local_optimizer = "inner"
 
     @property
     def anchors(self) -> Dict[str, torch.Tensor]:
@@ -370,18 +363,6 @@ class LocalUpdate(Checkpoints, FollowsWorld):
     def transport(self):
         """How Δ travels (:class:`hvdcomp.plan.TransportPlan`)."""
         return self.sync.transport
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The inner optimizer's ``zero_grad``."""
-        self.inner.zero_grad(set_to_none=set_to_none)
-
-    def synchronize(self) -> None:
-        """Nothing to do: no step communicates (kept so Horovod loops run unchanged)."""
-
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """A no-op context (kept so Horovod's clip-after-synchronize recipe runs unchanged)."""
-        yield
 
     def step(self, closure=None):
         """One inner step; after the H-th of a round, the round's reduction and outer step.

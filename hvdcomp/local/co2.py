@@ -40,9 +40,19 @@ from any thread (its own thread runs them, and waiting releases the GIL); the mp
 runs on its own thread (``MPI_THREAD_MULTIPLE``: import mpi4py before Horovod). A failure on the
 background thread is raised in the training thread at the next join.
 
+Under elastic Horovod no thread of ours issues a collective (Horovod calls the reset callback
+after starting the new world: a thread between two collectives would issue the next into it and
+hang): the training thread starts the round's collectives as Horovod asynchronous operations
+(:meth:`hvdcomp.reducer.Reducer.launch`), Horovod's thread runs them behind the next round, and
+the join finishes them (:meth:`hvdcomp.reducer.Reducer.reduce`); a reset drops them with the round
+(``CO2._resize``). Step-wide methods (PowerSGD) have no asynchronous collectives: they run at the
+join, without overlap.
+
 Timing: time the training thread waits at the join is charged to ``communicate`` on the
 optimizer's timer (``exposed_s`` per round); the rest of the reduction's wall time ran behind the
-inner steps (``hidden_s``). The reduction's own phases are recorded per round (``history``).
+inner steps (``hidden_s``; under elastic Horovod the launch counts as exposed, and ``hidden_s`` is
+the time the collectives had behind the inner steps). The reduction's own phases are recorded per
+round (``history``).
 """
 from __future__ import annotations
 
@@ -132,7 +142,8 @@ class CO2(LocalUpdate):
 
     Raises:
         ValueError: as :class:`hvdcomp.local.DiLoCo` and :class:`CO2Momentum`.
-        RuntimeError: at the end of a round, when the previous reduction failed on its thread.
+        RuntimeError: at the end of a round, when the previous reduction failed on its thread
+            (under elastic Horovod, Horovod's own error, e.g. ``HorovodInternalError``).
     """
 
     algorithm = "co2"
@@ -142,6 +153,7 @@ class CO2(LocalUpdate):
                  clip: Optional[float] = None, **kwargs):
         self._round_timer = PhaseTimer(cuda_sync=False)  # the reduction's thread records here only
         self._thread: Optional[threading.Thread] = None
+        self._launched = False  # (elastic Horovod) the round's collectives started, not yet finished
         self._error: Optional[BaseException] = None
         self._inflight: Dict[str, Any] = {}
         self.pending = False  # Δ̄ of the previous round is in the send buffers, to apply (never a dropped round's)
@@ -198,41 +210,58 @@ class CO2(LocalUpdate):
             d.zero_()
 
     def _start(self) -> None:
-        """The reduction of the send buffers, on a background thread."""
+        """The reduction of the send buffers: on a background thread, or, under elastic Horovod,
+        its collectives started from this thread (see the module docstring)."""
         for c, g in zip(self._carriers, self._carrier_grads):
             c.grad = g
-        self._inflight = {"inner_steps": self.round_step, "step": self.steps}
+        self._round_timer.begin_step()
+        self._inflight = {"inner_steps": self.round_step, "step": self.steps, "t0": time.perf_counter()}
         self._error = None
+        if self._elastic:
+            with self.timer.phase("communicate"):
+                self.sync.launch()
+            self._inflight["launch_s"] = time.perf_counter() - self._inflight["t0"]
+            self._launched = True
+            return
         self._thread = threading.Thread(target=self._reduce_in_thread, name="hvdcomp-co2", daemon=True)
         self._thread.start()
 
     @property
     def reduction_running(self) -> Optional[bool]:
         """None when no reduction was started since the last join; else whether its background
-        thread is still running (False: finished, not yet joined)."""
+        thread is still running (False: finished, not yet joined); under elastic Horovod, True
+        until the join (the collectives' completion is not polled)."""
+        if self._launched:
+            return True
         return None if self._thread is None else self._thread.is_alive()
+
+    def _finish_reduction(self) -> None:
+        """Finish the reduction (all of it, on the background thread) and record it."""
+        skipped = not self.sync.reduce()
+        rec = self._round_timer.end_step()
+        self._inflight.update({"wall_s": time.perf_counter() - self._inflight.pop("t0"), "skipped": skipped,
+                               **{f"{k}_s": rec[k] for k in ("compress", "communicate", "decompress")},
+                               **{k: rec[k] for k in ("bytes_sent", "bytes_received", "dense_bytes")}})
 
     def _reduce_in_thread(self) -> None:
         try:
-            self._round_timer.begin_step()
-            t0 = time.perf_counter()
-            skipped = not self.sync.reduce()
-            wall = time.perf_counter() - t0
-            rec = self._round_timer.end_step()
-            self._inflight.update({"wall_s": wall, "skipped": skipped,
-                                   **{f"{k}_s": rec[k] for k in ("compress", "communicate", "decompress")},
-                                   **{k: rec[k] for k in ("bytes_sent", "bytes_received", "dense_bytes")}})
+            self._finish_reduction()
         except BaseException as exc:  # noqa: BLE001 - raised in the training thread at the join
             self._error = exc
 
     def _join(self) -> None:
-        """Wait for the reduction in flight (charged to ``communicate``), record its round."""
-        if self._thread is None:
+        """Wait for the reduction in flight (charged to ``communicate``), record its round (under
+        elastic Horovod a ``HorovodInternalError`` is raised as it is, for ``hvd.elastic.run``)."""
+        if self._thread is None and not self._launched:
             return
         t0 = time.perf_counter()
         with self.timer.phase("communicate"):
-            self._thread.join()
-        exposed = time.perf_counter() - t0
+            if self._launched:
+                self._launched = False  # (a failure leaves nothing to finish: the reset drops the round)
+                self._finish_reduction()
+            else:
+                self._thread.join()
+        exposed = time.perf_counter() - t0 + self._inflight.pop("launch_s", 0.0)
         self._thread = None
         if self._error is not None:
             raise RuntimeError(f"CO2's reduction of round {self.rounds + 1} failed on its thread: "
@@ -291,6 +320,15 @@ class CO2(LocalUpdate):
         self._join()
         super().broadcast_state(root_rank)
 
+    def _resize(self, group) -> None:
+        """Elastic Horovod's reset (no collective): the round in flight (its old world's handles,
+        forgotten by :meth:`hvdcomp.reducer.Reducer.resize`, which rolls the staged state back) and
+        an average joined but not applied are dropped on every rank alike."""
+        self._launched = False
+        self._inflight = {}
+        self._drop_round()
+        super()._resize(group)
+
     def _global_state(self) -> Dict[str, Any]:
         return {**super()._global_state(), "pending": self.pending}
 
@@ -303,6 +341,9 @@ class CO2(LocalUpdate):
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._launched:
+            self._launched = False
+            self.sync.reduce()
         super().close()
 
     def describe(self):

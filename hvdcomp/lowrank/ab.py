@@ -60,7 +60,6 @@ and on ``Split`` sub-communicators per rank group.
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -71,6 +70,7 @@ from ..comm.group import HorovodGroup
 from ..comm.torchdist import TorchDistGroup
 from ..launch import start_frontend
 from ..metrics import PhaseTimer
+from ..step import SkipSynchronize
 from .factors import factorize, kept_rank, matrix_view, model_compression, unit_singular_values_
 from .layout import RankLayout, node_of_ranks
 from .schedule import STAGES, Rebound, Schedule
@@ -164,7 +164,7 @@ def _renamed(old: str, new: str) -> property:
     return property(get, doc=f"Deprecated spelling of :attr:`{new}` (one release).")
 
 
-class ABTraining:
+class ABTraining(SkipSynchronize):
     """Drives AB-training of ``model`` over MPI ranks; replaces a DistributedOptimizer.
 
     Use it as hvdcomp's optimizer: ``zero_grad()``, backward, ``synchronize()``, optionally
@@ -425,11 +425,6 @@ class ABTraining:
                 grads = grads + rest
             self.traffic.allreduce_mean(grads, "rank-group", "grouped")
         self.timer.add_bytes(dense=self.dense_bytes_per_step)
-
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """Compatibility with DistributedOptimizer's pattern: step() never synchronizes itself."""
-        yield
 
     def current_lr(self) -> float:
         """The learning rate of the next step: ``base_lr``, or the rebound's while it lasts."""

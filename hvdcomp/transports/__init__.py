@@ -23,8 +23,9 @@ route                  transport                                           modul
 =====================  ==================================================  ============================
 
 Every transport runs over a :class:`hvdcomp.comm.group.ProcessGroup` (Horovod's or
-``torch.distributed``'s). The DDP front-end (:mod:`hvdcomp.ddp`) moves its buckets by
-:mod:`hvdcomp.ddp.buckets` over the same group interface and the same allgatherer
+``torch.distributed``'s). The DDP front-end (:mod:`hvdcomp.ddp`) moves its buckets by a
+transport of the same interface, :class:`hvdcomp.ddp.buckets.BucketTransport` (its units: the
+step's DDP buckets), over the same group interface and allgatherer
 (:class:`hvdcomp.comm.torchdist.TorchDistAllgatherer`).
 
 The decentralized front-end (:mod:`hvdcomp.gossip`) moves each rank's payload to its graph

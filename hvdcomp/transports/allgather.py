@@ -8,7 +8,22 @@ from ..compressors.base import PayloadKind
 from ..plan import Route, make_buckets, register_route
 from .base import Transport, Wiring
 
-__all__ = ["AllgatherTransport"]
+__all__ = ["AllgatherTransport", "aggregate_gathered"]
+
+
+def aggregate_gathered(compression, gathered, units) -> None:
+    """Aggregate one gathered bucket unit by unit (every front-end's allgather ends here).
+
+    Args:
+        compression: the method (its ``aggregate_into``).
+        gathered: per rank, the bucket's payload tensors (every unit's, back to back).
+        units: per unit, in payload order, ``(target, ctx, n)``: where its mean is written, its
+            decoding context, and how many payload tensors it has.
+    """
+    start = 0
+    for target, ctx, n in units:
+        compression.aggregate_into(target, [rank_tensors[start:start + n] for rank_tensors in gathered], ctx)
+        start += n
 
 
 class AllgatherTransport(Transport):
@@ -71,16 +86,13 @@ class AllgatherTransport(Transport):
         with self.timer.phase("communicate"):
             gathered = self.gatherer.finish(handle)
         with self.timer.phase("decompress"):
-            start = 0
+            encoded = [self.encoded.pop(u) for u in bucket]
+            aggregate_gathered(self.compression, gathered, [(self.units.target(u), ctx, len(payload))
+                                                            for u, (payload, ctx) in zip(bucket, encoded)])
             for u in bucket:
-                payload, ctx = self.encoded.pop(u)
-                stop = start + len(payload)
-                target = self.units.target(u)
-                self.compression.aggregate_into(target, [rank_tensors[start:stop] for rank_tensors in gathered], ctx)
                 if self.scale != 1.0:
-                    target.mul_(self.scale)
+                    self.units.target(u).mul_(self.scale)
                 self.units.write_back(u)
-                start = stop
         self.timer.add_bytes(sent=handle.bytes_sent, received=handle.bytes_received, dense=self.bucket_dense[index])
         self.waiting[index] = len(bucket)
 

@@ -12,9 +12,11 @@ from ..compressors.base import PayloadKind
 from ..plan import Route, register_route
 from .base import Transport, Wiring
 
-__all__ = ["AllreduceTransport", "DecodedAllreduceTransport", "resend_saturated"]
+__all__ = ["AllreduceTransport", "DecodedAllreduceTransport", "resend_saturated", "IN_PLACE_DTYPES"]
 
-_IN_PLACE_DTYPES = (torch.float32, torch.float64)
+#: dtypes a gradient is reduced in place, as Horovod and DDP do (half-precision gradients travel in
+#: float32: their sums could overflow)
+IN_PLACE_DTYPES = (torch.float32, torch.float64)
 
 
 def resend_saturated(compression, reduced: List[Optional[tuple]],
@@ -124,7 +126,7 @@ class AllreduceTransport(Transport):
         its allreduce (in place where the payload is the gradient itself)."""
         if self.direct and len(self.units.members[u]) == 1:
             grad = self.units.tensor(u)
-            if grad.dtype in _IN_PLACE_DTYPES and grad.is_contiguous():  # (none sends half-precision
+            if grad.dtype in IN_PLACE_DTYPES and grad.is_contiguous():  # (none sends half-precision
                 # gradients as float32: their sums would overflow in fp16)
                 self._issue(u, lambda: ("in-place", [self.group.allreduce_async_(
                     grad, self.units.wire_name[u] + ".0", *self.reduce_args)], None, self.units.grad_bytes[u], None))

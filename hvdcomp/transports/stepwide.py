@@ -22,7 +22,7 @@ from ..compressors.topk import check_density, num_kept
 from ..memory import Residuals
 from .base import Transport, Wiring
 
-__all__ = ["StepMethod", "FlatStepMethod", "SparseStepMethod", "StepTransport"]
+__all__ = ["StepMethod", "FlatStepMethod", "SparseStepMethod", "StepTransport", "reduce_step"]
 
 
 class StepMethod(Method):
@@ -122,9 +122,7 @@ class FlatStepMethod(StepMethod):
         return {"residual": self.memory.state()}
 
     def load_state_dict(self, state):
-        unknown = sorted(set(state) - {"residual"})
-        if unknown:
-            raise ValueError(f"{self.name} state has only 'residual', got keys {unknown}")
+        self._check_state_keys(state, "residual")
         self.memory.load(state.get("residual", {}))
 
 
@@ -192,11 +190,18 @@ class StepTransport(Transport):
     def finish(self) -> None:
         """Reduce every gradient (``p.grad``, any shape and float dtype) and write the averaged
         result back into ``p.grad``; counts the fp32-equivalent dense bytes."""
-        params = self.units.order
-        targets = [p.grad for p in params]
-        grads = self.compression.reduce_batch(list(zip(self.names, targets)), self.step_comm, self.timer)
-        with self.timer.phase("decompress"):
-            torch._foreach_copy_(targets, grads)
-            if self.scale != 1.0:
-                torch._foreach_mul_(targets, self.scale)
+        reduce_step(self.compression, self.names, [p.grad for p in self.units.order], self.step_comm, self.timer,
+                    self.scale)
         self.timer.add_bytes(dense=self.dense_bytes)
+
+
+def reduce_step(compression, names: List[str], targets: List[torch.Tensor], comm, timer, scale: float = 1.0) -> None:
+    """A step-wide method's step, for every front-end: ``reduce_batch`` of the ``targets`` (the
+    step's gradients, any shape and float dtype, named ``names``, in the expected backward order)
+    over ``comm`` (a :class:`hvdcomp.comm.stepcomm.StepComm`); the averaged results (``× scale``)
+    are written back into ``targets``."""
+    grads = compression.reduce_batch(list(zip(names, targets)), comm, timer)
+    with timer.phase("decompress"):
+        torch._foreach_copy_(targets, grads)
+        if scale != 1.0:
+            torch._foreach_mul_(targets, scale)

@@ -139,10 +139,7 @@ class TwoPhaseCompressor(FlatStepMethod):
 
     def load_state_dict(self, state):
         super().load_state_dict({k: v for k, v in state.items() if k == "residual"})
-        unknown = sorted(set(state) - {"residual", "server", "server_chunk", "base"})
-        if unknown:
-            raise ValueError(f"twophase state has only 'residual', 'server', 'server_chunk' and 'base', got keys "
-                             f"{unknown}")
+        self._check_state_keys(state, "residual", "server", "server_chunk", "base")
         self.server_memory.load(state.get("server", {}))
         chunk = tuple(int(v) for v in state.get("server_chunk", ()))
         self.server_chunk = chunk or None  # (none saved: the loaded residual is taken for this rank's chunk)

@@ -127,9 +127,69 @@ def check_switch_exact_on_the_mean():
     opt.close()
 
 
+def check_leader_topk_measured_across_ranks():
+    """cltk (cyclic leader) and VAR-Topk at density 0.1 on ``model_64`` (n = 4160, k = 416), rank 1's
+    loss 10x rank 0's, lr 0, a fast posed link (the least error wins): the probe (steps 1-2) runs
+    each leader's top-k with the group's collectives; its error, Σ_r ‖kept_r‖² / Σ_r ‖p_r‖² (kept_r:
+    rank r's compensated gradient off the leader's positions), equals the one worked out here from
+    every rank's gradient (allgathered from a copy of the model) within 1e-5: VAR-Topk's leader is
+    rank 1 at both steps, cyclic's rank 0 then rank 1; VAR-Topk's error is the smaller, and chosen."""
+    import math
+
+    from hvdcomp.compressors.topk import num_kept
+
+    labels = ["cltk:density=0.1", "cltk:density=0.1,leader=variance"]
+    clock = Clock()
+    model = model_64()
+    reference = copy.deepcopy(model)
+    auto = Auto(candidates=labels, probe=2, window=2, warmup=1, interval=0, accordion=0, clock=clock)
+    opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                       named_parameters=model.named_parameters(), compression=auto,
+                                       cost_model=(1e-6, 1e-10))
+    scale = 1.0 + 9.0 * hvd.rank()
+    for step in range(4):
+        clock.now += 1.0
+        x, y = batch(step)
+        opt.zero_grad()
+        (torch.nn.functional.mse_loss(model(x), y) * scale).backward()
+        opt.step()
+    got = [(d["step"], d["cause"], d["chosen"]) for d in opt.auto.decisions]
+    table = opt.auto.decisions[1]["table"]
+    grads = {}
+    for step in (1, 2):
+        reference.zero_grad()
+        x, y = batch(step)
+        (torch.nn.functional.mse_loss(reference(x), y) * scale).backward()
+        mine = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+        grads[step] = hvd.allgather(mine.unsqueeze(0), name=f"var.grads.{step}")  # (rank r's in row r)
+    for label in labels:
+        residual, norms, err2, norm2 = torch.zeros(2, 4160), [[], []], 0.0, 0.0
+        for t, step in enumerate((1, 2)):
+            p = grads[step] + residual
+            if label.endswith("variance"):
+                stats = []
+                for r in range(2):
+                    norms[r].append(float(grads[step][r].norm()))
+                    w = [(1 - 0.001) ** j for j in range(1, len(norms[r]) + 1)]
+                    stats.append(sum(a * b for a, b in zip(w, reversed(norms[r]))) / sum(w))
+                leader = max(range(2), key=lambda r: (stats[r], -r))
+            else:
+                leader = t % 2
+            idx = p[leader].abs().topk(num_kept(4160, 0.1)).indices
+            residual = p.clone()
+            residual[:, idx] = 0.0
+            err2, norm2 = err2 + float(residual.square().sum()), norm2 + float(p.square().sum())
+        want = math.sqrt(err2 / norm2)
+        assert abs(table[label]["error"] - want) <= 1e-5 * want, (label, table[label], want)
+    assert table[labels[1]]["error"] < table[labels[0]]["error"], table
+    assert got == [(0, "start", labels[0]), (2, "probe", labels[1])], got
+    opt.close()
+
+
 if __name__ == "__main__":
     hvd.init()
     check_decide_agree_and_redecide()
     check_switch_exact_on_the_mean()
+    check_leader_topk_measured_across_ranks()
     if hvd.rank() == 0:
         print("auto checks passed", flush=True)
