@@ -2,8 +2,8 @@
 --min-np 1 --max-np 2 --host-discovery-script``): a tiny model trained with
 hvdcomp.DistributedOptimizer; or a local-update mode, H = 2, Δ carried by ``<spec>`` (METHOD
 ``diloco:<spec>``, ``sparseloco:<spec>``, ``co2:<spec>``, ``adaalter:<spec>``); or an adaptive
-optimizer (one of :data:`ADAPTIVE`, or ``adaptive``: all of them side by side, each on its own
-model); or gossip (``gossip:<method>:<compressor>``, on a ring) inside ``hvd.elastic.run``, the
+optimizer (one of :data:`ADAPTIVE`); or gossip (``gossip:<method>:<compressor>``, on a ring); or a
+group of :data:`GROUPS` (its METHODs side by side, each on its own model) inside ``hvd.elastic.run``, the
 world resized by rewriting what the discovery script prints. Every step prints one ``ELASTIC
 {json}`` line: step, size, rank, loss, a digest of the parameters, of this rank's error-feedback
 residual and of each key of the torch state.
@@ -35,6 +35,18 @@ ADAPTIVE = {  # METHOD: (the class of hvdcomp.adaptive_opt, its arguments)
     "zerooneadam": ("ZeroOneAdam", {"lr": 0.05, "var_freeze_step": 5, "var_update_scaler": 1,
                                     "local_step_scaler": 1, "local_step_clipper": 4}),
     "amsgrad": ("CompressedAMSGrad", {"lr": 0.05}),  # the two-way compressed gradient, AMSGrad
+}
+
+#: METHODs trained side by side in one job, each on its own model and optimizer, all following
+#: the same resets (the resets, not the steps, take the time); a new mode joins a job by its
+#: METHOD here and its checks in tests/test_elastic.py
+GROUPS = {
+    "adaptive": sorted(ADAPTIVE),
+    # hvdcomp.DistributedOptimizer (per-step compression) and the local-update modes
+    "allreduce-and-local": ["topk:density=0.25", "powersgd", "diloco:topk:density=0.25",
+                            "sparseloco:topk:density=0.25", "co2:topk:density=0.25", "adaalter:topk:density=0.25"],
+    # gossip on a ring, overlap on; the compressors that keep the network average exactly
+    "gossip": ["gossip:choco:sign", "gossip:dcd:none", "gossip:ecd:none", "gossip:powergossip:none"],
 }
 
 
@@ -183,7 +195,7 @@ def train_step(method, model, opt, x, y) -> dict:
 def main():
     method, hosts_file, plan = sys.argv[1], sys.argv[2], [int(x) for x in sys.argv[3].split(",")]
     hvd.init()
-    methods = sorted(ADAPTIVE) if method == "adaptive" else [method]  # ("adaptive": all, side by side)
+    methods = GROUPS.get(method, [method])  # (a group: all of its METHODs, side by side)
     built = [build(m) for m in methods]
     runs, target = [(m, *b[0]) for m, b in zip(methods, built)], built[0][1]
     held = {}
@@ -211,6 +223,13 @@ def main():
                 with torch.no_grad():
                     y = target(x)
                 for m, model, opt, _ in runs:
+                    if m.startswith("gossip:"):
+                        # (the other gossip optimizers' exchanges in flight would run beside this
+                        # one's under the same Horovod names: received now, applied at their next
+                        # step as with overlap; the last one's stays in flight through a reset)
+                        for other in (o for n, _, o, _ in runs if n.startswith("gossip:") and o is not opt):
+                            if other.transport is not None:
+                                other.transport.finish()
                     line = {"step": state.step, "size": hvd.size(), "rank": hvd.rank(),
                             **train_step(m, model, opt, x, y)}
                     print("ELASTIC " + json.dumps(line), flush=True)

@@ -78,11 +78,12 @@ def test_failing_rank_ends_the_job_within_30_s(launcher, frontend):
 RESTART = os.path.join(ROOT, "tests", "mpi", "restart_checks.py")
 
 
-def _torchrun_restart(mode, directory, fail_at, *flags, ranks=2):
-    """tests/mpi/restart_checks.py ``mode`` at ``ranks`` ranks under torchrun; returns (exit status,
-    rank 0's PARAMS line split: (sha256, sum, step resumed from) or None, output)."""
-    cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", str(ranks), RESTART, mode, str(directory),
-           str(fail_at), *flags]
+def _torchrun_restart(modes, directory, fail_at, *flags, ranks=2):
+    """tests/mpi/restart_checks.py ``modes`` (one, or several comma-separated, side by side) at
+    ``ranks`` ranks under torchrun; returns (exit status, rank 0's PARAMS line split: (sha256, sum,
+    step resumed from) or None (several modes: {mode: that}), output)."""
+    cmd = [os.path.join(BIN, "torchrun"), "--standalone", "--nproc_per_node", str(ranks), RESTART, modes,
+           str(directory), str(fail_at), *flags]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(name, None)
@@ -92,26 +93,65 @@ def _torchrun_restart(mode, directory, fail_at, *flags, ranks=2):
         out, _ = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"torchrun {mode}: hung\n{proc.communicate()[0][-4000:]}")
-    line = re.search(rf"^PARAMS {mode} (\S+) (\S+) (\d+)$", out, re.M)
-    return proc.returncode, line.groups() if line else None, out
+        raise AssertionError(f"torchrun {modes}: hung\n{proc.communicate()[0][-4000:]}")
+    lines = {}
+    for mode in modes.split(","):
+        line = re.search(rf"^PARAMS {mode} (\S+) (\S+) (\d+)$", out, re.M)
+        lines[mode] = line.groups() if line else None
+    return proc.returncode, lines if "," in modes else lines[modes], out
 
 
-@pytest.mark.parametrize("mode", ["ddp-topk", "diloco-topk"])
-def test_torchrun_restart_resumes_from_per_rank_checkpoints_exactly(mode, tmp_path):
+#: the modes of the torchrun restart tests, side by side in each launch (the launches, not the
+#: steps, take the time)
+RESTART_MODES = ["ddp-topk", "diloco-topk"]
+
+
+@pytest.fixture(scope="module")
+def failed_at_4(tmp_path_factory):
+    """Every mode of RESTART_MODES at 2 ranks, rank 1 failing at step 4 (one torchrun launch): the
+    directory of the per-rank checkpoints it left (each rank's of step 4: with the barrier before
+    each save no rank saves a step another did not finish). Resumed at 2 ranks by
+    :func:`restarted`, at 1 by :func:`resized` (each from a copy)."""
+    import shutil
+
+    tmp_path = tmp_path_factory.mktemp("failed")
+    rc, _, out = _torchrun_restart(",".join(RESTART_MODES), tmp_path / "job", 4)
+    assert rc != 0 and "injected failure at step 4" in out, out[-3000:]
+    shutil.copytree(tmp_path / "job", tmp_path / "at4")
+    return tmp_path / "at4"
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory, failed_at_4):
+    """Every mode of RESTART_MODES (one torchrun launch each run): (the PARAMS of the run without
+    a failure, of the run resumed from :func:`failed_at_4`'s checkpoints); both runs checked to
+    end so."""
+    import shutil
+
+    tmp_path = tmp_path_factory.mktemp("restart")
+    modes = ",".join(RESTART_MODES)
+    rc, ref, out = _torchrun_restart(modes, tmp_path / "plain", -1)
+    assert rc == 0, out[-3000:]
+    shutil.copytree(failed_at_4, tmp_path / "failed")
+    rc, resumed, out = _torchrun_restart(modes, tmp_path / "failed", -1)
+    assert rc == 0, out[-3000:]
+    return ref, resumed, out
+
+
+@pytest.mark.parametrize("mode", RESTART_MODES)
+def test_torchrun_restart_resumes_from_per_rank_checkpoints_exactly(mode, restarted):
     """Rank 1 fails at step 4 (DiLoCo: mid-round, H = 3) and the job ends; the same torchrun
     command again: each rank loads its own last checkpoint (model, optimizer, and the DDP hook's
     ``hook.state_dict()`` / DiLoCo's ``state_dict()``: top-k residuals, θ_start, outer momentum)
     and finishes with the parameters of the run without a failure, bit for bit
-    (docs/robustness.md, "Restarts")."""
-    rc, ref, out = _torchrun_restart(mode, tmp_path / "plain", -1)
-    assert rc == 0 and ref is not None and ref[2] == "0", out[-3000:]
-    rc, _, out = _torchrun_restart(mode, tmp_path / "failed", 4)
-    assert rc != 0 and "injected failure at step 4" in out, out[-3000:]
-    rc, resumed, out = _torchrun_restart(mode, tmp_path / "failed", -1)
-    assert rc == 0 and resumed is not None, out[-3000:]
-    assert resumed[2] == "4", resumed  # (it resumed from step 4's checkpoint)
-    assert resumed[:2] == ref[:2], (resumed, ref)
+    (docs/robustness.md, "Restarts"). The modes run side by side, each on its own model with its
+    own checkpoints, in each launch."""
+    refs, resumeds, out = restarted
+    ref, resumed = refs[mode], resumeds[mode]
+    assert ref is not None and ref[2] == "0", (mode, out[-3000:])
+    assert resumed is not None, (mode, out[-3000:])
+    assert resumed[2] == "4", (mode, resumed)  # (it resumed from step 4's checkpoint)
+    assert resumed[:2] == ref[:2], (mode, resumed, ref)
 
 
 def _net_and_batch():
@@ -199,37 +239,64 @@ def _resume_reference(mode, checkpoints, start, steps):
     return torch.cat([a.reshape(-1) for a in anchor])
 
 
-@pytest.mark.parametrize("mode,before,after,saved_at", [
-    ("ddp-topk", 2, 1, 3), ("ddp-topk", 1, 2, 3), ("diloco-topk", 2, 1, 4), ("diloco-topk", 1, 2, 3)])
-def test_torchrun_resume_at_another_world_size_keeps_each_ranks_residual(mode, before, after, saved_at, tmp_path):
-    """Per-rank checkpoints saved after ``saved_at`` steps at ``before`` ranks (DiLoCo, H = 3:
-    mid-round for the shrink, a round's end for the growth); torchrun again at ``after`` ranks (an
-    elastic job after a membership change) resumes to step 6: a rank that saved a checkpoint loads
-    its own (its top-k residual; DiLoCo's inner optimizer and local progress), a new rank starts
-    them fresh (zero residual) and takes what every rank shares from rank 0 (the DDP hook: the
-    script loads rank 0's model and optimizer, the compressor's shared state follows at the first
-    step; DiLoCo: the model (θ_start), then outer momentum and counters at the first step). The
-    end equals a one-process simulation from the saved checkpoints (docs/robustness.md,
-    "Restarts"). Before, DiLoCo refused 1 -> 2 ("rank(s) [0] loaded a checkpoint and rank(s) [1]
-    did not")."""
+#: the world-size changes of the torchrun resize tests, one chain of launches (2 -> 1 -> 2 ranks):
+#: change -> (ranks saved at, ranks resumed at, step saved at, step resumed to); DiLoCo (H = 3) is
+#: saved mid-round for the shrink, at a round's end for the growth
+RESIZES = {"shrink": (2, 1, 4, 6), "grow": (1, 2, 6, 9)}
+
+
+@pytest.fixture(scope="module")
+def resized(tmp_path_factory, failed_at_4):
+    """Every mode of RESTART_MODES side by side: from the checkpoints of 2 ranks at step 4
+    (:func:`failed_at_4`), 1 rank resumed to step 6 (the shrink; one torchrun launch), 2 ranks
+    resumed from there to step 9 (the growth, one launch; the departed rank 1's step-4 checkpoint
+    removed first: the rank that joins is new). The directory holding, per change,
+    ``saved-<change>`` (a copy of the checkpoints it resumed from) and ``after-<change>``."""
     import shutil
 
-    rc, _, out = _torchrun_restart(mode, tmp_path / "job", -1, "--steps", str(saved_at), ranks=before)
-    assert rc == 0, out[-3000:]
-    shutil.copytree(tmp_path / "job", tmp_path / "saved")
-    rc, resumed, out = _torchrun_restart(mode, tmp_path / "job", -1, "--steps", "6", ranks=after)
-    assert rc == 0 and resumed is not None and resumed[2] == str(saved_at), out[-3000:]
-    saved = [torch.load(tmp_path / "saved" / f"rank{r}.pt", weights_only=True) if r < before else None
+    tmp_path = tmp_path_factory.mktemp("resize")
+    job, modes = tmp_path / "job", ",".join(RESTART_MODES)
+    shutil.copytree(failed_at_4, job)
+    for change, (before, after, saved_at, steps) in RESIZES.items():
+        shutil.copytree(job, tmp_path / f"saved-{change}")
+        for mode in RESTART_MODES:  # (a rank beyond the saving world's size: a new one)
+            for r in range(before, 2):
+                (job / mode / f"rank{r}.pt").unlink(missing_ok=True)
+        rc, resumed, out = _torchrun_restart(modes, job, -1, "--steps", str(steps), ranks=after)
+        assert rc == 0, out[-3000:]
+        assert all(line is not None and line[2] == str(saved_at) for line in resumed.values()), (resumed, out[-3000:])
+        shutil.copytree(job, tmp_path / f"after-{change}")
+    return tmp_path
+
+
+@pytest.mark.parametrize("change", sorted(RESIZES))
+@pytest.mark.parametrize("mode", RESTART_MODES)
+def test_torchrun_resume_at_another_world_size_keeps_each_ranks_residual(mode, change, resized):
+    """Per-rank checkpoints saved at one world size; torchrun again at another (an elastic job after
+    a membership change) resumes from them: 2 ranks to step 4 (where rank 1 failed, in
+    test_torchrun_restart_resumes_from_per_rank_checkpoints_exactly), 1 rank on to step 6 (the shrink;
+    DiLoCo, H = 3, mid-round), 2 ranks on to step 9 (the growth, from a round's end); the modes side
+    by side in each launch. A rank that saved a checkpoint loads its own (its top-k residual;
+    DiLoCo's inner optimizer and local progress), a new rank starts them fresh (zero residual) and
+    takes what every rank shares from rank 0 (the DDP hook: the script loads rank 0's model and
+    optimizer, the compressor's shared state follows at the first step; DiLoCo: the model
+    (θ_start), then outer momentum and counters at the first step). The end of each change equals
+    a one-process simulation from the checkpoints it resumed from (docs/robustness.md,
+    "Restarts"). Before, DiLoCo refused 1 -> 2 ("rank(s) [0] loaded a checkpoint and rank(s) [1]
+    did not")."""
+    before, after, saved_at, steps = RESIZES[change]
+    saved = [torch.load(resized / f"saved-{change}" / mode / f"rank{r}.pt", weights_only=True) if r < before else None
              for r in range(after)]
-    expected = _resume_reference(mode, saved, saved_at, 6)
-    final = torch.load(tmp_path / "job" / "final.pt", weights_only=True)
-    assert torch.allclose(final, expected, rtol=0, atol=1e-6), (final - expected).abs().max()
+    assert all(ck is None or ck["step"] == saved_at for ck in saved), [ck and ck["step"] for ck in saved]
+    expected = _resume_reference(mode, saved, saved_at, steps)
+    final = torch.load(resized / f"after-{change}" / mode / "final.pt", weights_only=True)
+    assert torch.allclose(final, expected, rtol=0, atol=1e-6), (mode, change, (final - expected).abs().max())
     key = ("hook", "compression") if mode == "ddp-topk" else ("opt", "sync", "compression")
     zeroed = copy.deepcopy(saved[0])
     for r in functools.reduce(dict.__getitem__, key, zeroed)["residuals"].values():
         r.zero_()
-    control = _resume_reference(mode, [zeroed] + saved[1:], saved_at, 6)
-    assert not torch.allclose(final, control, rtol=0, atol=1e-4)  # (rank 0's residual carried over matters)
+    control = _resume_reference(mode, [zeroed] + saved[1:], saved_at, steps)
+    assert not torch.allclose(final, control, rtol=0, atol=1e-4), (mode, change)  # (rank 0's residual carried over matters)
 
 
 def test_local_update_resume_at_another_world_size_mid_round_is_refused(tmp_path):
