@@ -88,13 +88,14 @@ def step_comm_of(compression, group, timer, gatherer, prefix: str) -> StepComm:
         RuntimeError: the method's transport needs point-to-point messages and the ranks have none.
     """
     p2p = None
-    if step_route_of(compression).needs_point_to_point and group.size > 1:
+    route = step_route_of(compression)
+    if route.needs_point_to_point and group.size > 1:
         p2p = group.point_to_point(gatherer)
-        if p2p is None:
+        if p2p is None or (route.needs_messages and not getattr(p2p, "messages", True)):
             raise RuntimeError(f"'{compression.name}' messages ranks point to point through MPI, "
                                "but this job has no usable mpi4py communicator (Horovod started with "
-                               "gloo, or allgather='horovod'): launch with mpirun or horovodrun --mpi "
-                               "with mpi4py installed, or use cltk or topk")
+                               "gloo or elastic, or allgather='horovod'): launch with mpirun or "
+                               "horovodrun --mpi with mpi4py installed, or use cltk or topk")
     return group.step_comm(timer, prefix, p2p)
 
 

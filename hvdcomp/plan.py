@@ -79,7 +79,12 @@ class StepRoute:
         collective: its collectives, for :attr:`TransportPlan.collective` (``"sparse-allreduce"``).
         collectives: ``f(method, numels, p, bucket_bytes) -> Collectives or None`` (None where
             the bytes depend on the data).
-        needs_point_to_point: it messages ranks directly (MPI): not available without it.
+        needs_point_to_point: it needs :class:`hvdcomp.comm.exchange.PointToPoint` (an
+            all-to-all at least): not available without MPI, except elastic Horovod's
+            all-to-all.
+        needs_messages: its point-to-point is sends and receives, not only an all-to-all, so
+            elastic Horovod's collectives (:class:`hvdcomp.comm.exchange.HorovodExchange`)
+            cannot carry it.
         alternative: ``f(compression) -> method or None``: the method of this transport that would
             carry ``compression``'s kind of compression, for ``transport="auto"``.
         build: ``f(wiring) -> transport``.
@@ -89,6 +94,7 @@ class StepRoute:
     collective: str
     collectives: Callable[[Any, Sequence[int], int, int], Optional[Collectives]]
     needs_point_to_point: bool = False
+    needs_messages: bool = False
     alternative: Optional[Callable[[Any], Any]] = None
     build: Optional[Callable] = None
 

@@ -187,7 +187,11 @@ class HorovodExchange:
     Attributes:
         bytes_sent, bytes_received: payload bytes this rank moved (a 4-byte size per message
             to another rank included).
+        messages: False: no ``send``/``recv`` (a method whose route ``needs_messages`` is
+            refused at assembly).
     """
+
+    messages = False
 
     def __init__(self, hvd, rank: int, size: int, prefix: str):
         self.hvd, self.rank, self.size, self.prefix = hvd, int(rank), int(size), prefix
