@@ -355,9 +355,9 @@ def reduce_across_ranks(values: Dict[str, float]) -> Dict[str, Dict[str, float]]
         allv = hvd.allgather(local, name="hvdcomp.metrics.reduce") if hvd.size() > 1 else local
     else:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, local)
-            allv = torch.cat(every)
+            from .comm.torchdist import TorchDistGroup  # (its gathers hold their tensors: comm/retain.py)
+
+            allv = torch.cat(TorchDistGroup().allgather_object(local))
         else:
             allv = local
     return {k: {"min": float(allv[:, i].min()), "mean": float(allv[:, i].mean()),

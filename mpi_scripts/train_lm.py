@@ -503,10 +503,8 @@ def main(argv=None):
               f"ratio={measured_ratio:.1f}x (nominal {'n/a' if nominal is None else f'{nominal:.1f}x'})"
               + (f" local={args.outer_opt}:H={args.local_steps} rounds={local['rounds']}" if args.local_steps else "")
               + f" -> {path}", flush=True)
-    if args.frontend == "ddp":  # (a process group left to interpreter exit can abort the process)
-        # every rank past its last collective first: a rank that tears its gloo pairs down while a
-        # peer still writes results can abort that peer ("terminate called without an active
-        # exception", seen once in CI under load)
+    if args.frontend == "ddp":  # (every rank past its last collective, then the group torn down;
+        # the tensors of hvdcomp's collectives are held until gloo lets go: hvdcomp/comm/retain.py)
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 

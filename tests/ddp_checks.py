@@ -29,6 +29,9 @@ Checks (each raises on failure on every rank; the oracle is named in its docstri
                     on one rank in a probe is skipped everywhere and leaves the run as without that step
   auto-var          (2 ranks) auto measures a leader's top-k (cltk, VAR-Topk) across the ranks: errors worked
                     out in one process; VAR-Topk chosen where its leader keeps more
+  held-tensors      (2 ranks) every tensor hvdcomp hands to torch.distributed that Python alone owns is held by
+                    hvdcomp (hvdcomp/comm/retain.py) when the collective starts: the hook's steps, the object
+                    gathers and broadcasts, metrics.reduce_across_ranks, the point-to-point exchange
   nccl-none-bitwise, nccl-methods   the same on NCCL (one GPU per rank)
 """
 import contextlib
@@ -298,9 +301,11 @@ def check_topk_bytes():
 
 
 def _gather_objects(obj):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    """Every rank's ``obj`` (through hvdcomp's gather: torch's ``all_gather_object`` leaves its
+    tensors to gloo's worker, which can abort the rank at exit, see ``check_held_tensors``)."""
+    from hvdcomp.comm.torchdist import TorchDistGroup
+
+    return TorchDistGroup().allgather_object(obj)
 
 
 def check_bucket_granularity():
@@ -1009,6 +1014,73 @@ def check_nccl_methods():
     return ", ".join(out)
 
 
+def check_held_tensors():
+    """Issue 60 item 5: a tensor that Python alone owns when a collective takes it, and that gloo's
+    worker thread then frees, needs the GIL; while the interpreter finalizes, that ends the worker
+    inside a noexcept destructor (SIGABRT after the run's summary). hvdcomp holds every such tensor
+    (hvdcomp/comm/retain.py) until the worker lets go. Checked where the tensors enter
+    torch.distributed's Python functions (their module globals too, which torch's object
+    collectives call): each one Python alone owns (use count 1) must be held by then. Before, the
+    object gathers (``TorchDistGroup.allgather_object``, ``metrics.reduce_across_ranks``, the
+    point-to-point set-up) went through ``torch.distributed.all_gather_object``, whose tensors
+    nobody held: the abort's stack had gloo's ``~AsyncBarrierWork`` -> ``~AsyncAllgatherWork`` ->
+    ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from hvdcomp.comm import retain
+    from hvdcomp.comm.torchdist import TorchDistGroup
+    from hvdcomp.metrics import reduce_across_ranks
+
+    names = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single", "send",
+             "recv", "isend", "irecv", "reduce_scatter_tensor", "all_to_all_single")
+    seen, unheld = [], []
+
+    def tensors(args):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                yield a
+            elif isinstance(a, (list, tuple)):
+                yield from tensors(a)
+
+    def checking(name, fn):
+        def call(*args, **kwargs):
+            for t in tensors((*args, *kwargs.values())):
+                seen.append(name)
+                if t._use_count() == 1 and not any(h is t for h in retain._held):
+                    unheld.append(f"{name}({tuple(t.shape)}, {t.dtype}) from {sys._getframe(1).f_code.co_name}")
+            return fn(*args, **kwargs)
+        return call
+
+    saved = [(m, n, getattr(m, n)) for m in (dist, c10d) for n in names if hasattr(m, n)]
+    for m, n, fn in saved:
+        setattr(m, n, checking(n, fn))
+    try:
+        model = DDP(mlp())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        hvdcomp.ddp.register(model, "topk:density=0.3", optimizer=opt)
+        for step in range(STEPS):
+            opt.zero_grad()
+            loss(model, step).backward()
+            opt.step()
+        group = TorchDistGroup()
+        assert group.allgather_object(("rank", rank(), "x" * rank())) == [("rank", r, "x" * r) for r in range(2)]
+        assert group.broadcast_object({"from": rank()}, 1) == {"from": 1}
+        across = reduce_across_ranks({"a": float(rank()), "b": 2.0})
+        assert across["a"] == {"min": 0.0, "mean": 0.5, "max": 1.0}, across
+        p2p = group.point_to_point()
+        if rank() == 0:
+            p2p.send(torch.arange(3), 1)
+        else:
+            assert p2p.recv(0, 64).view(torch.int64).tolist() == [0, 1, 2]
+        assert p2p.sendrecv(torch.full((2,), rank(), dtype=torch.uint8), 1 - rank(), 8).tolist() == [1 - rank()] * 2
+    finally:
+        for m, n, fn in saved:
+            setattr(m, n, fn)
+    assert len(seen) > 20, seen
+    assert not unheld, f"rank {rank()}: tensors handed to torch.distributed that nobody holds: {unheld}"
+    return f"{len(seen)} tensors handed over, every one Python alone owned held"
+
+
 def check_auto():
     """compression="auto" under the DDP hook, 2 ranks, a Linear(64, 64) (n = 4160 float32), 62.5 ms
     of compute per step on a fake clock (the hook's own time is then 0), cost models given:
@@ -1056,8 +1128,7 @@ def check_auto():
         assert decisions[1]["predicted_step_s"] == table[want[1]]["predicted_step_s"], decisions[1]
         assert hook.compression.name == want[1].split(":")[0]
         assert [e["record"] for e in hook.timer.events if e["kind"] == "auto"] == decisions
-        every = [None, None]
-        dist.all_gather_object(every, got)
+        every = _gather_objects(got)
         assert every[0] == every[1], every
 
     model = DDP(mlp(1))

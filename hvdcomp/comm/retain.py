@@ -10,7 +10,10 @@ the main thread is already finalizing the interpreter (the script ended), the wo
 inside a ``noexcept`` destructor and the process aborts (SIGABRT, "terminate called without an
 active exception") after all its work is done: a finished run that the launcher reports as
 failed. The DDP hook creates such tensors every step (payloads, gather outputs, the per-step
-agreement's integers).
+agreement's integers), and so do object gathers: ``torch.distributed.all_gather_object`` makes
+its own, so hvdcomp gathers and broadcasts objects over its own tensors instead
+(:meth:`hvdcomp.comm.torchdist.TorchDistGroup.allgather_object`; a run's closing
+``metrics.reduce_across_ranks`` followed by a ``barrier`` aborted that way).
 
 What this does. :func:`retain` keeps a Python reference to each such tensor (one created by
 hvdcomp, owned by Python alone when handed over: ``Tensor._use_count() == 1``), so that a worker
@@ -20,7 +23,8 @@ once the backend holds it no more (its use count is back to 1), checked at each 
 runs before finalization, while the worker threads can still take the GIL), :func:`release_all`
 waits, up to :data:`EXIT_WAIT_S` seconds, for the workers to let go of what is still held, then
 drops it from the main thread. A tensor something else holds in C++ when it is handed over (a
-DDP bucket buffer: the reducer frees it from the main thread) is not retained.
+DDP bucket buffer: the reducer frees it from the main thread) is not retained. Call
+:func:`retain` right before the collective: one not yet handed over is let go at the next call.
 """
 from __future__ import annotations
 

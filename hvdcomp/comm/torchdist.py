@@ -13,6 +13,7 @@ allgather of payloads and :class:`TorchDistExchange` a
 """
 from __future__ import annotations
 
+import pickle
 import socket
 from typing import Any, List, Optional, Sequence
 
@@ -151,20 +152,29 @@ class TorchDistGroup(ProcessGroup):
 
     def allgather_object(self, obj: Any, name: Optional[str] = None) -> List[Any]:
         """Every rank's ``obj`` (picklable), in rank order (``name``: unused, collectives of one
-        group run in issue order)."""
+        group run in issue order): its pickle's size, then the pickles padded to the longest, over
+        this group's own (retained) gathers, not ``torch.distributed.all_gather_object``, whose
+        tensors gloo's worker may free while the interpreter finalizes (:mod:`hvdcomp.comm.retain`)."""
         if self.size == 1:
             return [obj]
-        out: List[Any] = [None] * self.size
-        self.dist.all_gather_object(out, obj, group=self.process_group)
-        return out
+        mine = _pickled(obj)
+        sizes = [n for n, in self.allgather_ints([mine.numel()])]
+        row = torch.zeros(max(sizes), dtype=torch.uint8)
+        row[:mine.numel()] = mine
+        every = torch.empty(self.size * row.numel(), dtype=torch.uint8, device=self.device)
+        self.all_gather_into_async(every, row.to(self.device)).wait()
+        rows = every.cpu().view(self.size, -1)
+        return [_unpickled(rows[r, :n]) for r, n in enumerate(sizes)]
 
     def broadcast_object(self, obj: Any, root: int, name: Optional[str] = None) -> Any:
-        """``obj`` of the member whose group rank is ``root``, on every member."""
+        """``obj`` of the member whose group rank is ``root``, on every member (its pickle's
+        size, then the pickle, over :meth:`broadcast`)."""
         if self.size == 1:
             return obj
-        box = [obj]
-        self.dist.broadcast_object_list(box, src=self.ranks[root], group=self.process_group)
-        return box[0]
+        mine = _pickled(obj) if self.rank == root else torch.zeros(0, dtype=torch.uint8)
+        n = int(self.broadcast(torch.tensor([mine.numel()], device=self.device), root)[0])
+        data = torch.zeros(n, dtype=torch.uint8) if self.rank != root else mine
+        return _unpickled(self.broadcast(data.to(self.device), root).cpu())
 
     def broadcast(self, tensor: torch.Tensor, root: int, name: Optional[str] = None) -> torch.Tensor:
         """The ``tensor`` of the member whose group rank is ``root`` (same shape and dtype on
@@ -174,6 +184,14 @@ class TorchDistGroup(ProcessGroup):
             retain(out)
             self.dist.broadcast(out, src=self.ranks[root], group=self.process_group)
         return out
+
+def _pickled(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _unpickled(data: torch.Tensor) -> Any:
+    return pickle.loads(data.numpy().tobytes())
+
 
 _ALIGN = 8  # bytes: each payload tensor starts at a multiple of 8 in a gathered row (views any dtype)
 
@@ -325,9 +343,7 @@ class TorchDistExchange:
         self.bytes_sent = 0
         self.bytes_received = 0
         if nodes is None:
-            hosts: List[Any] = [None] * self.size
-            dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
-            nodes = node_ids(hosts)
+            nodes = node_ids(TorchDistGroup(self.group).allgather_object(socket.gethostname()))
         self.nodes = list(nodes)
 
     @property
@@ -369,18 +385,22 @@ class TorchDistExchange:
 
     def send(self, data, dest):
         data = data.detach().cpu().contiguous().view(torch.uint8)
-        self.dist.send(self._header(data.numel()), self.ranks[dest], group=self.group)
+        head = self._header(data.numel())
+        retain(head, data)
+        self.dist.send(head, self.ranks[dest], group=self.group)
         if data.numel():
             self.dist.send(data, self.ranks[dest], group=self.group)
         self.bytes_sent += 8 + data.numel()
 
     def recv(self, source, max_bytes):
         head = torch.empty(1, dtype=torch.int64)
+        retain(head)
         self.dist.recv(head, self.ranks[source], group=self.group)
         n = int(head[0])
         if n > max_bytes:
             raise RuntimeError(f"a message of {n} bytes from rank {source} exceeds the {max_bytes} expected")
         buf = torch.empty(n, dtype=torch.uint8)
+        retain(buf)
         if n:
             self.dist.recv(buf, self.ranks[source], group=self.group)
         self.bytes_received += 8 + n
@@ -399,7 +419,7 @@ class TorchDistExchange:
         for w in works:
             w.wait()
         bufs = {s: torch.empty(int(h[0]), dtype=torch.uint8) for s, h in heads.items()}
-        retain(*bufs.values())
+        retain(*bufs.values(), *out.values())  # (out again: unused since, the first retain let it go)
         works = [d.isend(v, self.ranks[k], group=self.group) for k, v in out.items() if v.numel()]
         works += [d.irecv(b, self.ranks[s], group=self.group) for s, b in bufs.items() if b.numel()]
         for w in works:
