@@ -69,11 +69,14 @@ class TorchDistGroup(ProcessGroup):
         self.backend = str(dist.get_backend(process_group))
         self.device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
                        else torch.device("cpu"))
-        # one output buffer for all ranks (torch 2.13 renames all_gather_into_tensor to this)
-        self._gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._p2p: Optional[TorchDistExchange] = None
 
     ordered = True  # (collectives match by issue order)
+
+    @staticmethod
+    def _gather_into(out: torch.Tensor, tensor: torch.Tensor, **kwargs):
+        # one output buffer for all ranks (torch 2.13 renames all_gather_into_tensor to this)
+        return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, tensor, **kwargs)
 
     # ---- allreduce (ProcessGroup) ---------------------------------------------------------------------
     def allreduce_async_(self, tensor: torch.Tensor, name: str = "", average: bool = True, prescale: float = 1.0,
