@@ -326,7 +326,8 @@ DistributedOptimizer.__doc__ = """Wrap ``optimizer`` so that gradients are compr
             ``process_set`` other than the whole job.
         TypeError: unsupported ``compression`` or ``grad_scaler``.
         RuntimeError: the launcher started several tasks but Horovod sees one (see :func:`hvdcomp.launch.start_frontend`), or a method that messages
-            ranks directly (gtopk, twophase) in a job without MPI (``horovodrun --gloo``).
+            ranks directly (gtopk, twophase) in a job without MPI (``horovodrun --gloo``), or gtopk
+            (sends and receives) under elastic Horovod.
 
     Under elastic Horovod (``horovodrun --min-np/--max-np``), register ``optimizer.reset`` as a reset
     callback of the ``hvd.elastic.TorchState`` that holds it (docs/robustness.md, "Elastic

@@ -43,7 +43,7 @@ from .agreement import NonFiniteGuard, StateAgreement, check_consistency
 from .assembly import assemble
 from .auto import Auto, AutoState
 from .comm.group import elastic_world, world_changed
-from .plan import TransportPlan
+from .plan import TransportPlan, step_route_of
 from .step import Lifecycle, Status, StepState
 
 __all__ = ["Reducer", "check_free", "claim", "release"]
@@ -130,6 +130,12 @@ class Reducer:
                              "candidates' state are per size), and this job runs under elastic Horovod "
                              "(HOROVOD_ELASTIC=1): name the method (e.g. 'topk:density=0.01' or 'powersgd'), or "
                              "launch with a fixed `horovodrun -np N`")
+        route = step_route_of(compression)
+        if self.elastic and route is not None and route.needs_messages:
+            raise RuntimeError(f"'{compression.name}' sends and receives point to point through MPI, and this "
+                               "job runs under elastic Horovod (HOROVOD_ELASTIC=1), whose workers have only "
+                               "Horovod's collectives: use topk or cltk, or launch with a fixed "
+                               "`mpirun`/`horovodrun --mpi -np N`")
         # under elastic Horovod the set-up (collectives) waits for the first step, which every rank,
         # old or new, reaches alike after Horovod's reset (a new worker builds its optimizer while
         # the others are in the reset's broadcasts)

@@ -363,6 +363,58 @@ def test_horovod_exchange_returns_each_ranks_message():
         x.send(mine[0], 0)
 
 
+def test_gtopk_is_refused_at_assembly_where_only_horovods_alltoall_exists():
+    """gtopk's sparse allreduce sends and receives point to point; under elastic Horovod the ranks
+    have only Horovod's collectives (:class:`hvdcomp.comm.exchange.HorovodExchange`: an all-to-all
+    and an allgather, no messages), so the pipeline's assembly refuses it on every rank, naming the
+    fix, before any step (it used to fail at its first step); twophase, which needs only the
+    all-to-all, gets the exchange."""
+    from hvdcomp import get_compressor
+    from hvdcomp.assembly import step_comm_of
+    from hvdcomp.comm.exchange import HorovodExchange
+
+    class ElasticGroup:  # two ranks whose point-to-point is elastic Horovod's
+        size, rank = 2, 0
+
+        def point_to_point(self, gatherer=None):
+            return HorovodExchange(None, 0, 2, "test")
+
+        def step_comm(self, timer, prefix, point_to_point=None):
+            return point_to_point
+
+    with pytest.raises(RuntimeError, match="mpirun or horovodrun --mpi"):
+        step_comm_of(get_compressor("gtopk:density=0.01"), ElasticGroup(), None, None, "test")
+    assert isinstance(step_comm_of(get_compressor("twophase"), ElasticGroup(), None, None, "test"),
+                      HorovodExchange)
+
+
+@pytest.mark.parametrize("spec, error", [("gtopk:density=0.01", RuntimeError), ("auto", ValueError)])
+def test_methods_that_cannot_follow_are_refused_at_construction_under_elastic_horovod(monkeypatch, spec, error):
+    """Under elastic Horovod the reduction refuses, when it is built and on every rank (no
+    collective runs there), gtopk (its sparse allreduce sends and receives point to point, which
+    elastic Horovod's workers cannot) and ``compression="auto"`` (its measurements are per size),
+    each naming the fix; a method that follows (top-k) is accepted. One process: the world is a
+    stand-in Horovod group of one rank with HOROVOD_ELASTIC=1."""
+    import types
+
+    import torch
+
+    import hvdcomp.launch
+    from hvdcomp import get_compressor
+    from hvdcomp.config import Settings
+    from hvdcomp.reducer import Reducer
+
+    monkeypatch.setattr(hvdcomp.launch, "elastic_launch", lambda: True)
+    group = types.SimpleNamespace(hvd=object(), is_global=True, size=1, rank=0)
+    settings = Settings.validate(None)
+    p = torch.zeros(4, requires_grad=True)
+    with pytest.raises(error, match="fixed") as err:
+        Reducer([p], {p: "w"}, get_compressor(spec), group, settings, None, "test")
+    assert "HOROVOD_ELASTIC=1" in str(err.value)
+    monkeypatch.setattr(Reducer, "_setup", lambda self: None)  # (the set-up waits for the first step anyway)
+    assert Reducer([p], {p: "w"}, get_compressor("topk:density=0.5"), group, settings, None, "test").elastic
+
+
 @pytest.mark.parametrize("method", ["gossip:choco:sign", "gossip:dcd:none", "gossip:ecd:none",
                                     "gossip:powergossip:none"])
 def test_gossip_shrinks_and_grows_rebuilding_the_topology(gossip_job, method):

@@ -102,5 +102,5 @@ def _alternative(compression):
     return None
 
 
-register_step_route(StepRoute(GlobalTopKCompressor, "sparse-allreduce", _collectives, needs_point_to_point=True, needs_messages=True,
-                              alternative=_alternative, build=StepTransport))
+register_step_route(StepRoute(GlobalTopKCompressor, "sparse-allreduce", _collectives, needs_point_to_point=True,
+                              needs_messages=True, alternative=_alternative, build=StepTransport))
