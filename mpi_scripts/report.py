@@ -9,6 +9,7 @@ Usage (the first word picks the sub-report; without one it is ``study``)::
         --kernels docs/results/speed/kernels-cpu --output docs/results/speed
     python mpi_scripts/report.py gossip --input docs/results/gossip --output docs/results/gossip
     python mpi_scripts/report.py local --output runs/netem-local [--baseline B] [--versus V] [--target-factor 1.1]
+    python mpi_scripts/report.py ddp-hooks --output docs/results/ddp-hooks
 
 ``study``: every ``results.json`` of a sweep (``sweep.py``/``train_lm.py``) under the directory:
 perplexity, phase times and bytes per method, the seed study's claims judged against the seed
@@ -56,6 +57,10 @@ the speed-ups over ``--baseline`` and ``--versus`` (where the reference missed t
 seed, a lower bound: that seed's last epoch end stands for its time; where the contender missed it
 and the reference did not, an upper bound), and issue 32's targets met, missed or not judged.
 Writes ``OUTPUT/report.md`` and ``OUTPUT/report.json``.
+
+``ddp-hooks``: the cells of ``benchmarks/ddp_hooks.py`` (issue 35): the median step per contender and
+rate (per step the maximum over ranks, median over the timed steps), and the targets: hvdcomp top-k
+1 % through DDP against DDP's fastest built-in hook, and against the Horovod front-end's top-k.
 """
 from __future__ import annotations
 
@@ -80,6 +85,7 @@ from hvdcomp.lm import PlateauSchedule  # noqa: E402
 from hvdcomp.lowrank.schedule import STAGES  # noqa: E402  (the stage names' one definition)
 from hvdcomp.lowrank.traffic import read  # noqa: E402  (results before and after the stage rename)
 from hvdcomp.metrics import PHASES  # noqa: E402  (the phase names' one definition)
+from netem_e2e import slug  # noqa: E402  (a contender's cell file name)
 from peers import PEERS, STOCK_HOROVOD, STOCK_HOROVOD_DENSE, label  # noqa: E402
 
 log = logging.getLogger("report")
@@ -2140,6 +2146,81 @@ def local_markdown(summary: Dict[str, dict], baseline: str, versus: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ==== ddp-hooks: hvdcomp's DDP front-end against DDP's hooks (benchmarks/ddp_hooks.py cells) =======
+def ddp_cell(output: str, model: str, rate: str, contender: str) -> Optional[dict]:
+    """The cell's JSON (:mod:`netem_e2e`'s), or None when it is missing."""
+    return read_json(os.path.join(output, model, "cells", rate, slug(contender) + ".json"))
+
+
+def median_step(output: str, model: str, rate: str, contender: str) -> Optional[float]:
+    """The cell's median step in seconds, or None: missing, failed, or started on a loaded
+    machine (:mod:`hygiene`; such a cell is no evidence and stays out of the verdicts)."""
+    cell = ddp_cell(output, model, rate, contender)
+    if cell is None or cell.get("status") != "ok" or cell["driver"]["machine"]["loaded"]:
+        return None
+    return float(cell["timing"]["step"]["median"])
+
+
+def load_line(output: str, models, rates, contenders) -> str:
+    """The sitting's machine state: the range of the 1-minute load average and of the rest of the
+    machine's CPU share before the cells, and how many cells were marked loaded."""
+    before = [c["driver"]["machine"]["before"] for m in models for r in rates for n in contenders
+              if (c := ddp_cell(output, m, r, n)) is not None and "machine" in c.get("driver", {})]
+    if not before:
+        return "Machine state: no cells."
+    loads = [b["load_1min"] for b in before]
+    others = [100 * b["others_cpu_share"] for b in before]
+    loaded = sum(b["load_1min"] > b["cores"] for b in before)
+    return (f"Machine state before each of the {len(before)} cells: load average {min(loads):.2f}–{max(loads):.2f} "
+            f"on {before[0]['cores']} cores, the rest of the machine {min(others):.0f}–{max(others):.0f} % CPU; "
+            f"{loaded} cell(s) started loaded (left out). Every cell of a table ran in this one sitting.")
+
+
+def ddp_hooks_markdown(args) -> str:
+    """``OUT/report.md``: the step table and the two targets, per model and rate (``args``: output,
+    models, rates, contenders)."""
+    lines = ["# hvdcomp's DDP front-end against DDP's hooks and the Horovod front-end", "",
+             "Median seconds per step (per step the maximum over the 4 ranks), emulated links, one rank per "
+             "emulated host. Command: `python benchmarks/ddp_hooks.py --output " + args.output + "`.", "",
+             load_line(args.output, args.models, args.rates, args.contenders), ""]
+    for model in args.models:
+        lines += [f"## {model}", "", "| contender | " + " | ".join(args.rates) + " |",
+                  "|---|" + "---|" * len(args.rates)]
+        table: Dict[str, Dict[str, Optional[float]]] = {}
+        for c in args.contenders:
+            table[c] = {r: median_step(args.output, model, r, c) for r in args.rates}
+            cells = [f"{v:.3f}" if v is not None else "failed, loaded or not run" for v in table[c].values()]
+            lines.append(f"| `{c}` | " + " | ".join(cells) + " |")
+        lines.append("")
+        for rate in args.rates:
+            ours = table.get("hvdcomp-ddp:topk:density=0.01", {}).get(rate)
+            hooks = [table.get(c, {}).get(rate) for c in ("ddp:fp16", "ddp:powersgd")]
+            hooks = [h for h in hooks if h is not None]
+            horovod = table.get("hvdcomp:topk:density=0.01", {}).get(rate)
+            if ours is None:
+                continue
+            if hooks:
+                lines.append(f"- {rate}: hvdcomp top-k 1 % through DDP {ours:.3f} s vs DDP's fastest built-in "
+                             f"hook {min(hooks):.3f} s: {'faster' if ours < min(hooks) else 'NOT faster'} "
+                             f"({min(hooks) / ours:.2f}x)")
+            if horovod is not None:
+                lines.append(f"- {rate}: against the Horovod front-end's top-k 1 % {horovod:.3f} s: "
+                             f"{ours / horovod:.2f}x (target <= 1.10)")
+            ring = table.get("horovod-ring:fp16", {}).get(rate)
+            if ring is not None:  # issue 31, item 4: against Horovod's fastest configuration, same sitting
+                for c in ("hvdcomp:topk:density=0.01", "hvdcomp:dgc:density=0.01", "ddp:fp16"):
+                    v = table.get(c, {}).get(rate)
+                    if v is not None:
+                        lines.append(f"- {rate}: `{c}` {v:.3f} s against Horovod ring fp16 {ring:.3f} s: "
+                                     f"{ring / v:.2f}x ({'faster' if v < ring else 'NOT faster'})")
+        lines.append("")
+    text = "\n".join(lines)
+    os.makedirs(args.output, exist_ok=True)
+    with open(os.path.join(args.output, "report.md"), "w") as f:
+        f.write(text)
+    return text
+
+
 # ==== the command line ===========================================================================
 def _study(p: argparse.ArgumentParser):
     p.add_argument("root", help="directory searched for results.json files")
@@ -2279,16 +2360,35 @@ def _local(p: argparse.ArgumentParser):
     return run
 
 
+def _ddp_hooks(p: argparse.ArgumentParser):
+    import ddp_hooks  # (its contenders, models and rates are the defaults)
+
+    p.add_argument("--output", default="runs/ddp-hooks", help="ddp_hooks.py's results directory")
+    p.add_argument("--models", nargs="+", default=ddp_hooks.MODELS)
+    p.add_argument("--rates", nargs="+", default=ddp_hooks.RATES)
+    p.add_argument("--contenders", nargs="+", default=ddp_hooks.CONTENDERS)
+
+    def run(args) -> int:
+        text = ddp_hooks_markdown(args)
+        os.makedirs(args.output, exist_ok=True)
+        with open(os.path.join(args.output, "report.md"), "w") as f:
+            f.write(text)
+        print(text)
+        return 0
+    return run
+
+
 #: sub-report -> (what it reports, its arguments; returns the function that writes it)
 SUBREPORTS = {"study": ("a sweep's runs and the seed study's claims", _study),
               "ab": ("AB-training against full-rank data parallelism (train_cnn.py runs)", _ab),
               "speed": ("the speed benchmarks: end-to-end, cost model, kernels, overhead", _speed),
               "gossip": ("decentralized gossip against allreduce / allgather (docs/results/gossip/run.sh)", _gossip),
-              "local": ("local-update training against synchronous training (benchmarks/netem_local.py)", _local)}
+              "local": ("local-update training against synchronous training (benchmarks/netem_local.py)", _local),
+              "ddp-hooks": ("hvdcomp's DDP front-end against DDP's hooks (benchmarks/ddp_hooks.py)", _ddp_hooks)}
 
 
 def main(argv=None) -> int:
-    """``report.py [study|ab|speed|gossip|local] ARGS``: the sub-report named first (``study`` when the first
+    """``report.py [study|ab|speed|gossip|local|ddp-hooks] ARGS``: the sub-report named first (``study`` when the first
     argument names none) over its arguments."""
     argv = list(sys.argv[1:] if argv is None else argv)
     kind = argv.pop(0) if argv and argv[0] in SUBREPORTS else "study"
