@@ -67,7 +67,6 @@ from __future__ import annotations
 import argparse
 import glob
 import inspect
-import logging
 import math
 import os
 import re
@@ -87,8 +86,6 @@ from hvdcomp.lowrank.traffic import read  # noqa: E402  (results before and afte
 from hvdcomp.metrics import PHASES  # noqa: E402  (the phase names' one definition)
 from netem_e2e import slug  # noqa: E402  (a contender's cell file name)
 from peers import PEERS, STOCK_HOROVOD, STOCK_HOROVOD_DENSE, label  # noqa: E402
-
-log = logging.getLogger("report")
 
 
 def _pyplot():
@@ -2214,14 +2211,21 @@ def ddp_hooks_markdown(args) -> str:
                         lines.append(f"- {rate}: `{c}` {v:.3f} s against Horovod ring fp16 {ring:.3f} s: "
                                      f"{ring / v:.2f}x ({'faster' if v < ring else 'NOT faster'})")
         lines.append("")
-    text = "\n".join(lines)
-    os.makedirs(args.output, exist_ok=True)
-    with open(os.path.join(args.output, "report.md"), "w") as f:
-        f.write(text)
-    return text
+    return "\n".join(lines)
 
 
 # ==== the command line ===========================================================================
+def _write_report(folder: str, text: str, what: Optional[str] = None) -> int:
+    """Write ``folder/report.md`` (making the folder); print the text, or with ``what`` one line
+    naming the file and what it covers. Returns 0 (the exit status)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "report.md")
+    with open(path, "w") as f:
+        f.write(text)
+    print(text if what is None else f"report: {path} ({what})")
+    return 0
+
+
 def _study(p: argparse.ArgumentParser):
     p.add_argument("root", help="directory searched for results.json files")
     p.add_argument("--out", help="where report.md and the PNGs go (default: root)")
@@ -2238,11 +2242,9 @@ def _study(p: argparse.ArgumentParser):
         out = args.out or args.root
         os.makedirs(out, exist_ok=True)
         names = [] if args.no_plots or not rows else plots(rows, out, args.target_ppl)
-        with open(os.path.join(out, "report.md"), "w") as f:
-            f.write(render(rows, args.target_ppl, args.command, names, missing_cells(args.root, args.grid),
-                           args.root, args.budget_hours, grid_notes(args.grid), grid_search(args.root, args.grid)))
-        print(f"report: {os.path.join(out, 'report.md')} ({len(rows)} runs)")
-        return 0
+        return _write_report(out, render(rows, args.target_ppl, args.command, names, missing_cells(args.root, args.grid),
+                                         args.root, args.budget_hours, grid_notes(args.grid),
+                                         grid_search(args.root, args.grid)), f"{len(rows)} runs")
     return run
 
 
@@ -2258,10 +2260,8 @@ def _ab(p: argparse.ArgumentParser):
         names: Tuple[str, ...] = ()
         if by and not args.no_plots:
             names = (plot_accuracy(by, args.root), plot_compression(by, args.root), plot_spectra(by, args.root))
-        with open(os.path.join(args.root, "report.md"), "w") as f:
-            f.write(ab_render(by, args.command, names, notes))
-        print(f"report: {os.path.join(args.root, 'report.md')} ({sum(len(v) for v in by.values())} runs)")
-        return 0
+        return _write_report(args.root, ab_render(by, args.command, names, notes),
+                             f"{sum(len(v) for v in by.values())} runs")
     return run
 
 
@@ -2276,7 +2276,6 @@ def _speed(p: argparse.ArgumentParser):
     p.add_argument("--preamble", default=None, help="markdown file put at the top (commands, notes)")
 
     def run(args) -> int:
-        logging.basicConfig(level="INFO", format="%(message)s")
         os.makedirs(args.output, exist_ok=True)
         e2e, e2e_t, comm = load_e2e(args.e2e), load_e2e(args.e2e_transformer), load_comm(args.comm)
         e2e_lines, e2e_summary = e2e_section(e2e, args.output)
@@ -2298,12 +2297,9 @@ def _speed(p: argparse.ArgumentParser):
         lines += ["## α-β cost model: fit, check and extrapolation", ""] + cost_lines + [""]
         lines += ["## Kernel benchmark", ""] + kernels_section(args.kernels) + [""]
         lines += ["## Per-tensor overhead", ""] + overhead_section(args.overhead)
-        with open(os.path.join(args.output, "report.md"), "w") as f:
-            f.write("\n".join(lines).rstrip() + "\n")
         write_json(os.path.join(args.output, "summary.json"),
                    {"e2e": e2e_summary, "e2e_transformer": t_summary, "cost_model": cost_summary})
-        log.info("wrote %s", os.path.join(args.output, "report.md"))
-        return 0
+        return _write_report(args.output, "\n".join(lines).rstrip() + "\n", "and summary.json")
     return run
 
 
@@ -2316,11 +2312,7 @@ def _gossip(p: argparse.ArgumentParser):
                  "Measurements: `bash docs/results/gossip/run.sh` (see its header). Report: "
                  f"`.venv/bin/python mpi_scripts/report.py gossip {' '.join(args.argv)}`", "", GOSSIP_METHOD, ""]
         lines += gossip_sections(args.input)
-        os.makedirs(args.output, exist_ok=True)
-        with open(os.path.join(args.output, "report.md"), "w") as fh:
-            fh.write("\n".join(lines) + "\n")
-        print("\n".join(lines))
-        return 0
+        return _write_report(args.output, "\n".join(lines) + "\n")
     return run
 
 
@@ -2353,10 +2345,7 @@ def _local(p: argparse.ArgumentParser):
                      f"({len(loads)} cells).\n")
         if loaded:
             text += f"Left out, started on a loaded machine: {', '.join(loaded)}.\n"
-        with open(os.path.join(args.output, "report.md"), "w") as f:
-            f.write(text)
-        print(text)
-        return 0
+        return _write_report(args.output, text)
     return run
 
 
@@ -2369,12 +2358,7 @@ def _ddp_hooks(p: argparse.ArgumentParser):
     p.add_argument("--contenders", nargs="+", default=ddp_hooks.CONTENDERS)
 
     def run(args) -> int:
-        text = ddp_hooks_markdown(args)
-        os.makedirs(args.output, exist_ok=True)
-        with open(os.path.join(args.output, "report.md"), "w") as f:
-            f.write(text)
-        print(text)
-        return 0
+        return _write_report(args.output, ddp_hooks_markdown(args))
     return run
 
 
@@ -2393,7 +2377,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     kind = argv.pop(0) if argv and argv[0] in SUBREPORTS else "study"
     what, arguments = SUBREPORTS[kind]
-    p = argparse.ArgumentParser(prog=f"report.py {kind}", description=f"{__doc__.splitlines()[1]} Sub-report "
+    p = argparse.ArgumentParser(prog=f"report.py {kind}", description=f"{__doc__.splitlines()[0]} Sub-report "
                                 f"'{kind}': {what}; the others: {', '.join(k for k in SUBREPORTS if k != kind)}.")
     run = arguments(p)
     args = p.parse_args(argv)
