@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """The scripts' one report generator: results JSON in, ``report.md`` (and PNG plots) out.
 
-Usage (the first word picks the sub-report; without one it is ``study``)::
+Usage (the first word picks the sub-report; without one it is ``study``, so a study folder named like a
+sub-report is given as ``report.py study FOLDER``)::
 
     python mpi_scripts/report.py [study] runs/study-small [--target-ppl 400] [--out docs/results]
     python mpi_scripts/report.py ab docs/results/study-v2-ab [--grid GRID.yaml] [--command "make study"]

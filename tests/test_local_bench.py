@@ -72,6 +72,34 @@ def test_report_arithmetic():
     assert "| diloco|8|none | 2 |" in report.local_markdown({"10mbit": rows}, base, vs)
 
 
+
+def test_local_report_from_cell_files_leaves_loaded_cells_out(tmp_path):
+    """``mpi_scripts/report.py local`` over cell files written here: the baseline's two seeds (time to
+    the target 1.1 x 105 = 115.5: 150 s and 120 s, mean 135 s), a local-update cell started on a
+    loaded machine (load 3.5 on 2 cores: left out, named) and a quiet one (10 s: 13.5x)."""
+    import json
+
+    base, local = "sync|fp16@ring", "diloco|8|none"
+    cells = {"b1": cell(base, 1, 100.0, [(50, 300), (100, 120), (150, 100)], sent=2000),
+             "b2": cell(base, 2, 110.0, [(60, 300), (120, 115), (180, 110)], sent=2000),
+             "l1": cell(local, 1, 104.0, [(5, 200), (10, 114), (15, 104)], sent=30),
+             "l2": cell(local, 2, 90.0, [(1, 90)], sent=30)}
+    for name, c in cells.items():
+        load = 3.5 if name == "l2" else 1.0
+        c["driver"]["machine"] = {"before": {"load_1min": load, "cores": 2}, "loaded": load > 2}
+        (tmp_path / "cells" / "10mbit").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cells" / "10mbit" / f"{name}.json").write_text(json.dumps(c))
+    assert report.main(["local", "--output", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "report.json").read_text())["10mbit"]
+    assert rows[local]["seeds"] == 1 and rows[local]["time_to_target_s"] == 10.0
+    assert rows[base]["time_to_target_s"] == pytest.approx(135.0)
+    assert rows[local]["speedup_vs_baseline"] == pytest.approx(13.5)
+    text = (tmp_path / "report.md").read_text()
+    assert "1-minute load average before each cell: 1.00-3.50 (4 cells)." in text
+    assert f"Left out, started on a loaded machine: 10mbit/{local}." in text
+    with pytest.raises(SystemExit):
+        report.main(["local", "--output", str(tmp_path), "--target-factor", "0.9"])
+
 def test_perplexity_verdict_is_one_sided_and_needs_baseline_seeds():
     base, vs = "sync|fp16@ring", "sync|topk:density=0.01"
     runs = [cell(base, 1, 100.0, [(10, 100)], sent=2000), cell(base, 2, 110.0, [(10, 110)], sent=2000),
