@@ -50,7 +50,7 @@ study: install
 	$(PY) mpi_scripts/report.py docs/results/study-v2 --grid mpi_scripts/grids/study_v2.yaml \
 	  --budget-hours 8 --command 'make study'
 	$(PY) mpi_scripts/sweep.py mpi_scripts/grids/ab_digits.yaml
-	$(PY) mpi_scripts/report_ab.py docs/results/study-v2-ab --grid mpi_scripts/grids/ab_digits.yaml \
+	$(PY) mpi_scripts/report.py ab docs/results/study-v2-ab --grid mpi_scripts/grids/ab_digits.yaml \
 	  --command 'make study'
 
 # The first study (2 epochs per cell, one seed, lr 20; small model at 1/2/4 ranks, low-rank and

@@ -70,6 +70,7 @@ sys.path.insert(0, ROOT)
 from hvdcomp.launch import MPI_ENV  # noqa: E402
 from hvdcomp.lm.data import default_data_path  # noqa: E402
 from mpi_scripts.results import read_json, summary, write_json  # noqa: E402
+from mpi_scripts.report import spread_verdict  # noqa: E402  (the reports' one seed-spread verdict)
 
 log = logging.getLogger("adaptive_lm")
 
@@ -282,7 +283,7 @@ def targets(rows: Dict[str, dict]) -> List[str]:
             continue
         ratio = row["ratio_vs_adam"]
         ppl, ref = row["val_ppl"], adam["val_ppl"]
-        spread, verdict = netem_e2e.spread_verdict(ppl["mean"], ref, "adam")
+        spread, verdict = spread_verdict(ppl["mean"], ref, "adam")
         lines.append(f"- {name}: >= {need:g}x fewer bytes than adam fp32 over the run ({ratio:.1f}x): "
                      f"{'met' if ratio >= need else 'missed'}; val ppl {ppl['mean']:.1f} within adam's "
                      f"{ref['mean']:.1f} + its seed spread ({spread:.1f}): {verdict}")

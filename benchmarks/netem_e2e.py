@@ -129,17 +129,6 @@ def error_lines(text: str, limit: int = 8) -> List[str]:
     return (first[-limit:] + second[-limit:])[:limit]
 
 
-def spread_verdict(mean: float, ref: dict, ref_name: str):
-    """``(spread, verdict)``: is ``mean`` within the seed spread of a reference, read one-sided —
-    no worse than ``ref["mean"]`` by more than its range over seeds (``ref["max"] - ref["min"]``;
-    a lower value meets it)? With one reference seed (``ref["n"] < 2``) there is no spread: not
-    judged. Used by the local-update and adaptive-optimizer reports for perplexity."""
-    spread = ref["max"] - ref["min"]
-    if ref["n"] < 2:
-        return spread, f"not judged ({ref_name} has one seed)"
-    return spread, "met" if mean <= ref["mean"] + spread else "missed"
-
-
 # ---- the driver --------------------------------------------------------------------------------
 def add_quiet_arguments(p: argparse.ArgumentParser) -> None:
     """``--max-wait-quiet`` and ``--load-limit``, read by :meth:`Driver.run_cell` (and by every

@@ -2,7 +2,7 @@
 
 Used by the driver (``netem_e2e.py``: what each contender's ``mpirun`` gets), the worker
 (``e2e_lm.py``: which code path a contender runs, and a check that its launch settings arrived)
-and the report (``report_speed.py``: which contenders are stock Horovod, how they are named).
+and the report (``mpi_scripts/report.py speed``: which contenders are stock Horovod, how they are named).
 
 Peers:
 

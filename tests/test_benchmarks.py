@@ -70,7 +70,7 @@ def test_speed_report_verdicts_from_hand_made_cells(tmp_path):
         os.makedirs(cells / rate, exist_ok=True)
         (cells / rate / (contender.replace(":", "_").replace("=", "-") + ".json")).write_text(json.dumps(cell))
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "report_speed.py"), "--e2e",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "mpi_scripts", "report.py"), "speed", "--e2e",
                            str(tmp_path / "e2e"), "--comm", str(tmp_path / "none"), "--output", str(out)],
                           check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
@@ -132,10 +132,9 @@ def test_overhead_benchmark_smoke_and_report(tmp_path):
     for name, row in rows.items():
         assert len(row["samples_s"]) == 2 and row["median_step_s"] > 0, name
         assert abs(row["overhead_s"] - (row["median_step_s"] - rows["local"]["median_step_s"])) < 1e-12
-    sys.path.insert(0, os.path.join(root, "benchmarks"))
-    import report_speed
+    from mpi_scripts import report
 
-    lines = report_speed.overhead_section(str(tmp_path / "overhead"))
+    lines = report.overhead_section(str(tmp_path / "overhead"))
     text = "\n".join(lines)
     assert "| 2 | stack | hvdcomp:none | step ≤ 1.03× stock Horovod |" in text
     assert "### stack: 8 tensors, 2 ranks" in text
@@ -304,7 +303,7 @@ def test_speed_report_quotes_the_fastest_horovod_configuration(tmp_path):
         ("10mbit", "hvdcomp:topk:density=0.01"): _peer_cell("hvdcomp:topk:density=0.01", 2.5, 0.3),
     })
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "report_speed.py"), "--e2e", str(e2e),
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "mpi_scripts", "report.py"), "speed", "--e2e", str(e2e),
                            "--e2e-transformer", str(tmp_path / "none"), "--comm", str(tmp_path / "none"),
                            "--output", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
@@ -338,7 +337,7 @@ def test_speed_report_transformer_target(tmp_path):
         cell["val_ppl_curve"] = []
     _write_cells(tmp_path / "t", cells)
     out = tmp_path / "report"
-    argv = [sys.executable, os.path.join(ROOT, "benchmarks", "report_speed.py"), "--e2e", str(tmp_path / "none"),
+    argv = [sys.executable, os.path.join(ROOT, "mpi_scripts", "report.py"), "speed", "--e2e", str(tmp_path / "none"),
             "--e2e-transformer", str(tmp_path / "t"), "--comm", str(tmp_path / "none"), "--output", str(out)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
@@ -465,7 +464,7 @@ def test_hygiene_marks_a_loaded_machine_and_the_report_leaves_its_cells_out():
     states); the CPU share is a fraction; a loaded e2e cell is not 'ok' (left out of verdicts)
     and says so in the transformer target row."""
     hygiene = _benchmarks_module("hygiene")
-    report_speed = _benchmarks_module("report_speed")
+    from mpi_scripts import report
     assert hygiene.is_loaded({"load_1min": 2.5, "cores": 2})
     assert not hygiene.is_loaded({"load_1min": 2.0, "cores": 2})
     share = hygiene.cpu_busy_share(0.2)
@@ -473,9 +472,9 @@ def test_hygiene_marks_a_loaded_machine_and_the_report_leaves_its_cells_out():
     state = hygiene.machine_state(0.2)
     assert set(state) == {"load_1min", "load_5min", "cores", "others_cpu_share"} and state["cores"] >= 1
     cell = _e2e_cell("hvdcomp:none", "hvdcomp", 2.9, 2.8, 0.1, 0.05)
-    assert report_speed.ok(cell) and not report_speed.loaded(cell)
+    assert report.ok(cell) and not report.loaded(cell)
     cell["driver"] = {"machine": {"before": {"load_1min": 9.0, "cores": 2}, "loaded": True}}
-    assert report_speed.loaded(cell) and not report_speed.ok(cell) and report_speed.step_s(cell) is None
+    assert report.loaded(cell) and not report.ok(cell) and report.step_s(cell) is None
 
 
 def test_cpu_identity_from_a_hand_made_cpuinfo(tmp_path):

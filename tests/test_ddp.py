@@ -343,7 +343,7 @@ def test_train_lm_under_torchrun_and_srun_equals_the_horovod_run(tmp_path):
 
 
 def test_benchmark_report_states_both_targets(tmp_path):
-    """benchmarks/ddp_hooks.py's table from cells written here: top-k through DDP 2.0 s, DDP's fp16
+    """benchmarks/ddp_hooks.py's table (mpi_scripts/report.py ddp-hooks) from cells written here: top-k through DDP 2.0 s, DDP's fp16
     hook 3.0 s and PowerSGD hook 2.5 s, the Horovod front-end's top-k 1.9 s, Horovod ring fp16
     3.8 s at 100 Mbit/s; a faster PowerSGD hook cell (1.0 s) that started on a loaded machine is
     left out of the verdicts."""
@@ -360,8 +360,11 @@ def test_benchmark_report_states_both_targets(tmp_path):
         machine = {"before": {"load_1min": load, "cores": 2, "others_cpu_share": 0.01}, "loaded": load > 2}
         (cells / f"{slug(c)}.json").write_text(json.dumps({"status": "ok", "timing": {"step": {"median": sec}},
                                                            "driver": {"machine": machine}}))
+    from mpi_scripts import report
+
+    assert report.main(["ddp-hooks", "--output", str(tmp_path), "--models", "medium", "--rates", "100mbit"]) == 0
+    text = (tmp_path / "report.md").read_text()
     args = ddp_hooks.parse_args(["--output", str(tmp_path), "--models", "medium", "--rates", "100mbit"])
-    text = ddp_hooks.report(args)
     assert "DDP's fastest built-in hook 2.500 s: faster (1.25x)" in text
     assert "top-k 1 % 1.900 s: 1.05x (target <= 1.10)" in text
     assert "| `ddp:none` | failed, loaded or not run |" in text

@@ -1,5 +1,5 @@
 """benchmarks/netem_local.py without running it: the cells and commands it would launch, and its
-report's arithmetic (time to target, speed-ups, bytes ratio, the targets' verdicts) on
+report's arithmetic (mpi_scripts/report.py local: time to target, speed-ups, bytes ratio, the targets' verdicts) on
 hand-made cell results."""
 import os
 import sys
@@ -10,6 +10,7 @@ from tests.mpirun import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import netem_local  # noqa: E402
+from mpi_scripts import report  # noqa: E402
 
 
 def test_cells_and_commands():
@@ -49,7 +50,7 @@ def test_report_arithmetic():
              cell(vs, 1, 116.0, [(20, 200), (40, 118), (60, 116)], sent=80),
              cell(local, 1, 104.0, [(5, 200), (10, 114), (15, 104)], sent=30, step=0.95, compute=0.9),
              cell(local, 2, 108.0, [(6, 200), (12, 130), (18, 108)], sent=30, step=0.95, compute=0.9)]
-    rows = netem_local.summarize(cells, base, vs, 1.1)["10mbit"]
+    rows = report.local_summary(cells, base, vs, 1.1)["10mbit"]
     target = 1.1 * 105.0  # 1.1 x the baseline's mean best (100, 110)
     assert rows[local]["target_ppl"] == pytest.approx(target)
     # the first epoch end at or below 115.5: baseline seeds at 150 and 120 s; local at 10 and 18 s
@@ -59,7 +60,7 @@ def test_report_arithmetic():
     assert rows[local]["speedup_vs_baseline"] == pytest.approx(135.0 / 14.0)
     assert rows[local]["ratio_vs_dense_fp32"] == pytest.approx(4000 / 30)
     assert rows[local]["best_val_ppl"]["mean"] == 106.0 and rows[local]["best_val_ppl"]["max"] == 108.0
-    lines = "\n".join(netem_local.targets(rows, base, "10mbit", vs))
+    lines = "\n".join(report.local_targets(rows, base, "10mbit", vs))
     assert "perplexity 106.0 no worse than the baseline's 105.0 + its seed spread (10.0): met" in lines  # 106 <= 115
     assert "fewer bytes per step than dense fp32 (133x): met" in lines
     assert "step within 1.1x of its compute (1.06x): met" in lines
@@ -68,19 +69,47 @@ def test_report_arithmetic():
     assert rows[local]["speedup_vs_versus"] is None
     assert rows[local]["speedup_vs_versus_at_least"] == pytest.approx(60.0 / 14.0)
     assert "less than synchronous top-k (at least 4.3x): met" in lines
-    assert "| diloco|8|none | 2 |" in netem_local.report_markdown({"10mbit": rows}, base, vs)
+    assert "| diloco|8|none | 2 |" in report.local_markdown({"10mbit": rows}, base, vs)
 
+
+
+def test_local_report_from_cell_files_leaves_loaded_cells_out(tmp_path):
+    """``mpi_scripts/report.py local`` over cell files written here: the baseline's two seeds (time to
+    the target 1.1 x 105 = 115.5: 150 s and 120 s, mean 135 s), a local-update cell started on a
+    loaded machine (load 3.5 on 2 cores: left out, named) and a quiet one (10 s: 13.5x)."""
+    import json
+
+    base, local = "sync|fp16@ring", "diloco|8|none"
+    cells = {"b1": cell(base, 1, 100.0, [(50, 300), (100, 120), (150, 100)], sent=2000),
+             "b2": cell(base, 2, 110.0, [(60, 300), (120, 115), (180, 110)], sent=2000),
+             "l1": cell(local, 1, 104.0, [(5, 200), (10, 114), (15, 104)], sent=30),
+             "l2": cell(local, 2, 90.0, [(1, 90)], sent=30)}
+    for name, c in cells.items():
+        load = 3.5 if name == "l2" else 1.0
+        c["driver"]["machine"] = {"before": {"load_1min": load, "cores": 2}, "loaded": load > 2}
+        (tmp_path / "cells" / "10mbit").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cells" / "10mbit" / f"{name}.json").write_text(json.dumps(c))
+    assert report.main(["local", "--output", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "report.json").read_text())["10mbit"]
+    assert rows[local]["seeds"] == 1 and rows[local]["time_to_target_s"] == 10.0
+    assert rows[base]["time_to_target_s"] == pytest.approx(135.0)
+    assert rows[local]["speedup_vs_baseline"] == pytest.approx(13.5)
+    text = (tmp_path / "report.md").read_text()
+    assert "1-minute load average before each cell: 1.00-3.50 (4 cells)." in text
+    assert f"Left out, started on a loaded machine: 10mbit/{local}." in text
+    with pytest.raises(SystemExit):
+        report.main(["local", "--output", str(tmp_path), "--target-factor", "0.9"])
 
 def test_perplexity_verdict_is_one_sided_and_needs_baseline_seeds():
     base, vs = "sync|fp16@ring", "sync|topk:density=0.01"
     runs = [cell(base, 1, 100.0, [(10, 100)], sent=2000), cell(base, 2, 110.0, [(10, 110)], sent=2000),
             cell("diloco|8|none", 1, 80.0, [(5, 80)], sent=30),          # better than the baseline: met
             cell("co2|8|none", 1, 115.5, [(5, 115.5)], sent=30)]         # 115.5 > 105 + 10: missed
-    lines = "\n".join(netem_local.targets(netem_local.summarize(runs, base, vs, 1.1)["10mbit"], base, "10mbit", vs))
+    lines = "\n".join(report.local_targets(report.local_summary(runs, base, vs, 1.1)["10mbit"], base, "10mbit", vs))
     assert "perplexity 80.0 no worse than the baseline's 105.0 + its seed spread (10.0): met" in lines
     assert "perplexity 115.5 no worse than the baseline's 105.0 + its seed spread (10.0): missed" in lines
-    one = netem_local.summarize([runs[0], runs[2]], base, vs, 1.1)["10mbit"]
-    assert "(0.0): not judged (the baseline has one seed)" in "\n".join(netem_local.targets(one, base, "10mbit", vs))
+    one = report.local_summary([runs[0], runs[2]], base, vs, 1.1)["10mbit"]
+    assert "(0.0): not judged (the baseline has one seed)" in "\n".join(report.local_targets(one, base, "10mbit", vs))
 
 
 def test_time_to_target_verdicts_where_a_seed_missed_the_target():
@@ -93,10 +122,10 @@ def test_time_to_target_verdicts_where_a_seed_missed_the_target():
             cell("co2|8|none", 1, 100.0, [(10, 110)], sent=30),          # 10 s and never
             cell("co2|8|none", 2, 100.0, [(10, 120)], sent=30),
             cell("diloco|32|none", 1, 100.0, [(45, 110)], sent=30)]      # 45 s
-    rows = netem_local.summarize(runs, base, vs, 1.1)["10mbit"]
+    rows = report.local_summary(runs, base, vs, 1.1)["10mbit"]
     assert rows[base]["time_to_target_s"] is None
     assert rows[base]["time_to_target_at_least_s"] == pytest.approx((150 + 180 + 200) / 3)
-    lines = "\n".join(netem_local.targets(rows, base, "10mbit", vs))
+    lines = "\n".join(report.local_targets(rows, base, "10mbit", vs))
     # (150 + 180 + 200) / 3 / 30 = 5.9 >= 5 even if the third baseline seed had reached it at 200 s
     assert "- diloco|8|none:" in lines and "baseline (at least 5.9x): met" in lines
     # 176.7 / 45 = 3.9: the bound cannot tell
@@ -117,17 +146,17 @@ def test_time_to_target_upper_bound_where_the_contender_missed_the_target():
             cell("diloco|32|none", 1, 100.0, [(20, 130), (40, 120)], sent=30),  # never, in a 40 s run
             cell("diloco|8|none", 1, 100.0, [(10, 130), (20, 125)], sent=30),   # never, in a 20 s run
             cell("diloco|8|none", 2, 100.0, [(10, 115)], sent=30)]              # 10 s
-    rows = netem_local.summarize(runs, base, vs, 1.1)["10mbit"]
+    rows = report.local_summary(runs, base, vs, 1.1)["10mbit"]
     # diloco|32: its time is > 40 s, so it is < 150 / 40 = 3.75x faster than the baseline (missed),
     # and < 40 / 40 = 1x faster than top-k (missed: it cannot be faster)
     assert rows["diloco|32|none"]["speedup_vs_baseline_at_most"] == pytest.approx(150 / 40)
-    d32 = verdict_block(netem_local.targets(rows, base, "10mbit", vs), "diloco|32|none")
+    d32 = verdict_block(report.local_targets(rows, base, "10mbit", vs), "diloco|32|none")
     assert "baseline (at most 3.75x): missed" in d32
     assert "less than synchronous top-k (at most 1.00x): missed" in d32
     # diloco|8: its mean time is > (20 + 10) / 2 = 15 s, so < 10x the baseline and < 2.7x top-k:
     # a longer run of seed 1 could still clear both
     assert rows["diloco|8|none"]["speedup_vs_baseline_at_most"] == pytest.approx(150 / 15)
-    d8 = verdict_block(netem_local.targets(rows, base, "10mbit", vs), "diloco|8|none")
+    d8 = verdict_block(report.local_targets(rows, base, "10mbit", vs), "diloco|8|none")
     assert "baseline (at most 10.00x): not judged (its run ended before the target" in d8
     assert "less than synchronous top-k (at most 2.67x): not judged (its run ended" in d8
 
@@ -136,7 +165,7 @@ def test_time_targets_are_judged_at_10mbit_only():
     base, vs = "sync|fp16@ring", "sync|topk:density=0.01"
     runs = [cell(base, s, 100.0, [(100, 100)], sent=2000, rate="100mbit") for s in (1, 2)]
     runs.append(cell("diloco|8|none", 1, 100.0, [(40, 100)], sent=30, rate="100mbit"))
-    lines = "\n".join(netem_local.targets(netem_local.summarize(runs, base, vs, 1.1)["100mbit"], base, "100mbit", vs))
+    lines = "\n".join(report.local_targets(report.local_summary(runs, base, vs, 1.1)["100mbit"], base, "100mbit", vs))
     assert "speed-up to the target over the baseline: 2.5x, over synchronous top-k: n/a (no verdict" in lines
     assert "step within" not in lines and ">= 5x" not in lines
 
@@ -167,4 +196,4 @@ def test_run_local_script_launches_the_committed_one_sitting_grids(tmp_path):
         args = vars(netem_local.parse_args(launch[1:]))
         assert {k: args[k] for k in keys} == {k: ran[k] for k in keys}, (workload, rate)
         assert args["output"] == str(out / f"{workload}-{rate}")
-        assert report == ["benchmarks/netem_local.py", "--output", args["output"], "--report"]
+        assert report == ["mpi_scripts/report.py", "local", "--output", args["output"]]

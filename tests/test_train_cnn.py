@@ -7,7 +7,7 @@ import os
 import pytest
 
 pytest.importorskip("sklearn")
-from mpi_scripts import report_ab  # noqa: E402
+from mpi_scripts import report  # noqa: E402
 from mpi_scripts.train_cnn import DigitsMLP, DigitsVGG, learning_rate, load_digits_split  # noqa: E402
 from tests.mpirun import check  # noqa: E402
 
@@ -127,7 +127,7 @@ def test_report_keeps_traffic_and_model_compression_apart(tmp_path, old_keys):
             d = tmp_path / "cells" / f"digits-np4-{label}-seed{seed}"
             os.makedirs(d)
             (d / "results.json").write_text(json.dumps(r))
-    assert report_ab.main([str(tmp_path), "--command", "make study"]) == 0
+    assert report.main(["ab", str(tmp_path), "--command", "make study"]) == 0
     text = (tmp_path / "report.md").read_text()
     # accuracy 97.00 ± 1.41 against 98.00 ± 1.41: -1.00 pp, spread sqrt(2) * 1.41 = 2.00
     assert ("| vgg | vgg-ab | 0.1 | 1, 2 | 97.00 ± 1.41 | -1.00 (spread 2.00) | "

@@ -9,7 +9,7 @@
 #   slow      4 ranks on 4 emulated hosts with 10 Mbit/s links, the small LSTM, SLOW_STEPS (8) steps;
 #   accuracy  the small LSTM, 4 ranks (no shaping), EPOCHS (2) epochs, seeds 1 2 3: perplexity of
 #             each contender after the same epochs (gossip runs evaluate the network-average model);
-#   report    benchmarks/gossip_report.py over OUT (tables, targets met or missed).
+#   report    mpi_scripts/report.py gossip over OUT (tables, targets met or missed).
 # ONLY (labels, space-separated) restricts every part to those contenders; SEEDS (default "1 2 3")
 # the accuracy seeds. Cells already in OUT are kept, so a later call adds the rest.
 # Contenders: dense allreduce (none), top-k 1 % by allgather, gtopk 1 %, and decentralized on a
@@ -84,5 +84,5 @@ if [ "$WHAT" = all ] || [ "$WHAT" = accuracy ]; then
   done
 fi
 if [ "$WHAT" = all ] || [ "$WHAT" = report ]; then
-  "$PY" benchmarks/gossip_report.py --input "$OUT" --output "$OUT"
+  "$PY" mpi_scripts/report.py gossip --input "$OUT" --output "$OUT"
 fi

@@ -36,7 +36,7 @@ for workload in $WORKLOADS; do
     dir="$OUT/$workload-$rate"
     "$PY" benchmarks/netem_local.py --workload "$workload" --output "$dir" --rates "$rate" --seeds 1 \
       --max-wait-quiet 300 --contenders "${contenders[@]}" --train-args "--epochs 4" --timeout 1800 || status=1
-    "$PY" benchmarks/netem_local.py --output "$dir" --report || status=1
+    "$PY" mpi_scripts/report.py local --output "$dir" || status=1
   done
 done
 exit $status

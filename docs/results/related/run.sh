@@ -7,7 +7,7 @@
 #    equal bytes, on real LSTM gradients (one process);
 # 3. speed: the new methods on 4 emulated hosts (medium LSTM, links shaped at 1 Gbit/s, 100 Mbit/s and
 #    10 Mbit/s) beside hvdcomp none, hvdcomp top-k 1 % and stock Horovod fp16 run in the same sitting,
-#    then their speed tables (benchmarks/report_speed.py on these cells only).
+#    then their speed tables (mpi_scripts/report.py speed on these cells only).
 # The 2-epoch study cells of the new methods are `make study-v1` (mpi_scripts/grids/related_small.yaml); study v2 (`make study`) has them too.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -24,6 +24,6 @@ if [ "$WHAT" != fit ]; then
      hvdcomp:lowbit:bits=4 hvdcomp:lowbit:bits=8 hvdcomp:adaptive:base=topk,budget=0.01,every=10"
   $PY benchmarks/netem_e2e.py --output "$OUT/netem-e2e" --model medium --rates 1gbit 100mbit 10mbit \
     --steps 5 --warmup 2 --steps-slow 3 --warmup-slow 1 --contenders $C
-  $PY benchmarks/report_speed.py --e2e "$OUT/netem-e2e" --e2e-transformer "$OUT/none" --comm "$OUT/none" \
+  $PY mpi_scripts/report.py speed --e2e "$OUT/netem-e2e" --e2e-transformer "$OUT/none" --comm "$OUT/none" \
     --output "$OUT/speed"
 fi

@@ -61,7 +61,7 @@ for np in 2 4; do
                  hvdcomp:randomk:density=0.01 hvdcomp:powersgd:matrix_rank=2 hvdcomp:fp16 hvdcomp:bf16 ) || status=1
 done
 fi
-$PY benchmarks/report_speed.py --e2e "$OUT/netem-e2e" --e2e-transformer "$OUT/netem-e2e-transformer" \
+$PY mpi_scripts/report.py speed --e2e "$OUT/netem-e2e" --e2e-transformer "$OUT/netem-e2e-transformer" \
   --comm "$OUT/netem-comm" --kernels "$OUT/kernels-cpu" --overhead "$OUT/overhead" --output "$OUT" \
   --preamble benchmarks/speed_preamble.md
 exit $status
