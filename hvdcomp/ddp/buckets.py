@@ -47,13 +47,13 @@ from ..assembly import step_comm_of
 from ..compressors.base import PayloadKind
 from ..compressors.segments import needs_draw_order
 from ..plan import step_route_of
-from ..transports.allgather import aggregate_gathered
+from ..transports.allgather import AllgatherTransport
 from ..transports.allreduce import IN_PLACE_DTYPES, resend_saturated
-from ..transports.base import Transport
+from ..transports.base import Transport, Wiring
 from ..transports.stepwide import StepMethod, reduce_step
 from .layout import BucketLayout
 
-__all__ = ["Bucket", "BucketTransport", "bucket_kind", "describe"]
+__all__ = ["Bucket", "BucketUnits", "BucketTransport", "bucket_kind", "describe"]
 
 
 def bucket_kind(compression) -> Optional[PayloadKind]:
@@ -88,8 +88,7 @@ class Bucket:
             float64 buffers, else as a float32 copy averaged like a ``MEAN`` payload).
         handles: its summed allreduces in flight (the group's handles, in place on the payload
             flats, one per dtype; ``dtypes``: the dtype of each).
-        gather: its gather in flight (the allgatherer's handle), or None.
-        ctxs, lengths: per unit, its decoding context and its payload's tensor count.
+        ctxs, lengths: summable: per unit, its decoding context and its payload's tensor count.
         placed: summable: per payload tensor, ``(dtype, start, numel)`` in the reduced flat of
             its dtype.
     """
@@ -101,7 +100,6 @@ class Bucket:
     raw: bool = False
     handles: List[Any] = field(default_factory=list)
     dtypes: List[torch.dtype] = field(default_factory=list)
-    gather: Any = None
     ctxs: List[Any] = field(default_factory=list)
     lengths: List[int] = field(default_factory=list)
     placed: List[tuple] = field(default_factory=list)
@@ -115,6 +113,41 @@ class Bucket:
     def summed(self) -> bool:
         """Its payload is reduced by a summed ``all_reduce`` and decoded (not in place)."""
         return self.kind in (PayloadKind.MEAN, PayloadKind.SUM) and not self.in_place
+
+
+class BucketUnits:
+    """The step's buckets as the units of a core transport (the interface of
+    :class:`hvdcomp.transports.units.Units` the transports use): unit ``u`` is one compression
+    call of a bucket (:class:`hvdcomp.ddp.layout.Unit`), a view of its buffer, compressed and
+    written where it lies (no copy, no write-back). Units are added as DDP hands the buckets over."""
+
+    def __init__(self):
+        self.views: List[torch.Tensor] = []
+        self.names: List[Optional[str]] = []
+        self.segments: List[Any] = []
+        self.dense_bytes: List[int] = []  # fp32 size of each unit
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    def add(self, entry: "Bucket") -> List[int]:
+        """Add a bucket's units (compression order); returns their indices."""
+        first = len(self.views)
+        for unit in entry.layout.units:
+            self.views.append(unit.view(entry.buffer))
+            self.names.append(unit.name)
+            self.segments.append(unit.segments)
+            self.dense_bytes.append(4 * (unit.stop - unit.start))
+        return list(range(first, len(self.views)))
+
+    def tensor(self, u: int) -> torch.Tensor:
+        """Unit ``u``'s view of its bucket's buffer: what it compresses, and where its result goes."""
+        return self.views[u]
+
+    target = tensor
+
+    def write_back(self, u: int) -> None:
+        """Nothing to copy: results are written into the bucket's buffer, DDP's ``p.grad`` source."""
 
 
 class BucketTransport(Transport):
@@ -157,12 +190,15 @@ class BucketTransport(Transport):
 
     @property
     def busy(self) -> bool:
-        return any(b.handles or b.gather is not None for b in self.buckets)
+        return self.gather.busy or any(b.handles for b in self.buckets)
 
     def reset(self) -> None:
         self.buckets: List[Bucket] = []
         self.overflowed: List[tuple] = []
         self.sent = self.received = 0
+        self.units = BucketUnits()  # (a gathered bucket's units, carried by the core's allgather transport)
+        self.gather = AllgatherTransport(Wiring(self.group, self.timer, self.compression, self.units, "hvdcomp.ddp",
+                                                gatherer=self.gatherer))
 
     def in_place_units(self) -> List[int]:
         return [u for u, b in enumerate(self.buckets) if b.in_place]
@@ -200,10 +236,10 @@ class BucketTransport(Transport):
             with self.timer.phase("communicate"):
                 entry.handles, entry.dtypes = self._allreduce(flats, entry.kind), list(by_dtype)
         elif entry.kind is PayloadKind.GATHERED:
-            with self.timer.phase("compress"):
-                payload = self._encode(entry)
-            with self.timer.phase("communicate"):
-                entry.gather = self.gatherer.start(payload)
+            members = self.units.add(entry)
+            self.gather.add_bucket(members)
+            for v in members:
+                self.gather.start(v)
 
     def _encode(self, entry: Bucket) -> List[torch.Tensor]:
         """Compress the bucket's units; returns the payload tensors of all units, in order."""
@@ -226,27 +262,21 @@ class BucketTransport(Transport):
         if self.deferred:
             self._reduce_step(buckets)
         else:
-            gathered, reduced = [], []
+            self.gather.finish()  # (the gathered buckets: waited for, aggregated, their bytes counted)
             with self.timer.phase("communicate"):
+                reduced = [[self.group.synchronize(h) for h in b.handles] for b in buckets]
                 for b in buckets:
-                    reduced.append([self.group.synchronize(h) for h in b.handles])
-                    gathered.append(None if b.gather is None else self.gatherer.finish(b.gather))
-                    if b.gather is not None:
-                        self.sent += b.gather.bytes_sent
-                        self.received += b.gather.bytes_received
-                    b.handles, b.gather = [], None
+                    b.handles = []
             units = self._resend_saturated(buckets, reduced)
             with self.timer.phase("decompress"):
-                for b, per_rank, flats in zip(buckets, gathered, reduced):
-                    if per_rank is not None:
-                        aggregate_gathered(self.compression, per_rank, [
-                            (unit.view(b.buffer), ctx, n) for unit, ctx, n in zip(b.layout.units, b.ctxs, b.lengths)])
-                    elif b.raw and b.summed:  # (the float32 copy, averaged)
+                for b, flats in zip(buckets, reduced):
+                    if b.raw and b.summed:  # (the float32 copy, averaged)
                         b.buffer.copy_(flats[0])
                 for b, unit, outputs, ctx in units:
                     if outputs is not None:
                         self.compression.decode_into(unit.view(b.buffer), outputs, ctx)
-        self.timer.add_bytes(sent=self.sent, received=self.received, dense=4 * sum(b.layout.numel for b in buckets))
+        self.timer.add_bytes(sent=self.sent, received=self.received,
+                             dense=4 * sum(b.layout.numel for b in buckets if b.kind is not PayloadKind.GATHERED))
 
     def _resend_saturated(self, buckets: List[Bucket], reduced: List[List[torch.Tensor]]) -> List[tuple]:
         """Each encoded summable unit's reduced payload (``× 1/N`` for ``MEAN``), after the

@@ -32,21 +32,32 @@ class AllgatherTransport(Transport):
 
     Args:
         wiring: the optimizer's :class:`~hvdcomp.transports.base.Wiring`: its ``gatherer`` (an
-            :class:`hvdcomp.comm.allgatherv.Allgatherer`, mpi4py or Horovod), ``buckets`` (unit
-            indices per bucket, in launch order), timer, method, units and prefix; with
+            :class:`hvdcomp.comm.allgatherv.Allgatherer`: mpi4py, Horovod or torch.distributed),
+            ``buckets`` (unit indices per bucket, in launch order; more by :meth:`add_bucket`), timer, method, units and prefix; with
             ``op_sum`` the aggregate (a mean) is multiplied by the group size.
     """
 
     def __init__(self, wiring: Wiring):
         w = wiring
         self.gatherer, self.timer, self.compression, self.units = w.gatherer, w.timer, w.compression, w.units
-        self.buckets, self.prefix, self.scale = w.buckets, w.prefix, w.scale
-        self.bucket_of: List[int] = [-1] * len(self.units)  # -1: not on this route
-        for b, members in enumerate(self.buckets):
-            for u in members:
-                self.bucket_of[u] = b
-        self.bucket_dense = [sum(self.units.dense_bytes[u] for u in b) for b in self.buckets]
+        self.prefix, self.scale = w.prefix, w.scale
+        self.buckets: List[List[int]] = []
+        self.bucket_of: Dict[int, int] = {}  # unit -> its bucket (units of this route only)
+        self.bucket_dense: List[int] = []
+        self.waiting: List[int] = []  # per bucket, units it still waits for
+        for members in w.buckets:
+            self.add_bucket(members)
         self.reset()
+
+    def add_bucket(self, members: List[int]) -> None:
+        """Append a bucket of units, launched after every bucket before it (a front-end whose
+        buckets are known only during backward, the DDP hook, appends each as it comes, the same
+        buckets in the same order on every rank)."""
+        for u in members:
+            self.bucket_of[u] = len(self.buckets)
+        self.buckets.append(list(members))
+        self.bucket_dense.append(sum(self.units.dense_bytes[u] for u in members))
+        self.waiting.append(len(members))
 
     @property
     def busy(self) -> bool:
@@ -56,7 +67,7 @@ class AllgatherTransport(Transport):
         self.encoded: Dict[int, tuple] = {}  # unit -> (payload, ctx) waiting for or in its bucket
         self.handles: Dict[int, object] = {}  # bucket -> launched allgather
         self.next_bucket = 0
-        self.waiting = [len(b) for b in self.buckets]  # units each bucket still waits for
+        self.waiting = [len(b) for b in self.buckets]
 
     def start(self, u: int) -> None:
         """Compress unit ``u`` (timed as ``compress``) and queue its payload; start every bucket
