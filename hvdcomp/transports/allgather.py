@@ -2,7 +2,7 @@
 variable-size allgather (:mod:`hvdcomp.comm.allgatherv`), then aggregated on every rank."""
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict
 
 from ..compressors.base import PayloadKind
 from ..plan import Route, make_buckets, register_route
@@ -18,7 +18,8 @@ class AllgatherTransport(Transport):
     Args:
         wiring: the optimizer's :class:`~hvdcomp.transports.base.Wiring`: its ``gatherer`` (an
             :class:`hvdcomp.comm.allgatherv.Allgatherer`: mpi4py, Horovod or torch.distributed),
-            ``buckets`` (unit indices per bucket, in launch order; more by :meth:`add_bucket`), timer, method, units and prefix; with
+            ``buckets`` (unit indices per bucket, in launch order; more by
+            :meth:`~hvdcomp.transports.base.Transport.add_bucket`), timer, method, units and prefix; with
             ``op_sum`` the aggregate (a mean) is multiplied by the group size.
     """
 

@@ -3,7 +3,7 @@
 (``decoded-allreduce``)."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import torch
 
@@ -28,7 +28,7 @@ class AllreduceTransport(Transport):
     stock Horovod. Other payloads travel as their tensors (bfloat16 as float32:
     Horovod's allreduce has no bfloat16) and are decoded into the unit's target.
 
-    Buckets (:meth:`add_bucket`; the DDP hook's, known only during backward): a bucket's units
+    Buckets (:meth:`~hvdcomp.transports.base.Transport.add_bucket`; the DDP hook's, known only during backward): a bucket's units
     are compressed as they start, and once all are, the bucket goes out in bucket order as one
     summed allreduce per payload dtype of its units' payloads laid end to end, in their own dtype
     (bfloat16 included: ``torch.distributed`` sums it), as PyTorch's hooks reduce a bucket; a
