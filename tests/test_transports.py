@@ -8,7 +8,8 @@ import torch
 import hvdcomp
 import hvdcomp.transports
 from hvdcomp.metrics import PhaseTimer
-from hvdcomp.transports import AllgatherTransport, Units, Wiring
+from hvdcomp.transports import AllgatherTransport, AllreduceTransport, Units, Wiring
+import hvdcomp.compressors.base
 
 
 class RecordingGatherer:
@@ -92,3 +93,78 @@ def test_every_route_has_a_row_in_the_transports_table():
     from hvdcomp.plan import route_names
     rows = re.findall(r"^``([a-z-]+)``\s", hvdcomp.transports.__doc__, re.M)
     assert sorted(rows) == sorted(set(route_names()) - {"local"})
+
+
+class TwoIdenticalRanks:
+    """A ``torch.distributed``-like group of two ranks that hold the same tensors (a sum is twice
+    the tensor), recording every allreduce as ``(dtype, numel, in place)``."""
+
+    size, rank, ordered = 2, 0, True
+
+    def __init__(self):
+        self.calls = []
+
+    def allreduce_async_(self, t, name="", average=True, prescale=1.0, postscale=1.0):
+        self.calls.append((t.dtype, t.numel(), True))
+        t.mul_(prescale / self.size if average else prescale).mul_(2)
+        return [t, postscale]
+
+    def allreduce_async(self, t, name="", average=True, prescale=1.0, postscale=1.0):
+        h = self.allreduce_async_(t.clone(), name, False, prescale, postscale / self.size if average else postscale)
+        self.calls[-1] = self.calls[-1][:2] + (False,)
+        return h
+
+    def synchronize(self, h):
+        h[0].mul_(h[1])
+        h[1] = 1.0
+        return h[0]
+
+
+class HalfBFloat16:
+    """A summable method whose payload is the first half of the gradient as bfloat16 and the
+    second half as float32."""
+
+    payload_kind, payload_is_gradient = hvdcomp.compressors.base.PayloadKind.MEAN, False
+
+    def encode(self, t, name, segments=None):
+        return [t[:2].to(torch.bfloat16), t[2:].clone()], None
+
+    def decode_into(self, target, outputs, ctx):
+        target[:2], target[2:] = outputs[0].float(), outputs[1]
+        return target
+
+
+def test_allreduce_buckets_reduce_one_collective_per_dtype_in_that_dtype():
+    """The DDP hook's buckets through the allreduce transport (add_bucket): a bucket of two units
+    whose payloads are bfloat16 + float32 goes out as one allreduce per dtype (2, not 4), bfloat16
+    as bfloat16 (the Horovod front-end's units: one per payload tensor, bfloat16 as float32);
+    the mean of two identical ranks is each gradient; a bucket of one gradient under ``none``
+    is reduced where it lies, divided first (DDP's arithmetic)."""
+    grads = ([1.0, 2.0, 3.0, 4.0], [0.5, -1.0, 6.0, 7.0])
+    for bucketed, expected in ((True, [(torch.bfloat16, 4, True), (torch.float32, 4, True)]),
+                               (False, [(torch.float32, 2, False), (torch.float32, 2, False)] * 2)):
+        params = [torch.nn.Parameter(torch.zeros(4)) for _ in grads]
+        for p, g in zip(params, grads):
+            p.grad = torch.tensor(g)
+        group = TwoIdenticalRanks()
+        units = Units(params, [[0], [1]], ["a", "b"], [None] * 2, "t")
+        group.ordered = bucketed  # (unit order is the launch order either way)
+        tr = AllreduceTransport(Wiring(group, PhaseTimer(), HalfBFloat16(), units, "t"))
+        if bucketed:
+            tr.add_bucket([0, 1])
+        tr.start(0)
+        if bucketed:
+            assert group.calls == []  # (a bucket waits for its last unit)
+        tr.start(1)
+        tr.finish()
+        assert group.calls == expected, (bucketed, group.calls)
+        assert [p.grad.tolist() for p in params] == list(grads)
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.tensor([2.0, -4.0, 6.0])
+    group, held = TwoIdenticalRanks(), p.grad
+    units = Units([p], [[0]], ["w"], [None], "t")
+    tr = AllreduceTransport(Wiring(group, PhaseTimer(), hvdcomp.get_compressor("none"), units, "t"))
+    tr.add_bucket([0])
+    tr.start(0)
+    tr.finish()
+    assert group.calls == [(torch.float32, 3, True)] and p.grad is held and p.grad.tolist() == [2.0, -4.0, 6.0]

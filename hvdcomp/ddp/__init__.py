@@ -7,8 +7,7 @@ hook, over ``torch.distributed`` (gloo, NCCL), launched by ``torchrun`` or ``sru
   and the model's parameter names and bucket layouts;
 * :mod:`hvdcomp.ddp.cycle`: the step in progress (staged state, the ranks' agreement, commit or
   rollback);
-* :mod:`hvdcomp.ddp.buckets`: the step's buckets as the units of a
-  :class:`~hvdcomp.transports.base.Transport` (compress, the group's collectives, decompress);
+* :mod:`hvdcomp.ddp.buckets`: the step's buckets, carried by the core's transports;
 * :mod:`hvdcomp.ddp.runtime`: ``torch.distributed`` set-up from the launcher's environment.
 
 See docs/ddp.md.

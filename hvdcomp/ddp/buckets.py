@@ -1,17 +1,14 @@
-"""The DDP hook's bucket exchange, a :class:`~hvdcomp.transports.base.Transport` over the hook's
-:class:`~hvdcomp.comm.torchdist.TorchDistGroup`: its units are the DDP buckets of the step in
-progress. :meth:`BucketTransport.start` compresses a bucket and starts its collectives (a summed
-``all_reduce`` in place, or the variable-size allgather every front-end uses,
-:class:`~hvdcomp.comm.torchdist.TorchDistAllgatherer`); :meth:`BucketTransport.finish`, at the
-step's last bucket, waits, sends a saturated summed payload again by the resend every front-end
-uses (:func:`hvdcomp.transports.allreduce.resend_saturated`) and decompresses every bucket into its
-buffer, or hands the whole step to a step-wide method's ``reduce_batch``
-(:func:`hvdcomp.transports.stepwide.reduce_step`, as the Horovod front-end's
-:class:`~hvdcomp.transports.stepwide.StepTransport`).
+"""The DDP hook's bucket exchange, a :class:`~hvdcomp.transports.base.Transport` whose units are
+the DDP buckets of the step, carried by the Horovod front-end's transports: a bucket's compression
+units (:mod:`hvdcomp.ddp.layout`) become :class:`BucketUnits` (views of its buffer), and the
+bucket a bucket of :class:`~hvdcomp.transports.allreduce.AllreduceTransport` or
+:class:`~hvdcomp.transports.allgather.AllgatherTransport` (``add_bucket``). A step-wide method
+reduces the whole step at the last bucket (:func:`hvdcomp.transports.stepwide.reduce_step`).
 
 How a bucket travels this step, read from the method in one place (:func:`bucket_kind`): its
 :attr:`Bucket.kind` is the method's :class:`~hvdcomp.compressors.base.PayloadKind`, or None for a
-step-wide method, and :attr:`Bucket.raw` says that the bucket's gradients travel as they are:
+step-wide method, and :attr:`Bucket.raw` says that the bucket's gradients travel as they are
+(by ``none``):
 
 ==================  ===========================================================  ====================
 kind                collectives on the group                                     methods
@@ -20,40 +17,40 @@ kind                collectives on the group                                    
                     ``all_reduce`` in place (bit-identical to DDP without a      float64)
                     hook); a half-precision bucket (the first backward of
                     granularity ``"bucket"``) as float32, summed, then ÷N
-``MEAN``            summed ``all_reduce`` of the payload (one per dtype), then   fp16, random-k, ...
-                    ÷N (Horovod's ``op=Average``); ``decode`` of the mean
+``MEAN``            summed ``all_reduce`` of the payload (one per dtype, in      fp16, random-k, ...
+                    that dtype), then ÷N (Horovod's ``op=Average``); ``decode``
 ``SUM``             summed ``all_reduce``; ``decode`` receives the sum (votes)   signsgd
 ``GATHERED``        the group's allgatherer (counts, then every rank's payload   top-k, DGC, bf16, ...
                     padded to the largest rank's row); aggregated on every rank
-                    (:func:`hvdcomp.transports.allgather.aggregate_gathered`)
 None                the method's own step-wide collectives (the group's          PowerSGD, gtopk, ...
                     ``StepComm``) once per step, at the last bucket, after the
                     step's agreement (:attr:`BucketTransport.deferred`)
 ==================  ===========================================================  ====================
 
-Bytes are counted as everywhere in hvdcomp (docs/architecture.md). All collectives of a step are
-issued from the thread that runs DDP's communication hooks, in bucket order, so every rank issues
-them in the same order (issuing them from future callbacks, which run on gloo's worker threads in
-completion order, is what makes collectives mismatch).
+Bytes are counted by those transports, as everywhere in hvdcomp (docs/architecture.md). All
+collectives of a step are issued from the thread that runs DDP's communication hooks, in bucket
+order, so every rank issues them in the same order (issuing them from future callbacks, which run
+on gloo's worker threads in completion order, is what makes collectives mismatch).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from ..assembly import step_comm_of
 from ..compressors.base import PayloadKind
+from ..compressors.none import NoneCompressor
 from ..compressors.segments import needs_draw_order
 from ..plan import step_route_of
-from ..transports.allgather import aggregate_gathered
-from ..transports.allreduce import IN_PLACE_DTYPES, resend_saturated
-from ..transports.base import Transport
+from ..transports.allgather import AllgatherTransport
+from ..transports.allreduce import IN_PLACE_DTYPES, AllreduceTransport
+from ..transports.base import Transport, Wiring
 from ..transports.stepwide import StepMethod, reduce_step
-from .layout import BucketLayout
+from .layout import BucketLayout, Unit
 
-__all__ = ["Bucket", "BucketTransport", "bucket_kind", "describe"]
+__all__ = ["Bucket", "BucketUnits", "BucketTransport", "bucket_kind", "describe"]
 
 
 def bucket_kind(compression) -> Optional[PayloadKind]:
@@ -84,14 +81,8 @@ class Bucket:
         future: the ``torch.futures.Future`` returned to DDP.
         kind: how it travels this step: a :class:`~hvdcomp.compressors.base.PayloadKind`, or
             None for a step-wide method (see the module docstring).
-        raw: its gradients travel as they are, not encoded (:attr:`in_place` on float32 and
+        raw: its gradients travel as they are, by ``none`` (:attr:`in_place` on float32 and
             float64 buffers, else as a float32 copy averaged like a ``MEAN`` payload).
-        handles: its summed allreduces in flight (the group's handles, in place on the payload
-            flats, one per dtype; ``dtypes``: the dtype of each).
-        gather: its gather in flight (the allgatherer's handle), or None.
-        ctxs, lengths: per unit, its decoding context and its payload's tensor count.
-        placed: summable: per payload tensor, ``(dtype, start, numel)`` in the reduced flat of
-            its dtype.
     """
 
     buffer: torch.Tensor
@@ -99,22 +90,50 @@ class Bucket:
     future: Any
     kind: Optional[PayloadKind]
     raw: bool = False
-    handles: List[Any] = field(default_factory=list)
-    dtypes: List[torch.dtype] = field(default_factory=list)
-    gather: Any = None
-    ctxs: List[Any] = field(default_factory=list)
-    lengths: List[int] = field(default_factory=list)
-    placed: List[tuple] = field(default_factory=list)
 
     @property
     def in_place(self) -> bool:
         """Reduced in place with DDP's arithmetic (÷N, then summed): a raw float32/float64 bucket."""
         return self.raw and self.buffer.dtype in IN_PLACE_DTYPES
 
-    @property
-    def summed(self) -> bool:
-        """Its payload is reduced by a summed ``all_reduce`` and decoded (not in place)."""
-        return self.kind in (PayloadKind.MEAN, PayloadKind.SUM) and not self.in_place
+
+class BucketUnits:
+    """The step's buckets as the units of a core transport (the interface of
+    :class:`hvdcomp.transports.units.Units` the transports use): unit ``u`` is one compression
+    call of a bucket (:class:`hvdcomp.ddp.layout.Unit`), a view of its buffer, compressed and
+    written where it lies (no copy, no write-back). Units are added as DDP hands the buckets over."""
+
+    def __init__(self):
+        self.views: List[torch.Tensor] = []
+        self.names: List[Optional[str]] = []
+        self.segments: List[Any] = []
+        self.dense_bytes: List[int] = []  # fp32 size of each unit
+        self.grad_bytes: List[int] = []  # its size in the bucket's dtype
+        self.members: List[List[int]] = []  # (one tensor each: a view)
+        self.wire_name: List[str] = []
+
+    def add(self, entry: "Bucket") -> List[int]:
+        """Add a bucket's units (compression order; a raw bucket is one unit: it travels whole, as
+        DDP reduces it); returns their indices."""
+        first, numel = len(self.views), entry.layout.numel
+        for unit in [Unit(None, 0, numel, (numel,))] if entry.raw else entry.layout.units:
+            self.views.append(unit.view(entry.buffer))
+            self.names.append(unit.name)
+            self.segments.append(unit.segments)
+            self.dense_bytes.append(4 * (unit.stop - unit.start))
+            self.grad_bytes.append((unit.stop - unit.start) * entry.buffer.element_size())
+            self.members.append([len(self.members)])
+            self.wire_name.append(f"hvdcomp.ddp.bucket{entry.layout.index}")
+        return list(range(first, len(self.views)))
+
+    def tensor(self, u: int) -> torch.Tensor:
+        """Unit ``u``'s view of its bucket's buffer: what it compresses, and where its result goes."""
+        return self.views[u]
+
+    target = tensor
+
+    def write_back(self, u: int) -> None:
+        """Nothing to copy: results are written into the bucket's buffer, DDP's ``p.grad`` source."""
 
 
 class BucketTransport(Transport):
@@ -133,6 +152,7 @@ class BucketTransport(Transport):
 
     Attributes:
         buckets: the :class:`Bucket` s of the step in progress.
+        units: their compression units (:class:`BucketUnits`).
         kind: the method's payload kind (:func:`bucket_kind`); ``plan``: one line saying how
             gradients travel, for logs and results.
         fused: the method compresses several gradients of a bucket in one call (segmentable, and
@@ -140,8 +160,8 @@ class BucketTransport(Transport):
             expected backward order, so they draw what the Horovod front-end draws).
         deferred: a step-wide method: nothing travels before :meth:`finish`, which the hook calls
             after the step's agreement (a skipped step runs no collective).
-        overflowed: after :meth:`finish`, ``(bucket position, NaN view)`` per unit the method
-            reported overflowed (the views are for the non-finite guard).
+        overflowed: after :meth:`finish`, the views of the units the method reported overflowed
+            (they read NaN; for the non-finite guard).
     """
 
     def __init__(self, compression, group, timer, order: List[str], granularity: str = "tensor"):
@@ -152,132 +172,52 @@ class BucketTransport(Transport):
         self.plan = (f"torch.distributed {group.backend}: {describe(compression)}; per DDP bucket, "
                      f"granularity {granularity}")
         self.gatherer = group.allgatherer()
-        self._step_comm = None
+        self._step_comm, self._none = None, NoneCompressor()
         self.reset()
 
     @property
     def busy(self) -> bool:
-        return any(b.handles or b.gather is not None for b in self.buckets)
+        return any(c.busy for c in self._carriers)
 
     def reset(self) -> None:
+        """A new step: no bucket, and new core transports over its units (theirs are this step's)."""
         self.buckets: List[Bucket] = []
-        self.overflowed: List[tuple] = []
-        self.sent = self.received = 0
-
-    def in_place_units(self) -> List[int]:
-        return [u for u, b in enumerate(self.buckets) if b.in_place]
-
-    def overflowed_units(self) -> List[int]:
-        return sorted({u for u, _ in self.overflowed})
-
-    def _allreduce(self, tensors: List[torch.Tensor], kind, average: bool = False) -> List[Any]:
-        """Start a summed in-place allreduce of each tensor (``average``: as DDP, ÷N then summed;
-        ``MEAN``: summed, then × 1/N, as Horovod's ``op=Average``); counts its bytes."""
-        post = 1.0 / self.group.size if kind is PayloadKind.MEAN and not average and self.group.size > 1 else 1.0
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        self.sent, self.received = self.sent + nbytes, self.received + nbytes
-        return [self.group.allreduce_async_(t, "", average=average, postscale=post) for t in tensors]
+        self.overflowed: List[torch.Tensor] = []
+        self.units = BucketUnits()
+        wiring = Wiring(self.group, self.timer, self.compression, self.units, "hvdcomp.ddp", gatherer=self.gatherer)
+        self.carrier = (None if self.deferred else AllgatherTransport(wiring) if self.kind is PayloadKind.GATHERED
+                        else AllreduceTransport(wiring))
+        wiring.compression = self._none
+        self.raw = AllreduceTransport(wiring)  # (the raw buckets)
+        self._carriers = [self.raw] + ([self.carrier] if self.carrier is not None else [])
 
     # ---- during backward -----------------------------------------------------------------------------
     def start(self, u: int) -> None:
-        """Compress bucket ``u`` and start its collectives (a step-wide method: nothing before the
-        last bucket; a gather's data starts once its counts are in, at the next gather or the
-        last bucket: :class:`~hvdcomp.comm.torchdist.TorchDistAllgatherer`)."""
+        """Start bucket ``u``: its units added to :attr:`units`, compressed and sent as one bucket
+        of the core transport (a step-wide method: nothing before the last bucket)."""
         entry = self.buckets[u]
-        if entry.in_place:
-            with self.timer.phase("communicate"):
-                entry.handles = self._allreduce([entry.buffer], entry.kind, average=True)
-        elif entry.summed:
-            with self.timer.phase("compress"):
-                payload = [entry.buffer.to(torch.float32)] if entry.raw else self._encode(entry)
-                by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-                for t in payload:
-                    group = by_dtype.setdefault(t.dtype, [])
-                    entry.placed.append((t.dtype, sum(x.numel() for x in group), t.numel()))
-                    group.append(t)
-                flats = [ts[0].reshape(-1) if len(ts) == 1 else torch.cat([t.reshape(-1) for t in ts])
-                         for ts in by_dtype.values()]
-            with self.timer.phase("communicate"):
-                entry.handles, entry.dtypes = self._allreduce(flats, entry.kind), list(by_dtype)
-        elif entry.kind is PayloadKind.GATHERED:
-            with self.timer.phase("compress"):
-                payload = self._encode(entry)
-            with self.timer.phase("communicate"):
-                entry.gather = self.gatherer.start(payload)
-
-    def _encode(self, entry: Bucket) -> List[torch.Tensor]:
-        """Compress the bucket's units; returns the payload tensors of all units, in order."""
-        payload: List[torch.Tensor] = []
-        for unit in entry.layout.units:
-            p, ctx = self.compression.encode(unit.view(entry.buffer), unit.name, unit.segments)
-            entry.ctxs.append(ctx)
-            entry.lengths.append(len(p))
-            payload += p
-        return payload
+        carrier = self.raw if entry.raw else self.carrier
+        if carrier is not None:
+            members = self.units.add(entry)
+            carrier.add_bucket(members)
+            for v in members:
+                carrier.start(v)
 
     # ---- at the last bucket ----------------------------------------------------------------------------
     def finish(self) -> None:
         """Write every bucket's averaged result into its buffer and count the step's bytes (and
-        the dense fp32 equivalent): wait for every collective, reduce a saturated summed payload
-        again (:meth:`_resend_saturated`; an overflowed unit reads NaN, listed in
-        :attr:`overflowed`), decode or aggregate each unit into its view of the buffer. A
-        step-wide method reduces every gradient of the step at once instead."""
-        buckets = self.buckets
+        the dense fp32 equivalent): the core transports finish (wait, reduce a saturated summed
+        payload again or read it NaN, listed in :attr:`overflowed`, decode or aggregate each unit
+        into its view of the buffer). A step-wide method reduces every gradient of the step at
+        once instead."""
         if self.deferred:
-            self._reduce_step(buckets)
-        else:
-            gathered, reduced = [], []
-            with self.timer.phase("communicate"):
-                for b in buckets:
-                    reduced.append([self.group.synchronize(h) for h in b.handles])
-                    gathered.append(None if b.gather is None else self.gatherer.finish(b.gather))
-                    if b.gather is not None:
-                        self.sent += b.gather.bytes_sent
-                        self.received += b.gather.bytes_received
-                    b.handles, b.gather = [], None
-            units = self._resend_saturated(buckets, reduced)
-            with self.timer.phase("decompress"):
-                for b, per_rank, flats in zip(buckets, gathered, reduced):
-                    if per_rank is not None:
-                        aggregate_gathered(self.compression, per_rank, [
-                            (unit.view(b.buffer), ctx, n) for unit, ctx, n in zip(b.layout.units, b.ctxs, b.lengths)])
-                    elif b.raw and b.summed:  # (the float32 copy, averaged)
-                        b.buffer.copy_(flats[0])
-                for b, unit, outputs, ctx in units:
-                    if outputs is not None:
-                        self.compression.decode_into(unit.view(b.buffer), outputs, ctx)
-        self.timer.add_bytes(sent=self.sent, received=self.received, dense=4 * sum(b.layout.numel for b in buckets))
-
-    def _resend_saturated(self, buckets: List[Bucket], reduced: List[List[torch.Tensor]]) -> List[tuple]:
-        """Each encoded summable unit's reduced payload (``× 1/N`` for ``MEAN``), after the
-        method's saturation check where it can saturate (fp16's scaled steps): a replacement
-        payload is reduced now (a summed ``all_reduce`` per tensor, bucket and unit order, from
-        the hook's thread) and decoded with its new context instead; no replacement (fp16's
-        ``on_saturation="skip"``): the unit is overflowed, its view of the buffer reads NaN (in
-        :attr:`overflowed`). Returns ``(bucket, unit, reduced payload or None, ctx)`` per unit."""
-        units, entries = [], []
-        for u, (b, flats) in enumerate(zip(buckets, reduced)):
-            if not b.summed or b.raw:
-                continue
-            flat = dict(zip(b.dtypes, flats))
-            outputs = [flat[dtype][start:start + n] for dtype, start, n in b.placed]
-            pos = 0
-            for unit, ctx, length in zip(b.layout.units, b.ctxs, b.lengths):
-                units.append((u, unit))
-                entries.append((outputs[pos:pos + length], ctx))
-                pos += length
-
-        def resend(k: int, payload: List[torch.Tensor]):
-            handles = self._allreduce(payload, buckets[units[k][0]].kind)
-            return lambda: [self.group.synchronize(h) for h in handles]
-
-        with self.timer.phase("communicate"):
-            overflowed = set(resend_saturated(self.compression, entries, resend))
-        for k in sorted(overflowed):  # (after every resend: a check may read this rank's gradient)
-            u, unit = units[k]
-            self.overflowed.append((u, unit.view(buckets[u].buffer).fill_(float("nan"))))
-        return [(buckets[u], unit, None if k in overflowed else entries[k][0], entries[k][1])
-                for k, (u, unit) in enumerate(units)]
+            self._reduce_step(self.buckets)
+            self.timer.add_bytes(dense=4 * sum(b.layout.numel for b in self.buckets))
+            return
+        for carrier in self._carriers:
+            if carrier.buckets:
+                carrier.finish()
+        self.overflowed = [self.units.tensor(u) for c in self._carriers for u in c.overflowed_units()]
 
     def _reduce_step(self, buckets: List[Bucket]) -> None:
         """A step-wide method reduces every gradient of the step at once, in the expected

@@ -324,7 +324,7 @@ class HookState:
         try:
             if not path.deferred:
                 path.finish()
-                cycle.life.guard.observe([view for _, view in path.overflowed], averaged=True)
+                cycle.life.guard.observe(path.overflowed, averaged=True)
             if cycle.agree(buckets):
                 cycle.skip(buckets)
             elif path.deferred:

@@ -23,10 +23,9 @@ route                  transport                                           modul
 =====================  ==================================================  ============================
 
 Every transport runs over a :class:`hvdcomp.comm.group.ProcessGroup` (Horovod's or
-``torch.distributed``'s). The DDP front-end (:mod:`hvdcomp.ddp`) moves its buckets by a
-transport of the same interface, :class:`hvdcomp.ddp.buckets.BucketTransport` (its units: the
-step's DDP buckets), over the same group interface and allgatherer
-(:class:`hvdcomp.comm.torchdist.TorchDistAllgatherer`).
+``torch.distributed``'s). The DDP front-end (:mod:`hvdcomp.ddp`) moves its buckets by these
+transports too (:class:`hvdcomp.ddp.buckets.BucketTransport`: each DDP bucket appended as it
+comes, ``Transport.add_bucket``, its units views of the bucket's buffer).
 
 The decentralized front-end (:mod:`hvdcomp.gossip`) moves each rank's payload to its graph
 neighbours only with :mod:`.neighbor`, a ``Transport`` too: its units are the gossip rounds of a

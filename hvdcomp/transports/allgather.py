@@ -2,28 +2,13 @@
 variable-size allgather (:mod:`hvdcomp.comm.allgatherv`), then aggregated on every rank."""
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict
 
 from ..compressors.base import PayloadKind
 from ..plan import Route, make_buckets, register_route
 from .base import Transport, Wiring
 
-__all__ = ["AllgatherTransport", "aggregate_gathered"]
-
-
-def aggregate_gathered(compression, gathered, units) -> None:
-    """Aggregate one gathered bucket unit by unit (every front-end's allgather ends here).
-
-    Args:
-        compression: the method (its ``aggregate_into``).
-        gathered: per rank, the bucket's payload tensors (every unit's, back to back).
-        units: per unit, in payload order, ``(target, ctx, n)``: where its mean is written, its
-            decoding context, and how many payload tensors it has.
-    """
-    start = 0
-    for target, ctx, n in units:
-        compression.aggregate_into(target, [rank_tensors[start:start + n] for rank_tensors in gathered], ctx)
-        start += n
+__all__ = ["AllgatherTransport"]
 
 
 class AllgatherTransport(Transport):
@@ -32,20 +17,17 @@ class AllgatherTransport(Transport):
 
     Args:
         wiring: the optimizer's :class:`~hvdcomp.transports.base.Wiring`: its ``gatherer`` (an
-            :class:`hvdcomp.comm.allgatherv.Allgatherer`, mpi4py or Horovod), ``buckets`` (unit
-            indices per bucket, in launch order), timer, method, units and prefix; with
+            :class:`hvdcomp.comm.allgatherv.Allgatherer`: mpi4py, Horovod or torch.distributed),
+            ``buckets`` (unit indices per bucket, in launch order; more by
+            :meth:`~hvdcomp.transports.base.Transport.add_bucket`), timer, method, units and prefix; with
             ``op_sum`` the aggregate (a mean) is multiplied by the group size.
     """
 
     def __init__(self, wiring: Wiring):
         w = wiring
         self.gatherer, self.timer, self.compression, self.units = w.gatherer, w.timer, w.compression, w.units
-        self.buckets, self.prefix, self.scale = w.buckets, w.prefix, w.scale
-        self.bucket_of: List[int] = [-1] * len(self.units)  # -1: not on this route
-        for b, members in enumerate(self.buckets):
-            for u in members:
-                self.bucket_of[u] = b
-        self.bucket_dense = [sum(self.units.dense_bytes[u] for u in b) for b in self.buckets]
+        self.prefix, self.scale = w.prefix, w.scale
+        self._bucketed(w.buckets)
         self.reset()
 
     @property
@@ -55,8 +37,7 @@ class AllgatherTransport(Transport):
     def reset(self) -> None:
         self.encoded: Dict[int, tuple] = {}  # unit -> (payload, ctx) waiting for or in its bucket
         self.handles: Dict[int, object] = {}  # bucket -> launched allgather
-        self.next_bucket = 0
-        self.waiting = [len(b) for b in self.buckets]  # units each bucket still waits for
+        self._rewind()
 
     def start(self, u: int) -> None:
         """Compress unit ``u`` (timed as ``compress``) and queue its payload; start every bucket
@@ -64,21 +45,17 @@ class AllgatherTransport(Transport):
         with self.timer.phase("compress"):
             self.encoded[u] = self.compression.encode(self.units.tensor(u), self.units.names[u],
                                                       self.units.segments[u])
-        self.waiting[self.bucket_of[u]] -= 1
-        while self.next_bucket < len(self.buckets) and not self.waiting[self.next_bucket]:
-            bucket = self.buckets[self.next_bucket]
-            tensors = [t for v in bucket for t in self.encoded[v][0]]
+        for b in self._ready(u):
+            tensors = [t for v in self.buckets[b] for t in self.encoded[v][0]]
             with self.timer.phase("communicate"):
-                handle = self.gatherer.start(tensors, f"{self.prefix}.bucket{self.next_bucket}")
-            self.handles[self.next_bucket] = handle
-            self.next_bucket += 1
+                self.handles[b] = self.gatherer.start(tensors, f"{self.prefix}.bucket{b}")
 
     def finish(self) -> None:
         """Wait for every bucket (all started: every unit was), aggregate each unit's gathered
         payloads into its target and count the bytes."""
         for index in range(len(self.buckets)):
             self._finish_bucket(index)
-        self.next_bucket = 0
+        self._rewind()
 
     def _finish_bucket(self, index: int) -> None:
         bucket = self.buckets[index]
@@ -86,15 +63,17 @@ class AllgatherTransport(Transport):
         with self.timer.phase("communicate"):
             gathered = self.gatherer.finish(handle)
         with self.timer.phase("decompress"):
-            encoded = [self.encoded.pop(u) for u in bucket]
-            aggregate_gathered(self.compression, gathered, [(self.units.target(u), ctx, len(payload))
-                                                            for u, (payload, ctx) in zip(bucket, encoded)])
+            start = 0  # (per rank, the bucket's payload tensors: every unit's, back to back)
             for u in bucket:
+                payload, ctx = self.encoded.pop(u)
+                self.compression.aggregate_into(self.units.target(u), [tensors[start:start + len(payload)]
+                                                                       for tensors in gathered], ctx)
+                start += len(payload)
                 if self.scale != 1.0:
                     self.units.target(u).mul_(self.scale)
                 self.units.write_back(u)
-        self.timer.add_bytes(sent=handle.bytes_sent, received=handle.bytes_received, dense=self.bucket_dense[index])
-        self.waiting[index] = len(bucket)
+        self.timer.add_bytes(sent=handle.bytes_sent, received=handle.bytes_received,
+                             dense=sum(self.units.dense_bytes[u] for u in bucket))
 
 
 def _bucketed_allgather(payload_bytes, dense_bytes, bucket_bytes):

@@ -3,7 +3,7 @@
 (``decoded-allreduce``)."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import torch
 
@@ -12,52 +12,11 @@ from ..compressors.base import PayloadKind
 from ..plan import Route, register_route
 from .base import Transport, Wiring
 
-__all__ = ["AllreduceTransport", "DecodedAllreduceTransport", "resend_saturated", "IN_PLACE_DTYPES"]
+__all__ = ["AllreduceTransport", "DecodedAllreduceTransport", "IN_PLACE_DTYPES"]
 
 #: dtypes a gradient is reduced in place, as Horovod and DDP do (half-precision gradients travel in
 #: float32: their sums could overflow)
 IN_PLACE_DTYPES = (torch.float32, torch.float64)
-
-
-def resend_saturated(compression, reduced: List[Optional[tuple]],
-                     resend: Callable[[int, List[torch.Tensor]], Callable[[], List[torch.Tensor]]]) -> List[int]:
-    """The fp16 saturation resend, for every front-end: after a step's first reduction of summed
-    payloads, a method that can saturate (fp16's scaled steps) checks each reduced payload, and
-    a saturated one is never decoded as is.
-
-    The method reads from the reduced payload whether some rank's values left its scale's window
-    (``compression.saturation(outputs, ctx)``: identical on every rank, since every rank reads the
-    same reduced payload) and decides: a replacement payload is reduced now (``resend``; every
-    replacement is started, in the order of ``reduced``, before the first is waited for, so every
-    rank issues the same collectives in the same order) and replaces the entry with the new
-    context; no replacement (fp16's ``on_saturation="skip"``) reports the entry overflowed.
-
-    Args:
-        compression: the method (nothing is checked without a ``saturation`` method).
-        reduced: per unit, ``(reduced payload tensors, ctx)``, or None (not summed); replaced
-            in place by ``(reduced replacement, new ctx)`` where the method resends.
-        resend: ``f(i, payload)`` starts the reduction of entry ``i``'s replacement (with the
-            same op as the first) and returns ``g()`` that waits for it and returns its result.
-
-    Returns:
-        The indices of the entries the method reports overflowed (their results must read NaN,
-        for the non-finite guard to skip the step on every rank).
-    """
-    check = getattr(compression, "saturation", None)
-    if check is None:
-        return []
-    overflowed, pending = [], []
-    for i, entry in enumerate(reduced):
-        action = None if entry is None else check(*entry)
-        if action is None:
-            continue
-        if action.payload is None:
-            overflowed.append(i)
-        else:
-            pending.append((i, resend(i, list(action.payload)), action.ctx))
-    for i, wait, ctx in pending:
-        reduced[i] = (wait(), ctx)
-    return overflowed
 
 
 class AllreduceTransport(Transport):
@@ -68,6 +27,13 @@ class AllreduceTransport(Transport):
     path is taken without a timer entry: queueing the allreduce is charged to compute, as for
     stock Horovod. Other payloads travel as their tensors (bfloat16 as float32:
     Horovod's allreduce has no bfloat16) and are decoded into the unit's target.
+
+    Buckets (:meth:`~hvdcomp.transports.base.Transport.add_bucket`; the DDP hook's, known only during backward): a bucket's units
+    are compressed as they start, and once all are, the bucket goes out in bucket order as one
+    summed allreduce per payload dtype of its units' payloads laid end to end, in their own dtype
+    (bfloat16 included: ``torch.distributed`` sums it), as PyTorch's hooks reduce a bucket; a
+    bucket whose one payload is its gradient is reduced in place (DDP's arithmetic: ÷N, then
+    summed).
 
     Args:
         wiring: the optimizer's :class:`~hvdcomp.transports.base.Wiring` (group, timer, method,
@@ -87,19 +53,22 @@ class AllreduceTransport(Transport):
         self.direct = w.direct
         # a group that matches collectives by issue order (torch.distributed): launch in unit order
         self.sequence = sorted(w.units_of_route.get(self.route, [])) if w.group.ordered and w.group.size > 1 else None
+        self._bucketed([])
         self.reset()
 
     route = "allreduce"
 
     @property
     def busy(self) -> bool:
-        return bool(self.inflight or self.pending)
+        return bool(self.inflight or self.pending or self.encoded)
 
     def reset(self) -> None:
         self.inflight: Dict[int, tuple] = {}  # unit -> (kind, handles, ctx, bytes sent, payload dtypes)
         self.pending: Dict[int, Callable[[], tuple]] = {}  # ordered group: compressed, launched in unit order
         self.next = 0
         self.overflowed: List[int] = []  # units of the last finish() reported overflowed (NaN)
+        self.encoded: Dict[int, tuple] = {}  # a bucket's unit -> (payload, ctx), until the bucket goes out
+        self._rewind()
 
     def _issue(self, u: int, launch: Callable[[], tuple]) -> None:
         """Launch unit ``u``'s collectives now (``launch()`` returns its in-flight record), or, on
@@ -133,16 +102,50 @@ class AllreduceTransport(Transport):
                 return
         with self.timer.phase("compress"):
             payload, ctx = self.compression.encode(self.units.tensor(u), self.units.names[u], self.units.segments[u])
-            self._issue(u, lambda: self._launch(u, payload, ctx))
+            if not self.buckets:  # (the Horovod front-end's units: one by one)
+                self._issue(u, lambda: self._launch(u, payload, ctx))
+                return
+            self.encoded[u] = (payload, ctx)
+            for b in self._ready(u):
+                self._launch_bucket(self.buckets[b])
+
+    def _launch_bucket(self, bucket: List[int]) -> None:
+        """Start a complete bucket's allreduces (see the class docstring); its units' in-flight
+        records share them."""
+        encoded = [self.encoded.pop(u) for u in bucket]
+        if len(bucket) == 1 and self._in_place(bucket[0], encoded[0][0]):
+            self.inflight[bucket[0]] = self._launch(bucket[0], *encoded[0])
+            return
+        average, pre, post = self.reduce_args
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        placed = []  # per unit, per payload tensor: (dtype, start, numel) in its dtype's flat
+        for payload, _ in encoded:
+            placed.append([])
+            for t in payload:
+                flat = by_dtype.setdefault(t.dtype, [])
+                placed[-1].append((t.dtype, sum(x.numel() for x in flat), t.numel()))
+                flat.append(t.reshape(-1))
+        flats = {dt: ts[0] if len(ts) == 1 else torch.cat(ts) for dt, ts in by_dtype.items()}
+        name = self.units.wire_name[bucket[0]]  # (summed, then scaled: as a payload of Horovod's op=Average)
+        reduced = {dt: self.group.allreduce_async_(f, f"{name}.{k}", False, pre, post / self.group.size if average
+                                                   else post) for k, (dt, f) in enumerate(flats.items())}
+        nbytes = [sum(n * flats[dt].element_size() for dt, _, n in where) for where in placed]
+        for u, (payload, ctx), where, sent in zip(bucket, encoded, placed, nbytes):
+            self.inflight[u] = ("allreduce", [(reduced[dt], start, n) for dt, start, n in where], ctx, sent,
+                                [t.dtype for t in payload])
+
+    def _in_place(self, u: int, payload: Sequence[torch.Tensor]) -> bool:
+        """Whether unit ``u``'s payload is its gradient itself, reduced where it lies."""
+        target = self.units.target(u)
+        return (self.compression.payload_is_gradient and len(payload) == 1
+                and payload[0].dtype in HOROVOD_ALLREDUCE_DTYPES and target.is_contiguous()
+                and payload[0].data_ptr() == target.data_ptr() and payload[0].numel() == target.numel())
 
     def _launch(self, u: int, payload: Sequence[torch.Tensor], ctx) -> tuple:
         """Start unit ``u``'s allreduces; returns its in-flight record."""
         average, pre, post = self.reduce_args
         wire_name = self.units.wire_name[u]
-        target = self.units.target(u)
-        if (self.compression.payload_is_gradient and len(payload) == 1
-                and payload[0].dtype in HOROVOD_ALLREDUCE_DTYPES and target.is_contiguous()
-                and payload[0].data_ptr() == target.data_ptr() and payload[0].numel() == target.numel()):
+        if self._in_place(u, payload):
             handles = [self.group.allreduce_async_(payload[0], wire_name + ".0", average, pre, post)]
             return ("in-place", handles, ctx, self.units.grad_bytes[u], None)
         wire = [t if t.dtype in HOROVOD_ALLREDUCE_DTYPES else t.float() for t in payload]
@@ -158,10 +161,12 @@ class AllreduceTransport(Transport):
         if self.pending:  # (every unit is started before finish: a missing one is a bug, not a hang)
             raise AssertionError(f"units {sorted(self.pending)} were compressed but could not be launched in order")
         self.next = 0
+        self._rewind()
         with self.timer.phase("communicate"):
             for u in sorted(self.inflight):
                 kind, handles, ctx, sent, dtypes = self.inflight.pop(u)
-                outputs = list(map(self.group.synchronize, handles))
+                outputs = [self.group.synchronize(h) if not isinstance(h, tuple)  # (a bucket's slice)
+                           else self.group.synchronize(h[0])[h[1]:h[1] + h[2]] for h in handles]
                 nbytes += sent
                 dense += self.units.dense_bytes[u]
                 if kind != "in-place" or len(self.units.members[u]) > 1:  # (a gradient reduced in
@@ -183,36 +188,46 @@ class AllreduceTransport(Transport):
         self.timer.add_bytes(sent=nbytes, received=nbytes, dense=dense)
 
     def resend_saturated(self, done: List[tuple]) -> int:
-        """After the first allreduce of a step: :func:`resend_saturated` over the allreduced units
-        of ``done`` (``(unit, kind, reduced outputs, ctx, payload dtypes)`` per finished unit,
-        updated in place). A replacement is allreduced with the same op, prescale and postscale;
-        an overflowed unit is marked ``"overflow"`` (its target reads NaN) and listed in
-        :attr:`overflowed`. Returns the bytes this rank sent (and received) in the resends."""
-        if getattr(self.compression, "saturation", None) is None:
+        """The fp16 saturation resend (every front-end's: the DDP hook's buckets travel here too),
+        after the step's first allreduce: a method that can saturate (fp16's scaled steps) reads
+        from each reduced payload whether some rank's values left its scale's window
+        (``compression.saturation(outputs, ctx)``, identical on every rank: they read the same
+        reduced payload), and a saturated payload is never decoded as is. A replacement payload is
+        allreduced with the same op, prescale and postscale (every one started, in unit order,
+        before the first is waited for: every rank issues the same collectives in the same order)
+        and decoded with its new context; no replacement (fp16's ``on_saturation="skip"``): the
+        unit is marked ``"overflow"`` (its target reads NaN, for the non-finite guard to skip the
+        step on every rank) and listed in :attr:`overflowed`.
+
+        Args:
+            done: ``(unit, kind, reduced outputs, ctx, payload dtypes)`` per finished unit,
+                updated in place.
+
+        Returns:
+            The bytes this rank sent (and received) in the resends.
+        """
+        check = getattr(self.compression, "saturation", None)
+        if check is None:
             return 0
         average, pre, post = self.reduce_args
-        summed = [i for i, d in enumerate(done) if d[1] == "allreduce"]
-        reduced = [([o if o.dtype == dt else o.to(dt) for o, dt in zip(done[i][2], done[i][4])], done[i][3])
-                   for i in summed]
-        sent = [0]
-
-        def resend(k: int, payload: List[torch.Tensor]):
-            name = self.units.wire_name[done[summed[k]][0]]
-            handles = [self.group.allreduce_async(t, f"{name}.resend.{j}", average, pre, post)
-                       for j, t in enumerate(payload)]
-            sent[0] += sum(t.numel() * t.element_size() for t in payload)
-            return lambda: [self.group.synchronize(h) for h in handles]
-
-        overflowed = set(resend_saturated(self.compression, reduced, resend))
-        for k, i in enumerate(summed):
-            u = done[i][0]
-            if k in overflowed:
+        sent, pending = 0, []
+        for i, (u, kind, outputs, ctx, dtypes) in enumerate(done):
+            action = None if kind != "allreduce" else check(
+                [o if o.dtype == dt else o.to(dt) for o, dt in zip(outputs, dtypes)], ctx)
+            if action is None:
+                continue
+            if action.payload is None:
                 done[i] = (u, "overflow", None, None, None)
                 self.overflowed.append(u)
-            else:
-                outputs, ctx = reduced[k]
-                done[i] = (u, "allreduce", outputs, ctx, [t.dtype for t in outputs])
-        return sent[0]
+                continue
+            handles = [self.group.allreduce_async(t, f"{self.units.wire_name[u]}.resend.{j}", average, pre, post)
+                       for j, t in enumerate(action.payload)]
+            sent += sum(t.numel() * t.element_size() for t in action.payload)
+            pending.append((i, u, handles, action.ctx))
+        for i, u, handles, ctx in pending:
+            outputs = [self.group.synchronize(h) for h in handles]
+            done[i] = (u, "allreduce", outputs, ctx, [t.dtype for t in outputs])
+        return sent
 
 
 class DecodedAllreduceTransport(AllreduceTransport):

@@ -91,5 +91,34 @@ class Transport(abc.ABC):
         NaN on every rank: the step's agreement skips it); none by default."""
         return []
 
+    # ---- buckets (the allgather transport's; the allreduce transport's under the DDP hook) ------------
+    def _bucketed(self, buckets: List[List[int]]) -> None:
+        """Start with ``buckets`` (unit indices per bucket, in launch order)."""
+        self.buckets, self.waiting, self.next_bucket = [], [], 0
+        self.bucket_of: List[int] = []  # per unit, its bucket (-1: none)
+        for members in buckets:
+            self.add_bucket(members)
+
+    def add_bucket(self, members: List[int]) -> None:
+        """Append a bucket of units, sent in one go once all its units are started, after every
+        bucket before it (the DDP hook appends each bucket as DDP hands it over: they are known
+        only during backward; every rank appends the same buckets in the same order)."""
+        for u in members:
+            self.bucket_of += [-1] * (u + 1 - len(self.bucket_of))
+            self.bucket_of[u] = len(self.buckets)
+        self.buckets.append(list(members))
+        self.waiting.append(len(members))
+
+    def _ready(self, u: int):
+        """Unit ``u`` is compressed: yields the buckets now complete, in bucket order."""
+        self.waiting[self.bucket_of[u]] -= 1
+        while self.next_bucket < len(self.buckets) and not self.waiting[self.next_bucket]:
+            self.next_bucket += 1
+            yield self.next_bucket - 1
+
+    def _rewind(self) -> None:
+        """Every bucket waits for its units again (a new step)."""
+        self.waiting, self.next_bucket = [len(b) for b in self.buckets], 0
+
     def close(self) -> None:
         """Release what the transport holds beyond a step (threads); no-op by default."""
