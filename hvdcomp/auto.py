@@ -512,7 +512,7 @@ class AutoState:
         self.order, self.names = reducer.order, reducer.names
         self.by_name = {reducer.names[p]: p for p in reducer.order}
         self.shapes = [p.shape for p in reducer.order]
-        self.gatherer = group.allgatherer(settings.allgather)
+        self.gatherer = group.allgatherer(settings.allgather, reducer.prefix)
         given = isinstance(settings.cost_model, CostModel)
         self.horovod_latency = 0.0
         if given:
