@@ -102,9 +102,9 @@ class StepCycle:
         """The step counts: its state committed (a step boundary for ``auto``; ``buckets``: the
         step's averaged buffers where ``.grad`` does not hold them)."""
         self.life.commit(optimizer)
-        if self.auto is not None:
-            self.auto.boundary({n: v for b in buckets for n, v in zip(b.layout.names, b.layout.views(b.buffer))}
-                               if buckets else None)
+        if self.auto is not None:  # (the views made only where auto reads them)
+            views = lambda: {n: v for b in buckets for n, v in zip(b.layout.names, b.layout.views(b.buffer))}  # noqa: E731
+            self.auto.boundary(views if buckets else None)
 
     @property
     def unapplied(self) -> bool:
