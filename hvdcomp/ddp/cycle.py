@@ -61,6 +61,7 @@ class StepCycle:
         self.backward_steps = 0
         self.optimizer = self._original_step = self._original_zero_grad = None
         self._shadowing = False
+        self.joining = None  # (a weak reference to the DDP model, from ``ddp_model.join()`` to its end)
 
     # ---- how the hook learns the step was applied --------------------------------------------------
     def attach(self, optimizer) -> None:
@@ -181,15 +182,23 @@ class StepCycle:
     def reduced(self, buckets: List[Bucket]) -> None:
         """The last bucket is reduced (``buckets``: the step's, averaged): the update waits to be
         applied (without an optimizer, nobody tells, and a joined rank's shadow step is never
-        applied: what was reduced counts, committed now)."""
+        applied: what was reduced counts, committed now; inside a join, so on every rank)."""
         self.backward_steps += 1
         if self.status is Status.SKIPPED:  # (not a step: for auto, on every rank, a joined one too)
             if self.auto is not None:
                 self.auto.skipped()
             return
         self.status = Status.SYNCED
-        if self.optimizer is None or self._shadowing:
+        if self.optimizer is None or self._shadowing or self._in_join():
             self._commit(buckets=buckets)
+
+    def _in_join(self) -> bool:
+        """Inside an enabled ``with ddp_model.join():`` (every rank alike): each finite step is
+        committed at its last bucket, applied or not, on every rank, since a joined rank (which
+        commits its shadow step there) cannot learn that the others discard it; so the ranks'
+        state and ``compression="auto"``'s step count stay the same."""
+        model = self.joining() if self.joining is not None else None
+        return model is not None and model._join_config.enable
 
     def discard(self) -> None:
         """Drop the step in progress (an error, or a state loaded in the middle of it)."""
