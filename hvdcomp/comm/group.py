@@ -32,16 +32,14 @@ HOROVOD_ALLREDUCE_DTYPES = (torch.float16, torch.float32, torch.float64, torch.u
                             torch.int32, torch.int64)
 
 
-_created: dict = {}  # per front-end kind, how many this process built: names their collectives
+_created: dict = {}  # per front-end kind, how many this process built
 
 
 def instance_prefix(kind: str = "") -> str:
-    """The name prefix of a new front-end object's collectives: ``hvdcomp.<kind>.<n>`` (``hvdcomp.<n>``
-    for the Horovod optimizer), ``n`` counting this process's objects of ``kind`` in creation order.
-    Two objects with collectives in flight at once (two models' optimizers) thus never share a
-    Horovod name, and every rank that builds the same objects in the same order builds the same
-    names; the set-up agreement compares the prefix, so ranks that did not get a clear error.
-    """
+    """The name prefix of a new front-end object's collectives, ``hvdcomp.<kind>.<n>`` (``n``: its
+    creation index among this process's objects of ``kind``): two objects' collectives in flight
+    at once never share a Horovod name, and ranks that build the same objects in the same order
+    build the same names (the set-up agreement compares them)."""
     base = f"hvdcomp.{kind}" if kind else "hvdcomp"
     n = _created[base] = _created.get(base, -1) + 1
     return f"{base}.{n}"
@@ -136,8 +134,8 @@ class ProcessGroup(abc.ABC):
     @abc.abstractmethod
     def allgatherer(self, prefer: str = "auto", prefix: str = "hvdcomp"):
         """The variable-size allgather of payloads among the members
-        (:class:`hvdcomp.comm.allgatherv.Allgatherer`), made now (collectively); ``prefix``
-        names its fixed collectives where they have names (:func:`instance_prefix`).
+        (:class:`hvdcomp.comm.allgatherv.Allgatherer`), made now (collectively), its named
+        collectives ``prefix.*`` (:func:`instance_prefix`).
 
         Raises:
             RuntimeError: ``prefer`` names a path this group cannot take.

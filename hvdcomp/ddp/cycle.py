@@ -189,16 +189,10 @@ class StepCycle:
                 self.auto.skipped()
             return
         self.status = Status.SYNCED
-        if self.optimizer is None or self._shadowing or self._in_join():
+        # (inside an enabled join, on every rank: a joined rank cannot learn of a discard)
+        joined = self.joining is not None and getattr(self.joining(), "_join_config", None)
+        if self.optimizer is None or self._shadowing or (joined and joined.enable):
             self._commit(buckets=buckets)
-
-    def _in_join(self) -> bool:
-        """Inside an enabled ``with ddp_model.join():`` (every rank alike): each finite step is
-        committed at its last bucket, applied or not, on every rank, since a joined rank (which
-        commits its shadow step there) cannot learn that the others discard it; so the ranks'
-        state and ``compression="auto"``'s step count stay the same."""
-        model = self.joining() if self.joining is not None else None
-        return model is not None and model._join_config.enable
 
     def discard(self) -> None:
         """Drop the step in progress (an error, or a state loaded in the middle of it)."""
