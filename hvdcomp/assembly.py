@@ -114,7 +114,7 @@ def assemble(settings, compression, group, order: List[torch.nn.Parameter], name
     per_tensor = is_per_tensor(compression)
     gathered = per_tensor and any(r.bucketed and r.carries(compression) for r in routes().values())
     if gatherer is None and (group.size > 1 or gathered):  # (it also carries the per-step agreement)
-        gatherer = group.allgatherer(settings.allgather)
+        gatherer = group.allgatherer(settings.allgather, prefix)
     choice: Dict[str, float] = {}
     if settings.transport == "auto" and group.size > 1:  # the cost model picks the transport
         if isinstance(settings.cost_model, CostModel):  # given: Horovod's collectives priced by it alone

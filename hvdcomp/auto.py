@@ -512,7 +512,7 @@ class AutoState:
         self.order, self.names = reducer.order, reducer.names
         self.by_name = {reducer.names[p]: p for p in reducer.order}
         self.shapes = [p.shape for p in reducer.order]
-        self.gatherer = group.allgatherer(settings.allgather)
+        self.gatherer = group.allgatherer(settings.allgather, reducer.prefix)
         given = isinstance(settings.cost_model, CostModel)
         self.horovod_latency = 0.0
         if given:
@@ -652,11 +652,12 @@ class AutoState:
         self.snapshot = {} if self._probing(self.steps) else None
         self.mark = self.clock()
 
-    def boundary(self, applied: Optional[Dict[str, torch.Tensor]] = None) -> None:
+    def boundary(self, applied: Optional[Callable[[], Dict[str, torch.Tensor]]] = None) -> None:
         """A step was applied (every rank, at the same step): measure it, and at a probe's or a
-        window's end agree, decide, and switch. ``applied``: parameter name -> the step's averaged
-        gradient where ``.grad`` does not hold it (a DDP step committed at its last bucket: a joined
-        rank's shadow step, or no optimizer attached); None: ``.grad``."""
+        window's end agree, decide, and switch. ``applied``: where ``.grad`` does not hold the
+        step's averaged gradients (a DDP step committed at its last bucket: a joined rank's shadow
+        step, or no optimizer attached), a function returning them (parameter name -> tensor),
+        called only where Accordion's norm reads them; None: ``.grad``."""
         now = self.clock()
         step = self.steps
         self.steps += 1
@@ -667,7 +668,7 @@ class AutoState:
         record = (step_s, step_s - exposed, exposed) if valid else None
         self._reset_step()
         if self.auto.accordion and self.window_origin is not None and step >= self.window_origin:
-            self._accumulate(applied)
+            self._accumulate(applied() if applied is not None else None)
         if self._probing(step):
             self._shadow(step, record)
             if step == self.probe_origin + self.auto.warmup + self.auto.probe - 1:

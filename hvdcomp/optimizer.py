@@ -23,7 +23,6 @@ Time and bytes per phase go to ``optimizer.timer`` (:class:`hvdcomp.metrics.Phas
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import warnings
 from typing import Iterable, Optional, Tuple
@@ -31,7 +30,7 @@ from typing import Iterable, Optional, Tuple
 import torch
 
 from .comm import resolve_group
-from .comm.group import HorovodGroup, horovod
+from .comm.group import HorovodGroup, horovod, instance_prefix
 from .config import (ARGUMENTS_DOC, DEFAULT_BUCKET_BYTES, OPTIMIZER_ENV, Settings, adasum_compression, check_method,
                      name_parameters)
 from .launch import HOROVOD_FRONTEND, start_frontend
@@ -45,7 +44,6 @@ __all__ = ["DistributedOptimizer", "distributed", "wrap", "resolve_compression",
 
 log = logging.getLogger(__name__)
 
-_ids = itertools.count()  # creation order of optimizers: identical on every rank, names collectives
 _CLOSED = ("this DistributedOptimizer was closed (close() stopped its communication): build a new one "
            "to keep training distributed")
 
@@ -66,7 +64,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         names = name_parameters(self.param_groups, named_parameters)
         # expected backward order: last parameters first. Fixed, identical on every rank.
         order = [p for g in reversed(self.param_groups) for p in reversed(g["params"]) if p.requires_grad]
-        self.reducer = Reducer(order, names, compression, self.group, s, self.timer, f"hvdcomp.{next(_ids)}")
+        self.reducer = Reducer(order, names, compression, self.group, s, self.timer, instance_prefix())
         self._sync_on_step = True  # (the class is built from this one's __dict__: no inherited default)
         self._hook_handles = ([p.register_post_accumulate_grad_hook(self.reducer.gradient_ready) for p in order]
                               if self.reducer.active or self.reducer.elastic else [])

@@ -8,7 +8,8 @@ Checks (each raises on failure on every rank; the oracle is named in its docstri
   fp16-vs-pytorch   hvdcomp fp16 against PyTorch's fp16_compress_hook, both against the exact mean
   powersgd-vs-pytorch  hvdcomp PowerSGD against PyTorch's powerSGD_hook (same settings)
   powersgd-collectives  hvdcomp PowerSGD's collectives and bytes per step, counted at torch.distributed:
-                    worked out by hand, and no more than powerSGD_hook's
+                    worked out by hand; powerSGD_hook's gradient bytes in fewer allreduces, plus
+                    the 24 B per rank gather of the step's verdict
   topk-bytes        top-k's payload bytes as counted = worked out from the tensor sizes
   bucket-granularity  granularity="bucket" = a reference written here from plain collectives
   one-rank          a job of one rank: top-k = its own encode/decode; none = the local gradient
@@ -1201,14 +1202,17 @@ class _Clock:
         return self.now
 
 
-def _auto_join_run(join=True, nan_before=None):
+def _auto_join_run(join=True, nan_before=None, discard_before=None, attach=True):
     """2 ranks, ``join_model``, SGD, ``compression="auto"`` (fp16, top-k 30 %, PowerSGD rank 1;
     probe 2 after a warm-up of 1, windows of 2, a re-probe every 5 steps, Accordion on) on the
     posed link ``AUTO_JOIN_COST`` and a fake clock, over ``AUTO_JOIN_EPOCHS``, each epoch
     ``with ddp.join():`` (or, ``join=False``, a rank out of batches trains on with a zero
     gradient). ``nan_before=s``: before data step ``s``, one extra iteration whose loss is NaN on
     rank 1 (rank 0 takes part: its own zero loss, or DDP's shadow step when joined): skipped on
-    every rank. Returns the final parameters, the hook and what the policy holds."""
+    every rank. ``discard_before=s``: before data step ``s``, one extra iteration on step ``s``'s
+    data that no rank applies (no ``opt.step()``; the next ``opt.zero_grad()`` discards it).
+    ``attach=False``: the hook without the optimizer (every step committed at its last bucket).
+    Returns the final parameters, the hook and what the policy holds."""
     from hvdcomp.auto import Auto
 
     clock = _Clock()
@@ -1216,7 +1220,7 @@ def _auto_join_run(join=True, nan_before=None):
     opt = torch.optim.SGD(ddp.parameters(), lr=JOIN_LR)
     auto = Auto(candidates=["fp16", "topk:density=0.3", "powersgd:matrix_rank=1"], probe=2, warmup=1, window=2,
                 interval=5, accordion=0.5, clock=clock)
-    hook = hvdcomp.ddp.register(ddp, auto, optimizer=opt, cost_model=AUTO_JOIN_COST)
+    hook = hvdcomp.ddp.register(ddp, auto, optimizer=opt if attach else None, cost_model=AUTO_JOIN_COST)
     first = 0
     for counts in AUTO_JOIN_EPOCHS:
         with ddp.join() if join else contextlib.nullcontext():
@@ -1224,12 +1228,15 @@ def _auto_join_run(join=True, nan_before=None):
                 mine = step - first < counts[rank()]
                 if not (mine or not join):
                     break
-                for bad in ((True, False) if step == nan_before else (False,)):
+                extra = step in (nan_before, discard_before)
+                for bad in ((True, False) if extra else (False,)):
                     clock.now += 0.0625
                     opt.zero_grad()
-                    scale = float("nan") if bad and rank() == 1 else (1.0 if mine and not bad else 0.0)
+                    nan = bad and step == nan_before
+                    scale = float("nan") if nan and rank() == 1 else (1.0 if mine and not nan else 0.0)
                     (loss(ddp, step, **JOIN_DATA) * scale).backward()
-                    opt.step()
+                    if not (bad and step == discard_before):
+                        opt.step()
         first += max(counts)
     policy = hook.auto.policy
     held = {"steps": hook.auto.steps, "regime": policy.regime, "previous_norm": policy.previous_norm,
@@ -1249,7 +1256,10 @@ def check_auto_join():
     state bit for bit, every decision (step, cause, choice, regime, the measured table) and what
     the policy holds (Accordion's last norm, the regime) equal; the same on both ranks. Then a
     NaN on rank 1 during the re-probe while rank 0 is joined: the step is skipped on every rank
-    and the run equals the one without that iteration (parameters, state, decisions)."""
+    and the run equals the one without that iteration (parameters, state, decisions). Then a
+    finite step rank 1 discards there (no ``step()``): it counts on both ranks (one step more for
+    auto) and the run equals the one without join whose hook has no optimizer (before: only the
+    joined rank counted it, and the next probe's gather hung: timed out after 120 s)."""
     assert dist.get_world_size() == 2, "AUTO_JOIN_EPOCHS is for 2 ranks"
     w, hook, held = _auto_join_run()
     zw, zhook, zheld = _auto_join_run(join=False)
@@ -1272,6 +1282,20 @@ def check_auto_join():
     state = {k: v for k, v in nhook.state_dict().items() if k != "skipped_steps"}
     _same(state, {k: v for k, v in hook.state_dict().items() if k != "skipped_steps"},
           "a skipped step in the probe: compressor state against the run without it")
+
+    # a finite step that rank 1 discards while rank 0 is joined (no step(), zero_grad()): inside the
+    # join it counts on every rank (the joined rank cannot know); oracle: the run without join
+    # whose hook has no optimizer, where a reduced step counts whether applied or not
+    dw, dhook, dheld = _auto_join_run(discard_before=6)
+    rw, rhook, rheld = _auto_join_run(join=False, discard_before=6, attach=False)
+    assert dheld["steps"] == held["steps"] + 1, (dheld, held)
+    _same(_decisions(dhook), _decisions(rhook), "a discarded step under join: decisions against no join")
+    _same(dheld, rheld, "a discarded step under join: the policy against no join")
+    _same(dw, rw, "a discarded step under join: final parameters against no join")
+    _same(dhook.state_dict(), rhook.state_dict(), "a discarded step under join: compressor state against no join")
+    assert _decisions(dhook) != _decisions(hook)  # (the discarded step moved the later decisions)
+    everyone = _gather_objects((dheld["steps"], [p.tolist() for p in dw]))
+    assert everyone[0] == everyone[1], "a discarded step under join: the ranks' step counts or parameters differ"
     return f"decisions {got}"
 
 
@@ -1287,7 +1311,7 @@ def check_auto_var():
     1e-5; VAR-Topk's error is the smaller and it is chosen at step 2 on both ranks. (Measured as
     on one rank, both read the same error and the tie went to cyclic.)"""
     from hvdcomp.auto import Auto
-    from hvdcomp.compressors.topk import num_kept
+    from tests.simworld import leader_topk_error
 
     labels = ["cltk:density=0.1", "cltk:density=0.1,leader=variance"]
     data = dict(n=16, features=16, out=8)
@@ -1317,30 +1341,8 @@ def check_auto_var():
         grads = dict(module.named_parameters())
         return torch.cat([grads[n].grad.reshape(-1) for n in hook_order])
 
-    want = {}
-    for label in labels:
-        residual = [torch.zeros(136), torch.zeros(136)]
-        norms = [[], []]
-        err2 = norm2 = 0.0
-        for t, step in enumerate((1, 2)):
-            g = [local(step, r) for r in range(2)]
-            p = [g[r] + residual[r] for r in range(2)]
-            if label.endswith("variance"):  # smoothed norms, weights (1 - 0.001)^j, j = 1 for the newest
-                stats = []
-                for r in range(2):
-                    norms[r].append(float(g[r].norm()))
-                    w = [(1 - 0.001) ** j for j in range(1, len(norms[r]) + 1)]
-                    stats.append(sum(a * b for a, b in zip(w, reversed(norms[r]))) / sum(w))
-                leader = max(range(2), key=lambda r: (stats[r], -r))
-            else:
-                leader = t % 2
-            idx = p[leader].abs().topk(num_kept(136, 0.1)).indices
-            for r in range(2):
-                residual[r] = p[r].clone()
-                residual[r][idx] = 0.0
-                err2 += float(residual[r].square().sum())
-                norm2 += float(p[r].square().sum())
-        want[label] = math.sqrt(err2 / norm2)
+    steps = [[local(step, r) for r in range(2)] for step in (1, 2)]
+    want = {label: leader_topk_error(steps, 0.1, label.endswith("variance")) for label in labels}
     for label in labels:
         assert abs(table[label]["error"] - want[label]) <= 1e-5 * want[label], (label, table[label], want)
     assert want[labels[1]] < want[labels[0]], want

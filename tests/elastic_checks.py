@@ -4,7 +4,9 @@ hvdcomp.DistributedOptimizer; or a local-update mode, H = 2, Δ carried by ``<sp
 ``diloco:<spec>``, ``sparseloco:<spec>``, ``co2:<spec>``, ``adaalter:<spec>``); or an adaptive
 optimizer (one of :data:`ADAPTIVE`); or gossip (``gossip:<method>:<compressor>``, on a ring); or a
 group of :data:`GROUPS` (its METHODs side by side, each on its own model) inside ``hvd.elastic.run``, the
-world resized by rewriting what the discovery script prints. Every step prints one ``ELASTIC
+world resized by rewriting what the discovery script prints. ``nan:METHOD``: METHOD with a NaN in
+rank :data:`NAN_RANK`'s gradient at step :data:`NAN_STEP` (the growth's first step);
+``skip:METHOD``: METHOD without that step (no line for it). Every step prints one ``ELASTIC
 {json}`` line: step, size, rank, loss, a digest of the parameters, of this rank's error-feedback
 residual and of each key of the torch state.
 
@@ -24,6 +26,7 @@ import torch
 import horovod.torch as hvd
 
 STEPS = 4  # steps at each size of the plan
+NAN_STEP, NAN_RANK = 2 * STEPS, 0  # (a 2,1,2 plan: the first step after the growth, on the survivor)
 
 #: the adaptive optimizers (METHOD): each with its compressed stage at every size of a 2,1,2 plan
 #: (tests/test_elastic.py::test_adaptive_optimizers_shrink_and_grow_in_the_compressed_stage, one job)
@@ -43,8 +46,10 @@ ADAPTIVE = {  # METHOD: (the class of hvdcomp.adaptive_opt, its arguments)
 GROUPS = {
     "adaptive": sorted(ADAPTIVE),
     # hvdcomp.DistributedOptimizer (per-step compression) and the local-update modes
+    # (with a NaN at the growth's first step, and without that step: nan:, skip:)
     "allreduce-and-local": ["topk:density=0.25", "powersgd", "diloco:topk:density=0.25",
-                            "sparseloco:topk:density=0.25", "co2:topk:density=0.25", "adaalter:topk:density=0.25"],
+                            "sparseloco:topk:density=0.25", "co2:topk:density=0.25", "adaalter:topk:density=0.25",
+                            "co2:none", "nan:co2:none", "nan:topk:density=0.25", "skip:topk:density=0.25"],
     # gossip on a ring, overlap on; the compressors that keep the network average exactly
     "gossip": ["gossip:choco:sign", "gossip:dcd:none", "gossip:ecd:none", "gossip:powergossip:none"],
 }
@@ -110,9 +115,15 @@ def _tensors(obj):
             yield from _tensors(v)
 
 
+def base_method(method: str) -> str:
+    """METHOD without its ``nan:`` / ``skip:``."""
+    return method.split(":", 1)[1] if method.startswith(("nan:", "skip:")) else method
+
+
 def build(method: str):
     """(model, the optimizer of METHOD ``method``, the torch optimizer TorchState keeps, or None
     for the optimizer itself) and the target model, the same for every METHOD."""
+    method = base_method(method)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     target = torch.nn.Linear(16, 1)
@@ -156,8 +167,9 @@ def build(method: str):
                                                 compression=method), None), target
 
 
-def train_step(method, model, opt, x, y) -> dict:
-    """One step of ``opt``; what the ``ELASTIC`` line of ``method`` says."""
+def train_step(method, model, opt, x, y, nan=False) -> dict:
+    """One step of ``opt`` (``nan``: a NaN in one element of the first weight's gradient); what the
+    ``ELASTIC`` line of ``method`` (without ``nan:``) says."""
     local, adaptive, gossip = hasattr(opt, "anchors"), method in ADAPTIVE, method.startswith("gossip:")
     before = {} if gossip else {k: digest([v]) for k, v in sorted(residuals(opt).items())}
     anchor_before = digest(opt.anchors.values()) if local else None
@@ -167,6 +179,8 @@ def train_step(method, model, opt, x, y) -> dict:
     opt.zero_grad()
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
+    if nan:
+        model[0].weight.grad[0, 0] = float("nan")
     # gossip: the model after the local SGD step alone (the average over ranks gossip keeps)
     local_step = [(p.detach() - 0.1 * p.grad).reshape(-1).tolist() for p in model.parameters()] if gossip else None
     opt.step()
@@ -222,16 +236,12 @@ def main():
                 x = torch.randn(32, 16, generator=gen)
                 with torch.no_grad():
                     y = target(x)
-                for m, model, opt, _ in runs:
-                    if m.startswith("gossip:"):
-                        # (the other gossip optimizers' exchanges in flight would run beside this
-                        # one's under the same Horovod names: received now, applied at their next
-                        # step as with overlap; the last one's stays in flight through a reset)
-                        for other in (o for n, _, o, _ in runs if n.startswith("gossip:") and o is not opt):
-                            if other.transport is not None:
-                                other.transport.finish()
+                for m, model, opt, _ in runs:  # (a gossip exchange stays in flight through the others' steps)
+                    if m.startswith("skip:") and state.step == NAN_STEP:
+                        continue
+                    nan = m.startswith("nan:") and (state.step, hvd.rank()) == (NAN_STEP, NAN_RANK)
                     line = {"step": state.step, "size": hvd.size(), "rank": hvd.rank(),
-                            **train_step(m, model, opt, x, y)}
+                            **train_step(base_method(m), model, opt, x, y, nan), "method": m}
                     print("ELASTIC " + json.dumps(line), flush=True)
                 state.step += 1
                 if state.step % STEPS == 0:

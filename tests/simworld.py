@@ -26,7 +26,8 @@ from hvdcomp.compressors import PayloadKind
 from hvdcomp.compressors import simulated_world
 from hvdcomp.metrics import PhaseTimer
 
-__all__ = ["horovod_allreduce", "SimulatedRanks", "fp16_sequential_sum", "ThreadNetwork", "run_ranks", "step_comms"]
+__all__ = ["horovod_allreduce", "SimulatedRanks", "fp16_sequential_sum", "ThreadNetwork", "run_ranks", "step_comms",
+           "leader_topk_error"]
 
 TIMEOUT_S = 60  # a simulated rank waiting longer than this for a message fails the test
 
@@ -308,3 +309,37 @@ class SimulatedRanks:
         if errors:
             raise errors[0]
         return results  # type: ignore[return-value]
+
+
+def leader_topk_error(steps: Sequence[Sequence[torch.Tensor]], density: float, variance: bool) -> float:
+    """The relative error ``sqrt(Σ ‖kept_r‖² / Σ ‖p_r‖²)`` of the allreduce-compatible top-k with
+    error feedback over ``steps`` (per step, every rank's flat gradient, rank order; residuals
+    from zero): ``p_r`` = rank r's gradient + residual, ``kept_r`` = ``p_r`` off the leader's top-k
+    positions (its new residual). Leader of step t: rank t mod N (cyclic, CLT-k), or with
+    ``variance`` VAR-Topk's, the largest smoothed gradient norm Σ_j w_j·‖g‖ / Σ_j w_j with
+    w_j = (1 − 0.001)^j, j = 1 for the newest step, ties to the lower rank."""
+    import math
+
+    from hvdcomp.compressors.topk import num_kept
+
+    n, numel = len(steps[0]), steps[0][0].numel()
+    residual = [torch.zeros(numel) for _ in range(n)]
+    norms: List[List[float]] = [[] for _ in range(n)]
+    err2 = norm2 = 0.0
+    for t, g in enumerate(steps):
+        p = [g[r] + residual[r] for r in range(n)]
+        leader = t % n
+        if variance:
+            stats = []
+            for r in range(n):
+                norms[r].append(float(g[r].norm()))
+                w = [(1 - 0.001) ** j for j in range(1, len(norms[r]) + 1)]
+                stats.append(sum(a * b for a, b in zip(w, reversed(norms[r]))) / sum(w))
+            leader = max(range(n), key=lambda r: (stats[r], -r))
+        idx = p[leader].abs().topk(num_kept(numel, density)).indices
+        for r in range(n):
+            residual[r] = p[r].clone()
+            residual[r][idx] = 0.0
+            err2 += float(residual[r].square().sum())
+            norm2 += float(p[r].square().sum())
+    return math.sqrt(err2 / norm2)

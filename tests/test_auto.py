@@ -403,7 +403,10 @@ def test_ddp_join_and_a_skipped_step_leave_auto_as_explicit_zeros_and_as_without
     bit for bit (a joined rank took its norm from its stale ``.grad``: a spurious "phase" switch at
     step 10, 5 decisions against 4). A NaN on rank 1 in the re-probe, rank 0 joined: skipped on
     every rank, the run = the one without that iteration (the joined rank counted the skipped
-    step as a boundary and the next window's allgather hung) (tests/ddp_checks.py check_auto_join)."""
+    step as a boundary and the next window's allgather hung). A finite step rank 1 discards there:
+    a step on both ranks, the run = the one without join whose hook has no optimizer (before:
+    only the joined rank counted it; the next probe's gather hung, timed out after 120 s)
+    (tests/ddp_checks.py check_auto_join)."""
     from test_ddp import ddp_checks
 
     ddp_checks(2, "auto-join", timeout=120)

@@ -14,9 +14,11 @@ The modes run side by side, each on its own model and optimizer, in three jobs (
 the steps, take the time): hvdcomp.DistributedOptimizer and the local-update modes, the adaptive
 optimizers, the gossip methods (tests/elastic_checks.py GROUPS); each test checks one mode's lines
 of its group's job. A mode joins a job by its METHOD in GROUPS and a test that reads its lines
-(CO2 uncompressed against its one-process reference runs in a job of its own: two CO2 optimizers'
-rounds in flight together would share Horovod names)."""
+(each optimizer names its collectives apart: hvdcomp.comm.group.instance_prefix). The first job
+also trains CO2 and top-k with a NaN in one rank's gradient at the growth's first step, and top-k
+without that step."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -25,7 +27,7 @@ from collections import defaultdict
 
 import pytest
 
-from elastic_checks import digest
+from elastic_checks import NAN_RANK, NAN_STEP, digest
 from mpirun import MPI_ENV, ROOT
 
 HOROVODRUN = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -176,13 +178,15 @@ def test_local_update_modes_shrink_and_grow_carrying_their_state(local_job, mode
             assert carried and {d["pending"] for d in by_step[first]} == {carried}, (first, by_step[first])
 
 
-def co2_reference(sizes, local_steps=2, outer_lr=1.0, outer_momentum=0.5, keep_in_flight=False):
+def co2_reference(sizes, local_steps=2, outer_lr=1.0, outer_momentum=0.5, keep_in_flight=False, nan=None):
     """CO2 under elastic Horovod in one process, uncompressed (the model, data and inner SGD of
     tests/elastic_checks.py): per step, θ_start, the outer momentum (flattened, float64), the
     rounds joined and the mean loss over the ranks. A world-size change between two steps drops
     the round in flight and the round in progress on every rank, which restart from θ_start;
     θ_start and the momentum carry over (``keep_in_flight``: the in-flight average kept instead,
-    the behaviour the check must tell apart)."""
+    the behaviour the check must tell apart). ``nan`` = (step, rank): a NaN in that rank's first
+    weight gradient at that step; a round whose average is not finite is dropped when joined
+    (counted, no outer step: docs/local-update.md, "A dropped round")."""
     import copy
 
     import torch
@@ -217,6 +221,8 @@ def co2_reference(sizes, local_steps=2, outer_lr=1.0, outer_momentum=0.5, keep_i
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(m(x), y)
             loss.backward()
+            if (step, r) == nan:
+                m[0].weight.grad[0, 0] = float("nan")
             opt.step()
             losses.append(loss.item())
         round_step += 1
@@ -226,7 +232,7 @@ def co2_reference(sizes, local_steps=2, outer_lr=1.0, outer_momentum=0.5, keep_i
                 mean = [sum(ds) * (1.0 / size) if size > 1 else ds[0] for ds in zip(*deltas)]
                 if pending is not None:  # Δ̄ of the previous round, one round late
                     rounds += 1
-                    for a, mo, g in zip(anchor, momentum, pending):
+                    for a, mo, g in zip(anchor, momentum, pending if all(g.isfinite().all() for g in pending) else ()):
                         mo.mul_(outer_momentum).add_(g)
                         a.add_(mo, alpha=-outer_lr)
                 pending, round_step = mean, 0
@@ -237,7 +243,12 @@ def co2_reference(sizes, local_steps=2, outer_lr=1.0, outer_momentum=0.5, keep_i
     return out
 
 
-def test_co2_shrinks_and_grows_against_a_one_process_reference(tmp_path):
+def _same_loss(a, b):
+    return (math.isnan(a) and math.isnan(b)) or abs(a - b) < 1e-4
+
+
+@pytest.mark.parametrize("method", ["co2:none", "nan:co2:none"])
+def test_co2_shrinks_and_grows_against_a_one_process_reference(local_job, method):
     """CO2 (H = 2, uncompressed Δ, α = 1, β = 0.5) under 2 -> 1 -> 2, its round's collectives
     started by the training thread as Horovod asynchronous operations and finished one round later
     (no thread of ours issues a collective): at every step, on every rank, θ_start, the outer
@@ -246,14 +257,20 @@ def test_co2_shrinks_and_grows_against_a_one_process_reference(tmp_path):
     round in progress on every rank, and θ_start and the momentum carry over; keeping the
     in-flight average instead differs (checked here too, so the comparison can fail); the loss
     falls. Before: refused at construction (a reduction thread caught in Horovod's reset hung
-    2 of 20 runs)."""
+    2 of 20 runs). ``nan:``: a NaN in the survivor's gradient at the growth's first step (the
+    step its world is joined): that round is dropped on every rank when joined (no outer step from
+    it), as simulated; without the drop θ_start moves by the round's average (checked)."""
     import torch
 
-    lines = elastic_run(tmp_path, "co2:none", "2,1,2")
+    nan = (NAN_STEP, NAN_RANK) if method.startswith("nan:") else None
+    lines = local_job(method)
     by_step = steps_of(lines)
     sizes = [2] * STEPS + [1] * STEPS + [2] * STEPS
     assert sorted(by_step) == list(range(len(sizes)))
-    want, kept = co2_reference(sizes), co2_reference(sizes, keep_in_flight=True)
+    want, kept = co2_reference(sizes, nan=nan), co2_reference(sizes, keep_in_flight=True)
+    if nan:  # (the round is non-finite; what the drop changes: θ_start where it would have been applied)
+        kept = co2_reference(sizes)
+        assert math.isnan(want[NAN_STEP + 1]["loss"])
     for step, size in enumerate(sizes):
         ranks, ref = by_step[step], want[step]
         assert sorted(d["rank"] for d in ranks) == list(range(size)), ranks
@@ -263,9 +280,30 @@ def test_co2_shrinks_and_grows_against_a_one_process_reference(tmp_path):
             assert torch.allclose(got[1], ref["momentum"], rtol=0, atol=1e-5), (step, (got[1] - ref["momentum"]).abs().max())
             assert d["rounds"] == ref["rounds"], (step, d["rounds"], ref["rounds"])
         loss = sum(d["loss"] for d in ranks) / size
-        assert abs(loss - ref["loss"]) < 1e-4, (step, loss, ref["loss"])
+        assert _same_loss(loss, ref["loss"]), (step, loss, ref["loss"])
     assert (want[-1]["anchor"] - kept[-1]["anchor"]).abs().max() > 1e-2  # (the check tells the two apart)
-    assert sum(d["loss"] for d in want[2 * STEPS:]) < 0.5 * sum(d["loss"] for d in want[:STEPS])
+    assert sum(d["loss"] for d in want[2 * STEPS:] if not math.isnan(d["loss"])) < 0.5 * sum(
+        d["loss"] for d in want[:STEPS])
+
+
+def test_nonfinite_gradient_at_the_growth_skips_the_step_on_every_rank(local_job):
+    """hvdcomp.DistributedOptimizer (top-k 25 %) under 2 -> 1 -> 2 with a NaN in the survivor's
+    gradient at the growth's first step (the step at which the new rank joins and the pipeline
+    is set up over the new world): every rank skips it (parameters and error-feedback residuals
+    as before it, the new rank's still zero), and every later step equals, on every rank, the
+    run that did not take that step at all (``skip:``; parameters and residuals bit for bit), which
+    itself differs from the run that took it (so the comparison can fail)."""
+    nan, skip, full = ({(d["rank"], d["step"]): d for d in local_job(f"{k}topk:density=0.25")}
+                       for k in ("nan:", "skip:", ""))
+    for r in (0, 1):
+        d = nan[(r, NAN_STEP)]
+        assert d["params"] == d["params_before"] and d["residuals"] == d["residuals_before"], (r, d)
+        assert (r, NAN_STEP) not in skip
+        for step in range(NAN_STEP + 1, 3 * STEPS):
+            a, b = nan[(r, step)], skip[(r, step)]
+            assert [a[k] for k in ("params_before", "params", "residuals")] == \
+                [b[k] for k in ("params_before", "params", "residuals")], (r, step)
+    assert full[(0, 3 * STEPS - 1)]["params"] != skip[(0, 3 * STEPS - 1)]["params"]
 
 #: per adaptive optimizer of tests/elastic_checks.py (ADAPTIVE): the kind of each step (None: a
 #: DistributedOptimizer's, which has none), the torch-state keys identical on every rank at every

@@ -276,8 +276,8 @@ def simulate(config):
     return [torch.stack(t) for t in traces], final, anchors
 
 
-CHECKS_2 = ["equivalence", "co2_hand_worked", "co2_no_training_on_inflight_tensors", "bad_input", "disagreement",
-            "resume_mid_round", "resume_broadcast", "grad_scaler", "half_precision", "adaalter_bytes"]
+CHECKS_2 = ["equivalence", "co2_hand_worked", "co2_no_training_on_inflight_tensors", "co2_two_instances", "bad_input",
+            "disagreement", "resume_mid_round", "resume_broadcast", "grad_scaler", "half_precision", "adaalter_bytes"]
 
 
 @pytest.fixture(scope="module")

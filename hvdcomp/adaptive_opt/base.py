@@ -51,7 +51,6 @@ None), with ``"raise"`` every rank raises ``FloatingPointError``.
 from __future__ import annotations
 
 import abc
-import itertools
 import logging
 from dataclasses import replace
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -60,7 +59,7 @@ import torch
 
 from ..agreement import NONFINITE_MODES, check_consistency
 from ..comm import resolve_group
-from ..comm.group import FollowsWorld
+from ..comm.group import FollowsWorld, instance_prefix
 from ..comm.stepcomm import StepComm
 from ..metrics import PhaseTimer
 from ..plan import BATCHED, TransportPlan
@@ -72,7 +71,6 @@ __all__ = ["AdaptiveOptimizer", "named_groups", "check_masks", "ONEBIT_SPEC"]
 
 log = logging.getLogger(__name__)
 
-_ids = itertools.count()  # creation order, identical on every rank: names the collectives
 _FLOATS = (torch.float32, torch.float64)
 
 
@@ -176,7 +174,7 @@ class AdaptiveOptimizer(SkipSynchronize, torch.optim.Optimizer, FollowsWorld, me
         self.process_set = process_set
         self.timer = timer if timer is not None else PhaseTimer()
         self.skipped_steps, self.last_step_kind = 0, None
-        self._prefix = f"hvdcomp.adaptive.{next(_ids)}"
+        self._prefix = instance_prefix("adaptive")
         self.warmup = WarmupStage(self)
         self._masks = {}
         self.group = None if comm is not None else resolve_group(

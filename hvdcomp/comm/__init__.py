@@ -80,7 +80,7 @@ def _pick_group(where, dist) -> ProcessGroup:
 log = logging.getLogger(__name__)
 
 
-def make_allgatherer(prefer: str = "auto", group=None) -> Allgatherer:
+def make_allgatherer(prefer: str = "auto", group=None, prefix: str = "hvdcomp") -> Allgatherer:
     """Pick the allgather transport.
 
     Args:
@@ -90,6 +90,8 @@ def make_allgatherer(prefer: str = "auto", group=None) -> Allgatherer:
             Overridable with ``HVDCOMP_ALLGATHER``.
         group: a :class:`hvdcomp.comm.group.Group` (the global process set when None); the
             transport's collectives stay inside it. Collective over the group's members.
+        prefix: names Horovod's collectives of the transport (``prefix.ints``, ...): unique per
+            front-end object (:func:`hvdcomp.comm.group.instance_prefix`).
 
     Raises:
         RuntimeError: ``"mpi4py"`` or ``"hierarchical"`` was asked for but Horovod is not running on MPI (e.g. started
@@ -105,7 +107,7 @@ def make_allgatherer(prefer: str = "auto", group=None) -> Allgatherer:
     if prefer not in ("auto", "mpi4py", "hierarchical", "horovod"):
         raise ValueError(f"allgather transport must be auto, mpi4py, hierarchical or horovod, got {prefer!r}")
     if prefer == "horovod":
-        return HorovodAllgatherer(group.process_set)
+        return HorovodAllgatherer(group.process_set, prefix)
     if hvd.mpi_enabled():
         try:
             _warn_if_mpi4py_after_horovod(hvd)
@@ -125,7 +127,7 @@ def make_allgatherer(prefer: str = "auto", group=None) -> Allgatherer:
         raise RuntimeError(f"the {prefer} allgather path is unusable: {reason}. Launch with mpirun or "
                            "horovodrun --mpi, or use allgather='horovod'.")
     log.info("hvdcomp: sparse payloads use Horovod allgather: %s", reason)
-    return HorovodAllgatherer(group.process_set)
+    return HorovodAllgatherer(group.process_set, prefix)
 
 
 _warned_import_order = False

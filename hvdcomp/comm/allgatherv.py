@@ -298,14 +298,16 @@ class MPIAllgatherer(Allgatherer):
 
 class HorovodAllgatherer(Allgatherer):
     """Horovod path (no MPI, e.g. ``horovodrun --gloo``): ``hvd.allgather_async`` of counts and
-    bytes; Horovod's own background thread moves them, so this overlaps with backward too."""
+    bytes; Horovod's own background thread moves them, so this overlaps with backward too. Its
+    fixed collectives are named ``prefix.probe``, ``prefix.ints``, ``prefix.agree``: one object's
+    (:func:`hvdcomp.comm.group.instance_prefix`), since two objects' may run at once."""
 
     kind = "horovod"
 
-    def __init__(self, process_set=None):
+    def __init__(self, process_set=None, prefix: str = "hvdcomp"):
         import horovod.torch as hvd
 
-        self.hvd = hvd
+        self.hvd, self.prefix = hvd, prefix
         self.process_set = hvd.global_process_set if process_set is None else process_set
 
     def start(self, payload, name):
@@ -329,17 +331,17 @@ class HorovodAllgatherer(Allgatherer):
 
     def probe(self, nbytes):
         """Blocking ``hvd.allgather`` of ``nbytes`` zero bytes per rank."""
-        self.hvd.allgather(torch.zeros(int(nbytes), dtype=torch.uint8), name="hvdcomp.probe",
+        self.hvd.allgather(torch.zeros(int(nbytes), dtype=torch.uint8), name=f"{self.prefix}.probe",
                            process_set=self.process_set)
 
     def allgather_ints(self, values):
         """Every rank's ``values`` by ``hvd.allgather``, in rank order."""
         mine = torch.tensor([list(values)], dtype=torch.int64)
-        return self.hvd.allgather(mine, name="hvdcomp.ints", process_set=self.process_set).tolist()
+        return self.hvd.allgather(mine, name=f"{self.prefix}.ints", process_set=self.process_set).tolist()
 
     def agree(self, values):
         """Rank 0's ``values`` on every rank, by ``hvd.broadcast``."""
         t = torch.as_tensor(np.asarray(values, dtype=np.float64))
         root = self.process_set.ranks[0] if self.process_set.ranks else 0
-        return self.hvd.broadcast(t, root_rank=root, name="hvdcomp.agree",
+        return self.hvd.broadcast(t, root_rank=root, name=f"{self.prefix}.agree",
                                   process_set=self.process_set).numpy()

@@ -25,11 +25,24 @@ from typing import Any, List, Sequence
 import torch
 
 __all__ = ["ProcessGroup", "HorovodGroup", "Group", "HOROVOD_ALLREDUCE_DTYPES", "horovod", "FollowsWorld", "elastic_world",
-           "world_changed"]
+           "world_changed", "instance_prefix"]
 
 # dtypes Horovod 0.28's PyTorch allreduce accepts on CPU/MPI (no bfloat16)
 HOROVOD_ALLREDUCE_DTYPES = (torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8,
                             torch.int32, torch.int64)
+
+
+_created: dict = {}  # per front-end kind, how many this process built
+
+
+def instance_prefix(kind: str = "") -> str:
+    """The name prefix of a new front-end object's collectives, ``hvdcomp.<kind>.<n>`` (``n``: its
+    creation index among this process's objects of ``kind``): two objects' collectives in flight
+    at once never share a Horovod name, and ranks that build the same objects in the same order
+    build the same names (the set-up agreement compares them)."""
+    base = f"hvdcomp.{kind}" if kind else "hvdcomp"
+    n = _created[base] = _created.get(base, -1) + 1
+    return f"{base}.{n}"
 
 
 def horovod():
@@ -119,9 +132,10 @@ class ProcessGroup(abc.ABC):
 
     # ---- what the transports build on -------------------------------------------------------------
     @abc.abstractmethod
-    def allgatherer(self, prefer: str = "auto"):
+    def allgatherer(self, prefer: str = "auto", prefix: str = "hvdcomp"):
         """The variable-size allgather of payloads among the members
-        (:class:`hvdcomp.comm.allgatherv.Allgatherer`), made now (collectively).
+        (:class:`hvdcomp.comm.allgatherv.Allgatherer`), made now (collectively), its named
+        collectives ``prefix.*`` (:func:`instance_prefix`).
 
         Raises:
             RuntimeError: ``prefer`` names a path this group cannot take.
@@ -258,12 +272,12 @@ class HorovodGroup(ProcessGroup):
             return mine.tolist()
         return self.hvd.allgather(mine, name=name, process_set=self.process_set).tolist()
 
-    def allgatherer(self, prefer: str = "auto"):
+    def allgatherer(self, prefer: str = "auto", prefix: str = "hvdcomp"):
         """:func:`hvdcomp.comm.make_allgatherer` over the set (mpi4py where Horovod runs on MPI,
-        else Horovod's allgather)."""
+        else Horovod's allgather, its collectives named ``prefix.*``)."""
         from . import make_allgatherer
 
-        return make_allgatherer(prefer, self)
+        return make_allgatherer(prefer, self, prefix)
 
     def point_to_point(self, gatherer=None):
         """:class:`hvdcomp.comm.exchange.MPIExchange` on a duplicate of an mpi4py communicator of

@@ -115,7 +115,7 @@ class TorchDistGroup(ProcessGroup):
             handle.scale = 1.0
         return handle.tensor
 
-    def allgatherer(self, prefer: str = "auto") -> "TorchDistAllgatherer":
+    def allgatherer(self, prefer: str = "auto", prefix: str = "hvdcomp") -> "TorchDistAllgatherer":
         """The variable-size allgather over this group (:class:`TorchDistAllgatherer`).
 
         Raises:

@@ -61,6 +61,7 @@ class StepCycle:
         self.backward_steps = 0
         self.optimizer = self._original_step = self._original_zero_grad = None
         self._shadowing = False
+        self.joining = None  # (a weak reference to the DDP model, from ``ddp_model.join()`` to its end)
 
     # ---- how the hook learns the step was applied --------------------------------------------------
     def attach(self, optimizer) -> None:
@@ -102,9 +103,9 @@ class StepCycle:
         """The step counts: its state committed (a step boundary for ``auto``; ``buckets``: the
         step's averaged buffers where ``.grad`` does not hold them)."""
         self.life.commit(optimizer)
-        if self.auto is not None:
-            self.auto.boundary({n: v for b in buckets for n, v in zip(b.layout.names, b.layout.views(b.buffer))}
-                               if buckets else None)
+        if self.auto is not None:  # (the views made only where auto reads them)
+            views = lambda: {n: v for b in buckets for n, v in zip(b.layout.names, b.layout.views(b.buffer))}  # noqa: E731
+            self.auto.boundary(views if buckets else None)
 
     @property
     def unapplied(self) -> bool:
@@ -181,14 +182,16 @@ class StepCycle:
     def reduced(self, buckets: List[Bucket]) -> None:
         """The last bucket is reduced (``buckets``: the step's, averaged): the update waits to be
         applied (without an optimizer, nobody tells, and a joined rank's shadow step is never
-        applied: what was reduced counts, committed now)."""
+        applied: what was reduced counts, committed now; inside a join, so on every rank)."""
         self.backward_steps += 1
         if self.status is Status.SKIPPED:  # (not a step: for auto, on every rank, a joined one too)
             if self.auto is not None:
                 self.auto.skipped()
             return
         self.status = Status.SYNCED
-        if self.optimizer is None or self._shadowing:
+        # (inside an enabled join, on every rank: a joined rank cannot learn of a discard)
+        joined = self.joining is not None and getattr(self.joining(), "_join_config", None)
+        if self.optimizer is None or self._shadowing or (joined and joined.enable):
             self._commit(buckets=buckets)
 
     def discard(self) -> None:

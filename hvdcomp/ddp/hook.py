@@ -36,7 +36,9 @@ momenta, counters, generator states) are staged when its first bucket is compres
 * a rank that has joined under ``with ddp_model.join():`` (uneven inputs) runs the hook on zero
   gradients to shadow the others' steps; it never calls ``opt.step()``, so each shadow step is
   committed at its last bucket (``register`` wraps the model's ``join_hook`` to tell the hook),
-  and every rank's state stays what it would be had that rank sent a zero gradient;
+  and every rank's state stays what it would be had that rank sent a zero gradient. Inside the
+  join every rank commits each finite step at its last bucket (every rank knows it is in one), so a
+  step that the others then discard counts on every rank, as on the joined rank, which cannot know;
 * a non-finite gradient on any rank (``nonfinite="skip"``, the default): every rank rolls back,
   every bucket's result is NaN (a ``GradScaler`` sees the overflow and lowers its scale), and the
   wrapped ``opt.step()`` returns None without updating; ``nonfinite="raise"`` raises
@@ -120,6 +122,7 @@ class _ShadowingJoinHook(JoinHook):
             self.inner.main_hook()
 
     def post_hook(self, is_last_joiner: bool) -> None:
+        self.cycle.joining = None  # (every rank: the join context ends)
         self.inner.post_hook(is_last_joiner)
 
 
@@ -247,7 +250,8 @@ class HookState:
         ddp_model.register_forward_pre_hook(before_forward)
         model = weakref.ref(ddp_model)
 
-        def join_hook(**kwargs):
+        def join_hook(**kwargs):  # (every rank: ``Join`` is made)
+            cycle.joining = model
             return _ShadowingJoinHook(DistributedDataParallel.join_hook(model(), **kwargs), cycle)
 
         ddp_model.join_hook = join_hook

@@ -50,7 +50,7 @@ from ..metrics import PhaseTimer
 from ..step import LocalOptimizerSurface
 from ..transports.neighbor import NeighborTransport, neighbor_edges
 from ..comm import resolve_group
-from ..comm.group import FollowsWorld
+from ..comm.group import FollowsWorld, instance_prefix
 from .base import GossipMethod, copy_params
 from .choco import ChocoGossip
 from .dcd import DCDGossip, ECDGossip
@@ -138,6 +138,7 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
         self.overlap = overlap  # (checked below, with the other settings every rank agrees on)
         self.nonfinite = nonfinite
         self.skipped_steps = 0
+        self.prefix = instance_prefix("gossip")  # (names the collectives: two optimizers' run at once)
         self.group = resolve_group(process_set, frontend="hvdcomp.gossip.GossipOptimizer")
         self._params: List[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
         names = name_parameters(optimizer.param_groups, named_parameters)
@@ -164,7 +165,7 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
         agreement (collective) and, for DCD/ECD, the exact exchange of the initial models."""
         method, topology, compression, consensus_step, weights, timeout, method_kwargs = self._settings
         self.rank, self.size = self.group.rank, self.group.size
-        comm = neighbor_edges(self.group)
+        comm = neighbor_edges(self.group, self.prefix)
         error, record = None, None
         try:
             self._guard = NonFiniteGuard(self.nonfinite)
@@ -184,7 +185,7 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
             self.compression = getattr(self.method, "compressor", None)
             self.transport.method = self.method
             record = {"method": self.method.describe(), "topology": self.topology.fingerprint(),
-                      "overlap": self.overlap, "nonfinite": self.nonfinite,
+                      "overlap": self.overlap, "nonfinite": self.nonfinite, "prefix": self.prefix,
                       "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)]}
         except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has heard of it
             error = exc
@@ -320,7 +321,7 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
             return [p.detach().clone() for p in self._params]
         out = []
         for i, p in enumerate(self._params):
-            out.append(self.group.allreduce(p.detach().clone(), f"hvdcomp.gossip.average.{i}"))
+            out.append(self.group.allreduce(p.detach().clone(), f"{self.prefix}.average.{i}"))
         return out
 
     @contextlib.contextmanager
@@ -356,7 +357,7 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
         local = sum(float((p.detach().double() - m.double()).pow(2).sum()) for p, m in zip(self._params, mean))
         if not self.group.included or self.size == 1:
             return local
-        return float(self.group.allreduce(torch.tensor([local], dtype=torch.float64), "hvdcomp.gossip.consensus",
+        return float(self.group.allreduce(torch.tensor([local], dtype=torch.float64), f"{self.prefix}.consensus",
                                           average=False)[0])
 
     # ---- checkpoints (per rank) ------------------------------------------------------------

@@ -52,7 +52,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import inspect
-import itertools
 import logging
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -62,7 +61,7 @@ import torch
 from ..agreement import check_consistency, digest
 from ..checks import check_count, check_real
 from ..comm import resolve_group
-from ..comm.group import FollowsWorld, ProcessGroup
+from ..comm.group import FollowsWorld, ProcessGroup, instance_prefix
 from ..compressors.base import Compressor
 from ..config import Settings, check_method, name_parameters
 from ..memory import Wrapper
@@ -77,7 +76,6 @@ __all__ = ["LocalUpdate", "check_carries_delta", "check_outer_lr", "round_report
 log = logging.getLogger(__name__)
 
 _HALF = (torch.float16, torch.bfloat16)
-_ids = itertools.count()  # creation order of local-update optimizers: the same on every rank, names collectives
 
 
 def check_carries_delta(method, outer: torch.optim.Optimizer) -> None:
@@ -251,7 +249,7 @@ class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
             chunk_size = check_count(chunk_size, "chunk_size", 1, " (elements), or None")
         self._rounds_log = RecordLog(history_limit)
         self.inner, self.local_steps, self.chunk_size = optimizer, local_steps, chunk_size
-        self.prefix = f"hvdcomp.local.{next(_ids)}"
+        self.prefix = instance_prefix("local")
         self.timer = timer if timer is not None else PhaseTimer()
         names = name_parameters(optimizer.param_groups, named_parameters)
         self._params = [(names[p], p) for g in optimizer.param_groups for p in g["params"] if p.requires_grad]

@@ -321,25 +321,27 @@ class HorovodEdges:
         return done, out
 
 
-def neighbor_edges(group):
+def neighbor_edges(group, prefix: str = "hvdcomp.gossip"):
     """The edge layer of ``group`` (:class:`~hvdcomp.comm.group.ProcessGroup`): mpi4py over a
-    Horovod process set, ``torch.distributed`` over a ``torch.distributed`` group.
+    Horovod process set, ``torch.distributed`` over a ``torch.distributed`` group (each on a
+    communicator or group of its own).
 
     Under elastic Horovod, or where mpi4py is unusable or its world differs from Horovod's
-    (``horovodrun --gloo``), Horovod's own collectives (:class:`HorovodEdges`).
+    (``horovodrun --gloo``), Horovod's own collectives (:class:`HorovodEdges`), named ``prefix.*``
+    (one optimizer's: :func:`hvdcomp.comm.group.instance_prefix`).
     """
     if getattr(group, "hvd", None) is None:
         return TorchDistEdges(group)
     from ..launch import elastic_launch
 
     if elastic_launch():  # (no MPI world: mpi4py is not even imported)
-        return HorovodEdges(group)
+        return HorovodEdges(group, prefix)
     try:
         from mpi4py import MPI
     except ImportError:
-        return HorovodEdges(group)
+        return HorovodEdges(group, prefix)
     if MPI.COMM_WORLD.Get_size() != group.hvd.size():
-        return HorovodEdges(group)
+        return HorovodEdges(group, prefix)
     return MPIEdges(group.mpi_comm())
 
 

@@ -134,9 +134,7 @@ def check_leader_topk_measured_across_ranks():
     rank r's compensated gradient off the leader's positions), equals the one worked out here from
     every rank's gradient (allgathered from a copy of the model) within 1e-5: VAR-Topk's leader is
     rank 1 at both steps, cyclic's rank 0 then rank 1; VAR-Topk's error is the smaller, and chosen."""
-    import math
-
-    from hvdcomp.compressors.topk import num_kept
+    from tests.simworld import leader_topk_error
 
     labels = ["cltk:density=0.1", "cltk:density=0.1,leader=variance"]
     clock = Clock()
@@ -163,23 +161,7 @@ def check_leader_topk_measured_across_ranks():
         mine = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
         grads[step] = hvd.allgather(mine.unsqueeze(0), name=f"var.grads.{step}")  # (rank r's in row r)
     for label in labels:
-        residual, norms, err2, norm2 = torch.zeros(2, 4160), [[], []], 0.0, 0.0
-        for t, step in enumerate((1, 2)):
-            p = grads[step] + residual
-            if label.endswith("variance"):
-                stats = []
-                for r in range(2):
-                    norms[r].append(float(grads[step][r].norm()))
-                    w = [(1 - 0.001) ** j for j in range(1, len(norms[r]) + 1)]
-                    stats.append(sum(a * b for a, b in zip(w, reversed(norms[r]))) / sum(w))
-                leader = max(range(2), key=lambda r: (stats[r], -r))
-            else:
-                leader = t % 2
-            idx = p[leader].abs().topk(num_kept(4160, 0.1)).indices
-            residual = p.clone()
-            residual[:, idx] = 0.0
-            err2, norm2 = err2 + float(residual.square().sum()), norm2 + float(p.square().sum())
-        want = math.sqrt(err2 / norm2)
+        want = leader_topk_error([list(grads[1]), list(grads[2])], 0.1, label.endswith("variance"))
         assert abs(table[label]["error"] - want) <= 1e-5 * want, (label, table[label], want)
     assert table[labels[1]]["error"] < table[labels[0]]["error"], table
     assert got == [(0, "start", labels[0]), (2, "probe", labels[1])], got

@@ -17,6 +17,12 @@ Checks:
              final parameters (OUTDIR/<config>-nonfinite-<mode>-...) are the reference's of STEPS
              steps; with "ignore" the NaN reaches every rank
   single     one rank: every method reduces to the local optimizer step
+  two_instances  two optimizers (TWO_CONFIGS, each on its own model) stepped in turn, their
+             exchanges in flight together, over Horovod's collectives (the edge layer of elastic
+             Horovod and horovodrun --gloo): each ends equal, bit for bit, to the same
+             configuration trained alone in this job (saved as OUTDIR/two-<config>-...; before: both ran under the same Horovod
+             names, "a tensor with the same name as another tensor that is currently being
+             processed", or the two exchanges matched each other)
   stall      rank 2 stops stepping: the others' next non-finite agreement raises
              CollectiveTimeoutError (then abort_on_uncaught_exception ends the job)
   stall_ignore  the same with nonfinite="ignore" (no agreement): its neighbours' next exchange
@@ -156,6 +162,43 @@ def check_bad_input(outdir):
     print(f"OK bad_input numbers rank {rank}:", flush=True)
 
 
+TWO_CONFIGS = ("choco-topk-ring", "powergossip-ring")
+
+
+def check_two_instances(outdir):
+    import hvdcomp.gossip.optimizer as gossip_optimizer
+    from hvdcomp.transports.neighbor import HorovodEdges
+
+    gossip_optimizer.neighbor_edges = lambda group, *prefix: HorovodEdges(group, *prefix)  # (no MPI edges)
+    rank = hvd.rank()
+
+    def build(name):
+        params = make_params(rank)
+        return params, hvdcomp.gossip.GossipOptimizer(inner(params), named_parameters=params.items(),
+                                                      **CONFIGS[name][1])
+    alone = []
+    for name in TWO_CONFIGS:
+        params, opt = build(name)
+        train(params, opt, rank)
+        opt.flush()
+        opt.close()
+        alone.append(params)
+    runs = [build(name) for name in TWO_CONFIGS]
+    c = targets(rank)
+    for _ in range(STEPS):
+        for params, opt in runs:  # (overlap: each exchange still in flight at the other's step)
+            for n, p in params.items():
+                p.grad = p.detach() - c[n]
+            opt.step()
+    for (params, opt), ref, name in zip(runs, alone, TWO_CONFIGS):
+        opt.flush()
+        opt.close()
+        for n in SHAPES:
+            assert torch.equal(params[n], ref[n]), (name, n, (params[n] - ref[n]).abs().max())
+        save_params(params, outdir, f"two-{name}")
+    print(f"OK two_instances rank {rank}", flush=True)
+
+
 def save_params(params, outdir, label, **extra):
     torch.save({"params": {n: p.detach().clone() for n, p in params.items()}, **extra},
                os.path.join(outdir, f"{label}-np{hvd.size()}-r{hvd.rank()}.pt"))
@@ -276,4 +319,4 @@ if __name__ == "__main__":
         else:
             {"bad_input": check_bad_input, "checkpoint": check_checkpoint, "nonfinite": check_nonfinite,
              "stall": check_stall, "stall_ignore": lambda d: check_stall(d, nonfinite="ignore"),
-             "single": check_single}[check](outdir)
+             "single": check_single, "two_instances": check_two_instances}[check](outdir)

@@ -211,6 +211,36 @@ def check_co2_no_training_on_inflight_tensors():
 
 
 # ---- bad input ----------------------------------------------------------------------------------------
+def check_co2_two_instances():
+    """Two CO2 optimizers (each on its own model) stepped in turn, H = 1: each round's reduction
+    runs on its thread while the other's starts, over Horovod's allgather (``allgather="horovod"``,
+    the path of horovodrun --gloo). Each ends equal, bit for bit, to the same optimizer trained
+    alone in this job (before: the two reductions' per-round agreement ran under one Horovod name,
+    and round 2 failed with "a tensor with the same name as another tensor that is currently being
+    processed")."""
+    def build(seed):
+        model = tiny_model(seed)
+        return model, CO2(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), local_steps=1,
+                          compression="topk:density=0.5", allgather="horovod", cost_model="off")
+
+    alone = []
+    for seed in (0, 1):
+        model, opt = build(seed)
+        for step in range(4):
+            inner_step(model, opt, 10 * seed + step)
+        opt.flush()
+        opt.close()
+        alone.append(flat(model))
+    runs = [build(seed) for seed in (0, 1)]
+    for step in range(4):
+        for seed, (model, opt) in enumerate(runs):
+            inner_step(model, opt, 10 * seed + step)
+    for (model, opt), ref in zip(runs, alone):
+        opt.flush()
+        opt.close()
+        assert torch.equal(flat(model), ref), (flat(model) - ref).abs().max()
+
+
 def check_bad_input():
     """Each refused at construction, with a message naming the fix, on every rank (no hang)."""
     model = tiny_model()
@@ -460,7 +490,8 @@ def check_adaalter_bytes():
 
 CHECKS = {f.__name__[len("check_"):]: f for f in [
     check_half_precision, check_adaalter_bytes,
-    check_equivalence, check_co2_hand_worked, check_co2_no_training_on_inflight_tensors, check_bad_input,
+    check_equivalence, check_co2_hand_worked, check_co2_no_training_on_inflight_tensors, check_co2_two_instances,
+    check_bad_input,
     check_disagreement,
     check_resume_mid_round, check_resume_broadcast, check_grad_scaler]}
 
