@@ -301,10 +301,11 @@ class SaturationCheck:
         if not ctx.scaled:
             return None
         sizes, names = ctx.segments.sizes, ctx.segments.names
-        count = sum(sizes[j] for j in ctx.scaled)
+        count = sum(map(sizes.__getitem__, ctx.scaled))
         tops = _highest_bins(payload[0][count:].view(len(ctx.scaled), 2 * SPAN + 1))
         self._remember(ctx, payload[0], tops)
-        hit = [(i, j, t) for i, (j, t) in enumerate(zip(ctx.scaled, tops)) if self._saturated(t)]
+        bound = SPAN + self.headroom + 2  # (as _saturated, inline: once per segment)
+        hit = [(i, j, t) for i, (j, t) in enumerate(zip(ctx.scaled, tops)) if t is not None and t >= bound]
         if not hit:
             return None
         saturated = tuple(names[j] for _, j, _ in hit)
@@ -349,7 +350,7 @@ class SaturationCheck:
         histograms."""
         self._record_segments(ctx.averaged, ctx.base)
         segments = ctx.base.segments
-        count = sum(segments.sizes[j] for j in ctx.resent)
+        count = sum(map(segments.sizes.__getitem__, ctx.resent))
         bins = payload[0][count:].view(len(ctx.resent), EXP_MAX - EXP_MIN + 1)
         for j, top in zip(ctx.resent, _highest_bins(bins)):
             if top is not None:
@@ -474,7 +475,8 @@ class FP16Compressor(SaturationCheck, Compressor):
         payload, ks, exps = [], [], []
         if scaled:
             exps = [agreed[j] for j in scaled]
-            ks = [self.scale_exponent(e, size) for e in exps]
+            base = self.scale_exponent(0, size)  # (k = base − E)
+            ks = [base - e for e in exps]
             values = flat if len(scaled) == len(segments) else torch.cat([views[j] for j in scaled])
             values = _ldexp_segments(values, [segments.sizes[j] for j in scaled], ks).clamp_(-limit, limit)
             pick = torch.tensor(scaled, device=flat.device)
@@ -496,7 +498,7 @@ class FP16Compressor(SaturationCheck, Compressor):
         parts = [None] * len(sizes)
         wire = 0
         if ctx.scaled:
-            count = sum(sizes[j] for j in ctx.scaled)
+            count = sum(map(sizes.__getitem__, ctx.scaled))
             scaled_sizes = [sizes[j] for j in ctx.scaled]
             if len(ctx.scaled) == len(sizes):
                 return _ldexp_segments(payload[wire][:count], scaled_sizes, [-k for k in ctx.ks], out=out)
@@ -505,7 +507,7 @@ class FP16Compressor(SaturationCheck, Compressor):
                 parts[j] = v
             wire += 1
         if ctx.probe:
-            count = sum(sizes[j] for j in ctx.probe)
+            count = sum(map(sizes.__getitem__, ctx.probe))
             for j, v in zip(ctx.probe, payload[wire][:count].split([sizes[j] for j in ctx.probe])):
                 parts[j] = v
         return torch.cat(parts, out=out) if out is not None else torch.cat(parts)
@@ -514,16 +516,16 @@ class FP16Compressor(SaturationCheck, Compressor):
         """:meth:`_record` for each segment (one host read per payload tensor)."""
         names, wire = ctx.segments.names, 0
         if ctx.scaled:
-            count = sum(ctx.segments.sizes[j] for j in ctx.scaled)
             tops = self._recall(ctx, payload[0])  # (read by the saturation check, where it ran)
             if tops is None:
+                count = sum(map(ctx.segments.sizes.__getitem__, ctx.scaled))
                 tops = _highest_bins(payload[0][count:].view(len(ctx.scaled), 2 * SPAN + 1))
-            for j, e, top in zip(ctx.scaled, ctx.exponents, tops):
-                if top is not None:
-                    self._put("exponents", names[j], e + top - SPAN)
+            agreed = [(names[j], e + top - SPAN) for j, e, top in zip(ctx.scaled, ctx.exponents, tops)
+                      if top is not None]
+            self._put_many("exponents", [n for n, _ in agreed], [e for _, e in agreed])
             wire = 1
         if ctx.probe:
-            count = sum(ctx.segments.sizes[j] for j in ctx.probe)
+            count = sum(map(ctx.segments.sizes.__getitem__, ctx.probe))
             bins = payload[wire][count:].view(len(ctx.probe), EXP_MAX - EXP_MIN + 1)
             for j, top in zip(ctx.probe, _highest_bins(bins)):
                 if top is not None:
