@@ -26,7 +26,7 @@ import itertools
 import logging
 import operator
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -133,14 +133,17 @@ class NonFiniteGuard:
         """Forget this step's flags (the step was discarded)."""
         self._flags, self._averaged = [], []
 
-    def local_bad(self) -> bool:
-        """Whether this rank's own gradients held a non-finite value this step (one host read per
-        device)."""
-        return any(bool(f) for f in self._flags)
-
-    def averaged_bad(self) -> bool:
-        """Whether an averaged result (identical on every rank) held a non-finite value this step."""
-        return any(bool(f) for f in self._averaged)
+    def read(self) -> Tuple[bool, bool]:
+        """(whether this rank's own gradients held a non-finite value this step, whether an
+        averaged result did): the step's flags read in one host read per device (on CUDA, the
+        step's one synchronisation with the host)."""
+        flags, own = self._flags + self._averaged, len(self._flags)
+        values = [0.0] * len(flags)
+        for device in {f.device for f in flags}:
+            at = [i for i, f in enumerate(flags) if f.device == device]
+            for i, v in zip(at, torch.stack([flags[i] for i in at]).tolist()):
+                values[i] = v
+        return any(values[:own]), any(values[own:])
 
     def agree(self, exchange: Callable[[Sequence[int]], List[List[int]]], loaded: bool,
               backward_passes: int) -> StepVerdict:
@@ -156,8 +159,8 @@ class NonFiniteGuard:
             RuntimeError: ranks disagree on ``backward_passes_per_step``, or some (not all)
                 ranks loaded a checkpoint mid-training (on every rank, naming them).
         """
-        mine = [int(self.local_bad()), int(loaded), int(backward_passes)]
-        averaged = self.averaged_bad()  # (identical on every rank: no exchange)
+        local, averaged = self.read()  # (averaged: identical on every rank, no exchange)
+        mine = [int(local), int(loaded), int(backward_passes)]
         self.reset()
         every = exchange(mine)
         passes = sorted({row[2] for row in every})
@@ -218,7 +221,7 @@ class NonFiniteGuard:
         n, loaders, total, squares = (float(v) for v in sums)
         if 0 < loaders < n or total * total != n * squares:
             return self.agree(exchange, loaded, backward_passes)
-        averaged = self.averaged_bad() or self.local_bad()  # (every flag here is on averaged results)
+        averaged = any(self.read())  # (every flag here is on averaged results)
         self.reset()
         return self._verdict([], averaged)
 

@@ -44,7 +44,7 @@ from .assembly import assemble
 from .auto import Auto, AutoState
 from .comm.group import elastic_world, world_changed
 from .plan import TransportPlan, step_route_of
-from .step import Lifecycle, Status, StepState
+from .step import SYNCED, Lifecycle, Status, StepState
 
 __all__ = ["Reducer", "check_free", "claim", "release"]
 
@@ -254,7 +254,8 @@ class Reducer:
     def _start(self, u: int) -> None:
         """Hand unit ``u`` to its transport (compress, start the collective), once a step. The
         summed agreement (``none``) goes first, so it is issued at the same point on every rank."""
-        self.life.open(self.group, self.prefix, () if self.auto is None else (self.auto.rescale,))  # (once a step)
+        if not self.life.staged:  # (the step's first unit)
+            self.life.open(self.group, self.prefix, () if self.auto is None else (self.auto.rescale,))
         if self.pipe.summed_agreement and self._agreement is None:  # (fused with the gradients')
             self._agreement = self.life.guard.launch_summed(
                 self.group, self.life.restored.loaded_since_step, self.passes, f"{self.prefix}.agree")
@@ -281,9 +282,11 @@ class Reducer:
             self._ready()
             if not self.active:
                 return
-        if self.current.synced:
+        current = self.current
+        if current.status in SYNCED:
             self.discard()
-        u = self.current.gradient_ready(self.position[id(p)])
+            current = self.current
+        u = current.gradient_ready(self.position[id(p)])
         if u is not None and self.pipe.eager[u]:
             self._start(u)
 

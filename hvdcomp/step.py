@@ -14,7 +14,7 @@ import torch
 from .agreement import NonFiniteGuard, StateAgreement
 from .amp import LossScaleTracker
 
-__all__ = ["Status", "Lifecycle", "StepState", "SkipSynchronize", "LocalOptimizerSurface"]
+__all__ = ["Status", "SYNCED", "Lifecycle", "StepState", "SkipSynchronize", "LocalOptimizerSurface"]
 
 
 class Status(enum.Enum):
@@ -32,6 +32,10 @@ class Status(enum.Enum):
     SYNCED = "synced"
     SKIPPED = "skipped"
     CLOSED = "closed"
+
+
+#: the statuses of a synchronized step whose gradients were not applied or dropped yet
+SYNCED = (Status.SYNCED, Status.SKIPPED)
 
 
 class Lifecycle:
@@ -172,7 +176,7 @@ class StepState:
     @property
     def synced(self) -> bool:
         """``synchronize()`` ran and its gradients were not applied or dropped yet."""
-        return self.status in (Status.SYNCED, Status.SKIPPED)
+        return self.status in SYNCED
 
     def gradient_ready(self, i: int) -> Optional[int]:
         """Backward produced parameter ``i``'s gradient: count it; returns its unit when that unit

@@ -20,3 +20,11 @@ def test_scaleout_methods_8_ranks():
     """gtopk, cltk and twophase at 8 ranks (oversubscribed; three merge rounds)."""
     out = check(8, ["tests/mpi/optimizer_checks.py", "scaleout_methods"], timeout=240)
     assert "OK scaleout_methods" in out, out[-3000:]
+
+
+def test_host_reads_per_step_do_not_grow_with_gradients():
+    """No host read (on CUDA: a synchronisation) per gradient or per shape, for every default
+    method (tests/mpi/optimizer_checks.py::check_host_reads)."""
+    out = check(2, ["tests/mpi/optimizer_checks.py", "host_reads"], timeout=240)
+    assert "OK host_reads" in out, out[-3000:]
+    print("\n".join(line for line in out.splitlines() if line.startswith("host reads")))

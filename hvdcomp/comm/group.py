@@ -216,22 +216,21 @@ class HorovodGroup(ProcessGroup):
         return {"ranks": self.ranks}
 
     # ---- collectives (members only) -----------------------------------------------------------
-    def _op(self, average: bool):
-        return self.hvd.Average if average else self.hvd.Sum
-
     def allreduce_async(self, tensor: torch.Tensor, name: str, average: bool = True, prescale: float = 1.0,
                         postscale: float = 1.0):
         """Horovod ``allreduce_async`` within the set (``op=Average`` or ``Sum``); returns a
         handle for :meth:`synchronize`."""
-        return self.hvd.allreduce_async(tensor, name=name, op=self._op(average), prescale_factor=prescale,
-                                        postscale_factor=postscale, process_set=self.process_set)
+        return self.hvd.allreduce_async(tensor, name=name, op=self.hvd.Average if average else self.hvd.Sum,
+                                        prescale_factor=prescale, postscale_factor=postscale,
+                                        process_set=self.process_set)
 
     def allreduce_async_(self, tensor: torch.Tensor, name: str, average: bool = True, prescale: float = 1.0,
                          postscale: float = 1.0):
         """:meth:`allreduce_async` in place: the result overwrites ``tensor`` (as stock Horovod
         reduces gradients)."""
-        return self.hvd.allreduce_async_(tensor, name=name, op=self._op(average), prescale_factor=prescale,
-                                         postscale_factor=postscale, process_set=self.process_set)
+        return self.hvd.allreduce_async_(tensor, name=name, op=self.hvd.Average if average else self.hvd.Sum,
+                                         prescale_factor=prescale, postscale_factor=postscale,
+                                         process_set=self.process_set)
 
     def synchronize(self, handle) -> torch.Tensor:
         """Wait for a handle from :meth:`allreduce_async`; returns the reduced tensor."""

@@ -163,9 +163,9 @@ def _one_hot(index: torch.Tensor, present: torch.Tensor, bins: int, dtype) -> to
 
 def _highest_bins(hist: torch.Tensor) -> list:
     """Per row of ``hist`` (m, bins): the highest bin > 0, or None where none is (one host read)."""
-    occupied = hist > 0
-    top = (occupied * torch.arange(hist.shape[1], device=hist.device)).amax(dim=1)
-    return [t if any_ else None for t, any_ in zip(top.tolist(), occupied.any(dim=1).tolist())]
+    # (bin + 1 where occupied, else 0: the highest is one number per row, read at once)
+    top = ((hist > 0) * torch.arange(1, hist.shape[1] + 1, device=hist.device)).amax(dim=1)
+    return [t - 1 if t else None for t in top.tolist()]
 
 
 class FP16SegmentsContext(NamedTuple):
@@ -282,6 +282,7 @@ class SaturationCheck:
         if ctx.mode != SCALED:
             return None
         top = _highest_bins(payload[0][ctx.numel:].view(1, 2 * SPAN + 1))[0]
+        self._remember(ctx, payload[0], [top])
         if not self._saturated(top):
             return None
         if self.on_saturation == "skip":
@@ -300,9 +301,11 @@ class SaturationCheck:
         if not ctx.scaled:
             return None
         sizes, names = ctx.segments.sizes, ctx.segments.names
-        count = sum(sizes[j] for j in ctx.scaled)
+        count = sum(map(sizes.__getitem__, ctx.scaled))
         tops = _highest_bins(payload[0][count:].view(len(ctx.scaled), 2 * SPAN + 1))
-        hit = [(i, j, t) for i, (j, t) in enumerate(zip(ctx.scaled, tops)) if self._saturated(t)]
+        self._remember(ctx, payload[0], tops)
+        bound = SPAN + self.headroom + 2  # (as _saturated, inline: once per segment)
+        hit = [(i, j, t) for i, (j, t) in enumerate(zip(ctx.scaled, tops)) if t is not None and t >= bound]
         if not hit:
             return None
         saturated = tuple(names[j] for _, j, _ in hit)
@@ -321,6 +324,16 @@ class SaturationCheck:
         resend = FP16ResendContext(ctx, list(payload), [j for _, j, _ in hit])
         return Saturation(saturated, [torch.cat(values + [hist.reshape(-1)])], resend, delta)
 
+    def _remember(self, ctx, reduced: torch.Tensor, tops: list) -> None:
+        """Keep the highest bins just read from the reduced payload tensor ``reduced`` (encoded
+        with ``ctx``), for its decode to record the agreed exponents without reading them again."""
+        self.__dict__.setdefault("_seen", {})[id(ctx)] = (ctx, reduced, tops)
+
+    def _recall(self, ctx, reduced: torch.Tensor) -> Optional[list]:
+        """The highest bins :meth:`_remember` kept for ``ctx`` and this very ``reduced``, else None."""
+        entry = self.__dict__.get("_seen", {}).pop(id(ctx), None)
+        return entry[2] if entry is not None and entry[1] is reduced else None
+
     def _resend_values(self, payload, ctx: FP16ResendContext, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Flat float32 values of a resend: the first payload's segments, the resent ones
         replaced by the reduced float32 replacement ``payload``; recording nothing."""
@@ -337,7 +350,7 @@ class SaturationCheck:
         histograms."""
         self._record_segments(ctx.averaged, ctx.base)
         segments = ctx.base.segments
-        count = sum(segments.sizes[j] for j in ctx.resent)
+        count = sum(map(segments.sizes.__getitem__, ctx.resent))
         bins = payload[0][count:].view(len(ctx.resent), EXP_MAX - EXP_MIN + 1)
         for j, top in zip(ctx.resent, _highest_bins(bins)):
             if top is not None:
@@ -462,7 +475,8 @@ class FP16Compressor(SaturationCheck, Compressor):
         payload, ks, exps = [], [], []
         if scaled:
             exps = [agreed[j] for j in scaled]
-            ks = [self.scale_exponent(e, size) for e in exps]
+            base = self.scale_exponent(0, size)  # (k = base − E)
+            ks = [base - e for e in exps]
             values = flat if len(scaled) == len(segments) else torch.cat([views[j] for j in scaled])
             values = _ldexp_segments(values, [segments.sizes[j] for j in scaled], ks).clamp_(-limit, limit)
             pick = torch.tensor(scaled, device=flat.device)
@@ -484,7 +498,7 @@ class FP16Compressor(SaturationCheck, Compressor):
         parts = [None] * len(sizes)
         wire = 0
         if ctx.scaled:
-            count = sum(sizes[j] for j in ctx.scaled)
+            count = sum(map(sizes.__getitem__, ctx.scaled))
             scaled_sizes = [sizes[j] for j in ctx.scaled]
             if len(ctx.scaled) == len(sizes):
                 return _ldexp_segments(payload[wire][:count], scaled_sizes, [-k for k in ctx.ks], out=out)
@@ -493,7 +507,7 @@ class FP16Compressor(SaturationCheck, Compressor):
                 parts[j] = v
             wire += 1
         if ctx.probe:
-            count = sum(sizes[j] for j in ctx.probe)
+            count = sum(map(sizes.__getitem__, ctx.probe))
             for j, v in zip(ctx.probe, payload[wire][:count].split([sizes[j] for j in ctx.probe])):
                 parts[j] = v
         return torch.cat(parts, out=out) if out is not None else torch.cat(parts)
@@ -502,14 +516,16 @@ class FP16Compressor(SaturationCheck, Compressor):
         """:meth:`_record` for each segment (one host read per payload tensor)."""
         names, wire = ctx.segments.names, 0
         if ctx.scaled:
-            count = sum(ctx.segments.sizes[j] for j in ctx.scaled)
-            bins = payload[0][count:].view(len(ctx.scaled), 2 * SPAN + 1)
-            for j, e, top in zip(ctx.scaled, ctx.exponents, _highest_bins(bins)):
-                if top is not None:
-                    self._put("exponents", names[j], e + top - SPAN)
+            tops = self._recall(ctx, payload[0])  # (read by the saturation check, where it ran)
+            if tops is None:
+                count = sum(map(ctx.segments.sizes.__getitem__, ctx.scaled))
+                tops = _highest_bins(payload[0][count:].view(len(ctx.scaled), 2 * SPAN + 1))
+            agreed = [(names[j], e + top - SPAN) for j, e, top in zip(ctx.scaled, ctx.exponents, tops)
+                      if top is not None]
+            self._put_many("exponents", [n for n, _ in agreed], [e for _, e in agreed])
             wire = 1
         if ctx.probe:
-            count = sum(ctx.segments.sizes[j] for j in ctx.probe)
+            count = sum(map(ctx.segments.sizes.__getitem__, ctx.probe))
             bins = payload[wire][count:].view(len(ctx.probe), EXP_MAX - EXP_MIN + 1)
             for j, top in zip(ctx.probe, _highest_bins(bins)):
                 if top is not None:
@@ -541,10 +557,10 @@ class FP16Compressor(SaturationCheck, Compressor):
             return
         if ctx.mode == STATIC:
             return
-        occupied = torch.nonzero(payload[0][ctx.numel:] > 0)
-        if occupied.numel() == 0:  # zero on every rank: keep what we had (a probe stays a probe)
+        tops = self._recall(ctx, payload[0])  # (read by the saturation check, where it ran)
+        top = (tops or _highest_bins(payload[0][ctx.numel:].view(1, -1)))[0]
+        if top is None:  # zero on every rank: keep what we had (a probe stays a probe)
             return
-        top = int(occupied.max())
         agreed = EXP_MIN + top if ctx.mode == PROBE else ctx.exponent + top - SPAN
         self._put("exponents", ctx.name, agreed)
 
@@ -573,6 +589,10 @@ class FP16Compressor(SaturationCheck, Compressor):
         return p - self._values(payload, ctx).to(p.dtype)
 
     # ---- checkpointing ---------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.__dict__.pop("_seen", None)  # (bins read for a step whose payload was never decoded)
+        super().begin_step()
+
     def state_dict(self):
         return {"exponents": dict(self.exponents)}
 

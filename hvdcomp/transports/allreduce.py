@@ -51,6 +51,9 @@ class AllreduceTransport(Transport):
         self.rescale_votes = self.sum_votes and w.op_sum
         self.scale = w.scale
         self.direct = w.direct
+        if self.direct:  # (none per gradient: per unit, its one parameter, or None; its tensor's name)
+            self.alone = [w.units.order[m[0]] if len(m) == 1 else None for m in w.units.members]
+            self.wire_in_place = [name + ".0" for name in w.units.wire_name]
         # a group that matches collectives by issue order (torch.distributed): launch in unit order
         self.sequence = sorted(w.units_of_route.get(self.route, [])) if w.group.ordered and w.group.size > 1 else None
         self._bucketed([])
@@ -93,12 +96,19 @@ class AllreduceTransport(Transport):
     def start(self, u: int) -> None:
         """Compress unit ``u`` (timed as ``compress``, queueing the allreduce included) and start
         its allreduce (in place where the payload is the gradient itself)."""
-        if self.direct and len(self.units.members[u]) == 1:
-            grad = self.units.tensor(u)
+        p = self.alone[u] if self.direct else None
+        if p is not None:
+            grad = p.grad
+            if grad is None or grad.is_sparse:
+                grad = self.units.gradient(p)
             if grad.dtype in IN_PLACE_DTYPES and grad.is_contiguous():  # (none sends half-precision
                 # gradients as float32: their sums would overflow in fp16)
-                self._issue(u, lambda: ("in-place", [self.group.allreduce_async_(
-                    grad, self.units.wire_name[u] + ".0", *self.reduce_args)], None, self.units.grad_bytes[u], None))
+                launch = lambda: ("in-place", [self.group.allreduce_async_(  # noqa: E731
+                    grad, self.wire_in_place[u], *self.reduce_args)], None, self.units.grad_bytes[u], None)
+                if self.sequence is None:  # (launched now: _issue's test spared, once per gradient)
+                    self.inflight[u] = launch()
+                else:
+                    self._issue(u, launch)
                 return
         with self.timer.phase("compress"):
             payload, ctx = self.compression.encode(self.units.tensor(u), self.units.names[u], self.units.segments[u])

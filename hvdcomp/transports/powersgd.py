@@ -253,18 +253,23 @@ class PowerSGDCompressor(StepMethod):
         (see the module docstring). Deterministic given the Qs and the generator state, so
         identical on every rank.
         """
+        # every batch's columns checked at once (two host reads a step, whatever the number of
+        # batches); where one needs repair (rare), the generator is rewound and the batches are
+        # redone one by one, so the draws come in the same order as always
+        rewind = self._gen.get_state()
+        qs = [self._start_q(group) for group in groups]
+        if not _any_flag([_dead(q).any() for q in qs]):
+            for q in qs:
+                orthogonalize(q, self.epsilon)
+            if not _any_flag([(q == 0).all(1).any() for q in qs]):
+                return {group.key: q for group, q in zip(groups, qs)}
+            self._gen.set_state(rewind)
         out = {}
         for group in groups:  # (in order of their first gradient)
             n, m, r, device = group.key
-            q = self._get_segments("q", group)
-            if q is not None and tuple(q.shape[1:]) == (m, r):
-                q = q.clone()
-            else:
-                qs = [self._draw(m, r, device) if q is None or tuple(q.shape) != (m, r) else q
-                      for q in self._get_many("q", group.names)]
-                q = torch.stack(qs)  # a new tensor
+            q = self._start_q(group)
             for _ in range(3):  # a redrawn random column is dependent with probability 0
-                dead = ~torch.isfinite(q).all(1) | (q == 0).all(1)   # (B, r)
+                dead = _dead(q)   # (B, r)
                 if dead.any():
                     for b, col in dead.nonzero().tolist():
                         q[b, :, col] = self._draw(m, 1, device)[:, 0]
@@ -273,6 +278,16 @@ class PowerSGDCompressor(StepMethod):
                     break
             out[group.key] = q
         return out
+
+    def _start_q(self, group) -> torch.Tensor:
+        """A batch's Qs before the repair: last step's agreed ones (a copy) or fresh columns."""
+        n, m, r, device = group.key
+        q = self._get_segments("q", group)
+        if q is not None and tuple(q.shape[1:]) == (m, r):
+            return q.clone()
+        qs = [self._draw(m, r, device) if q is None or tuple(q.shape) != (m, r) else q
+              for q in self._get_many("q", group.names)]
+        return torch.stack(qs)  # a new tensor
 
     @property
     def step(self) -> int:
@@ -308,6 +323,16 @@ class PowerSGDCompressor(StepMethod):
 
 
 _SIGNATURE = operator.attrgetter("shape", "device", "dtype")
+
+
+def _dead(q: torch.Tensor) -> torch.Tensor:
+    """(B, r): the columns of a batch of Qs (B × m × r) that are zero or not finite."""
+    return ~torch.isfinite(q).all(1) | (q == 0).all(1)
+
+
+def _any_flag(flags) -> bool:
+    """Whether any of the 0-d bool tensors ``flags`` is True: one host read per device."""
+    return any(bool(torch.stack([f for f in flags if f.device == d]).any()) for d in {f.device for f in flags})
 
 
 class _Group:

@@ -532,11 +532,78 @@ def check_close():
     o2.close()
 
 
+#: what reads a tensor's value on the host (on CUDA: waits for the device), or has a data-dependent size
+HOST_READS = [(torch.Tensor, n) for n in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu",
+                                          "numpy", "nonzero", "masked_select", "unique", "bincount")] + \
+             [(torch, n) for n in ("nonzero", "masked_select", "unique", "bincount")]
+
+
+def host_reads(fn):
+    """Calls of :data:`HOST_READS` made by hvdcomp's code while ``fn()`` runs, by call site."""
+    import collections
+    import os
+
+    package = os.path.dirname(hvdcomp.__file__)
+    sites = collections.Counter()
+    saved = [(owner, name, getattr(owner, name)) for owner, name in HOST_READS]
+
+    def counting(name, f):
+        def wrapper(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(package):
+                sites[f"{name} {os.path.relpath(caller, package)}:{sys._getframe(1).f_lineno}"] += 1
+            return f(*args, **kwargs)
+        return wrapper
+
+    for owner, name, f in saved:
+        setattr(owner, name, counting(name, f))
+    try:
+        fn()
+    finally:
+        for owner, name, f in saved:
+            setattr(owner, name, f)
+    return sites
+
+
+def check_host_reads():
+    """Host reads per step do not grow with the number of gradients (nor with their distinct
+    shapes): on CUDA each is a synchronisation with the device, so a front-end may afford a few
+    per step, never one per gradient. Counted for every default method on models of 3 and of 9
+    layers of distinct shapes (2 gradients each)."""
+    def reads(spec, layers):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(8 + i, 9 + i) for i in range(layers)])
+        opt = hvdcomp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                           named_parameters=model.named_parameters(), compression=spec,
+                                           cost_model="off")
+
+        def step(s):
+            g = torch.Generator().manual_seed(100 * hvd.rank() + s)
+            opt.zero_grad()
+            model(torch.randn(4, 8, generator=g)).square().mean().backward()
+            opt.step()
+
+        for s in range(2):  # (the first steps learn: fp16's exponents, PowerSGD's first Qs)
+            step(s)
+        sites = host_reads(lambda: [step(2 + s) for s in range(2)])
+        opt.close()
+        return sites
+
+    for spec in ("none", "fp16", "topk:density=0.01", "qsgd:levels=16", "powersgd:matrix_rank=2",
+                 "dgc:density=0.01"):
+        few, many = reads(spec, 3), reads(spec, 9)
+        if hvd.rank() == 0:
+            print(f"host reads per step, {spec}: {sum(few.values()) / 2:g} (6 gradients), "
+                  f"{sum(many.values()) / 2:g} (18 gradients): {dict(many)}", flush=True)
+        assert sum(many.values()) == sum(few.values()), (spec, few, many)
+        assert sum(many.values()) <= 4 * 2, (spec, many)  # (at most 4 a step: see docs/fused-compression.md)
+
+
 CHECKS = {f.__name__[len("check_"):]: f for f in [
     check_none_matches_horovod, check_topk, check_threshold_with_empty_rank,
     check_horovod_allgather_fallback, check_fp16_predivide, check_sparse_refused_by_stock_horovod,
     check_buckets_and_wire, check_cost_model_routes, check_threaded_and_inline_exchange_agree,
-    check_fused_equals_unfused, check_scaleout_methods, check_transport_auto, check_hierarchical_allgather, check_close]}
+    check_fused_equals_unfused, check_scaleout_methods, check_transport_auto, check_hierarchical_allgather, check_close, check_host_reads]}
 
 if __name__ == "__main__":
     hvd.init()
