@@ -28,7 +28,9 @@ kind                collectives on the group                                    
                     (:func:`hvdcomp.transports.allgather.aggregate_gathered`)
 None                the method's own step-wide collectives (the group's          PowerSGD, gtopk, ...
                     ``StepComm``) once per step, at the last bucket, after the
-                    step's agreement (:attr:`BucketTransport.deferred`)
+                    step's agreement (:attr:`BucketTransport.deferred`), or
+                    with it riding on the first allreduce (PowerSGD:
+                    :attr:`BucketTransport.verdict_rides`)
 ==================  ===========================================================  ====================
 
 Bytes are counted as everywhere in hvdcomp (docs/architecture.md). All collectives of a step are
@@ -139,7 +141,8 @@ class BucketTransport(Transport):
             drawing no random numbers at each call: those compress one gradient per call in the
             expected backward order, so they draw what the Horovod front-end draws).
         deferred: a step-wide method: nothing travels before :meth:`finish`, which the hook calls
-            after the step's agreement (a skipped step runs no collective).
+            after the step's agreement (a skipped step runs no collective), or with the agreement
+            riding on its first allreduce (:attr:`verdict_rides`: a skipped step runs that one).
         overflowed: after :meth:`finish`, ``(bucket position, NaN view)`` per unit the method
             reported overflowed (the views are for the non-finite guard).
     """
@@ -216,15 +219,22 @@ class BucketTransport(Transport):
         return payload
 
     # ---- at the last bucket ----------------------------------------------------------------------------
-    def finish(self) -> None:
+    @property
+    def verdict_rides(self) -> bool:
+        """The step's verdict rides on the step-wide method's first allreduce (``finish(riding)``)
+        instead of an allgather before it (:meth:`hvdcomp.agreement.NonFiniteGuard.riding`)."""
+        return self.deferred and self.compression.verdict_rides
+
+    def finish(self, riding=None) -> None:
         """Write every bucket's averaged result into its buffer and count the step's bytes (and
         the dense fp32 equivalent): wait for every collective, reduce a saturated summed payload
         again (:meth:`_resend_saturated`; an overflowed unit reads NaN, listed in
         :attr:`overflowed`), decode or aggregate each unit into its view of the buffer. A
-        step-wide method reduces every gradient of the step at once instead."""
+        step-wide method reduces every gradient of the step at once instead (``riding``:
+        ``f(allreduce_mean) -> allreduce_mean`` carrying the step's verdict, where it rides)."""
         buckets = self.buckets
         if self.deferred:
-            self._reduce_step(buckets)
+            self._reduce_step(buckets, riding)
         else:
             gathered, reduced = [], []
             with self.timer.phase("communicate"):
@@ -279,7 +289,7 @@ class BucketTransport(Transport):
         return [(buckets[u], unit, None if k in overflowed else entries[k][0], entries[k][1])
                 for k, (u, unit) in enumerate(units)]
 
-    def _reduce_step(self, buckets: List[Bucket]) -> None:
+    def _reduce_step(self, buckets: List[Bucket], riding=None) -> None:
         """A step-wide method reduces every gradient of the step at once, in the expected
         backward order (so the same as under the Horovod front-end, whatever DDP's bucket
         layout), over the group's :class:`~hvdcomp.comm.stepcomm.StepComm` (made at the first
@@ -290,4 +300,10 @@ class BucketTransport(Transport):
         names = [name for name in self.order if name in views]
         if self._step_comm is None:
             self._step_comm = step_comm_of(self.compression, self.group, self.timer, None, "hvdcomp.ddp")
-        reduce_step(self.compression, names, [views[n] for n in names], self._step_comm, self.timer)
+        comm = self._step_comm
+        if riding is not None:
+            riding = riding(comm.allreduce_mean)
+            comm = comm.replaced(riding)
+        reduce_step(self.compression, names, [views[n] for n in names], comm, self.timer)
+        if riding is not None:
+            riding.settle()
