@@ -961,9 +961,13 @@ def check_nonfinite_names():
     """A NaN on the last rank only, nonfinite="raise" (issue 57, item 8): through top-k (each rank's
     own bucket is checked before it is compressed) the error names that rank alone; through none
     (buckets averaged in place, checked on the result every rank holds) it names no rank and says
-    the rank is not known (before: every rank, [0, 1]). No rank's parameters change."""
+    the rank is not known (before: every rank, [0, 1]). No rank's parameters change. Through
+    PowerSGD, whose verdict rides on its first allreduce (issue 59), the sums show a non-finite
+    gradient and the allgather that follows names the rank; with nonfinite="skip" every rank skips
+    that step and its state is rolled back: the steps after it give, bit for bit, the parameters of
+    a twin that never saw the bad step."""
     last = dist.get_world_size() - 1
-    for spec in ("topk:density=0.3", "none"):
+    for spec in ("topk:density=0.3", "none", "powersgd:matrix_rank=1,start_step=1"):
         model = DDP(mlp())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         hvdcomp.ddp.register(model, spec, optimizer=opt, nonfinite="raise")
@@ -980,7 +984,26 @@ def check_nonfinite_names():
         else:
             assert f"rank(s) [{last}]" in message and "rank(s) [0, " not in message, message
         assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    return "top-k names the rank, none names none"
+    torch.manual_seed(0)
+    twin, ours = DDP(mlp()), DDP(mlp())
+    _sync([twin, ours])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (twin, ours)]
+    hooks = [hvdcomp.ddp.register(m, "powersgd:matrix_rank=1,start_step=1", optimizer=o) for m, o in zip((twin, ours), opts)]
+    for step in range(5):
+        for k, (m, opt) in enumerate(zip((twin, ours), opts)):
+            bad = k == 1 and step == 2
+            if k == 0 and step == 2:
+                continue  # the twin never sees the bad step
+            before = [p.detach().clone() for p in m.parameters()]
+            opt.zero_grad()
+            (loss(m, step) * (float("nan") if bad and rank() == last else 1.0)).backward()
+            opt.step()
+            if bad:
+                assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+        for a, b in zip(twin.parameters(), ours.parameters()):
+            assert torch.equal(a, b), (step, (a - b).abs().max())
+    assert [h.skipped_steps for h in hooks] == [0, 1], [h.skipped_steps for h in hooks]
+    return "top-k and PowerSGD name the rank, none names none; PowerSGD's skipped step leaves no trace"
 
 
 def check_no_horovod():
