@@ -241,8 +241,9 @@ class NonFiniteGuard:
         collective) with this step's verdict riding on its first call, in place of :meth:`agree`'s
         allgather before the step: this rank's :meth:`summary` row and its non-finite flag (5
         floats, summed: exact) are appended to that float32/float64 tensor. Every rank decides
-        alike from the sums as :meth:`agree_summed`; a non-finite gradient (its rank is to be
-        named) or a setting to name falls back to :meth:`agree`'s allgather. A skip raises
+        alike from the sums by :meth:`agree_summed` (no rank's gradient was non-finite, so its
+        flags are averaged ones); a non-finite gradient (its rank is to be named) falls back to
+        :meth:`agree`'s allgather, as a setting to name does. A skip raises
         :class:`StepSkipped` from that first call, on every rank (the method's state is staged:
         the front-end rolls it back). A first tensor of another dtype is preceded by :meth:`agree`;
         after a step without a call, the returned function's ``settle()`` takes the verdict.
@@ -255,15 +256,8 @@ class NonFiniteGuard:
 
         def decide(sums=None):
             pending.clear()
-            verdict = None
-            if sums is not None:
-                n, loaders, total, squares, bad = sums
-                if not bad and not 0 < loaders < n and total * total == n * squares:
-                    averaged = self.averaged_bad()
-                    self.reset()
-                    verdict = self._verdict([], averaged)
-            if verdict is None:  # (on every rank alike: the sums decide it)
-                verdict = self.agree(exchange, loaded, backward_passes)
+            verdict = (self.agree(exchange, loaded, backward_passes) if sums is None or sums[4] else
+                       self.agree_summed(sums[:4], exchange, loaded, backward_passes))
             if verdict.skip:
                 raise StepSkipped(verdict)
 
