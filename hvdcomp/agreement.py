@@ -33,8 +33,8 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
-__all__ = ["NONFINITE_MODES", "StepVerdict", "StepSkipped", "NonFiniteGuard", "check_consistency", "StateAgreement", "digest",
-           "parameters_digest", "check_same_start"]
+__all__ = ["NONFINITE_MODES", "StepVerdict", "StepSkipped", "NonFiniteGuard", "check_consistency", "StateAgreement",
+           "digest", "parameters_digest", "check_same_start"]
 
 NONFINITE_MODES = ("skip", "raise", "ignore")
 _GRAD, _IS_SPARSE = operator.attrgetter("grad"), operator.attrgetter("is_sparse")

@@ -988,7 +988,8 @@ def check_nonfinite_names():
     twin, ours = DDP(mlp()), DDP(mlp())
     _sync([twin, ours])
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (twin, ours)]
-    hooks = [hvdcomp.ddp.register(m, "powersgd:matrix_rank=1,start_step=1", optimizer=o) for m, o in zip((twin, ours), opts)]
+    hooks = [hvdcomp.ddp.register(m, "powersgd:matrix_rank=1,start_step=1", optimizer=o)
+             for m, o in zip((twin, ours), opts)]
     for step in range(5):
         for k, (m, opt) in enumerate(zip((twin, ours), opts)):
             bad = k == 1 and step == 2
