@@ -106,8 +106,8 @@ def test_two_ranks_none_fp16_powersgd_bytes_bucket_granularity_and_errors():
 
 def test_powersgd_sends_no_more_than_powersgd_hook():
     """Issue 59: hvdcomp's PowerSGD collectives and bytes per step, counted at torch.distributed
-    on the study's LSTM: as worked out by hand, and no more than powerSGD_hook's (2 allreduces
-    against 3, the same 2,256 bytes)."""
+    on the study's LSTM: as worked out by hand, and fewer than powerSGD_hook's (2 allreduces, the
+    step's verdict riding on the first, against 3; the same 2,256 bytes of gradient)."""
     ddp_checks(2, "powersgd-collectives")
 
 
