@@ -16,7 +16,10 @@ other integers then travel as *sums* in one small tensor started with the step's
 which Horovod fuses with the gradients' (:meth:`NonFiniteGuard.summary`,
 :meth:`NonFiniteGuard.agree_summed`), instead of a blocking allgather after them. Sums that show a
 setting to name (a rank that loaded alone, different accumulation settings) fall back to the
-allgather, whose messages name the ranks.
+allgather, whose messages name the ranks. A step-wide method whose every step starts with an
+allreduce (PowerSGD) carries the same sums, and the count of ranks with a non-finite gradient, at
+the end of that allreduce (:meth:`NonFiniteGuard.riding`): one latency-bound collective less per
+step; a non-finite gradient falls back to the allgather, which names its rank.
 """
 from __future__ import annotations
 
@@ -30,8 +33,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-__all__ = ["NONFINITE_MODES", "StepVerdict", "NonFiniteGuard", "check_consistency", "StateAgreement", "digest",
-           "parameters_digest", "check_same_start"]
+__all__ = ["NONFINITE_MODES", "StepVerdict", "StepSkipped", "NonFiniteGuard", "check_consistency", "StateAgreement",
+           "digest", "parameters_digest", "check_same_start"]
 
 NONFINITE_MODES = ("skip", "raise", "ignore")
 _GRAD, _IS_SPARSE = operator.attrgetter("grad"), operator.attrgetter("is_sparse")
@@ -53,6 +56,15 @@ class StepVerdict:
     skip: bool
     bad_ranks: List[int]
     averaged: bool = False
+
+
+class StepSkipped(Exception):
+    """The ranks agreed to skip this step (raised on every rank by :meth:`NonFiniteGuard.riding`'s
+    first collective; ``verdict``: the :class:`StepVerdict`)."""
+
+    def __init__(self, verdict: "StepVerdict"):
+        super().__init__(f"step skipped: non-finite gradient on rank(s) {verdict.bad_ranks}")
+        self.verdict = verdict
 
 
 class NonFiniteGuard:
@@ -224,6 +236,47 @@ class NonFiniteGuard:
         averaged = any(self.read())  # (every flag here is on averaged results)
         self.reset()
         return self._verdict([], averaged)
+
+    def riding(self, allreduce_mean: Callable[[torch.Tensor, str], torch.Tensor], size: int,
+               exchange: Callable[[Sequence[int]], List[List[int]]], loaded: bool,
+               backward_passes: int) -> Callable[[torch.Tensor, str], torch.Tensor]:
+        """``allreduce_mean`` (``f(tensor, name) -> mean over the size ranks``, a step-wide method's
+        collective) with this step's verdict riding on its first call, in place of :meth:`agree`'s
+        allgather before the step: this rank's :meth:`summary` row and its non-finite flag (5
+        floats, summed: exact) are appended to that float32/float64 tensor. Every rank decides
+        alike from the sums by :meth:`agree_summed` (no rank's gradient was non-finite, so its
+        flags are averaged ones); a non-finite gradient (its rank is to be named) falls back to
+        :meth:`agree`'s allgather, as a setting to name does. A skip raises
+        :class:`StepSkipped` from that first call, on every rank (the method's state is staged:
+        the front-end rolls it back). A first tensor of another dtype is preceded by :meth:`agree`;
+        after a step without a call, the returned function's ``settle()`` takes the verdict.
+        Mode ``"ignore"``: ``allreduce_mean`` as it is (no verdict, as :meth:`agree` is not called).
+
+        Raises:
+            StepSkipped, and as :meth:`agree` (from the first call).
+        """
+        pending = [] if self.mode == "ignore" else [True]
+
+        def decide(sums=None):
+            pending.clear()
+            verdict = (self.agree(exchange, loaded, backward_passes) if sums is None or sums[4] else
+                       self.agree_summed(sums[:4], exchange, loaded, backward_passes))
+            if verdict.skip:
+                raise StepSkipped(verdict)
+
+        def call(tensor: torch.Tensor, name: str) -> torch.Tensor:
+            if not pending:
+                return allreduce_mean(tensor, name)
+            if tensor.dtype not in (torch.float32, torch.float64):
+                decide()
+                return allreduce_mean(tensor, name)
+            row = tensor.new_tensor(self.summary(loaded, backward_passes) + [float(self.local_bad())])
+            out = allreduce_mean(torch.cat([tensor.reshape(-1), row]), name)
+            decide((out[-row.numel():].double() * size).round().tolist())
+            return out[:-row.numel()].view_as(tensor)
+
+        call.settle = lambda: decide() if pending else None  # (a step that made no call: the allgather)
+        return call
 
     def _verdict(self, bad: List[int], averaged: bool = False) -> StepVerdict:
         """Raise, warn or skip for the ranks in ``bad`` and a non-finite averaged result (see

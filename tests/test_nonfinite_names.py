@@ -71,3 +71,38 @@ def test_both_kinds_in_one_step_and_a_clean_step():
 
 def test_ddp_front_end_names_the_rank_or_none():
     ddp_checks(2, "nonfinite-names")
+
+
+def test_the_verdict_riding_on_a_first_allreduce():
+    """Issue 59 (:meth:`NonFiniteGuard.riding`): on 2 simulated ranks, rank 1's gradient NaN,
+    the verdict row [1, loaded, passes, passes², non-finite] of each rank is appended to the first
+    allreduce; its mean (the sum over 2 ranks / 2) hands back the tensor's own mean and a sum with
+    a non-finite count, so the allgather follows and names rank 1; clean sums: no allgather, no skip;
+    the second call passes through; "ignore" appends nothing."""
+    from hvdcomp.agreement import StepSkipped
+
+    rows = [[1.0, 0.0, 1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 1.0, 1.0]]
+    for bad in (True, False):
+        guard, sent, gathers = NonFiniteGuard("skip"), [], []
+        guard.observe([NAN if bad else FINE])
+        other = torch.tensor([10.0, 20.0] + rows[0])  # rank 0's tensor and row
+
+        def mean(t, name):
+            sent.append((name, t.tolist()))
+            return (t + other) / 2 if len(sent) == 1 else t
+
+        def exchange(mine):
+            gathers.append(list(mine))
+            return [[0, 0, 1], list(mine)]
+
+        call = guard.riding(mean, 2, exchange, False, 1)
+        if bad:
+            with pytest.raises(StepSkipped) as info:
+                call(torch.tensor([2.0, 4.0]), "p")
+            assert info.value.verdict.bad_ranks == [1] and gathers == [[1, 0, 1]]
+        else:
+            assert call(torch.tensor([2.0, 4.0]), "p").tolist() == [6.0, 12.0] and gathers == []
+            assert call(torch.tensor([1.0]), "q").tolist() == [1.0]
+        assert sent[0] == ("p", [2.0, 4.0] + rows[1 if bad else 0])
+    ignored = NonFiniteGuard("ignore").riding(lambda t, name: t, 2, None, False, 1)
+    assert ignored(torch.tensor([3.0]), "p").tolist() == [3.0]

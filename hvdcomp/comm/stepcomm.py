@@ -40,6 +40,10 @@ class StepComm:
 
     allreduce_mean = __call__
 
+    def replaced(self, allreduce_mean: Callable[[torch.Tensor, str], torch.Tensor]) -> "StepComm":
+        """This step's collectives with another ``allreduce_mean`` (the rest shared)."""
+        return StepComm(allreduce_mean, self.rank, self.size, self._broadcast, self.point_to_point)
+
     def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
         """Rank ``root``'s ``tensor`` (same shape and dtype on every rank) on every rank.
 

@@ -24,7 +24,9 @@ kind                collectives on the group                                    
                     padded to the largest rank's row); aggregated on every rank
 None                the method's own step-wide collectives (the group's          PowerSGD, gtopk, ...
                     ``StepComm``) once per step, at the last bucket, after the
-                    step's agreement (:attr:`BucketTransport.deferred`)
+                    step's agreement (:attr:`BucketTransport.deferred`), or
+                    with it riding on the first allreduce (PowerSGD:
+                    :attr:`BucketTransport.verdict_rides`)
 ==================  ===========================================================  ====================
 
 Bytes are counted by those transports, as everywhere in hvdcomp (docs/architecture.md). All
@@ -159,7 +161,8 @@ class BucketTransport(Transport):
             drawing no random numbers at each call: those compress one gradient per call in the
             expected backward order, so they draw what the Horovod front-end draws).
         deferred: a step-wide method: nothing travels before :meth:`finish`, which the hook calls
-            after the step's agreement (a skipped step runs no collective).
+            after the step's agreement (a skipped step runs no collective), or with the agreement
+            riding on its first allreduce (:attr:`verdict_rides`: a skipped step runs that one).
         overflowed: after :meth:`finish`, the views of the units the method reported overflowed
             (they read NaN; for the non-finite guard).
     """
@@ -204,14 +207,21 @@ class BucketTransport(Transport):
                 carrier.start(v)
 
     # ---- at the last bucket ----------------------------------------------------------------------------
-    def finish(self) -> None:
+    @property
+    def verdict_rides(self) -> bool:
+        """The step's verdict rides on the step-wide method's first allreduce (``finish(riding)``)
+        instead of an allgather before it (:meth:`hvdcomp.agreement.NonFiniteGuard.riding`)."""
+        return self.deferred and self.compression.verdict_rides
+
+    def finish(self, riding=None) -> None:
         """Write every bucket's averaged result into its buffer and count the step's bytes (and
         the dense fp32 equivalent): the core transports finish (wait, reduce a saturated summed
         payload again or read it NaN, listed in :attr:`overflowed`, decode or aggregate each unit
         into its view of the buffer). A step-wide method reduces every gradient of the step at
-        once instead."""
+        once instead (``riding``: ``f(allreduce_mean) -> allreduce_mean`` carrying the step's
+        verdict, where it rides)."""
         if self.deferred:
-            self._reduce_step(self.buckets)
+            self._reduce_step(self.buckets, riding)
             self.timer.add_bytes(dense=4 * sum(b.layout.numel for b in self.buckets))
             return
         for carrier in self._carriers:
@@ -219,7 +229,7 @@ class BucketTransport(Transport):
                 carrier.finish()
         self.overflowed = [self.units.tensor(u) for c in self._carriers for u in c.overflowed_units()]
 
-    def _reduce_step(self, buckets: List[Bucket]) -> None:
+    def _reduce_step(self, buckets: List[Bucket], riding=None) -> None:
         """A step-wide method reduces every gradient of the step at once, in the expected
         backward order (so the same as under the Horovod front-end, whatever DDP's bucket
         layout), over the group's :class:`~hvdcomp.comm.stepcomm.StepComm` (made at the first
@@ -230,4 +240,10 @@ class BucketTransport(Transport):
         names = [name for name in self.order if name in views]
         if self._step_comm is None:
             self._step_comm = step_comm_of(self.compression, self.group, self.timer, None, "hvdcomp.ddp")
-        reduce_step(self.compression, names, [views[n] for n in names], self._step_comm, self.timer)
+        comm = self._step_comm
+        if riding is not None:
+            riding = riding(comm.allreduce_mean)
+            comm = comm.replaced(riding)
+        reduce_step(self.compression, names, [views[n] for n in names], comm, self.timer)
+        if riding is not None:
+            riding.settle()

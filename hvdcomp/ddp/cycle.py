@@ -11,6 +11,7 @@ call                             from                      status after
 ================================ ========================= =================================================
 :meth:`StepCycle.open`           a backward's first bucket ``BACKWARD`` (state staged)
 :meth:`StepCycle.agree`          the last bucket           (the per-step verdict; raises or skips)
+:meth:`StepCycle.riding`         the last bucket           (the same, on PowerSGD's first allreduce)
 :meth:`StepCycle.skip`           the last bucket, a skip   ``SKIPPED`` (rolled back, results NaN)
 :meth:`StepCycle.reduced`        the last bucket, done     ``SYNCED`` (or ``SKIPPED``)
 :meth:`StepCycle.apply`          ``optimizer.step()``      committed; a skipped step is not applied
@@ -172,6 +173,14 @@ class StepCycle:
             return guard.agree(lambda v: [list(v)], loaded, 1).skip
         with self.timer.phase("communicate") if self.group.size > 1 else contextlib.nullcontext():
             return guard.decide(self.group, self.group, None, loaded, 1).skip
+
+    def riding(self, allreduce_mean):
+        """:meth:`agree` riding on a step-wide method's first allreduce (``allreduce_mean``, which
+        is returned carrying it: :meth:`hvdcomp.agreement.NonFiniteGuard.riding`; a skip raises
+        :class:`~hvdcomp.agreement.StepSkipped` from it on every rank)."""
+        restored = self.life.restored
+        loaded, restored.loaded_since_step = restored.loaded_since_step, False
+        return self.life.guard.riding(allreduce_mean, self.group.size, self.group.allgather_ints, loaded, 1)
 
     def skip(self, buckets: List[Bucket]) -> None:
         """Every rank skips: state rolled back, every bucket's result NaN (a GradScaler sees the

@@ -81,7 +81,7 @@ from ..compressors.base import PayloadKind
 from ..config import Settings, check_method
 from ..launch import start_frontend
 from ..metrics import PhaseTimer
-from ..agreement import check_consistency
+from ..agreement import StepSkipped, check_consistency
 from ..reducer import check_free, claim
 from ..spec import resolve_compression
 from ..transports.allreduce import IN_PLACE_DTYPES
@@ -329,7 +329,12 @@ class HookState:
             if not path.deferred:
                 path.finish()
                 cycle.life.guard.observe(path.overflowed, averaged=True)
-            if cycle.agree(buckets):
+            if path.verdict_rides:
+                try:
+                    path.finish(cycle.riding)
+                except StepSkipped:
+                    cycle.skip(buckets)
+            elif cycle.agree(buckets):
                 cycle.skip(buckets)
             elif path.deferred:
                 path.finish()

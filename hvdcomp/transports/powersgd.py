@@ -89,6 +89,7 @@ class PowerSGDCompressor(StepMethod):
     name = "powersgd"
     has_scaled_state = True                     # the error (residual)
     shared_state_keys = ("step", "q", "rng")    # identical on every rank after each allreduce
+    verdict_rides = True                        # every step starts with allreduce_mean (float32)
 
     def __init__(self, matrix_rank: int = 2, start_step: int = 0, min_compression_rate: float = 1.0,
                  seed: int = 0, epsilon: float = 0.0, rank: Optional[int] = None):

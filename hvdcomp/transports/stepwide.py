@@ -32,6 +32,9 @@ class StepMethod(Method):
     builtin_error_feedback = True
     #: it needs each gradient's own matrix shape (``granularity="bucket"`` is refused)
     needs_shapes = True
+    #: every step's first collective is ``comm.allreduce_mean`` of a float32 or float64 tensor, so
+    #: the step's verdict can ride on it (:meth:`hvdcomp.agreement.NonFiniteGuard.riding`)
+    verdict_rides = False
 
     def encode(self, tensor, name=None, segments=None):
         """Refused: a step-wide method has no per-tensor payload.
