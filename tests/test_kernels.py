@@ -382,3 +382,33 @@ def test_randomk_aggregate_is_mean_of_values(kernels):
     ref = torch.zeros(100)
     ref[ctx[2]] = 2 * payload[0]
     assert torch.allclose(out, ref)
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_small_tensors_run_on_the_calling_thread():
+    """A kernel over fewer than 8192 elements starts no OpenMP team (it has one work unit): a
+    thread that never ran one gets no worker threads from it. Larger tensors get one thread per
+    8192 elements, up to torch's thread count. (Each team costs a wake-up and a join per call:
+    milliseconds on a busy machine; twophase at 64 ranks made 3·64 such calls per rank and step.)"""
+    import os
+    import threading
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        assert [native._threads(n) for n in (0, 3, 8192, 8193, 3 * 8192, 10**7)] == [1, 1, 1, 2, 3, 4]
+        started = {}
+
+        def run(n):
+            x = torch.randn(n, generator=gen(5))
+            before = len(os.listdir("/proc/self/task"))
+            native.sign_bits(x, torch.empty((n + 7) // 8, dtype=torch.uint8))
+            started[n] = len(os.listdir("/proc/self/task")) - before   # this thread's team stays
+
+        for n in (3, 8192, 2 * 8192 + 1):
+            worker = threading.Thread(target=run, args=(n,))
+            worker.start()
+            worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert started == {3: 0, 8192: 0, 2 * 8192 + 1: 2}

@@ -30,7 +30,8 @@ costs one draw of that generator: the generator state stays the only state, chec
 before, and results do not depend on the number of threads.
 
 Use: every wrapper below takes CPU tensors (float32 and contiguous where it says so) and calls the
-library with ``torch.get_num_threads()`` threads. Compressors call :func:`usable` first and fall
+library with ``torch.get_num_threads()`` threads, but no more than one per 8192 elements (a tensor
+that small runs on the calling thread alone). Compressors call :func:`usable` first and fall
 back to their vectorised torch kernels (also the CUDA path) when it returns False.
 
 Control:
@@ -231,8 +232,16 @@ def status() -> dict:
 
 
 # ---- wrappers -------------------------------------------------------------------------------------
-def _threads() -> int:
-    return max(1, torch.get_num_threads())
+#: elements per work unit of the kernels (``HVD_CHUNK`` of common.h)
+CHUNK = 8192
+
+
+def _threads(n: int) -> int:
+    """OpenMP threads for a kernel over ``n`` elements: ``torch.get_num_threads()``, but no more
+    than its work units (one per ``CHUNK`` elements). One unit runs on the calling thread
+    alone: no team to wake and join, which on a busy machine (or with many calling threads, each
+    with its own team) costs milliseconds per call. Results do not depend on the thread count."""
+    return max(1, min(torch.get_num_threads(), -(-n // CHUNK)))
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -255,7 +264,7 @@ def qsgd_encode(flat: torch.Tensor, bucket: int, levels: int, use_max: bool, bit
     (ceil(n·bits/8),) uint8; ``bits`` in [1, 8] with 2·levels < 2^bits."""
     _check(flat, torch.float32, "qsgd_encode input")
     rc = _load().hvd_qsgd_encode(_ptr(flat), flat.numel(), bucket, levels, int(use_max), bits,
-                                 key & (2**64 - 1), _ptr(scales), _ptr(packed), _threads())
+                                 key & (2**64 - 1), _ptr(scales), _ptr(packed), _threads(flat.numel()))
     if rc:
         raise ValueError(f"qsgd_encode: bits={bits} cannot hold levels={levels}")
 
@@ -269,14 +278,14 @@ def qsgd_aggregate(out: torch.Tensor, scales: Sequence[torch.Tensor], packed: Se
     for t in packed:
         _check(t, torch.uint8, "qsgd codes")
     _load().hvd_qsgd_aggregate(len(packed), _ptrs(scales), _ptrs(packed), out.numel(), bucket,
-                               levels, bits, _ptr(out), _threads())
+                               levels, bits, _ptr(out), _threads(out.numel()))
 
 
 def moments(flat: torch.Tensor):
     """(Σ(x-K), Σ(x-K)², max|x|, K) of ``flat`` float32 in float64, K = x[0] if finite else 0."""
     _check(flat, torch.float32, "moments input")
     out = (ctypes.c_double * 4)()
-    if _load().hvd_moments(_ptr(flat), flat.numel(), _threads(), out):
+    if _load().hvd_moments(_ptr(flat), flat.numel(), _threads(flat.numel()), out):
         raise MemoryError("hvd_moments: out of memory")
     return out[0], out[1], out[2], out[3]
 
@@ -292,7 +301,7 @@ def terngrad_encode(flat: torch.Tensor, clip: float, scale: float, key: int, pac
     """
     _check(flat, torch.float32, "terngrad_encode input")
     _load().hvd_terngrad_encode(_ptr(flat), flat.numel(), clip, scale, key & (2**64 - 1),
-                                _ptr(packed), _threads())
+                                _ptr(packed), _threads(flat.numel()))
 
 
 def terngrad_aggregate(out: torch.Tensor, factors: torch.Tensor, packed: Sequence[torch.Tensor]) -> None:
@@ -305,7 +314,7 @@ def terngrad_aggregate(out: torch.Tensor, factors: torch.Tensor, packed: Sequenc
     _check(out, torch.float32, "terngrad_aggregate output")
     _check(factors, torch.float32, "terngrad factors")
     _load().hvd_terngrad_aggregate(len(packed), _ptr(factors), _ptrs(packed), out.numel(), _ptr(out),
-                                   _threads())
+                                   _threads(out.numel()))
 
 
 def sign_bits(flat: torch.Tensor, packed: torch.Tensor, abs_sum: bool = False):
@@ -314,7 +323,7 @@ def sign_bits(flat: torch.Tensor, packed: torch.Tensor, abs_sum: bool = False):
     _check(flat, torch.float32, "sign_bits input")
     total = ctypes.c_double(0.0)
     if _load().hvd_sign_bits(_ptr(flat), flat.numel(), _ptr(packed),
-                             ctypes.byref(total) if abs_sum else None, _threads()):
+                             ctypes.byref(total) if abs_sum else None, _threads(flat.numel())):
         raise MemoryError("hvd_sign_bits: out of memory")
     return total.value if abs_sum else None
 
@@ -328,7 +337,7 @@ def sign_votes(flat: torch.Tensor, votes: torch.Tensor) -> None:
     """
     _check(flat, torch.float32, "sign_votes input")
     _check(votes, torch.int32, "sign votes")
-    _load().hvd_sign_votes(_ptr(flat), flat.numel(), _ptr(votes), _threads())
+    _load().hvd_sign_votes(_ptr(flat), flat.numel(), _ptr(votes), _threads(flat.numel()))
 
 
 def scaled_sign_aggregate(out: torch.Tensor, factors: torch.Tensor, packed: Sequence[torch.Tensor],
@@ -337,7 +346,7 @@ def scaled_sign_aggregate(out: torch.Tensor, factors: torch.Tensor, packed: Sequ
     _check(out, torch.float32, "scaled_sign_aggregate output")
     _check(factors, torch.float32, "sign factors")
     _load().hvd_scaled_sign_aggregate(len(packed), _ptr(factors), _ptrs(packed), out.numel(),
-                                      _ptr(out), int(decrement), _threads())
+                                      _ptr(out), int(decrement), _threads(out.numel()))
 
 
 def majority(out: torch.Tensor, bits: Sequence[torch.Tensor] = (), votes: Sequence[torch.Tensor] = ()) -> None:
@@ -347,9 +356,9 @@ def majority(out: torch.Tensor, bits: Sequence[torch.Tensor] = (), votes: Sequen
         _check(t, torch.int32, "votes")
     lib = _load()
     if bits:
-        lib.hvd_majority(len(bits), _ptrs(bits), None, out.numel(), _ptr(out), _threads())
+        lib.hvd_majority(len(bits), _ptrs(bits), None, out.numel(), _ptr(out), _threads(out.numel()))
     else:
-        lib.hvd_majority(len(votes), None, _ptrs(votes), out.numel(), _ptr(out), _threads())
+        lib.hvd_majority(len(votes), None, _ptrs(votes), out.numel(), _ptr(out), _threads(out.numel()))
 
 
 def count_at_least(flat: torch.Tensor, thr: float, absval: bool):
@@ -357,7 +366,7 @@ def count_at_least(flat: torch.Tensor, thr: float, absval: bool):
     _check(flat, torch.float32, "count_at_least input")
     lib = _load()
     counts = torch.empty(lib.hvd_scan_parts(flat.numel()), dtype=torch.int64)
-    total = lib.hvd_count_at_least(_ptr(flat), flat.numel(), thr, int(absval), _ptr(counts), _threads())
+    total = lib.hvd_count_at_least(_ptr(flat), flat.numel(), thr, int(absval), _ptr(counts), _threads(flat.numel()))
     return total, counts
 
 
@@ -368,7 +377,7 @@ def compact_at_least(flat: torch.Tensor, thr: float, absval: bool, counts: torch
     idx = torch.empty(total, dtype=torch.int64)
     vals = torch.empty(total, dtype=torch.float32) if values else None
     _load().hvd_compact_at_least(_ptr(flat), flat.numel(), thr, int(absval), _ptr(counts), _ptr(idx),
-                                 _ptr(vals) if values else None, _threads())
+                                 _ptr(vals) if values else None, _threads(flat.numel()))
     return (idx, vals) if values else idx
 
 
@@ -378,7 +387,7 @@ def select_at_least(flat: torch.Tensor, thr: float, absval: bool, values: bool =
     _check(flat, torch.float32, "select_at_least input")
     lib = _load()
     total = ctypes.c_int64(0)
-    handle = lib.hvd_select_begin(_ptr(flat), flat.numel(), thr, int(absval), int(values), _threads(),
+    handle = lib.hvd_select_begin(_ptr(flat), flat.numel(), thr, int(absval), int(values), _threads(flat.numel()),
                                   ctypes.byref(total))
     if not handle:  # out of memory for the per-thread buffers: two passes, exact allocation
         count, counts = count_at_least(flat, thr, absval)
@@ -414,7 +423,7 @@ def sparse_aggregate(out: torch.Tensor, indices: Sequence[Optional[torch.Tensor]
         *[-1 if i is None else i.numel() for i in indices])
     idx_ptrs = (ctypes.c_void_p * max(1, len(values)))(*[None if i is None else _ptr(i) for i in indices])
     rc = _load().hvd_sparse_aggregate(len(values), idx_ptrs, _ptrs(values), counts, scale,
-                                      out.numel(), _ptr(out), _threads())
+                                      out.numel(), _ptr(out), _threads(out.numel()))
     return rc == 0
 
 
@@ -465,7 +474,7 @@ def qsgd_encode_segments(flat: torch.Tensor, sizes: torch.Tensor, keys: torch.Te
     _check(flat, torch.float32, "qsgd_encode_segments input")
     _check(keys, torch.int64, "qsgd keys")
     rc = _load().hvd_qsgd_encode_segments(_ptr(flat), sizes.numel(), _ptr(_sizes(sizes)), _ptr(keys), bucket,
-                                          levels, int(use_max), bits, _ptr(scales), _ptr(packed), _threads())
+                                          levels, int(use_max), bits, _ptr(scales), _ptr(packed), _threads(flat.numel()))
     if rc == -1:
         raise ValueError(f"qsgd_encode_segments: bits={bits} cannot hold levels={levels}")
     _raise_if(rc, "qsgd_encode_segments", memory=-2)
@@ -482,7 +491,7 @@ def qsgd_aggregate_segments(out: torch.Tensor, scales: Sequence[torch.Tensor], p
         _check(t, torch.uint8, "qsgd codes")
     _raise_if(_load().hvd_qsgd_aggregate_segments(len(packed), _ptrs(scales), _ptrs(packed), sizes.numel(),
                                                   _ptr(_sizes(sizes)), bucket, levels, bits, _ptr(out),
-                                                  _threads()), "qsgd_aggregate_segments", memory=-2)
+                                                  _threads(out.numel())), "qsgd_aggregate_segments", memory=-2)
 
 
 def moments_segments(flat: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
@@ -490,7 +499,7 @@ def moments_segments(flat: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     max|x|, K); zeros for an empty segment."""
     _check(flat, torch.float32, "moments_segments input")
     out = torch.empty(sizes.numel(), 4, dtype=torch.float64)
-    _raise_if(_load().hvd_moments_segments(_ptr(flat), sizes.numel(), _ptr(_sizes(sizes)), _threads(),
+    _raise_if(_load().hvd_moments_segments(_ptr(flat), sizes.numel(), _ptr(_sizes(sizes)), _threads(flat.numel()),
                                            _ptr(out)), "moments")
     return out
 
@@ -504,7 +513,7 @@ def terngrad_encode_segments(flat: torch.Tensor, sizes: torch.Tensor, clip: torc
     _check(scale, torch.float32, "terngrad scales")
     _check(keys, torch.int64, "terngrad keys")
     _raise_if(_load().hvd_terngrad_encode_segments(_ptr(flat), sizes.numel(), _ptr(_sizes(sizes)), _ptr(clip),
-                                                   _ptr(scale), _ptr(keys), _ptr(packed), _threads()),
+                                                   _ptr(scale), _ptr(keys), _ptr(packed), _threads(flat.numel())),
               "terngrad")
 
 
@@ -515,7 +524,7 @@ def terngrad_aggregate_segments(out: torch.Tensor, factors: torch.Tensor, packed
     _check(out, torch.float32, "terngrad_aggregate_segments output")
     _check(factors, torch.float32, "terngrad factors")
     _raise_if(_load().hvd_terngrad_aggregate_segments(len(packed), _ptr(factors), _ptrs(packed), sizes.numel(),
-                                                      _ptr(_sizes(sizes)), _ptr(out), _threads()), "terngrad")
+                                                      _ptr(_sizes(sizes)), _ptr(out), _threads(out.numel())), "terngrad")
 
 
 def abs_sums_segments(flat: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
@@ -524,7 +533,7 @@ def abs_sums_segments(flat: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     _check(flat, torch.float32, "abs_sums_segments input")
     out = torch.empty(sizes.numel(), dtype=torch.float64)
     _raise_if(_load().hvd_abs_sums_segments(_ptr(flat), sizes.numel(), _ptr(_sizes(sizes)), _ptr(out),
-                                            _threads()), "abs sums")
+                                            _threads(flat.numel())), "abs sums")
     return out
 
 
@@ -536,7 +545,7 @@ def scaled_sign_aggregate_segments(out: torch.Tensor, factors: torch.Tensor, pac
     _check(factors, torch.float32, "sign factors")
     _raise_if(_load().hvd_scaled_sign_aggregate_segments(len(packed), _ptr(factors), _ptrs(packed), sizes.numel(),
                                                          _ptr(_sizes(sizes)), _ptr(out), int(decrement),
-                                                         _threads()), "sign aggregate")
+                                                         _threads(out.numel())), "sign aggregate")
 
 
 def first_distinct_segments(draws: Sequence, sizes: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
