@@ -270,7 +270,7 @@ class NonFiniteGuard:
             if tensor.dtype not in (torch.float32, torch.float64):
                 decide()
                 return allreduce_mean(tensor, name)
-            row = tensor.new_tensor(self.summary(loaded, backward_passes) + [float(self.local_bad())])
+            row = tensor.new_tensor(self.summary(loaded, backward_passes) + [float(self.read()[0])])
             out = allreduce_mean(torch.cat([tensor.reshape(-1), row]), name)
             decide((out[-row.numel():].double() * size).round().tolist())
             return out[:-row.numel()].view_as(tensor)
