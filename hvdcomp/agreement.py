@@ -29,7 +29,7 @@ import itertools
 import logging
 import operator
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -220,12 +220,13 @@ class NonFiniteGuard:
         return [1.0, float(bool(loaded)), float(backward_passes), float(backward_passes) ** 2]
 
     def agree_summed(self, sums: Sequence[float], exchange: Callable[[Sequence[int]], List[List[int]]],
-                     loaded: bool, backward_passes: int) -> StepVerdict:
+                     loaded: bool, backward_passes: int, flags: Optional[Tuple[bool, bool]] = None) -> StepVerdict:
         """:meth:`agree` from the summed :meth:`summary` rows, for a step whose flags were all
         observed on allreduced results (identical on every rank): non-finite results are every
         rank's verdict, naming no rank (:meth:`observe`'s ``averaged``). Falls back to
         :meth:`agree` (on every rank alike: the choice depends on the sums only) when the sums show
         a setting to name (a rank that loaded alone, different ``backward_passes_per_step``).
+        ``flags``: :meth:`read`'s result where the caller read it already (one host read a step).
 
         Raises:
             As :meth:`agree`.
@@ -233,7 +234,7 @@ class NonFiniteGuard:
         n, loaders, total, squares = (float(v) for v in sums)
         if 0 < loaders < n or total * total != n * squares:
             return self.agree(exchange, loaded, backward_passes)
-        averaged = any(self.read())  # (every flag here is on averaged results)
+        averaged = any(self.read() if flags is None else flags)  # (every flag here is on averaged results)
         self.reset()
         return self._verdict([], averaged)
 
@@ -257,10 +258,10 @@ class NonFiniteGuard:
         """
         pending = [] if self.mode == "ignore" else [True]
 
-        def decide(sums=None):
+        def decide(sums=None, flags=None):
             pending.clear()
             verdict = (self.agree(exchange, loaded, backward_passes) if sums is None or sums[4] else
-                       self.agree_summed(sums[:4], exchange, loaded, backward_passes))
+                       self.agree_summed(sums[:4], exchange, loaded, backward_passes, flags))
             if verdict.skip:
                 raise StepSkipped(verdict)
 
@@ -270,9 +271,10 @@ class NonFiniteGuard:
             if tensor.dtype not in (torch.float32, torch.float64):
                 decide()
                 return allreduce_mean(tensor, name)
-            row = tensor.new_tensor(self.summary(loaded, backward_passes) + [float(self.read()[0])])
+            flags = self.read()
+            row = tensor.new_tensor(self.summary(loaded, backward_passes) + [float(flags[0])])
             out = allreduce_mean(torch.cat([tensor.reshape(-1), row]), name)
-            decide((out[-row.numel():].double() * size).round().tolist())
+            decide((out[-row.numel():].double() * size).round().tolist(), flags)
             return out[:-row.numel()].view_as(tensor)
 
         call.settle = lambda: decide() if pending else None  # (a step that made no call: the allgather)

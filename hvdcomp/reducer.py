@@ -39,7 +39,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .agreement import NonFiniteGuard, StateAgreement, check_consistency
+from .agreement import NonFiniteGuard, StateAgreement, StepSkipped, check_consistency
 from .assembly import assemble
 from .auto import Auto, AutoState
 from .comm.group import elastic_world, world_changed
@@ -334,26 +334,40 @@ class Reducer:
             self.life.guard.observe_gradients(
                 self.order, only=None if pipe.summed_agreement else {*in_place, *overflowed}, averaged=True)
         step.restart(self.passes)
-        ahead = self._agree()
-        if ahead and pipe.deferred:  # agreed first: a skipped step runs no collective and changes no state
-            for t in pipe.transports:
-                t.finish()
+        if (pipe.deferred and self.nonfinite != "ignore" and len(pipe.transports) == 1
+                and getattr(pipe.transports[0], "verdict_rides", False)):
+            ahead = self._agree(riding=pipe.transports[0])  # (PowerSGD: on its first allreduce)
+        else:
+            ahead = self._agree()
+            if ahead and pipe.deferred:  # agreed first: a skipped step runs no collective and changes no state
+                for t in pipe.transports:
+                    t.finish()
         pipe.units.restore_sparse()
         return ahead
 
-    def _agree(self) -> bool:
+    def _agree(self, riding=None) -> bool:
         """The per-step agreement (:mod:`hvdcomp.agreement`); a non-finite step is skipped here
         (every ``.grad`` reads NaN, as an allreduced Inf would, so a GradScaler sees the overflow).
-        Returns whether the step goes ahead."""
+        ``riding``: the step-wide transport whose ``finish`` carries it on its first allreduce
+        (:meth:`hvdcomp.agreement.NonFiniteGuard.riding`: no collective of its own; a skipped
+        step ran that one allreduce), finished here. Returns whether the step goes ahead."""
         self.current.status = Status.SYNCED
         if self.nonfinite == "ignore":
             return True
-        with self.timer.phase("communicate") if self.group.size > 1 else contextlib.nullcontext():
-            verdict = self.life.guard.decide(self.group, self.pipe.gatherer, self._agreement,
-                                             self.life.restored.loaded_since_step, self.passes)
+        loaded, guard, summed = self.life.restored.loaded_since_step, self.life.guard, self._agreement
         self._agreement, self.life.restored.loaded_since_step = None, False
-        if not verdict.skip:
-            return True
+        if riding is not None:
+            exchange = self.pipe.gatherer.allgather_ints if self.group.size > 1 else (lambda v: [list(v)])
+            try:
+                riding.finish(lambda mean: guard.riding(mean, self.group.size, exchange, loaded, self.passes))
+                return True
+            except StepSkipped:
+                pass
+        else:
+            with self.timer.phase("communicate") if self.group.size > 1 else contextlib.nullcontext():
+                verdict = guard.decide(self.group, self.pipe.gatherer, summed, loaded, self.passes)
+            if not verdict.skip:
+                return True
         self.life.skip(p.grad for p in self.order if p.grad is not None)
         self.current.status = Status.SKIPPED
         return False

@@ -22,7 +22,7 @@ from hvdcomp.comm.allgatherv import plan_rounds
 from hvdcomp.launch import check_launch, detect_launch
 from tests.mpirun import MPI_ENV, ROOT, check, mpirun
 
-CHECKS = ["nonfinite_skip", "nonfinite_raise", "disagreeing_ranks", "disagreeing_transport", "checkpoint_bit_identical",
+CHECKS = ["nonfinite_skip", "nonfinite_raise", "powersgd_verdict_rides", "disagreeing_ranks", "disagreeing_transport", "checkpoint_bit_identical",
           "accumulation_frozen_unused_unnamed", "allgather_in_rounds"]
 
 

@@ -240,10 +240,4 @@ class BucketTransport(Transport):
         names = [name for name in self.order if name in views]
         if self._step_comm is None:
             self._step_comm = step_comm_of(self.compression, self.group, self.timer, None, "hvdcomp.ddp")
-        comm = self._step_comm
-        if riding is not None:
-            riding = riding(comm.allreduce_mean)
-            comm = comm.replaced(riding)
-        reduce_step(self.compression, names, [views[n] for n in names], comm, self.timer)
-        if riding is not None:
-            riding.settle()
+        reduce_step(self.compression, names, [views[n] for n in names], self._step_comm, self.timer, riding=riding)

@@ -190,20 +190,37 @@ class StepTransport(Transport):
     def reset(self) -> None:
         """Nothing to drop: a step-wide step runs within :meth:`finish`."""
 
-    def finish(self) -> None:
+    @property
+    def verdict_rides(self) -> bool:
+        """The step's verdict can ride on the method's first allreduce (``finish(riding)``)."""
+        return getattr(self.compression, "verdict_rides", False)
+
+    def finish(self, riding=None) -> None:
         """Reduce every gradient (``p.grad``, any shape and float dtype) and write the averaged
-        result back into ``p.grad``; counts the fp32-equivalent dense bytes."""
+        result back into ``p.grad``; counts the fp32-equivalent dense bytes. ``riding``: the
+        step's verdict carried by the first allreduce
+        (:meth:`hvdcomp.agreement.NonFiniteGuard.riding` over this transport's ``allreduce_mean``;
+        a skip raises :class:`~hvdcomp.agreement.StepSkipped` before any result is written)."""
         reduce_step(self.compression, self.names, [p.grad for p in self.units.order], self.step_comm, self.timer,
-                    self.scale)
+                    self.scale, riding)
         self.timer.add_bytes(dense=self.dense_bytes)
 
 
-def reduce_step(compression, names: List[str], targets: List[torch.Tensor], comm, timer, scale: float = 1.0) -> None:
+def reduce_step(compression, names: List[str], targets: List[torch.Tensor], comm, timer, scale: float = 1.0,
+                riding=None) -> None:
     """A step-wide method's step, for every front-end: ``reduce_batch`` of the ``targets`` (the
     step's gradients, any shape and float dtype, named ``names``, in the expected backward order)
     over ``comm`` (a :class:`hvdcomp.comm.stepcomm.StepComm`); the averaged results (``× scale``)
-    are written back into ``targets``."""
+    are written back into ``targets``. ``riding``: ``f(allreduce_mean) -> allreduce_mean`` that
+    carries the step's verdict on the first allreduce
+    (:meth:`hvdcomp.agreement.NonFiniteGuard.riding`; a skip raises
+    :class:`~hvdcomp.agreement.StepSkipped` before any target is written)."""
+    if riding is not None:
+        riding = riding(comm.allreduce_mean)
+        comm = comm.replaced(riding)
     grads = compression.reduce_batch(list(zip(names, targets)), comm, timer)
+    if riding is not None:
+        riding.settle()
     with timer.phase("decompress"):
         torch._foreach_copy_(targets, grads)
         if scale != 1.0:

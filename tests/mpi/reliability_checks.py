@@ -64,7 +64,10 @@ def check_nonfinite_skip():
 def check_nonfinite_raise():
     # none reduces in place: the averaged gradient is non-finite on every rank and the rank it came
     # from is not known, so no rank is named (issue 57: every rank was named, [0, 1, ...])
-    for spec, named in (("topk:density=0.3", [hvd.size() - 1]), ("none", None)):
+    # PowerSGD: its verdict rides on its first allreduce; a non-finite gradient falls back to the
+    # allgather that names the rank
+    for spec, named in (("topk:density=0.3", [hvd.size() - 1]), ("none", None),
+                        ("powersgd:matrix_rank=1", [hvd.size() - 1])):
         model, opt = make(spec, nonfinite="raise")
         try:
             train_step(model, opt, 0, poison=hvd.rank() == hvd.size() - 1)
@@ -75,6 +78,27 @@ def check_nonfinite_raise():
                 assert f"rank(s) {named}" in str(exc), exc
         else:
             raise AssertionError("no FloatingPointError")
+
+
+def check_powersgd_verdict_rides():
+    """PowerSGD's per-step verdict rides on its first allreduce (5 summed floats): a clean step
+    runs no allgather of its own (before: one per step), and its results are those of a twin
+    with nonfinite="ignore", which agrees on nothing (bit for bit at 2 ranks, where a sum of two
+    is exact whatever the buffer; to float32 rounding at more)."""
+    (model, opt), (twin, twin_opt) = make("powersgd:matrix_rank=1"), make("powersgd:matrix_rank=1",
+                                                                          nonfinite="ignore")
+    gatherer, gathers = opt.reducer.pipe.gatherer, []
+    allgather_ints = gatherer.allgather_ints
+    gatherer.allgather_ints = lambda values: gathers.append(list(values)) or allgather_ints(values)
+    for step in range(4):
+        train_step(model, opt, step)
+        train_step(twin, twin_opt, step)
+    assert gathers == [], gathers
+    if hvd.size() == 2:
+        assert torch.equal(flat(model), flat(twin))
+    else:
+        assert torch.allclose(flat(model), flat(twin), rtol=1e-5, atol=1e-7), (flat(model) - flat(twin)).abs().max()
+    assert opt.skipped_steps == 0
 
 
 def check_disagreeing_ranks():
