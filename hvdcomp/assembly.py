@@ -16,7 +16,7 @@ from .comm.costmodel import CostModel, measure_cost_model
 from .comm.stepcomm import StepComm
 from .compressors.rng import DrawOrder
 from .compressors.segments import Segments, needs_draw_order
-from .plan import (TransportPlan, choose_transport, fuse_units, make_units, plan_transport, routes, split_groups,
+from .plan import (TransportPlan, choose_transport, fuse_units, fuses, make_units, plan_transport, routes, split_groups,
                    step_route_of)
 from .spec import is_per_tensor
 from .transports import Units, Wiring
@@ -145,8 +145,7 @@ def assemble(settings, compression, group, order: List[torch.nn.Parameter], name
     # or gradients compressed per tensor in one call per bucket (fused, plan.fuse_units)
     params = [(unit_names[i], p.numel(), p.element_size(), f"{p.dtype}/{p.device}") for i, p in enumerate(order)]
     allgather = gatherer.kind if gatherer is not None else "none"
-    fuse = (settings.fuse_tensors and settings.granularity == "tensor" and per_tensor
-            and compression.segmentable and not compression.payload_is_gradient)
+    fuse = settings.fuse_tensors and fuses(compression, settings.granularity)
     if fuse:  # routes and buckets per gradient, then the fused units within them
         plan = plan_transport([p[:3] for p in params], compression, cost_model, group.size,
                               settings.bucket_bytes, groups, allgather, group.ranks)

@@ -30,8 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["make_buckets", "make_units", "fuse_units", "split_groups", "TransportPlan", "plan_transport",
-           "Route", "StepRoute", "register_route", "register_step_route", "routes", "step_route_of",
+from .compressors.segments import needs_draw_order
+
+__all__ = ["make_buckets", "make_units", "fuse_units", "route_of", "fuses", "split_groups", "TransportPlan",
+           "plan_transport", "Route", "StepRoute", "register_route", "register_step_route", "routes", "step_route_of",
            "route_names", "step_collectives", "transport_candidates", "predict_step_seconds", "choose_transport",
            "HOROVOD_KINDS", "BATCHED"]
 
@@ -139,17 +141,39 @@ def route_names() -> List[str]:
     return [*_ROUTES, BATCHED]
 
 
-def _route_gradient(compression, numel: int, payload: Optional[float], cost_model, p: int) -> str:
-    """The route of one gradient of a per-tensor method: its preferred route, unless ``cost_model``
-    makes another route that carries it take the gradient (that route's ``take_if``)."""
+def route_of(compression, numel: int = 0, cost_model=None, p: int = 1) -> str:
+    """How a gradient (or a DDP bucket) of ``compression`` travels, the one decision both
+    front-ends read: ``"batched"`` for a step-wide method (its own collectives, once a step), else
+    the route a per-tensor method's :class:`~hvdcomp.compressors.base.PayloadKind` prefers
+    (``"allreduce"``: ``MEAN``, ``SUM``; ``"allgather"``: ``GATHERED``), unless ``cost_model``
+    makes another route that carries it take a gradient of ``numel`` elements on ``p`` ranks.
+
+    Raises:
+        ValueError: no registered route carries the method.
+    """
+    if step_route_of(compression) is not None:
+        return BATCHED
     candidates = [r for r in _ROUTES.values() if r.carries(compression)]
     if not candidates:
         raise ValueError(f"no transport carries '{compression.name}' ({compression.payload_kind.value} payloads)")
-    if cost_model is not None and payload is not None:
+    payload = None if cost_model is None else compression.expected_payload_bytes(numel)
+    if payload is not None:
         for route in candidates:
             if not route.preferred and route.take_if is not None and route.take_if(cost_model, payload, 4.0 * numel, p):
                 return route.name
     return next((r for r in candidates if r.preferred), candidates[0]).name
+
+
+def fuses(compression, granularity: str = "tensor", draw_order: bool = True) -> bool:
+    """Whether gradients of one bucket are compressed in one call, each by its own rules
+    (:mod:`hvdcomp.compressors.segments`): a ``segmentable`` per-tensor method whose payload is
+    not the gradient itself, at ``granularity="tensor"``; one that draws random numbers at each
+    call only where the front-end keeps the step's draw order (``draw_order``: the Horovod
+    front-end's :class:`~hvdcomp.compressors.rng.DrawOrder`; the DDP hook compresses those one
+    gradient per call, in the expected backward order)."""
+    return (granularity == "tensor" and step_route_of(compression) is None
+            and getattr(compression, "segmentable", False) and not compression.payload_is_gradient
+            and (draw_order or not needs_draw_order(compression)))
 
 
 def make_buckets(sizes: List[int], bucket_bytes: int) -> List[List[int]]:
@@ -393,13 +417,7 @@ def plan_transport(params: Sequence[Tuple[str, int, int]], compression, cost_mod
         ValueError: no registered route carries the method.
     """
     step = step_route_of(compression)
-    routes_: Dict[str, str] = {}
-    for name, numel, _ in params:
-        if step is not None:
-            routes_[name] = BATCHED
-        else:
-            payload = None if cost_model is None else compression.expected_payload_bytes(numel)
-            routes_[name] = _route_gradient(compression, numel, payload, cost_model, size)
+    routes_ = {name: route_of(compression, numel, cost_model, size) for name, numel, _ in params}
     bucketed = {r.name for r in _ROUTES.values() if r.bucketed}
     gathered = [(n, numel * esize) for n, numel, esize in params if routes_[n] in bucketed]
     if groups is not None:
@@ -430,8 +448,7 @@ def step_collectives(compression, numels: Sequence[int], p: int, bucket_bytes: i
         return None
     by_route: Dict[str, List[Tuple[float, float]]] = {}
     for n, b in zip(numels, sizes):
-        route = _route_gradient(compression, n, b, cost_model, p)
-        by_route.setdefault(route, []).append((float(b), 4.0 * n))
+        by_route.setdefault(route_of(compression, n, cost_model, p), []).append((float(b), 4.0 * n))
     out: Collectives = []
     for name, route in _ROUTES.items():
         if name in by_route:

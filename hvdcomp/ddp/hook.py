@@ -77,7 +77,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..auto import Auto, AutoState
 from ..comm.torchdist import TorchDistGroup
-from ..compressors.base import PayloadKind
 from ..config import Settings, check_method
 from ..launch import start_frontend
 from ..metrics import PhaseTimer
@@ -137,8 +136,6 @@ class HookState:
     Attributes:
         compression: the :class:`hvdcomp.Compressor` (its state: residuals, momenta, ...).
         group: the :class:`hvdcomp.comm.torchdist.TorchDistGroup` averaged over.
-        kind: how payloads travel: the method's :class:`~hvdcomp.compressors.base.PayloadKind`, or
-            None for a step-wide method (:func:`hvdcomp.ddp.buckets.bucket_kind`).
         granularity: ``"tensor"`` or ``"bucket"`` (:mod:`hvdcomp.ddp.layout`).
         nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"``.
         timer: the :class:`hvdcomp.metrics.PhaseTimer` phases and bytes are recorded in.
@@ -184,7 +181,7 @@ class HookState:
         """Run ``pipe`` (its method) from the next step on (between steps: ``compression="auto"``'s
         switch, :class:`hvdcomp.auto.AutoState`)."""
         self.pipe = pipe
-        self.compression, self.kind, self.transport = pipe.compression, pipe.kind, pipe.plan
+        self.compression, self.transport = pipe.compression, pipe.plan
         self._cycle.life.use(pipe.compression)
 
     @property
@@ -209,7 +206,7 @@ class HookState:
 
     def describe(self) -> dict:
         """JSON-able summary: compressor, transport, group, granularity."""
-        return {"compression": self.compression.describe(), "kind": self.kind and self.kind.value,
+        return {"compression": self.compression.describe(), "route": self.pipe.route,
                 "transport": self.transport,
                 "granularity": self.granularity, "nonfinite": self.nonfinite, **self.group.describe(),
                 **({"auto": self.auto.describe()} if self.auto is not None else {})}
@@ -261,7 +258,7 @@ class HookState:
         """Whether this bucket's gradients travel as they are this step: ``none`` (but in float32 on
         half-precision gradients: by its own encode, as the Horovod front-end), and the first
         backward of granularity ``"bucket"`` (see :func:`register`)."""
-        if self.kind is None:  # (a step-wide method reduces the whole step at the last bucket)
+        if self.pipe.deferred:  # (a step-wide method reduces the whole step at the last bucket)
             return False
         if self.compression.payload_is_gradient:
             return buffer.dtype in IN_PLACE_DTYPES
@@ -305,8 +302,7 @@ class HookState:
             auto.add_carry(zip(layout.names, layout.views(buffer)))
         devices = [buffer.device] if buffer.is_cuda else None
         raw = self._raw(layout, buffer)
-        entry = Bucket(buffer, layout, torch.futures.Future(devices=devices),
-                       PayloadKind.MEAN if raw else self.kind, raw)
+        entry = Bucket(buffer, layout, torch.futures.Future(devices=devices), raw)
         path = self.pipe
         path.buckets.append(entry)
         if not entry.in_place:  # (none: checked on the allreduced results instead)
