@@ -1,29 +1,17 @@
-"""Planning: how each gradient travels, decided once at construction, the same on every rank.
-
-Pure functions of the parameter shapes, the method, the cost model and the settings: no
-communication, so every rank computes the same plan.
+"""Planning: how each gradient travels, decided once at construction, the same on every rank
+(pure functions of the parameter shapes, the method, the cost model and the settings), for both
+front-ends: :func:`route_of` is the one routing decision, :func:`fuses` the one fusion decision.
 
 **Routes.** Every transport module of :mod:`hvdcomp.transports` registers here what it carries
 and what it costs (:func:`register_route`, :func:`register_step_route`); the plan reads this
-registry only, so a new transport is one new module. Per-gradient routes carry the payloads of
-per-tensor methods (:class:`hvdcomp.Compressor`) by their :class:`~hvdcomp.compressors.base.PayloadKind`:
-
-* ``"allreduce"``: ``MEAN`` and ``SUM`` payloads; Horovod ``allreduce_async`` reduces them.
-* ``"allgather"``: ``GATHERED`` payloads (sparse indices, per-rank scales) wait for their
-  **bucket** and travel in one variable-size allgather per bucket.
-* ``"decoded-allreduce"``: a ``GATHERED`` payload whose aggregate is the mean of its decodes,
-  where the α-β cost model predicts that averaging its local decode densely is cheaper (same
-  result): decoded, then allreduced in fp32.
-
-A method's *preferred* route for its kind carries it unless the cost model prices another route
-that carries it cheaper for that gradient. Step-wide methods (PowerSGD, gtopk, cltk, twophase)
-compress every gradient of a step together with their own transport: route ``"batched"``.
-
-With ``transport="auto"`` the cost model first chooses, among the step-wide transports that can
-carry the same kind of compression (each registers which: :func:`transport_candidates`), the one
-with the least predicted communication per step (:func:`choose_transport`): top-k by allgather,
-global top-k by sparse allreduce (gtopk) or the leader's top-k by allreduce (cltk); a quantizer by
-allgather or by the two-phase compressed allreduce (twophase).
+registry only. A per-tensor method's payloads travel by the route its
+:class:`~hvdcomp.compressors.base.PayloadKind` prefers (``"allreduce"``: ``MEAN``, ``SUM``;
+``"allgather"``: ``GATHERED``, in buckets), unless the α-β cost model prices another route that
+carries it cheaper for a gradient (``"decoded-allreduce"``: a gathered payload whose aggregate is
+the mean of its decodes, decoded and allreduced in fp32). Step-wide methods (PowerSGD, gtopk,
+cltk, twophase) compress a whole step with their own transport: route ``"batched"``. With
+``transport="auto"`` the cost model first chooses among the transports that can carry the same
+kind of compression (:func:`choose_transport`).
 """
 from __future__ import annotations
 

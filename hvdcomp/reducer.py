@@ -1,38 +1,18 @@
 """The core every front-end drives: the assembled pipeline (plan, methods, error feedback,
-transports) and one step lifecycle, over one :class:`~hvdcomp.comm.group.ProcessGroup`.
+transports) and one step lifecycle (:class:`hvdcomp.step.Lifecycle`), over one
+:class:`~hvdcomp.comm.group.ProcessGroup` (a Horovod process set or a ``torch.distributed``
+process group: :func:`hvdcomp.comm.resolve_group`).
 
-A front-end hands a :class:`Reducer` gradients and tells it what happened to the step; the
-reducer owns everything in between, once for every front-end:
-
-==================================  ========================================================
-front-end calls                     the reducer
-==================================  ========================================================
-:meth:`Reducer.gradient_ready`      counts a backward pass of one parameter
-                                    (``backward_passes_per_step``); a complete compression
-                                    unit is compressed and its collective started
-:meth:`Reducer.synchronize`         starts what backward did not reach, waits, writes every
-                                    averaged result into ``p.grad``, and agrees with every
-                                    rank on the step (non-finite gradients, restored state):
-                                    returns whether it goes ahead
-:meth:`Reducer.commit`              the update was applied: the step's compressor state is
-                                    committed
-:meth:`Reducer.discard`             the synchronized (or partly compressed) step will not be
-                                    applied: its staged state is rolled back, leaving no trace
-:meth:`Reducer.state_dict` / ...    the method's state and the skipped-step count
-==================================  ========================================================
-
-Compressor state (residuals, momenta, counters, generators) is staged from a step's first
-compression (:meth:`hvdcomp.compressors.state.StagedState.begin_step`) until :meth:`Reducer.commit` or
-:meth:`Reducer.discard`; a step the ranks agree to skip is rolled back at once on every rank and its
-gradients read NaN (so a ``GradScaler`` sees the overflow).
-
-Used by the Horovod front-end (:mod:`hvdcomp.optimizer`) and by the training modes that reduce
-tensors of their own (:mod:`hvdcomp.local`: the pseudo-gradient Δ), over a Horovod process set
-or a ``torch.distributed`` process group alike (:func:`hvdcomp.comm.resolve_group`).
+A front-end hands a :class:`Reducer` gradients (:meth:`~Reducer.gradient_ready`), asks it to
+finish and agree on the step (:meth:`~Reducer.synchronize`: whether it goes ahead), and tells it
+whether the update was applied (:meth:`~Reducer.commit`) or not (:meth:`~Reducer.discard`);
+compressor state is staged from the step's first compression until then, and a step the ranks
+agree to skip is rolled back on every rank with its gradients read NaN (so a ``GradScaler`` sees
+the overflow). Used by the Horovod front-end (:mod:`hvdcomp.optimizer`) and the training modes
+that reduce tensors of their own (:mod:`hvdcomp.local`: the pseudo-gradient Δ).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from typing import Dict, List, Optional
@@ -354,20 +334,16 @@ class Reducer:
         self.current.status = Status.SYNCED
         if self.nonfinite == "ignore":
             return True
-        loaded, guard, summed = self.life.restored.loaded_since_step, self.life.guard, self._agreement
-        self._agreement, self.life.restored.loaded_since_step = None, False
+        summed, self._agreement = self._agreement, None
         if riding is not None:
             exchange = self.pipe.gatherer.allgather_ints if self.group.size > 1 else (lambda v: [list(v)])
             try:
-                riding.finish(lambda mean: guard.riding(mean, self.group.size, exchange, loaded, self.passes))
+                riding.finish(self.life.riding(self.group.size, exchange, self.passes))
                 return True
             except StepSkipped:
                 pass
-        else:
-            with self.timer.phase("communicate") if self.group.size > 1 else contextlib.nullcontext():
-                verdict = guard.decide(self.group, self.pipe.gatherer, summed, loaded, self.passes)
-            if not verdict.skip:
-                return True
+        elif not self.life.decide(self.group, self.pipe.gatherer, self.passes, summed, self.timer):
+            return True
         self.life.skip(p.grad for p in self.order if p.grad is not None)
         self.current.status = Status.SKIPPED
         return False

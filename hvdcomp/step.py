@@ -127,6 +127,22 @@ class Lifecycle:
             self.compression.rollback()
             self.staged = False
 
+    def decide(self, group, gatherer, passes: int, summed=None, timer=None) -> bool:
+        """Whether every rank skips this step (:meth:`hvdcomp.agreement.NonFiniteGuard.decide`;
+        the exchange timed as ``communicate``). ``gatherer`` None: every flag is on results
+        identical on every rank, so this rank decides alone."""
+        loaded, self.restored.loaded_since_step = self.restored.loaded_since_step, False
+        if gatherer is None:
+            return self.guard.agree(lambda v: [list(v)], loaded, passes).skip
+        with timer.phase("communicate") if group.size > 1 else contextlib.nullcontext():
+            return self.guard.decide(group, gatherer, summed, loaded, passes).skip
+
+    def riding(self, size: int, exchange, passes: int):
+        """``f(allreduce_mean)``: the step's verdict riding on a step-wide method's first
+        allreduce (:meth:`hvdcomp.agreement.NonFiniteGuard.riding`)."""
+        loaded, self.restored.loaded_since_step = self.restored.loaded_since_step, False
+        return lambda mean: self.guard.riding(mean, size, exchange, loaded, passes)
+
     def skip(self, tensors: Iterable[torch.Tensor]) -> None:
         """Every rank skips the step: its state rolled back, counted, and every one of ``tensors``
         NaN (as an allreduced Inf would be, so a ``GradScaler`` sees the overflow)."""

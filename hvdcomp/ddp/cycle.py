@@ -11,7 +11,6 @@ call                             from                      status after
 ================================ ========================= =================================================
 :meth:`StepCycle.open`           a backward's first bucket ``BACKWARD`` (state staged)
 :meth:`StepCycle.agree`          the last bucket           (the per-step verdict; raises or skips)
-:meth:`StepCycle.riding`         the last bucket           (the same, on PowerSGD's first allreduce)
 :meth:`StepCycle.skip`           the last bucket, a skip   ``SKIPPED`` (rolled back, results NaN)
 :meth:`StepCycle.reduced`        the last bucket, done     ``SYNCED`` (or ``SKIPPED``)
 :meth:`StepCycle.apply`          ``optimizer.step()``      committed; a skipped step is not applied
@@ -158,29 +157,16 @@ class StepCycle:
         self.life.open(self.group, "hvdcomp.ddp", () if self.auto is None else (self.auto.rescale,))
 
     def agree(self, buckets: List[Bucket]) -> bool:
-        """Whether the ranks skip this step (some rank's gradient was non-finite); raises under
-        ``nonfinite="raise"`` (:meth:`hvdcomp.agreement.NonFiniteGuard.decide`). ``none``'s
-        buckets are checked on their allreduced results, identical on every rank: a step of only
-        those needs no exchange."""
-        restored, guard = self.life.restored, self.life.guard
-        loaded, restored.loaded_since_step = restored.loaded_since_step, False
+        """Whether the ranks skip this step (:meth:`hvdcomp.step.Lifecycle.decide`; raises under
+        ``nonfinite="raise"``). Buckets reduced in place are checked on their results, identical
+        on every rank: a step of only those needs no exchange."""
         if self.nonfinite == "ignore":
             return False
         direct = [b.buffer for b in buckets if b.in_place]
         if direct:
-            guard.observe(direct, averaged=True)
-        if len(direct) == len(buckets):  # (the results agree)
-            return guard.agree(lambda v: [list(v)], loaded, 1).skip
-        with self.timer.phase("communicate") if self.group.size > 1 else contextlib.nullcontext():
-            return guard.decide(self.group, self.group, None, loaded, 1).skip
-
-    def riding(self, allreduce_mean):
-        """:meth:`agree` riding on a step-wide method's first allreduce (``allreduce_mean``, which
-        is returned carrying it: :meth:`hvdcomp.agreement.NonFiniteGuard.riding`; a skip raises
-        :class:`~hvdcomp.agreement.StepSkipped` from it on every rank)."""
-        restored = self.life.restored
-        loaded, restored.loaded_since_step = restored.loaded_since_step, False
-        return self.life.guard.riding(allreduce_mean, self.group.size, self.group.allgather_ints, loaded, 1)
+            self.life.guard.observe(direct, averaged=True)
+        alone = len(direct) == len(buckets)
+        return self.life.decide(self.group, None if alone else self.group, 1, timer=self.timer)
 
     def skip(self, buckets: List[Bucket]) -> None:
         """Every rank skips: state rolled back, every bucket's result NaN (a GradScaler sees the

@@ -1,30 +1,16 @@
-"""What the compressor sees in one DDP gradient bucket: its *units* (a pure function of the bucket's
-parameters, the method and the granularity; the same on every rank).
+"""What the compressor sees in one DDP gradient bucket: its *units* (a pure function of the
+bucket's parameters, the method and the granularity; the same on every rank; docs/ddp.md,
+"Granularity").
 
-A DDP bucket (``torch.distributed.GradBucket``) is one flat 1-D buffer holding several gradients
-back to back (``bucket.parameters()`` in buffer order, one dtype and device). It is always the
-unit of *communication*: one payload exchange per bucket. What is *compressed* as one tensor
-depends on ``granularity``:
-
-* ``"tensor"`` (default): each gradient by its own rules (its own top-k, fp16 scale, residual,
-  keyed by the parameter's name), as the Horovod front-end does. A method that can
-  (``segmentable`` and drawing no random numbers at each call: top-k ``select=exact``, random-k,
-  threshold, signSGD, EF-signSGD, fp16, bf16, with or without error feedback) compresses the
-  whole buffer in one vectorised call with per-tensor results
-  (:class:`hvdcomp.compressors.segments.Segments`); other methods get one call per gradient, on a
-  view of the buffer in the gradient's shape, in the expected backward order (the reverse of
-  ``model.parameters()``, the order in which the Horovod front-end's hooks fire on a plain
-  feed-forward model), so stochastic methods draw their random numbers in that order whatever
-  DDP's bucket layout is. State is keyed by parameter name, so it does not care which bucket a
-  gradient lands in: DDP rebuilding its buckets after the first iteration changes nothing.
-* ``"bucket"``: the whole buffer as one 1-D tensor named ``bucket<k>`` (k = ``bucket.index()``),
-  as PyTorch's own comm hooks compress: top-k keeps the largest entries of the bucket, not of each
-  layer; state is kept per bucket. DDP rebuilds its buckets once after the first backward, so the
-  first backward is averaged uncompressed; the layouts compressed after it are recorded
-  (:class:`Layouts`, saved in the hook's checkpoint) and a later change raises.
-
-:class:`Layouts` keeps one model's parameter names, their expected backward order, and the
-layout of every bucket seen.
+A DDP bucket (``torch.distributed.GradBucket``) is one flat 1-D buffer of several gradients
+(``bucket.parameters()`` in buffer order, one dtype and device), always one unit of
+communication. With ``granularity="tensor"`` each gradient is compressed by its own rules, keyed
+by its parameter's name: in one call for the whole buffer where the method fuses
+(:func:`hvdcomp.plan.fuses`; :class:`~hvdcomp.compressors.segments.Segments`), else one call per
+gradient in the expected backward order (the reverse of ``model.parameters()``, so stochastic
+methods draw what the Horovod front-end draws). With ``"bucket"`` the whole buffer is one tensor
+named ``bucket<k>``; the layouts compressed are recorded (:class:`Layouts`) and a later change
+raises.
 """
 from __future__ import annotations
 
