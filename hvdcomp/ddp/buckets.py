@@ -136,6 +136,7 @@ class BucketTransport(Transport):
         self.compression, self.group, self.timer, self.order = compression, group, timer, order
         self.route = route_of(compression)
         self.deferred = self.route == BATCHED
+        self._build = None if self.deferred else routes()[self.route].build
         self.fused = fuses(compression, draw_order=False)
         self.plan = (f"torch.distributed {group.backend}: {describe(compression)}; per DDP bucket, "
                      f"granularity {granularity}")
@@ -153,7 +154,7 @@ class BucketTransport(Transport):
         self.overflowed: List[torch.Tensor] = []
         self.units = BucketUnits()
         wiring = Wiring(self.group, self.timer, self.compression, self.units, "hvdcomp.ddp", gatherer=self.gatherer)
-        self.carrier = None if self.deferred else routes()[self.route].build(wiring)
+        self.carrier = None if self.deferred else self._build(wiring)
         wiring.compression = self._none
         self.raw = AllreduceTransport(wiring)  # (the raw buckets)
         self._carriers = [self.raw] + ([self.carrier] if self.carrier is not None else [])
