@@ -1,25 +1,11 @@
 """Everything the ranks of an optimizer must agree on: the set-up at construction
 (:func:`check_consistency`), compressor state restored from a checkpoint (:class:`StateAgreement`),
 and, once per step, non-finite gradients, restored state and accumulation settings
-(:class:`NonFiniteGuard`).
-
-Per-step agreement.
-
-Once per synchronized step every rank contributes a few integers (one small allgather): whether
-any of its gradients held NaN/Inf, whether ``load_state_dict`` ran on it since the previous step,
-and its ``backward_passes_per_step``. Every rank then takes the same decision, so no rank can
-update while another skips, and a setting that must agree cannot silently diverge.
-
-Where every averaged gradient is exactly an allreduced result (``none`` on float32/float64
-gradients), the results are identical on every rank, so their finiteness needs no exchange; the
-other integers then travel as *sums* in one small tensor started with the step's first allreduce,
-which Horovod fuses with the gradients' (:meth:`NonFiniteGuard.summary`,
-:meth:`NonFiniteGuard.agree_summed`), instead of a blocking allgather after them. Sums that show a
-setting to name (a rank that loaded alone, different accumulation settings) fall back to the
-allgather, whose messages name the ranks. A step-wide method whose every step starts with an
-allreduce (PowerSGD) carries the same sums, and the count of ranks with a non-finite gradient, at
-the end of that allreduce (:meth:`NonFiniteGuard.riding`): one latency-bound collective less per
-step; a non-finite gradient falls back to the allgather, which names its rank.
+(:class:`NonFiniteGuard`: every rank takes the same decision, so no rank updates while another
+skips). The step's few integers travel by one small allgather, or as sums beside the gradients
+where every averaged result is an allreduced one (:meth:`NonFiniteGuard.agree_summed`), or on a
+step-wide method's first allreduce (:meth:`NonFiniteGuard.riding`); sums that show something to
+name (a rank, a setting) fall back to the allgather, whose messages name the ranks.
 """
 from __future__ import annotations
 

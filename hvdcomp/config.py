@@ -34,12 +34,9 @@ ARGUMENTS_DOC = """    Args:
             ``hvd.Compression.none`` / ``hvd.Compression.fp16``. One compressor per optimizer.
         backward_passes_per_step: backward passes accumulated locally before communicating.
         op: ``hvd.Average`` (default) or ``hvd.Sum`` (the sum over ranks, for every method).
-            ``hvd.Adasum`` combines parameter deltas, not gradients: with ``none`` or ``fp16``
-            (no error feedback; ``hvd.Compression.none`` / ``fp16`` alike) this returns stock
-            Horovod's own Adasum optimizer (``hvd.DistributedOptimizer(..., op=hvd.Adasum)``;
-            ``fp16`` as stock's float16 cast of the delta), so results are stock's bit for bit,
-            and hvdcomp's keyword-only arguments do not apply to it (no ``timer``; non-finite
-            values are not checked, as stock). Other methods are refused (``ValueError``).
+            ``hvd.Adasum`` combines parameter deltas: with ``none`` or ``fp16`` (no error
+            feedback) this returns stock Horovod's own Adasum optimizer (stock's results bit for
+            bit; hvdcomp's keyword-only arguments do not apply); other methods are refused.
         gradient_predivide_factor: as Horovod: ``MEAN`` payloads are divided by it before the
             allreduce and multiplied by it / size after (``op=Average`` only). Allgathered
             payloads are averaged in float32 locally, where it changes nothing.
@@ -81,29 +78,19 @@ ARGUMENTS_DOC = """    Args:
         granularity: what the compressor sees as one tensor: ``"tensor"`` (default: each
             gradient, as the methods' papers do) or ``"bucket"`` (as PyTorch DDP's comm hooks:
             consecutive gradients of one dtype, up to ``bucket_bytes`` or one Horovod ``group``,
-            are copied into one flat buffer and compressed together; state such as error-feedback
-            residuals is kept per bucket, named ``bucket<k>``). ``"bucket"`` removes the fixed
-            cost per tensor on models with many small tensors, and changes what a method selects:
-            top-k keeps the largest entries of the bucket, not of each layer; QSGD, signSGD and
-            the casts are unchanged up to their scales. Refused for PowerSGD (it needs each
-            gradient's matrix shape); no effect on gtopk and cltk (they select over the whole
-            model).
-        fuse_tensors: with ``granularity="tensor"`` and a method that can (``segmentable``: top-k,
-            DGC, random-k, threshold, QSGD, TernGrad, signSGD, EF-signSGD, fp16, bf16, with or
-            without error feedback; ``docs/fused-compression.md``), the
-            gradients of one bucket (one allgather bucket, or up to ``bucket_bytes`` of
-            consecutive allreduced gradients) are copied into one flat buffer and compressed in
-            one vectorised call, each gradient still by its own rules (its own top-k, fp16
-            scale, residual): the same results as one call per gradient, without the fixed
-            cost per gradient, and one payload per bucket on the wire. ``False``: one call and
-            one payload per gradient, each sent as soon as backward produced it.
+            compressed as one flat tensor with state per bucket, named ``bucket<k>``: top-k then
+            keeps the largest entries of the bucket, not of each layer). Refused for PowerSGD (it
+            needs each gradient's matrix shape).
+        fuse_tensors: with ``granularity="tensor"`` and a method that can
+            (:func:`hvdcomp.plan.fuses`; ``docs/fused-compression.md``), the gradients of one
+            bucket are compressed in one vectorised call, each still by its own rules: the same
+            results as one call per gradient, and one payload per bucket on the wire. ``False``:
+            one call and one payload per gradient, each sent as soon as backward produced it.
         transport: ``"planned"`` (default: the method's own transport, routed as above) or
-            ``"auto"``: the cost model (measured, or ``cost_model`` given) first picks, among the
-            transports that carry the same kind of compression, the one with the least predicted
-            communication per step (:func:`hvdcomp.plan.choose_transport`): top-k with error
-            feedback by allgather, ``gtopk`` or ``cltk``; QSGD, TernGrad or EF-signSGD by allgather
-            or ``twophase``. ``optimizer.compression`` is then the chosen method and
-            ``optimizer.transport.choice`` holds every candidate's predicted seconds.
+            ``"auto"``: the cost model first picks, among the transports that carry the same kind
+            of compression, the one with the least predicted communication per step
+            (:func:`hvdcomp.plan.choose_transport`; e.g. top-k by allgather, ``gtopk`` or
+            ``cltk``); ``optimizer.transport.choice`` holds every candidate's predicted seconds.
 """
 
 

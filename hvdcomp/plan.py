@@ -186,6 +186,19 @@ def make_buckets(sizes: List[int], bucket_bytes: int) -> List[List[int]]:
     return buckets
 
 
+def _capped_runs(params, keys: list, bucket_bytes: int, keep=lambda key: True) -> List[List[int]]:
+    """Runs of consecutive positions of one key (a key ``keep`` accepts), each cut into buckets of
+    at most ``bucket_bytes`` gradient bytes (:func:`make_buckets`)."""
+    out, start = [], 0
+    for i in range(1, len(params) + 1):
+        if i == len(params) or keys[i] != keys[start]:
+            if keep(keys[start]):
+                sizes = [params[j][1] * params[j][2] for j in range(start, i)]
+                out += [[start + k for k in b] for b in make_buckets(sizes, bucket_bytes)]
+            start = i
+    return out
+
+
 def make_units(params: Sequence[Tuple[str, int, int, str]], granularity: str, bucket_bytes: int,
                groups: Optional[List[List[str]]] = None) -> List[Tuple[str, List[int]]]:
     """What the compressor sees as one tensor: a *unit* per gradient, or per bucket of gradients.
@@ -214,13 +227,7 @@ def make_units(params: Sequence[Tuple[str, int, int, str]], granularity: str, bu
         at = {name: i for i, (name, _, _, _) in enumerate(params)}
         runs = [[at[n] for n in g] for g in groups]
     else:
-        runs, start = [], 0
-        for i in range(1, len(params) + 1):
-            if i == len(params) or params[i][3] != params[start][3]:
-                positions = list(range(start, i))
-                sizes = [params[k][1] * params[k][2] for k in positions]
-                runs += [[positions[k] for k in b] for b in make_buckets(sizes, bucket_bytes)]
-                start = i
+        runs = _capped_runs(params, [p[3] for p in params], bucket_bytes)
     units = []
     for run in runs:  # a group spanning layouts is split by layout
         by_key: Dict[str, List[int]] = {}
@@ -265,14 +272,7 @@ def fuse_units(params: Sequence[Tuple[str, int, int, str]], plan: "TransportPlan
         if key[0] in bucketed:
             runs.setdefault(key, []).append(i)
     units += list(runs.values())
-    start = 0
-    for i in range(1, len(params) + 1):  # other routes: consecutive runs of one key, capped
-        if i == len(params) or keys[i] != keys[start]:
-            if keys[start][0] not in bucketed:
-                positions = list(range(start, i))
-                sizes = [params[k][1] * params[k][2] for k in positions]
-                units += [[positions[k] for k in b] for b in make_buckets(sizes, bucket_bytes)]
-            start = i
+    units += _capped_runs(params, keys, bucket_bytes, keep=lambda key: key[0] not in bucketed)  # other routes
     units.sort(key=lambda members: members[0])
     out, fused = [], 0
     for members in units:
@@ -361,23 +361,20 @@ class TransportPlan:
 
     def __str__(self) -> str:
         """One line for logs and results, e.g. ``mpi4py-allgather (2 bucket(s))``."""
-        text = self._route_text()
+        used = list(dict.fromkeys(self.routes.values()))
+        if self.count(BATCHED):
+            text = f"{self.collective or 'allreduce'} (batched)"
+        elif not self.buckets and len(used) == 1:
+            text = used[0]
+        else:
+            bucketed = {r.name for r in _ROUTES.values() if r.bucketed}
+            text = f"{self.allgather}-allgather ({len(self.buckets)} bucket(s))" + "".join(
+                f", {self.count(r)} of {len(self.routes)} tensor(s) by {r} (cost model)" for r in used
+                if r not in bucketed)
         if self.choice:
             text += " [chosen by the cost model: " + ", ".join(
                 f"{k} {v * 1e3:.3g} ms" for k, v in sorted(self.choice.items(), key=lambda kv: kv[1])) + "]"
         return text
-
-    def _route_text(self) -> str:
-        total = len(self.routes)
-        if self.count(BATCHED):
-            return f"{self.collective or 'allreduce'} (batched)"
-        used = list(dict.fromkeys(self.routes.values()))
-        if not self.buckets and len(used) == 1:
-            return used[0]
-        text = f"{self.allgather}-allgather ({len(self.buckets)} bucket(s))"
-        bucketed = {r.name for r in _ROUTES.values() if r.bucketed}
-        others = [r for r in used if r not in bucketed]
-        return text + "".join(f", {self.count(r)} of {total} tensor(s) by {r} (cost model)" for r in others)
 
 
 def plan_transport(params: Sequence[Tuple[str, int, int]], compression, cost_model, size: int,

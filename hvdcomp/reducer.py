@@ -79,11 +79,9 @@ class Reducer:
             ``compression="auto"``, the candidate in use).
         transport: the :class:`hvdcomp.plan.TransportPlan`.
         cost_model: the α-β model that routed gradients, or None.
-        auto: with ``compression="auto"`` (:class:`hvdcomp.auto.Auto`), its
-            :class:`hvdcomp.auto.AutoState` (candidates, decisions); else None. Its decisions
-            take effect at step boundaries (:meth:`commit`), never within a step.
-        life: the step lifecycle (:class:`hvdcomp.step.Lifecycle`: staged state, the non-finite
-            guard, restored state, the loss scale, ``skipped_steps``).
+        auto: with ``compression="auto"``, its :class:`hvdcomp.auto.AutoState` (decisions take
+            effect at step boundaries, :meth:`commit`); else None.
+        life: the step lifecycle (:class:`hvdcomp.step.Lifecycle`).
         active: whether anything is reduced (False outside the group, and for a job of one rank
             whose method leaves gradients as they are).
         status: where the step is (:class:`hvdcomp.step.Status`).
@@ -154,14 +152,11 @@ class Reducer:
         """The world changed (elastic Horovod's reset: workers lost or added): from the next step
         on, reduce over ``group`` (a :class:`~hvdcomp.comm.group.ProcessGroup` of the new world).
 
-        Runs no collective (Horovod's reset and its state broadcast come first): the step in
-        progress is dropped (its staged state rolled back), the old pipeline closed, and what
-        depends on the size (the method's bound size, the set-up agreement, the plan, the
-        transports and allgatherer, the cost model) is rebuilt at the next step's first gradient,
-        on every rank alike. The method's state carries over: this rank's error-feedback
-        residuals and momenta, and the shared part (step counters, PowerSGD's Q), which the
-        surviving ranks then give to new ranks (:class:`hvdcomp.agreement.StateAgreement`: a new
-        rank starts with zero residuals, and ranks whose shared state differs fail naming them).
+        Runs no collective: the step in progress is dropped, the old pipeline closed, and what
+        depends on the size (bound size, set-up agreement, plan, transports, cost model) rebuilt
+        at the next step's first gradient, on every rank alike. The method's state carries over;
+        the surviving ranks give its shared part to new ranks, which start with zero residuals
+        (:class:`hvdcomp.agreement.StateAgreement`).
 
         Raises:
             ValueError: ``compression='auto'`` (its per-size measurements cannot carry over).

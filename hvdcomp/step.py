@@ -1,8 +1,7 @@
 """One step's state: where the step is (:class:`Status`), the one step lifecycle of every
-front-end (:class:`Lifecycle`: the one place that opens, commits and rolls back a step of a
-method's state), the accumulation counters that tell when a unit's gradients are ready
-(:class:`StepState`), and the optimizer surface the front-ends share with Horovod's
-(:class:`SkipSynchronize`, :class:`LocalOptimizerSurface`)."""
+front-end (:class:`Lifecycle`), the accumulation counters (:class:`StepState`), and the optimizer
+surface the front-ends share with Horovod's (:class:`SkipSynchronize`,
+:class:`LocalOptimizerSurface`)."""
 from __future__ import annotations
 
 import contextlib
@@ -40,13 +39,10 @@ SYNCED = (Status.SYNCED, Status.SKIPPED)
 
 class Lifecycle:
     """The one step lifecycle of a method (:class:`hvdcomp.compressors.state.StagedState`), for
-    every front-end (the :class:`~hvdcomp.reducer.Reducer`, the DDP hook's
-    :class:`~hvdcomp.ddp.cycle.StepCycle`, the adaptive optimizers' compressed allreduces): a step
-    is opened at its first compression (:meth:`open` over a group: restored state agreed on once,
-    the loss scale followed; or :meth:`stage` alone), then committed when it counts
-    (:meth:`commit`), rolled back when it does not (:meth:`rollback`), or skipped on every rank
-    when some rank's gradient was non-finite (:meth:`skip`), so a skipped or discarded step
-    leaves no trace.
+    every front-end: a step is opened at its first compression (:meth:`open`, or :meth:`stage`
+    alone), decided (:meth:`decide`, :meth:`riding`), then committed when it counts
+    (:meth:`commit`), rolled back when it does not (:meth:`rollback`) or skipped on every rank
+    (:meth:`skip`), so a skipped or discarded step leaves no trace.
 
     Args:
         compression: the method (``begin_step`` / ``commit`` / ``rollback``, ``rescale_state``).

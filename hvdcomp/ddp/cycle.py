@@ -1,10 +1,7 @@
-"""The DDP hook's step in progress: where it is (:class:`hvdcomp.step.Status`), and when DDP's
-step opens, commits, rolls back or skips the method's state, through the one step lifecycle of
-every front-end (:class:`hvdcomp.step.Lifecycle`, as the :class:`~hvdcomp.reducer.Reducer`). What
-is DDP's own: a joined rank's shadow steps, and synchronized accumulation without ``no_sync``.
-
-When a step's state counts and when it does not is said in :mod:`hvdcomp.ddp.hook`; the hook
-drives the cycle:
+"""The DDP hook's step in progress over the one step lifecycle (:class:`hvdcomp.step.Lifecycle`):
+when DDP's step opens, commits, rolls back or skips the method's state (docs/ddp.md, "State
+follows what is applied"; DDP's own: a joined rank's shadow steps, accumulation without
+``no_sync``). The hook drives it:
 
 ================================ ========================= =================================================
 call                             from                      status after
@@ -45,14 +42,11 @@ class StepCycle:
 
     Attributes:
         status: a :class:`hvdcomp.step.Status`.
-        life: the :class:`hvdcomp.step.Lifecycle` (staged state, the non-finite guard, which
-            observes buffers as they come, restored state, the loss scale, ``skipped_steps``).
+        life: the :class:`hvdcomp.step.Lifecycle`.
         backward_steps: synchronized backward passes reduced so far.
         optimizer: the attached optimizer, or None.
         auto: ``compression="auto"``'s :class:`hvdcomp.auto.AutoState`, told of every step
-            committed (:meth:`~hvdcomp.auto.AutoState.boundary`), skipped
-            (:meth:`~hvdcomp.auto.AutoState.skipped`, on every rank, a joined one too) or dropped;
-            else None.
+            committed, skipped (on every rank, a joined one too) or dropped; else None.
     """
 
     def __init__(self, group, nonfinite: str, grad_scaler, timer, compression):

@@ -114,10 +114,8 @@ def plan_bucket(index: int, names: Sequence[str], shapes: Sequence[Sequence[int]
 
 
 class Layouts:
-    """One DDP model's parameters as the hook sees them, and the layout of every bucket seen.
-
-    Built once per hook; every method the hook runs (``compression="auto"``'s candidates) plans
-    its buckets here, by whether it compresses several gradients in one call (:meth:`of`).
+    """One DDP model's parameters as the hook sees them, and the layout of every bucket seen
+    (built once per hook, for every method it runs: :meth:`of`).
 
     Args:
         module: the model DDP wraps (``ddp_model.module``); its parameters that require a
