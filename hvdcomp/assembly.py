@@ -16,8 +16,8 @@ from .comm.costmodel import CostModel, measure_cost_model
 from .comm.stepcomm import StepComm
 from .compressors.rng import DrawOrder
 from .compressors.segments import Segments, needs_draw_order
-from .plan import (TransportPlan, choose_transport, fuse_units, fuses, make_units, plan_transport, routes, split_groups,
-                   step_route_of)
+from .plan import (TransportPlan, choose_transport, fuse_units, fuses, in_place, make_units, plan_transport, routes,
+                   split_groups, step_route_of)
 from .spec import is_per_tensor
 from .transports import Units, Wiring
 
@@ -188,7 +188,7 @@ def assemble(settings, compression, group, order: List[torch.nn.Parameter], name
     in_buckets = {u for b in buckets for u in b}
     flush_order = [u for u in range(len(units)) if u not in in_buckets] + [u for b in buckets for u in b]
     summed = (wiring.direct and settings.nonfinite != "ignore" and group.size > 1
-              and all(p.dtype in (torch.float32, torch.float64) for p in order))
+              and all(in_place(compression, p.dtype) for p in order))
     draw_order = None
     if fuse and needs_draw_order(compression):  # fused units take the draws one call per gradient takes
         gathered = {n for b in plan.buckets for n in b}

@@ -24,7 +24,7 @@ from .metrics import PhaseTimer
 from .rebuild import keeping_class, template
 from .spec import resolve_compression
 from .reducer import Reducer, check_free, claim, release
-from .step import SkipSynchronize, Status
+from .step import SkipSynchronize, Status, skipped_steps_of
 
 __all__ = ["DistributedOptimizer", "distributed", "wrap", "resolve_compression", "DEFAULT_BUCKET_BYTES", "OPTIMIZER_ENV"]
 
@@ -61,15 +61,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     auto = property(lambda self: self.reducer.auto,
                     doc="With ``compression='auto'``: its :class:`~hvdcomp.auto.AutoState` (``.decisions``, "
                         "``.describe()``); else None.")
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped on every rank because some rank had a non-finite gradient."""
-        return self.reducer.life.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self.reducer.life.skipped_steps = int(value)
+    skipped_steps = skipped_steps_of(lambda self: self.reducer.life)
 
     # ---- synchronisation ----------------------------------------------------------------------
     def synchronize(self) -> None:

@@ -18,15 +18,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import torch
+
 from .compressors.segments import needs_draw_order
 
-__all__ = ["make_buckets", "make_units", "fuse_units", "route_of", "fuses", "split_groups", "TransportPlan",
+__all__ = ["make_buckets", "make_units", "fuse_units", "route_of", "fuses", "in_place", "split_groups", "TransportPlan",
            "plan_transport", "Route", "StepRoute", "register_route", "register_step_route", "routes", "step_route_of",
            "route_names", "step_collectives", "transport_candidates", "predict_step_seconds", "choose_transport",
-           "HOROVOD_KINDS", "BATCHED"]
+           "HOROVOD_KINDS", "BATCHED", "IN_PLACE_DTYPES"]
 
 #: the route of every gradient of a step-wide method
 BATCHED = "batched"
+
+#: dtypes a gradient is reduced in place (:func:`in_place`)
+IN_PLACE_DTYPES = (torch.float32, torch.float64)
 
 #: a list of ``(collective kind, bytes, calls)`` (kinds of :data:`hvdcomp.comm.costmodel.COLLECTIVES`)
 Collectives = List[Tuple[str, float, int]]
@@ -150,6 +155,13 @@ def route_of(compression, numel: int = 0, cost_model=None, p: int = 1) -> str:
             if not route.preferred and route.take_if is not None and route.take_if(cost_model, payload, 4.0 * numel, p):
                 return route.name
     return next((r for r in candidates if r.preferred), candidates[0]).name
+
+
+def in_place(compression, dtype) -> bool:
+    """Whether a gradient (or a DDP bucket) of ``dtype`` travels as it is, reduced where it lies
+    as Horovod and DDP reduce it: a method whose payload is the gradient (``none``), on
+    :data:`IN_PLACE_DTYPES` (a half-precision one travels as float32: its sum could overflow)."""
+    return bool(getattr(compression, "payload_is_gradient", False)) and dtype in IN_PLACE_DTYPES
 
 
 def fuses(compression, granularity: str = "tensor", draw_order: bool = True) -> bool:
@@ -454,17 +466,9 @@ def _label(compression) -> str:
 
 def transport_candidates(compression) -> list:
     """The methods that carry ``compression``'s kind of compression by other transports,
-    ``compression`` itself first, then each step-wide transport's alternative in registration
-    order (each transport module says which it can stand in for, see its ``alternative``):
-
-    * ``topk`` with error feedback: ``gtopk`` (global top-k by sparse allreduce; Shi et al., ICDCS
-      2019) and ``cltk`` (the leader's top-k, values by allreduce; Chen et al., NeurIPS 2020), at
-      the same density, both with error feedback. They select over the whole model, not per
-      gradient, and send 4-byte indices and float32 values whatever top-k's wire options;
-    * ``qsgd``, ``terngrad``, ``efsignsgd``: ``twophase`` with the same quantizer and settings
-      (all-to-all, average, re-quantize, allgather; Tang et al., ICML 2021);
-    * anything else: only itself.
-    """
+    ``compression`` itself first, then each step-wide transport's ``alternative`` in registration
+    order (top-k with error feedback: gtopk, cltk; QSGD, TernGrad, EF-signSGD: twophase; see
+    those modules)."""
     out = [compression]
     for route in _STEP_ROUTES:
         other = route.alternative(compression) if route.alternative is not None else None

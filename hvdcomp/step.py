@@ -13,7 +13,7 @@ import torch
 from .agreement import NonFiniteGuard, StateAgreement
 from .amp import LossScaleTracker
 
-__all__ = ["Status", "SYNCED", "Lifecycle", "StepState", "SkipSynchronize", "LocalOptimizerSurface"]
+__all__ = ["Status", "SYNCED", "Lifecycle", "skipped_steps_of", "StepState", "SkipSynchronize", "LocalOptimizerSurface"]
 
 
 class Status(enum.Enum):
@@ -146,6 +146,13 @@ class Lifecycle:
         self.skipped_steps += 1
         for t in tensors:
             t.fill_(float("nan"))
+
+
+def skipped_steps_of(life: Callable) -> property:
+    """A front-end's ``skipped_steps`` (read and set): that of its :class:`Lifecycle`, ``life(self)``."""
+    return property(lambda self: life(self).skipped_steps,
+                    lambda self, value: setattr(life(self), "skipped_steps", int(value)),
+                    doc="Steps skipped on every rank because some rank had a non-finite gradient.")
 
 
 class StepState:

@@ -23,13 +23,15 @@ import torch
 from ..assembly import step_comm_of
 from ..compressors.base import PayloadKind
 from ..compressors.none import NoneCompressor
-from ..plan import BATCHED, fuses, route_of, routes, step_route_of
-from ..transports.allreduce import IN_PLACE_DTYPES, AllreduceTransport
+from ..plan import BATCHED, fuses, in_place, route_of, routes, step_route_of
+from ..transports.allreduce import AllreduceTransport
 from ..transports.base import Transport, Wiring
 from ..transports.stepwide import reduce_step
 from .layout import BucketLayout, Unit
 
 __all__ = ["Bucket", "BucketUnits", "BucketTransport", "describe"]
+
+_NONE = NoneCompressor()  # (what a raw bucket travels by)
 
 
 def describe(compression) -> str:
@@ -65,7 +67,7 @@ class Bucket:
     @property
     def in_place(self) -> bool:
         """Reduced in place with DDP's arithmetic (÷N, then summed): a raw float32/float64 bucket."""
-        return self.raw and self.buffer.dtype in IN_PLACE_DTYPES
+        return self.raw and in_place(_NONE, self.buffer.dtype)
 
 
 class BucketUnits:
@@ -141,7 +143,7 @@ class BucketTransport(Transport):
         self.plan = (f"torch.distributed {group.backend}: {describe(compression)}; per DDP bucket, "
                      f"granularity {granularity}")
         self.gatherer = group.allgatherer()
-        self._step_comm, self._none = None, NoneCompressor()
+        self._step_comm = None
         self.reset()
 
     @property
@@ -155,7 +157,7 @@ class BucketTransport(Transport):
         self.units = BucketUnits()
         wiring = Wiring(self.group, self.timer, self.compression, self.units, "hvdcomp.ddp", gatherer=self.gatherer)
         self.carrier = None if self.deferred else self._build(wiring)
-        wiring.compression = self._none
+        wiring.compression = _NONE
         self.raw = AllreduceTransport(wiring)  # (the raw buckets)
         self._carriers = [self.raw] + ([self.carrier] if self.carrier is not None else [])
 

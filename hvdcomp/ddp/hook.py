@@ -34,10 +34,10 @@ from ..config import Settings, check_method
 from ..launch import start_frontend
 from ..metrics import PhaseTimer
 from ..agreement import StepSkipped, check_consistency
+from ..plan import in_place
 from ..reducer import check_free, claim
 from ..spec import resolve_compression
-from ..step import SkipSynchronize
-from ..transports.allreduce import IN_PLACE_DTYPES
+from ..step import SkipSynchronize, skipped_steps_of
 from .buckets import Bucket, BucketTransport
 from .cycle import StepCycle
 from .layout import BucketLayout, Layouts
@@ -145,13 +145,7 @@ class HookState(SkipSynchronize):
         its rebuild, once the second backward has run)."""
         return self._layouts.seen()
 
-    @property
-    def skipped_steps(self) -> int:
-        return self._cycle.life.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self._cycle.life.skipped_steps = int(value)
+    skipped_steps = skipped_steps_of(lambda self: self._cycle.life)
 
     def describe(self) -> dict:
         """JSON-able summary: compressor, transport, group, granularity."""
@@ -210,7 +204,7 @@ class HookState(SkipSynchronize):
         if self.pipe.deferred:  # (a step-wide method reduces the whole step at the last bucket)
             return False
         if self.compression.payload_is_gradient:
-            return buffer.dtype in IN_PLACE_DTYPES
+            return in_place(self.compression, buffer.dtype)
         if self.granularity == "bucket":
             if self._cycle.backward_steps == 0:
                 return True
