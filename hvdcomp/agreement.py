@@ -28,6 +28,14 @@ _GRAD, _IS_SPARSE = operator.attrgetter("grad"), operator.attrgetter("is_sparse"
 log = logging.getLogger(__name__)
 
 
+def _non_finite(tensors: List[torch.Tensor], device) -> torch.Tensor:
+    """A 0-d flag on ``device``, > 0 if any of ``tensors`` holds NaN/Inf: ``GradScaler``'s fused
+    check (``torch._amp_foreach_non_finite_check_and_unscale_`` with a scale of 1), no host sync."""
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, torch.ones((), dtype=torch.float32, device=device))
+    return found
+
+
 @dataclass
 class StepVerdict:
     """What the ranks agreed for one step.
@@ -74,8 +82,7 @@ class NonFiniteGuard:
 
     def observe(self, tensors: Sequence[torch.Tensor], averaged: bool = False) -> None:
         """Fold the finiteness of ``tensors`` (dense or sparse, any devices) into this step's flag:
-        one fused check per device (``torch._amp_foreach_non_finite_check_and_unscale_`` with a
-        scale of 1, the kernel ``GradScaler`` runs on the same gradients), no host sync.
+        one fused check per device (:func:`_non_finite`), no host sync.
 
         ``averaged``: the tensors are averaged results, identical on every rank (a gradient
         reduced in place, an overflowed payload read as NaN). A non-finite one skips the step
@@ -90,10 +97,7 @@ class NonFiniteGuard:
             if t.is_floating_point() and t.numel():
                 by_device.setdefault(t.device, []).append(t)
         for device, group in by_device.items():
-            found = torch.zeros((), dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                group, found, torch.ones((), dtype=torch.float32, device=device))
-            flags.append(found)
+            flags.append(_non_finite(group, device))
 
     def observe_gradients(self, params: Sequence[torch.Tensor], exclude=(), only=None, averaged: bool = False) -> None:
         """:meth:`observe` of the parameters' gradients (``.grad``, those that are not None), all
@@ -122,10 +126,7 @@ class NonFiniteGuard:
             if any(map(operator.is_, grads, itertools.repeat(None))) or any(map(_IS_SPARSE, grads)):
                 self.observe([g for g in grads if g is not None], averaged)
                 continue
-            found = torch.zeros((), dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                grads, found, torch.ones((), dtype=torch.float32, device=device))
-            (self._averaged if averaged else self._flags).append(found)
+            (self._averaged if averaged else self._flags).append(_non_finite(grads, device))
 
     def reset(self) -> None:
         """Forget this step's flags (the step was discarded)."""

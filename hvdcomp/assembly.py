@@ -7,7 +7,7 @@ Nothing here runs per step; the optimizer (:mod:`hvdcomp.optimizer`) then hands 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional
 
 import torch
@@ -131,7 +131,7 @@ def assemble(settings, compression, group, order: List[torch.nn.Parameter], name
             compression = chosen
             compression.bind_group(group.size)
             per_tensor = is_per_tensor(compression)
-        settings = settings.with_cost_model(model)  # measured once
+        settings = replace(settings, cost_model=model)  # measured once
     cost_model = _routing_cost_model(settings, compression, group, order, gatherer) if per_tensor else None
     unit_names = [names[p] for p in order]
     groups = settings.groups

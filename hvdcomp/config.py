@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
@@ -174,22 +174,19 @@ class Settings:
                    process_set, allgather, timer, nonfinite, check_consistency, bucket_bytes, cost_model,
                    grad_scaler, granularity, fuse_tensors, transport, op is total)
 
-    def with_cost_model(self, model: CostModel) -> "Settings":
-        """The same settings with a measured cost model (measured once, at construction)."""
-        return replace(self, cost_model=model)
-
     def signature(self, compression, names: dict, order, prefix: str, backward_passes_per_step: Optional[int] = None
                   ) -> dict:
         """Everything that must be identical on every rank (compared at construction): these
         settings, the method, the parameter list (names, shapes, dtypes, order), the environment
         overrides and the optimizer's creation index ``prefix``."""
-        cost = self.cost_model
-        groups = self.groups
+        cost, groups, allgather = self.cost_model, self.groups, self.allgather
+        if not isinstance(allgather, str):  # (an injected allgatherer: by its kind)
+            allgather = getattr(allgather, "kind", "custom")
         return {"compression": {"class": type(compression).__name__, **compression.describe()},
                 "backward_passes_per_step": backward_passes_per_step or self.backward_passes_per_step,
                 "op": str(self.op), "gradient_predivide_factor": self.gradient_predivide_factor,
                 "sparse_as_dense": self.sparse_as_dense, "nonfinite": self.nonfinite,
-                "bucket_bytes": self.bucket_bytes, "allgather": self.allgather_name,
+                "bucket_bytes": self.bucket_bytes, "allgather": allgather,
                 "granularity": self.granularity, "fuse_tensors": self.fuse_tensors,
                 "transport": self.transport,
                 "cost_model": (cost.alpha, cost.beta) if isinstance(cost, CostModel) else cost,
@@ -197,11 +194,6 @@ class Settings:
                 "environment": {k: os.environ.get(k) for k in OPTIMIZER_ENV},
                 "optimizer_index": prefix,
                 "parameters": [(names[p], tuple(p.shape), str(p.dtype)) for p in order]}
-
-    @property
-    def allgather_name(self) -> str:
-        """``allgather`` as it is compared across ranks (an injected allgatherer by its kind)."""
-        return self.allgather if isinstance(self.allgather, str) else getattr(self.allgather, "kind", "custom")
 
 
 def name_parameters(param_groups, named_parameters) -> Dict[torch.Tensor, str]:

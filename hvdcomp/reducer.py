@@ -293,9 +293,7 @@ class Reducer:
             self.current.status = Status.SKIPPED if skipped else Status.SYNCED
             return not skipped
         pipe, step = self.pipe, self.current
-        for u in pipe.flush_order:  # what backward did not reach, in the same order on every rank
-            if not step.started[u]:
-                self._start(u)
+        self._flush()
         # every local gradient's finiteness, in one fused check, except those reduced in place (none):
         # checked on their results (identical on every rank) after
         in_place = set() if pipe.summed_agreement else {pipe.units.members[u][0] for t in pipe.transports
@@ -358,9 +356,13 @@ class Reducer:
         if self.elastic or self.pending:
             self._ready()
         if self.active and not self.current.synced:
-            for u in self.pipe.flush_order:  # (the order synchronize() starts them in)
-                if not self.current.started[u]:
-                    self._start(u)
+            self._flush()
+
+    def _flush(self) -> None:
+        """Start what backward did not reach, in the same order on every rank."""
+        for u in self.pipe.flush_order:
+            if not self.current.started[u]:
+                self._start(u)
 
     def reduce(self) -> bool:
         """Reduce the ``.grad`` of every tensor now and commit (for modes that reduce tensors of

@@ -54,12 +54,11 @@ class BucketLayout:
 
     Attributes:
         index: ``bucket.index()``.
-        names, shapes: the bucket's parameters in buffer order.
+        names, shapes: the bucket's parameters in buffer order (other names at the same index:
+            DDP rebuilt its buckets).
         numel: elements in the buffer.
         units: compression calls, in compression order.
         segments: the :class:`Segments` of all the bucket's parameters (buffer order).
-        key: identifies the layout (parameter names in buffer order): a changed key at the same
-            index means DDP rebuilt its buckets.
     """
 
     index: int
@@ -68,10 +67,6 @@ class BucketLayout:
     numel: int
     units: List[Unit]
     segments: Segments
-
-    @property
-    def key(self) -> Tuple[str, ...]:
-        return self.names
 
     def views(self, buffer: torch.Tensor) -> List[torch.Tensor]:
         """Each parameter's gradient in the 1-D ``buffer``: views in its shape, buffer order."""
@@ -128,7 +123,7 @@ class Layouts:
         params: the parameters that require a gradient, in ``module.parameters()`` order.
         order: ``(name, parameter)`` in the expected backward order (the reverse of
             ``module.parameters()``, the Horovod front-end's).
-        recorded: granularity ``"bucket"``: per bucket index, the layout key its compressor state
+        recorded: granularity ``"bucket"``: per bucket index, the parameter names its compressor state
             was built for (saved in checkpoints).
 
     Raises:
@@ -162,7 +157,7 @@ class Layouts:
         params = bucket.parameters()
         key = self._seen[index] = tuple(self._names[id(p)] for p in params)
         layout = self._layouts.get((index, segmentable))
-        if layout is None or layout.key != key:
+        if layout is None or layout.names != key:
             layout = self._layouts[index, segmentable] = plan_bucket(
                 index, key, [tuple(p.shape) for p in params], [self._position[id(p)] for p in params],
                 segmentable, self.granularity)
@@ -175,11 +170,11 @@ class Layouts:
         Raises:
             RuntimeError: bucket ``layout.index`` now holds other parameters.
         """
-        recorded = self.recorded.setdefault(layout.index, layout.key)
-        if recorded != layout.key:
+        recorded = self.recorded.setdefault(layout.index, layout.names)
+        if recorded != layout.names:
             raise RuntimeError(
                 f"DDP bucket {layout.index} now holds other parameters than the ones its compressor "
-                f"state (granularity='bucket', kept per bucket) was built for: {list(layout.key)[:4]}... "
+                f"state (granularity='bucket', kept per bucket) was built for: {list(layout.names)[:4]}... "
                 f"instead of {list(recorded)[:4]}... Use granularity='tensor' (state per parameter), or "
                 "keep DDP's bucket layout fixed (same model, bucket_cap_mb and parameter order).")
 
