@@ -82,7 +82,7 @@ class NonFiniteGuard:
 
     def observe(self, tensors: Sequence[torch.Tensor], averaged: bool = False) -> None:
         """Fold the finiteness of ``tensors`` (dense or sparse, any devices) into this step's flag:
-        one fused check per device (:func:`_non_finite`), no host sync.
+        one fused check per device (``_non_finite``), no host sync.
 
         ``averaged``: the tensors are averaged results, identical on every rank (a gradient
         reduced in place, an overflowed payload read as NaN). A non-finite one skips the step

@@ -81,7 +81,7 @@ class _ShadowingJoinHook(JoinHook):
 class HookState(SkipSynchronize):
     """Everything the DDP hook keeps (built by :func:`register`): the bucket layouts
     (:class:`hvdcomp.ddp.layout.Layouts`), the step in progress
-    (:class:`hvdcomp.ddp.cycle.StepCycle`) and the buckets' transport (:class:`BucketTransport`).
+    (:class:`hvdcomp.ddp.cycle.StepCycle`) and the transport (:class:`hvdcomp.ddp.buckets.BucketTransport`).
 
     Attributes:
         compression: the :class:`hvdcomp.Compressor` (its state: residuals, momenta, ...).
