@@ -89,7 +89,6 @@ class HookState(SkipSynchronize):
         granularity: ``"tensor"`` or ``"bucket"`` (:mod:`hvdcomp.ddp.layout`).
         nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"``.
         timer: the :class:`hvdcomp.metrics.PhaseTimer` phases and bytes are recorded in.
-        skipped_steps: steps skipped because some rank had a non-finite gradient.
         transport: one line saying how gradients travel, for logs and results.
         pipe: the :class:`~hvdcomp.ddp.buckets.BucketTransport` the buckets travel by (with
             ``compression="auto"``, the candidate's in use).
