@@ -1,25 +1,11 @@
 """Everything the ranks of an optimizer must agree on: the set-up at construction
 (:func:`check_consistency`), compressor state restored from a checkpoint (:class:`StateAgreement`),
 and, once per step, non-finite gradients, restored state and accumulation settings
-(:class:`NonFiniteGuard`).
-
-Per-step agreement.
-
-Once per synchronized step every rank contributes a few integers (one small allgather): whether
-any of its gradients held NaN/Inf, whether ``load_state_dict`` ran on it since the previous step,
-and its ``backward_passes_per_step``. Every rank then takes the same decision, so no rank can
-update while another skips, and a setting that must agree cannot silently diverge.
-
-Where every averaged gradient is exactly an allreduced result (``none`` on float32/float64
-gradients), the results are identical on every rank, so their finiteness needs no exchange; the
-other integers then travel as *sums* in one small tensor started with the step's first allreduce,
-which Horovod fuses with the gradients' (:meth:`NonFiniteGuard.summary`,
-:meth:`NonFiniteGuard.agree_summed`), instead of a blocking allgather after them. Sums that show a
-setting to name (a rank that loaded alone, different accumulation settings) fall back to the
-allgather, whose messages name the ranks. A step-wide method whose every step starts with an
-allreduce (PowerSGD) carries the same sums, and the count of ranks with a non-finite gradient, at
-the end of that allreduce (:meth:`NonFiniteGuard.riding`): one latency-bound collective less per
-step; a non-finite gradient falls back to the allgather, which names its rank.
+(:class:`NonFiniteGuard`: every rank takes the same decision, so no rank updates while another
+skips). The step's few integers travel by one small allgather, or as sums beside the gradients
+where every averaged result is an allreduced one (:meth:`NonFiniteGuard.agree_summed`), or on a
+step-wide method's first allreduce (:meth:`NonFiniteGuard.riding`); sums that show something to
+name (a rank, a setting) fall back to the allgather, whose messages name the ranks.
 """
 from __future__ import annotations
 
@@ -40,6 +26,14 @@ NONFINITE_MODES = ("skip", "raise", "ignore")
 _GRAD, _IS_SPARSE = operator.attrgetter("grad"), operator.attrgetter("is_sparse")
 
 log = logging.getLogger(__name__)
+
+
+def _non_finite(tensors: List[torch.Tensor], device) -> torch.Tensor:
+    """A 0-d flag on ``device``, > 0 if any of ``tensors`` holds NaN/Inf: ``GradScaler``'s fused
+    check (``torch._amp_foreach_non_finite_check_and_unscale_`` with a scale of 1), no host sync."""
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, torch.ones((), dtype=torch.float32, device=device))
+    return found
 
 
 @dataclass
@@ -88,8 +82,7 @@ class NonFiniteGuard:
 
     def observe(self, tensors: Sequence[torch.Tensor], averaged: bool = False) -> None:
         """Fold the finiteness of ``tensors`` (dense or sparse, any devices) into this step's flag:
-        one fused check per device (``torch._amp_foreach_non_finite_check_and_unscale_`` with a
-        scale of 1, the kernel ``GradScaler`` runs on the same gradients), no host sync.
+        one fused check per device (``_non_finite``), no host sync.
 
         ``averaged``: the tensors are averaged results, identical on every rank (a gradient
         reduced in place, an overflowed payload read as NaN). A non-finite one skips the step
@@ -104,10 +97,7 @@ class NonFiniteGuard:
             if t.is_floating_point() and t.numel():
                 by_device.setdefault(t.device, []).append(t)
         for device, group in by_device.items():
-            found = torch.zeros((), dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                group, found, torch.ones((), dtype=torch.float32, device=device))
-            flags.append(found)
+            flags.append(_non_finite(group, device))
 
     def observe_gradients(self, params: Sequence[torch.Tensor], exclude=(), only=None, averaged: bool = False) -> None:
         """:meth:`observe` of the parameters' gradients (``.grad``, those that are not None), all
@@ -136,10 +126,7 @@ class NonFiniteGuard:
             if any(map(operator.is_, grads, itertools.repeat(None))) or any(map(_IS_SPARSE, grads)):
                 self.observe([g for g in grads if g is not None], averaged)
                 continue
-            found = torch.zeros((), dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                grads, found, torch.ones((), dtype=torch.float32, device=device))
-            (self._averaged if averaged else self._flags).append(found)
+            (self._averaged if averaged else self._flags).append(_non_finite(grads, device))
 
     def reset(self) -> None:
         """Forget this step's flags (the step was discarded)."""

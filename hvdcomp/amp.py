@@ -1,20 +1,17 @@
 """Mixed precision (AMP): keep compressor state in step with a ``torch.amp.GradScaler``'s loss scale.
 
-With AMP the gradients an optimizer's hooks see are *scaled*: ``S·g`` for the loss scale ``S``
-(the Horovod recipe is ``scaler.scale(loss).backward(); opt.synchronize(); scaler.unscale_(opt);
-with opt.skip_synchronize(): scaler.step(opt); scaler.update()``). Compressor state kept in
+With AMP the gradients an optimizer's hooks see are *scaled*: ``S·g`` for the loss scale ``S``.
+Compressor state kept in
 gradient units (error-feedback residuals, DGC momenta, PowerSGD's error) is therefore in units of
 the scale of the step that produced it. When ``GradScaler.update()`` changes the scale (halved
 after an overflow, doubled after ``growth_interval`` clean steps), that state is multiplied by
 ``S_new / S_old`` before the next step compresses anything (:meth:`hvdcomp.Compressor.
 rescale_state`), so error feedback keeps ``Σ sent/S + e/S = Σ g`` in unscaled units.
 
-The scaler is given explicitly (``DistributedOptimizer(..., grad_scaler=scaler)``) or found once,
-at the first applied step of an optimizer whose compressor has such state: the
-``GradScaler`` objects alive in the process are searched for the one that has unscaled or
-stepped this optimizer (``torch.amp.GradScaler`` keeps per-optimizer records keyed by ``id``).
-Reading the scale costs ``scaler.get_scale()`` once per step (a 4-byte device-to-host copy on
-CUDA).
+The scaler is given (``grad_scaler=``) or found once, at the first applied step of an optimizer
+whose compressor has such state, among the ``GradScaler`` objects alive that have unscaled or
+stepped this optimizer. Reading the scale costs one ``scaler.get_scale()`` a step (a 4-byte
+device-to-host copy on CUDA).
 """
 from __future__ import annotations
 

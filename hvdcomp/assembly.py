@@ -7,7 +7,7 @@ Nothing here runs per step; the optimizer (:mod:`hvdcomp.optimizer`) then hands 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional
 
 import torch
@@ -16,8 +16,8 @@ from .comm.costmodel import CostModel, measure_cost_model
 from .comm.stepcomm import StepComm
 from .compressors.rng import DrawOrder
 from .compressors.segments import Segments, needs_draw_order
-from .plan import (TransportPlan, choose_transport, fuse_units, make_units, plan_transport, routes, split_groups,
-                   step_route_of)
+from .plan import (TransportPlan, choose_transport, fuse_units, fuses, in_place, make_units, plan_transport, routes,
+                   split_groups, step_route_of)
 from .spec import is_per_tensor
 from .transports import Units, Wiring
 
@@ -131,7 +131,7 @@ def assemble(settings, compression, group, order: List[torch.nn.Parameter], name
             compression = chosen
             compression.bind_group(group.size)
             per_tensor = is_per_tensor(compression)
-        settings = settings.with_cost_model(model)  # measured once
+        settings = replace(settings, cost_model=model)  # measured once
     cost_model = _routing_cost_model(settings, compression, group, order, gatherer) if per_tensor else None
     unit_names = [names[p] for p in order]
     groups = settings.groups
@@ -145,8 +145,7 @@ def assemble(settings, compression, group, order: List[torch.nn.Parameter], name
     # or gradients compressed per tensor in one call per bucket (fused, plan.fuse_units)
     params = [(unit_names[i], p.numel(), p.element_size(), f"{p.dtype}/{p.device}") for i, p in enumerate(order)]
     allgather = gatherer.kind if gatherer is not None else "none"
-    fuse = (settings.fuse_tensors and settings.granularity == "tensor" and per_tensor
-            and compression.segmentable and not compression.payload_is_gradient)
+    fuse = settings.fuse_tensors and fuses(compression, settings.granularity)
     if fuse:  # routes and buckets per gradient, then the fused units within them
         plan = plan_transport([p[:3] for p in params], compression, cost_model, group.size,
                               settings.bucket_bytes, groups, allgather, group.ranks)
@@ -189,7 +188,7 @@ def assemble(settings, compression, group, order: List[torch.nn.Parameter], name
     in_buckets = {u for b in buckets for u in b}
     flush_order = [u for u in range(len(units)) if u not in in_buckets] + [u for b in buckets for u in b]
     summed = (wiring.direct and settings.nonfinite != "ignore" and group.size > 1
-              and all(p.dtype in (torch.float32, torch.float64) for p in order))
+              and all(in_place(compression, p.dtype) for p in order))
     draw_order = None
     if fuse and needs_draw_order(compression):  # fused units take the draws one call per gradient takes
         gathered = {n for b in plan.buckets for n in b}

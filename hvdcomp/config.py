@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
@@ -34,12 +34,9 @@ ARGUMENTS_DOC = """    Args:
             ``hvd.Compression.none`` / ``hvd.Compression.fp16``. One compressor per optimizer.
         backward_passes_per_step: backward passes accumulated locally before communicating.
         op: ``hvd.Average`` (default) or ``hvd.Sum`` (the sum over ranks, for every method).
-            ``hvd.Adasum`` combines parameter deltas, not gradients: with ``none`` or ``fp16``
-            (no error feedback; ``hvd.Compression.none`` / ``fp16`` alike) this returns stock
-            Horovod's own Adasum optimizer (``hvd.DistributedOptimizer(..., op=hvd.Adasum)``;
-            ``fp16`` as stock's float16 cast of the delta), so results are stock's bit for bit,
-            and hvdcomp's keyword-only arguments do not apply to it (no ``timer``; non-finite
-            values are not checked, as stock). Other methods are refused (``ValueError``).
+            ``hvd.Adasum`` combines parameter deltas: with ``none`` or ``fp16`` (no error
+            feedback) this returns stock Horovod's own Adasum optimizer (stock's results bit for
+            bit; hvdcomp's keyword-only arguments do not apply); other methods are refused.
         gradient_predivide_factor: as Horovod: ``MEAN`` payloads are divided by it before the
             allreduce and multiplied by it / size after (``op=Average`` only). Allgathered
             payloads are averaged in float32 locally, where it changes nothing.
@@ -81,29 +78,19 @@ ARGUMENTS_DOC = """    Args:
         granularity: what the compressor sees as one tensor: ``"tensor"`` (default: each
             gradient, as the methods' papers do) or ``"bucket"`` (as PyTorch DDP's comm hooks:
             consecutive gradients of one dtype, up to ``bucket_bytes`` or one Horovod ``group``,
-            are copied into one flat buffer and compressed together; state such as error-feedback
-            residuals is kept per bucket, named ``bucket<k>``). ``"bucket"`` removes the fixed
-            cost per tensor on models with many small tensors, and changes what a method selects:
-            top-k keeps the largest entries of the bucket, not of each layer; QSGD, signSGD and
-            the casts are unchanged up to their scales. Refused for PowerSGD (it needs each
-            gradient's matrix shape); no effect on gtopk and cltk (they select over the whole
-            model).
-        fuse_tensors: with ``granularity="tensor"`` and a method that can (``segmentable``: top-k,
-            DGC, random-k, threshold, QSGD, TernGrad, signSGD, EF-signSGD, fp16, bf16, with or
-            without error feedback; ``docs/fused-compression.md``), the
-            gradients of one bucket (one allgather bucket, or up to ``bucket_bytes`` of
-            consecutive allreduced gradients) are copied into one flat buffer and compressed in
-            one vectorised call, each gradient still by its own rules (its own top-k, fp16
-            scale, residual): the same results as one call per gradient, without the fixed
-            cost per gradient, and one payload per bucket on the wire. ``False``: one call and
-            one payload per gradient, each sent as soon as backward produced it.
+            compressed as one flat tensor with state per bucket, named ``bucket<k>``: top-k then
+            keeps the largest entries of the bucket, not of each layer). Refused for PowerSGD (it
+            needs each gradient's matrix shape).
+        fuse_tensors: with ``granularity="tensor"`` and a method that can
+            (:func:`hvdcomp.plan.fuses`; ``docs/fused-compression.md``), the gradients of one
+            bucket are compressed in one vectorised call, each still by its own rules: the same
+            results as one call per gradient, and one payload per bucket on the wire. ``False``:
+            one call and one payload per gradient, each sent as soon as backward produced it.
         transport: ``"planned"`` (default: the method's own transport, routed as above) or
-            ``"auto"``: the cost model (measured, or ``cost_model`` given) first picks, among the
-            transports that carry the same kind of compression, the one with the least predicted
-            communication per step (:func:`hvdcomp.plan.choose_transport`): top-k with error
-            feedback by allgather, ``gtopk`` or ``cltk``; QSGD, TernGrad or EF-signSGD by allgather
-            or ``twophase``. ``optimizer.compression`` is then the chosen method and
-            ``optimizer.transport.choice`` holds every candidate's predicted seconds.
+            ``"auto"``: the cost model first picks, among the transports that carry the same kind
+            of compression, the one with the least predicted communication per step
+            (:func:`hvdcomp.plan.choose_transport`; e.g. top-k by allgather, ``gtopk`` or
+            ``cltk``); ``optimizer.transport.choice`` holds every candidate's predicted seconds.
 """
 
 
@@ -187,22 +174,19 @@ class Settings:
                    process_set, allgather, timer, nonfinite, check_consistency, bucket_bytes, cost_model,
                    grad_scaler, granularity, fuse_tensors, transport, op is total)
 
-    def with_cost_model(self, model: CostModel) -> "Settings":
-        """The same settings with a measured cost model (measured once, at construction)."""
-        return replace(self, cost_model=model)
-
     def signature(self, compression, names: dict, order, prefix: str, backward_passes_per_step: Optional[int] = None
                   ) -> dict:
         """Everything that must be identical on every rank (compared at construction): these
         settings, the method, the parameter list (names, shapes, dtypes, order), the environment
         overrides and the optimizer's creation index ``prefix``."""
-        cost = self.cost_model
-        groups = self.groups
+        cost, groups, allgather = self.cost_model, self.groups, self.allgather
+        if not isinstance(allgather, str):  # (an injected allgatherer: by its kind)
+            allgather = getattr(allgather, "kind", "custom")
         return {"compression": {"class": type(compression).__name__, **compression.describe()},
                 "backward_passes_per_step": backward_passes_per_step or self.backward_passes_per_step,
                 "op": str(self.op), "gradient_predivide_factor": self.gradient_predivide_factor,
                 "sparse_as_dense": self.sparse_as_dense, "nonfinite": self.nonfinite,
-                "bucket_bytes": self.bucket_bytes, "allgather": self.allgather_name,
+                "bucket_bytes": self.bucket_bytes, "allgather": allgather,
                 "granularity": self.granularity, "fuse_tensors": self.fuse_tensors,
                 "transport": self.transport,
                 "cost_model": (cost.alpha, cost.beta) if isinstance(cost, CostModel) else cost,
@@ -210,11 +194,6 @@ class Settings:
                 "environment": {k: os.environ.get(k) for k in OPTIMIZER_ENV},
                 "optimizer_index": prefix,
                 "parameters": [(names[p], tuple(p.shape), str(p.dtype)) for p in order]}
-
-    @property
-    def allgather_name(self) -> str:
-        """``allgather`` as it is compared across ranks (an injected allgatherer by its kind)."""
-        return self.allgather if isinstance(self.allgather, str) else getattr(self.allgather, "kind", "custom")
 
 
 def name_parameters(param_groups, named_parameters) -> Dict[torch.Tensor, str]:

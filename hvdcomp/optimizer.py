@@ -1,25 +1,11 @@
 """hvdcomp.DistributedOptimizer: Horovod's ``DistributedOptimizer`` with gradient compression,
 a drop-in with the same arguments, methods and recipes (``docs/horovod-recipes.md``).
 
-This module is the Horovod facade only. One gradient's path (``docs/architecture.md``):
-
-1. backward fires a post-accumulate-grad hook on the parameter; :mod:`hvdcomp.step` counts it
-   (``backward_passes_per_step``) and tells when its compression unit is complete;
-2. the unit's transport (:mod:`hvdcomp.transports`, chosen by :mod:`hvdcomp.plan` at
-   construction, built by :mod:`hvdcomp.assembly`) compresses it (the method's ``encode``, error
-   feedback included: :mod:`hvdcomp.memory`) and starts its collective (:mod:`hvdcomp.comm`);
-3. ``synchronize()`` (called by ``step()``) starts what backward did not reach (unused parameters
-   send zeros), lets every transport finish (results written into ``p.grad``), and agrees with
-   every rank on the step (:mod:`hvdcomp.agreement`: non-finite gradients, restored state,
-   accumulation settings).
-
-Compressor state (residuals, momenta, counters, generators) follows what is *applied*: a step's
-updates are staged when it is compressed, committed when ``step()`` applies the update, and
-dropped when the synchronized gradient is discarded (``zero_grad()`` or a new backward before
-``step()``, a skipped non-finite step, a ``GradScaler`` overflow). With a ``GradScaler`` the state
-follows loss-scale changes (:mod:`hvdcomp.amp`).
-
-Time and bytes per phase go to ``optimizer.timer`` (:class:`hvdcomp.metrics.PhaseTimer`).
+The Horovod facade over the :class:`~hvdcomp.reducer.Reducer`: backward's hooks hand it each
+gradient, ``synchronize()`` (called by ``step()``) finishes and agrees on the step, ``step()``
+applies it and commits the compressor state, ``zero_grad()`` or a new backward before ``step()``
+discards it (one gradient's path: ``docs/architecture.md``). Time and bytes per phase go to
+``optimizer.timer`` (:class:`hvdcomp.metrics.PhaseTimer`).
 """
 from __future__ import annotations
 
@@ -38,7 +24,7 @@ from .metrics import PhaseTimer
 from .rebuild import keeping_class, template
 from .spec import resolve_compression
 from .reducer import Reducer, check_free, claim, release
-from .step import SkipSynchronize, Status
+from .step import SkipSynchronize, Status, skipped_steps_of
 
 __all__ = ["DistributedOptimizer", "distributed", "wrap", "resolve_compression", "DEFAULT_BUCKET_BYTES", "OPTIMIZER_ENV"]
 
@@ -75,15 +61,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     auto = property(lambda self: self.reducer.auto,
                     doc="With ``compression='auto'``: its :class:`~hvdcomp.auto.AutoState` (``.decisions``, "
                         "``.describe()``); else None.")
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped on every rank because some rank had a non-finite gradient."""
-        return self.reducer.life.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self.reducer.life.skipped_steps = int(value)
+    skipped_steps = skipped_steps_of(lambda self: self.reducer.life)
 
     # ---- synchronisation ----------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -176,17 +154,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def reset(self) -> None:
         """Follow elastic Horovod's reset (workers lost or added): register it once,
         ``state.register_reset_callbacks([optimizer.reset])``, on the
-        ``hvd.elastic.TorchState(model=..., optimizer=optimizer)`` of ``@hvd.elastic.run``.
-
-        Runs no collective. The step in progress is dropped; what depends on the world size (the
-        pipeline, the set-up agreement, the allgatherer) is rebuilt over the new world at the next
-        step, on every rank alike (:meth:`hvdcomp.reducer.Reducer.resize`). This rank's
-        error-feedback residuals and the shared state (PowerSGD's warm-start Q, step counters)
-        carry over; a new rank takes the shared state from the surviving ranks and starts with
-        zero residuals. Without the callback, a change of the world's size (or of this rank's
-        number) is noticed at the next step and followed the same way, but a worker replaced by
-        a new one at the same size is not: register it. Outside elastic Horovod it rebuilds
-        over the current world the same way.
+        ``hvd.elastic.TorchState(model=..., optimizer=optimizer)`` of ``@hvd.elastic.run``. Runs no
+        collective: the pipeline is rebuilt over the new world at the next step, and the
+        compressor state carries over (:meth:`hvdcomp.reducer.Reducer.resize`). Without the
+        callback a change of size or rank is noticed at the next step, but a worker replaced at
+        the same size is not.
 
         Raises:
             RuntimeError: the optimizer was closed (:meth:`close`).
@@ -207,12 +179,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Stop communicating: detach the backward hooks and stop the allgather's background
-        thread, for programs that build many optimizers in one process. Call it on every rank of
-        the process set, between steps; idempotent. Afterwards ``synchronize()`` and ``step()``
-        raise, and the compressor, with its state, may serve a new optimizer. The MPI
-        communicators it made stay until ``MPI_Finalize`` (freeing them crashed Open MPI 4.1.4:
-        :meth:`hvdcomp.comm.allgatherv.MPIAllgatherer.close`), so thousands of optimizers should not
-        share one process.
+        thread. Call it on every rank of the process set, between steps; idempotent. Afterwards
+        ``synchronize()`` and ``step()`` raise, and the compressor, with its state, may serve a
+        new optimizer (the MPI communicators stay until ``MPI_Finalize``:
+        :meth:`hvdcomp.comm.allgatherv.MPIAllgatherer.close`).
 
         Raises:
             RuntimeError: a step is in progress (backward ran, its gradients are not

@@ -1,42 +1,37 @@
-"""Planning: how each gradient travels, decided once at construction, the same on every rank.
-
-Pure functions of the parameter shapes, the method, the cost model and the settings: no
-communication, so every rank computes the same plan.
+"""Planning: how each gradient travels, decided once at construction, the same on every rank
+(pure functions of the parameter shapes, the method, the cost model and the settings), for both
+front-ends: :func:`route_of` is the one routing decision, :func:`fuses` the one fusion decision.
 
 **Routes.** Every transport module of :mod:`hvdcomp.transports` registers here what it carries
 and what it costs (:func:`register_route`, :func:`register_step_route`); the plan reads this
-registry only, so a new transport is one new module. Per-gradient routes carry the payloads of
-per-tensor methods (:class:`hvdcomp.Compressor`) by their :class:`~hvdcomp.compressors.base.PayloadKind`:
-
-* ``"allreduce"``: ``MEAN`` and ``SUM`` payloads; Horovod ``allreduce_async`` reduces them.
-* ``"allgather"``: ``GATHERED`` payloads (sparse indices, per-rank scales) wait for their
-  **bucket** and travel in one variable-size allgather per bucket.
-* ``"decoded-allreduce"``: a ``GATHERED`` payload whose aggregate is the mean of its decodes,
-  where the α-β cost model predicts that averaging its local decode densely is cheaper (same
-  result): decoded, then allreduced in fp32.
-
-A method's *preferred* route for its kind carries it unless the cost model prices another route
-that carries it cheaper for that gradient. Step-wide methods (PowerSGD, gtopk, cltk, twophase)
-compress every gradient of a step together with their own transport: route ``"batched"``.
-
-With ``transport="auto"`` the cost model first chooses, among the step-wide transports that can
-carry the same kind of compression (each registers which: :func:`transport_candidates`), the one
-with the least predicted communication per step (:func:`choose_transport`): top-k by allgather,
-global top-k by sparse allreduce (gtopk) or the leader's top-k by allreduce (cltk); a quantizer by
-allgather or by the two-phase compressed allreduce (twophase).
+registry only. A per-tensor method's payloads travel by the route its
+:class:`~hvdcomp.compressors.base.PayloadKind` prefers (``"allreduce"``: ``MEAN``, ``SUM``;
+``"allgather"``: ``GATHERED``, in buckets), unless the α-β cost model prices another route that
+carries it cheaper for a gradient (``"decoded-allreduce"``: a gathered payload whose aggregate is
+the mean of its decodes, decoded and allreduced in fp32). Step-wide methods (PowerSGD, gtopk,
+cltk, twophase) compress a whole step with their own transport: route ``"batched"``. With
+``transport="auto"`` the cost model first chooses among the transports that can carry the same
+kind of compression (:func:`choose_transport`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["make_buckets", "make_units", "fuse_units", "split_groups", "TransportPlan", "plan_transport",
-           "Route", "StepRoute", "register_route", "register_step_route", "routes", "step_route_of",
+import torch
+
+from .compressors.segments import needs_draw_order
+
+__all__ = ["make_buckets", "make_units", "fuse_units", "route_of", "fuses", "in_place", "split_groups", "TransportPlan",
+           "plan_transport", "Route", "StepRoute", "register_route", "register_step_route", "routes", "step_route_of",
            "route_names", "step_collectives", "transport_candidates", "predict_step_seconds", "choose_transport",
-           "HOROVOD_KINDS", "BATCHED"]
+           "HOROVOD_KINDS", "BATCHED", "IN_PLACE_DTYPES"]
 
 #: the route of every gradient of a step-wide method
 BATCHED = "batched"
+
+#: dtypes a gradient is reduced in place (:func:`in_place`)
+IN_PLACE_DTYPES = (torch.float32, torch.float64)
 
 #: a list of ``(collective kind, bytes, calls)`` (kinds of :data:`hvdcomp.comm.costmodel.COLLECTIVES`)
 Collectives = List[Tuple[str, float, int]]
@@ -139,17 +134,46 @@ def route_names() -> List[str]:
     return [*_ROUTES, BATCHED]
 
 
-def _route_gradient(compression, numel: int, payload: Optional[float], cost_model, p: int) -> str:
-    """The route of one gradient of a per-tensor method: its preferred route, unless ``cost_model``
-    makes another route that carries it take the gradient (that route's ``take_if``)."""
+def route_of(compression, numel: int = 0, cost_model=None, p: int = 1) -> str:
+    """How a gradient (or a DDP bucket) of ``compression`` travels, the one decision both
+    front-ends read: ``"batched"`` for a step-wide method (its own collectives, once a step), else
+    the route a per-tensor method's :class:`~hvdcomp.compressors.base.PayloadKind` prefers
+    (``"allreduce"``: ``MEAN``, ``SUM``; ``"allgather"``: ``GATHERED``), unless ``cost_model``
+    makes another route that carries it take a gradient of ``numel`` elements on ``p`` ranks.
+
+    Raises:
+        ValueError: no registered route carries the method.
+    """
+    if step_route_of(compression) is not None:
+        return BATCHED
     candidates = [r for r in _ROUTES.values() if r.carries(compression)]
     if not candidates:
         raise ValueError(f"no transport carries '{compression.name}' ({compression.payload_kind.value} payloads)")
-    if cost_model is not None and payload is not None:
+    payload = None if cost_model is None else compression.expected_payload_bytes(numel)
+    if payload is not None:
         for route in candidates:
             if not route.preferred and route.take_if is not None and route.take_if(cost_model, payload, 4.0 * numel, p):
                 return route.name
     return next((r for r in candidates if r.preferred), candidates[0]).name
+
+
+def in_place(compression, dtype) -> bool:
+    """Whether a gradient (or a DDP bucket) of ``dtype`` travels as it is, reduced where it lies
+    as Horovod and DDP reduce it: a method whose payload is the gradient (``none``), on
+    :data:`IN_PLACE_DTYPES` (a half-precision one travels as float32: its sum could overflow)."""
+    return bool(getattr(compression, "payload_is_gradient", False)) and dtype in IN_PLACE_DTYPES
+
+
+def fuses(compression, granularity: str = "tensor", draw_order: bool = True) -> bool:
+    """Whether gradients of one bucket are compressed in one call, each by its own rules
+    (:mod:`hvdcomp.compressors.segments`): a ``segmentable`` per-tensor method whose payload is
+    not the gradient itself, at ``granularity="tensor"``; one that draws random numbers at each
+    call only where the front-end keeps the step's draw order (``draw_order``: the Horovod
+    front-end's :class:`~hvdcomp.compressors.rng.DrawOrder`; the DDP hook compresses those one
+    gradient per call, in the expected backward order)."""
+    return (granularity == "tensor" and step_route_of(compression) is None
+            and getattr(compression, "segmentable", False) and not compression.payload_is_gradient
+            and (draw_order or not needs_draw_order(compression)))
 
 
 def make_buckets(sizes: List[int], bucket_bytes: int) -> List[List[int]]:
@@ -172,6 +196,19 @@ def make_buckets(sizes: List[int], bucket_bytes: int) -> List[List[int]]:
     if current:
         buckets.append(current)
     return buckets
+
+
+def _capped_runs(params, keys: list, bucket_bytes: int, keep=lambda key: True) -> List[List[int]]:
+    """Runs of consecutive positions of one key (a key ``keep`` accepts), each cut into buckets of
+    at most ``bucket_bytes`` gradient bytes (:func:`make_buckets`)."""
+    out, start = [], 0
+    for i in range(1, len(params) + 1):
+        if i == len(params) or keys[i] != keys[start]:
+            if keep(keys[start]):
+                sizes = [params[j][1] * params[j][2] for j in range(start, i)]
+                out += [[start + k for k in b] for b in make_buckets(sizes, bucket_bytes)]
+            start = i
+    return out
 
 
 def make_units(params: Sequence[Tuple[str, int, int, str]], granularity: str, bucket_bytes: int,
@@ -202,13 +239,7 @@ def make_units(params: Sequence[Tuple[str, int, int, str]], granularity: str, bu
         at = {name: i for i, (name, _, _, _) in enumerate(params)}
         runs = [[at[n] for n in g] for g in groups]
     else:
-        runs, start = [], 0
-        for i in range(1, len(params) + 1):
-            if i == len(params) or params[i][3] != params[start][3]:
-                positions = list(range(start, i))
-                sizes = [params[k][1] * params[k][2] for k in positions]
-                runs += [[positions[k] for k in b] for b in make_buckets(sizes, bucket_bytes)]
-                start = i
+        runs = _capped_runs(params, [p[3] for p in params], bucket_bytes)
     units = []
     for run in runs:  # a group spanning layouts is split by layout
         by_key: Dict[str, List[int]] = {}
@@ -253,14 +284,7 @@ def fuse_units(params: Sequence[Tuple[str, int, int, str]], plan: "TransportPlan
         if key[0] in bucketed:
             runs.setdefault(key, []).append(i)
     units += list(runs.values())
-    start = 0
-    for i in range(1, len(params) + 1):  # other routes: consecutive runs of one key, capped
-        if i == len(params) or keys[i] != keys[start]:
-            if keys[start][0] not in bucketed:
-                positions = list(range(start, i))
-                sizes = [params[k][1] * params[k][2] for k in positions]
-                units += [[positions[k] for k in b] for b in make_buckets(sizes, bucket_bytes)]
-            start = i
+    units += _capped_runs(params, keys, bucket_bytes, keep=lambda key: key[0] not in bucketed)  # other routes
     units.sort(key=lambda members: members[0])
     out, fused = [], 0
     for members in units:
@@ -349,23 +373,20 @@ class TransportPlan:
 
     def __str__(self) -> str:
         """One line for logs and results, e.g. ``mpi4py-allgather (2 bucket(s))``."""
-        text = self._route_text()
+        used = list(dict.fromkeys(self.routes.values()))
+        if self.count(BATCHED):
+            text = f"{self.collective or 'allreduce'} (batched)"
+        elif not self.buckets and len(used) == 1:
+            text = used[0]
+        else:
+            bucketed = {r.name for r in _ROUTES.values() if r.bucketed}
+            text = f"{self.allgather}-allgather ({len(self.buckets)} bucket(s))" + "".join(
+                f", {self.count(r)} of {len(self.routes)} tensor(s) by {r} (cost model)" for r in used
+                if r not in bucketed)
         if self.choice:
             text += " [chosen by the cost model: " + ", ".join(
                 f"{k} {v * 1e3:.3g} ms" for k, v in sorted(self.choice.items(), key=lambda kv: kv[1])) + "]"
         return text
-
-    def _route_text(self) -> str:
-        total = len(self.routes)
-        if self.count(BATCHED):
-            return f"{self.collective or 'allreduce'} (batched)"
-        used = list(dict.fromkeys(self.routes.values()))
-        if not self.buckets and len(used) == 1:
-            return used[0]
-        text = f"{self.allgather}-allgather ({len(self.buckets)} bucket(s))"
-        bucketed = {r.name for r in _ROUTES.values() if r.bucketed}
-        others = [r for r in used if r not in bucketed]
-        return text + "".join(f", {self.count(r)} of {total} tensor(s) by {r} (cost model)" for r in others)
 
 
 def plan_transport(params: Sequence[Tuple[str, int, int]], compression, cost_model, size: int,
@@ -393,13 +414,7 @@ def plan_transport(params: Sequence[Tuple[str, int, int]], compression, cost_mod
         ValueError: no registered route carries the method.
     """
     step = step_route_of(compression)
-    routes_: Dict[str, str] = {}
-    for name, numel, _ in params:
-        if step is not None:
-            routes_[name] = BATCHED
-        else:
-            payload = None if cost_model is None else compression.expected_payload_bytes(numel)
-            routes_[name] = _route_gradient(compression, numel, payload, cost_model, size)
+    routes_ = {name: route_of(compression, numel, cost_model, size) for name, numel, _ in params}
     bucketed = {r.name for r in _ROUTES.values() if r.bucketed}
     gathered = [(n, numel * esize) for n, numel, esize in params if routes_[n] in bucketed]
     if groups is not None:
@@ -430,8 +445,7 @@ def step_collectives(compression, numels: Sequence[int], p: int, bucket_bytes: i
         return None
     by_route: Dict[str, List[Tuple[float, float]]] = {}
     for n, b in zip(numels, sizes):
-        route = _route_gradient(compression, n, b, cost_model, p)
-        by_route.setdefault(route, []).append((float(b), 4.0 * n))
+        by_route.setdefault(route_of(compression, n, cost_model, p), []).append((float(b), 4.0 * n))
     out: Collectives = []
     for name, route in _ROUTES.items():
         if name in by_route:
@@ -452,17 +466,9 @@ def _label(compression) -> str:
 
 def transport_candidates(compression) -> list:
     """The methods that carry ``compression``'s kind of compression by other transports,
-    ``compression`` itself first, then each step-wide transport's alternative in registration
-    order (each transport module says which it can stand in for, see its ``alternative``):
-
-    * ``topk`` with error feedback: ``gtopk`` (global top-k by sparse allreduce; Shi et al., ICDCS
-      2019) and ``cltk`` (the leader's top-k, values by allreduce; Chen et al., NeurIPS 2020), at
-      the same density, both with error feedback. They select over the whole model, not per
-      gradient, and send 4-byte indices and float32 values whatever top-k's wire options;
-    * ``qsgd``, ``terngrad``, ``efsignsgd``: ``twophase`` with the same quantizer and settings
-      (all-to-all, average, re-quantize, allgather; Tang et al., ICML 2021);
-    * anything else: only itself.
-    """
+    ``compression`` itself first, then each step-wide transport's ``alternative`` in registration
+    order (top-k with error feedback: gtopk, cltk; QSGD, TernGrad, EF-signSGD: twophase; see
+    those modules)."""
     out = [compression]
     for route in _STEP_ROUTES:
         other = route.alternative(compression) if route.alternative is not None else None

@@ -1,25 +1,13 @@
 """The user's optimizer rebuilt as a distributed one, keeping all it holds.
 
-Horovod's recipe, which :func:`hvdcomp.DistributedOptimizer` follows (and stock
-``hvd.DistributedOptimizer`` runs for ``op=hvd.Adasum``), makes an instance of a new subclass of
-the user's optimizer class from its parameter groups alone: ``cls(optimizer.param_groups, ...)``,
-whose ``__init__`` runs the class's constructor again with ``params`` only. What the groups hold
-(``lr``, ``betas``, ...) survives; everything else falls back to the constructor's defaults:
-``defaults`` (a group added later would get the class's learning rate, not the user's), every
-attribute the constructor sets outside the groups, and state it fills from its arguments. 1-bit
-LAMB's warm-up ``Lamb``, built with ``freeze_step=20, coeff_beta=0.5``, ran with 1 and 0.9 (the
-fresh variance copied at step 1, the factor after the warm-up climbing 1.1, 1.21, ... where
-DeepSpeed's falls from 1.0); ``Adagrad(initial_accumulator_value=0.3)`` restarts its sums at 0.
-
-:func:`keeping_class` is the one fix, for both factories: the class the distributed optimizer
-derives from does not run the user's constructor again; its ``__init__(params)`` builds the
-parameter groups (``torch.optim.Optimizer``'s constructor, over the same group dicts) and then
-takes everything else the user's instance holds: ``defaults``, the attributes its constructor
-set, its ``state`` (what the constructor filled, or a checkpoint loaded before wrapping: stock
-Horovod starts from an empty one) and its hooks. Classes whose constructor needs more than
-``params`` can be wrapped too. ``add_param_group`` is refused once built: the backward hooks,
-names and compression plan cover the parameters given at construction, so a group added later
-would never be averaged (stock Horovod lets it train on each rank's own gradient, silently).
+Horovod's recipe makes an instance of a new subclass of the user's optimizer class from its
+parameter groups alone, ``cls(optimizer.param_groups, ...)``, which runs the class's constructor
+again with ``params`` only: ``defaults``, attributes set outside the groups and state filled from
+the constructor's arguments fall back to their defaults. :func:`keeping_class` gives both
+factories a class whose ``__init__(params)`` builds the parameter groups (``torch.optim.Optimizer``'s
+constructor) and then takes everything else the user's instance holds: ``defaults``, its
+attributes, its ``state`` and its hooks. ``add_param_group`` is refused once built: the backward
+hooks, names and plan cover the parameters given at construction.
 """
 from __future__ import annotations
 

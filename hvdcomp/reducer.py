@@ -1,38 +1,18 @@
 """The core every front-end drives: the assembled pipeline (plan, methods, error feedback,
-transports) and one step lifecycle, over one :class:`~hvdcomp.comm.group.ProcessGroup`.
+transports) and one step lifecycle (:class:`hvdcomp.step.Lifecycle`), over one
+:class:`~hvdcomp.comm.group.ProcessGroup` (a Horovod process set or a ``torch.distributed``
+process group: :func:`hvdcomp.comm.resolve_group`).
 
-A front-end hands a :class:`Reducer` gradients and tells it what happened to the step; the
-reducer owns everything in between, once for every front-end:
-
-==================================  ========================================================
-front-end calls                     the reducer
-==================================  ========================================================
-:meth:`Reducer.gradient_ready`      counts a backward pass of one parameter
-                                    (``backward_passes_per_step``); a complete compression
-                                    unit is compressed and its collective started
-:meth:`Reducer.synchronize`         starts what backward did not reach, waits, writes every
-                                    averaged result into ``p.grad``, and agrees with every
-                                    rank on the step (non-finite gradients, restored state):
-                                    returns whether it goes ahead
-:meth:`Reducer.commit`              the update was applied: the step's compressor state is
-                                    committed
-:meth:`Reducer.discard`             the synchronized (or partly compressed) step will not be
-                                    applied: its staged state is rolled back, leaving no trace
-:meth:`Reducer.state_dict` / ...    the method's state and the skipped-step count
-==================================  ========================================================
-
-Compressor state (residuals, momenta, counters, generators) is staged from a step's first
-compression (:meth:`hvdcomp.compressors.state.StagedState.begin_step`) until :meth:`Reducer.commit` or
-:meth:`Reducer.discard`; a step the ranks agree to skip is rolled back at once on every rank and its
-gradients read NaN (so a ``GradScaler`` sees the overflow).
-
-Used by the Horovod front-end (:mod:`hvdcomp.optimizer`) and by the training modes that reduce
-tensors of their own (:mod:`hvdcomp.local`: the pseudo-gradient Δ), over a Horovod process set
-or a ``torch.distributed`` process group alike (:func:`hvdcomp.comm.resolve_group`).
+A front-end hands a :class:`Reducer` gradients (:meth:`~Reducer.gradient_ready`), asks it to
+finish and agree on the step (:meth:`~Reducer.synchronize`: whether it goes ahead), and tells it
+whether the update was applied (:meth:`~Reducer.commit`) or not (:meth:`~Reducer.discard`);
+compressor state is staged from the step's first compression until then, and a step the ranks
+agree to skip is rolled back on every rank with its gradients read NaN (so a ``GradScaler`` sees
+the overflow). Used by the Horovod front-end (:mod:`hvdcomp.optimizer`) and the training modes
+that reduce tensors of their own (:mod:`hvdcomp.local`: the pseudo-gradient Δ).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from typing import Dict, List, Optional
@@ -99,11 +79,9 @@ class Reducer:
             ``compression="auto"``, the candidate in use).
         transport: the :class:`hvdcomp.plan.TransportPlan`.
         cost_model: the α-β model that routed gradients, or None.
-        auto: with ``compression="auto"`` (:class:`hvdcomp.auto.Auto`), its
-            :class:`hvdcomp.auto.AutoState` (candidates, decisions); else None. Its decisions
-            take effect at step boundaries (:meth:`commit`), never within a step.
-        life: the step lifecycle (:class:`hvdcomp.step.Lifecycle`: staged state, the non-finite
-            guard, restored state, the loss scale, ``skipped_steps``).
+        auto: with ``compression="auto"``, its :class:`hvdcomp.auto.AutoState` (decisions take
+            effect at step boundaries, :meth:`commit`); else None.
+        life: the step lifecycle (:class:`hvdcomp.step.Lifecycle`).
         active: whether anything is reduced (False outside the group, and for a job of one rank
             whose method leaves gradients as they are).
         status: where the step is (:class:`hvdcomp.step.Status`).
@@ -174,14 +152,11 @@ class Reducer:
         """The world changed (elastic Horovod's reset: workers lost or added): from the next step
         on, reduce over ``group`` (a :class:`~hvdcomp.comm.group.ProcessGroup` of the new world).
 
-        Runs no collective (Horovod's reset and its state broadcast come first): the step in
-        progress is dropped (its staged state rolled back), the old pipeline closed, and what
-        depends on the size (the method's bound size, the set-up agreement, the plan, the
-        transports and allgatherer, the cost model) is rebuilt at the next step's first gradient,
-        on every rank alike. The method's state carries over: this rank's error-feedback
-        residuals and momenta, and the shared part (step counters, PowerSGD's Q), which the
-        surviving ranks then give to new ranks (:class:`hvdcomp.agreement.StateAgreement`: a new
-        rank starts with zero residuals, and ranks whose shared state differs fail naming them).
+        Runs no collective: the step in progress is dropped, the old pipeline closed, and what
+        depends on the size (bound size, set-up agreement, plan, transports, cost model) rebuilt
+        at the next step's first gradient, on every rank alike. The method's state carries over;
+        the surviving ranks give its shared part to new ranks, which start with zero residuals
+        (:class:`hvdcomp.agreement.StateAgreement`).
 
         Raises:
             ValueError: ``compression='auto'`` (its per-size measurements cannot carry over).
@@ -318,9 +293,7 @@ class Reducer:
             self.current.status = Status.SKIPPED if skipped else Status.SYNCED
             return not skipped
         pipe, step = self.pipe, self.current
-        for u in pipe.flush_order:  # what backward did not reach, in the same order on every rank
-            if not step.started[u]:
-                self._start(u)
+        self._flush()
         # every local gradient's finiteness, in one fused check, except those reduced in place (none):
         # checked on their results (identical on every rank) after
         in_place = set() if pipe.summed_agreement else {pipe.units.members[u][0] for t in pipe.transports
@@ -354,20 +327,16 @@ class Reducer:
         self.current.status = Status.SYNCED
         if self.nonfinite == "ignore":
             return True
-        loaded, guard, summed = self.life.restored.loaded_since_step, self.life.guard, self._agreement
-        self._agreement, self.life.restored.loaded_since_step = None, False
+        summed, self._agreement = self._agreement, None
         if riding is not None:
             exchange = self.pipe.gatherer.allgather_ints if self.group.size > 1 else (lambda v: [list(v)])
             try:
-                riding.finish(lambda mean: guard.riding(mean, self.group.size, exchange, loaded, self.passes))
+                riding.finish(self.life.riding(self.group.size, exchange, self.passes))
                 return True
             except StepSkipped:
                 pass
-        else:
-            with self.timer.phase("communicate") if self.group.size > 1 else contextlib.nullcontext():
-                verdict = guard.decide(self.group, self.pipe.gatherer, summed, loaded, self.passes)
-            if not verdict.skip:
-                return True
+        elif not self.life.decide(self.group, self.pipe.gatherer, self.passes, summed, self.timer):
+            return True
         self.life.skip(p.grad for p in self.order if p.grad is not None)
         self.current.status = Status.SKIPPED
         return False
@@ -387,9 +356,13 @@ class Reducer:
         if self.elastic or self.pending:
             self._ready()
         if self.active and not self.current.synced:
-            for u in self.pipe.flush_order:  # (the order synchronize() starts them in)
-                if not self.current.started[u]:
-                    self._start(u)
+            self._flush()
+
+    def _flush(self) -> None:
+        """Start what backward did not reach, in the same order on every rank."""
+        for u in self.pipe.flush_order:
+            if not self.current.started[u]:
+                self._start(u)
 
     def reduce(self) -> bool:
         """Reduce the ``.grad`` of every tensor now and commit (for modes that reduce tensors of

@@ -1,8 +1,7 @@
 """One step's state: where the step is (:class:`Status`), the one step lifecycle of every
-front-end (:class:`Lifecycle`: the one place that opens, commits and rolls back a step of a
-method's state), the accumulation counters that tell when a unit's gradients are ready
-(:class:`StepState`), and the optimizer surface the front-ends share with Horovod's
-(:class:`SkipSynchronize`, :class:`LocalOptimizerSurface`)."""
+front-end (:class:`Lifecycle`), the accumulation counters (:class:`StepState`), and the optimizer
+surface the front-ends share with Horovod's (:class:`SkipSynchronize`,
+:class:`LocalOptimizerSurface`)."""
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +13,7 @@ import torch
 from .agreement import NonFiniteGuard, StateAgreement
 from .amp import LossScaleTracker
 
-__all__ = ["Status", "SYNCED", "Lifecycle", "StepState", "SkipSynchronize", "LocalOptimizerSurface"]
+__all__ = ["Status", "SYNCED", "Lifecycle", "skipped_steps_of", "StepState", "SkipSynchronize", "LocalOptimizerSurface"]
 
 
 class Status(enum.Enum):
@@ -40,13 +39,10 @@ SYNCED = (Status.SYNCED, Status.SKIPPED)
 
 class Lifecycle:
     """The one step lifecycle of a method (:class:`hvdcomp.compressors.state.StagedState`), for
-    every front-end (the :class:`~hvdcomp.reducer.Reducer`, the DDP hook's
-    :class:`~hvdcomp.ddp.cycle.StepCycle`, the adaptive optimizers' compressed allreduces): a step
-    is opened at its first compression (:meth:`open` over a group: restored state agreed on once,
-    the loss scale followed; or :meth:`stage` alone), then committed when it counts
-    (:meth:`commit`), rolled back when it does not (:meth:`rollback`), or skipped on every rank
-    when some rank's gradient was non-finite (:meth:`skip`), so a skipped or discarded step
-    leaves no trace.
+    every front-end: a step is opened at its first compression (:meth:`open`, or :meth:`stage`
+    alone), decided (:meth:`decide`, :meth:`riding`), then committed when it counts
+    (:meth:`commit`), rolled back when it does not (:meth:`rollback`) or skipped on every rank
+    (:meth:`skip`), so a skipped or discarded step leaves no trace.
 
     Args:
         compression: the method (``begin_step`` / ``commit`` / ``rollback``, ``rescale_state``).
@@ -127,6 +123,22 @@ class Lifecycle:
             self.compression.rollback()
             self.staged = False
 
+    def decide(self, group, gatherer, passes: int, summed=None, timer=None) -> bool:
+        """Whether every rank skips this step (:meth:`hvdcomp.agreement.NonFiniteGuard.decide`;
+        the exchange timed as ``communicate``). ``gatherer`` None: every flag is on results
+        identical on every rank, so this rank decides alone."""
+        loaded, self.restored.loaded_since_step = self.restored.loaded_since_step, False
+        if gatherer is None:
+            return self.guard.agree(lambda v: [list(v)], loaded, passes).skip
+        with timer.phase("communicate") if group.size > 1 else contextlib.nullcontext():
+            return self.guard.decide(group, gatherer, summed, loaded, passes).skip
+
+    def riding(self, size: int, exchange, passes: int):
+        """``f(allreduce_mean)``: the step's verdict riding on a step-wide method's first
+        allreduce (:meth:`hvdcomp.agreement.NonFiniteGuard.riding`)."""
+        loaded, self.restored.loaded_since_step = self.restored.loaded_since_step, False
+        return lambda mean: self.guard.riding(mean, size, exchange, loaded, passes)
+
     def skip(self, tensors: Iterable[torch.Tensor]) -> None:
         """Every rank skips the step: its state rolled back, counted, and every one of ``tensors``
         NaN (as an allreduced Inf would be, so a ``GradScaler`` sees the overflow)."""
@@ -134,6 +146,13 @@ class Lifecycle:
         self.skipped_steps += 1
         for t in tensors:
             t.fill_(float("nan"))
+
+
+def skipped_steps_of(life: Callable) -> property:
+    """A front-end's ``skipped_steps`` (read and set): that of its :class:`Lifecycle`, ``life(self)``."""
+    return property(lambda self: life(self).skipped_steps,
+                    lambda self, value: setattr(life(self), "skipped_steps", int(value)),
+                    doc="Steps skipped on every rank because some rank had a non-finite gradient.")
 
 
 class StepState:

@@ -17,7 +17,7 @@ import hvdcomp
 from hvdcomp.ddp.layout import plan_bucket
 from hvdcomp.ddp.runtime import DEFAULT_PORT, launch_info
 from hvdcomp.compressors.base import PayloadKind
-from hvdcomp.ddp.buckets import bucket_kind
+from hvdcomp.ddp.buckets import BucketTransport
 from tests.mpirun import ROOT, check
 
 CHECKS = os.path.join(ROOT, "tests", "ddp_checks.py")
@@ -99,12 +99,32 @@ def test_a_committed_step_gives_auto_the_bucket_views_only_when_read():
     assert got[1] is None and len(made) == 1
 
 
-def test_payload_kinds_of_every_registered_method():
-    kinds = {name: bucket_kind(hvdcomp.get_compressor(name)) for name in hvdcomp.available()}
-    assert kinds["none"] is kinds["fp16"] is PayloadKind.MEAN and kinds["signsgd"] is PayloadKind.SUM
-    assert kinds["topk"] is kinds["qsgd"] is kinds["bf16"] is PayloadKind.GATHERED
-    assert {kinds[n] for n in ("powersgd", "gtopk", "cltk", "twophase")} == {None}
-    assert set(kinds.values()) <= {None, *PayloadKind}
+def test_the_hook_carries_every_method_by_the_reducers_plan():
+    """The DDP hook's buckets travel by the transport of the route the Reducer's plan gives the
+    method (plan.route_of, the one routing decision), for every registered method: the route of
+    a gradient in plan_transport (what the Horovod front-end builds) is the hook's, and the hook's
+    carrier is that route's transport (before: the hook chose from the method's PayloadKind in
+    ddp/buckets.py). Payload kinds map to routes as worked out by hand from the route table."""
+    import types
+
+    from hvdcomp.plan import BATCHED, plan_transport, route_of, routes
+    from hvdcomp.transports.allgather import AllgatherTransport
+    from hvdcomp.transports.allreduce import AllreduceTransport
+
+    expected = {PayloadKind.MEAN: "allreduce", PayloadKind.SUM: "allreduce", PayloadKind.GATHERED: "allgather"}
+    group = types.SimpleNamespace(size=2, backend="gloo", ordered=True, allgatherer=lambda: None)
+    seen = set()
+    for name in hvdcomp.available():
+        method = hvdcomp.get_compressor(name)
+        route = route_of(method)
+        kind = getattr(method, "payload_kind", None)
+        assert route == (BATCHED if name in ("powersgd", "gtopk", "cltk", "twophase") else expected[kind]), name
+        assert plan_transport([("w", 64, 4)], method, None, 2, 1 << 20).routes == {"w": route}, name
+        pipe = BucketTransport(method, group, hvdcomp.PhaseTimer(), ["w"])
+        assert pipe.route == route and pipe.deferred == (route == BATCHED), name
+        assert pipe.carrier is None if route == BATCHED else type(pipe.carrier) is routes()[route].build, name
+        seen.add(type(pipe.carrier))
+    assert seen == {None.__class__, AllreduceTransport, AllgatherTransport}
 
 
 def test_launch_info_reads_torchrun_srun_and_mpirun():

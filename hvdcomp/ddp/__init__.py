@@ -1,16 +1,9 @@
 """The DDP front-end: every hvdcomp method as a PyTorch ``DistributedDataParallel`` communication
-hook, over ``torch.distributed`` (gloo, NCCL), launched by ``torchrun`` or ``srun``; no Horovod.
-
-* :func:`register` (:mod:`hvdcomp.ddp.hook`): ``register(ddp_model, "topk:density=0.01",
-  optimizer=opt)`` -> :class:`HookState`;
-* :mod:`hvdcomp.ddp.layout`: what is compressed as one tensor inside a DDP bucket (``granularity``),
-  and the model's parameter names and bucket layouts;
-* :mod:`hvdcomp.ddp.cycle`: the step in progress (staged state, the ranks' agreement, commit or
-  rollback);
-* :mod:`hvdcomp.ddp.buckets`: the step's buckets, carried by the core's transports;
-* :mod:`hvdcomp.ddp.runtime`: ``torch.distributed`` set-up from the launcher's environment.
-
-See docs/ddp.md.
+hook over ``torch.distributed`` (gloo, NCCL), launched by ``torchrun`` or ``srun``; no Horovod.
+``register(ddp_model, "topk:density=0.01", optimizer=opt)`` -> :class:`HookState`
+(:mod:`~hvdcomp.ddp.hook`; bucket units: :mod:`~hvdcomp.ddp.layout`; the step:
+:mod:`~hvdcomp.ddp.cycle`; the buckets' transport: :mod:`~hvdcomp.ddp.buckets`; set-up:
+:mod:`~hvdcomp.ddp.runtime`). See docs/ddp.md.
 """
 from .hook import HookState, hvdcomp_hook, register
 from .layout import BucketLayout, Unit, plan_bucket

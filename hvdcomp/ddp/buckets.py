@@ -1,38 +1,17 @@
 """The DDP hook's bucket exchange, a :class:`~hvdcomp.transports.base.Transport` whose units are
-the DDP buckets of the step, carried by the Horovod front-end's transports: a bucket's compression
-units (:mod:`hvdcomp.ddp.layout`) become :class:`BucketUnits` (views of its buffer), and the
-bucket a bucket of :class:`~hvdcomp.transports.allreduce.AllreduceTransport` or
-:class:`~hvdcomp.transports.allgather.AllgatherTransport` (``add_bucket``). A step-wide method
-reduces the whole step at the last bucket (:func:`hvdcomp.transports.stepwide.reduce_step`).
+the DDP buckets of the step, carried by the transport of the route the Reducer's plan gives the
+method (:func:`hvdcomp.plan.route_of`): a bucket's compression units (:mod:`hvdcomp.ddp.layout`)
+become :class:`BucketUnits` (views of its buffer), and the bucket a bucket of that transport
+(``add_bucket``). A step-wide method (route ``"batched"``) reduces the whole step at the last
+bucket (:func:`hvdcomp.transports.stepwide.reduce_step`), after the step's agreement or with it
+riding on its first allreduce. A *raw* bucket (``none``; the first backward of granularity
+``"bucket"``) travels whole by an allreduce of ``none``, in place with DDP's arithmetic on
+float32/float64 buffers (÷N, then summed: bit-identical to DDP without a hook).
 
-How a bucket travels this step, read from the method in one place (:func:`bucket_kind`): its
-:attr:`Bucket.kind` is the method's :class:`~hvdcomp.compressors.base.PayloadKind`, or None for a
-step-wide method, and :attr:`Bucket.raw` says that the bucket's gradients travel as they are
-(by ``none``):
-
-==================  ===========================================================  ====================
-kind                collectives on the group                                     methods
-==================  ===========================================================  ====================
-``MEAN``, raw       the bucket itself, as DDP's own path: ÷N, then a summed      ``none`` (float32,
-                    ``all_reduce`` in place (bit-identical to DDP without a      float64)
-                    hook); a half-precision bucket (the first backward of
-                    granularity ``"bucket"``) as float32, summed, then ÷N
-``MEAN``            summed ``all_reduce`` of the payload (one per dtype, in      fp16, random-k, ...
-                    that dtype), then ÷N (Horovod's ``op=Average``); ``decode``
-``SUM``             summed ``all_reduce``; ``decode`` receives the sum (votes)   signsgd
-``GATHERED``        the group's allgatherer (counts, then every rank's payload   top-k, DGC, bf16, ...
-                    padded to the largest rank's row); aggregated on every rank
-None                the method's own step-wide collectives (the group's          PowerSGD, gtopk, ...
-                    ``StepComm``) once per step, at the last bucket, after the
-                    step's agreement (:attr:`BucketTransport.deferred`), or
-                    with it riding on the first allreduce (PowerSGD:
-                    :attr:`BucketTransport.verdict_rides`)
-==================  ===========================================================  ====================
-
-Bytes are counted by those transports, as everywhere in hvdcomp (docs/architecture.md). All
-collectives of a step are issued from the thread that runs DDP's communication hooks, in bucket
-order, so every rank issues them in the same order (issuing them from future callbacks, which run
-on gloo's worker threads in completion order, is what makes collectives mismatch).
+Bytes are counted by the transports (docs/architecture.md). Every collective of a step is issued
+from the thread that runs DDP's communication hooks, in bucket order, never from future
+callbacks (gloo runs those on worker threads in completion order), so every rank issues the same
+sequence.
 """
 from __future__ import annotations
 
@@ -44,33 +23,28 @@ import torch
 from ..assembly import step_comm_of
 from ..compressors.base import PayloadKind
 from ..compressors.none import NoneCompressor
-from ..compressors.segments import needs_draw_order
-from ..plan import step_route_of
-from ..transports.allgather import AllgatherTransport
-from ..transports.allreduce import IN_PLACE_DTYPES, AllreduceTransport
+from ..plan import BATCHED, fuses, in_place, route_of, routes, step_route_of
+from ..transports.allreduce import AllreduceTransport
 from ..transports.base import Transport, Wiring
-from ..transports.stepwide import StepMethod, reduce_step
+from ..transports.stepwide import reduce_step
 from .layout import BucketLayout, Unit
 
-__all__ = ["Bucket", "BucketUnits", "BucketTransport", "bucket_kind", "describe"]
+__all__ = ["Bucket", "BucketUnits", "BucketTransport", "describe"]
 
-
-def bucket_kind(compression) -> Optional[PayloadKind]:
-    """How ``compression``'s payloads travel: its :class:`~hvdcomp.compressors.base.PayloadKind`,
-    or None for a step-wide method (its own collectives, once per step)."""
-    return None if isinstance(compression, StepMethod) else compression.payload_kind
+_NONE = NoneCompressor()  # (what a raw bucket travels by)
 
 
 def describe(compression) -> str:
-    """How ``compression``'s payloads travel (one phrase, for logs and results files)."""
-    kind = bucket_kind(compression)
-    if kind is None:
+    """How ``compression``'s payloads travel under the DDP hook (one phrase, for logs and results)."""
+    route = route_of(compression)
+    if route == BATCHED:
         return f"the method's own collectives ({step_route_of(compression).collective}) once per step"
-    if getattr(compression, "payload_is_gradient", False):
+    if compression.payload_is_gradient:
         return "all_reduce of the bucket (DDP's arithmetic)"
-    return {PayloadKind.MEAN: "summed all_reduce of the payload, then 1/N",
-            PayloadKind.SUM: "summed all_reduce of the payload (votes)",
-            PayloadKind.GATHERED: "counts exchange + padded all_gather_into_tensor, aggregated on every rank"}[kind]
+    if route == "allgather":
+        return "counts exchange + padded all_gather_into_tensor, aggregated on every rank"
+    votes = compression.payload_kind is PayloadKind.SUM
+    return "summed all_reduce of the payload" + (" (votes)" if votes else ", then 1/N")
 
 
 @dataclass
@@ -81,8 +55,6 @@ class Bucket:
         buffer: the bucket's flat 1-D gradient buffer; the averaged result is written into it.
         layout: its :class:`~hvdcomp.ddp.layout.BucketLayout`.
         future: the ``torch.futures.Future`` returned to DDP.
-        kind: how it travels this step: a :class:`~hvdcomp.compressors.base.PayloadKind`, or
-            None for a step-wide method (see the module docstring).
         raw: its gradients travel as they are, by ``none`` (:attr:`in_place` on float32 and
             float64 buffers, else as a float32 copy averaged like a ``MEAN`` payload).
     """
@@ -90,13 +62,12 @@ class Bucket:
     buffer: torch.Tensor
     layout: BucketLayout
     future: Any
-    kind: Optional[PayloadKind]
     raw: bool = False
 
     @property
     def in_place(self) -> bool:
         """Reduced in place with DDP's arithmetic (÷N, then summed): a raw float32/float64 bucket."""
-        return self.raw and self.buffer.dtype in IN_PLACE_DTYPES
+        return self.raw and in_place(_NONE, self.buffer.dtype)
 
 
 class BucketUnits:
@@ -143,39 +114,36 @@ class BucketTransport(Transport):
     each bucket as DDP hands it over, then starts it).
 
     Args:
-        compression: the method (its ``encode`` / ``decode_into`` / ``aggregate_into``, or a
-            step-wide method's ``reduce_batch``).
+        compression: the method.
         group: the :class:`~hvdcomp.comm.torchdist.TorchDistGroup` averaged over.
-        timer: a :class:`hvdcomp.metrics.PhaseTimer` (compress / communicate / decompress, and
-            the bytes).
+        timer: a :class:`hvdcomp.metrics.PhaseTimer`.
         order: parameter names in the expected backward order (a step-wide method reduces the
             step's gradients in this order, whatever DDP's bucket layout).
         granularity: ``"tensor"`` or ``"bucket"`` (:mod:`hvdcomp.ddp.layout`).
 
     Attributes:
-        buckets: the :class:`Bucket` s of the step in progress.
-        units: their compression units (:class:`BucketUnits`).
-        kind: the method's payload kind (:func:`bucket_kind`); ``plan``: one line saying how
-            gradients travel, for logs and results.
-        fused: the method compresses several gradients of a bucket in one call (segmentable, and
-            drawing no random numbers at each call: those compress one gradient per call in the
-            expected backward order, so they draw what the Horovod front-end draws).
-        deferred: a step-wide method: nothing travels before :meth:`finish`, which the hook calls
-            after the step's agreement (a skipped step runs no collective), or with the agreement
-            riding on its first allreduce (:attr:`verdict_rides`: a skipped step runs that one).
+        buckets: the :class:`Bucket` s of the step in progress; ``units``: their
+            :class:`BucketUnits`.
+        route: the plan's route for the method (:func:`hvdcomp.plan.route_of`); ``plan``: one
+            line saying how gradients travel, for logs and results.
+        fused: several gradients of a bucket compressed in one call (:func:`hvdcomp.plan.fuses`,
+            without a draw order: a method drawing at each call compresses one gradient per call
+            in the expected backward order, drawing what the Horovod front-end draws).
+        deferred: a step-wide method: nothing travels before :meth:`finish`.
         overflowed: after :meth:`finish`, the views of the units the method reported overflowed
             (they read NaN; for the non-finite guard).
     """
 
     def __init__(self, compression, group, timer, order: List[str], granularity: str = "tensor"):
         self.compression, self.group, self.timer, self.order = compression, group, timer, order
-        self.kind = bucket_kind(compression)
-        self.deferred = self.kind is None
-        self.fused = getattr(compression, "segmentable", False) and not needs_draw_order(compression)
+        self.route = route_of(compression)
+        self.deferred = self.route == BATCHED
+        self._build = None if self.deferred else routes()[self.route].build
+        self.fused = fuses(compression, draw_order=False)
         self.plan = (f"torch.distributed {group.backend}: {describe(compression)}; per DDP bucket, "
                      f"granularity {granularity}")
         self.gatherer = group.allgatherer()
-        self._step_comm, self._none = None, NoneCompressor()
+        self._step_comm = None
         self.reset()
 
     @property
@@ -188,9 +156,8 @@ class BucketTransport(Transport):
         self.overflowed: List[torch.Tensor] = []
         self.units = BucketUnits()
         wiring = Wiring(self.group, self.timer, self.compression, self.units, "hvdcomp.ddp", gatherer=self.gatherer)
-        self.carrier = (None if self.deferred else AllgatherTransport(wiring) if self.kind is PayloadKind.GATHERED
-                        else AllreduceTransport(wiring))
-        wiring.compression = self._none
+        self.carrier = None if self.deferred else self._build(wiring)
+        wiring.compression = _NONE
         self.raw = AllreduceTransport(wiring)  # (the raw buckets)
         self._carriers = [self.raw] + ([self.carrier] if self.carrier is not None else [])
 

@@ -1,17 +1,13 @@
-"""The DDP hook's step in progress: where it is (:class:`hvdcomp.step.Status`), and when DDP's
-step opens, commits, rolls back or skips the method's state, through the one step lifecycle of
-every front-end (:class:`hvdcomp.step.Lifecycle`, as the :class:`~hvdcomp.reducer.Reducer`). What
-is DDP's own: a joined rank's shadow steps, and synchronized accumulation without ``no_sync``.
-
-When a step's state counts and when it does not is said in :mod:`hvdcomp.ddp.hook`; the hook
-drives the cycle:
+"""The DDP hook's step in progress over the one step lifecycle (:class:`hvdcomp.step.Lifecycle`):
+when DDP's step opens, commits, rolls back or skips the method's state (docs/ddp.md, "State
+follows what is applied"; DDP's own: a joined rank's shadow steps, accumulation without
+``no_sync``). The hook drives it:
 
 ================================ ========================= =================================================
 call                             from                      status after
 ================================ ========================= =================================================
 :meth:`StepCycle.open`           a backward's first bucket ``BACKWARD`` (state staged)
 :meth:`StepCycle.agree`          the last bucket           (the per-step verdict; raises or skips)
-:meth:`StepCycle.riding`         the last bucket           (the same, on PowerSGD's first allreduce)
 :meth:`StepCycle.skip`           the last bucket, a skip   ``SKIPPED`` (rolled back, results NaN)
 :meth:`StepCycle.reduced`        the last bucket, done     ``SYNCED`` (or ``SKIPPED``)
 :meth:`StepCycle.apply`          ``optimizer.step()``      committed; a skipped step is not applied
@@ -46,14 +42,11 @@ class StepCycle:
 
     Attributes:
         status: a :class:`hvdcomp.step.Status`.
-        life: the :class:`hvdcomp.step.Lifecycle` (staged state, the non-finite guard, which
-            observes buffers as they come, restored state, the loss scale, ``skipped_steps``).
+        life: the :class:`hvdcomp.step.Lifecycle`.
         backward_steps: synchronized backward passes reduced so far.
         optimizer: the attached optimizer, or None.
         auto: ``compression="auto"``'s :class:`hvdcomp.auto.AutoState`, told of every step
-            committed (:meth:`~hvdcomp.auto.AutoState.boundary`), skipped
-            (:meth:`~hvdcomp.auto.AutoState.skipped`, on every rank, a joined one too) or dropped;
-            else None.
+            committed, skipped (on every rank, a joined one too) or dropped; else None.
     """
 
     def __init__(self, group, nonfinite: str, grad_scaler, timer, compression):
@@ -158,29 +151,16 @@ class StepCycle:
         self.life.open(self.group, "hvdcomp.ddp", () if self.auto is None else (self.auto.rescale,))
 
     def agree(self, buckets: List[Bucket]) -> bool:
-        """Whether the ranks skip this step (some rank's gradient was non-finite); raises under
-        ``nonfinite="raise"`` (:meth:`hvdcomp.agreement.NonFiniteGuard.decide`). ``none``'s
-        buckets are checked on their allreduced results, identical on every rank: a step of only
-        those needs no exchange."""
-        restored, guard = self.life.restored, self.life.guard
-        loaded, restored.loaded_since_step = restored.loaded_since_step, False
+        """Whether the ranks skip this step (:meth:`hvdcomp.step.Lifecycle.decide`; raises under
+        ``nonfinite="raise"``). Buckets reduced in place are checked on their results, identical
+        on every rank: a step of only those needs no exchange."""
         if self.nonfinite == "ignore":
             return False
         direct = [b.buffer for b in buckets if b.in_place]
         if direct:
-            guard.observe(direct, averaged=True)
-        if len(direct) == len(buckets):  # (the results agree)
-            return guard.agree(lambda v: [list(v)], loaded, 1).skip
-        with self.timer.phase("communicate") if self.group.size > 1 else contextlib.nullcontext():
-            return guard.decide(self.group, self.group, None, loaded, 1).skip
-
-    def riding(self, allreduce_mean):
-        """:meth:`agree` riding on a step-wide method's first allreduce (``allreduce_mean``, which
-        is returned carrying it: :meth:`hvdcomp.agreement.NonFiniteGuard.riding`; a skip raises
-        :class:`~hvdcomp.agreement.StepSkipped` from it on every rank)."""
-        restored = self.life.restored
-        loaded, restored.loaded_since_step = restored.loaded_since_step, False
-        return self.life.guard.riding(allreduce_mean, self.group.size, self.group.allgather_ints, loaded, 1)
+            self.life.guard.observe(direct, averaged=True)
+        alone = len(direct) == len(buckets)
+        return self.life.decide(self.group, None if alone else self.group, 1, timer=self.timer)
 
     def skip(self, buckets: List[Bucket]) -> None:
         """Every rank skips: state rolled back, every bucket's result NaN (a GradScaler sees the

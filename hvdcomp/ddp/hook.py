@@ -1,71 +1,24 @@
-"""hvdcomp's methods as a PyTorch DDP communication hook (the DDP front-end).
+"""hvdcomp's methods as a PyTorch DDP communication hook (the DDP front-end; docs/ddp.md).
 
-``register(ddp_model, "topk:density=0.01", optimizer=opt)`` registers :func:`hvdcomp_hook` with
-``ddp_model.register_comm_hook(state, hook)``. DDP calls the hook once per gradient bucket during
-backward, in bucket order, with a ``torch.distributed.GradBucket``; the hook returns a
-``torch.futures.Future`` of the averaged bucket. The step's buckets are the units of one
-:class:`~hvdcomp.ddp.buckets.BucketTransport` (the :class:`~hvdcomp.transports.base.Transport`
-interface of every transport): each bucket is started as it comes (its units,
-:mod:`hvdcomp.ddp.layout`, compressed with the method's own ``encode``, error feedback included,
-and its collectives started); at the **last bucket** (``bucket.is_last()``) the transport
-finishes (waits, resends a saturated fp16 payload or reads it NaN, decompresses every bucket into
-its buffer), the ranks agree on the step (:mod:`hvdcomp.ddp.cycle` over :mod:`hvdcomp.agreement`;
-a step-wide method such as PowerSGD reduces the whole step after that agreement), and every
-bucket's future is completed; DDP then copies the buffers into ``p.grad``. How each payload kind
-travels: :mod:`hvdcomp.ddp.buckets`. All collectives are issued from the thread that runs the
-hooks, in bucket order (never from future callbacks), so every rank issues the same sequence.
+``register(ddp_model, "topk:density=0.01", optimizer=opt)`` registers :func:`hvdcomp_hook`. DDP
+calls it once per gradient bucket during backward, in bucket order; it returns a
+``torch.futures.Future`` of the averaged bucket. Each bucket becomes a unit of the step's
+:class:`~hvdcomp.ddp.buckets.BucketTransport` and is started as it comes; at the last bucket
+(``bucket.is_last()``) the transport finishes, the ranks agree on the step
+(:mod:`hvdcomp.ddp.cycle` over :mod:`hvdcomp.agreement`; a step-wide method reduces the step after
+that agreement, or with it riding on its first allreduce) and the futures are completed.
 
-State follows what is applied (:mod:`hvdcomp.ddp.cycle`). A step's compressor updates (residuals,
-momenta, counters, generator states) are staged when its first bucket is compressed
-(``begin_step``), committed when its reduction counts, and rolled back when it is discarded
-(``rollback``):
-
-* how the hook learns the step was applied: ``register(..., optimizer=opt)`` (or
-  :meth:`HookState.attach`) replaces ``opt.step`` by a bound method that calls the original step
-  and then commits, and ``opt.zero_grad`` by one that first discards a reduced step not applied.
-  ``GradScaler.step(opt)`` calls ``opt.step`` only when no gradient overflowed;
-* two synchronized backwards before one ``step()`` (accumulation without ``no_sync``, which DDP
-  allows: the second backward's bucket holds the first's averaged gradients plus the new ones):
-  every synchronized backward's reduction counts, as with PyTorch's own hooks; the first one's
-  state is committed when the second begins;
-* a step that is discarded (the gradients zeroed with no ``step()`` between: by
-  ``opt.zero_grad()``, or by any means before the next forward, which a forward pre-hook checks;
-  ``GradScaler`` found an overflow and skipped ``opt.step``, then the loop zeroed them) is
-  rolled back. Gradients zeroed *after* the next forward by other means than ``opt.zero_grad()``
-  (``model.zero_grad()``) look like accumulation: that step counts, as with PyTorch's hooks;
-* a rank that has joined under ``with ddp_model.join():`` (uneven inputs) runs the hook on zero
-  gradients to shadow the others' steps; it never calls ``opt.step()``, so each shadow step is
-  committed at its last bucket (``register`` wraps the model's ``join_hook`` to tell the hook),
-  and every rank's state stays what it would be had that rank sent a zero gradient. Inside the
-  join every rank commits each finite step at its last bucket (every rank knows it is in one), so a
-  step that the others then discard counts on every rank, as on the joined rank, which cannot know;
-* a non-finite gradient on any rank (``nonfinite="skip"``, the default): every rank rolls back,
-  every bucket's result is NaN (a ``GradScaler`` sees the overflow and lowers its scale), and the
-  wrapped ``opt.step()`` returns None without updating; ``nonfinite="raise"`` raises
-  ``FloatingPointError`` on every rank instead;
-* without an optimizer the state is committed when the last bucket is reduced (a finite step the
-  training loop then discards still counts; non-finite steps still leave no trace).
-
-With ``compression="auto"`` (:mod:`hvdcomp.auto`) the hook runs one candidate at a time, each
-with its own bucket layouts and path, and switches at a committed step's boundary, every rank at
-the same step; a switch's carry (the old method's residuals) is added to each bucket's gradients
-before the new method compresses them.
-
-DDP's Python reducer (``torch._dynamo.config.optimize_ddp = "python_reducer"``, for compiled
-autograd) calls a comm hook once per parameter with ``(grad, param)`` from inside the traced
-backward and ignores its result: :func:`register` refuses such a model (use the default
-``"ddp_optimizer"``, under which ``torch.compile`` runs with this hook at DDP's buckets).
-
-With a ``torch.amp.GradScaler``, state kept in gradient units follows loss-scale changes
-(:mod:`hvdcomp.amp`: given as ``grad_scaler=``, or found at the first applied step).
-
-Time and bytes per phase go to ``state.timer`` (:class:`hvdcomp.metrics.PhaseTimer`); the hooks
-run inside ``loss.backward()``, so wrap forward and backward in ``timer.phase("compute")`` and
-the compress / communicate / decompress slices are charged to their own phases.
+State follows what is applied (docs/ddp.md, "State follows what is applied"): a step's
+compressor updates are staged at its first bucket and committed when the attached optimizer's
+``step()`` applies it, when a second synchronized backward accumulates onto it, at its last
+bucket without an optimizer or on a joined rank (``ddp_model.join()``); they are rolled back when
+the step is discarded (gradients zeroed without ``step()``) or skipped (a non-finite gradient on
+some rank: every bucket reads NaN, ``nonfinite="raise"`` raises instead). DDP's Python reducer
+(compiled autograd) is refused (:data:`PYTHON_REDUCER_FIX`). With a ``GradScaler`` state in
+gradient units follows the loss scale (:mod:`hvdcomp.amp`); time and bytes go to ``state.timer``.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from typing import Any, Dict, Iterable, Optional, Tuple
@@ -77,14 +30,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..auto import Auto, AutoState
 from ..comm.torchdist import TorchDistGroup
-from ..compressors.base import PayloadKind
 from ..config import Settings, check_method
 from ..launch import start_frontend
 from ..metrics import PhaseTimer
 from ..agreement import StepSkipped, check_consistency
+from ..plan import in_place
 from ..reducer import check_free, claim
 from ..spec import resolve_compression
-from ..transports.allreduce import IN_PLACE_DTYPES
+from ..step import SkipSynchronize, skipped_steps_of
 from .buckets import Bucket, BucketTransport
 from .cycle import StepCycle
 from .layout import BucketLayout, Layouts
@@ -92,7 +45,6 @@ from .layout import BucketLayout, Layouts
 __all__ = ["HookState", "register", "hvdcomp_hook"]
 
 log = logging.getLogger(__name__)
-
 
 
 #: what to do where DDP runs its Python reducer (compiled autograd)
@@ -126,23 +78,17 @@ class _ShadowingJoinHook(JoinHook):
         self.inner.post_hook(is_last_joiner)
 
 
-class HookState:
-    """Everything the DDP hook keeps: the compressor, the group, the step in progress, the timer.
-
-    Build it with :func:`register` (which validates the arguments and registers the hook). Its
-    parts: the parameters and bucket layouts (:class:`hvdcomp.ddp.layout.Layouts`), the step in
-    progress (:class:`hvdcomp.ddp.cycle.StepCycle`) and the buckets' transport
-    (:class:`hvdcomp.ddp.buckets.BucketTransport`).
+class HookState(SkipSynchronize):
+    """Everything the DDP hook keeps (built by :func:`register`): the bucket layouts
+    (:class:`hvdcomp.ddp.layout.Layouts`), the step in progress
+    (:class:`hvdcomp.ddp.cycle.StepCycle`) and the transport (:class:`hvdcomp.ddp.buckets.BucketTransport`).
 
     Attributes:
         compression: the :class:`hvdcomp.Compressor` (its state: residuals, momenta, ...).
         group: the :class:`hvdcomp.comm.torchdist.TorchDistGroup` averaged over.
-        kind: how payloads travel: the method's :class:`~hvdcomp.compressors.base.PayloadKind`, or
-            None for a step-wide method (:func:`hvdcomp.ddp.buckets.bucket_kind`).
         granularity: ``"tensor"`` or ``"bucket"`` (:mod:`hvdcomp.ddp.layout`).
         nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"``.
         timer: the :class:`hvdcomp.metrics.PhaseTimer` phases and bytes are recorded in.
-        skipped_steps: steps skipped because some rank had a non-finite gradient.
         transport: one line saying how gradients travel, for logs and results.
         pipe: the :class:`~hvdcomp.ddp.buckets.BucketTransport` the buckets travel by (with
             ``compression="auto"``, the candidate's in use).
@@ -157,8 +103,7 @@ class HookState:
         self.group, self.settings, self.prefix = TorchDistGroup(process_group), settings, "hvdcomp.ddp"
         self.granularity, self.nonfinite = settings.granularity, settings.nonfinite
         self.timer = settings.timer if settings.timer is not None else PhaseTimer()
-        self._named = None if named_parameters is None else list(named_parameters)
-        self._layouts = Layouts(ddp_model.module, self._named, self.granularity)
+        self._layouts = Layouts(ddp_model.module, named_parameters, self.granularity)
         self.order = [p for _, p in self._layouts.order]
         self.names = {p: n for n, p in self._layouts.order}
         self._cycle = StepCycle(self.group, self.nonfinite, settings.grad_scaler, self.timer, compression)
@@ -184,7 +129,7 @@ class HookState:
         """Run ``pipe`` (its method) from the next step on (between steps: ``compression="auto"``'s
         switch, :class:`hvdcomp.auto.AutoState`)."""
         self.pipe = pipe
-        self.compression, self.kind, self.transport = pipe.compression, pipe.kind, pipe.plan
+        self.compression, self.transport = pipe.compression, pipe.plan
         self._cycle.life.use(pipe.compression)
 
     @property
@@ -199,17 +144,11 @@ class HookState:
         its rebuild, once the second backward has run)."""
         return self._layouts.seen()
 
-    @property
-    def skipped_steps(self) -> int:
-        return self._cycle.life.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self._cycle.life.skipped_steps = int(value)
+    skipped_steps = skipped_steps_of(lambda self: self._cycle.life)
 
     def describe(self) -> dict:
         """JSON-able summary: compressor, transport, group, granularity."""
-        return {"compression": self.compression.describe(), "kind": self.kind and self.kind.value,
+        return {"compression": self.compression.describe(), "route": self.pipe.route,
                 "transport": self.transport,
                 "granularity": self.granularity, "nonfinite": self.nonfinite, **self.group.describe(),
                 **({"auto": self.auto.describe()} if self.auto is not None else {})}
@@ -261,10 +200,10 @@ class HookState:
         """Whether this bucket's gradients travel as they are this step: ``none`` (but in float32 on
         half-precision gradients: by its own encode, as the Horovod front-end), and the first
         backward of granularity ``"bucket"`` (see :func:`register`)."""
-        if self.kind is None:  # (a step-wide method reduces the whole step at the last bucket)
+        if self.pipe.deferred:  # (a step-wide method reduces the whole step at the last bucket)
             return False
         if self.compression.payload_is_gradient:
-            return buffer.dtype in IN_PLACE_DTYPES
+            return in_place(self.compression, buffer.dtype)
         if self.granularity == "bucket":
             if self._cycle.backward_steps == 0:
                 return True
@@ -305,8 +244,7 @@ class HookState:
             auto.add_carry(zip(layout.names, layout.views(buffer)))
         devices = [buffer.device] if buffer.is_cuda else None
         raw = self._raw(layout, buffer)
-        entry = Bucket(buffer, layout, torch.futures.Future(devices=devices),
-                       PayloadKind.MEAN if raw else self.kind, raw)
+        entry = Bucket(buffer, layout, torch.futures.Future(devices=devices), raw)
         path = self.pipe
         path.buckets.append(entry)
         if not entry.in_place:  # (none: checked on the allreduced results instead)
@@ -331,7 +269,7 @@ class HookState:
                 cycle.life.guard.observe(path.overflowed, averaged=True)
             if path.verdict_rides:
                 try:
-                    path.finish(cycle.riding)
+                    path.finish(cycle.life.riding(self.group.size, self.group.allgather_ints, 1))
                 except StepSkipped:
                     cycle.skip(buckets)
             elif cycle.agree(buckets):
@@ -352,12 +290,10 @@ class HookState:
         for b in buckets:
             b.future.set_result(b.buffer)
 
-    # ---- loops written for the Horovod front-end ------------------------------------------------
+    # ---- loops written for the Horovod front-end (with SkipSynchronize.skip_synchronize) --------
     def synchronize(self) -> None:
-        """What ``optimizer.synchronize()`` is to the Horovod front-end, for loops written for it
-        (``synchronize(); clip; with skip_synchronize(): step()``): DDP's backward returns only
-        after every bucket's future is complete, so the averaged gradients are in ``p.grad``
-        already and there is nothing to wait for.
+        """Nothing to wait for (DDP's backward returns with the averaged gradients in ``p.grad``):
+        loops written for the Horovod front-end run unchanged.
 
         Raises:
             RuntimeError: called while a backward's buckets are still being reduced (from a
@@ -367,22 +303,11 @@ class HookState:
             raise RuntimeError("synchronize() during a backward: DDP is still reducing buckets; call it "
                                "after loss.backward() returns")
 
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """The Horovod front-end's ``with optimizer.skip_synchronize(): optimizer.step()``; with
-        DDP, ``step()`` never synchronizes, so the block runs as it is."""
-        yield
-
     # ---- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's compressor state (committed: a step not yet applied is not included), the
-        skipped-step count and, with granularity ``"bucket"``, the bucket layouts the state was
-        built for: tensors, numbers and strings only (``torch.load(weights_only=True)``).
-
-        Residuals and other per-rank state differ between ranks: save it on every rank
-        (``torch.save(state.state_dict(), f"hook.{rank}.pt")``) to resume bit-identically, or on
-        rank 0 only, in which case the shared part is shared at the first step and the other
-        ranks' per-rank state starts fresh (as with the Horovod front-end)."""
+        """This rank's committed compressor state, the skipped-step count and, with granularity
+        ``"bucket"``, the bucket layouts the state was built for: tensors, numbers and strings
+        only. Save it on every rank to resume bit-identically (docs/ddp.md, "Checkpoints")."""
         return {**self._cycle.life.state_dict(self.auto), "granularity": self.granularity,
                 "bucket_layouts": self._layouts.state_dict()}
 
@@ -406,9 +331,8 @@ class HookState:
 
 def check_optimizer_of(ddp_model, optimizer) -> None:
     """The optimizer given to :func:`register` must be a ``torch.optim.Optimizer`` over the DDP
-    model's parameters: the hook commits error-feedback state when that optimizer steps, so one
-    over another model's parameters would leave every step unapplied in the hook's eyes (its
-    residuals rolled back: error feedback silently off; parameters 3.8e-2 off in the issue's case).
+    model's parameters (the hook commits state when it steps: over another model's, error
+    feedback would be rolled back every step).
 
     Raises:
         TypeError: not a ``torch.optim.Optimizer``.
@@ -441,17 +365,14 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
             Horovod front-end), or an hvdcomp method (a :class:`hvdcomp.Compressor` or a
             step-wide method) not used elsewhere (:func:`hvdcomp.spec.resolve_compression`).
         process_group: the ``torch.distributed`` group to average over; default the DDP model's.
-        optimizer: the optimizer that applies the averaged gradients, so that a step that is
-            discarded leaves no trace in compressor state (see the module docstring;
-            recommended): its ``step`` and ``zero_grad`` are wrapped to tell the hook.
-        granularity: ``"tensor"`` (default: each gradient compressed by its own rules, results
-            per tensor as under the Horovod front-end) or ``"bucket"`` (each DDP bucket compressed
-            as one tensor, as PyTorch's own hooks do; state per bucket). DDP rebuilds its buckets
-            after the first backward, so with ``"bucket"`` the first backward is averaged
-            uncompressed and compression starts at the second (as PyTorch's PowerSGD hook asks for
-            ``start_powerSGD_iter >= 2``); a later change of a bucket's parameters raises.
-            Refused for PowerSGD (it needs each gradient's matrix shape).
-        nonfinite: ``"skip"`` (default), ``"raise"`` or ``"ignore"`` (see the module docstring).
+        optimizer: the optimizer that applies the averaged gradients (recommended): its ``step``
+            and ``zero_grad`` are wrapped to tell the hook, so that a discarded step leaves no
+            trace in compressor state.
+        granularity: ``"tensor"`` (default: each gradient by its own rules, as under the Horovod
+            front-end) or ``"bucket"`` (each DDP bucket as one tensor, as PyTorch's own hooks;
+            state per bucket; the first backward, before DDP rebuilds its buckets, uncompressed;
+            refused for PowerSGD): :mod:`hvdcomp.ddp.layout`.
+        nonfinite: ``"skip"`` (default), ``"raise"`` or ``"ignore"`` (as the Horovod front-end's).
         timer: a :class:`hvdcomp.metrics.PhaseTimer` to record into (a new one by default).
         grad_scaler: the ``torch.amp.GradScaler`` of an AMP loop, so that state in gradient units
             follows the loss scale (found at the first applied step when ``optimizer`` is given).
@@ -459,13 +380,9 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
             the names the Horovod front-end is given); compressor state is keyed by them.
         check_consistency: verify (one object gather) that every rank registers the same method,
             settings and parameters.
-        cost_model: what prices ``compression="auto"``'s candidates: ``"measure"`` (default: α
-            and β measured by a few allgathers at registration) or ``(alpha_seconds,
-            beta_seconds_per_byte)`` (a link posed, the same on every rank); unused by a named
-            method. With ``"auto"`` (spec ``"auto[:...]"``, :class:`hvdcomp.auto.Auto`) the hook
-            chooses the method and switches it at step boundaries, every rank at the same step,
-            by the rule and with the records of the Horovod front-end (``state.auto.decisions``;
-            granularity ``"tensor"`` only).
+        cost_model: what prices ``compression="auto"``'s candidates (:class:`hvdcomp.auto.Auto`,
+            granularity ``"tensor"`` only; docs/auto.md): ``"measure"`` (default) or
+            ``(alpha_seconds, beta_seconds_per_byte)``; unused by a named method.
 
     Returns:
         The :class:`HookState` (``.timer``, ``.compression``, ``.state_dict()``, ...).
@@ -475,14 +392,11 @@ def register(ddp_model, compression="none", process_group=None, *, optimizer: Op
             ``optimizer`` that is not a ``torch.optim.Optimizer``.
         ValueError: unknown ``granularity`` or ``nonfinite`` (or ``"bucket"`` with PowerSGD),
             ``check_consistency`` not a bool, an ``optimizer`` over another model's parameters
-            (:func:`check_optimizer_of`), a
-            compressor already serving another hook, DGC with an optimizer that applies momentum,
-            unnamed parameters, ranks that disagree (raised on every rank), or a model built for
-            DDP's Python reducer (``torch._dynamo.config.optimize_ddp = "python_reducer"``: see
-            the module docstring).
-        RuntimeError: ``torch.distributed`` is not initialised, or the launcher started several tasks
-            and the default process group has one rank (:func:`hvdcomp.launch.start_frontend`,
-            which also makes an uncaught exception end the job).
+            (:func:`check_optimizer_of`), a compressor already serving another hook, DGC with an
+            optimizer that applies momentum, unnamed parameters, ranks that disagree (raised on
+            every rank), or a model built for DDP's Python reducer (:data:`PYTHON_REDUCER_FIX`).
+        RuntimeError: ``torch.distributed`` is not initialised, or the launcher started several
+            tasks and the default process group has one rank (:func:`hvdcomp.launch.start_frontend`).
 
     Example::
 

@@ -1,30 +1,16 @@
-"""What the compressor sees in one DDP gradient bucket: its *units* (a pure function of the bucket's
-parameters, the method and the granularity; the same on every rank).
+"""What the compressor sees in one DDP gradient bucket: its *units* (a pure function of the
+bucket's parameters, the method and the granularity; the same on every rank; docs/ddp.md,
+"Granularity").
 
-A DDP bucket (``torch.distributed.GradBucket``) is one flat 1-D buffer holding several gradients
-back to back (``bucket.parameters()`` in buffer order, one dtype and device). It is always the
-unit of *communication*: one payload exchange per bucket. What is *compressed* as one tensor
-depends on ``granularity``:
-
-* ``"tensor"`` (default): each gradient by its own rules (its own top-k, fp16 scale, residual,
-  keyed by the parameter's name), as the Horovod front-end does. A method that can
-  (``segmentable`` and drawing no random numbers at each call: top-k ``select=exact``, random-k,
-  threshold, signSGD, EF-signSGD, fp16, bf16, with or without error feedback) compresses the
-  whole buffer in one vectorised call with per-tensor results
-  (:class:`hvdcomp.compressors.segments.Segments`); other methods get one call per gradient, on a
-  view of the buffer in the gradient's shape, in the expected backward order (the reverse of
-  ``model.parameters()``, the order in which the Horovod front-end's hooks fire on a plain
-  feed-forward model), so stochastic methods draw their random numbers in that order whatever
-  DDP's bucket layout is. State is keyed by parameter name, so it does not care which bucket a
-  gradient lands in: DDP rebuilding its buckets after the first iteration changes nothing.
-* ``"bucket"``: the whole buffer as one 1-D tensor named ``bucket<k>`` (k = ``bucket.index()``),
-  as PyTorch's own comm hooks compress: top-k keeps the largest entries of the bucket, not of each
-  layer; state is kept per bucket. DDP rebuilds its buckets once after the first backward, so the
-  first backward is averaged uncompressed; the layouts compressed after it are recorded
-  (:class:`Layouts`, saved in the hook's checkpoint) and a later change raises.
-
-:class:`Layouts` keeps one model's parameter names, their expected backward order, and the
-layout of every bucket seen.
+A DDP bucket (``torch.distributed.GradBucket``) is one flat 1-D buffer of several gradients
+(``bucket.parameters()`` in buffer order, one dtype and device), always one unit of
+communication. With ``granularity="tensor"`` each gradient is compressed by its own rules, keyed
+by its parameter's name: in one call for the whole buffer where the method fuses
+(:func:`hvdcomp.plan.fuses`; :class:`~hvdcomp.compressors.segments.Segments`), else one call per
+gradient in the expected backward order (the reverse of ``model.parameters()``, so stochastic
+methods draw what the Horovod front-end draws). With ``"bucket"`` the whole buffer is one tensor
+named ``bucket<k>``; the layouts compressed are recorded (:class:`Layouts`) and a later change
+raises.
 """
 from __future__ import annotations
 
@@ -68,12 +54,11 @@ class BucketLayout:
 
     Attributes:
         index: ``bucket.index()``.
-        names, shapes: the bucket's parameters in buffer order.
+        names, shapes: the bucket's parameters in buffer order (other names at the same index:
+            DDP rebuilt its buckets).
         numel: elements in the buffer.
         units: compression calls, in compression order.
         segments: the :class:`Segments` of all the bucket's parameters (buffer order).
-        key: identifies the layout (parameter names in buffer order): a changed key at the same
-            index means DDP rebuilt its buckets.
     """
 
     index: int
@@ -82,10 +67,6 @@ class BucketLayout:
     numel: int
     units: List[Unit]
     segments: Segments
-
-    @property
-    def key(self) -> Tuple[str, ...]:
-        return self.names
 
     def views(self, buffer: torch.Tensor) -> List[torch.Tensor]:
         """Each parameter's gradient in the 1-D ``buffer``: views in its shape, buffer order."""
@@ -128,10 +109,8 @@ def plan_bucket(index: int, names: Sequence[str], shapes: Sequence[Sequence[int]
 
 
 class Layouts:
-    """One DDP model's parameters as the hook sees them, and the layout of every bucket seen.
-
-    Built once per hook; every method the hook runs (``compression="auto"``'s candidates) plans
-    its buckets here, by whether it compresses several gradients in one call (:meth:`of`).
+    """One DDP model's parameters as the hook sees them, and the layout of every bucket seen
+    (built once per hook, for every method it runs: :meth:`of`).
 
     Args:
         module: the model DDP wraps (``ddp_model.module``); its parameters that require a
@@ -144,7 +123,7 @@ class Layouts:
         params: the parameters that require a gradient, in ``module.parameters()`` order.
         order: ``(name, parameter)`` in the expected backward order (the reverse of
             ``module.parameters()``, the Horovod front-end's).
-        recorded: granularity ``"bucket"``: per bucket index, the layout key its compressor state
+        recorded: granularity ``"bucket"``: per bucket index, the parameter names its compressor state
             was built for (saved in checkpoints).
 
     Raises:
@@ -178,7 +157,7 @@ class Layouts:
         params = bucket.parameters()
         key = self._seen[index] = tuple(self._names[id(p)] for p in params)
         layout = self._layouts.get((index, segmentable))
-        if layout is None or layout.key != key:
+        if layout is None or layout.names != key:
             layout = self._layouts[index, segmentable] = plan_bucket(
                 index, key, [tuple(p.shape) for p in params], [self._position[id(p)] for p in params],
                 segmentable, self.granularity)
@@ -191,11 +170,11 @@ class Layouts:
         Raises:
             RuntimeError: bucket ``layout.index`` now holds other parameters.
         """
-        recorded = self.recorded.setdefault(layout.index, layout.key)
-        if recorded != layout.key:
+        recorded = self.recorded.setdefault(layout.index, layout.names)
+        if recorded != layout.names:
             raise RuntimeError(
                 f"DDP bucket {layout.index} now holds other parameters than the ones its compressor "
-                f"state (granularity='bucket', kept per bucket) was built for: {list(layout.key)[:4]}... "
+                f"state (granularity='bucket', kept per bucket) was built for: {list(layout.names)[:4]}... "
                 f"instead of {list(recorded)[:4]}... Use granularity='tensor' (state per parameter), or "
                 "keep DDP's bucket layout fixed (same model, bucket_cap_mb and parameter order).")
 

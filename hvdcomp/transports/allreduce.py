@@ -9,14 +9,10 @@ import torch
 
 from ..comm.group import HOROVOD_ALLREDUCE_DTYPES
 from ..compressors.base import PayloadKind
-from ..plan import Route, register_route
+from ..plan import IN_PLACE_DTYPES, Route, register_route
 from .base import Transport, Wiring
 
 __all__ = ["AllreduceTransport", "DecodedAllreduceTransport", "IN_PLACE_DTYPES"]
-
-#: dtypes a gradient is reduced in place, as Horovod and DDP do (half-precision gradients travel in
-#: float32: their sums could overflow)
-IN_PLACE_DTYPES = (torch.float32, torch.float64)
 
 
 class AllreduceTransport(Transport):
