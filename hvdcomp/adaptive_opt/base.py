@@ -1,52 +1,22 @@
 """What the compressed adaptive optimizers share: parameters and their names, the kinds of step,
 checkpoints. The warm-up optimizer is :mod:`hvdcomp.adaptive_opt.warmup`'s; the collectives after
-it (the compressed allreduce of a whole model, the step agreement, the non-finite verdict) are
+it (the compressed allreduce, the step agreement, the non-finite verdict) are
 :mod:`hvdcomp.adaptive_opt.averaging`'s.
 
-An optimizer of :mod:`hvdcomp.adaptive_opt` is a ``torch.optim.Optimizer`` that averages over
-Horovod ranks by itself (do not wrap it in :func:`hvdcomp.DistributedOptimizer`). Each of its
-steps is one of these kinds (:attr:`AdaptiveOptimizer.last_step_kind`):
+An optimizer here is a ``torch.optim.Optimizer`` that averages over the ranks by itself (do not
+wrap it in :func:`hvdcomp.DistributedOptimizer`). Each step is one of these kinds
+(:attr:`AdaptiveOptimizer.last_step_kind`): ``"warmup"`` (the warm-up optimizer's step through a
+:func:`hvdcomp.DistributedOptimizer` with ``warmup_compression``), ``"full"`` (one float32
+allreduce of the whole model at ``step()``), ``"onebit"`` (one compressed allreduce of the whole
+model: :class:`hvdcomp.transports.twophase.TwoPhaseCompressor`, base ``efsignsgd``), ``"local"``
+(no communication) or ``"sync"`` (a local step, then the update since the last synchronisation
+averaged by a compressed allreduce); None: skipped.
 
-* ``"warmup"``: an uncompressed step of the warm-up optimizer (AdamW for 1-bit Adam, LAMB for
-  1-bit LAMB) through a :func:`hvdcomp.DistributedOptimizer` with compression
-  ``warmup_compression`` (default ``"none"``: Horovod's allreduce, launched from backward's
-  hooks). That optimizer is built at the first warm-up step and closed after the last one;
-* ``"full"``: one Horovod allreduce (mean) of all gradients as one flat float32 vector, at
-  ``step()`` (0/1 Adam's variance steps; 1-bit Adam's steps after the warm-up with
-  ``momentum_averaging="exact"``, on the momentum);
-* ``"onebit"``: one compressed allreduce of a whole model's worth of tensors at ``step()``
-  (:class:`hvdcomp.transports.twophase.TwoPhaseCompressor` with ``base="efsignsgd"``: 1 bit and
-  one float32 scale per chunk, worker and server error feedback);
-* ``"local"``: no communication (0/1 Adam between synchronisations);
-* ``"sync"``: a local step, then the update since the last synchronisation averaged by a
-  compressed allreduce (0/1 Adam).
-
-Collectives: the warm-up's are its :func:`hvdcomp.DistributedOptimizer`'s; the others run within
-``step()``, in the same order on every rank, through a :class:`hvdcomp.comm.stepcomm.StepComm` (Horovod
-allreduce and broadcast, MPI point-to-point messages on a duplicate of the process set's
-communicator). Every compressed step sends about n/8 bytes per rank for n parameters.
-
-State. ``state_dict()["state"]`` is torch's per-parameter state: everything the ranks share
-(step counter, moments, the frozen variance, LAMB's coefficients), plus 0/1 Adam's per-rank
-buffers between synchronisations; ``hvd.broadcast_optimizer_state`` copies it from rank 0.
-``state_dict()["hvdcomp"]`` holds the per-rank state: the worker and server residuals of each
-compressed allreduce (``reducers``) and the warm-up compression's state. Saved and loaded on
-every rank (``ckpt.<rank>.pt``) a run resumes exactly; with Horovod's rank-0 recipe (rank 0
-loads, then ``hvd.broadcast_parameters`` and ``hvd.broadcast_optimizer_state``) every rank shares
-rank 0's state and the other ranks' residuals start from zero. The first step after
-construction or ``load_state_dict`` checks that every rank is at the same step, and the first
-after construction (no rank loaded a checkpoint) that every rank holds the same parameters
-(``RuntimeError`` on every rank otherwise, naming the ranks; ``hvd.broadcast_parameters`` may run
-after construction).
-
-Elastic Horovod: every optimizer here follows a change of the world size
-(:meth:`AdaptiveOptimizer.reset` as ``TorchState``'s reset callback; docs/robustness.md, "Elastic
-Horovod"; :data:`hvdcomp.launch.ELASTIC_FRONTENDS`).
-
-Non-finite gradients: every averaged result is identical on every rank (a NaN or Inf on one
-rank reaches every rank's result), so the ranks agree without an extra collective: with
-``nonfinite="skip"`` the step is skipped on every rank (no state changes, ``step()`` returns
-None), with ``"raise"`` every rank raises ``FloatingPointError``.
+State: ``state_dict()["state"]`` is torch's per-parameter state (shared by every rank, plus 0/1
+Adam's per-rank buffers between synchronisations); ``state_dict()["hvdcomp"]`` the per-rank
+residuals of each compressed allreduce and the warm-up compression's state. Resume recipes,
+elastic Horovod and non-finite gradients (every averaged result is identical on every rank, so
+the ranks skip or raise alike without an extra collective): ``docs/adaptive-optimizers.md``.
 """
 from __future__ import annotations
 

@@ -3,67 +3,34 @@ between, and after the variance freezes, local steps with 1-bit synchronisations
 intervals.
 
 Lu, Li, Zhang, De Sa and He, "Maximizing Communication Efficiency for Large-scale Training via
-0/1 Adam", arXiv:2202.06009, 2022. The schedules are those the authors publish (DeepSpeed's
-0/1 Adam tutorial); the steps and the defaults follow their implementation (DeepSpeed's
-``ZeroOneAdam``), read for this module; the differences are listed below.
+0/1 Adam", arXiv:2202.06009, 2022; the steps and defaults follow DeepSpeed's ``ZeroOneAdam``.
 
 With parameters x, this rank's gradient g_r, learning rate γ_t, betas (β1, β2), ``eps`` ε,
 ``weight_decay`` λ, F = ``var_freeze_step``, κ = ``var_update_scaler``, α = ``local_step_scaler``
 and H = ``local_step_clipper``, step t (from 1):
 
-* **variance steps** T_v (:func:`is_variance_step`): k_0 = 1, k_{j+1} = k_j + 2^⌊j/κ⌋, up to F:
-  every step for the first κ, then every 2nd for κ updates, every 4th, ... The gradient is
-  averaged in full precision (one fp32 Horovod allreduce), ``m ← β1·m + (1 − β1)·ḡ``,
+* **variance steps** T_v (:func:`is_variance_step`): k_0 = 1, k_{j+1} = k_j + 2^⌊j/κ⌋, up to F.
+  The gradient is averaged in full precision (one fp32 allreduce), ``m ← β1·m + (1 − β1)·ḡ``,
   ``v ← β2·v + (1 − β2)·ḡ²``;
 * **other steps up to F**: the gradient is averaged by the 1-bit compressed allreduce
-  (:class:`hvdcomp.transports.twophase.TwoPhaseCompressor`, base ``efsignsgd``, with its own worker
-  and server residuals), masked (below), ``m ← β1·m + (1 − β1)·ĝ``; v unchanged;
-  both: ``x ← x·(1 − γλ) − η·m/D`` with the step size ``η = γ/(1 − β1^t)`` and the denominator
+  (:class:`hvdcomp.transports.twophase.TwoPhaseCompressor`, base ``efsignsgd``, its own residuals),
+  masked, ``m ← β1·m + (1 − β1)·ĝ``; v unchanged;
+  both: ``x ← x·(1 − γλ) − η·m/D`` with ``η = γ/(1 − β1^t)`` and
   ``D = sqrt(v)/sqrt(1 − β2^k) + ε``, k the variance updates so far (``bias_correction=False``:
   η = γ, D = sqrt(v) + ε, as DeepSpeed);
 * **after F** (v frozen, so D is): every step is local, ``m ← β1·m + (1 − β1)·g_r``,
   ``x ← x·(1 − γλ) − η·m/D``, and at the **synchronisation steps** T_u
   (:func:`is_sync_step`: k_0 = F + 1, k_{j+1} = k_j + min(2^⌊j/α⌋, H)) the update since the last
   one, ``u = x − x_sync``, is averaged as ``c = u ⊙ D`` by a second compressed allreduce (its own
-  residuals, fresh at F, as DeepSpeed resets its buffers there); then ``x = x_sync + c̄/D``,
-  ``m = −c̄/Ση`` (the step sizes since the last synchronisation), ``x_sync = x``.
+  residuals, fresh at F); then ``x = x_sync + c̄/D``, ``m = −c̄/Ση`` (the step sizes since the last
+  synchronisation), ``x_sync = x``.
 
-Masks: the averaged values are multiplied by 0 where the variance is exactly 0 (no rank has had a
-gradient there at a variance step yet: 1 bit cannot send a zero, and the update would divide by
-ε) and by the user's ``momentum_masks`` (DeepSpeed's ``exp_avg_mask``).
-
-Documented choices and differences from DeepSpeed's code:
-
-* **bias correction** on by default, as torch's Adam, with the variance corrected by its number
-  of updates k (it is an average over k updates, not over t steps); DeepSpeed applies none (its
-  tutorial sets ``bias_correction: false`` with F = 1000 at β2 = 0.999, where the uncorrected
-  variance has reached 63 % of its level). With a short F the uncorrected variance freezes at a
-  fraction of it and every later step is too large: on the benchmark's transformer (F = 18 steps
-  of 120, v at 1.8 %) ``bias_correction=False`` diverged on all 3 seeds. With it, the first
-  steps (all variance steps) are Adam's;
-* T_v and T_u by the published rules above (``schedule="paper"``, the default). DeepSpeed's code
-  (``schedule="deepspeed"``, offered as an option) counts one step ahead (its first ``step()``
-  call only sets up its buffers), takes the multiples of the current interval, and doubles the
-  local interval every α *steps* after F rather than every α synchronisations: its variance steps
-  differ from the paper's by less than one interval, but it synchronises less often after F (with
-  F = α = 1000, H = 16: local intervals 2/8/16 against 2/4/8 at steps 3000/5000/9000, 2188
-  against 3250 synchronisations in 10^4 steps);
-* the parameters at the last synchronisation are kept (``params_at_sync``) instead of being
-  recovered as ``x − u``: every rank then holds the same parameters after a synchronisation, bit
-  for bit;
-* a non-finite local gradient after F cannot be agreed on without a collective: that rank drops
-  it, and its next synchronisation sends NaN, so every rank sees a non-finite average there and
-  skips it (``nonfinite="skip"``: the local steps go on) or raises (``"raise"``). The dropped
-  step still counts in that rank's Ση (every rank counts every step of the schedule), so the
-  momentum rebuilt at the next synchronisation that goes ahead is the same on every rank.
-
-Defaults: the authors' published configuration for BERT (DeepSpeed tutorial: lr 1e-3,
-``var_update_scaler`` 16, ``local_step_clipper`` 16; ``local_step_scaler`` 32678 and
-``var_freeze_step`` 100000 as DeepSpeed's code; its BERT example sets 1000 and 1000). F is
-usually the end of the learning-rate warm-up; α sets how soon local steps lengthen.
-
-Wire per rank and step: 4n bytes at variance steps, about n/8 at compressed steps and at
-synchronisations, nothing at local steps.
+The averaged values are masked as 1-bit Adam's (0 where the variance is exactly 0, times
+``momentum_masks``). A non-finite local gradient after F is dropped by its rank, and its next
+synchronisation sends NaN, so every rank skips (or raises at) that synchronisation alike.
+``schedule="deepspeed"``, bias correction and the defaults against DeepSpeed's code:
+``docs/adaptive-optimizers.md``. Wire per rank and step: 4n bytes at variance steps, about n/8 at
+compressed steps and synchronisations, nothing at local steps.
 
 Example::
 

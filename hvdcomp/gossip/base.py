@@ -1,29 +1,16 @@
 """What the gossip methods share: which compressors each may use, and the per-rank method interface.
 
-Compressors in gossip compress *model differences* (Choco-SGD: ``x − x̂``; DCD-PSGD: the step
-``x_{t+½} − x_t``; ECD-PSGD: an extrapolated model), not gradients, and the methods keep their own
-memory of what was sent (public copies, replicas). So:
+Compressors in gossip compress *model differences*, and the methods keep their own memory of what
+was sent (public copies, replicas), so error feedback is never added (``ef=true`` is refused).
+Which compressor a method accepts follows from the bound the compressor states
+(:attr:`hvdcomp.Compressor.error_bound`; :func:`compressor_kind`): Choco-SGD needs a contraction
+or an unbiased one (rescaled by 1/(1 + ω)), DCD-PSGD and ECD-PSGD an unbiased one; step-wide
+methods are refused. ``docs/gossip.md`` lists the bounds.
 
-* error feedback is never added (``get_compressor(..., ef=False)``); ``ef=true`` is refused,
-  because the public copies already carry what compression dropped;
-* which method is allowed where follows from what the method guarantees about one call's error,
-  which it states itself (:attr:`hvdcomp.Compressor.error_bound`, an
-  :class:`~hvdcomp.compressors.base.ErrorBound`); :func:`compressor_kind` asks it, gossip knows
-  no method by name. Choco-SGD needs a *contraction* (E‖C(v) − v‖² ≤ (1 − δ)‖v‖², δ > 0; biased
-  methods such as top-k and the scaled sign qualify) or an *unbiased* method with variance
-  ω‖v‖², which it rescales by 1/(1 + ω) (as the Choco-SGD authors' code does for QSGD);
-  DCD-PSGD and ECD-PSGD need an unbiased one (E[C(v)] = v). A method that states no bound is
-  refused with its own reason and alternative (``signsgd``: unscaled signs, use ``efsignsgd``,
-  alias ``sign``; top-k with ``values=int2``: ‖C(v) − v‖²/‖v‖² reaches (k − 1)/9); so are the
-  step-wide methods (``powersgd``, ``gtopk``, ``cltk``, ``twophase``), which reduce a whole step
-  with their own collectives. ``docs/gossip.md`` lists the bounds.
-
-Each method (:mod:`.choco`, :mod:`.dcd`, :mod:`.powergossip`) is a :class:`GossipMethod`: the
-state of *one rank*, with no communication of its own. ``outgoing`` returns what to send to each
-neighbour, ``incoming`` takes what the neighbours sent; the front-end
-(:class:`hvdcomp.gossip.GossipOptimizer`) moves the payloads with
-:class:`hvdcomp.transports.neighbor.NeighborTransport`, and a test can move them between N
-simulated ranks in one process.
+Each method is a :class:`GossipMethod`: the state of *one rank*, with no communication of its
+own; :class:`hvdcomp.gossip.GossipOptimizer` moves the payloads with
+:class:`hvdcomp.transports.neighbor.NeighborTransport`, and a test can move them between simulated
+ranks in one process.
 """
 from __future__ import annotations
 

@@ -1,24 +1,11 @@
-"""``GossipOptimizer``: decentralized training from a Horovod script, in place of
-``hvdcomp.DistributedOptimizer``.
+"""``GossipOptimizer``: decentralized training, in place of ``hvdcomp.DistributedOptimizer``.
 
-Gradients are not averaged. Each step, the wrapped optimizer takes its *local* step (momentum,
-weight decay and the learning-rate schedule exactly as in single-process training, as the
-references do: Choco-SGD's and Tang et al.'s code apply ``SGD`` with momentum to the local model,
-then gossip), then the gossip method mixes the model with the neighbours' through the neighbour
-transport. By default (``overlap=True``) the exchange started at the end of a step completes on a
-background thread while the next forward and backward compute, and is applied at the start of the
-next ``step()`` (after that step's local update): exact for DCD-PSGD and ECD-PSGD, and the
-authors' "parallel" form for Choco-SGD and PowerGossip (the mixing applied one step late).
-
-Before anything changes, every step checks the gradients for NaN/Inf and the ranks agree on the
-verdict (``nonfinite="skip"`` by default: a non-finite gradient on any rank skips the step on every
-rank, without a trace; :meth:`GossipOptimizer._agree_step` says why this one global collective and
-what it costs). Checkpoints (:meth:`GossipOptimizer.state_dict`) leave the trajectory unchanged.
-
-Which model to evaluate: the ranks' models differ by the consensus distance. :meth:`GossipOptimizer.average_model`
-(a context manager) swaps in the network average (one allreduce) and puts the local model back
-after; ``mpi_scripts/train_lm.py`` evaluates the average by default (``--gossip-eval local``: each
-rank its own model). :meth:`GossipOptimizer.consensus_distance` reports Σ_i ‖x_i − x̄‖².
+Gradients are not averaged. Each step, the wrapped optimizer takes its *local* step, then the
+gossip method mixes the model with the neighbours' through the neighbour transport. With
+``overlap=True`` (default) the exchange started at the end of a step completes in the background
+and is applied at the next ``step()`` (exact for DCD/ECD, the authors' "parallel" form for
+Choco-SGD and PowerGossip). Non-finite gradients, checkpoints and which model to evaluate:
+``docs/gossip.md``.
 
 Example::
 

@@ -7,21 +7,11 @@ denominator b (frozen during a round) and a running accumulator s of squared gra
     θ ← θ − η·(g / sqrt(b + ε) + w·θ)       (AdaAlter: b excludes the current g²)
     s ← s + g²                              (local, no communication)
 
-and every H steps the parameters and the accumulators are averaged over the ranks, and the
-denominator becomes the average: ``b ← s ← mean over ranks of s``. The first ``warmup_steps``
-steps are fully synchronous: gradients are averaged every step and ``b ← s ← s + ḡ²`` after each,
-as in the authors' code, whose language-model script also ramps the learning rate linearly over
-those steps (``--warmup-steps`` of ``mpi_scripts/train_lm.py`` does that here).
-
-Defaults follow the authors' optimizer (``LocalAdaAlter`` in their GluonNLP fork): ε = 1e-7
-inside the square root; the paper's H = 4. With a small ε the first step is as large as
-``η·g/sqrt(ε)``; the authors' language-model script therefore sets ε = 1 ("initial history
-accumulation") and warms the learning rate up.
-
-The parameters are averaged as the other local-update methods' pseudo-gradients are (an outer SGD
-step with lr 1 and no momentum on the average Δ, ``θ_start − mean(Δ)``: the mean of the ranks'
-parameters up to float32 rounding), so Δ may travel compressed; the accumulators are averaged
-uncompressed by Horovod allreduce (they are positive scale estimates, not directions).
+and every H steps the parameters (as every mode's Δ, through the pipeline: compression applies)
+and the accumulators (uncompressed allreduce) are averaged over the ranks, and ``b ← s ← mean
+over ranks of s``. The first ``warmup_steps`` steps are fully synchronous (gradients averaged,
+``b ← s ← s + ḡ²`` after each). Defaults follow the authors' optimizer (ε = 1e-7, H = 4; their
+language-model script sets ε = 1 and warms the learning rate up): ``docs/local-update.md``.
 """
 from __future__ import annotations
 

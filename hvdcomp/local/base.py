@@ -10,42 +10,16 @@ The round, for a model with parameters θ (one rank's view; ``Δ̄`` is the aver
     θ_start ← outer.step(θ_start, Δ̄)           e.g. SGD: θ_start − α·Δ̄
     θ_local ← θ_start
 
-How Δ travels. The copy of θ_start is a set of tensors named as the model's parameters; their
-``.grad`` holds Δ, and an :func:`hvdcomp.DistributedOptimizer` wraps a *mailbox* optimizer over
-them (one whose ``step`` does nothing), so the pipeline (plan, transports, error feedback, the
-per-step agreement) carries Δ exactly as it carries a gradient, for every registered method,
-step-wide ones included: its ``synchronize()`` starts every unit (no backward hook fires on these
-tensors), ``step()`` commits the method's state, and the average stays in ``.grad`` for the
-outer optimizer, a plain torch.optim optimizer over the same tensors. Reducing (and committing
-the compressor's state) apart from the outer update is what lets CO2 apply a round's average one
-round later, and a checkpoint taken between the two resume exactly.
+Δ travels through a :class:`hvdcomp.reducer.Reducer` over copies of θ_start whose ``.grad`` holds
+Δ, for every registered method, step-wide ones included; the average stays in ``.grad`` for the
+outer optimizer, a plain ``torch.optim`` optimizer over the same tensors.
 
-A dropped round. A round whose Δ is non-finite on any rank (a NaN or Inf gradient during its
-inner steps) is dropped on every rank; this is the one definition, for every mode and inner
-optimizer:
-
-* the ranks agree on it (the pipeline's per-step agreement, :mod:`hvdcomp.agreement`): no outer
-  step, θ_start stays, the method's staged state (error-feedback residuals) is rolled back;
-* what the mode changed besides the parameters during the round goes back to the round's start
-  (:meth:`LocalUpdate._drop_round`): Local AdaAlter's accumulators return to the denominator (the
-  last agreed average) instead of being averaged; CO2 forms no pending update from the dropped
-  round (its send buffers are zeroed, nothing is applied at the next round's end);
-* every rank restarts from θ_start (θ_local ← θ_start), and each rank clears the inner-optimizer
-  state of every parameter whose state holds a NaN or Inf (:meth:`LocalUpdate._restart`: the
-  whole state of that parameter, e.g. AdamW's step, exp_avg and exp_avg_sq, SGD's momentum
-  buffer; ``torch.optim`` re-creates it at the next step as at the start of training). Only the
-  ranks and parameters whose state went non-finite lose it: the inner state is per rank by
-  design (never averaged), and a NaN moment would make every later step, so every later round,
-  non-finite. The check runs at every restart (one pass over the inner state per round), so it
-  also catches state that went non-finite while Δ stayed finite (an overflowed second moment).
-
-Training then goes on from the next round; ``skipped_rounds`` counts the dropped ones and a
-warning names them (the pipeline's) and the parameters whose inner state was cleared.
-
-Memory: one copy of the parameters (θ_start; float32 for half-precision parameters, on the host
-for a CUDA model unless ``host_copy=False``), the send buffer Δ (one copy), the outer optimizer's
-state (SGD with momentum: one copy) and the method's residuals (error feedback: one copy, two on
-the CPU where the previous step's residual is recycled).
+A round whose Δ is non-finite on any rank is dropped on every rank (the pipeline's per-step
+agreement, :mod:`hvdcomp.agreement`): no outer step, the method's staged state rolled back, the
+mode's own state restored (:meth:`LocalUpdate._drop_round`), every rank restarts from θ_start and
+clears the inner-optimizer state of each parameter whose state holds a NaN or Inf
+(:meth:`LocalUpdate._restart`); ``skipped_rounds`` counts them. ``docs/local-update.md`` ("How Δ
+travels") has the details and the memory each wrapper takes.
 """
 from __future__ import annotations
 
