@@ -51,7 +51,6 @@ class _Replicas(GossipMethod):
         self.scales = decode_scales(self.compressor, params, rescale_unbiased=False)
         self.s: Optional[List[torch.Tensor]] = None
         self._sent: Optional[EncodedModel] = None
-        self._t = 0
 
     def describe(self):
         return {"method": self.name, "compression": self.compressor.describe()}
@@ -121,7 +120,7 @@ class DCDGossip(_Replicas):
         params, names, topology, rank: see :class:`hvdcomp.gossip.base.GossipMethod` (static
             topology).
         compression: an unbiased compressor spec or instance (``none``, ``qsgd``, ...).
-        consensus_step: must stay None (DCD has none).
+        consensus_step: must stay None (DCD and ECD have none).
 
     State (per rank): ``s`` (tensors shaped like the parameters), the compressor's, ``steps``.
 
@@ -151,19 +150,8 @@ class DCDGossip(_Replicas):
 
 
 class ECDGossip(_Replicas):
-    """One rank of ECD-PSGD (see the module docstring).
-
-    Args:
-        params, names, topology, rank: see :class:`hvdcomp.gossip.base.GossipMethod` (static
-            topology).
-        compression: an unbiased compressor spec or instance (``none``, ``qsgd``, ...).
-        consensus_step: must stay None (ECD has none).
-
-    State (per rank): ``s`` (tensors shaped like the parameters), the compressor's, ``steps``.
-
-    Raises:
-        ValueError: a biased compressor, a consensus step, a time-varying topology.
-    """
+    """One rank of ECD-PSGD (see the module docstring); arguments, state and errors as
+    :class:`DCDGossip`'s."""
 
     name = "ecd"
     title = "ECD-PSGD"

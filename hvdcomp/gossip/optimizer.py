@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from types import SimpleNamespace
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-from ..agreement import NonFiniteGuard
+from ..agreement import NonFiniteGuard, check_consistency
 from ..metrics import PhaseTimer
 from ..step import LocalOptimizerSurface
 from ..transports.neighbor import NeighborTransport, neighbor_edges
@@ -91,11 +92,9 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
         overlap: run the exchange of a step in the background until the next ``step()``.
         timeout: seconds to wait for a neighbour before :class:`~hvdcomp.transports.neighbor.NeighborTimeoutError` names it.
         nonfinite: what a NaN/Inf gradient on any rank does, decided alike on every rank of the
-            process set (:meth:`_agree_step`): ``"skip"`` (default: every rank skips the step,
-            which leaves no trace in any state, and a warning names the ranks), ``"raise"``
-            (``FloatingPointError`` on every rank, nothing changed) or ``"ignore"`` (no check and
-            no agreement collective: a non-finite gradient makes that rank's model non-finite and
-            the gossip spreads it to every rank within a few steps).
+            process set (:meth:`_agree_step`): ``"skip"`` (default: every rank skips the step),
+            ``"raise"`` (``FloatingPointError`` on every rank, nothing changed) or ``"ignore"`` (no
+            check and no agreement collective).
         **method_kwargs: PowerGossip's ``power_iterations``, ``warm_start``, ``seed``.
 
     Attributes:
@@ -212,32 +211,24 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
 
     # ---- construction helpers ----------------------------------------------------------------
     def _agree(self, error: Optional[BaseException], record) -> None:
-        """Every rank learns every rank's construction error and settings; all raise together."""
+        """Every rank learns every rank's construction error, then the set-up agreement
+        (:func:`hvdcomp.agreement.check_consistency`); all raise together."""
         mine = {"error": None if error is None else f"{type(error).__name__}: {error}", "record": record}
         everyone = self.transport.allgather_object(mine)
         failed = [(r, e["error"]) for r, e in enumerate(everyone) if e["error"]]
         if failed:
             r, msg = failed[0]
             raise ValueError(f"GossipOptimizer: rank {r} of the process set could not start: {msg}") from error
-        ref = everyone[0]["record"]
-        for r, e in enumerate(everyone[1:], start=1):
-            for field in ref:
-                if e["record"][field] != ref[field]:
-                    raise ValueError(f"GossipOptimizer: rank {r} and rank 0 disagree on {field}: "
-                                     f"{_short(e['record'][field])} vs {_short(ref[field])}; every rank must pass the "
-                                     "same method, topology, consensus_step, compression and model")
+        gathered = SimpleNamespace(allgather_object=lambda obj, name: [e["record"] for e in everyone])
+        check_consistency(gathered, record, f"{self.prefix}.setup",
+                          setup="the gossip set-up (every rank must pass the same method, topology, "
+                                "consensus_step, compression and model)")
 
     # ---- torch.optim.Optimizer-like facade: LocalOptimizerSurface's, over the wrapped optimizer ------
     def step(self, closure=None):
-        """The non-finite check, the local optimizer step, then the gossip step; returns the
-        closure's loss, or None for a skipped step.
-
-        The gradients present when ``step()`` is called are checked for NaN/Inf and the ranks of
-        the process set agree on the verdict (:meth:`_agree_step`); with ``nonfinite="skip"`` a
-        non-finite gradient on any rank skips the step on every rank, leaving no trace: no local
-        optimizer step (parameters and momentum as before), no gossip (public copies, replicas,
-        edge vectors and compressor generators untouched; an exchange in flight stays in flight
-        and is applied at the next step that goes ahead).
+        """The non-finite check (:meth:`_agree_step`), the local optimizer step, then the gossip
+        step; returns the closure's loss, or None for a step skipped on every rank (no trace in
+        any state; an exchange in flight stays in flight).
 
         Raises:
             NeighborTimeoutError: a neighbour sent nothing within ``timeout`` (names the rank).
@@ -267,17 +258,8 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
         (:class:`hvdcomp.agreement.NonFiniteGuard`: one fused check of the gradients per device,
         then one ``Iallgather`` of three integers per rank over the neighbour transport's
         communicator, waited for up to ``timeout``; a rank alone decides alone). Returns whether
-        the step goes ahead; counts skipped steps.
-
-        A global collective in a method that otherwise talks to neighbours only: the verdict must
-        be the same on every rank *at this step*, and a flag carried by the neighbour messages
-        reaches every rank only after diameter-of-the-graph exchanges (n/2 on a ring), which would
-        mean undoing that many steps, or as many extra rounds per step. The allgather of 24
-        bytes per rank costs about ⌈log₂ p⌉ latencies α (recursive doubling), once per step,
-        while the previous exchange completes on the transport's thread; ``nonfinite="ignore"``
-        skips it (and the check). Its price beyond time: a rank that stops stepping ends the job
-        after ``timeout`` with :class:`~hvdcomp.transports.neighbor.CollectiveTimeoutError`,
-        which cannot name that rank (without the agreement, its neighbours' exchanges name it)."""
+        the step goes ahead; counts skipped steps. Why one global collective, and its price:
+        ``docs/gossip.md`` ("Non-finite gradients")."""
         if self.nonfinite == "ignore":
             return True
         self._guard.observe_gradients(self._params)
@@ -352,14 +334,9 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
         """This rank's state: the wrapped optimizer's, the method's (public copies, replicas,
         edge vectors, compressor state), and the rank, size, topology and method it belongs to.
         Save it per rank and restore it on the same rank (tensors, numbers and strings only:
-        ``torch.load(weights_only=True)`` reads it).
-
-        Saving does not change the run: the exchange in flight is waited for and absorbed into
-        the method's state, but its update of the parameters stays staged (in the returned
-        state, too) and is applied where it would have been without the save, at the next
-        :meth:`step` after the local optimizer step. So a run that saves at every step equals
-        one that never saves, bit for bit, and a run resumed from the saved state (with the
-        model's parameters saved at the same moment) continues as the uninterrupted one."""
+        ``torch.load(weights_only=True)`` reads it). Saving does not change the run: the exchange
+        in flight is absorbed, its update of the parameters stays staged (in the returned state
+        too) and is applied at the next :meth:`step`, as without the save."""
         if self.transport is not None:
             self.transport.finish()  # (absorbed, its update staged: applied at the next step)
         out = {"optimizer": self.optimizer.state_dict(), "rank": self.rank, "size": self.size,
@@ -402,8 +379,3 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
         self.flush()
         if self.transport is not None:
             self.transport.close()
-
-
-def _short(value, limit: int = 160) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
