@@ -102,11 +102,9 @@ class AdaptiveOptimizer(SkipSynchronize, torch.optim.Optimizer, FollowsWorld, me
 
     Raises:
         ValueError: ``backward_passes_per_step != 1``, an unknown ``nonfinite``, a bad
-            ``momentum_masks`` (:func:`check_masks`), parameters that
-            are not float32/float64, parameters with ``requires_grad=False`` (the trained set is
-            fixed at construction and the variance frozen later, so one unfrozen afterwards could
-            not train: pass the trainable ones only), ranks that disagree on the
-            set-up (on every rank, naming the difference).
+            ``momentum_masks`` (:func:`check_masks`), parameters that are not float32/float64 or
+            have ``requires_grad=False``, ranks that disagree on the set-up (on every rank,
+            naming the difference).
         RuntimeError: Horovod is not initialised (without ``comm``), the launcher started several
             tasks that Horovod does not join (``torchrun``: :func:`hvdcomp.launch.start_frontend`),
             this process is outside ``process_set``, or a job of several ranks without MPI
@@ -345,14 +343,9 @@ class AdaptiveOptimizer(SkipSynchronize, torch.optim.Optimizer, FollowsWorld, me
         on the ``hvd.elastic.TorchState(model=model, optimizer=opt)`` of ``@hvd.elastic.run``.
 
         Runs no collective (:meth:`hvdcomp.comm.group.FollowsWorld.reset`): the collectives are
-        rebuilt over the new world (a running warm-up's ``reset()`` of its
-        :func:`hvdcomp.DistributedOptimizer`), and at the next step every rank joins it alike
-        (``_join_world()``). ``TorchState`` then gives every rank rank 0's parameters
-        and torch state (step counter, ``exp_avg``, the frozen ``exp_avg_sq``, 1-bit LAMB's coefficients, 0/1 Adam's
-        ``params_at_sync`` and ``lr_sum``); each rank keeps its own worker residuals (a new rank's
-        are zero); the server residuals, partitioned by the old size, are dropped on every rank at
-        their first step in the new world. Without the callback, a change of the world's size or
-        of this rank's number is noticed at the next step and followed the same way.
+        rebuilt over the new world, and at the next step every rank joins it alike
+        (:meth:`_join_world`); what carries over: docs/robustness.md, "Elastic Horovod". Without
+        the callback, a change of the world is noticed at the next step.
 
         Raises:
             ValueError: the optimizer does not average over a Horovod process set (``comm=`` or

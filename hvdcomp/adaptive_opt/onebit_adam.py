@@ -82,17 +82,14 @@ class OneBitAdam(AdaptiveOptimizer):
     Args:
         named_parameters: ``model.named_parameters()`` (or groups of ``(name, parameter)``).
         lr, betas, eps, weight_decay: Adam's (weight decay decoupled, as AdamW).
-        freeze_step: T, the warm-up steps (uncompressed Adam) before the variance freezes.
-            Too short and the frozen variance misjudges the gradients' scale (the run degrades
-            or diverges); the authors use 15-25 % of the training steps (16 000 of ~150 000 for
-            BERT-Base) and suggest lowering it once that works. The volume over the run falls
-            with it: about ``f + (1 − f)/32`` of Adam's for a warm-up fraction f.
+        freeze_step: T, the warm-up steps (uncompressed Adam) before the variance freezes (the
+            authors: 15-25 % of the training steps; ``docs/adaptive-optimizers.md``, "Choosing
+            ``freeze_step``").
         momentum_masks: ``{parameter name: tensor of 0/1}`` (the parameter's shape): coordinates
             whose momentum is dropped after the warm-up, on top of the zero-variance mask.
         mask_zero_variance: also mask coordinates whose frozen variance is exactly 0 (default).
         momentum_averaging: ``"onebit"`` (default: the compressed allreduce) or ``"exact"`` (the
-            ablation above: a float32 allreduce of the momentum, as many bytes as Adam's; its
-            steps are ``"full"`` in :attr:`last_step_kind`, and no compressed-allreduce residuals).
+            ablation: a float32 allreduce of the momentum; its steps are ``"full"``).
         warmup_compression: the warm-up's compression (an hvdcomp spec; default ``"none"``).
         process_set, timer, nonfinite, backward_passes_per_step, comm: see
             :class:`hvdcomp.adaptive_opt.base.AdaptiveOptimizer`.

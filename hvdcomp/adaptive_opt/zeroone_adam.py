@@ -115,9 +115,7 @@ def local_interval(t: int, var_freeze_step: int, local_step_scaler: int = 32678,
 
     ``schedule="paper"``: min(2^⌊j/α⌋, H) for the j-th synchronisation interval: it doubles
     after every α *synchronisations*. ``"deepspeed"``: min(2^⌊(t − F − 1)/α⌋, H): it doubles
-    after every α *steps* after F (DeepSpeed counts every local step), so it reaches H sooner:
-    with F = α = 1000 and H = 16, 2/4/8 (paper) against 2/8/16 (DeepSpeed) at steps 3000, 5000,
-    9000, and 3250 against 2188 synchronisations in 10^4 steps.
+    after every α *steps* after F, so it reaches H sooner.
 
     Raises:
         ValueError: ``t`` ≤ F, an unknown ``schedule``.
@@ -199,11 +197,8 @@ class ZeroOneAdam(AdaptiveOptimizer):
             for BERT, GPT and ImageNet according to the authors).
         local_step_scaler: α, synchronisations per local interval before it doubles.
         local_step_clipper: H, the longest local interval (steps).
-        schedule: ``"paper"`` (default: the published rules, the local interval doubling every α
-            synchronisations) or ``"deepspeed"`` (DeepSpeed's code: in its step counter, one
-            ahead of this one, multiples of the current interval, the local interval doubling
-            every α steps, so it synchronises less often: 2188 against 3250 times in 10^4 steps
-            with F = α = 1000, H = 16). See :func:`is_variance_step`, :func:`is_sync_step`.
+        schedule: ``"paper"`` (default: the published rules) or ``"deepspeed"`` (DeepSpeed's
+            code): :func:`is_variance_step`, :func:`is_sync_step`.
         momentum_masks: ``{parameter name: tensor of 0/1}``: coordinates whose averaged values are
             dropped, on top of the zero-variance mask.
         process_set, timer, nonfinite, backward_passes_per_step, comm: see
@@ -212,9 +207,6 @@ class ZeroOneAdam(AdaptiveOptimizer):
     State per parameter: ``step``, ``exp_avg`` (m), ``exp_avg_sq`` (v), ``params_at_sync``
     (x at the last synchronisation) and ``lr_sum`` (Ση since, the same on every rank); m and x
     differ between ranks between synchronisations. Per rank: the residuals of both compressed allreduces.
-    Under elastic Horovod a growth gives every rank rank 0's m and x (``TorchState``'s broadcast:
-    the others' local steps since the last synchronisation are dropped); the schedule follows the
-    step counter (docs/robustness.md, "Elastic Horovod").
 
     Raises:
         ValueError: F, κ, α or H < 1, an unknown ``schedule``, Adam's ranges, bad masks, and those of
@@ -248,14 +240,6 @@ class ZeroOneAdam(AdaptiveOptimizer):
     def _init_state(self, p):
         return {**adam_state(p), "params_at_sync": p.detach().clone(), "lr_sum": 0.0}
 
-    def is_variance_step(self, t: int) -> bool:
-        """:func:`is_variance_step` with this optimizer's settings."""
-        return is_variance_step(t, self.var_freeze_step, self.var_update_scaler, self.schedule)
-
-    def is_sync_step(self, t: int) -> bool:
-        """:func:`is_sync_step` with this optimizer's settings."""
-        return is_sync_step(t, self.var_freeze_step, self.local_step_scaler, self.local_step_clipper, self.schedule)
-
     def _step_after_warmup(self, t, grads):
         step = t + 1
         if step <= self.var_freeze_step:
@@ -264,7 +248,7 @@ class ZeroOneAdam(AdaptiveOptimizer):
 
     def _communicating_step(self, step, grads):
         """A step up to F: full precision (variance steps) or 1-bit, then Adam's update."""
-        full = self.is_variance_step(step)
+        full = is_variance_step(step, self.var_freeze_step, self.var_update_scaler, self.schedule)
         averaged = self.averaging.full(grads) if full else self.averaging.compressed("gradient", grads)
         if averaged is None:
             return None
@@ -315,7 +299,8 @@ class ZeroOneAdam(AdaptiveOptimizer):
             if finite:
                 st["exp_avg"].mul_(g["betas"][0]).add_(grad, alpha=1.0 - g["betas"][0])
                 self._adam_update(p, g, step, d)
-        if not self.is_sync_step(step):
+        if not is_sync_step(step, self.var_freeze_step, self.local_step_scaler, self.local_step_clipper,
+                            self.schedule):
             self._advance()
             return "local"
         updates = [(p - self.state[p]["params_at_sync"]).mul_(d) for (p, _), d in zip(pairs, denoms)]

@@ -142,9 +142,7 @@ class CO2(LocalUpdate):
         self._join()
         with self.timer.phase("outer"):
             self._apply_pending()
-            with torch.no_grad():
-                for n, d in delta.items():  # Δ_r into the send buffers, then θ_local ← θ_{r+1}
-                    self._delta[n].copy_(d)
+            self._stage(delta)  # Δ_r into the send buffers, then θ_local ← θ_{r+1}
             self._restart()
         self._start()
         self.round_step = 0
@@ -162,6 +160,12 @@ class CO2(LocalUpdate):
             else:
                 out[n] = torch.sub(a, p.detach().to(a.device, a.dtype))
         return out
+
+    @torch.no_grad()
+    def _stage(self, delta: Dict[str, torch.Tensor]) -> None:
+        """``delta`` (by parameter name) into the send buffers."""
+        for n, d in delta.items():
+            self._delta[n].copy_(d)
 
     def _apply_pending(self) -> None:
         """The outer step with the joined average, if there is one (none after a dropped round)."""
@@ -181,8 +185,7 @@ class CO2(LocalUpdate):
     def _start(self) -> None:
         """The reduction of the send buffers: on a background thread, or, under elastic Horovod,
         its collectives started from this thread (see the module docstring)."""
-        for c, g in zip(self._carriers, self._carrier_grads):
-            c.grad = g
+        self._load_carriers()
         self._round_timer.begin_step()
         self._inflight = {"inner_steps": self.round_step, "step": self.steps, "t0": time.perf_counter()}
         self._error = None
@@ -238,9 +241,7 @@ class CO2(LocalUpdate):
         rec = self._inflight
         rec.update({"exposed_s": exposed, "hidden_s": max(0.0, rec["wall_s"] - exposed)})
         self.timer.add_bytes(sent=rec["bytes_sent"], received=rec["bytes_received"], dense=rec["dense_bytes"])
-        self.rounds += 1
-        self.skipped_rounds += bool(rec["skipped"])
-        self._rounds_log.append({"round": self.rounds, **rec})
+        self._close_round(rec)
         if rec["skipped"]:
             self._drop_round()
         else:
@@ -256,9 +257,7 @@ class CO2(LocalUpdate):
         with self.timer.phase("outer"):
             self._apply_pending()
         if delta:
-            with torch.no_grad():
-                for n, d in delta.items():
-                    self._delta[n].copy_(d)
+            self._stage(delta)
             self._start()
             self._join()
             with self.timer.phase("outer"):
@@ -281,9 +280,7 @@ class CO2(LocalUpdate):
         super().load_state_dict(state)
         pending = state["pending"]
         self.pending = bool(pending["applies"]) and not bool(pending.get("skipped", False))
-        with torch.no_grad():
-            for n, d in pending["delta"].items():
-                self._delta[n].copy_(d)
+        self._stage(pending["delta"])
 
     def broadcast_state(self, root_rank: int = 0) -> None:
         self._join()
