@@ -1,13 +1,7 @@
 """The collectives of a compressed adaptive optimizer after its warm-up: compressed allreduces of
-a whole model's worth of tensors, the full-precision allreduce, the step agreement, and the
-non-finite verdict on averaged results.
-
-Every compressed allreduce is a :class:`hvdcomp.transports.twophase.TwoPhaseCompressor` with
-``base="efsignsgd"`` (``ONEBIT_SPEC``: 1 bit and one float32 scale per chunk, worker and server
-error feedback; Tang et al. 2021, "1-bit Adam", Algorithm 2), one per quantity averaged (the
-momentum; 0/1 Adam's gradient and its update since the last synchronisation), each keeping its
-own residuals. Averaged results are identical on every rank, so the non-finite verdict needs no
-extra collective.
+a whole model's worth of tensors (:data:`ONEBIT_SPEC`, one per quantity averaged, each with its
+own worker and server residuals; Tang et al. 2021, "1-bit Adam", Algorithm 2), the full-precision
+allreduce, the step agreement, and the non-finite verdict on averaged results.
 """
 from __future__ import annotations
 
