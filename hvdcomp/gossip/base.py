@@ -15,6 +15,7 @@ ranks in one process.
 from __future__ import annotations
 
 import abc
+import itertools
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -219,23 +220,6 @@ class GossipMethod(abc.ABC):
         self.steps = int(state["steps"])
 
 
-def split_payload(flat: Sequence[torch.Tensor], lengths: Sequence[int]) -> List[List[torch.Tensor]]:
-    """Cut a concatenated list of payload tensors into consecutive pieces of ``lengths``."""
-    out, start = [], 0
-    for n in lengths:
-        out.append(list(flat[start:start + n]))
-        start += n
-    if start != len(flat):
-        raise ValueError(f"a neighbour's payload has {len(flat)} tensors, this rank expected {start}: the ranks "
-                         "run different models or compressors")
-    return out
-
-
-def copy_params(params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Detached copies of ``params`` (the state of what was sent or held)."""
-    return [p.detach().clone() for p in params]
-
-
 class EncodedModel:
     """One rank's compressed tensors of a step: the payload that travels (all tensors' payloads
     end to end), and what is kept locally to decode it and the neighbours' payloads.
@@ -264,8 +248,17 @@ class EncodedModel:
         return self.payload[len(self.payload) - self.lengths[-1]:]
 
     def pieces(self, flat: Optional[Sequence[torch.Tensor]] = None) -> List[List[torch.Tensor]]:
-        """``flat`` (a neighbour's payload; this rank's own when None) cut per tensor."""
-        return split_payload(self.payload if flat is None else flat, self.lengths)
+        """``flat`` (a neighbour's payload; this rank's own when None) cut per tensor.
+
+        Raises:
+            ValueError: a payload of another number of tensors (the ranks run different models).
+        """
+        flat = self.payload if flat is None else flat
+        if len(flat) != sum(self.lengths):
+            raise ValueError(f"a neighbour's payload has {len(flat)} tensors, this rank expected "
+                             f"{sum(self.lengths)}: the ranks run different models or compressors")
+        ends = list(itertools.accumulate(self.lengths))
+        return [list(flat[e - n:e]) for n, e in zip(self.lengths, ends)]
 
     def decode(self, piece: Sequence[torch.Tensor], k: int, like: torch.Tensor) -> torch.Tensor:
         """Tensor ``k``'s dense value from its payload ``piece``: shape, dtype and device of

@@ -39,7 +39,7 @@ from ..step import LocalOptimizerSurface
 from ..transports.neighbor import NeighborTransport, neighbor_edges
 from ..comm import resolve_group
 from ..comm.group import FollowsWorld, instance_prefix
-from .base import GossipMethod, copy_params
+from .base import GossipMethod
 from .choco import ChocoGossip
 from .dcd import DCDGossip, ECDGossip
 from .powergossip import PowerGossip
@@ -241,7 +241,7 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
         if not self._agree_step():
             return None
         gossiping = self.method is not None and self.size > 1
-        previous = copy_params(self._params) if gossiping and self.method.needs_previous else None
+        previous = [p.detach().clone() for p in self._params] if gossiping and self.method.needs_previous else None
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         if not gossiping:
             return loss
