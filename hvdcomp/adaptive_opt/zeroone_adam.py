@@ -126,11 +126,17 @@ def local_interval(t: int, var_freeze_step: int, local_step_scaler: int = 32678,
     alpha, clip = local_step_scaler, local_step_clipper
     if schedule == "deepspeed":
         return min(2 ** min((t - var_freeze_step - 1) // alpha, clip.bit_length()), clip)
-    offset, start, b = t - var_freeze_step - 1, 0, 0
+    return _paper_interval(t - var_freeze_step - 1, alpha, clip)[1]
+
+
+def _paper_interval(offset: int, alpha: int, clip: int):
+    """(steps since the start of its run of equal intervals, that interval) of the step ``offset``
+    steps after F + 1, under the published rule (each interval repeated α times, doubling up to H)."""
+    start, b = 0, 0
     while True:
         interval = min(2 ** b, clip)
         if interval == clip or offset < start + alpha * interval:
-            return interval
+            return offset - start, interval
         start += alpha * interval
         b += 1
 
@@ -153,13 +159,8 @@ def is_sync_step(t: int, var_freeze_step: int, local_step_scaler: int = 32678, l
         return False
     if schedule == "deepspeed":
         return (t + 1) % local_interval(t, var_freeze_step, local_step_scaler, local_step_clipper, schedule) == 0
-    offset, start, b = t - var_freeze_step - 1, 0, 0
-    while True:
-        interval = min(2 ** b, local_step_clipper)
-        if interval == local_step_clipper or offset < start + local_step_scaler * interval:
-            return (offset - start) % interval == 0
-        start += local_step_scaler * interval
-        b += 1
+    into, interval = _paper_interval(t - var_freeze_step - 1, local_step_scaler, local_step_clipper)
+    return into % interval == 0
 
 
 def step_kinds(steps: int, var_freeze_step: int, var_update_scaler: int = 16, local_step_scaler: int = 32678,

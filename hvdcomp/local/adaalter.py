@@ -15,17 +15,15 @@ language-model script sets ε = 1 and warms the learning rate up): ``docs/local-
 """
 from __future__ import annotations
 
-import logging
 
 import torch
 
+from ..adaptive_opt.averaging import averaged_verdict
 from ..checks import check_count, check_real
 from .base import LocalUpdate, optimizer_settings
 from .outer import outer_sgd
 
 __all__ = ["AdaAlter", "LocalAdaAlter"]
-
-log = logging.getLogger(__name__)
 
 
 class AdaAlter(torch.optim.Optimizer):
@@ -127,7 +125,8 @@ class LocalAdaAlter(LocalUpdate):
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for _, p in self._params]
         self._warmup_bytes += self._average(grads, "grad")
-        if not self._warmup_step_finite(grads):
+        if not averaged_verdict(grads, self.sync.nonfinite):  # (skipped on every rank, as a dropped round)
+            self.skipped_rounds += 1
             return loss
         self.inner.synchronous = True
         self.inner.step()
@@ -137,27 +136,6 @@ class LocalAdaAlter(LocalUpdate):
             for n, p in self._params:
                 self._anchor[n].copy_(p)
         return loss
-
-    def _warmup_step_finite(self, averaged) -> bool:
-        """Whether a warm-up step goes ahead: its averaged gradients (the same on every rank) are
-        finite, or the pipeline's ``nonfinite`` is ``"ignore"``. A non-finite one is skipped on
-        every rank with ``"skip"`` (no parameter or accumulator changes; not counted as a step,
-        counted in ``skipped_rounds``), as a dropped round is.
-
-        Raises:
-            FloatingPointError: with ``nonfinite="raise"``, on every rank.
-        """
-        mode = self.sync.nonfinite
-        if mode == "ignore" or not averaged or bool(torch.stack([g.isfinite().all() for g in averaged]).all()):
-            return True
-        if mode == "raise":
-            raise FloatingPointError("non-finite gradient (NaN or Inf) in a synchronous warm-up step of Local "
-                                     "AdaAlter; no update was applied. Lower the learning rate or raise eps, or "
-                                     "use nonfinite='skip' to skip such steps.")
-        self.skipped_rounds += 1
-        log.warning("hvdcomp.local: non-finite averaged gradient in a warm-up step of Local AdaAlter: step "
-                    "skipped on every rank")
-        return False
 
     def _average(self, tensors, what: str, dense: bool = True) -> int:
         """Average ``tensors`` in place over the ranks (Horovod allreduce, charged to
