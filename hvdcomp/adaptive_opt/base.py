@@ -27,7 +27,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..agreement import NONFINITE_MODES, check_consistency
+from ..agreement import NonFiniteGuard, check_consistency
 from ..comm import resolve_group
 from ..comm.group import FollowsWorld, instance_prefix
 from ..comm.stepcomm import StepComm
@@ -123,8 +123,7 @@ class AdaptiveOptimizer(SkipSynchronize, torch.optim.Optimizer, FollowsWorld, me
             raise ValueError(f"{type(self).__name__} averages the momentum once per step() and does not "
                              "accumulate: use backward_passes_per_step=1 (to accumulate, run several "
                              "backward passes and call step() once; the gradients add up in p.grad)")
-        if nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}; got {nonfinite!r}")
+        NonFiniteGuard(nonfinite)  # (refuses an unknown mode)
         self._frozen: List[str] = []
         groups, self._names = named_groups(named_parameters, self._frozen)
         super().__init__(groups, defaults)
