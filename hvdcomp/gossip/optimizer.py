@@ -131,10 +131,7 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
         self._names = [names[p] for p in self._params]
         if len(set(self._params)) != len(self._params):
             raise ValueError("the optimizer holds the same parameter twice; list each parameter once")
-        self.method: Optional[GossipMethod] = None
-        self.transport = None
-        self.topology = None
-        self.compression = None
+        self.method = self.transport = self.topology = self.compression = None  # (built by _build)
         self.rank, self.size = self.group.rank, self.group.size
         if not self.group.included:
             self._guard = NonFiniteGuard(nonfinite)
@@ -159,20 +156,18 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
                                       " (run each exchange in the background until the next step)")
             timeout = check_range(timeout, "timeout", 0.0, low_open=True, hint=" (seconds)")
         except ValueError as exc:
-            error = exc
-        self.transport = NeighborTransport(comm, timeout=300.0 if error is not None else timeout,
-                                           params=self._params, timer=self.timer)
+            error, timeout = exc, 300.0
+        self.transport = NeighborTransport(comm, timeout=timeout, params=self._params, timer=self.timer)
         try:
-            if error is not None:
-                raise error
-            self.topology = make_topology(topology, self.size, weights)
-            self.method = make_method(method, self._params, self._names, self.topology, self.rank,
-                                      compression=compression, consensus_step=consensus_step, **method_kwargs)
-            self.compression = getattr(self.method, "compressor", None)
-            self.transport.method = self.method
-            record = {"method": self.method.describe(), "topology": self.topology.fingerprint(),
-                      "overlap": self.overlap, "nonfinite": self.nonfinite, "prefix": self.prefix,
-                      "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)]}
+            if error is None:
+                self.topology = make_topology(topology, self.size, weights)
+                self.method = make_method(method, self._params, self._names, self.topology, self.rank,
+                                          compression=compression, consensus_step=consensus_step, **method_kwargs)
+                self.compression = getattr(self.method, "compressor", None)
+                self.transport.method = self.method
+                record = {"method": self.method.describe(), "topology": self.topology.fingerprint(),
+                          "overlap": self.overlap, "nonfinite": self.nonfinite, "prefix": self.prefix,
+                          "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)]}
         except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has heard of it
             error = exc
         self._agree(error, record)
