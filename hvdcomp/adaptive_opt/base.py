@@ -251,17 +251,6 @@ class AdaptiveOptimizer(SkipSynchronize, torch.optim.Optimizer, FollowsWorld, me
         return int(self.state[self.order[0]]["step"])
 
     # ---- one step -------------------------------------------------------------------------------
-    def _check_dense(self) -> None:
-        """Raises TypeError for a sparse gradient (before anything is sent)."""
-        for p in self.order:
-            if p.grad is not None and p.grad.is_sparse:
-                raise TypeError(f"{type(self).__name__} does not take sparse gradients "
-                                f"({self._names[p]!r}): use nn.Embedding(sparse=False)")
-
-    def _local_gradients(self) -> List[torch.Tensor]:
-        """This rank's gradient of every parameter of :attr:`order` (zeros where unused)."""
-        return [torch.zeros_like(p) if p.grad is None else p.grad for p in self.order]
-
     def momentum_mask(self, p: torch.Tensor) -> torch.Tensor:
         """1 where ``p``'s variance is non-zero, 0 where it is exactly zero (no rank ever had a
         gradient there: 1 bit cannot send a zero, and the update would divide by ``eps``),
@@ -310,7 +299,10 @@ class AdaptiveOptimizer(SkipSynchronize, torch.optim.Optimizer, FollowsWorld, me
         if closure is not None:
             raise ValueError(f"{type(self).__name__}.step() takes no closure: compute the loss and call "
                              "backward() before step()")
-        self._check_dense()
+        for p in self.order:  # (before anything is sent)
+            if p.grad is not None and p.grad.is_sparse:
+                raise TypeError(f"{type(self).__name__} does not take sparse gradients "
+                                f"({self._names[p]!r}): use nn.Embedding(sparse=False)")
         self._follow_world()
         self.averaging.agree_step()
         t = self.step_count()
@@ -331,7 +323,7 @@ class AdaptiveOptimizer(SkipSynchronize, torch.optim.Optimizer, FollowsWorld, me
         else:
             if self.warmup.running:
                 self.warmup.abandon(self.order)
-            kind = self._step_after_warmup(t, self._local_gradients())
+            kind = self._step_after_warmup(t, [torch.zeros_like(p) if p.grad is None else p.grad for p in self.order])
             self.timer.add_bytes(dense=4 * sum(p.numel() for p in self.order))
         self.last_step_kind = kind
 

@@ -62,13 +62,6 @@ def check_lamb_hyper(lr, betas, eps, weight_decay, max_coeff, min_coeff, where: 
     return out
 
 
-def _trust_ratio(w_norm: float, u_norm: float, lo: float, hi: float) -> float:
-    """``clamp(w_norm / u_norm, lo, hi)``, 1 where a norm is 0."""
-    if w_norm == 0.0 or u_norm == 0.0:
-        return 1.0
-    return min(max(w_norm / u_norm, lo), hi)
-
-
 class Lamb(torch.optim.Optimizer):
     """LAMB (no bias correction) recording what 1-bit LAMB freezes: the moving average of the
     trust ratios (``lamb_coeff_freeze``) and, at step ``freeze_step``, a copy of the variance
@@ -120,7 +113,9 @@ class Lamb(torch.optim.Optimizer):
                 update = st["exp_avg"] / (st["exp_avg_sq"].sqrt() + g["eps"])
                 if g["weight_decay"]:
                     update.add_(p, alpha=g["weight_decay"])
-                ratio = _trust_ratio(float(p.norm()), float(update.norm()), g["min_coeff"], g["max_coeff"])
+                w_norm, u_norm = float(p.norm()), float(update.norm())  # trust ratio: 1 where a norm is 0
+                ratio = 1.0 if w_norm == 0.0 or u_norm == 0.0 else min(max(w_norm / u_norm, g["min_coeff"]),
+                                                                       g["max_coeff"])
                 if ratio != 1.0:
                     beta_c = self.coeff_beta
                     st["lamb_coeff_freeze"] = beta_c * st["lamb_coeff_freeze"] + (1.0 - beta_c) * ratio
