@@ -493,8 +493,10 @@ class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
     def _end_round(self) -> None:
         """Δ, its reduction, the outer step (or the drop of the round), and the restart of every
         rank from θ_start."""
-        with self.timer.phase("outer"):
-            self._compute_delta()
+        with self.timer.phase("outer"), torch.no_grad():
+            for n, p in self._params:  # Δ = θ_start − θ_local into the send buffers
+                a = self._anchor[n]
+                torch.sub(a, p.detach().to(a.device, a.dtype), out=self._delta[n])
         record = {"step": self.steps, "inner_steps": self.round_step, **self._reduce()}
         with self.timer.phase("outer"):
             if record["skipped"]:
@@ -504,13 +506,6 @@ class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
             self._restart()
         self._close_round(record)
         self.round_step = 0
-
-    @torch.no_grad()
-    def _compute_delta(self) -> None:
-        """Δ = θ_start − θ_local into the send buffers."""
-        for n, p in self._params:
-            a = self._anchor[n]
-            torch.sub(a, p.detach().to(a.device, a.dtype), out=self._delta[n])
 
     def _reduce(self) -> Dict[str, Any]:
         """Average Δ over the ranks (the pipeline, in this thread); returns the round's record:

@@ -107,19 +107,14 @@ class SparseLoCo(LocalUpdate):
         named_parameters: ``model.named_parameters()``.
         local_steps: H ≥ 1 (their released configuration: 15).
         form: ``"authors"`` (default: the authors' released code) or ``"flat"`` (hvdcomp's earlier
-            form); it sets the defaults of the next three arguments.
-        compression: a method with :class:`hvdcomp.ErrorFeedback` (``"authors"``:
-            ``"topk:density=0.03125,tile=64,values=stat2,index=compact,average=senders"``; ``"flat"``:
-            ``"topk:density=0.02,values=int2,index=compact"``).
-        beta: β in [0, 1], the residual's decay per round (``"authors"``: 0.95; ``"flat"``: 0.999;
-            0: no memory).
+            form); it sets the defaults of the next three arguments (:data:`SPARSELOCO_FORMS`).
+        compression: a method with :class:`hvdcomp.ErrorFeedback`.
+        beta: β in [0, 1], the residual's decay per round (0: no memory).
         outer_lr: α > 0 (1.0).
-        chunk_size: elements per chunk of the flattened Δ, or None for whole parameters
-            (``"authors"``: None, the method tiles each parameter; ``"flat"``: 4096).
+        chunk_size: elements per chunk of the flattened Δ, or None for whole parameters.
         **kwargs: as :class:`DiLoCo`.
 
-    A dropped round (non-finite Δ on some rank) leaves the residuals as they were (the decay
-    by β follows each applied round's commit, so e ← β·e + Δ holds over the applied rounds).
+    A dropped round leaves the residuals as they were (the decay by β follows each applied round).
 
     Raises:
         ValueError: an unknown ``form``, ``beta`` not a number in [0, 1], a method without
