@@ -60,10 +60,16 @@ def _check_schedule(schedule: str) -> None:
     check_choice(schedule, "schedule", SCHEDULES)
 
 
-def _deepspeed_variance_steps(last: int, kappa: int):
-    """DeepSpeed's variance steps up to ``last`` (1-based hvdcomp steps t; DeepSpeed's counter is
-    t + 1): in its counter, κ steps at interval 1 (2 .. κ + 1), then κ multiples of 2 after the
-    last one, κ multiples of 4 after that, ..."""
+def _variance_steps(last: int, kappa: int, schedule: str):
+    """The variance steps up to ``last`` (1-based), ascending (:func:`is_variance_step`).
+    ``"deepspeed"``, in DeepSpeed's counter c = t + 1: κ steps at interval 1 (c = 2 .. κ + 1),
+    then κ multiples of 2 after the last one, κ multiples of 4 after that, ..."""
+    if schedule == "paper":
+        t, j = 1, 0
+        while t <= last:
+            yield t
+            t, j = t + 2 ** (j // kappa), j + 1
+        return
     c, interval = 1, 1  # c: DeepSpeed's counter of the last variance step so far
     while True:
         for _ in range(kappa):
@@ -86,27 +92,13 @@ def is_variance_step(t: int, var_freeze_step: int, var_update_scaler: int = 16, 
         ValueError: an unknown ``schedule``.
     """
     _check_schedule(schedule)
-    if t < 1 or t > var_freeze_step:
-        return False
-    kappa, b = var_update_scaler, 0
-    if schedule == "deepspeed":
-        return any(k == t for k in _deepspeed_variance_steps(t, kappa))
-    while 1 + kappa * (2 ** (b + 1) - 1) <= t:  # block b: updates j in [bκ, (b+1)κ), interval 2^b
-        b += 1
-    return (t - 1 - kappa * (2 ** b - 1)) % (2 ** b) == 0
+    return 1 <= t <= var_freeze_step and t in _variance_steps(t, var_update_scaler, schedule)
 
 
 def variance_updates(t: int, var_freeze_step: int, var_update_scaler: int = 16, schedule: str = "paper") -> int:
     """How many of steps 1..t are variance steps (:func:`is_variance_step`)."""
     _check_schedule(schedule)
-    last, kappa, j, count = min(t, var_freeze_step), var_update_scaler, 0, 0
-    if schedule == "deepspeed":
-        return sum(1 for _ in _deepspeed_variance_steps(last, kappa))
-    while True:
-        b, r = divmod(j, kappa)
-        if 1 + kappa * (2 ** b - 1) + r * 2 ** b > last:
-            return count
-        count, j = count + 1, j + 1
+    return sum(1 for _ in _variance_steps(min(t, var_freeze_step), var_update_scaler, schedule))
 
 
 def local_interval(t: int, var_freeze_step: int, local_step_scaler: int = 32678, local_step_clipper: int = 16,
@@ -171,12 +163,10 @@ def step_kinds(steps: int, var_freeze_step: int, var_update_scaler: int = 16, lo
     will be."""
     _check_schedule(schedule)
     kinds = {"full": 0, "onebit": 0, "sync": 0, "local": 0}
-    variance = set(_deepspeed_variance_steps(min(steps, var_freeze_step), var_update_scaler)) \
-        if schedule == "deepspeed" else None
+    variance = set(_variance_steps(min(steps, var_freeze_step), var_update_scaler, schedule))
     for t in range(1, steps + 1):
         if t <= var_freeze_step:
-            full = t in variance if variance is not None else is_variance_step(t, var_freeze_step, var_update_scaler)
-            kinds["full" if full else "onebit"] += 1
+            kinds["full" if t in variance else "onebit"] += 1
         else:
             sync = is_sync_step(t, var_freeze_step, local_step_scaler, local_step_clipper, schedule)
             kinds["sync" if sync else "local"] += 1
