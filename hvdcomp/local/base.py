@@ -45,7 +45,7 @@ from ..reducer import Reducer, check_free, claim, release
 from ..step import LocalOptimizerSurface
 from .checkpoint import Checkpoints
 
-__all__ = ["LocalUpdate", "check_carries_delta", "check_outer_lr"]
+__all__ = ["LocalUpdate", "check_carries_delta"]
 
 log = logging.getLogger(__name__)
 
@@ -83,23 +83,6 @@ def _pipeline_arguments() -> List[str]:
     return [n for n in inspect.signature(Settings.validate).parameters if n not in _SET_BY_WRAPPER] + ["process_group"]
 
 
-def accepted_arguments(cls) -> List[str]:
-    """The keyword arguments a local-update class takes: its own and its bases' constructors',
-    and the pipeline's (:func:`_pipeline_arguments`)."""
-    names: List[str] = []
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None or klass is object:
-            continue
-        for p in inspect.signature(init).parameters.values():
-            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in ("self", "optimizer",
-                                                                                     "named_parameters") \
-                    and p.name not in names:
-                names.append(p.name)
-    names += [n for n in _pipeline_arguments() if n not in names]
-    return names
-
-
 def check_pipeline_arguments(cls, pipeline: Dict[str, Any]) -> None:
     """Refuse keyword arguments that neither the wrapper nor the pipeline takes, before anything is
     built, naming the close matches and the accepted ones.
@@ -107,11 +90,16 @@ def check_pipeline_arguments(cls, pipeline: Dict[str, Any]) -> None:
     Raises:
         ValueError: an unknown argument.
     """
-    pipe = set(_pipeline_arguments())
+    pipe = _pipeline_arguments()
     unknown = [k for k in pipeline if k not in pipe]
     if not unknown:
         return
-    accepted = accepted_arguments(cls)
+    accepted: List[str] = []  # the keyword arguments of the constructors along the MRO, then the pipeline's
+    for init in (k.__dict__["__init__"] for k in cls.__mro__[:-1] if "__init__" in k.__dict__):
+        accepted += [p.name for p in inspect.signature(init).parameters.values() if p.name not in accepted
+                     and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+                     and p.name not in ("self", "optimizer", "named_parameters")]
+    accepted += [n for n in pipe if n not in accepted]
     near = {k: difflib.get_close_matches(k, accepted, n=2, cutoff=0.5) for k in unknown}
     hints = "; ".join(f"{k!r}: did you mean {' or '.join(map(repr, m))}?" for k, m in near.items() if m)
     inner = [k for k in unknown if k in ("lr", "momentum", "weight_decay", "betas", "eps")]
@@ -119,12 +107,6 @@ def check_pipeline_arguments(cls, pipeline: Dict[str, Any]) -> None:
                      + (f"; {inner} set the inner optimizer: give them to it (e.g. torch.optim.SGD(params, "
                         f"lr=0.1)), or the outer_* arguments for the outer step" if inner else "")
                      + f". Accepted: {accepted}")
-
-
-def check_outer_lr(outer: torch.optim.Optimizer) -> None:
-    """Raises ``ValueError`` unless every parameter group of ``outer`` has a finite learning rate > 0."""
-    for group in outer.param_groups:
-        check_real(group.get("lr"), "the outer learning rate", lambda v: v > 0, "> 0 and finite", _OUTER_LR_HINT)
 
 
 def _plain(value):
@@ -234,7 +216,8 @@ class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
                             for n, p in self._params}
         self._delta = {n: torch.zeros_like(a) for n, a in self._anchor.items()}
         self.outer = outer_optimizer(list(self._anchor.values()))
-        check_outer_lr(self.outer)
+        for group in self.outer.param_groups:
+            check_real(group.get("lr"), "the outer learning rate", lambda v: v > 0, "> 0 and finite", _OUTER_LR_HINT)
         method = resolve_compression(compression)
         check_carries_delta(method, self.outer)
         check_free(method)
