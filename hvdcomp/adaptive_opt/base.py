@@ -328,22 +328,6 @@ class AdaptiveOptimizer(SkipSynchronize, torch.optim.Optimizer, FollowsWorld, me
         self.last_step_kind = kind
 
     # ---- elastic Horovod --------------------------------------------------------------------------
-    def reset(self) -> None:
-        """Follow elastic Horovod's reset (workers lost or added; :data:`hvdcomp.launch.ELASTIC_FRONTENDS`
-        names the optimizers that can): register it once, ``state.register_reset_callbacks([opt.reset])``,
-        on the ``hvd.elastic.TorchState(model=model, optimizer=opt)`` of ``@hvd.elastic.run``.
-
-        Runs no collective (:meth:`hvdcomp.comm.group.FollowsWorld.reset`): the collectives are
-        rebuilt over the new world, and at the next step every rank joins it alike
-        (:meth:`_join_world`); what carries over: docs/robustness.md, "Elastic Horovod". Without
-        the callback, a change of the world is noticed at the next step.
-
-        Raises:
-            ValueError: the optimizer does not average over a Horovod process set (``comm=`` or
-                ``torch.distributed``).
-        """
-        super().reset()
-
     def _world_group(self):
         return self.group
 

@@ -114,9 +114,8 @@ class ChocoGossip(GossipMethod):
     def load_state_dict(self, state):
         if len(state["x_hat"]) != len(self.x_hat):
             raise ValueError(f"Choco state for {len(state['x_hat'])} tensors, this model has {len(self.x_hat)}")
-        for dst, a, b in zip(zip(self.x_hat, self.s), state["x_hat"], state["s"]):
-            dst[0].copy_(a)
-            dst[1].copy_(b)
+        for dst, src in zip(self.x_hat + self.s, list(state["x_hat"]) + list(state["s"])):
+            dst.copy_(src)
         self.compressor.load_state_dict(state["compressor"])
         self.steps = int(state["steps"])
         self._mix_pending = bool(state.get("mix_pending", False))

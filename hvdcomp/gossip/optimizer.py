@@ -177,19 +177,6 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
             self.method.setup(self._params, received)
 
     # ---- elastic Horovod ----------------------------------------------------------------------
-    def reset(self) -> None:
-        """Follow elastic Horovod's reset: ``state.register_reset_callbacks([opt.reset])`` on the
-        ``hvd.elastic.TorchState(model=model, optimizer=opt.optimizer)`` of ``@hvd.elastic.run``.
-        Runs no collective: drops the exchange in flight; at the next step every rank builds the
-        topology for the new size and a fresh method (:meth:`_build`; what carries over:
-        docs/robustness.md, "Elastic Horovod"). Without the callback, a new size or rank is
-        followed at the next step.
-
-        Raises:
-            ValueError: the optimizer does not run on Horovod.
-        """
-        super().reset()
-
     def _world_group(self):
         return self.group
 

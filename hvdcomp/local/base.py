@@ -339,15 +339,10 @@ class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
         return loss
 
     def reset(self) -> None:
-        """Follow elastic Horovod's reset (workers lost or added; :data:`hvdcomp.launch.ELASTIC_FRONTENDS`
-        names the modes that can): register it once,
-        ``state.register_reset_callbacks([opt.reset])``, on the ``hvd.elastic.TorchState(model=model,
-        optimizer=inner)`` of ``@hvd.elastic.run``.
-
-        Runs no collective (:meth:`hvdcomp.comm.group.FollowsWorld.reset`): the pipeline is rebuilt
-        over the new world (:meth:`hvdcomp.reducer.Reducer.resize`), and at the next step every
-        rank joins it alike (:meth:`_join_world`). Without the callback a change of the world is
-        noticed at the next step.
+        """Follow elastic Horovod's reset (:meth:`hvdcomp.comm.group.FollowsWorld.reset`; register it
+        on the ``hvd.elastic.TorchState(model=model, optimizer=inner)``): the pipeline is rebuilt
+        over the new world (:meth:`hvdcomp.reducer.Reducer.resize`) and every rank joins it at its
+        next step (:meth:`_join_world`); docs/robustness.md, "Elastic Horovod".
 
         Raises:
             ValueError: the mode runs on ``torch.distributed`` (elastic Horovod only).
