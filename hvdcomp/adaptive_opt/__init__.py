@@ -1,14 +1,10 @@
-"""Compressed adaptive optimizers for Horovod: 1-bit Adam, 0/1 Adam, 1-bit LAMB, and AMSGrad on a
-two-way compressed gradient (Zhong et al.). See ``docs/adaptive-optimizers.md`` for when to use
-which, and :mod:`hvdcomp.adaptive_opt.base` for what they share (steps, state, checkpoints).
-
-Each is one line in a Horovod script, in place of ``hvd.DistributedOptimizer(...)``::
+"""Compressed adaptive optimizers: 1-bit Adam, 0/1 Adam, 1-bit LAMB, and AMSGrad on a two-way
+compressed gradient (Zhong et al.), each in place of ``hvd.DistributedOptimizer(...)``::
 
     opt = hvdcomp.adaptive_opt.OneBitAdam(model.named_parameters(), lr=1e-3, freeze_step=2000)
 
-They average over the ranks themselves (do not wrap them in a ``DistributedOptimizer``), through
-:mod:`hvdcomp.transports.twophase`'s compressed allreduce (1 bit per element, worker and server
-error feedback).
+They average over the ranks themselves (do not wrap them in a ``DistributedOptimizer``). When to
+use which: ``docs/adaptive-optimizers.md``; what they share: :mod:`hvdcomp.adaptive_opt.base`.
 """
 from __future__ import annotations
 

@@ -1,31 +1,35 @@
 """The collectives of a compressed adaptive optimizer after its warm-up: compressed allreduces of
-a whole model's worth of tensors, the full-precision allreduce, the step agreement, and the
-non-finite verdict on averaged results.
-
-Every compressed allreduce is a :class:`hvdcomp.transports.twophase.TwoPhaseCompressor` with
-``base="efsignsgd"`` (``ONEBIT_SPEC``: 1 bit and one float32 scale per chunk, worker and server
-error feedback; Tang et al. 2021, "1-bit Adam", Algorithm 2), one per quantity averaged (the
-momentum; 0/1 Adam's gradient and its update since the last synchronisation), each keeping its
-own residuals. Averaged results are identical on every rank, so the non-finite verdict needs no
-extra collective.
+a whole model's worth of tensors (:data:`ONEBIT_SPEC`, one per quantity averaged, each with its
+own worker and server residuals; Tang et al. 2021, "1-bit Adam", Algorithm 2), the full-precision
+allreduce, the step agreement, and the non-finite verdict on averaged results.
 """
 from __future__ import annotations
 
-import logging
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..agreement import check_same_start, parameters_digest
+from ..agreement import NonFiniteGuard, check_same_start, parameters_digest
 from ..spec import get_compressor
 from ..step import Lifecycle
 
-__all__ = ["Averaging", "ONEBIT_SPEC"]
-
-log = logging.getLogger(__name__)
+__all__ = ["Averaging", "ONEBIT_SPEC", "averaged_verdict"]
 
 #: the compressed allreduce every optimizer of this package uses (1-bit Adam's)
 ONEBIT_SPEC = "twophase:base=efsignsgd"
+
+
+def averaged_verdict(tensors: Sequence[torch.Tensor], nonfinite: str) -> bool:
+    """Whether a step whose averaged results ``tensors`` (identical on every rank) are finite
+    goes ahead, under ``nonfinite`` (:class:`hvdcomp.agreement.NonFiniteGuard`; a non-finite
+    averaged value names no rank): True when finite or ``"ignore"``, False (and a warning) to skip.
+
+    Raises:
+        FloatingPointError: ``nonfinite="raise"`` and a non-finite value (on every rank alike).
+    """
+    guard = NonFiniteGuard(nonfinite)
+    guard.observe(tensors, averaged=True)
+    return not guard.agree(lambda mine: [list(mine)], False, 1).skip
 
 
 class Averaging:
@@ -99,21 +103,15 @@ class Averaging:
         return (mean * comm.size).round().long().tolist()
 
     def verdict(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether averaged results (identical on every rank) are finite; counts a skipped step
-        on the owner otherwise.
+        """Whether averaged results (identical on every rank, so no collective) go ahead:
+        :func:`averaged_verdict`; counts a skipped step on the owner otherwise.
 
         Raises:
             FloatingPointError: ``nonfinite="raise"`` and a non-finite value.
         """
-        o = self.owner
-        if o.nonfinite == "ignore" or all(bool(torch.isfinite(t).all()) for t in tensors):
+        if averaged_verdict(tensors, self.owner.nonfinite):
             return True
-        name = type(o).__name__
-        if o.nonfinite == "raise":
-            raise FloatingPointError(f"{name}: non-finite averaged values at step {o.step_count() + 1} "
-                                     "(a rank had a NaN/Inf gradient)")
-        o.skipped_steps += 1
-        log.warning("%s: non-finite averaged values: step %d skipped on every rank", name, o.step_count() + 1)
+        self.owner.skipped_steps += 1
         return False
 
     def compressed(self, key: str, tensors: Sequence[torch.Tensor]) -> Optional[List[torch.Tensor]]:

@@ -1,52 +1,22 @@
 """What the compressed adaptive optimizers share: parameters and their names, the kinds of step,
 checkpoints. The warm-up optimizer is :mod:`hvdcomp.adaptive_opt.warmup`'s; the collectives after
-it (the compressed allreduce of a whole model, the step agreement, the non-finite verdict) are
+it (the compressed allreduce, the step agreement, the non-finite verdict) are
 :mod:`hvdcomp.adaptive_opt.averaging`'s.
 
-An optimizer of :mod:`hvdcomp.adaptive_opt` is a ``torch.optim.Optimizer`` that averages over
-Horovod ranks by itself (do not wrap it in :func:`hvdcomp.DistributedOptimizer`). Each of its
-steps is one of these kinds (:attr:`AdaptiveOptimizer.last_step_kind`):
+An optimizer here is a ``torch.optim.Optimizer`` that averages over the ranks by itself (do not
+wrap it in :func:`hvdcomp.DistributedOptimizer`). Each step is one of these kinds
+(:attr:`AdaptiveOptimizer.last_step_kind`): ``"warmup"`` (the warm-up optimizer's step through a
+:func:`hvdcomp.DistributedOptimizer` with ``warmup_compression``), ``"full"`` (one float32
+allreduce of the whole model at ``step()``), ``"onebit"`` (one compressed allreduce of the whole
+model: :class:`hvdcomp.transports.twophase.TwoPhaseCompressor`, base ``efsignsgd``), ``"local"``
+(no communication) or ``"sync"`` (a local step, then the update since the last synchronisation
+averaged by a compressed allreduce); None: skipped.
 
-* ``"warmup"``: an uncompressed step of the warm-up optimizer (AdamW for 1-bit Adam, LAMB for
-  1-bit LAMB) through a :func:`hvdcomp.DistributedOptimizer` with compression
-  ``warmup_compression`` (default ``"none"``: Horovod's allreduce, launched from backward's
-  hooks). That optimizer is built at the first warm-up step and closed after the last one;
-* ``"full"``: one Horovod allreduce (mean) of all gradients as one flat float32 vector, at
-  ``step()`` (0/1 Adam's variance steps; 1-bit Adam's steps after the warm-up with
-  ``momentum_averaging="exact"``, on the momentum);
-* ``"onebit"``: one compressed allreduce of a whole model's worth of tensors at ``step()``
-  (:class:`hvdcomp.transports.twophase.TwoPhaseCompressor` with ``base="efsignsgd"``: 1 bit and
-  one float32 scale per chunk, worker and server error feedback);
-* ``"local"``: no communication (0/1 Adam between synchronisations);
-* ``"sync"``: a local step, then the update since the last synchronisation averaged by a
-  compressed allreduce (0/1 Adam).
-
-Collectives: the warm-up's are its :func:`hvdcomp.DistributedOptimizer`'s; the others run within
-``step()``, in the same order on every rank, through a :class:`hvdcomp.comm.stepcomm.StepComm` (Horovod
-allreduce and broadcast, MPI point-to-point messages on a duplicate of the process set's
-communicator). Every compressed step sends about n/8 bytes per rank for n parameters.
-
-State. ``state_dict()["state"]`` is torch's per-parameter state: everything the ranks share
-(step counter, moments, the frozen variance, LAMB's coefficients), plus 0/1 Adam's per-rank
-buffers between synchronisations; ``hvd.broadcast_optimizer_state`` copies it from rank 0.
-``state_dict()["hvdcomp"]`` holds the per-rank state: the worker and server residuals of each
-compressed allreduce (``reducers``) and the warm-up compression's state. Saved and loaded on
-every rank (``ckpt.<rank>.pt``) a run resumes exactly; with Horovod's rank-0 recipe (rank 0
-loads, then ``hvd.broadcast_parameters`` and ``hvd.broadcast_optimizer_state``) every rank shares
-rank 0's state and the other ranks' residuals start from zero. The first step after
-construction or ``load_state_dict`` checks that every rank is at the same step, and the first
-after construction (no rank loaded a checkpoint) that every rank holds the same parameters
-(``RuntimeError`` on every rank otherwise, naming the ranks; ``hvd.broadcast_parameters`` may run
-after construction).
-
-Elastic Horovod: every optimizer here follows a change of the world size
-(:meth:`AdaptiveOptimizer.reset` as ``TorchState``'s reset callback; docs/robustness.md, "Elastic
-Horovod"; :data:`hvdcomp.launch.ELASTIC_FRONTENDS`).
-
-Non-finite gradients: every averaged result is identical on every rank (a NaN or Inf on one
-rank reaches every rank's result), so the ranks agree without an extra collective: with
-``nonfinite="skip"`` the step is skipped on every rank (no state changes, ``step()`` returns
-None), with ``"raise"`` every rank raises ``FloatingPointError``.
+State: ``state_dict()["state"]`` is torch's per-parameter state (shared by every rank, plus 0/1
+Adam's per-rank buffers between synchronisations); ``state_dict()["hvdcomp"]`` the per-rank
+residuals of each compressed allreduce and the warm-up compression's state. Resume recipes,
+elastic Horovod and non-finite gradients (every averaged result is identical on every rank, so
+the ranks skip or raise alike without an extra collective): ``docs/adaptive-optimizers.md``.
 """
 from __future__ import annotations
 
@@ -57,7 +27,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..agreement import NONFINITE_MODES, check_consistency
+from ..agreement import NonFiniteGuard, check_consistency
 from ..comm import resolve_group
 from ..comm.group import FollowsWorld, instance_prefix
 from ..comm.stepcomm import StepComm
@@ -132,11 +102,9 @@ class AdaptiveOptimizer(SkipSynchronize, torch.optim.Optimizer, FollowsWorld, me
 
     Raises:
         ValueError: ``backward_passes_per_step != 1``, an unknown ``nonfinite``, a bad
-            ``momentum_masks`` (:func:`check_masks`), parameters that
-            are not float32/float64, parameters with ``requires_grad=False`` (the trained set is
-            fixed at construction and the variance frozen later, so one unfrozen afterwards could
-            not train: pass the trainable ones only), ranks that disagree on the
-            set-up (on every rank, naming the difference).
+            ``momentum_masks`` (:func:`check_masks`), parameters that are not float32/float64 or
+            have ``requires_grad=False``, ranks that disagree on the set-up (on every rank,
+            naming the difference).
         RuntimeError: Horovod is not initialised (without ``comm``), the launcher started several
             tasks that Horovod does not join (``torchrun``: :func:`hvdcomp.launch.start_frontend`),
             this process is outside ``process_set``, or a job of several ranks without MPI
@@ -155,8 +123,7 @@ class AdaptiveOptimizer(SkipSynchronize, torch.optim.Optimizer, FollowsWorld, me
             raise ValueError(f"{type(self).__name__} averages the momentum once per step() and does not "
                              "accumulate: use backward_passes_per_step=1 (to accumulate, run several "
                              "backward passes and call step() once; the gradients add up in p.grad)")
-        if nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}; got {nonfinite!r}")
+        NonFiniteGuard(nonfinite)  # (refuses an unknown mode)
         self._frozen: List[str] = []
         groups, self._names = named_groups(named_parameters, self._frozen)
         super().__init__(groups, defaults)
@@ -284,17 +251,6 @@ class AdaptiveOptimizer(SkipSynchronize, torch.optim.Optimizer, FollowsWorld, me
         return int(self.state[self.order[0]]["step"])
 
     # ---- one step -------------------------------------------------------------------------------
-    def _check_dense(self) -> None:
-        """Raises TypeError for a sparse gradient (before anything is sent)."""
-        for p in self.order:
-            if p.grad is not None and p.grad.is_sparse:
-                raise TypeError(f"{type(self).__name__} does not take sparse gradients "
-                                f"({self._names[p]!r}): use nn.Embedding(sparse=False)")
-
-    def _local_gradients(self) -> List[torch.Tensor]:
-        """This rank's gradient of every parameter of :attr:`order` (zeros where unused)."""
-        return [torch.zeros_like(p) if p.grad is None else p.grad for p in self.order]
-
     def momentum_mask(self, p: torch.Tensor) -> torch.Tensor:
         """1 where ``p``'s variance is non-zero, 0 where it is exactly zero (no rank ever had a
         gradient there: 1 bit cannot send a zero, and the update would divide by ``eps``),
@@ -343,7 +299,10 @@ class AdaptiveOptimizer(SkipSynchronize, torch.optim.Optimizer, FollowsWorld, me
         if closure is not None:
             raise ValueError(f"{type(self).__name__}.step() takes no closure: compute the loss and call "
                              "backward() before step()")
-        self._check_dense()
+        for p in self.order:  # (before anything is sent)
+            if p.grad is not None and p.grad.is_sparse:
+                raise TypeError(f"{type(self).__name__} does not take sparse gradients "
+                                f"({self._names[p]!r}): use nn.Embedding(sparse=False)")
         self._follow_world()
         self.averaging.agree_step()
         t = self.step_count()
@@ -364,32 +323,11 @@ class AdaptiveOptimizer(SkipSynchronize, torch.optim.Optimizer, FollowsWorld, me
         else:
             if self.warmup.running:
                 self.warmup.abandon(self.order)
-            kind = self._step_after_warmup(t, self._local_gradients())
+            kind = self._step_after_warmup(t, [torch.zeros_like(p) if p.grad is None else p.grad for p in self.order])
             self.timer.add_bytes(dense=4 * sum(p.numel() for p in self.order))
         self.last_step_kind = kind
 
     # ---- elastic Horovod --------------------------------------------------------------------------
-    def reset(self) -> None:
-        """Follow elastic Horovod's reset (workers lost or added; :data:`hvdcomp.launch.ELASTIC_FRONTENDS`
-        names the optimizers that can): register it once, ``state.register_reset_callbacks([opt.reset])``,
-        on the ``hvd.elastic.TorchState(model=model, optimizer=opt)`` of ``@hvd.elastic.run``.
-
-        Runs no collective (:meth:`hvdcomp.comm.group.FollowsWorld.reset`): the collectives are
-        rebuilt over the new world (a running warm-up's ``reset()`` of its
-        :func:`hvdcomp.DistributedOptimizer`), and at the next step every rank joins it alike
-        (``_join_world()``). ``TorchState`` then gives every rank rank 0's parameters
-        and torch state (step counter, ``exp_avg``, the frozen ``exp_avg_sq``, 1-bit LAMB's coefficients, 0/1 Adam's
-        ``params_at_sync`` and ``lr_sum``); each rank keeps its own worker residuals (a new rank's
-        are zero); the server residuals, partitioned by the old size, are dropped on every rank at
-        their first step in the new world. Without the callback, a change of the world's size or
-        of this rank's number is noticed at the next step and followed the same way.
-
-        Raises:
-            ValueError: the optimizer does not average over a Horovod process set (``comm=`` or
-                ``torch.distributed``).
-        """
-        super().reset()
-
     def _world_group(self):
         return self.group
 

@@ -1,34 +1,14 @@
 """An adaptive method on a two-way compressed gradient: the gradient compressed on every worker
-with error feedback, averaged, compressed again with server-side error feedback, and the
-result fed to AMSGrad on every rank.
+with error feedback, averaged, compressed again with server-side error feedback
+(:mod:`hvdcomp.transports.twophase`), and ``torch.optim.AdamW(amsgrad=True)`` run on the
+identical result on every rank.
 
-Zhong, Xie, Zheng and Lin, "Compressed Communication for Distributed Training: Adaptive Methods
-and System", arXiv:2105.07829, 2021 (the BytePS-Compress paper).
-
-**What could be verified.** Only the paper's abstract was available to read (its full text, and
-code for the method, were not found with the project's search tools). The abstract defines: an
-adaptive gradient method whose gradients are compressed, with a convergence rate of O(1/√T) for
-non-convex problems, and a system that compresses the gradients in *both* directions between
-workers and parameter servers (two-way compression). The authors' BytePS code compresses with
-error feedback on the workers and on the servers (its ``error_feedback`` compressors, and the
-two-sided scheme of Zheng, Huang and Kwok, NeurIPS 2019, which BytePS cites).
-
-**What is implemented.** The gradient of every rank travels through hvdcomp's two-phase
-compressed allreduce (:mod:`hvdcomp.transports.twophase`: worker residual, chunks all-to-all,
-server average plus server residual, re-compressed, allgather), the data-parallel form of a
-parameter server's two-way compression with error feedback on both sides; every rank then runs
-``torch.optim.Adam(amsgrad=True)`` on the identical result (decoupled weight decay: AdamW).
-
-**What could not be verified**, and is a choice here: that the update is AMSGrad's (the maximum
-of the second moments; non-convex O(1/√T) proofs of adaptive methods with compression rely on
-it, e.g. Chen et al., ICLR 2019; ``amsgrad=False`` gives Adam); the placement of ε and the bias
-correction (torch's); whether the error feedback is scaled by the ratio of successive learning
-rates (BytePS's "corrected" error feedback; here it is not, as BytePS's "vanilla" one); the
-compressor of the paper's experiments (a 333x rate for BERT suggests a sparsifier; twophase
-carries quantizers: ``efsignsgd`` by default, ``qsgd``, ``terngrad``); any warm-up.
-
-Unlike 1-bit Adam, the second moment here sees compressed gradients: with a 1-bit quantizer it
-is the squared chunk scale, so the per-coordinate adaptivity is lost within a chunk.
+After Zhong, Xie, Zheng and Lin, "Compressed Communication for Distributed Training: Adaptive
+Methods and System", arXiv:2105.07829, 2021 (the BytePS-Compress paper). Only its abstract could
+be read: the update rule's details (AMSGrad's maximum, ε and bias correction as torch's, error
+feedback not scaled by the learning rate, the compressor) are choices made here, listed in
+``docs/adaptive-optimizers.md``. With a 1-bit quantizer the second moment is the squared chunk
+scale, so the per-coordinate adaptivity is lost within a chunk.
 
 Example::
 

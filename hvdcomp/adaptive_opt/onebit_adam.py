@@ -3,63 +3,29 @@ by a 1-bit compressed allreduce with worker and server error feedback.
 
 Tang, Gan, Awan, Rajbhandari, Li, Lian, Liu, Zhang and He, "1-bit Adam: Communication Efficient
 Large-Scale Training with Adam's Convergence Speed", ICML 2021 (arXiv:2102.02888); the settings
-and the mask follow the authors' implementation (DeepSpeed's ``OnebitAdam``), read for this
-module; the differences are listed below.
-
-Why: compressing Adam's *gradient* feeds compression noise into the second moment ``v``, which
-is not linear in the gradient; after a warm-up ``v`` changes slowly, so it is frozen, and what
-travels is the momentum, which is linear in the gradients and tolerates 1-bit compression with
-error feedback.
+and the mask follow the authors' implementation (DeepSpeed's ``OnebitAdam``).
 
 With parameters x, this rank's gradient g_r, learning rate γ, betas (β1, β2), ``eps`` ε,
 ``weight_decay`` λ and T = ``freeze_step``:
 
 * steps t = 1..T (warm-up): ``torch.optim.AdamW`` on the gradient averaged over the ranks, through
-  :func:`hvdcomp.DistributedOptimizer` with compression ``warmup_compression`` (default ``none``:
-  Horovod's allreduce from backward's hooks). The same, bit for bit, as
-  ``hvdcomp.DistributedOptimizer(torch.optim.AdamW(...))`` (``torch.optim.Adam`` where λ = 0);
+  :func:`hvdcomp.DistributedOptimizer` with compression ``warmup_compression``, bit for bit
+  ``hvdcomp.DistributedOptimizer(torch.optim.AdamW(...))``;
 * steps t > T: ``m_r = β1·m + (1 − β1)·g_r`` on each rank; ``m = M ⊙ C(m_1, ..., m_N)``, the
   compressed allreduce (:class:`hvdcomp.transports.twophase.TwoPhaseCompressor`, base
-  ``efsignsgd``: the whole model as one vector, N chunks, all-to-all of 1-bit chunks with one
-  float32 scale each, server average plus server residual, re-quantised, allgather; worker and
-  server residuals); then
+  ``efsignsgd``, the whole model as one vector); then
   ``x ← x·(1 − γλ) − γ/(1 − β1^t) · m / (sqrt(v_T)/sqrt(1 − β2^T) + ε)``.
 
-Documented choices:
-
-* **bias correction** as torch's Adam: the momentum by ``1 − β1^t``, the frozen variance by
-  ``1 − β2^T`` (its own correction when it froze), so the update is continuous at the switch
-  (DeepSpeed corrects neither);
-* **weight decay** decoupled (AdamW's; DeepSpeed adds ``λ·x`` to the update: the same);
-* **mask** M: 0 where the frozen variance is exactly 0 (no rank had a gradient there during the
-  warm-up: positions beyond the sequence length, words not seen yet), else 1, times the user's
-  ``momentum_masks`` (DeepSpeed's ``exp_avg_mask``, which it needs the user to give). 1 bit
-  cannot send a zero, and an update there would divide by ε; masked coordinates stay where they
-  are (weight decay still applies). A longer warm-up leaves fewer of them;
-* **scale**: EF-signSGD's mean |·| of each chunk, on the worker side as on the server side
-  (DeepSpeed: ‖·‖₂/√n, one for a worker's whole buffer and one per server chunk; both are
-  rescaled by error feedback). The mean |·| is the scale that minimises one compression's
-  error: on 2^20 Gaussian values it leaves 36 % of ‖x‖² against 40 % for ‖·‖₂/√n; one vector
-  for the whole model (as DeepSpeed's fp16 path, one flat buffer);
-* every step is applied (DeepSpeed's first ``step()`` only allocates its buffers).
-
-Ablation: ``momentum_averaging="exact"`` averages the momentum by one float32 allreduce instead
-(4 bytes per element and step, no residuals): Adam with the variance frozen at ``freeze_step`` and
-nothing else changed, which separates what freezing costs from what the 1-bit compression costs.
-
-Wire per rank and compressed step: about n/8 bytes plus 4 bytes per chunk and message headers
-(the all-to-all sends (N−1)/N of the 1-bit model, the allgather one re-quantised chunk), whatever
-N; the warm-up sends 4n per step (fp32). Over a run with a warm-up fraction f the volume is
-about ``f + (1 − f)/32`` of Adam's: 5.7x less at f = 15 %.
+M is 0 where the frozen variance is exactly 0, times the user's ``momentum_masks``. The choices
+(bias correction, the scale, the mask) and how they differ from DeepSpeed's:
+``docs/adaptive-optimizers.md``. ``momentum_averaging="exact"`` is the ablation: the momentum
+averaged by a float32 allreduce. Wire per rank and compressed step: about n/8 bytes (n
+parameters); the warm-up's 4n.
 
 Example::
 
     hvd.init()
     opt = hvdcomp.adaptive_opt.OneBitAdam(model.named_parameters(), lr=1e-3, freeze_step=2000)
-    for x, y in data:
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
 """
 from __future__ import annotations
 
@@ -116,17 +82,14 @@ class OneBitAdam(AdaptiveOptimizer):
     Args:
         named_parameters: ``model.named_parameters()`` (or groups of ``(name, parameter)``).
         lr, betas, eps, weight_decay: Adam's (weight decay decoupled, as AdamW).
-        freeze_step: T, the warm-up steps (uncompressed Adam) before the variance freezes.
-            Too short and the frozen variance misjudges the gradients' scale (the run degrades
-            or diverges); the authors use 15-25 % of the training steps (16 000 of ~150 000 for
-            BERT-Base) and suggest lowering it once that works. The volume over the run falls
-            with it: about ``f + (1 − f)/32`` of Adam's for a warm-up fraction f.
+        freeze_step: T, the warm-up steps (uncompressed Adam) before the variance freezes (the
+            authors: 15-25 % of the training steps; ``docs/adaptive-optimizers.md``, "Choosing
+            ``freeze_step``").
         momentum_masks: ``{parameter name: tensor of 0/1}`` (the parameter's shape): coordinates
             whose momentum is dropped after the warm-up, on top of the zero-variance mask.
         mask_zero_variance: also mask coordinates whose frozen variance is exactly 0 (default).
         momentum_averaging: ``"onebit"`` (default: the compressed allreduce) or ``"exact"`` (the
-            ablation above: a float32 allreduce of the momentum, as many bytes as Adam's; its
-            steps are ``"full"`` in :attr:`last_step_kind`, and no compressed-allreduce residuals).
+            ablation: a float32 allreduce of the momentum; its steps are ``"full"``).
         warmup_compression: the warm-up's compression (an hvdcomp spec; default ``"none"``).
         process_set, timer, nonfinite, backward_passes_per_step, comm: see
             :class:`hvdcomp.adaptive_opt.base.AdaptiveOptimizer`.

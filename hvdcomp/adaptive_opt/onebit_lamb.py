@@ -6,12 +6,7 @@ clamps.
 Li, Awan, Tang, Rajbhandari and He, "1-bit LAMB: Communication Efficient Large-Scale
 Large-Batch Training with LAMB's Convergence Speed", arXiv:2104.06069, 2021;
 LAMB: You et al., "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes",
-ICLR 2020. The steps and defaults follow the authors' implementation (DeepSpeed's
-``OnebitLamb``), read for this module.
-
-It fits the structure of 1-bit Adam: the quantity averaged after the warm-up is again the
-momentum, through the same compressed allreduce; what LAMB adds is per-tensor and computed from
-averaged values, identical on every rank (no extra communication).
+ICLR 2020. The steps and defaults follow DeepSpeed's ``OnebitLamb``.
 
 Per tensor (layer) x with this rank's gradient g_r, γ, (β1, β2), ε, λ, T = ``freeze_step``:
 
@@ -22,22 +17,16 @@ Per tensor (layer) x with this rank's gradient g_r, γ, (β1, β2), ε, λ, T = 
   first; ratios equal to 1 are left out, as DeepSpeed); at t = T the fresh variance
   ``v_fresh = v``;
 * **compressed**, t > T: at the first such step each tensor's momentum scale
-  ``s = mean_tensors(rms(m)) / rms(m)`` (rms = ‖m‖/√numel) is fixed, so that one 1-bit scale per
-  chunk suits every layer; ``m_r = s·(β1·m + (1 − β1)·g_r)``, ``m ← M ⊙ C(m_1..m_N)/s`` (the
-  compressed allreduce of :mod:`hvdcomp.transports.twophase`, mask M as 1-bit Adam's), the
+  ``s = mean_tensors(rms(m)) / rms(m)`` (rms = ‖m‖/√numel; 1 for an all-zero momentum) is fixed;
+  ``m_r = s·(β1·m + (1 − β1)·g_r)``, ``m ← M ⊙ C(m_1..m_N)/s`` (mask M as 1-bit Adam's), the
   gradient it implies ``g̃ = (m − β1·m_prev)/(1 − β1)`` updates ``v_fresh`` (β2), and with the
   frozen v: ``u = m/(sqrt(v) + ε) + λ·x``; the factor ``f = max(elementwise
   (sqrt(v) + ε)/(sqrt(v_fresh) + ε))`` (with λ > 0 blended towards 1 by
   ``ρ = min(1, ‖m/(sqrt(v)+ε)‖/‖u‖)``: ``f·ρ + 1 − ρ``), clamped to [factor_min, factor_max] and to
   within ±``factor_threshold`` of the previous step's f; ``x ← x − γ·r̄·f·u``.
 
-Documented choices: no bias correction (as DeepSpeed's, and LAMB's trust ratio normalises the
-step anyway); the mask on coordinates of zero frozen variance as 1-bit Adam's; a tensor whose
-momentum is all zero at the freeze gets the scale 1 (DeepSpeed divides by zero there).
-
-Defaults: DeepSpeed's (lr 1e-3, max_coeff 10, min_coeff 0.01, coeff_beta 0.9, factor_max 4,
-factor_min 0.5, factor_threshold 0.1); its BERT configuration uses lr 11e-3, max_coeff 0.3 and
-freeze_step 1000. ``1/(1 − coeff_beta)`` should not exceed ``freeze_step`` (r̄ starts at 0).
+No bias correction (as DeepSpeed's). ``1/(1 − coeff_beta)`` should not exceed ``freeze_step``
+(r̄ starts at 0).
 
 Example::
 
@@ -71,13 +60,6 @@ def check_lamb_hyper(lr, betas, eps, weight_decay, max_coeff, min_coeff, where: 
     out["min_coeff"] = check_range(min_coeff, f"min_coeff{where}", 0.0, out["max_coeff"], low_open=True,
                                    hint=f" (0 < min_coeff <= max_coeff = {out['max_coeff']:g})")
     return out
-
-
-def _trust_ratio(w_norm: float, u_norm: float, lo: float, hi: float) -> float:
-    """``clamp(w_norm / u_norm, lo, hi)``, 1 where a norm is 0."""
-    if w_norm == 0.0 or u_norm == 0.0:
-        return 1.0
-    return min(max(w_norm / u_norm, lo), hi)
 
 
 class Lamb(torch.optim.Optimizer):
@@ -131,7 +113,9 @@ class Lamb(torch.optim.Optimizer):
                 update = st["exp_avg"] / (st["exp_avg_sq"].sqrt() + g["eps"])
                 if g["weight_decay"]:
                     update.add_(p, alpha=g["weight_decay"])
-                ratio = _trust_ratio(float(p.norm()), float(update.norm()), g["min_coeff"], g["max_coeff"])
+                w_norm, u_norm = float(p.norm()), float(update.norm())  # trust ratio: 1 where a norm is 0
+                ratio = 1.0 if w_norm == 0.0 or u_norm == 0.0 else min(max(w_norm / u_norm, g["min_coeff"]),
+                                                                       g["max_coeff"])
                 if ratio != 1.0:
                     beta_c = self.coeff_beta
                     st["lamb_coeff_freeze"] = beta_c * st["lamb_coeff_freeze"] + (1.0 - beta_c) * ratio

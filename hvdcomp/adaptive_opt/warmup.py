@@ -1,14 +1,6 @@
-"""The warm-up stage of a compressed adaptive optimizer: uncompressed (or lightly compressed)
-steps through a :func:`hvdcomp.DistributedOptimizer` before the variance is frozen.
-
-The optimizers of :mod:`hvdcomp.adaptive_opt` start with ``warmup_steps`` steps of a local
-optimizer (AdamW for 1-bit Adam, LAMB for 1-bit LAMB; Tang et al. 2021, "1-bit Adam:
-Communication Efficient Large-Scale Training with Adam's Convergence Speed", Algorithm 1's
-warm-up stage) whose gradients are averaged by Horovod's allreduce, launched from backward's
-hooks. :class:`WarmupStage` owns that :func:`hvdcomp.DistributedOptimizer`: it builds it at the
-first warm-up step (sharing the owner's per-parameter state dict, so the moments carry over into
-the compressed stage), closes it after the last one, and keeps its compression's state for
-checkpoints taken before, during or after the warm-up.
+"""The warm-up stage of a compressed adaptive optimizer (Tang et al. 2021, "1-bit Adam", Algorithm
+1's warm-up): :class:`WarmupStage` owns the :func:`hvdcomp.DistributedOptimizer` of its leading
+uncompressed steps, sharing the owner's per-parameter state so the moments carry over.
 """
 from __future__ import annotations
 

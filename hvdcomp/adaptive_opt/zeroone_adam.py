@@ -3,67 +3,34 @@ between, and after the variance freezes, local steps with 1-bit synchronisations
 intervals.
 
 Lu, Li, Zhang, De Sa and He, "Maximizing Communication Efficiency for Large-scale Training via
-0/1 Adam", arXiv:2202.06009, 2022. The schedules are those the authors publish (DeepSpeed's
-0/1 Adam tutorial); the steps and the defaults follow their implementation (DeepSpeed's
-``ZeroOneAdam``), read for this module; the differences are listed below.
+0/1 Adam", arXiv:2202.06009, 2022; the steps and defaults follow DeepSpeed's ``ZeroOneAdam``.
 
 With parameters x, this rank's gradient g_r, learning rate γ_t, betas (β1, β2), ``eps`` ε,
 ``weight_decay`` λ, F = ``var_freeze_step``, κ = ``var_update_scaler``, α = ``local_step_scaler``
 and H = ``local_step_clipper``, step t (from 1):
 
-* **variance steps** T_v (:func:`is_variance_step`): k_0 = 1, k_{j+1} = k_j + 2^⌊j/κ⌋, up to F:
-  every step for the first κ, then every 2nd for κ updates, every 4th, ... The gradient is
-  averaged in full precision (one fp32 Horovod allreduce), ``m ← β1·m + (1 − β1)·ḡ``,
+* **variance steps** T_v (:func:`is_variance_step`): k_0 = 1, k_{j+1} = k_j + 2^⌊j/κ⌋, up to F.
+  The gradient is averaged in full precision (one fp32 allreduce), ``m ← β1·m + (1 − β1)·ḡ``,
   ``v ← β2·v + (1 − β2)·ḡ²``;
 * **other steps up to F**: the gradient is averaged by the 1-bit compressed allreduce
-  (:class:`hvdcomp.transports.twophase.TwoPhaseCompressor`, base ``efsignsgd``, with its own worker
-  and server residuals), masked (below), ``m ← β1·m + (1 − β1)·ĝ``; v unchanged;
-  both: ``x ← x·(1 − γλ) − η·m/D`` with the step size ``η = γ/(1 − β1^t)`` and the denominator
+  (:class:`hvdcomp.transports.twophase.TwoPhaseCompressor`, base ``efsignsgd``, its own residuals),
+  masked, ``m ← β1·m + (1 − β1)·ĝ``; v unchanged;
+  both: ``x ← x·(1 − γλ) − η·m/D`` with ``η = γ/(1 − β1^t)`` and
   ``D = sqrt(v)/sqrt(1 − β2^k) + ε``, k the variance updates so far (``bias_correction=False``:
   η = γ, D = sqrt(v) + ε, as DeepSpeed);
 * **after F** (v frozen, so D is): every step is local, ``m ← β1·m + (1 − β1)·g_r``,
   ``x ← x·(1 − γλ) − η·m/D``, and at the **synchronisation steps** T_u
   (:func:`is_sync_step`: k_0 = F + 1, k_{j+1} = k_j + min(2^⌊j/α⌋, H)) the update since the last
   one, ``u = x − x_sync``, is averaged as ``c = u ⊙ D`` by a second compressed allreduce (its own
-  residuals, fresh at F, as DeepSpeed resets its buffers there); then ``x = x_sync + c̄/D``,
-  ``m = −c̄/Ση`` (the step sizes since the last synchronisation), ``x_sync = x``.
+  residuals, fresh at F); then ``x = x_sync + c̄/D``, ``m = −c̄/Ση`` (the step sizes since the last
+  synchronisation), ``x_sync = x``.
 
-Masks: the averaged values are multiplied by 0 where the variance is exactly 0 (no rank has had a
-gradient there at a variance step yet: 1 bit cannot send a zero, and the update would divide by
-ε) and by the user's ``momentum_masks`` (DeepSpeed's ``exp_avg_mask``).
-
-Documented choices and differences from DeepSpeed's code:
-
-* **bias correction** on by default, as torch's Adam, with the variance corrected by its number
-  of updates k (it is an average over k updates, not over t steps); DeepSpeed applies none (its
-  tutorial sets ``bias_correction: false`` with F = 1000 at β2 = 0.999, where the uncorrected
-  variance has reached 63 % of its level). With a short F the uncorrected variance freezes at a
-  fraction of it and every later step is too large: on the benchmark's transformer (F = 18 steps
-  of 120, v at 1.8 %) ``bias_correction=False`` diverged on all 3 seeds. With it, the first
-  steps (all variance steps) are Adam's;
-* T_v and T_u by the published rules above (``schedule="paper"``, the default). DeepSpeed's code
-  (``schedule="deepspeed"``, offered as an option) counts one step ahead (its first ``step()``
-  call only sets up its buffers), takes the multiples of the current interval, and doubles the
-  local interval every α *steps* after F rather than every α synchronisations: its variance steps
-  differ from the paper's by less than one interval, but it synchronises less often after F (with
-  F = α = 1000, H = 16: local intervals 2/8/16 against 2/4/8 at steps 3000/5000/9000, 2188
-  against 3250 synchronisations in 10^4 steps);
-* the parameters at the last synchronisation are kept (``params_at_sync``) instead of being
-  recovered as ``x − u``: every rank then holds the same parameters after a synchronisation, bit
-  for bit;
-* a non-finite local gradient after F cannot be agreed on without a collective: that rank drops
-  it, and its next synchronisation sends NaN, so every rank sees a non-finite average there and
-  skips it (``nonfinite="skip"``: the local steps go on) or raises (``"raise"``). The dropped
-  step still counts in that rank's Ση (every rank counts every step of the schedule), so the
-  momentum rebuilt at the next synchronisation that goes ahead is the same on every rank.
-
-Defaults: the authors' published configuration for BERT (DeepSpeed tutorial: lr 1e-3,
-``var_update_scaler`` 16, ``local_step_clipper`` 16; ``local_step_scaler`` 32678 and
-``var_freeze_step`` 100000 as DeepSpeed's code; its BERT example sets 1000 and 1000). F is
-usually the end of the learning-rate warm-up; α sets how soon local steps lengthen.
-
-Wire per rank and step: 4n bytes at variance steps, about n/8 at compressed steps and at
-synchronisations, nothing at local steps.
+The averaged values are masked as 1-bit Adam's (0 where the variance is exactly 0, times
+``momentum_masks``). A non-finite local gradient after F is dropped by its rank, and its next
+synchronisation sends NaN, so every rank skips (or raises at) that synchronisation alike.
+``schedule="deepspeed"``, bias correction and the defaults against DeepSpeed's code:
+``docs/adaptive-optimizers.md``. Wire per rank and step: 4n bytes at variance steps, about n/8 at
+compressed steps and synchronisations, nothing at local steps.
 
 Example::
 
@@ -93,10 +60,16 @@ def _check_schedule(schedule: str) -> None:
     check_choice(schedule, "schedule", SCHEDULES)
 
 
-def _deepspeed_variance_steps(last: int, kappa: int):
-    """DeepSpeed's variance steps up to ``last`` (1-based hvdcomp steps t; DeepSpeed's counter is
-    t + 1): in its counter, κ steps at interval 1 (2 .. κ + 1), then κ multiples of 2 after the
-    last one, κ multiples of 4 after that, ..."""
+def _variance_steps(last: int, kappa: int, schedule: str):
+    """The variance steps up to ``last`` (1-based), ascending (:func:`is_variance_step`).
+    ``"deepspeed"``, in DeepSpeed's counter c = t + 1: κ steps at interval 1 (c = 2 .. κ + 1),
+    then κ multiples of 2 after the last one, κ multiples of 4 after that, ..."""
+    if schedule == "paper":
+        t, j = 1, 0
+        while t <= last:
+            yield t
+            t, j = t + 2 ** (j // kappa), j + 1
+        return
     c, interval = 1, 1  # c: DeepSpeed's counter of the last variance step so far
     while True:
         for _ in range(kappa):
@@ -119,27 +92,13 @@ def is_variance_step(t: int, var_freeze_step: int, var_update_scaler: int = 16, 
         ValueError: an unknown ``schedule``.
     """
     _check_schedule(schedule)
-    if t < 1 or t > var_freeze_step:
-        return False
-    kappa, b = var_update_scaler, 0
-    if schedule == "deepspeed":
-        return any(k == t for k in _deepspeed_variance_steps(t, kappa))
-    while 1 + kappa * (2 ** (b + 1) - 1) <= t:  # block b: updates j in [bκ, (b+1)κ), interval 2^b
-        b += 1
-    return (t - 1 - kappa * (2 ** b - 1)) % (2 ** b) == 0
+    return 1 <= t <= var_freeze_step and t in _variance_steps(t, var_update_scaler, schedule)
 
 
 def variance_updates(t: int, var_freeze_step: int, var_update_scaler: int = 16, schedule: str = "paper") -> int:
     """How many of steps 1..t are variance steps (:func:`is_variance_step`)."""
     _check_schedule(schedule)
-    last, kappa, j, count = min(t, var_freeze_step), var_update_scaler, 0, 0
-    if schedule == "deepspeed":
-        return sum(1 for _ in _deepspeed_variance_steps(last, kappa))
-    while True:
-        b, r = divmod(j, kappa)
-        if 1 + kappa * (2 ** b - 1) + r * 2 ** b > last:
-            return count
-        count, j = count + 1, j + 1
+    return sum(1 for _ in _variance_steps(min(t, var_freeze_step), var_update_scaler, schedule))
 
 
 def local_interval(t: int, var_freeze_step: int, local_step_scaler: int = 32678, local_step_clipper: int = 16,
@@ -148,9 +107,7 @@ def local_interval(t: int, var_freeze_step: int, local_step_scaler: int = 32678,
 
     ``schedule="paper"``: min(2^⌊j/α⌋, H) for the j-th synchronisation interval: it doubles
     after every α *synchronisations*. ``"deepspeed"``: min(2^⌊(t − F − 1)/α⌋, H): it doubles
-    after every α *steps* after F (DeepSpeed counts every local step), so it reaches H sooner:
-    with F = α = 1000 and H = 16, 2/4/8 (paper) against 2/8/16 (DeepSpeed) at steps 3000, 5000,
-    9000, and 3250 against 2188 synchronisations in 10^4 steps.
+    after every α *steps* after F, so it reaches H sooner.
 
     Raises:
         ValueError: ``t`` ≤ F, an unknown ``schedule``.
@@ -161,11 +118,17 @@ def local_interval(t: int, var_freeze_step: int, local_step_scaler: int = 32678,
     alpha, clip = local_step_scaler, local_step_clipper
     if schedule == "deepspeed":
         return min(2 ** min((t - var_freeze_step - 1) // alpha, clip.bit_length()), clip)
-    offset, start, b = t - var_freeze_step - 1, 0, 0
+    return _paper_interval(t - var_freeze_step - 1, alpha, clip)[1]
+
+
+def _paper_interval(offset: int, alpha: int, clip: int):
+    """(steps since the start of its run of equal intervals, that interval) of the step ``offset``
+    steps after F + 1, under the published rule (each interval repeated α times, doubling up to H)."""
+    start, b = 0, 0
     while True:
         interval = min(2 ** b, clip)
         if interval == clip or offset < start + alpha * interval:
-            return interval
+            return offset - start, interval
         start += alpha * interval
         b += 1
 
@@ -188,13 +151,8 @@ def is_sync_step(t: int, var_freeze_step: int, local_step_scaler: int = 32678, l
         return False
     if schedule == "deepspeed":
         return (t + 1) % local_interval(t, var_freeze_step, local_step_scaler, local_step_clipper, schedule) == 0
-    offset, start, b = t - var_freeze_step - 1, 0, 0
-    while True:
-        interval = min(2 ** b, local_step_clipper)
-        if interval == local_step_clipper or offset < start + local_step_scaler * interval:
-            return (offset - start) % interval == 0
-        start += local_step_scaler * interval
-        b += 1
+    into, interval = _paper_interval(t - var_freeze_step - 1, local_step_scaler, local_step_clipper)
+    return into % interval == 0
 
 
 def step_kinds(steps: int, var_freeze_step: int, var_update_scaler: int = 16, local_step_scaler: int = 32678,
@@ -205,12 +163,10 @@ def step_kinds(steps: int, var_freeze_step: int, var_update_scaler: int = 16, lo
     will be."""
     _check_schedule(schedule)
     kinds = {"full": 0, "onebit": 0, "sync": 0, "local": 0}
-    variance = set(_deepspeed_variance_steps(min(steps, var_freeze_step), var_update_scaler)) \
-        if schedule == "deepspeed" else None
+    variance = set(_variance_steps(min(steps, var_freeze_step), var_update_scaler, schedule))
     for t in range(1, steps + 1):
         if t <= var_freeze_step:
-            full = t in variance if variance is not None else is_variance_step(t, var_freeze_step, var_update_scaler)
-            kinds["full" if full else "onebit"] += 1
+            kinds["full" if t in variance else "onebit"] += 1
         else:
             sync = is_sync_step(t, var_freeze_step, local_step_scaler, local_step_clipper, schedule)
             kinds["sync" if sync else "local"] += 1
@@ -232,11 +188,8 @@ class ZeroOneAdam(AdaptiveOptimizer):
             for BERT, GPT and ImageNet according to the authors).
         local_step_scaler: α, synchronisations per local interval before it doubles.
         local_step_clipper: H, the longest local interval (steps).
-        schedule: ``"paper"`` (default: the published rules, the local interval doubling every α
-            synchronisations) or ``"deepspeed"`` (DeepSpeed's code: in its step counter, one
-            ahead of this one, multiples of the current interval, the local interval doubling
-            every α steps, so it synchronises less often: 2188 against 3250 times in 10^4 steps
-            with F = α = 1000, H = 16). See :func:`is_variance_step`, :func:`is_sync_step`.
+        schedule: ``"paper"`` (default: the published rules) or ``"deepspeed"`` (DeepSpeed's
+            code): :func:`is_variance_step`, :func:`is_sync_step`.
         momentum_masks: ``{parameter name: tensor of 0/1}``: coordinates whose averaged values are
             dropped, on top of the zero-variance mask.
         process_set, timer, nonfinite, backward_passes_per_step, comm: see
@@ -245,9 +198,6 @@ class ZeroOneAdam(AdaptiveOptimizer):
     State per parameter: ``step``, ``exp_avg`` (m), ``exp_avg_sq`` (v), ``params_at_sync``
     (x at the last synchronisation) and ``lr_sum`` (Ση since, the same on every rank); m and x
     differ between ranks between synchronisations. Per rank: the residuals of both compressed allreduces.
-    Under elastic Horovod a growth gives every rank rank 0's m and x (``TorchState``'s broadcast:
-    the others' local steps since the last synchronisation are dropped); the schedule follows the
-    step counter (docs/robustness.md, "Elastic Horovod").
 
     Raises:
         ValueError: F, κ, α or H < 1, an unknown ``schedule``, Adam's ranges, bad masks, and those of
@@ -281,14 +231,6 @@ class ZeroOneAdam(AdaptiveOptimizer):
     def _init_state(self, p):
         return {**adam_state(p), "params_at_sync": p.detach().clone(), "lr_sum": 0.0}
 
-    def is_variance_step(self, t: int) -> bool:
-        """:func:`is_variance_step` with this optimizer's settings."""
-        return is_variance_step(t, self.var_freeze_step, self.var_update_scaler, self.schedule)
-
-    def is_sync_step(self, t: int) -> bool:
-        """:func:`is_sync_step` with this optimizer's settings."""
-        return is_sync_step(t, self.var_freeze_step, self.local_step_scaler, self.local_step_clipper, self.schedule)
-
     def _step_after_warmup(self, t, grads):
         step = t + 1
         if step <= self.var_freeze_step:
@@ -297,7 +239,7 @@ class ZeroOneAdam(AdaptiveOptimizer):
 
     def _communicating_step(self, step, grads):
         """A step up to F: full precision (variance steps) or 1-bit, then Adam's update."""
-        full = self.is_variance_step(step)
+        full = is_variance_step(step, self.var_freeze_step, self.var_update_scaler, self.schedule)
         averaged = self.averaging.full(grads) if full else self.averaging.compressed("gradient", grads)
         if averaged is None:
             return None
@@ -348,7 +290,8 @@ class ZeroOneAdam(AdaptiveOptimizer):
             if finite:
                 st["exp_avg"].mul_(g["betas"][0]).add_(grad, alpha=1.0 - g["betas"][0])
                 self._adam_update(p, g, step, d)
-        if not self.is_sync_step(step):
+        if not is_sync_step(step, self.var_freeze_step, self.local_step_scaler, self.local_step_clipper,
+                            self.schedule):
             self._advance()
             return "local"
         updates = [(p - self.state[p]["params_at_sync"]).mul_(d) for (p, _), d in zip(pairs, denoms)]

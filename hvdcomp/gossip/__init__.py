@@ -1,14 +1,7 @@
-"""Decentralized training with compressed gossip over MPI graph topologies.
-
-Each rank talks only to its neighbours in a graph (:mod:`.topology`), so its traffic per step stays
-constant as the job grows; the messages are compressed. Methods (one rank's state each, no
-communication of their own):
-
-* :class:`ChocoGossip` (:mod:`.choco`): Choco-SGD, any contraction compressor (top-k, sign, ...);
-* :class:`DCDGossip`, :class:`ECDGossip` (:mod:`.dcd`): DCD-PSGD and ECD-PSGD, unbiased compressors;
-* :class:`PowerGossip` (:mod:`.powergossip`): rank-1 power iteration per edge, no tuning.
-
-:class:`GossipOptimizer` (:mod:`.optimizer`) runs them from a Horovod script through
+"""Decentralized training with compressed gossip over graph topologies (:mod:`.topology`): each
+rank talks only to its neighbours, so its traffic per step stays constant as the job grows.
+Methods (one rank's state each): :class:`ChocoGossip`, :class:`DCDGossip`, :class:`ECDGossip`,
+:class:`PowerGossip`; :class:`GossipOptimizer` runs them through
 :class:`hvdcomp.transports.neighbor.NeighborTransport`. User guide: ``docs/gossip.md``.
 """
 from .base import GossipMethod, compressor_kind, gossip_compressor

@@ -1,33 +1,21 @@
 """What the gossip methods share: which compressors each may use, and the per-rank method interface.
 
-Compressors in gossip compress *model differences* (Choco-SGD: ``x − x̂``; DCD-PSGD: the step
-``x_{t+½} − x_t``; ECD-PSGD: an extrapolated model), not gradients, and the methods keep their own
-memory of what was sent (public copies, replicas). So:
+Compressors in gossip compress *model differences*, and the methods keep their own memory of what
+was sent (public copies, replicas), so error feedback is never added (``ef=true`` is refused).
+Which compressor a method accepts follows from the bound the compressor states
+(:attr:`hvdcomp.Compressor.error_bound`; :func:`compressor_kind`): Choco-SGD needs a contraction
+or an unbiased one (rescaled by 1/(1 + ω)), DCD-PSGD and ECD-PSGD an unbiased one; step-wide
+methods are refused. ``docs/gossip.md`` lists the bounds.
 
-* error feedback is never added (``get_compressor(..., ef=False)``); ``ef=true`` is refused,
-  because the public copies already carry what compression dropped;
-* which method is allowed where follows from what the method guarantees about one call's error,
-  which it states itself (:attr:`hvdcomp.Compressor.error_bound`, an
-  :class:`~hvdcomp.compressors.base.ErrorBound`); :func:`compressor_kind` asks it, gossip knows
-  no method by name. Choco-SGD needs a *contraction* (E‖C(v) − v‖² ≤ (1 − δ)‖v‖², δ > 0; biased
-  methods such as top-k and the scaled sign qualify) or an *unbiased* method with variance
-  ω‖v‖², which it rescales by 1/(1 + ω) (as the Choco-SGD authors' code does for QSGD);
-  DCD-PSGD and ECD-PSGD need an unbiased one (E[C(v)] = v). A method that states no bound is
-  refused with its own reason and alternative (``signsgd``: unscaled signs, use ``efsignsgd``,
-  alias ``sign``; top-k with ``values=int2``: ‖C(v) − v‖²/‖v‖² reaches (k − 1)/9); so are the
-  step-wide methods (``powersgd``, ``gtopk``, ``cltk``, ``twophase``), which reduce a whole step
-  with their own collectives. ``docs/gossip.md`` lists the bounds.
-
-Each method (:mod:`.choco`, :mod:`.dcd`, :mod:`.powergossip`) is a :class:`GossipMethod`: the
-state of *one rank*, with no communication of its own. ``outgoing`` returns what to send to each
-neighbour, ``incoming`` takes what the neighbours sent; the front-end
-(:class:`hvdcomp.gossip.GossipOptimizer`) moves the payloads with
-:class:`hvdcomp.transports.neighbor.NeighborTransport`, and a test can move them between N
-simulated ranks in one process.
+Each method is a :class:`GossipMethod`: the state of *one rank*, with no communication of its
+own; :class:`hvdcomp.gossip.GossipOptimizer` moves the payloads with
+:class:`hvdcomp.transports.neighbor.NeighborTransport`, and a test can move them between simulated
+ranks in one process.
 """
 from __future__ import annotations
 
 import abc
+import itertools
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -232,23 +220,6 @@ class GossipMethod(abc.ABC):
         self.steps = int(state["steps"])
 
 
-def split_payload(flat: Sequence[torch.Tensor], lengths: Sequence[int]) -> List[List[torch.Tensor]]:
-    """Cut a concatenated list of payload tensors into consecutive pieces of ``lengths``."""
-    out, start = [], 0
-    for n in lengths:
-        out.append(list(flat[start:start + n]))
-        start += n
-    if start != len(flat):
-        raise ValueError(f"a neighbour's payload has {len(flat)} tensors, this rank expected {start}: the ranks "
-                         "run different models or compressors")
-    return out
-
-
-def copy_params(params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Detached copies of ``params`` (the state of what was sent or held)."""
-    return [p.detach().clone() for p in params]
-
-
 class EncodedModel:
     """One rank's compressed tensors of a step: the payload that travels (all tensors' payloads
     end to end), and what is kept locally to decode it and the neighbours' payloads.
@@ -277,8 +248,17 @@ class EncodedModel:
         return self.payload[len(self.payload) - self.lengths[-1]:]
 
     def pieces(self, flat: Optional[Sequence[torch.Tensor]] = None) -> List[List[torch.Tensor]]:
-        """``flat`` (a neighbour's payload; this rank's own when None) cut per tensor."""
-        return split_payload(self.payload if flat is None else flat, self.lengths)
+        """``flat`` (a neighbour's payload; this rank's own when None) cut per tensor.
+
+        Raises:
+            ValueError: a payload of another number of tensors (the ranks run different models).
+        """
+        flat = self.payload if flat is None else flat
+        if len(flat) != sum(self.lengths):
+            raise ValueError(f"a neighbour's payload has {len(flat)} tensors, this rank expected "
+                             f"{sum(self.lengths)}: the ranks run different models or compressors")
+        ends = list(itertools.accumulate(self.lengths))
+        return [list(flat[e - n:e]) for n, e in zip(self.lengths, ends)]
 
     def decode(self, piece: Sequence[torch.Tensor], k: int, like: torch.Tensor) -> torch.Tensor:
         """Tensor ``k``'s dense value from its payload ``piece``: shape, dtype and device of

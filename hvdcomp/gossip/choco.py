@@ -5,33 +5,16 @@ Compressed Communication", ICML 2019; Koloskova, Lin, Stich and Jaggi, "Decentra
 Learning with Arbitrary Communication Compression", ICLR 2020.
 
 Every rank i keeps its model x_i and a *public copy* x̂_i that its neighbours also hold. Per step,
-after the local optimizer step (x_i ← x_i^{t+½}):
+after the local optimizer step::
 
     q_i  = C(x_i − x̂_i)                            (sent to every neighbour)
     x̂_j ← x̂_j + q_j          for j = i and every neighbour j
     x_i  ← x_i + γ Σ_j w_ij (x̂_j − x̂_i)             (the consensus step, γ ∈ (0, 1])
 
-Only the weighted sum ``s_i = Σ_j w_ij x̂_j`` (self included) is stored, not each neighbour's
-copy (the authors' memory-efficient form, Algorithm 2 of the ICLR paper): with Σ_j w_ij = 1 the
-consensus step is ``x_i ← x_i + γ (s_i − x̂_i)``. State per rank: x̂_i and s_i (two copies of the
-model), both starting at zero as in the paper. Any contraction compressor works (top-k, the scaled
-sign, ...): what C drops stays in x_i − x̂_i and is sent later, so no error feedback is added. An
-unbiased compressor (QSGD) is rescaled by 1/(1 + ω) to be a contraction, as the authors' code does.
-
-The update keeps the network average: Σ_i (s_i − x̂_i) = Σ_j x̂_j (Σ_i w_ij) − Σ_i x̂_i = 0 for a
-doubly stochastic W. With ``none`` and γ = 1 it is plain gossip, x ← W x (D-PSGD).
-
-γ trades consensus speed against stability: too large and the copies' errors are amplified
-(divergence), too small and the models drift apart. Starting points on a ring of 8: scaled sign
-γ ≈ 0.45 (the authors' public example script uses 0.4), top-k 1 % γ ≈ 0.04 (the best γ of the
-consensus sweep in ``docs/gossip.md``, which gives the rates measured here).
-
-Example::
-
-    from hvdcomp.gossip import GossipOptimizer
-    opt = GossipOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                          named_parameters=model.named_parameters(), method="choco",
-                          topology="ring", compression="sign", consensus_step=0.45)
+Only ``s_i = Σ_j w_ij x̂_j`` (self included) is stored (Algorithm 2 of the ICLR paper), so the
+consensus step is ``x_i ← x_i + γ (s_i − x̂_i)``; x̂_i and s_i start at zero. Any contraction
+compressor works; an unbiased one (QSGD) is rescaled by 1/(1 + ω). With ``none`` and γ = 1 it is
+plain gossip (D-PSGD). Choosing γ: ``docs/gossip.md`` ("Tuning γ").
 """
 from __future__ import annotations
 
@@ -131,9 +114,8 @@ class ChocoGossip(GossipMethod):
     def load_state_dict(self, state):
         if len(state["x_hat"]) != len(self.x_hat):
             raise ValueError(f"Choco state for {len(state['x_hat'])} tensors, this model has {len(self.x_hat)}")
-        for dst, a, b in zip(zip(self.x_hat, self.s), state["x_hat"], state["s"]):
-            dst[0].copy_(a)
-            dst[1].copy_(b)
+        for dst, src in zip(self.x_hat + self.s, list(state["x_hat"]) + list(state["s"])):
+            dst.copy_(src)
         self.compressor.load_state_dict(state["compressor"])
         self.steps = int(state["steps"])
         self._mix_pending = bool(state.get("mix_pending", False))

@@ -2,38 +2,18 @@
 
 Tang, Gan, Zhang, Zhang and Liu, "Communication Compression for Decentralized Training",
 NeurIPS 2018 (Algorithms 1 and 2). Both need an *unbiased* compressor (E[C(v)] = v: ``none``,
-``qsgd``, ``terngrad:clip_sigmas=0``); a biased one (top-k, sign) is refused with a message
-pointing to Choco-SGD, which handles it. Neither has a consensus step size.
+``qsgd``, ``terngrad:clip_sigmas=0``); neither has a consensus step size. Both keep the weighted
+sum ``s_i = Σ_j w_ij y_j`` of the replicas y_j (self included), started exactly by one
+uncompressed exchange of the initial models (:meth:`DCDGossip.setup`). With Δ_i = x_i^{after} − x_i
+(the local optimizer step)::
 
-Both keep, instead of a copy of each neighbour's model, the weighted sum over the neighbourhood
-(self included) ``s_i = Σ_j w_ij y_j`` of the replicas y_j; they need exact replicas to start
-from, so the front-end first exchanges the initial models once, uncompressed (:meth:`DCDGossip.setup`).
-Let Δ_i = x_i^{after} − x_i (what the local optimizer step did: −lr·g, with momentum, weight
-decay and the learning-rate schedule of the wrapped optimizer).
+    DCD:  z_i = (s_i − x_i) + Δ_i;  x_i ← x_i + C(z_i);  s_i ← s_i + Σ_j w_ij C(z_j)
+    ECD:  x_i ← s_i + Δ_i;  z_i = (1 − t/2)·x_i^{old} + (t/2)·x_i;
+          s_i ← (1 − 2/t)·s_i + (2/t)·Σ_j w_ij C(z_j)        (t = 1, 2, ... the step)
 
-**DCD-PSGD** (difference compression; the replicas are the models themselves, y_j = x_j)::
-
-    z_i = (s_i − x_i) + Δ_i           (x_{t+½} − x_t, where x_{t+½} = Σ_j w_ij x_j − lr·g)
-    x_i ← x_i + C(z_i)                (every holder of a replica of x_i applies the same C(z_i))
-    s_i ← s_i + Σ_j w_ij C(z_j)       (j = i and the neighbours)
-
-Its compression noise scales with the step z_i, which shrinks as the models agree, but it adds up
-in the replicas undamped: DCD-PSGD diverges unless the compressor is accurate (the paper's bound on
-its variance); QSGD with many levels suits it.
-
-**ECD-PSGD** (extrapolation compression; y_j is an unbiased estimate of x_j)::
-
-    x_i ← s_i + Δ_i                                  (x_{t+1} = Σ_j w_ij y_j − lr·g)
-    z_i = (1 − t/2)·x_i^{old} + (t/2)·x_i            (t = 1, 2, ... the step)
-    s_i ← (1 − 2/t)·s_i + (2/t)·Σ_j w_ij C(z_j)
-
-so that y_j (hence s_i) tracks x_j with noise that decays as the weight 2/t does. Its noise is
-proportional to the model, not to the disagreement; the consensus distance therefore decays
-towards a floor set by the compression error of the (common) mean model.
-
-Both move exactly one payload per step to every neighbour, and nothing a step's gradient depends on
-waits for it: the next gradient is taken at x_i, known locally, so overlapping the exchange with the
-next forward and backward (the front-end's default) changes nothing.
+The next gradient is taken at x_i, known locally, so overlapping the exchange with the next
+forward and backward changes nothing. How each behaves with coarse compressors:
+``docs/gossip.md`` ("Tuning γ").
 """
 from __future__ import annotations
 
@@ -71,7 +51,6 @@ class _Replicas(GossipMethod):
         self.scales = decode_scales(self.compressor, params, rescale_unbiased=False)
         self.s: Optional[List[torch.Tensor]] = None
         self._sent: Optional[EncodedModel] = None
-        self._t = 0
 
     def describe(self):
         return {"method": self.name, "compression": self.compressor.describe()}
@@ -141,7 +120,7 @@ class DCDGossip(_Replicas):
         params, names, topology, rank: see :class:`hvdcomp.gossip.base.GossipMethod` (static
             topology).
         compression: an unbiased compressor spec or instance (``none``, ``qsgd``, ...).
-        consensus_step: must stay None (DCD has none).
+        consensus_step: must stay None (DCD and ECD have none).
 
     State (per rank): ``s`` (tensors shaped like the parameters), the compressor's, ``steps``.
 
@@ -171,19 +150,8 @@ class DCDGossip(_Replicas):
 
 
 class ECDGossip(_Replicas):
-    """One rank of ECD-PSGD (see the module docstring).
-
-    Args:
-        params, names, topology, rank: see :class:`hvdcomp.gossip.base.GossipMethod` (static
-            topology).
-        compression: an unbiased compressor spec or instance (``none``, ``qsgd``, ...).
-        consensus_step: must stay None (ECD has none).
-
-    State (per rank): ``s`` (tensors shaped like the parameters), the compressor's, ``steps``.
-
-    Raises:
-        ValueError: a biased compressor, a consensus step, a time-varying topology.
-    """
+    """One rank of ECD-PSGD (see the module docstring); arguments, state and errors as
+    :class:`DCDGossip`'s."""
 
     name = "ecd"
     title = "ECD-PSGD"

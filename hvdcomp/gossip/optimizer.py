@@ -1,24 +1,11 @@
-"""``GossipOptimizer``: decentralized training from a Horovod script, in place of
-``hvdcomp.DistributedOptimizer``.
+"""``GossipOptimizer``: decentralized training, in place of ``hvdcomp.DistributedOptimizer``.
 
-Gradients are not averaged. Each step, the wrapped optimizer takes its *local* step (momentum,
-weight decay and the learning-rate schedule exactly as in single-process training, as the
-references do: Choco-SGD's and Tang et al.'s code apply ``SGD`` with momentum to the local model,
-then gossip), then the gossip method mixes the model with the neighbours' through the neighbour
-transport. By default (``overlap=True``) the exchange started at the end of a step completes on a
-background thread while the next forward and backward compute, and is applied at the start of the
-next ``step()`` (after that step's local update): exact for DCD-PSGD and ECD-PSGD, and the
-authors' "parallel" form for Choco-SGD and PowerGossip (the mixing applied one step late).
-
-Before anything changes, every step checks the gradients for NaN/Inf and the ranks agree on the
-verdict (``nonfinite="skip"`` by default: a non-finite gradient on any rank skips the step on every
-rank, without a trace; :meth:`GossipOptimizer._agree_step` says why this one global collective and
-what it costs). Checkpoints (:meth:`GossipOptimizer.state_dict`) leave the trajectory unchanged.
-
-Which model to evaluate: the ranks' models differ by the consensus distance. :meth:`GossipOptimizer.average_model`
-(a context manager) swaps in the network average (one allreduce) and puts the local model back
-after; ``mpi_scripts/train_lm.py`` evaluates the average by default (``--gossip-eval local``: each
-rank its own model). :meth:`GossipOptimizer.consensus_distance` reports Σ_i ‖x_i − x̄‖².
+Gradients are not averaged. Each step, the wrapped optimizer takes its *local* step, then the
+gossip method mixes the model with the neighbours' through the neighbour transport. With
+``overlap=True`` (default) the exchange started at the end of a step completes in the background
+and is applied at the next ``step()`` (exact for DCD/ECD, the authors' "parallel" form for
+Choco-SGD and PowerGossip). Non-finite gradients, checkpoints and which model to evaluate:
+``docs/gossip.md``.
 
 Example::
 
@@ -41,17 +28,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from types import SimpleNamespace
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-from ..agreement import NonFiniteGuard
+from ..agreement import NonFiniteGuard, check_consistency
 from ..metrics import PhaseTimer
 from ..step import LocalOptimizerSurface
 from ..transports.neighbor import NeighborTransport, neighbor_edges
 from ..comm import resolve_group
 from ..comm.group import FollowsWorld, instance_prefix
-from .base import GossipMethod, copy_params
+from .base import GossipMethod
 from .choco import ChocoGossip
 from .dcd import DCDGossip, ECDGossip
 from .powergossip import PowerGossip
@@ -104,11 +92,9 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
         overlap: run the exchange of a step in the background until the next ``step()``.
         timeout: seconds to wait for a neighbour before :class:`~hvdcomp.transports.neighbor.NeighborTimeoutError` names it.
         nonfinite: what a NaN/Inf gradient on any rank does, decided alike on every rank of the
-            process set (:meth:`_agree_step`): ``"skip"`` (default: every rank skips the step,
-            which leaves no trace in any state, and a warning names the ranks), ``"raise"``
-            (``FloatingPointError`` on every rank, nothing changed) or ``"ignore"`` (no check and
-            no agreement collective: a non-finite gradient makes that rank's model non-finite and
-            the gossip spreads it to every rank within a few steps).
+            process set (:meth:`_agree_step`): ``"skip"`` (default: every rank skips the step),
+            ``"raise"`` (``FloatingPointError`` on every rank, nothing changed) or ``"ignore"`` (no
+            check and no agreement collective).
         **method_kwargs: PowerGossip's ``power_iterations``, ``warm_start``, ``seed``.
 
     Attributes:
@@ -145,10 +131,7 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
         self._names = [names[p] for p in self._params]
         if len(set(self._params)) != len(self._params):
             raise ValueError("the optimizer holds the same parameter twice; list each parameter once")
-        self.method: Optional[GossipMethod] = None
-        self.transport = None
-        self.topology = None
-        self.compression = None
+        self.method = self.transport = self.topology = self.compression = None  # (built by _build)
         self.rank, self.size = self.group.rank, self.group.size
         if not self.group.included:
             self._guard = NonFiniteGuard(nonfinite)
@@ -173,20 +156,18 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
                                       " (run each exchange in the background until the next step)")
             timeout = check_range(timeout, "timeout", 0.0, low_open=True, hint=" (seconds)")
         except ValueError as exc:
-            error = exc
-        self.transport = NeighborTransport(comm, timeout=300.0 if error is not None else timeout,
-                                           params=self._params, timer=self.timer)
+            error, timeout = exc, 300.0
+        self.transport = NeighborTransport(comm, timeout=timeout, params=self._params, timer=self.timer)
         try:
-            if error is not None:
-                raise error
-            self.topology = make_topology(topology, self.size, weights)
-            self.method = make_method(method, self._params, self._names, self.topology, self.rank,
-                                      compression=compression, consensus_step=consensus_step, **method_kwargs)
-            self.compression = getattr(self.method, "compressor", None)
-            self.transport.method = self.method
-            record = {"method": self.method.describe(), "topology": self.topology.fingerprint(),
-                      "overlap": self.overlap, "nonfinite": self.nonfinite, "prefix": self.prefix,
-                      "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)]}
+            if error is None:
+                self.topology = make_topology(topology, self.size, weights)
+                self.method = make_method(method, self._params, self._names, self.topology, self.rank,
+                                          compression=compression, consensus_step=consensus_step, **method_kwargs)
+                self.compression = getattr(self.method, "compressor", None)
+                self.transport.method = self.method
+                record = {"method": self.method.describe(), "topology": self.topology.fingerprint(),
+                          "overlap": self.overlap, "nonfinite": self.nonfinite, "prefix": self.prefix,
+                          "parameters": [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)]}
         except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has heard of it
             error = exc
         self._agree(error, record)
@@ -196,19 +177,6 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
             self.method.setup(self._params, received)
 
     # ---- elastic Horovod ----------------------------------------------------------------------
-    def reset(self) -> None:
-        """Follow elastic Horovod's reset: ``state.register_reset_callbacks([opt.reset])`` on the
-        ``hvd.elastic.TorchState(model=model, optimizer=opt.optimizer)`` of ``@hvd.elastic.run``.
-        Runs no collective: drops the exchange in flight; at the next step every rank builds the
-        topology for the new size and a fresh method (:meth:`_build`; what carries over:
-        docs/robustness.md, "Elastic Horovod"). Without the callback, a new size or rank is
-        followed at the next step.
-
-        Raises:
-            ValueError: the optimizer does not run on Horovod.
-        """
-        super().reset()
-
     def _world_group(self):
         return self.group
 
@@ -225,32 +193,24 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
 
     # ---- construction helpers ----------------------------------------------------------------
     def _agree(self, error: Optional[BaseException], record) -> None:
-        """Every rank learns every rank's construction error and settings; all raise together."""
+        """Every rank learns every rank's construction error, then the set-up agreement
+        (:func:`hvdcomp.agreement.check_consistency`); all raise together."""
         mine = {"error": None if error is None else f"{type(error).__name__}: {error}", "record": record}
         everyone = self.transport.allgather_object(mine)
         failed = [(r, e["error"]) for r, e in enumerate(everyone) if e["error"]]
         if failed:
             r, msg = failed[0]
             raise ValueError(f"GossipOptimizer: rank {r} of the process set could not start: {msg}") from error
-        ref = everyone[0]["record"]
-        for r, e in enumerate(everyone[1:], start=1):
-            for field in ref:
-                if e["record"][field] != ref[field]:
-                    raise ValueError(f"GossipOptimizer: rank {r} and rank 0 disagree on {field}: "
-                                     f"{_short(e['record'][field])} vs {_short(ref[field])}; every rank must pass the "
-                                     "same method, topology, consensus_step, compression and model")
+        gathered = SimpleNamespace(allgather_object=lambda obj, name: [e["record"] for e in everyone])
+        check_consistency(gathered, record, f"{self.prefix}.setup",
+                          setup="the gossip set-up (every rank must pass the same method, topology, "
+                                "consensus_step, compression and model)")
 
     # ---- torch.optim.Optimizer-like facade: LocalOptimizerSurface's, over the wrapped optimizer ------
     def step(self, closure=None):
-        """The non-finite check, the local optimizer step, then the gossip step; returns the
-        closure's loss, or None for a skipped step.
-
-        The gradients present when ``step()`` is called are checked for NaN/Inf and the ranks of
-        the process set agree on the verdict (:meth:`_agree_step`); with ``nonfinite="skip"`` a
-        non-finite gradient on any rank skips the step on every rank, leaving no trace: no local
-        optimizer step (parameters and momentum as before), no gossip (public copies, replicas,
-        edge vectors and compressor generators untouched; an exchange in flight stays in flight
-        and is applied at the next step that goes ahead).
+        """The non-finite check (:meth:`_agree_step`), the local optimizer step, then the gossip
+        step; returns the closure's loss, or None for a step skipped on every rank (no trace in
+        any state; an exchange in flight stays in flight).
 
         Raises:
             NeighborTimeoutError: a neighbour sent nothing within ``timeout`` (names the rank).
@@ -263,7 +223,7 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
         if not self._agree_step():
             return None
         gossiping = self.method is not None and self.size > 1
-        previous = copy_params(self._params) if gossiping and self.method.needs_previous else None
+        previous = [p.detach().clone() for p in self._params] if gossiping and self.method.needs_previous else None
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         if not gossiping:
             return loss
@@ -280,17 +240,8 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
         (:class:`hvdcomp.agreement.NonFiniteGuard`: one fused check of the gradients per device,
         then one ``Iallgather`` of three integers per rank over the neighbour transport's
         communicator, waited for up to ``timeout``; a rank alone decides alone). Returns whether
-        the step goes ahead; counts skipped steps.
-
-        A global collective in a method that otherwise talks to neighbours only: the verdict must
-        be the same on every rank *at this step*, and a flag carried by the neighbour messages
-        reaches every rank only after diameter-of-the-graph exchanges (n/2 on a ring), which would
-        mean undoing that many steps, or as many extra rounds per step. The allgather of 24
-        bytes per rank costs about ⌈log₂ p⌉ latencies α (recursive doubling), once per step,
-        while the previous exchange completes on the transport's thread; ``nonfinite="ignore"``
-        skips it (and the check). Its price beyond time: a rank that stops stepping ends the job
-        after ``timeout`` with :class:`~hvdcomp.transports.neighbor.CollectiveTimeoutError`,
-        which cannot name that rank (without the agreement, its neighbours' exchanges name it)."""
+        the step goes ahead; counts skipped steps. Why one global collective, and its price:
+        ``docs/gossip.md`` ("Non-finite gradients")."""
         if self.nonfinite == "ignore":
             return True
         self._guard.observe_gradients(self._params)
@@ -365,14 +316,9 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
         """This rank's state: the wrapped optimizer's, the method's (public copies, replicas,
         edge vectors, compressor state), and the rank, size, topology and method it belongs to.
         Save it per rank and restore it on the same rank (tensors, numbers and strings only:
-        ``torch.load(weights_only=True)`` reads it).
-
-        Saving does not change the run: the exchange in flight is waited for and absorbed into
-        the method's state, but its update of the parameters stays staged (in the returned
-        state, too) and is applied where it would have been without the save, at the next
-        :meth:`step` after the local optimizer step. So a run that saves at every step equals
-        one that never saves, bit for bit, and a run resumed from the saved state (with the
-        model's parameters saved at the same moment) continues as the uninterrupted one."""
+        ``torch.load(weights_only=True)`` reads it). Saving does not change the run: the exchange
+        in flight is absorbed, its update of the parameters stays staged (in the returned state
+        too) and is applied at the next :meth:`step`, as without the save."""
         if self.transport is not None:
             self.transport.finish()  # (absorbed, its update staged: applied at the next step)
         out = {"optimizer": self.optimizer.state_dict(), "rank": self.rank, "size": self.size,
@@ -415,8 +361,3 @@ class GossipOptimizer(LocalOptimizerSurface, FollowsWorld):
         self.flush()
         if self.transport is not None:
             self.transport.close()
-
-
-def _short(value, limit: int = 160) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."

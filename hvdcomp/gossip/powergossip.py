@@ -1,33 +1,20 @@
 """PowerGossip: rank-1 power iteration on each edge's model difference.
 
 Vogels, Karimireddy and Jaggi, "Practical Low-Rank Communication Compression in Decentralized
-Deep Learning", NeurIPS 2020 (the authors' code: github.com/epfml/powergossip).
+Deep Learning", NeurIPS 2020.
 
-For an edge (i, j) with i > j and a parameter seen as a matrix X (``shape[0] × rest``), let
-D = X_i − X_j. Both ends hold the same vector v (drawn from a generator seeded by the edge, so
-nothing is sent to agree on it) and run one *half* power iteration per exchange, alternating sides:
+For an edge (i, j) with i > j and a parameter seen as a matrix X (``shape[0] × rest``, in its
+logical row-major order whatever its memory layout), let D = X_i − X_j. Both ends hold the same
+vector v (drawn from a generator seeded by the edge) and run one *half* power iteration per
+exchange, alternating sides:
 
-* v on the right (n entries): each end sends a = X v̂ (v̂ = v/‖v‖, m entries); both compute
-  u = a_i − a_j = D v̂ in the same order (bit-identical), take D ≈ u v̂ᵀ, and keep v ← u;
-* v on the left (m entries): each end sends a = Xᵀ v̂ (n entries); u = Dᵀ v̂, D ≈ v̂ uᵀ, v ← u.
+* v on the right (n entries): each end sends a = X v̂ (v̂ = v/‖v‖); both compute u = a_i − a_j =
+  D v̂ in the same order (bit-identical), take D ≈ u v̂ᵀ, and keep v ← u;
+* v on the left (m entries): each end sends a = Xᵀ v̂; u = Dᵀ v̂, D ≈ v̂ uᵀ, v ← u.
 
-Each end then moves toward the other by its share of the estimated difference::
-
-    X_i ← X_i − γ·w_ij·D̃        X_j ← X_j + γ·w_ij·D̃         (γ = 1: no tuning)
-
-so the network average is kept exactly as far as float rounding goes (both ends apply the same D̃).
-The vector is *warm-started*: the next exchange starts from this one's result, so a difference that
-changes slowly is tracked like a power iteration across steps. A rank-1 difference is removed
-exactly once v is aligned with it: after one step from a warm vector, or in one step with
-``power_iterations=2`` (two half iterations: the full power iteration of PowerSGD). Parameters of
-one dimension (biases, norms) are sent uncompressed and averaged as in plain gossip. A parameter
-is read and updated in its logical shape (``shape[0] × rest`` in row-major order, whatever its
-memory layout: a ``channels_last`` conv weight gives the contiguous one's values, bit for bit).
-
-Per edge and step a rank sends Σ (m or n) over its matrices plus its 1-D parameters (float32 each):
-on the small LSTM about 22 KB instead of 4.4 MB. State per rank: one vector per edge and matrix and
-the edge's generator; it works on time-varying graphs (one-peer exponential), keeping the state of
-every edge of the period.
+Then ``X_i ← X_i − γ·w_ij·D̃`` and ``X_j ← X_j + γ·w_ij·D̃`` (γ = 1), which keeps the network
+average. The vector is warm-started from the previous exchange. 1-D parameters are sent
+uncompressed and averaged as in plain gossip. Works on time-varying graphs. Bytes: ``docs/gossip.md``.
 """
 from __future__ import annotations
 

@@ -2,39 +2,19 @@
 
 A :class:`Topology` holds, for ``size`` ranks, the neighbours of every rank and a *mixing matrix*
 W (``size × size`` float64): rank i's gossip average is ``Σ_j W[i, j] x_j``. Every W built here is
+symmetric, doubly stochastic (entries ≥ 0), connected (over one period, for a time-varying graph)
+and aperiodic (spectral gap ρ = 1 − max(|λ₂(W)|, |λₙ(W)|) > 0: uncompressed gossip contracts the
+disagreement by 1 − ρ per step); a violation raises ``ValueError`` naming the rank or edge at
+fault and the fix.
 
-* symmetric (``W[i, j] = W[j, i]``: an edge is used in both directions with one weight),
-* doubly stochastic (rows and columns sum to 1, entries ≥ 0): uncompressed gossip ``x ← W x``
-  keeps the average of the ranks' models exactly (up to float rounding),
-* connected (over one period, for a time-varying graph) and aperiodic (spectral gap ρ > 0, below):
-  repeated gossip reaches consensus.
-
-These are checked when a topology is constructed; a violation raises ``ValueError`` naming the
-rank or edge at fault and the fix. The *spectral gap* ρ = 1 − max(|λ₂(W)|, |λₙ(W)|) says how fast
-uncompressed gossip contracts the disagreement: ‖W x − x̄‖ ≤ (1 − ρ)‖x − x̄‖ per step. A ring of 8
-with weights 1/3 has ρ = 1 − (1/3 + 2/3·cos(2π/8)) ≈ 0.195; a complete graph ρ = 1.
-
-Graphs (``make_topology(spec, size)`` names):
-
-=================  ================================================================  ============
-``ring``           rank i ↔ i ± 1 (mod n); one neighbour at n = 2                    degree 2
-``torus``          2-D torus ``rows × cols`` (the most square factorisation of       degree ≤ 4
-                   n, or ``torus:RxC``); a side of 1 or 2 folds duplicate
-                   neighbours into one (n prime: a ring)
-``exponential``    one-peer exponential graph, time-varying: at step t, rank i       degree 1
-                   pairs with ``i XOR 2^(t mod log2 n)`` with weights ½, ½ (n a
-                   power of two; the product of the log2 n matrices of a period
-                   is the exact average)
-``complete``       everyone ↔ everyone (W = 1/n everywhere, ρ = 1)                   degree n − 1
-adjacency          :func:`from_adjacency`: neighbour lists or a numpy 0/1 array      any
-=================  ================================================================  ============
-
-Weights for a static graph (``weights=``): ``"metropolis"`` (Metropolis–Hastings, the default:
-``W[i, j] = 1/(1 + max(d_i, d_j))`` on each edge, the rest of the row on the diagonal; any graph)
-or ``"uniform"`` (``1/(d + 1)`` on each edge and the diagonal; regular graphs only, where it equals
-Metropolis–Hastings). Xiao and Boyd, "Fast linear iterations for distributed averaging", 2004.
-The one-peer exponential graph: Ying, Yuan, Chen, Hu, Pan and Yin, "Exponential Graph is Provably
-Efficient for Decentralized Deep Training", NeurIPS 2021 (its symmetric, power-of-two form).
+Graphs (:func:`make_topology` names): ``ring``, ``torus`` (``torus:RxC``), ``exponential`` (the
+one-peer exponential graph, time-varying: rank i pairs with ``i XOR 2^(t mod log2 n)``, n a power
+of two; Ying, Yuan, Chen, Hu, Pan and Yin, "Exponential Graph is Provably Efficient for
+Decentralized Deep Training", NeurIPS 2021), ``complete``, or neighbour lists
+(:func:`from_adjacency`). Weights of a static graph: ``"metropolis"`` (``W[i, j] = 1/(1 +
+max(d_i, d_j))``, the default) or ``"uniform"`` (``1/(d + 1)``, regular graphs only); Xiao and
+Boyd, "Fast linear iterations for distributed averaging", 2004. Degrees and gaps:
+``docs/gossip.md`` ("Topologies").
 """
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
 """Local-update training: H inner steps without communication, then compressed pseudo-gradients.
 
-One wrapper per algorithm, each around the user's inner ``torch.optim`` optimizer
-(``docs/local-update.md`` has the trade-offs):
-
-* :class:`DiLoCo`: the pseudo-gradient Δ = θ_start − θ_local averaged through any hvdcomp method,
-  then an outer Nesterov step (plain averaging: ``outer_lr=1, outer_momentum=0, nesterov=False``);
-* :class:`SparseLoCo`: no outer momentum; a decaying error feedback on Δ, top-k per 64 × 64 tile
-  at 2 bits, each index averaged over the ranks that sent it (the authors' released form;
-  ``form="flat"``: top-k per flat chunk, averaged over the ranks);
-* :class:`CO2`: the averaging overlapped with the next round, applied one round late (the paper's
-  form; the authors' library reduces synchronously by default: DiLoCo with :class:`CO2Momentum`),
-  with the staleness gap penalty and outer-momentum clipping;
-* :class:`LocalAdaAlter`: :class:`AdaAlter` local steps (frozen denominator), parameters and
-  squared-gradient accumulators averaged every H steps.
-
-:func:`from_spec` builds one from a spec string such as ``"diloco:outer_lr=0.7"`` (scripts).
+One wrapper per algorithm around the user's inner ``torch.optim`` optimizer: :class:`DiLoCo`
+(outer Nesterov step; plain averaging with ``outer_lr=1, outer_momentum=0, nesterov=False``),
+:class:`SparseLoCo` (decaying error feedback, sparse 2-bit Δ), :class:`CO2` (averaging overlapped
+with the next round, applied one round late; :class:`CO2Momentum`) and :class:`LocalAdaAlter`
+(:class:`AdaAlter` local steps). :func:`from_spec` builds one from a spec string such as
+``"diloco:outer_lr=0.7"``. Trade-offs: ``docs/local-update.md``.
 """
 from __future__ import annotations
 

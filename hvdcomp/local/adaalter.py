@@ -7,35 +7,23 @@ denominator b (frozen during a round) and a running accumulator s of squared gra
     θ ← θ − η·(g / sqrt(b + ε) + w·θ)       (AdaAlter: b excludes the current g²)
     s ← s + g²                              (local, no communication)
 
-and every H steps the parameters and the accumulators are averaged over the ranks, and the
-denominator becomes the average: ``b ← s ← mean over ranks of s``. The first ``warmup_steps``
-steps are fully synchronous: gradients are averaged every step and ``b ← s ← s + ḡ²`` after each,
-as in the authors' code, whose language-model script also ramps the learning rate linearly over
-those steps (``--warmup-steps`` of ``mpi_scripts/train_lm.py`` does that here).
-
-Defaults follow the authors' optimizer (``LocalAdaAlter`` in their GluonNLP fork): ε = 1e-7
-inside the square root; the paper's H = 4. With a small ε the first step is as large as
-``η·g/sqrt(ε)``; the authors' language-model script therefore sets ε = 1 ("initial history
-accumulation") and warms the learning rate up.
-
-The parameters are averaged as the other local-update methods' pseudo-gradients are (an outer SGD
-step with lr 1 and no momentum on the average Δ, ``θ_start − mean(Δ)``: the mean of the ranks'
-parameters up to float32 rounding), so Δ may travel compressed; the accumulators are averaged
-uncompressed by Horovod allreduce (they are positive scale estimates, not directions).
+and every H steps the parameters (as every mode's Δ, through the pipeline: compression applies)
+and the accumulators (uncompressed allreduce) are averaged over the ranks, and ``b ← s ← mean
+over ranks of s``. The first ``warmup_steps`` steps are fully synchronous (gradients averaged,
+``b ← s ← s + ḡ²`` after each). Defaults follow the authors' optimizer (ε = 1e-7, H = 4; their
+language-model script sets ε = 1 and warms the learning rate up): ``docs/local-update.md``.
 """
 from __future__ import annotations
 
-import logging
 
 import torch
 
+from ..adaptive_opt.averaging import averaged_verdict
 from ..checks import check_count, check_real
 from .base import LocalUpdate, optimizer_settings
 from .outer import outer_sgd
 
 __all__ = ["AdaAlter", "LocalAdaAlter"]
-
-log = logging.getLogger(__name__)
 
 
 class AdaAlter(torch.optim.Optimizer):
@@ -137,7 +125,8 @@ class LocalAdaAlter(LocalUpdate):
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for _, p in self._params]
         self._warmup_bytes += self._average(grads, "grad")
-        if not self._warmup_step_finite(grads):
+        if not averaged_verdict(grads, self.sync.nonfinite):  # (skipped on every rank, as a dropped round)
+            self.skipped_rounds += 1
             return loss
         self.inner.synchronous = True
         self.inner.step()
@@ -147,27 +136,6 @@ class LocalAdaAlter(LocalUpdate):
             for n, p in self._params:
                 self._anchor[n].copy_(p)
         return loss
-
-    def _warmup_step_finite(self, averaged) -> bool:
-        """Whether a warm-up step goes ahead: its averaged gradients (the same on every rank) are
-        finite, or the pipeline's ``nonfinite`` is ``"ignore"``. A non-finite one is skipped on
-        every rank with ``"skip"`` (no parameter or accumulator changes; not counted as a step,
-        counted in ``skipped_rounds``), as a dropped round is.
-
-        Raises:
-            FloatingPointError: with ``nonfinite="raise"``, on every rank.
-        """
-        mode = self.sync.nonfinite
-        if mode == "ignore" or not averaged or bool(torch.stack([g.isfinite().all() for g in averaged]).all()):
-            return True
-        if mode == "raise":
-            raise FloatingPointError("non-finite gradient (NaN or Inf) in a synchronous warm-up step of Local "
-                                     "AdaAlter; no update was applied. Lower the learning rate or raise eps, or "
-                                     "use nonfinite='skip' to skip such steps.")
-        self.skipped_rounds += 1
-        log.warning("hvdcomp.local: non-finite averaged gradient in a warm-up step of Local AdaAlter: step "
-                    "skipped on every rank")
-        return False
 
     def _average(self, tensors, what: str, dense: bool = True) -> int:
         """Average ``tensors`` in place over the ranks (Horovod allreduce, charged to

@@ -10,42 +10,16 @@ The round, for a model with parameters θ (one rank's view; ``Δ̄`` is the aver
     θ_start ← outer.step(θ_start, Δ̄)           e.g. SGD: θ_start − α·Δ̄
     θ_local ← θ_start
 
-How Δ travels. The copy of θ_start is a set of tensors named as the model's parameters; their
-``.grad`` holds Δ, and an :func:`hvdcomp.DistributedOptimizer` wraps a *mailbox* optimizer over
-them (one whose ``step`` does nothing), so the pipeline (plan, transports, error feedback, the
-per-step agreement) carries Δ exactly as it carries a gradient, for every registered method,
-step-wide ones included: its ``synchronize()`` starts every unit (no backward hook fires on these
-tensors), ``step()`` commits the method's state, and the average stays in ``.grad`` for the
-outer optimizer, a plain torch.optim optimizer over the same tensors. Reducing (and committing
-the compressor's state) apart from the outer update is what lets CO2 apply a round's average one
-round later, and a checkpoint taken between the two resume exactly.
+Δ travels through a :class:`hvdcomp.reducer.Reducer` over copies of θ_start whose ``.grad`` holds
+Δ, for every registered method, step-wide ones included; the average stays in ``.grad`` for the
+outer optimizer, a plain ``torch.optim`` optimizer over the same tensors.
 
-A dropped round. A round whose Δ is non-finite on any rank (a NaN or Inf gradient during its
-inner steps) is dropped on every rank; this is the one definition, for every mode and inner
-optimizer:
-
-* the ranks agree on it (the pipeline's per-step agreement, :mod:`hvdcomp.agreement`): no outer
-  step, θ_start stays, the method's staged state (error-feedback residuals) is rolled back;
-* what the mode changed besides the parameters during the round goes back to the round's start
-  (:meth:`LocalUpdate._drop_round`): Local AdaAlter's accumulators return to the denominator (the
-  last agreed average) instead of being averaged; CO2 forms no pending update from the dropped
-  round (its send buffers are zeroed, nothing is applied at the next round's end);
-* every rank restarts from θ_start (θ_local ← θ_start), and each rank clears the inner-optimizer
-  state of every parameter whose state holds a NaN or Inf (:meth:`LocalUpdate._restart`: the
-  whole state of that parameter, e.g. AdamW's step, exp_avg and exp_avg_sq, SGD's momentum
-  buffer; ``torch.optim`` re-creates it at the next step as at the start of training). Only the
-  ranks and parameters whose state went non-finite lose it: the inner state is per rank by
-  design (never averaged), and a NaN moment would make every later step, so every later round,
-  non-finite. The check runs at every restart (one pass over the inner state per round), so it
-  also catches state that went non-finite while Δ stayed finite (an overflowed second moment).
-
-Training then goes on from the next round; ``skipped_rounds`` counts the dropped ones and a
-warning names them (the pipeline's) and the parameters whose inner state was cleared.
-
-Memory: one copy of the parameters (θ_start; float32 for half-precision parameters, on the host
-for a CUDA model unless ``host_copy=False``), the send buffer Δ (one copy), the outer optimizer's
-state (SGD with momentum: one copy) and the method's residuals (error feedback: one copy, two on
-the CPU where the previous step's residual is recycled).
+A round whose Δ is non-finite on any rank is dropped on every rank (the pipeline's per-step
+agreement, :mod:`hvdcomp.agreement`): no outer step, the method's staged state rolled back, the
+mode's own state restored (:meth:`LocalUpdate._drop_round`), every rank restarts from θ_start and
+clears the inner-optimizer state of each parameter whose state holds a NaN or Inf
+(:meth:`LocalUpdate._restart`); ``skipped_rounds`` counts them. ``docs/local-update.md`` ("How Δ
+travels") has the details and the memory each wrapper takes.
 """
 from __future__ import annotations
 
@@ -58,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ..agreement import check_consistency, digest
+from ..agreement import check_consistency, check_same_start, digest
 from ..checks import check_count, check_real
 from ..comm import resolve_group
 from ..comm.group import FollowsWorld, ProcessGroup, instance_prefix
@@ -71,7 +45,7 @@ from ..reducer import Reducer, check_free, claim, release
 from ..step import LocalOptimizerSurface
 from .checkpoint import Checkpoints
 
-__all__ = ["LocalUpdate", "check_carries_delta", "check_outer_lr", "round_report"]
+__all__ = ["LocalUpdate", "check_carries_delta"]
 
 log = logging.getLogger(__name__)
 
@@ -109,36 +83,23 @@ def _pipeline_arguments() -> List[str]:
     return [n for n in inspect.signature(Settings.validate).parameters if n not in _SET_BY_WRAPPER] + ["process_group"]
 
 
-def accepted_arguments(cls) -> List[str]:
-    """The keyword arguments a local-update class takes: its own and its bases' constructors',
-    and the pipeline's (:func:`_pipeline_arguments`)."""
-    names: List[str] = []
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None or klass is object:
-            continue
-        for p in inspect.signature(init).parameters.values():
-            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in ("self", "optimizer",
-                                                                                     "named_parameters") \
-                    and p.name not in names:
-                names.append(p.name)
-    names += [n for n in _pipeline_arguments() if n not in names]
-    return names
-
-
 def check_pipeline_arguments(cls, pipeline: Dict[str, Any]) -> None:
     """Refuse keyword arguments that neither the wrapper nor the pipeline takes, before anything is
-    built, naming the close matches and the accepted ones (``from_spec('co2:momentum=1')`` said
-    ``DistributedOptimizer() got an unexpected keyword argument 'momentum'``).
+    built, naming the close matches and the accepted ones.
 
     Raises:
         ValueError: an unknown argument.
     """
-    pipe = set(_pipeline_arguments())
+    pipe = _pipeline_arguments()
     unknown = [k for k in pipeline if k not in pipe]
     if not unknown:
         return
-    accepted = accepted_arguments(cls)
+    accepted: List[str] = []  # the keyword arguments of the constructors along the MRO, then the pipeline's
+    for init in (k.__dict__["__init__"] for k in cls.__mro__[:-1] if "__init__" in k.__dict__):
+        accepted += [p.name for p in inspect.signature(init).parameters.values() if p.name not in accepted
+                     and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+                     and p.name not in ("self", "optimizer", "named_parameters")]
+    accepted += [n for n in pipe if n not in accepted]
     near = {k: difflib.get_close_matches(k, accepted, n=2, cutoff=0.5) for k in unknown}
     hints = "; ".join(f"{k!r}: did you mean {' or '.join(map(repr, m))}?" for k, m in near.items() if m)
     inner = [k for k in unknown if k in ("lr", "momentum", "weight_decay", "betas", "eps")]
@@ -146,12 +107,6 @@ def check_pipeline_arguments(cls, pipeline: Dict[str, Any]) -> None:
                      + (f"; {inner} set the inner optimizer: give them to it (e.g. torch.optim.SGD(params, "
                         f"lr=0.1)), or the outer_* arguments for the outer step" if inner else "")
                      + f". Accepted: {accepted}")
-
-
-def check_outer_lr(outer: torch.optim.Optimizer) -> None:
-    """Raises ``ValueError`` unless every parameter group of ``outer`` has a finite learning rate > 0."""
-    for group in outer.param_groups:
-        check_real(group.get("lr"), "the outer learning rate", lambda v: v > 0, "> 0 and finite", _OUTER_LR_HINT)
 
 
 def _plain(value):
@@ -261,7 +216,8 @@ class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
                             for n, p in self._params}
         self._delta = {n: torch.zeros_like(a) for n, a in self._anchor.items()}
         self.outer = outer_optimizer(list(self._anchor.values()))
-        check_outer_lr(self.outer)
+        for group in self.outer.param_groups:
+            check_real(group.get("lr"), "the outer learning rate", lambda v: v > 0, "> 0 and finite", _OUTER_LR_HINT)
         method = resolve_compression(compression)
         check_carries_delta(method, self.outer)
         check_free(method)
@@ -303,9 +259,8 @@ class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
         return {}
 
     def _check_setup(self, group: ProcessGroup) -> None:
-        """Every rank must build the same wrapper (:meth:`_setup`): ranks with different H average
-        rounds of different lengths and then hang in a collective, ranks with different outer
-        settings move θ_start apart. One object allgather, before the pipeline is built.
+        """Every rank must build the same wrapper (:meth:`_setup`); one object allgather, before
+        the pipeline is built.
 
         Raises:
             ValueError: on every rank, naming the settings that differ and the ranks.
@@ -384,18 +339,10 @@ class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
         return loss
 
     def reset(self) -> None:
-        """Follow elastic Horovod's reset (workers lost or added; :data:`hvdcomp.launch.ELASTIC_FRONTENDS`
-        names the modes that can): register it once,
-        ``state.register_reset_callbacks([opt.reset])``, on the ``hvd.elastic.TorchState(model=model,
-        optimizer=inner)`` of ``@hvd.elastic.run``.
-
-        Runs no collective (:meth:`hvdcomp.comm.group.FollowsWorld.reset`). The pipeline is rebuilt
-        over the new world (:meth:`hvdcomp.reducer.Reducer.resize`: this rank's residuals carry
-        over, a new rank's are zero), and at the next step every rank takes θ_start, the outer
-        optimizer's state (momentum), the round counters and the mode's shared state
-        (``_world_state()``) from the lowest-numbered rank that held them before, drops the
-        round in progress and restarts from θ_start (``_join_world()``). Without the callback a
-        change of the world's size or of this rank's number is noticed at the next step.
+        """Follow elastic Horovod's reset (:meth:`hvdcomp.comm.group.FollowsWorld.reset`; register it
+        on the ``hvd.elastic.TorchState(model=model, optimizer=inner)``): the pipeline is rebuilt
+        over the new world (:meth:`hvdcomp.reducer.Reducer.resize`) and every rank joins it at its
+        next step (:meth:`_join_world`); docs/robustness.md, "Elastic Horovod".
 
         Raises:
             ValueError: the mode runs on ``torch.distributed`` (elastic Horovod only).
@@ -424,9 +371,9 @@ class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
     @torch.no_grad()
     def _join_world(self) -> None:
         """Elastic Horovod, the first step of a (re)started world, on every rank alike: the
-        set-up agreement, then θ_start, the outer optimizer's state and the round counters from
-        the lowest-numbered rank that held them (rank 0 of a fresh job: the model's parameters,
-        which ``TorchState`` broadcast), and every rank restarts the round from θ_start."""
+        set-up agreement, then θ_start, the outer optimizer's state, the round counters and the
+        mode's :meth:`_world_state` from the lowest-numbered rank that held them (rank 0 of a fresh
+        job), and every rank restarts the round from θ_start."""
         group = self.sync.group
         if self._check:
             self._check_setup(group)
@@ -456,12 +403,9 @@ class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
         """At the first step (of this optimizer, or after :meth:`load_state_dict`), on every rank:
         θ_start ← the model's parameters (``hvd.broadcast_parameters`` may have run after
         construction) unless a checkpoint was loaded, and every rank must start alike: the same
-        θ_start, and after a load, every rank a checkpoint of the same step (one object allgather).
-        Per-rank checkpoints of a mode that communicates once a round can be of different steps: a
-        rank that fails mid-round leaves the others one or more local steps ahead, and resumed so
-        the ranks would average rounds of different steps. Under elastic Horovod the first step
-        of every world runs :meth:`_join_world` instead, and so does a resume at a larger world
-        size from checkpoints saved at a smaller one (:meth:`_resume_resized`).
+        θ_start, and after a load, every rank a checkpoint of the same step (one object allgather;
+        a rank that failed mid-round leaves per-rank checkpoints of different steps). A resume at
+        a larger world size runs :meth:`_resume_resized`.
 
         Raises:
             RuntimeError: on every rank, when the ranks' parameters differ.
@@ -496,21 +440,16 @@ class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
                                     "step: save at a round's end, when opt.round_step == 0, or after "
                                     "torch.distributed.barrier() / hvd.join(), so that no rank saves a step another "
                                     "did not finish)")
-        elif len({e[1] for e in every}) > 1:
-            raise RuntimeError("the ranks start local-update training from different parameters (rank(s) "
-                               f"{[r for r, e in enumerate(every) if e[1] != every[0][1]]} differ from rank 0): "
-                               "broadcast them first, hvd.broadcast_parameters(model.state_dict(), root_rank=0)")
+        else:
+            check_same_start([e[1] for e in every], "local-update training")
 
     def _resume_resized(self, every: List[tuple]) -> None:
-        """A resume from per-rank checkpoints saved at another world size where some ranks have
-        none (the job grew); ``every``: each rank's (loaded, θ_start digest, world size saved at,
-        (steps, round step, rounds)). A new rank has no part in a round in progress, so every rank
-        must start a round alike: the checkpoints are of the same round's end, and a rank without
-        one starts from their θ_start (it loaded rank 0's model). Then, as after a change of world
-        under elastic Horovod (:meth:`_join_world`), every rank takes the outer optimizer's state
-        and the counters from the lowest rank that loaded; each rank's residuals and
-        inner-optimizer state carry over where it loaded them, fresh elsewhere. (A job that
-        shrank needs nothing of this: every rank loaded its own, the round goes on among them.)
+        """A resume from per-rank checkpoints saved at a smaller world size (some ranks have none);
+        ``every``: each rank's (loaded, θ_start digest, world size saved at, (steps, round step,
+        rounds)). The checkpoints must be of the same round's end and a rank without one must
+        hold their θ_start (it loaded rank 0's model); then every rank joins as under elastic
+        Horovod (:meth:`_join_world`), taking the outer state and counters from the lowest rank
+        that loaded.
 
         Raises:
             ValueError: on every rank, naming each rank's checkpoint and the fix, otherwise.
@@ -532,9 +471,11 @@ class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
     def _end_round(self) -> None:
         """Δ, its reduction, the outer step (or the drop of the round), and the restart of every
         rank from θ_start."""
-        with self.timer.phase("outer"):
-            self._compute_delta()
-        record = self._reduce()
+        with self.timer.phase("outer"), torch.no_grad():
+            for n, p in self._params:  # Δ = θ_start − θ_local into the send buffers
+                a = self._anchor[n]
+                torch.sub(a, p.detach().to(a.device, a.dtype), out=self._delta[n])
+        record = {"step": self.steps, "inner_steps": self.round_step, **self._reduce()}
         with self.timer.phase("outer"):
             if record["skipped"]:
                 self._drop_round()
@@ -542,13 +483,7 @@ class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
                 self._outer_step()
             self._restart()
         self._close_round(record)
-
-    @torch.no_grad()
-    def _compute_delta(self) -> None:
-        """Δ = θ_start − θ_local into the send buffers."""
-        for n, p in self._params:
-            a = self._anchor[n]
-            torch.sub(a, p.detach().to(a.device, a.dtype), out=self._delta[n])
+        self.round_step = 0
 
     def _reduce(self) -> Dict[str, Any]:
         """Average Δ over the ranks (the pipeline, in this thread); returns the round's record:
@@ -562,11 +497,15 @@ class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
         record.update({k: v - b for (k, v), b in zip(self._bytes(self.timer).items(), before_b.values())})
         return record
 
+    def _load_carriers(self) -> None:
+        """The send buffers into the ``.grad`` of the tensors the pipeline reduces."""
+        for c, g in zip(self._carriers, self._carrier_grads):
+            c.grad = g
+
     def _run_sync(self) -> bool:
         """The reduction of Δ over the carriers (:meth:`hvdcomp.reducer.Reducer.reduce`); True if
         the ranks skipped the round (a non-finite Δ somewhere)."""
-        for c, g in zip(self._carriers, self._carrier_grads):
-            c.grad = g
+        self._load_carriers()
         return not self.sync.reduce()
 
     @staticmethod
@@ -597,8 +536,7 @@ class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
     def _clear_nonfinite_inner_state(self) -> List[str]:
         """Clear the inner optimizer's whole state of each parameter where some floating-point
         tensor of it holds a NaN or Inf (this rank only; ``torch.optim`` re-creates it at the
-        parameter's next step, as at the start of training). One check per tensor, one host
-        read per device. Returns the names of the parameters cleared (a warning lists them)."""
+        parameter's next step). Returns the names of the parameters cleared (a warning lists them)."""
         checked: Dict[torch.device, List] = {}  # device -> [(position, finite flag)]
         for i, (_, p) in enumerate(self._params):
             for t in (self.inner.state.get(p) or {}).values():
@@ -617,10 +555,10 @@ class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
         return cleared
 
     def _close_round(self, record: Dict[str, Any]) -> None:
+        """Count the round ``record`` describes (dropped where ``skipped``) and keep the record."""
         self.rounds += 1
         self.skipped_rounds += bool(record["skipped"])
-        self._rounds_log.append({"round": self.rounds, "step": self.steps, "inner_steps": self.round_step, **record})
-        self.round_step = 0
+        self._rounds_log.append({"round": self.rounds, **record})
 
     @property
     def history(self) -> List[Dict[str, Any]]:
@@ -661,9 +599,32 @@ class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
                 "outer": {"class": type(self.outer).__name__, **outer}, "compression": self.compression.describe()}
 
     def report(self) -> Dict[str, float]:
-        """Per-round and per-step figures of the rounds so far (:func:`round_report`)."""
-        return round_report(self._rounds_log, self.steps, self.rounds, self.local_steps, self.skipped_rounds, self.timer,
-                            warmup=self._warmup_traffic())
+        """Per-round and per-step figures of the rounds so far: bytes sent / received / dense
+        (their fp32 size) per round and per inner step, seconds per round of each phase of the
+        reduction, of the outer phase, and (CO2) of communication exposed and hidden behind the
+        inner steps; the inner steps' ``compute`` seconds per step where :attr:`timer` recorded
+        steps. Numbers only (same keys on every rank). Bytes of synchronous steps outside the
+        rounds (Local AdaAlter's warm-up) are reported as ``warmup_<key>`` and counted in the
+        per-step figures (and so in ``ratio_vs_dense_per_step``), not in the per-round ones."""
+        history, steps, warmup = self._rounds_log, self.steps, self._warmup_traffic() or {}
+        per, sums = max(1, steps), history.sums()
+        out: Dict[str, float] = {"inner_steps": steps, "rounds": self.rounds, "local_steps": self.local_steps,
+                                 "skipped_rounds": self.skipped_rounds}
+        keys = set(sums) - {"round", "step", "inner_steps"}
+        for k in sorted(keys | set(warmup)):
+            total = sums.get(k, 0.0)
+            out[f"{k}_per_round"] = total / max(1, len(history))
+            out[f"{k}_per_step"] = (total + warmup.get(k, 0)) / per
+        for k, v in warmup.items():
+            out[f"warmup_{k}"] = v
+        # fp32 bytes synchronous training sends per step / these
+        if out.get("bytes_sent_per_step") and "dense_bytes_per_round" in out:
+            out["ratio_vs_dense_per_step"] = out["dense_bytes_per_round"] / out["bytes_sent_per_step"]
+        if self.timer.steps:  # (every step the timer recorded, rolled-up ones included)
+            per_step = self.timer.totals()
+            out["compute_s_per_step"] = per_step.get("compute", 0.0)
+            out["outer_s_per_step"] = per_step.get("outer", 0.0)
+        return out
 
     def _warmup_traffic(self) -> Optional[Dict[str, int]]:
         """Bytes sent and received by synchronous steps outside the rounds (none by default)."""
@@ -676,44 +637,3 @@ class LocalUpdate(Checkpoints, FollowsWorld, LocalOptimizerSurface):
             release(self.sync.compression, self)
             self._closed = True
 
-
-def round_report(history, steps: int, rounds: int, local_steps: int, skipped: int,
-                 timer: PhaseTimer, warmup: Optional[Dict[str, int]] = None) -> Dict[str, float]:
-    """Per-round and per-step figures of the rounds so far: bytes sent / received / dense
-    (their fp32 size) per round and per inner step, seconds per round of each phase of the
-    reduction, of the outer phase, and (CO2) of communication exposed and hidden behind the
-    inner steps; the inner steps' ``compute`` seconds per step where ``timer`` recorded
-    steps. Numbers only (same keys on every rank).
-
-    Args:
-        history: the round records: a :class:`~hvdcomp.metrics.RecordLog` (the optimizer's,
-            whose sums cover rounds already rolled up) or a list of records.
-        steps: inner steps taken (the per-step figures' divisor, warm-up steps included).
-        rounds, local_steps, skipped: the optimizer's counters, copied.
-        timer: the optimizer's :class:`~hvdcomp.metrics.PhaseTimer`.
-        warmup: bytes (``bytes_sent``, ``bytes_received``, ``dense_bytes``) of synchronous steps
-            outside the rounds (Local AdaAlter's warm-up): reported as ``warmup_<key>`` and counted
-            in the per-step figures (and so in ``ratio_vs_dense_per_step``), not in the per-round ones.
-    """
-    if not isinstance(history, RecordLog):
-        log = RecordLog(None)
-        log.replace(history)
-        history = log
-    per, warmup, sums = max(1, steps), warmup or {}, history.sums()
-    out: Dict[str, float] = {"inner_steps": steps, "rounds": rounds, "local_steps": local_steps,
-                             "skipped_rounds": skipped}
-    keys = set(sums) - {"round", "step", "inner_steps"}
-    for k in sorted(keys | set(warmup)):
-        total = sums.get(k, 0.0)
-        out[f"{k}_per_round"] = total / max(1, len(history))
-        out[f"{k}_per_step"] = (total + warmup.get(k, 0)) / per
-    for k, v in warmup.items():
-        out[f"warmup_{k}"] = v
-    # fp32 bytes synchronous training sends per step / these
-    if out.get("bytes_sent_per_step") and "dense_bytes_per_round" in out:
-        out["ratio_vs_dense_per_step"] = out["dense_bytes_per_round"] / out["bytes_sent_per_step"]
-    if timer.steps:  # (every step the timer recorded, rolled-up ones included)
-        per_step = timer.totals()
-        out["compute_s_per_step"] = per_step.get("compute", 0.0)
-        out["outer_s_per_step"] = per_step.get("outer", 0.0)
-    return out

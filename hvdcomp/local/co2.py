@@ -10,49 +10,18 @@ average of round r's pseudo-gradients Δ_r = θ_r − θ_local::
     m ← clamp(m, −φ, φ)                    outer-momentum clipping (elementwise), if φ is given
     θ_{r+1} = θ_r − α·m                     (round 0 ends with nothing to apply: θ_1 = θ_0)
 
-so the update applied when round r + 1 ends is round r's average: the paper's asynchronous form,
-whose point is that the reduction runs hidden behind the next round's inner steps.
+The authors' released library reduces synchronously by default: that is DiLoCo with
+:class:`CO2Momentum` as its outer optimizer; how it differs, and what the delay costs:
+``docs/local-update.md`` ("CO2: what hvdcomp does, and the authors' code", "Staleness").
 
-The authors' released code (``fairscale-CO2``, ``CO2DistributedDataParallel``) has the same outer
-update and hyper-parameters (a constant ``co2_gap_penalty`` λ dividing the pseudo-gradient,
-``co2_clip_threshold`` φ; defaults α = 1, β = 0.5, λ = 1, clipping off, H = ``outer_frequency`` =
-48), but its default path (``outer_momentum_memory_efficient=True``) is not the delayed one: at
-every H-th step ``_global_momentum_step`` reduces the parameters synchronously in the training
-thread (``dist.reduce`` of θ/N to the ranks that own the outer-momentum shards), applies the outer
-step to *this* round's average and broadcasts the result; the communication thread then runs only
-the local-SGD allreduce, which that path skips on those steps. No staleness, no overlap: that is
-DiLoCo with CO2's outer update, ``DiLoCo(inner, names, local_steps=48, outer_optimizer=lambda t:
-CO2Momentum(t, 1.0, 0.5, gap_penalty, clip))`` here (tested against its simulation). hvdcomp's
-``CO2`` keeps the paper's one-round delay because the overlap is CO2's reason to exist; the
-price is measured in ``docs/local-update.md`` ("CO2's one-round delay": on the LSTM at lr 20 the
-delayed update needs λ ≥ 2 to stay stable, and trains worse than DiLoCo with the same H and Δ).
-In their code the clipping's result is discarded (``torch.clamp`` out of place), so it never
-clips; here it clips in place. Unlike that code, the averaging never reduces the live parameters:
-Δ is copied into a separate send buffer first.
-
-How the overlap is done: the round's reduction (the whole hvdcomp pipeline: compression, error
-feedback, collectives, the per-step agreement) runs on a background thread over the send buffers
-only. The training thread, meanwhile, touches only the live parameters and the inner optimizer;
-everything the reduction uses (the send buffers, the method's state, the copies of θ_start)
-is touched by the training thread only after it has joined the thread, at the end of the next
-round, in :meth:`CO2.state_dict` or in :meth:`CO2.flush`. Horovod collectives may be enqueued
-from any thread (its own thread runs them, and waiting releases the GIL); the mpi4py allgather
-runs on its own thread (``MPI_THREAD_MULTIPLE``: import mpi4py before Horovod). A failure on the
-background thread is raised in the training thread at the next join.
-
-Under elastic Horovod no thread of ours issues a collective (Horovod calls the reset callback
-after starting the new world: a thread between two collectives would issue the next into it and
-hang): the training thread starts the round's collectives as Horovod asynchronous operations
-(:meth:`hvdcomp.reducer.Reducer.launch`), Horovod's thread runs them behind the next round, and
-the join finishes them (:meth:`hvdcomp.reducer.Reducer.reduce`); a reset drops them with the round
-(``CO2._resize``). Step-wide methods (PowerSGD) have no asynchronous collectives: they run at the
-join, without overlap.
-
-Timing: time the training thread waits at the join is charged to ``communicate`` on the
-optimizer's timer (``exposed_s`` per round); the rest of the reduction's wall time ran behind the
-inner steps (``hidden_s``; under elastic Horovod the launch counts as exposed, and ``hidden_s`` is
-the time the collectives had behind the inner steps). The reduction's own phases are recorded per
-round (``history``).
+The round's reduction (the whole pipeline) runs on a background thread over the send buffers
+only; the training thread touches only the live parameters and the inner optimizer until it
+joins it (end of the next round, :meth:`CO2.state_dict`, :meth:`CO2.flush`), where a failure on
+the thread is raised. With mpi4py, import it before Horovod (``MPI_THREAD_MULTIPLE``). Under
+elastic Horovod no thread of ours issues a collective: the round's collectives are started as
+Horovod asynchronous operations (:meth:`hvdcomp.reducer.Reducer.launch`) and finished at the join.
+The time waited at the join is charged to ``communicate`` (``exposed_s`` per round), the rest of
+the reduction's wall time ran behind the inner steps (``hidden_s``).
 """
 from __future__ import annotations
 
@@ -173,9 +142,7 @@ class CO2(LocalUpdate):
         self._join()
         with self.timer.phase("outer"):
             self._apply_pending()
-            with torch.no_grad():
-                for n, d in delta.items():  # Δ_r into the send buffers, then θ_local ← θ_{r+1}
-                    self._delta[n].copy_(d)
+            self._stage(delta)  # Δ_r into the send buffers, then θ_local ← θ_{r+1}
             self._restart()
         self._start()
         self.round_step = 0
@@ -193,6 +160,12 @@ class CO2(LocalUpdate):
             else:
                 out[n] = torch.sub(a, p.detach().to(a.device, a.dtype))
         return out
+
+    @torch.no_grad()
+    def _stage(self, delta: Dict[str, torch.Tensor]) -> None:
+        """``delta`` (by parameter name) into the send buffers."""
+        for n, d in delta.items():
+            self._delta[n].copy_(d)
 
     def _apply_pending(self) -> None:
         """The outer step with the joined average, if there is one (none after a dropped round)."""
@@ -212,8 +185,7 @@ class CO2(LocalUpdate):
     def _start(self) -> None:
         """The reduction of the send buffers: on a background thread, or, under elastic Horovod,
         its collectives started from this thread (see the module docstring)."""
-        for c, g in zip(self._carriers, self._carrier_grads):
-            c.grad = g
+        self._load_carriers()
         self._round_timer.begin_step()
         self._inflight = {"inner_steps": self.round_step, "step": self.steps, "t0": time.perf_counter()}
         self._error = None
@@ -269,9 +241,7 @@ class CO2(LocalUpdate):
         rec = self._inflight
         rec.update({"exposed_s": exposed, "hidden_s": max(0.0, rec["wall_s"] - exposed)})
         self.timer.add_bytes(sent=rec["bytes_sent"], received=rec["bytes_received"], dense=rec["dense_bytes"])
-        self.rounds += 1
-        self.skipped_rounds += bool(rec["skipped"])
-        self._rounds_log.append({"round": self.rounds, **rec})
+        self._close_round(rec)
         if rec["skipped"]:
             self._drop_round()
         else:
@@ -287,9 +257,7 @@ class CO2(LocalUpdate):
         with self.timer.phase("outer"):
             self._apply_pending()
         if delta:
-            with torch.no_grad():
-                for n, d in delta.items():
-                    self._delta[n].copy_(d)
+            self._stage(delta)
             self._start()
             self._join()
             with self.timer.phase("outer"):
@@ -312,9 +280,7 @@ class CO2(LocalUpdate):
         super().load_state_dict(state)
         pending = state["pending"]
         self.pending = bool(pending["applies"]) and not bool(pending.get("skipped", False))
-        with torch.no_grad():
-            for n, d in pending["delta"].items():
-                self._delta[n].copy_(d)
+        self._stage(pending["delta"])
 
     def broadcast_state(self, root_rank: int = 0) -> None:
         self._join()

@@ -1,51 +1,20 @@
 """DiLoCo's outer step, and its SparseLoCo variant.
 
 DiLoCo: Douillard, Feng, Rusu, Chhaparia, Donchev, Kuncoro, Ranzato, Szlam and Shen, "DiLoCo:
-Distributed Low-Communication Training of Language Models", 2023. Every rank takes H steps of its
-own inner optimizer (AdamW in the paper), then the pseudo-gradients Δ = θ_start − θ_local are
-averaged and an outer SGD step with Nesterov momentum (lr 0.7, momentum 0.9) moves θ_start
-(:mod:`hvdcomp.local.base` has the round). Here Δ travels through any hvdcomp method, with its
-error feedback (INTELLECT-1's int8 pseudo-gradients, top-k, ...). Outer SGD with lr 1 and no
-momentum is plain parameter averaging (local SGD, FedAvg).
+Distributed Low-Communication Training of Language Models", 2023: H inner steps (AdamW in the
+paper), then an outer SGD step with Nesterov momentum (lr 0.7, momentum 0.9) on the averaged
+pseudo-gradient (:mod:`hvdcomp.local.base` has the round). Outer SGD with lr 1 and no momentum is
+plain parameter averaging (local SGD, FedAvg).
 
 SparseLoCo: Sarfi, Thérien, Lidin and Belilovsky, "Communication Efficient LLM Pre-training with
-SparseLoCo", 2025. No outer momentum; instead each rank keeps an error-feedback accumulator that
-decays::
+SparseLoCo", 2025. No outer momentum; instead a decaying error feedback on Δ::
 
-    e ← β·e + Δ          (the residual of the previous round, decayed, plus this round's Δ)
-    send C(e);  e ← e − C(e)
-    θ_start ← θ_start − α·(the ranks' C(e) combined)
+    e ← β·e + Δ;  send C(e);  e ← e − C(e);  θ_start ← θ_start − α·(the ranks' C(e) combined)
 
-This is :class:`hvdcomp.ErrorFeedback` (residual ``e``, p = Δ + e) with its residuals multiplied
-by β after each applied round (:meth:`hvdcomp.memory.Residuals.rescale`): no second error
-feedback. :class:`hvdcomp.memory.Residuals`' own ``beta`` is another recursion (LoCo's moving
-average, e ← β·e + (1 − β)·(p − C(p))), which would keep only 1 − β of each round's dropped part;
-SparseLoCo's β multiplies the whole accumulator instead.
-
-Two forms (``form=``):
-
-* ``"authors"`` (the default, "SparseLoCo" in the docs): what the authors' released code does
-  with its released 512M configuration (``one-covenant/SparseLoCo``: ``src/tplr/sparseloco.py``
-  and ``hparams/512M/sweeps/sparseloco.yaml``, read as described in
-  :mod:`hvdcomp.compressors.tiles`): C is the top-128 of every 64 × 64 tile of each
-  parameter (``topk:density=0.03125,tile=64``: 128/64²), its values coded at 2 bits by their
-  statistical quantizer, one header per tensor (``values=stat2``), each index averaged over the
-  ranks that sent it (``average=senders``), β = 0.95, α = 1; Δ is carried whole per parameter
-  (``chunk_size=None``) so the tiles follow the parameter's rows and columns; the indices travel
-  in the fewest whole bytes (``index=compact``, a wire detail: the values are theirs). One difference
-  remains, in α only: their optimizer adds α·Δ to the accumulator and then steps by α times the
-  aggregate (α² overall), this form and the paper add Δ and step by α; at their α = 1 the two are
-  the same.
-* ``"flat"`` (hvdcomp's form before the authors' code was read): C is the top-2 % of every
-  consecutive 4096-element chunk of the flattened Δ (``topk:density=0.02``: 82 entries per chunk),
-  values at 2 bits as ±s/3 or ±s with one float32 scale s = max |v| per chunk
-  (``values=int2``), compact indices, the sum over ranks divided by the number of ranks, β = 0.999.
-  Each difference from the authors' form: flat chunks instead of 2-D tiles; 2 % instead of 1/32;
-  symmetric fixed levels from the maximum instead of the data's 4 bin means around the mean;
-  the mean over ranks (an index one rank sent counts the others' zeros: two ranks sending 1.0 at
-  different indices give [0.5, 0.5], the authors' [1, 1]) instead of over senders; β = 0.999
-  instead of 0.95. On the small LSTM (4 ranks, H = 8) it sent 484x fewer bytes per step than
-  fp32 (about 3.3 bytes per kept entry).
+that is :class:`hvdcomp.ErrorFeedback` with its residuals multiplied by β after each applied
+round (:meth:`hvdcomp.memory.Residuals.rescale`). Its two forms (:data:`SPARSELOCO_FORMS`: the
+authors' released code, top-k per 64 × 64 tile at 2 bits averaged over senders; hvdcomp's earlier
+flat chunks) and how each differs from the paper: ``docs/local-update.md`` ("SparseLoCo").
 """
 from __future__ import annotations
 
@@ -138,19 +107,14 @@ class SparseLoCo(LocalUpdate):
         named_parameters: ``model.named_parameters()``.
         local_steps: H ≥ 1 (their released configuration: 15).
         form: ``"authors"`` (default: the authors' released code) or ``"flat"`` (hvdcomp's earlier
-            form); it sets the defaults of the next three arguments.
-        compression: a method with :class:`hvdcomp.ErrorFeedback` (``"authors"``:
-            ``"topk:density=0.03125,tile=64,values=stat2,index=compact,average=senders"``; ``"flat"``:
-            ``"topk:density=0.02,values=int2,index=compact"``).
-        beta: β in [0, 1], the residual's decay per round (``"authors"``: 0.95; ``"flat"``: 0.999;
-            0: no memory).
+            form); it sets the defaults of the next three arguments (:data:`SPARSELOCO_FORMS`).
+        compression: a method with :class:`hvdcomp.ErrorFeedback`.
+        beta: β in [0, 1], the residual's decay per round (0: no memory).
         outer_lr: α > 0 (1.0).
-        chunk_size: elements per chunk of the flattened Δ, or None for whole parameters
-            (``"authors"``: None, the method tiles each parameter; ``"flat"``: 4096).
+        chunk_size: elements per chunk of the flattened Δ, or None for whole parameters.
         **kwargs: as :class:`DiLoCo`.
 
-    A dropped round (non-finite Δ on some rank) leaves the residuals as they were (the decay
-    by β follows each applied round's commit, so e ← β·e + Δ holds over the applied rounds).
+    A dropped round leaves the residuals as they were (the decay by β follows each applied round).
 
     Raises:
         ValueError: an unknown ``form``, ``beta`` not a number in [0, 1], a method without
