@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["NONFINITE_MODES", "StepVerdict", "StepSkipped", "NonFiniteGuard", "check_consistency", "StateAgreement",
+__all__ = ["NONFINITE_MODES", "StepVerdict", "StepSkipped", "NonFiniteGuard", "averaged_verdict", "check_consistency", "StateAgreement",
            "digest", "parameters_digest", "check_same_start"]
 
 NONFINITE_MODES = ("skip", "raise", "ignore")
@@ -408,3 +408,16 @@ class StateAgreement:
             log.info("hvdcomp: compressor state shared from rank %d (per-rank state kept where "
                      "loaded, fresh elsewhere)", root)
         return skipped_steps
+
+
+def averaged_verdict(tensors: Sequence[torch.Tensor], nonfinite: str) -> bool:
+    """Whether a step whose averaged results ``tensors`` (identical on every rank) are finite
+    goes ahead, under ``nonfinite`` (:class:`NonFiniteGuard`; a non-finite
+    averaged value names no rank): True when finite or ``"ignore"``, False (and a warning) to skip.
+
+    Raises:
+        FloatingPointError: ``nonfinite="raise"`` and a non-finite value (on every rank alike).
+    """
+    guard = NonFiniteGuard(nonfinite)
+    guard.observe(tensors, averaged=True)
+    return not guard.agree(lambda mine: [list(mine)], False, 1).skip

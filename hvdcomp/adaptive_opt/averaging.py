@@ -9,27 +9,14 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ..agreement import NonFiniteGuard, check_same_start, parameters_digest
+from ..agreement import averaged_verdict, check_same_start, parameters_digest
 from ..spec import get_compressor
 from ..step import Lifecycle
 
-__all__ = ["Averaging", "ONEBIT_SPEC", "averaged_verdict"]
+__all__ = ["Averaging", "ONEBIT_SPEC"]
 
 #: the compressed allreduce every optimizer of this package uses (1-bit Adam's)
 ONEBIT_SPEC = "twophase:base=efsignsgd"
-
-
-def averaged_verdict(tensors: Sequence[torch.Tensor], nonfinite: str) -> bool:
-    """Whether a step whose averaged results ``tensors`` (identical on every rank) are finite
-    goes ahead, under ``nonfinite`` (:class:`hvdcomp.agreement.NonFiniteGuard`; a non-finite
-    averaged value names no rank): True when finite or ``"ignore"``, False (and a warning) to skip.
-
-    Raises:
-        FloatingPointError: ``nonfinite="raise"`` and a non-finite value (on every rank alike).
-    """
-    guard = NonFiniteGuard(nonfinite)
-    guard.observe(tensors, averaged=True)
-    return not guard.agree(lambda mine: [list(mine)], False, 1).skip
 
 
 class Averaging:

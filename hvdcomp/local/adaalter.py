@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..adaptive_opt.averaging import averaged_verdict
+from ..agreement import averaged_verdict
 from ..checks import check_count, check_real
 from .base import LocalUpdate, optimizer_settings
 from .outer import outer_sgd
