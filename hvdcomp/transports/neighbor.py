@@ -1,32 +1,15 @@
-"""The neighbour transport: each rank's payload to its neighbours in a graph, point to point.
+"""The neighbour transport: each rank's payload to its neighbours in a graph, point to point
+(docs/gossip.md, "Transport and failures").
 
-Decentralized methods (:mod:`hvdcomp.gossip`) exchange only along the edges of a topology, so a
-rank's traffic per step is its degree times its payload, whatever the number of ranks. The
-messages travel over one of three edge layers of the job's process group, never mixing with its
-other collectives: mpi4py on a duplicate of the job's (or the process set's) communicator
-(:class:`MPIEdges`: mpirun, horovodrun), ``torch.distributed`` point-to-point on a gloo group made
-for them (:class:`TorchDistEdges`: torchrun, srun), or Horovod's own alltoall where Horovod runs
-without a usable MPI world (:class:`HorovodEdges`: elastic Horovod, ``horovodrun --gloo``).
-
-Per exchange and edge, one message in the package's one payload codec
-(:func:`hvdcomp.comm.exchange.pack_payload`: an int64 header, the number of tensors, then each
-tensor's dtype and element count, then the tensors' raw bytes). Over MPI the receiver learns its
-size with a matched probe (``Improbe`` + ``Irecv``), so variable-size payloads need no counts
-round; per-edge requests rather than a neighbourhood collective (``Neighbor_alltoallv``) let each
-edge carry its own payload (PowerGossip), follow a time-varying graph without one communicator
-per round, and name a missing neighbour: a wait past ``timeout`` raises
-:class:`NeighborTimeoutError` naming the rank(s) that sent nothing, instead of hanging the job.
-
-As :class:`hvdcomp.comm.allgatherv.MPIAllgatherer` does, the exchange runs on one background thread
-when MPI provides ``MPI_THREAD_MULTIPLE`` (what Horovod asks for), so it proceeds while the next
-forward and backward compute, polling with short sleeps (0.05 ms growing to 1 ms); otherwise
-inside :meth:`NeighborTransport.post`. Exchanges complete in the order they were started. Bytes
-are counted exactly at the wire: a handle's ``bytes_sent`` / ``bytes_received`` are the message
-sizes, header included, summed over its edges.
-
-Cost in the α-β model (:func:`neighbor_terms`): sending m bytes to each of d neighbours through
-one full-duplex interface takes ``d·α + d·m·β`` per exchange: constant in the number of ranks p
-for a fixed degree, against the ring allgather's ``(p−1)·α + (p−1)·m·β``.
+Three edge layers, each on a communicator or group of its own: mpi4py (:class:`MPIEdges`: mpirun,
+horovodrun; matched-probe receives), ``torch.distributed`` on a gloo group (:class:`TorchDistEdges`:
+torchrun, srun) and Horovod's alltoall (:class:`HorovodEdges`: elastic Horovod, ``horovodrun
+--gloo``). One message per exchange and edge, in the package's payload codec
+(:func:`hvdcomp.comm.exchange.pack_payload`); bytes are the message sizes, header included. A wait
+past ``timeout`` raises :class:`NeighborTimeoutError` naming the silent rank(s). The exchange runs
+on a background thread where MPI provides ``MPI_THREAD_MULTIPLE``; exchanges complete in the order
+they were started. Cost (:func:`neighbor_terms`): ``d·α + d·m·β`` per exchange for m bytes to each
+of d neighbours, constant in the number of ranks.
 """
 from __future__ import annotations
 
