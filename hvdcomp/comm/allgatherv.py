@@ -18,21 +18,35 @@ from __future__ import annotations
 
 import abc
 import logging
+import math
 import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, List, Sequence
+from typing import Any, Callable, List, Sequence
 
 import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Allgatherer", "MPIAllgatherer", "HorovodAllgatherer"]
+__all__ = ["Allgatherer", "MPIAllgatherer", "HorovodAllgatherer", "poll"]
 
 COUNT_BYTES = 8  # one int64 element count per payload tensor
 MAX_COUNT = 2**31 - 1  # MPI counts and displacements are C ints
+
+
+def poll(done: Callable[[], bool], deadline: float = math.inf) -> bool:
+    """Call ``done()`` until it is true, sleeping 0.05 ms growing to 1 ms between calls (so a
+    waiting thread leaves the cores to compute), or until ``time.monotonic()`` passes ``deadline``;
+    returns whether it is done."""
+    pause = 5e-5
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(1e-3, pause * 2)
+    return True
 
 
 def plan_rounds(byte_counts: Sequence[int], limit: int = MAX_COUNT) -> List[List[tuple]]:
@@ -202,14 +216,11 @@ class MPIAllgatherer(Allgatherer):
         return self._executor is not None
 
     def _wait(self, request) -> None:
-        """Complete ``request``, sleeping between tests (0.05 ms growing to 1 ms)."""
+        """Complete ``request`` (on the background thread: :func:`poll` its ``Test``)."""
         if self._executor is None:
             request.Wait()
-            return
-        pause = 5e-5
-        while not request.Test():
-            time.sleep(pause)
-            pause = min(1e-3, pause * 2)
+        else:
+            poll(request.Test)
 
     def start(self, payload, name):
         h = _Handle()

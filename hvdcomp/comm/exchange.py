@@ -45,7 +45,41 @@ class PointToPoint(Protocol):
         """Every rank's ``data`` (sizes may differ), in rank order."""
 
 
-class MPIExchange:
+class Messages:
+    """What every byte layer shares (:class:`MPIExchange`, :class:`HorovodExchange`,
+    :class:`hvdcomp.comm.torchdist.TorchDistExchange`): ``bytes_sent`` / ``bytes_received`` (the
+    bytes this rank moved, headers included, docs/architecture.md "One definition of bytes") and
+    the ``nodes`` layout (node id of every rank)."""
+
+    rank = 0
+    nodes: List[int] = []
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether the group holds ranks of more than one node."""
+        return len(set(self.nodes)) > 1
+
+    def _count_reduce(self, data: torch.Tensor) -> torch.Tensor:
+        """Count an in-place reduction of ``data``: n bytes sent and received on every rank."""
+        nbytes = data.numel() * data.element_size()
+        self.bytes_sent += nbytes
+        self.bytes_received += nbytes
+        return data
+
+    def _count_broadcast(self, data: torch.Tensor, root: int) -> torch.Tensor:
+        """Count a broadcast of ``data``: sent at ``root``, received by every rank (its own too)."""
+        nbytes = data.numel() * data.element_size()
+        self.bytes_sent += nbytes if self.rank == root else 0
+        self.bytes_received += nbytes
+        return data
+
+
+def _cut(out: torch.Tensor, counts: Sequence[int]) -> List[torch.Tensor]:
+    """``out`` cut into consecutive pieces of ``counts`` elements (views)."""
+    return list(torch.split(out, [int(c) for c in counts]))
+
+
+class MPIExchange(Messages):
     """:class:`PointToPoint` over an mpi4py communicator (host memory: tensors on a GPU are
     copied to the host and back by the callers' ``.cpu()`` / ``.to(device)``).
 
@@ -77,11 +111,6 @@ class MPIExchange:
             raise ValueError(f"nodes gives {len(nodes)} node ids for a communicator of {self.size} ranks")
         self.nodes = list(nodes) if nodes is not None else node_ids(comm.allgather(MPI.Get_processor_name()))
 
-    @property
-    def spans_nodes(self) -> bool:
-        """Whether the communicator holds ranks of more than one node."""
-        return len(set(self.nodes)) > 1
-
     def allreduce_(self, data: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce ``data`` in place over every rank with one MPI Allreduce; returns it.
 
@@ -96,11 +125,8 @@ class MPIExchange:
         ops = {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN}
         if op not in ops:
             raise ValueError(f"allreduce_ op must be one of {sorted(ops)}, got {op!r}")
-        buf = _host_buffer(data)
-        self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=ops[op])
-        self.bytes_sent += buf.nbytes
-        self.bytes_received += buf.nbytes
-        return data
+        self.comm.Allreduce(self.MPI.IN_PLACE, _host_buffer(data), op=ops[op])
+        return self._count_reduce(data)
 
     def broadcast_(self, data: torch.Tensor, root: int) -> torch.Tensor:
         """Rank ``root``'s ``data`` written into ``data`` on every rank (one MPI Bcast); returns it.
@@ -112,11 +138,8 @@ class MPIExchange:
         Raises:
             ValueError: ``data`` not a contiguous CPU tensor.
         """
-        buf = _host_buffer(data)
-        self.comm.Bcast(buf, root=root)
-        self.bytes_sent += buf.nbytes if self.rank == root else 0
-        self.bytes_received += buf.nbytes
-        return data
+        self.comm.Bcast(_host_buffer(data), root=root)
+        return self._count_broadcast(data, root)
 
     def send(self, data, dest):
         buf = data.cpu().numpy()
@@ -155,8 +178,7 @@ class MPIExchange:
         me = self.rank
         self.bytes_sent += int(counts.sum() - counts[me]) + 8 * (self.size - 1)
         self.bytes_received += int(recv_counts.sum() - recv_counts[me]) + 8 * (self.size - 1)
-        out = torch.from_numpy(rbuf)
-        return [out[int(o):int(o + c)] for o, c in zip(rdis, recv_counts)]
+        return _cut(torch.from_numpy(rbuf), recv_counts)
 
     def allgather(self, data):
         mine = data.cpu().numpy()
@@ -167,11 +189,10 @@ class MPIExchange:
         self.comm.Allgatherv(mine, [rbuf, counts, dis, self.MPI.BYTE])
         self.bytes_sent += mine.nbytes + 8
         self.bytes_received += int(counts.sum() - counts[self.rank]) + 8 * (self.size - 1)
-        out = torch.from_numpy(rbuf)
-        return [out[int(o):int(o + c)] for o, c in zip(dis, counts)]
+        return _cut(torch.from_numpy(rbuf), counts)
 
 
-class HorovodExchange:
+class HorovodExchange(Messages):
     """The all-to-all and allgather of :class:`PointToPoint` through Horovod's own collectives
     (``hvd.alltoall`` with splits, ``hvd.allgather``), for a job whose ranks cannot message
     each other through MPI: elastic Horovod runs on its Gloo controller, and MPI communicators
@@ -216,8 +237,7 @@ class HorovodExchange:
         me = self.rank
         self.bytes_sent += sum(4 + d.numel() for j, d in enumerate(data) if j != me)
         self.bytes_received += sum(4 + c for j, c in enumerate(counts) if j != me)
-        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        return [out[bounds[j]:bounds[j + 1]] for j in range(self.size)]
+        return _cut(out, counts)
 
     def allgather(self, data):
         mine = data.detach().cpu().contiguous().view(torch.uint8).reshape(-1)
@@ -226,8 +246,7 @@ class HorovodExchange:
         out = self.hvd.allgather(mine, name=self._name("allgather"))
         self.bytes_sent += 8 + mine.numel()
         self.bytes_received += sum(8 + c for j, c in enumerate(counts) if j != self.rank)
-        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        return [out[bounds[j]:bounds[j + 1]] for j in range(self.size)]
+        return _cut(out, counts)
 
 
 def _host_buffer(data: torch.Tensor) -> np.ndarray:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .allgatherv import COUNT_BYTES, Allgatherer
-from .exchange import node_ids
+from .exchange import Messages, node_ids
 from .group import ProcessGroup
 from .retain import retain
 
@@ -318,7 +318,7 @@ class TorchDistAllgatherer(Allgatherer):
         return self.group.allgather_ints(values)
 
 
-class TorchDistExchange:
+class TorchDistExchange(Messages):
     """:class:`hvdcomp.comm.exchange.PointToPoint` over ``torch.distributed``: byte messages
     among the ranks of a :class:`TorchDistGroup`, on a gloo process group over the same ranks (host
     memory whatever the devices; callers move tensors with ``.cpu()`` / ``.to(device)``, as for
@@ -349,11 +349,6 @@ class TorchDistExchange:
             nodes = node_ids(TorchDistGroup(self.group).allgather_object(socket.gethostname()))
         self.nodes = list(nodes)
 
-    @property
-    def spans_nodes(self) -> bool:
-        """Whether the group holds ranks of more than one node."""
-        return len(set(self.nodes)) > 1
-
     def allreduce_(self, data: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce the host tensor ``data`` in place over every rank (one ``all_reduce``); bytes
         counted as :meth:`hvdcomp.comm.exchange.MPIExchange.allreduce_` counts them.
@@ -367,10 +362,7 @@ class TorchDistExchange:
         if self.size > 1:
             retain(data)
             self.dist.all_reduce(data, op=ops[op], group=self.group)
-        nbytes = data.numel() * data.element_size()
-        self.bytes_sent += nbytes
-        self.bytes_received += nbytes
-        return data
+        return self._count_reduce(data)
 
     def broadcast_(self, data: torch.Tensor, root: int) -> torch.Tensor:
         """Rank ``root``'s ``data`` written into ``data`` on every rank (one ``broadcast``); bytes
@@ -378,10 +370,7 @@ class TorchDistExchange:
         if self.size > 1:
             retain(data)
             self.dist.broadcast(data, src=self.ranks[root], group=self.group)
-        nbytes = data.numel() * data.element_size()
-        self.bytes_sent += nbytes if self.rank == root else 0
-        self.bytes_received += nbytes
-        return data
+        return self._count_broadcast(data, root)
 
     def _header(self, n: int) -> torch.Tensor:
         return torch.tensor([n], dtype=torch.int64)

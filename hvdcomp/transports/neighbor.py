@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from ..comm.allgatherv import poll
 from ..comm.exchange import pack_payload, unpack_payload
 from .base import Transport
 
@@ -518,13 +519,8 @@ class NeighborTransport(Transport):
         """
         mine = np.asarray(list(values), dtype=np.int64)
         done, out = self.edges.iallgather_ints(mine)
-        deadline = time.monotonic() + self.timeout
-        pause = 5e-5
-        while not done():
-            if time.monotonic() > deadline:
-                raise CollectiveTimeoutError(self.rank, self.size, self.timeout, what)
-            time.sleep(pause)
-            pause = min(1e-3, pause * 2)
+        if not poll(done, time.monotonic() + self.timeout):
+            raise CollectiveTimeoutError(self.rank, self.size, self.timeout, what)
         return out.tolist()
 
     def close(self) -> None:
