@@ -27,33 +27,10 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CostModel", "measure_cost_model", "fit_alpha_beta", "ring_terms", "collective_terms",
-           "COLLECTIVES"]
+__all__ = ["CostModel", "measure_cost_model", "fit_alpha_beta", "collective_terms", "COLLECTIVES"]
 
 #: Collectives :func:`collective_terms` models (the ring ones, and those of the scale-out transports).
 COLLECTIVES = ("allreduce", "allgather", "sparse-allreduce", "broadcast", "alltoall")
-
-
-def ring_terms(kind: str, p: int, nbytes: float) -> Tuple[float, float]:
-    """``(latency terms, byte terms)`` of one ring collective on ``p`` ranks: its time is
-    ``latency_terms·α + byte_terms·β``.
-
-    Args:
-        kind: ``"allreduce"`` (``nbytes`` = the tensor) or ``"allgather"`` (``nbytes`` = one
-            rank's contribution).
-        p: number of ranks; one rank costs nothing.
-        nbytes: bytes.
-
-    Raises:
-        ValueError: unknown ``kind``.
-    """
-    if kind not in ("allreduce", "allgather"):
-        raise ValueError(f"kind must be 'allreduce' or 'allgather', got {kind!r}")
-    if p <= 1:
-        return 0.0, 0.0
-    if kind == "allgather":
-        return p - 1, (p - 1) * nbytes
-    return 2 * (p - 1), 2 * (p - 1) / p * nbytes
 
 
 def collective_terms(kind: str, p: int, nbytes: float) -> Tuple[float, float]:
@@ -63,7 +40,8 @@ def collective_terms(kind: str, p: int, nbytes: float) -> Tuple[float, float]:
     Args:
         kind: one of :data:`COLLECTIVES`:
 
-            * ``"allreduce"``, ``"allgather"``: the rings of :func:`ring_terms`;
+            * ``"allreduce"`` (``nbytes``: the tensor), ``"allgather"`` (``nbytes``: one rank's
+              contribution): the rings of the module docstring;
             * ``"sparse-allreduce"``: gTop-k's recursive doubling
               (:func:`hvdcomp.comm.sparse_allreduce.global_topk`), ``nbytes`` = one rank's k
               entries: log2(q) exchanges of ``nbytes`` (q: the largest power of two ≤ p), plus,
@@ -78,12 +56,14 @@ def collective_terms(kind: str, p: int, nbytes: float) -> Tuple[float, float]:
     Raises:
         ValueError: unknown ``kind``.
     """
-    if kind in ("allreduce", "allgather"):
-        return ring_terms(kind, p, nbytes)
     if kind not in COLLECTIVES:
         raise ValueError(f"kind must be one of {COLLECTIVES}, got {kind!r}")
     if p <= 1:
         return 0.0, 0.0
+    if kind == "allgather":
+        return p - 1, (p - 1) * nbytes
+    if kind == "allreduce":
+        return 2 * (p - 1), 2 * (p - 1) / p * nbytes
     if kind == "sparse-allreduce":
         q = 1 << (int(p).bit_length() - 1)
         rounds, fold = q.bit_length() - 1, q != p
@@ -197,7 +177,7 @@ def measure_cost_model(gather, size: int, sizes: Sequence[int] = (8, 65536, 2621
             t0 = time.perf_counter()
             gather(nbytes)
             best = min(best, time.perf_counter() - t0)
-        samples.append((*ring_terms("allgather", size, nbytes), best))
+        samples.append((*collective_terms("allgather", size, nbytes), best))
     model = fit_alpha_beta(samples)
     values = np.array([model.alpha, model.beta], dtype=np.float64)
     if agree is not None:

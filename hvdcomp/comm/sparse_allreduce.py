@@ -30,8 +30,7 @@ import torch
 
 from .exchange import PointToPoint, SubGroup
 
-__all__ = ["global_topk", "hierarchical_topk", "merge_entries", "select_largest", "wire_bytes",
-           "expected_rounds"]
+__all__ = ["global_topk", "hierarchical_topk", "merge_entries", "select_largest", "wire_bytes"]
 
 
 def wire_bytes(index_dtype: torch.dtype, value_dtype: torch.dtype) -> int:
@@ -135,12 +134,6 @@ def global_topk(indices: torch.Tensor, values: torch.Tensor, k: int, p2p: PointT
         p2p.send(_pack(*cur), extra)
         p2p.send(chain.contiguous().view(torch.uint8), extra)
     return cur[0], cur[1], mine[torch.isin(mine, chain)]
-
-
-def expected_rounds(size: int) -> Tuple[int, bool]:
-    """(pairwise rounds, whether a fold round is needed) of :func:`global_topk` at ``size`` ranks."""
-    q = 1 << (max(1, size).bit_length() - 1)
-    return q.bit_length() - 1, q != size
 
 
 def hierarchical_topk(indices: torch.Tensor, values: torch.Tensor, k: int, p2p: PointToPoint,

@@ -1,19 +1,10 @@
-"""The ranks of a ``torch.distributed`` process group and the collectives hvdcomp runs among them
-(gloo on CPU, NCCL on CUDA; no Horovod, no MPI): the :class:`~hvdcomp.comm.group.ProcessGroup`
-of jobs launched by torchrun or srun.
-
-:class:`TorchDistGroup` is to ``torch.distributed`` what :class:`hvdcomp.comm.group.HorovodGroup`
-is to a Horovod process set. Collectives are matched by issue order, so every member issues them
-in the same order (``ordered``: the transports launch in a fixed order). An average rounds as
-PyTorch's own code does: an in-place allreduce (a gradient reduced where it lies, as DDP reduces a
-bucket) divides by the size first, then sums; an allreduce into a new tensor (a payload) sums,
-then scales (Horovod's ``op=Average``). :class:`TorchDistAllgatherer` is the variable-size
-allgather of payloads and :class:`TorchDistExchange` a
-:class:`~hvdcomp.comm.exchange.PointToPoint` over it.
+"""The :class:`~hvdcomp.comm.group.ProcessGroup` of a ``torch.distributed`` process group (gloo on
+CPU, NCCL on CUDA; torchrun or srun; no Horovod, no MPI): :class:`TorchDistGroup`, its
+variable-size allgather of payloads (:class:`TorchDistAllgatherer`) and its byte messages
+(:class:`TorchDistExchange`). Collectives match by issue order (``ordered``).
 """
 from __future__ import annotations
 
-import pickle
 import socket
 from typing import Any, List, Optional, Sequence
 
@@ -23,7 +14,7 @@ import torch.distributed as dist
 
 from .allgatherv import COUNT_BYTES, Allgatherer
 from .exchange import Messages, node_ids
-from .group import ProcessGroup
+from .group import ProcessGroup, pickled, unpickled
 from .retain import retain
 
 __all__ = ["TorchDistGroup", "TorchDistAllgatherer", "TorchDistExchange"]
@@ -40,7 +31,9 @@ class _Reduction:
 
 
 class TorchDistGroup(ProcessGroup):
-    """The ranks a DDP model averages over, and the collectives hvdcomp runs among them.
+    """The ranks a DDP model averages over, and the collectives hvdcomp runs among them. An
+    in-place average divides by the size first, then sums (as DDP reduces a bucket); an average
+    into a new tensor sums, then scales (as Horovod's ``op=Average``).
 
     Args:
         process_group: a ``torch.distributed`` process group (the default group when None),
@@ -154,30 +147,29 @@ class TorchDistGroup(ProcessGroup):
         return every.view(self.size, -1).tolist()
 
     def allgather_object(self, obj: Any, name: Optional[str] = None) -> List[Any]:
-        """Every rank's ``obj`` (picklable), in rank order (``name``: unused, collectives of one
-        group run in issue order): its pickle's size, then the pickles padded to the longest, over
-        this group's own (retained) gathers, not ``torch.distributed.all_gather_object``, whose
-        tensors gloo's worker may free while the interpreter finalizes (:mod:`hvdcomp.comm.retain`)."""
+        """Every rank's ``obj`` (picklable), in rank order (``name`` unused): the pickles' sizes,
+        then the pickles padded to the longest, over this group's retained gathers
+        (:mod:`hvdcomp.comm.retain` says why not ``torch.distributed.all_gather_object``)."""
         if self.size == 1:
             return [obj]
-        mine = _pickled(obj)
+        mine = pickled(obj)
         sizes = [n for n, in self.allgather_ints([mine.numel()])]
         row = torch.zeros(max(sizes), dtype=torch.uint8)
         row[:mine.numel()] = mine
         every = torch.empty(self.size * row.numel(), dtype=torch.uint8, device=self.device)
         self.all_gather_into_async(every, row.to(self.device)).wait()
         rows = every.cpu().view(self.size, -1)
-        return [_unpickled(rows[r, :n]) for r, n in enumerate(sizes)]
+        return [unpickled(rows[r, :n]) for r, n in enumerate(sizes)]
 
     def broadcast_object(self, obj: Any, root: int, name: Optional[str] = None) -> Any:
         """``obj`` of the member whose group rank is ``root``, on every member (its pickle's
         size, then the pickle, over :meth:`broadcast`)."""
         if self.size == 1:
             return obj
-        mine = _pickled(obj) if self.rank == root else torch.zeros(0, dtype=torch.uint8)
+        mine = pickled(obj) if self.rank == root else torch.zeros(0, dtype=torch.uint8)
         n = int(self.broadcast(torch.tensor([mine.numel()], device=self.device), root)[0])
         data = torch.zeros(n, dtype=torch.uint8) if self.rank != root else mine
-        return _unpickled(self.broadcast(data.to(self.device), root).cpu())
+        return unpickled(self.broadcast(data.to(self.device), root).cpu())
 
     def broadcast(self, tensor: torch.Tensor, root: int, name: Optional[str] = None) -> torch.Tensor:
         """The ``tensor`` of the member whose group rank is ``root`` (same shape and dtype on
@@ -187,13 +179,6 @@ class TorchDistGroup(ProcessGroup):
             retain(out)
             self.dist.broadcast(out, src=self.ranks[root], group=self.process_group)
         return out
-
-def _pickled(obj: Any) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-
-
-def _unpickled(data: torch.Tensor) -> Any:
-    return pickle.loads(data.numpy().tobytes())
 
 
 _ALIGN = 8  # bytes: each payload tensor starts at a multiple of 8 in a gathered row (views any dtype)
