@@ -389,7 +389,6 @@ def abort_on_uncaught_exception(environ=None) -> bool:
             traceback.print_exception(args.exc_type, args.exc_value, args.exc_traceback)
         _end_job(info)
 
-    hook._hvdcomp = thread_hook._hvdcomp = True  # type: ignore[attr-defined]
     sys.excepthook, threading.excepthook = hook, thread_hook
     _abort_hook = hook
     return True

@@ -107,7 +107,7 @@ def make_allgatherer(prefer: str = "auto", group=None, prefix: str = "hvdcomp") 
     if prefer not in ("auto", "mpi4py", "hierarchical", "horovod"):
         raise ValueError(f"allgather transport must be auto, mpi4py, hierarchical or horovod, got {prefer!r}")
     if prefer == "horovod":
-        return HorovodAllgatherer(group.process_set, prefix)
+        return HorovodAllgatherer(group, prefix)
     if hvd.mpi_enabled():
         try:
             _warn_if_mpi4py_after_horovod(hvd)
@@ -127,7 +127,7 @@ def make_allgatherer(prefer: str = "auto", group=None, prefix: str = "hvdcomp") 
         raise RuntimeError(f"the {prefer} allgather path is unusable: {reason}. Launch with mpirun or "
                            "horovodrun --mpi, or use allgather='horovod'.")
     log.info("hvdcomp: sparse payloads use Horovod allgather: %s", reason)
-    return HorovodAllgatherer(group.process_set, prefix)
+    return HorovodAllgatherer(group, prefix)
 
 
 _warned_import_order = False

@@ -108,16 +108,15 @@ def _split(buf: torch.Tensor, counts: np.ndarray, dtypes, device) -> List[List[t
     """
     buf = buf.to(device)
     out, pos = [], 0
-    sizes = [torch.empty((), dtype=dt).element_size() for dt in dtypes]
     for r in range(counts.shape[0]):
         payload = []
-        for c, dt, itemsize in zip(counts[r], dtypes, sizes):
-            nbytes = int(c) * itemsize
+        for c, dt in zip(counts[r], dtypes):
+            nbytes = int(c) * dt.itemsize
             piece = buf[pos:pos + nbytes]
             if nbytes == 0:  # an empty slice may have a stride a dtype view refuses
                 payload.append(torch.empty(0, dtype=dt, device=buf.device))
                 continue
-            if pos % itemsize:  # a dtype view needs an aligned offset
+            if pos % dt.itemsize:  # a dtype view needs an aligned offset
                 piece = piece.clone()
             payload.append(piece.view(dt))
             pos += nbytes
@@ -249,27 +248,36 @@ class MPIAllgatherer(Allgatherer):
             raise
 
     def _exchange(self, h, counts) -> None:
-        MPI = self.MPI
         if h.ready is not None:
             h.ready.synchronize()
+        h.counts = self._gather_counts(counts)
+        byte_counts = (h.counts * np.array([d.itemsize for d in h.dtypes], dtype=np.int64)).sum(axis=1)
+        h.recv = self._gather_bytes(h, byte_counts.tolist())
+        h.bytes_received = h.counts.size * COUNT_BYTES + h.recv.nbytes
+
+    def _gather_counts(self, counts: np.ndarray) -> np.ndarray:
+        """Every rank's int64 ``counts`` (the same size on every rank), one row per rank."""
         all_counts = np.empty((self.size, counts.size), dtype=np.int64)
         self._wait(self.comm.Iallgather(counts, all_counts))
-        itemsize = np.array([torch.empty((), dtype=d).element_size() for d in h.dtypes], dtype=np.int64)
-        byte_counts = (all_counts * itemsize).sum(axis=1)
-        h.recv = np.empty(int(byte_counts.sum()), dtype=np.uint8)
-        rounds = plan_rounds(byte_counts.tolist(), self.max_count)
+        return all_counts
+
+    def _gather_bytes(self, h, byte_counts: List[int]) -> np.ndarray:
+        """Every rank's ``h.send`` (``byte_counts[r]`` bytes from rank r), in rank order, in
+        :func:`plan_rounds`' rounds."""
+        MPI = self.MPI
+        recv = np.empty(sum(byte_counts), dtype=np.uint8)
+        rounds = plan_rounds(byte_counts, self.max_count)
         for rnd in rounds:  # one round unless the total overflows a C int
             cnts = [c for _, c, _ in rnd]
             offsets = np.concatenate([[0], np.cumsum(cnts)[:-1]]).astype(np.int64).tolist()
             src, mine, _ = rnd[self.comm.Get_rank()]
             single = len(rounds) == 1
-            tmp = h.recv if single else np.empty(sum(cnts), dtype=np.uint8)
+            tmp = recv if single else np.empty(sum(cnts), dtype=np.uint8)
             self._wait(self.comm.Iallgatherv(h.send[src:src + mine], [tmp, cnts, offsets, MPI.BYTE]))
             if not single:
                 for (_, c, dst), off in zip(rnd, offsets):
-                    h.recv[dst:dst + c] = tmp[off:off + c]
-        h.counts = all_counts
-        h.bytes_received = all_counts.size * COUNT_BYTES + h.recv.nbytes
+                    recv[dst:dst + c] = tmp[off:off + c]
+        return recv
 
     def finish(self, h):
         if h.future is not None:
@@ -311,15 +319,17 @@ class HorovodAllgatherer(Allgatherer):
     """Horovod path (no MPI, e.g. ``horovodrun --gloo``): ``hvd.allgather_async`` of counts and
     bytes; Horovod's own background thread moves them, so this overlaps with backward too. Its
     fixed collectives are named ``prefix.probe``, ``prefix.ints``, ``prefix.agree``: one object's
-    (:func:`hvdcomp.comm.group.instance_prefix`), since two objects' may run at once."""
+    (:func:`hvdcomp.comm.group.instance_prefix`), since two objects' may run at once.
+
+    Args:
+        group: the :class:`~hvdcomp.comm.group.HorovodGroup` the payloads travel in.
+        prefix: names the fixed collectives.
+    """
 
     kind = "horovod"
 
-    def __init__(self, process_set=None, prefix: str = "hvdcomp"):
-        import horovod.torch as hvd
-
-        self.hvd, self.prefix = hvd, prefix
-        self.process_set = hvd.global_process_set if process_set is None else process_set
+    def __init__(self, group, prefix: str = "hvdcomp"):
+        self.group, self.hvd, self.process_set, self.prefix = group, group.hvd, group.process_set, prefix
 
     def start(self, payload, name):
         hvd = self.hvd
@@ -346,13 +356,10 @@ class HorovodAllgatherer(Allgatherer):
                            process_set=self.process_set)
 
     def allgather_ints(self, values):
-        """Every rank's ``values`` by ``hvd.allgather``, in rank order."""
-        mine = torch.tensor([list(values)], dtype=torch.int64)
-        return self.hvd.allgather(mine, name=f"{self.prefix}.ints", process_set=self.process_set).tolist()
+        """Every rank's ``values`` (:meth:`~hvdcomp.comm.group.HorovodGroup.allgather_ints`)."""
+        return self.group.allgather_ints(values, f"{self.prefix}.ints")
 
     def agree(self, values):
-        """Rank 0's ``values`` on every rank, by ``hvd.broadcast``."""
+        """Rank 0's ``values`` on every rank, by the group's broadcast."""
         t = torch.as_tensor(np.asarray(values, dtype=np.float64))
-        root = self.process_set.ranks[0] if self.process_set.ranks else 0
-        return self.hvd.broadcast(t, root_rank=root, name=f"{self.prefix}.agree",
-                                  process_set=self.process_set).numpy()
+        return self.group.broadcast(t, 0, f"{self.prefix}.agree").numpy()

@@ -316,7 +316,7 @@ def unpack_payload(data: torch.Tensor, device=None) -> List[torch.Tensor]:
     pos, out = 8 + 16 * count, []
     for j in range(count):
         dtype, numel = _DTYPES[header[2 * j]], header[2 * j + 1]
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         out.append(data[pos:pos + nbytes].clone().view(dtype).to(device or data.device))
         pos += nbytes
     return out

@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import numpy as np
-import torch
 
 from .allgatherv import COUNT_BYTES, MPIAllgatherer
 from .exchange import node_ids
@@ -95,31 +94,21 @@ class HierarchicalAllgatherer(MPIAllgatherer):
             self._wait(self.node.Ibcast(out, root=0))
         return out
 
-    def _exchange(self, h, counts) -> None:
-        if h.ready is not None:
-            h.ready.synchronize()
-        t = counts.size
-        header = self._gather_all(counts.view(np.uint8), [t * COUNT_BYTES] * self.size)
-        all_counts = header.view(np.int64).reshape(self.size, t).copy()
-        itemsize = np.array([_itemsize(d) for d in h.dtypes], dtype=np.int64)
-        byte_counts = (all_counts * itemsize).sum(axis=1)
-        if int(byte_counts.sum()) > self.max_count:  # past a C int: the flat path's rounds
-            h.recv = np.empty(int(byte_counts.sum()), dtype=np.uint8)
-            super()._exchange(h, counts)
-            return
-        h.recv = self._gather_all(h.send, byte_counts.tolist())
-        h.counts = all_counts
-        h.bytes_received = all_counts.size * COUNT_BYTES + h.recv.nbytes
+    def _gather_counts(self, counts):
+        header = self._gather_all(counts.view(np.uint8), [counts.size * COUNT_BYTES] * self.size)
+        return header.view(np.int64).reshape(self.size, counts.size).copy()
+
+    def _gather_bytes(self, h, byte_counts):
+        if sum(byte_counts) > self.max_count:  # past a C int: the flat path's rounds
+            return super()._gather_bytes(h, byte_counts)
+        recv = self._gather_all(h.send, byte_counts)
         if self.is_leader:  # instead of its own payload: its node's bundle, to the other leaders,
             # and (a node of several ranks) the whole result, to its node's ranks
-            node_bytes = sum(int(byte_counts[r]) for r in self.members[self.my_node])
-            h.bytes_sent += node_bytes - h.send.nbytes + (h.recv.nbytes if self.node.Get_size() > 1 else 0)
+            node_bytes = sum(byte_counts[r] for r in self.members[self.my_node])
+            h.bytes_sent += node_bytes - h.send.nbytes + (recv.nbytes if self.node.Get_size() > 1 else 0)
+        return recv
 
     def probe(self, nbytes):
         """Blocking hierarchical allgather of ``nbytes`` zero bytes per rank (cost-model timing)."""
         self._gather_all(np.zeros(int(nbytes), dtype=np.uint8), [int(nbytes)] * self.size)
-
-
-def _itemsize(dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 

@@ -35,7 +35,7 @@ __all__ = ["global_topk", "hierarchical_topk", "merge_entries", "select_largest"
 
 def wire_bytes(index_dtype: torch.dtype, value_dtype: torch.dtype) -> int:
     """Bytes one entry takes on the wire (its index plus its value)."""
-    return torch.empty((), dtype=index_dtype).element_size() + torch.empty((), dtype=value_dtype).element_size()
+    return index_dtype.itemsize + value_dtype.itemsize
 
 
 def _pack(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -45,9 +45,8 @@ def _pack(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 def _unpack(data: torch.Tensor, index_dtype, value_dtype, device) -> Tuple[torch.Tensor, torch.Tensor]:
     data = data.to(device)
-    isz = torch.empty((), dtype=index_dtype).element_size()
     n = data.numel() // wire_bytes(index_dtype, value_dtype)
-    return data[:n * isz].view(index_dtype), data[n * isz:].view(value_dtype)
+    return data[:n * index_dtype.itemsize].view(index_dtype), data[n * index_dtype.itemsize:].view(value_dtype)
 
 
 def merge_entries(first: Tuple[torch.Tensor, torch.Tensor],

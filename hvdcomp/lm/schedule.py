@@ -60,7 +60,6 @@ class PlateauSchedule:
                 raise ValueError(f"{key} must be an integer >= 0, got {val!r}")
         if not 0.0 <= min_improvement < 1.0:
             raise ValueError(f"min_improvement must be in [0, 1), got {min_improvement}")
-        self.peak_lr = float(lr)
         self.anneal, self.anneal_patience, self.early_stop = float(anneal), anneal_patience, early_stop
         self.warmup_steps, self.min_improvement = warmup_steps, float(min_improvement)
         self.min_epochs = min_epochs
