@@ -1,17 +1,11 @@
 """Per-step instrumentation: phase timers (seconds), bytes on the wire, results JSON.
 
-Phases are timed *exclusively*: when a phase starts inside another (compression inside a
-backward hook, inside the ``compute`` phase), the outer clock pauses, so the phases of a step add
-up to its wall time and ``compute`` is forward+backward without the hook work.
-
-Standard phase names: ``compute`` (forward + backward), ``compress``, ``communicate`` (time this
-rank spends in, or waiting for, collectives), ``decompress`` (decode and aggregation).
-
-Under a profiler every phase is also a labelled range, ``hvdcomp.<phase>`` (e.g.
-``hvdcomp.compress``), so the compression phases of both front-ends show up in
-``torch.profiler`` traces and, under ``torch.autograd.profiler.emit_nvtx()``, as NVTX ranges in
-Nsight Systems. Without a profiler running this costs one check per phase boundary (about
-0.1 µs), not a range.
+Phases are timed *exclusively*: a phase started inside another (compression inside a backward
+hook, inside ``compute``) pauses the outer clock, so the phases of a step add up to its wall time.
+Standard phases: ``compute`` (forward + backward), ``compress``, ``communicate`` (in, or waiting
+for, collectives), ``decompress`` (decode and aggregation). Under a profiler each phase is also a
+range ``hvdcomp.<phase>`` (``torch.profiler``; NVTX under ``emit_nvtx()``); without one, a phase
+boundary costs one check.
 """
 from __future__ import annotations
 

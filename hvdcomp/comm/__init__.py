@@ -134,11 +134,8 @@ _warned_import_order = False
 
 
 def _warn_if_mpi4py_after_horovod(hvd) -> None:
-    """Log once when mpi4py is first imported after ``hvd.init()`` started MPI: then Horovod's
-    background thread initialised MPI, and mpi4py's collectives from the training thread crashed
-    here (SIGSEGV in ``MPI_Bcast`` while the optimizer was built: 5 of 24 runs of a 2-rank
-    ``mpirun``; 0 of 14 with mpi4py imported first, Open MPI 4.1, Horovod 0.28.1). The fix is the
-    order the README's template uses: ``from mpi4py import MPI`` before ``import horovod.torch``."""
+    """Log once when mpi4py is first imported after ``hvd.init()`` started MPI, an order that has
+    crashed Open MPI (docs/troubleshooting.md: import mpi4py before ``horovod.torch``)."""
     global _warned_import_order
     import sys
 

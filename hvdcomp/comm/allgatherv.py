@@ -1,18 +1,9 @@
-"""Variable-size allgather of payloads (lists of 1-D tensors), rank by rank.
-
-Two implementations share one protocol:
-
-1. counts (the header): every rank contributes the element count of each payload tensor
-   (int64), gathered on all ranks (a rank may send zero elements);
-2. data: the payload tensors of a rank are laid end to end as raw bytes and moved with one
-   variable-size allgather (no padding to the largest rank); receivers cut the buffer by the
-   counts and view each piece in its dtype.
-
-The optimizer calls this once per *bucket* (the payloads of several gradients together).
-:class:`MPIAllgatherer` uses mpi4py on a duplicate of ``MPI.COMM_WORLD`` (so its messages never
-mix with Horovod's), on a background thread. Where MPI is not the launcher
-(``horovodrun --gloo``), :class:`HorovodAllgatherer` uses ``hvd.allgather_async``. CUDA payloads
-are staged through host memory with one copy per call and come back on the payload's device.
+"""Variable-size allgather of payloads (lists of 1-D tensors), rank by rank: every rank's
+int64 element count per tensor (the header), then every rank's tensors' raw bytes end to end in
+one variable-size allgather (no padding), cut by the counts and viewed in their dtypes. Once per
+bucket: :class:`MPIAllgatherer` (mpi4py on a duplicate communicator, on a background thread) or
+:class:`HorovodAllgatherer` (``hvd.allgather_async``, no MPI); CUDA payloads are staged through
+host memory, one copy per call (docs/transports.md, "Buckets" and "The message layers").
 """
 from __future__ import annotations
 
@@ -166,19 +157,12 @@ class _Handle:
 
 
 class MPIAllgatherer(Allgatherer):
-    """mpi4py path: per call, one ``Allgather`` of the per-tensor element counts (the header),
-    then one ``Allgatherv`` of all the payload bytes, on a duplicate of ``COMM_WORLD``.
-
-    With ``MPI_THREAD_MULTIPLE`` (what Horovod asks for) the exchange runs on one background
-    thread, so it proceeds while backward computes (Open MPI moves non-blocking collectives
-    only inside MPI calls, so a request left alone until ``finish`` would not overlap). The
-    thread waits by polling ``Test`` with short sleeps rather than spinning, so it does not steal
-    the cores that compute needs. Calls must be made in the same order on every rank; the
-    thread keeps that order. Without ``MPI_THREAD_MULTIPLE`` the exchange runs in ``start``.
-
-    A failure on the background thread (an MPI error, memory exhausted) would leave the other
-    ranks waiting forever in the collective, so it prints the traceback and aborts the whole job
-    (``MPI_Abort``): every rank ends within seconds.
+    """mpi4py path: per call, one ``Allgather`` of the per-tensor element counts, then one
+    ``Allgatherv`` of the payload bytes, on a duplicate of ``comm``. With ``MPI_THREAD_MULTIPLE``
+    the exchange runs on one background thread (:func:`poll`; calls in the same order on every
+    rank), else in ``start``; a failure on that thread prints the traceback and aborts the job
+    (``MPI_Abort``) rather than leave the other ranks waiting (docs/transports.md, "The message
+    layers").
 
     Args:
         comm: communicator to duplicate (``MPI.COMM_WORLD`` by default; a process set's
@@ -307,9 +291,7 @@ class MPIAllgatherer(Allgatherer):
 
     def close(self):
         """Stop the background thread (waits for queued exchanges); idempotent. The duplicated
-        communicator is left to ``MPI_Finalize``: freeing a communicator that carried
-        non-blocking collectives while Horovod's thread drives MPI progress crashed Open MPI
-        4.1.4 (segmentation fault inside ``MPI_Comm_free``, in about half the runs)."""
+        communicator is left to ``MPI_Finalize`` (docs/transports.md, "The message layers")."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

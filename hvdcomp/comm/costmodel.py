@@ -1,19 +1,12 @@
 """α-β (latency-bandwidth) cost model of the collectives, used to route each gradient.
 
-Hockney's model: sending m bytes between two ranks costs ``α + m·β`` seconds (α: latency in
-seconds, β: inverse bandwidth in seconds per byte). With the bandwidth-optimal ring algorithms
+Hockney's model: m bytes between two ranks cost ``α + m·β`` seconds. With the ring algorithms
 (Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in MPICH",
-IJHPCA 2005), on p ranks:
-
-* allreduce of n bytes:          ``2(p-1)·α + 2(p-1)/p · n·β``
-* allgather of m bytes per rank: ``(p-1)·α + (p-1)·m·β``  (hvdcomp adds one counts exchange,
-  another ``(p-1)·α``, to learn the sizes)
-
-A sparse payload of m bytes per rank therefore beats allreducing the dense tensor (n bytes) only
-while ``(p-1)·m < 2(p-1)/p·n``, i.e. while ``m/n < 2/p``: for top-k with 8 bytes per kept element
-and 4 per dense element, while the density is below ``1/p``. Past that point the gradient is
-better decoded locally and averaged by allreduce (same result, see
-:attr:`hvdcomp.Compressor.aggregate_is_mean`).
+IJHPCA 2005), on p ranks an allreduce of n bytes costs ``2(p-1)·α + 2(p-1)/p·n·β`` and an allgather
+of m bytes per rank ``(p-1)·α + (p-1)·m·β`` (hvdcomp adds a counts exchange, ``(p-1)·α``). A
+sparse payload beats allreducing the dense tensor only while ``m/n < 2/p`` (top-k with 8-byte
+entries: density below ``1/p``); past that the gradient is decoded locally and allreduced (same
+result, :attr:`hvdcomp.Compressor.aggregate_is_mean`).
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Byte messages among the ranks of an mpi4py communicator: point to point, all-to-all,
-allgather, and the in-place reductions and broadcasts of dense buffers.
-
-The scale-out transports (:mod:`hvdcomp.comm.sparse_allreduce`, the compressed allreduce of
-:mod:`hvdcomp.transports.twophase`) move variable-size byte messages; AB-training
-(:mod:`hvdcomp.lowrank`) reduces and broadcasts packed fp32 buffers. This module is their one
-mpi4py layer and its byte counters; the :class:`PointToPoint` protocol is what the transports need
-(tests run them on simulated ranks in threads, ``tests/simworld.py``). Payloads of several
-tensors travel as one message with :func:`pack_payload` / :func:`unpack_payload`.
+"""Byte messages among ranks (:class:`PointToPoint`: point to point, all-to-all, allgather) over
+mpi4py (:class:`MPIExchange`, also the in-place reductions and broadcasts of AB-training's packed
+buffers) or Horovod's collectives (:class:`HorovodExchange`), with their byte counters
+(:class:`Messages`); and the package's one payload codec, :func:`pack_payload` /
+:func:`unpack_payload` (several tensors as one message).
 """
 from __future__ import annotations
 
@@ -193,11 +189,10 @@ class MPIExchange(Messages):
 
 
 class HorovodExchange(Messages):
-    """The all-to-all and allgather of :class:`PointToPoint` through Horovod's own collectives
-    (``hvd.alltoall`` with splits, ``hvd.allgather``), for a job whose ranks cannot message
-    each other through MPI: elastic Horovod runs on its Gloo controller, and MPI communicators
-    would not survive its reset anyway. Collectives only: ``send``, ``recv`` and ``sendrecv``
-    raise. Making one runs no collective.
+    """The all-to-all and allgather of :class:`PointToPoint` through Horovod's collectives
+    (``hvd.alltoall`` with splits, ``hvd.allgather``), for elastic Horovod (its Gloo controller; MPI
+    communicators would not survive its reset). ``send``, ``recv`` and ``sendrecv`` raise. Making
+    one runs no collective.
 
     Args:
         hvd: the Horovod module (``horovod.torch``).

@@ -1,21 +1,9 @@
-"""Node-aware (hierarchical) variable-size allgather: combine inside a node, exchange between
-nodes once per node, hand the result back inside the node.
-
-A flat ring allgather over p ranks on N nodes sends every payload across node boundaries on
-several ring links and pays (p − 1) latencies. Here, per call (counts header and data alike):
-
-1. inside each node, the ranks' bytes are gathered to the node's leader (its lowest rank):
-   shared memory or NVLink, not the network;
-2. the N leaders exchange their nodes' bundles with one variable-size allgather: N − 1
-   latencies and each node's bytes cross the network once per other leader;
-3. each leader puts the bundles in global rank order and broadcasts the whole buffer inside its
-   node.
-
-Every rank ends with exactly what :class:`hvdcomp.comm.allgatherv.MPIAllgatherer` gives (the
-payloads in rank order), so aggregation, results and checkpoints do not depend on it. As in the
-node-aware collectives of MPICH/Open MPI ("hierarchical" or "two-level" algorithms; Träff,
-"Relationships between regular and irregular collective communication operations", 2013) and
-Horovod's hierarchical allgather (``HOROVOD_HIERARCHICAL_ALLGATHER``).
+"""Node-aware (hierarchical) variable-size allgather: inside each node the ranks' bytes are
+gathered to its leader (its lowest rank), the leaders exchange their nodes' bundles with one
+variable-size allgather, and each leader broadcasts the result inside its node. Every rank ends
+with exactly what :class:`hvdcomp.comm.allgatherv.MPIAllgatherer` gives (docs/transports.md,
+"Node-aware allgather"; Träff, "Relationships between regular and irregular collective
+communication operations", 2013).
 """
 from __future__ import annotations
 

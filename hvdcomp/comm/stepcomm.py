@@ -1,10 +1,6 @@
-"""The collectives a batched compressor runs during one step (``reduce_batch``).
-
-Batched compressors (PowerSGD, global top-k, cyclic-leader top-k) reduce every gradient of a
-step together at ``synchronize()``. The optimizer hands them a :class:`StepComm`: callable as
-``allreduce_mean(tensor, name)`` (what PowerSGD needs), plus a broadcast and, under MPI,
-point-to-point messages (:class:`hvdcomp.comm.exchange.PointToPoint`) among the ranks of
-the optimizer's process set. Tests pass simulated ones (``tests/simworld.py``).
+"""The collectives a step-wide method (PowerSGD, global top-k, leader top-k, two-phase) runs
+during one step's ``reduce_batch``: a :class:`StepComm` among the ranks of the front-end's group
+(tests pass simulated ones, ``tests/simworld.py``).
 """
 from __future__ import annotations
 

@@ -5,8 +5,10 @@ variable-size allgather of payloads (:class:`TorchDistAllgatherer`) and its byte
 """
 from __future__ import annotations
 
+import datetime
 import socket
-from typing import Any, List, Optional, Sequence
+import time
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -17,7 +19,7 @@ from .exchange import Messages, node_ids
 from .group import ProcessGroup, pickled, unpickled
 from .retain import retain
 
-__all__ = ["TorchDistGroup", "TorchDistAllgatherer", "TorchDistExchange"]
+__all__ = ["TorchDistGroup", "TorchDistAllgatherer", "TorchDistExchange", "exchange_messages"]
 
 
 class _Reduction:
@@ -304,15 +306,10 @@ class TorchDistAllgatherer(Allgatherer):
 
 
 class TorchDistExchange(Messages):
-    """:class:`hvdcomp.comm.exchange.PointToPoint` over ``torch.distributed``: byte messages
-    among the ranks of a :class:`TorchDistGroup`, on a gloo process group over the same ranks (host
-    memory whatever the devices; callers move tensors with ``.cpu()`` / ``.to(device)``, as for
-    MPI). Each message is an int64 size header, then the bytes.
-
-    Made collectively by every member (it creates the gloo group, unless the group is gloo
-    already, and gathers the host names once, unless ``nodes`` is given). Also the byte layer of
-    AB-training's collectives under torch.distributed (:meth:`allreduce_`, :meth:`broadcast_`, as
-    :class:`hvdcomp.comm.exchange.MPIExchange`'s).
+    """:class:`hvdcomp.comm.exchange.PointToPoint` among the ranks of a :class:`TorchDistGroup`
+    (:func:`exchange_messages` on a gloo group over the same ranks: host memory), and AB-training's
+    :meth:`allreduce_` / :meth:`broadcast_` as :class:`hvdcomp.comm.exchange.MPIExchange`'s. Made
+    collectively (the gloo group unless the group is gloo; the host names unless ``nodes`` is given).
 
     Attributes:
         rank, size: as the group's.
@@ -357,59 +354,26 @@ class TorchDistExchange(Messages):
             self.dist.broadcast(data, src=self.ranks[root], group=self.group)
         return self._count_broadcast(data, root)
 
-    def _header(self, n: int) -> torch.Tensor:
-        return torch.tensor([n], dtype=torch.int64)
-
-    def send(self, data, dest):
-        data = data.detach().cpu().contiguous().view(torch.uint8)
-        head = self._header(data.numel())
-        retain(head, data)
-        self.dist.send(head, self.ranks[dest], group=self.group)
-        if data.numel():
-            self.dist.send(data, self.ranks[dest], group=self.group)
-        self.bytes_sent += 8 + data.numel()
-
-    def recv(self, source, max_bytes):
-        head = torch.empty(1, dtype=torch.int64)
-        retain(head)
-        self.dist.recv(head, self.ranks[source], group=self.group)
-        n = int(head[0])
-        if n > max_bytes:
-            raise RuntimeError(f"a message of {n} bytes from rank {source} exceeds the {max_bytes} expected")
-        buf = torch.empty(n, dtype=torch.uint8)
-        retain(buf)
-        if n:
-            self.dist.recv(buf, self.ranks[source], group=self.group)
-        self.bytes_received += 8 + n
-        return buf
-
-    def _exchange(self, outgoing: dict, sources: Sequence[int]) -> dict:
-        """Send ``outgoing[dest]`` to each dest and receive one message from each source,
-        without deadlock (non-blocking sends and receives: headers first, then the bytes)."""
-        d = self.dist
+    def _exchange(self, outgoing: dict, sources: Sequence[int], max_bytes: Optional[int] = None) -> dict:
+        """:func:`exchange_messages` of host copies of ``outgoing``, counted; a received message
+        over ``max_bytes`` raises ``RuntimeError``."""
         out = {k: v.detach().cpu().contiguous().view(torch.uint8) for k, v in outgoing.items()}
-        heads = {s: torch.empty(1, dtype=torch.int64) for s in sources}
-        sizes = {k: self._header(v.numel()) for k, v in out.items()}
-        retain(*out.values(), *heads.values(), *sizes.values())
-        works = [d.isend(sizes[k], self.ranks[k], group=self.group) for k in out]
-        works += [d.irecv(h, self.ranks[s], group=self.group) for s, h in heads.items()]
-        for w in works:
-            w.wait()
-        bufs = {s: torch.empty(int(h[0]), dtype=torch.uint8) for s, h in heads.items()}
-        retain(*bufs.values(), *out.values())  # (out again: unused since, the first retain let it go)
-        works = [d.isend(v, self.ranks[k], group=self.group) for k, v in out.items() if v.numel()]
-        works += [d.irecv(b, self.ranks[s], group=self.group) for s, b in bufs.items() if b.numel()]
-        for w in works:
-            w.wait()
+        bufs = exchange_messages(self.dist, self.group, self.ranks, out, sources)
         self.bytes_sent += sum(8 + v.numel() for v in out.values())
         self.bytes_received += sum(8 + b.numel() for b in bufs.values())
+        for j, b in bufs.items():
+            if max_bytes is not None and b.numel() > max_bytes:
+                raise RuntimeError(f"a message of {b.numel()} bytes from rank {j} exceeds the {max_bytes} expected")
         return bufs
 
+    def send(self, data, dest):
+        self._exchange({dest: data}, [])
+
+    def recv(self, source, max_bytes):
+        return self._exchange({}, [source], max_bytes)[source]
+
     def sendrecv(self, data, partner, max_bytes):
-        got = self._exchange({partner: data}, [partner])[partner]
-        if got.numel() > max_bytes:
-            raise RuntimeError(f"a message of {got.numel()} bytes from rank {partner} exceeds the {max_bytes} expected")
-        return got
+        return self._exchange({partner: data}, [partner], max_bytes)[partner]
 
     def alltoall(self, parts):
         if len(parts) != self.size:
@@ -421,3 +385,50 @@ class TorchDistExchange(Messages):
 
     def allgather(self, data):
         return self.alltoall([data] * self.size)
+
+
+def exchange_messages(dist, group, ranks: Sequence[int], send: Dict[int, torch.Tensor], sources: Sequence[int],
+                      tag: int = 0, deadline: Optional[float] = None, late=None) -> Dict[int, torch.Tensor]:
+    """Send ``send[j]`` (a 1-D uint8 host tensor) to each j and receive one message from each of
+    ``sources`` (ranks of ``group``; global rank ``ranks[j]``), over ``torch.distributed`` point to
+    point: per message an int64 size header, then the bytes, all posted non-blocking (no pair
+    waits on the other). Returns the received bytes by source.
+
+    With a ``deadline`` (``time.monotonic()`` seconds), a wait that passes it calls
+    ``late(missing, unsent)`` (the peers not heard from, the peers that did not take this rank's
+    message), which raises.
+    """
+    def wait(work) -> bool:
+        if deadline is None:
+            work.wait()
+            return True
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=max(1e-3, deadline - time.monotonic())))
+            return True
+        except RuntimeError:
+            return False
+
+    sources = list(sources)
+    heads = {j: torch.empty(1, dtype=torch.int64) for j in sources}
+    sizes = {j: torch.tensor([data.numel()], dtype=torch.int64) for j, data in send.items()}
+    retain(*heads.values(), *sizes.values(), *send.values())
+    head_works = {j: dist.irecv(heads[j], ranks[j], group=group, tag=tag) for j in sources}
+    sends = {j: [dist.isend(sizes[j], ranks[j], group=group, tag=tag)] for j in send}
+    for j, data in send.items():
+        if data.numel():
+            sends[j].append(dist.isend(data, ranks[j], group=group, tag=tag))
+    buffers, data_works = {}, {}
+    for n, j in enumerate(sources):
+        if not wait(head_works[j]):
+            late(sources[n:], [])
+        buffers[j] = torch.empty(int(heads[j][0]), dtype=torch.uint8)
+        retain(buffers[j])
+        if buffers[j].numel():
+            data_works[j] = dist.irecv(buffers[j], ranks[j], group=group, tag=tag)
+    for j, work in data_works.items():
+        if not wait(work):
+            late([j], [])
+    for j, works in sends.items():
+        if not all(wait(w) for w in works):
+            late([], [j])
+    return buffers

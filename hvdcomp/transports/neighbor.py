@@ -200,54 +200,21 @@ class TorchDistEdges:
         self.agreement = dist.new_group(group.ranks, backend="gloo", use_local_synchronization=True)
         self.collectives = group
 
-    def _wait(self, work, deadline: float) -> bool:
-        import datetime
-
-        left = max(1e-3, deadline - time.monotonic())
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=left))
-            return True
-        except RuntimeError:
-            return False
-
     def exchange(self, send: Dict[int, np.ndarray], peers: Sequence[int], tag: int, timeout: float,
                  index: int) -> Dict[int, np.ndarray]:
-        """As :meth:`MPIEdges.exchange`.
+        """As :meth:`MPIEdges.exchange` (:func:`hvdcomp.comm.torchdist.exchange_messages`).
 
         Raises:
             NeighborTimeoutError: naming the first neighbour found missing and those not yet heard.
         """
-        d, g, ranks = self.dist, self.group, self.ranks
-        deadline = time.monotonic() + timeout
-        from ..comm.retain import retain
+        from ..comm.torchdist import exchange_messages
 
-        keep, sends = [], {}
-        heads = {j: torch.empty(1, dtype=torch.int64) for j in peers}
-        retain(*heads.values())
-        head_works = {j: d.irecv(heads[j], ranks[j], group=g, tag=tag) for j in peers}
-        for j in peers:
-            data = torch.from_numpy(send[j])
-            head = torch.tensor([data.numel()], dtype=torch.int64)
-            keep += [data, head]
-            retain(head, data)
-            sends[j] = [d.isend(head, ranks[j], group=g, tag=tag)]
-            if data.numel():
-                sends[j].append(d.isend(data, ranks[j], group=g, tag=tag))
-        buffers, data_works = {}, {}
-        for n, j in enumerate(peers):
-            if not self._wait(head_works[j], deadline):
-                raise NeighborTimeoutError(self.rank, list(peers[n:]), [], timeout, index)
-            buffers[j] = torch.empty(int(heads[j][0]), dtype=torch.uint8)
-            retain(buffers[j])
-            if buffers[j].numel():
-                data_works[j] = d.irecv(buffers[j], ranks[j], group=g, tag=tag)
-        for j, work in data_works.items():
-            if not self._wait(work, deadline):
-                raise NeighborTimeoutError(self.rank, [j], [], timeout, index)
-        for j, works in sends.items():
-            if not all(self._wait(w, deadline) for w in works):
-                raise NeighborTimeoutError(self.rank, [], [j], timeout, index)
-        return {j: b.numpy() for j, b in buffers.items()}
+        def late(missing, unsent):
+            raise NeighborTimeoutError(self.rank, list(missing), list(unsent), timeout, index)
+
+        got = exchange_messages(self.dist, self.group, self.ranks, {j: torch.from_numpy(send[j]) for j in peers},
+                                peers, tag, time.monotonic() + timeout, late)
+        return {j: b.numpy() for j, b in got.items()}
 
     def allgather_object(self, obj):
         return self.collectives.allgather_object(obj)
@@ -330,18 +297,13 @@ def neighbor_edges(group, prefix: str = "hvdcomp.gossip"):
 
 
 class NeighborTransport(Transport):
-    """Exchanges payloads with the neighbours of this rank (module docstring): a
-    :class:`~hvdcomp.transports.base.Transport` whose units are the gossip rounds of a step.
-    :meth:`start` ``(r)`` asks the gossip method for round ``r``'s payload (``method.outgoing``,
-    timed as ``compress``) and starts its exchange with ``method.peers()``; :meth:`finish` waits
-    for every started round, in order, and hands the neighbours' payloads to ``method.absorb``
-    (``decompress``: the update is staged), adding their bytes to :attr:`unapplied`.
-
-    Below that, any payloads: :meth:`post` ``(payload, peers) -> handle`` (a list of 1-D tensors
-    for every peer, or a dict peer -> list), :meth:`wait` ``(handle) -> {peer: tensors}`` (each
-    on the device of the payload sent to that peer), :meth:`exchange` both. Every rank posts in
-    the same order with matching peers (j in i's peers iff i in j's); :meth:`allgather_object`
-    and :meth:`allgather_ints` are the set-up's and the per-step agreement's collectives.
+    """Exchanges payloads with the neighbours of this rank: a
+    :class:`~hvdcomp.transports.base.Transport` whose units are the gossip rounds of a step
+    (:meth:`start`, :meth:`finish`). Below that, any payloads: :meth:`post` ``(payload, peers) ->
+    handle`` (a list of 1-D tensors for every peer, or a dict peer -> list), :meth:`wait`
+    ``(handle) -> {peer: tensors}`` (each on the device of the payload sent to that peer),
+    :meth:`exchange` both. Every rank posts in the same order with matching peers (j in i's peers
+    iff i in j's).
 
     Args:
         edges: the edge layer (:func:`neighbor_edges`), or an mpi4py communicator to duplicate
@@ -508,10 +470,7 @@ class NeighborTransport(Transport):
 
     def allgather_ints(self, values: Sequence[int], what: str = "the step's non-finite agreement") -> List[List[int]]:
         """Every rank's ``values`` (a few integers, the same count on every rank), in rank order:
-        one int64 ``Iallgather`` (collective), waited for as the exchanges are, with short sleeps,
-        on the caller's thread beside the exchange in flight on the transport's
-        (``MPI_THREAD_MULTIPLE``; a collective never matches the exchanges' point-to-point
-        messages).
+        one int64 allgather (collective) polled on the caller's thread beside the exchange in flight.
 
         Raises:
             CollectiveTimeoutError: not complete within ``timeout`` (a rank dead, stalled or not
