@@ -18,7 +18,6 @@ from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 
 from .checks import check_bool, check_count, check_optional
@@ -331,29 +330,21 @@ class _Phase:
 
 
 def reduce_across_ranks(values: Dict[str, float]) -> Dict[str, Dict[str, float]]:
-    """min / mean / max over ranks of each numeric value (collective: a Horovod allgather, or a
-    ``torch.distributed`` object gather where Horovod is not initialised, e.g. under the DDP
-    front-end).
+    """min / mean / max over ranks of each numeric value (collective over the job's group,
+    :func:`hvdcomp.comm.resolve_group`: Horovod's, else ``torch.distributed``'s; none: this
+    process alone).
 
     Every rank must call it with the same keys. Returns ``{key: {"min", "mean", "max"}}``.
     """
+    from .comm import resolve_group
+
     keys = sorted(values)
     local = torch.tensor([[float(values[k]) for k in keys]], dtype=torch.float64)
     try:
-        import horovod.torch as hvd
-
-        horovod = hvd.is_initialized()
-    except ImportError:
-        horovod = False
-    if horovod:
-        allv = hvd.allgather(local, name="hvdcomp.metrics.reduce") if hvd.size() > 1 else local
-    else:
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            from .comm.torchdist import TorchDistGroup  # (its gathers hold their tensors: comm/retain.py)
-
-            allv = torch.cat(TorchDistGroup().allgather_object(local))
-        else:
-            allv = local
+        group = resolve_group()
+    except RuntimeError:  # (neither Horovod nor torch.distributed is initialised)
+        group = None
+    allv = torch.cat(group.allgather_object(local, "hvdcomp.metrics.reduce")) if group and group.size > 1 else local
     return {k: {"min": float(allv[:, i].min()), "mean": float(allv[:, i].mean()),
                 "max": float(allv[:, i].max())} for i, k in enumerate(keys)}
 

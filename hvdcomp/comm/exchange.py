@@ -47,7 +47,7 @@ class Messages:
     bytes this rank moved, headers included, docs/architecture.md "One definition of bytes") and
     the ``nodes`` layout (node id of every rank)."""
 
-    rank = 0
+    rank = bytes_sent = bytes_received = 0
     nodes: List[int] = []
 
     @property
@@ -86,10 +86,6 @@ class MPIExchange(Messages):
             emulated one); None: :func:`node_ids` of the processor names, gathered at
             construction (collective).
 
-    Attributes:
-        bytes_sent, bytes_received: payload bytes this rank moved (headers of sizes included).
-        nodes: node id of every rank (ranks of one host share one).
-
     Raises:
         ValueError: ``nodes`` does not give one id per rank of ``comm``.
     """
@@ -101,8 +97,6 @@ class MPIExchange(Messages):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self.bytes_sent = 0
-        self.bytes_received = 0
         if nodes is not None and len(nodes) != self.size:
             raise ValueError(f"nodes gives {len(nodes)} node ids for a communicator of {self.size} ranks")
         self.nodes = list(nodes) if nodes is not None else node_ids(comm.allgather(MPI.Get_processor_name()))
@@ -201,8 +195,6 @@ class HorovodExchange(Messages):
             one name serves every call).
 
     Attributes:
-        bytes_sent, bytes_received: payload bytes this rank moved (a 4-byte size per message
-            to another rank included).
         messages: False: no ``send``/``recv`` (a method whose route ``needs_messages`` is
             refused at assembly).
     """
@@ -211,7 +203,6 @@ class HorovodExchange(Messages):
 
     def __init__(self, hvd, rank: int, size: int, prefix: str):
         self.hvd, self.rank, self.size, self.prefix = hvd, int(rank), int(size), prefix
-        self.bytes_sent = self.bytes_received = 0
 
     def _name(self, what: str) -> str:
         return f"{self.prefix}.{what}"

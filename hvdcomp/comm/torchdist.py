@@ -310,11 +310,7 @@ class TorchDistExchange(Messages):
     (:func:`exchange_messages` on a gloo group over the same ranks: host memory), and AB-training's
     :meth:`allreduce_` / :meth:`broadcast_` as :class:`hvdcomp.comm.exchange.MPIExchange`'s. Made
     collectively (the gloo group unless the group is gloo; the host names unless ``nodes`` is given).
-
-    Attributes:
-        rank, size: as the group's.
-        bytes_sent, bytes_received: message bytes this rank moved, headers included.
-        nodes: node id of every rank (ranks of one host share one: :func:`hvdcomp.comm.exchange.node_ids`).
+    ``rank``, ``size``: as the group's; byte counters and ``nodes``: :class:`~hvdcomp.comm.exchange.Messages`.
     """
 
     def __init__(self, group: TorchDistGroup, nodes: Optional[Sequence[int]] = None):
@@ -325,8 +321,6 @@ class TorchDistExchange(Messages):
             self.group = group.process_group
         else:
             self.group = dist.new_group(group.ranks, backend="gloo", use_local_synchronization=True)
-        self.bytes_sent = 0
-        self.bytes_received = 0
         if nodes is None:
             nodes = node_ids(TorchDistGroup(self.group).allgather_object(socket.gethostname()))
         self.nodes = list(nodes)
