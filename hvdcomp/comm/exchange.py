@@ -6,12 +6,12 @@ buffers) or Horovod's collectives (:class:`HorovodExchange`), with their byte co
 """
 from __future__ import annotations
 
-from typing import List, Optional, Protocol, Sequence
+from typing import List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ["PointToPoint", "MPIExchange", "HorovodExchange", "SubGroup", "node_ids", "pack_payload", "unpack_payload"]
+__all__ = ["moved_bytes", "PointToPoint", "MPIExchange", "HorovodExchange", "SubGroup", "node_ids", "pack_payload", "unpack_payload"]
 
 # dtypes a payload tensor may have, by their code in a packed header
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8,
@@ -55,19 +55,20 @@ class Messages:
         """Whether the group holds ranks of more than one node."""
         return len(set(self.nodes)) > 1
 
-    def _count_reduce(self, data: torch.Tensor) -> torch.Tensor:
-        """Count an in-place reduction of ``data``: n bytes sent and received on every rank."""
-        nbytes = data.numel() * data.element_size()
-        self.bytes_sent += nbytes
-        self.bytes_received += nbytes
+    def _count(self, data: torch.Tensor, root: Optional[int] = None) -> torch.Tensor:
+        """Count a reduction of ``data`` (or its broadcast from ``root``): :func:`moved_bytes`."""
+        sent, received = moved_bytes(data, self.rank, root)
+        self.bytes_sent += sent
+        self.bytes_received += received
         return data
 
-    def _count_broadcast(self, data: torch.Tensor, root: int) -> torch.Tensor:
-        """Count a broadcast of ``data``: sent at ``root``, received by every rank (its own too)."""
-        nbytes = data.numel() * data.element_size()
-        self.bytes_sent += nbytes if self.rank == root else 0
-        self.bytes_received += nbytes
-        return data
+
+def moved_bytes(data: torch.Tensor, rank: int = 0, root: Optional[int] = None) -> Tuple[int, int]:
+    """``(sent, received)`` bytes of a collective over ``data`` on ``rank`` (docs/architecture.md,
+    "One definition of bytes"): a reduction sends and receives its bytes on every rank; a
+    broadcast from ``root`` is sent by the root and received by every rank, the root too."""
+    nbytes = data.numel() * data.element_size()
+    return (nbytes if root is None or rank == root else 0), nbytes
 
 
 def _cut(out: torch.Tensor, counts: Sequence[int]) -> List[torch.Tensor]:
@@ -116,7 +117,7 @@ class MPIExchange(Messages):
         if op not in ops:
             raise ValueError(f"allreduce_ op must be one of {sorted(ops)}, got {op!r}")
         self.comm.Allreduce(self.MPI.IN_PLACE, _host_buffer(data), op=ops[op])
-        return self._count_reduce(data)
+        return self._count(data)
 
     def broadcast_(self, data: torch.Tensor, root: int) -> torch.Tensor:
         """Rank ``root``'s ``data`` written into ``data`` on every rank (one MPI Bcast); returns it.
@@ -129,7 +130,7 @@ class MPIExchange(Messages):
             ValueError: ``data`` not a contiguous CPU tensor.
         """
         self.comm.Bcast(_host_buffer(data), root=root)
-        return self._count_broadcast(data, root)
+        return self._count(data, root)
 
     def send(self, data, dest):
         buf = data.cpu().numpy()

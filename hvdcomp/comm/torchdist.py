@@ -78,27 +78,23 @@ class TorchDistGroup(ProcessGroup):
                          postscale: float = 1.0) -> _Reduction:
         """Start ``postscale · Σ (prescale · tensor / size)`` in place (``/ size`` with
         ``average``; divided first, as DDP reduces a gradient bucket)."""
-        pre = prescale / self.size if average else prescale
-        if pre != 1.0:
-            tensor.mul_(pre)
-        work = None
-        if self.size > 1:
-            retain(tensor)  # (every tensor handed to a collective: held until the backend lets go, retain.py)
-            work = self.dist.all_reduce(tensor, group=self.process_group, async_op=True)
-        return _Reduction(tensor, work, postscale)
+        return self._start(tensor, prescale / self.size if average else prescale, postscale)
 
     def allreduce_async(self, tensor: torch.Tensor, name: str = "", average: bool = True, prescale: float = 1.0,
                         postscale: float = 1.0) -> _Reduction:
         """Start ``postscale · Σ (prescale · tensor) / size`` into a new tensor (``/ size`` with
         ``average``; summed first, then scaled, as Horovod's ``op=Average``)."""
-        out = tensor.detach().clone()
+        return self._start(tensor.detach().clone(), prescale, postscale / self.size if average else postscale)
+
+    def _start(self, tensor: torch.Tensor, prescale: float, postscale: float) -> _Reduction:
+        """Scale ``tensor`` by ``prescale`` and start its in-place sum, ``postscale`` to apply."""
         if prescale != 1.0:
-            out.mul_(prescale)
+            tensor.mul_(prescale)
         work = None
         if self.size > 1:
-            retain(out)
-            work = self.dist.all_reduce(out, group=self.process_group, async_op=True)
-        return _Reduction(out, work, postscale / self.size if average else postscale)
+            retain(tensor)  # (every tensor handed to a collective: held until the backend lets go, retain.py)
+            work = self.dist.all_reduce(tensor, group=self.process_group, async_op=True)
+        return _Reduction(tensor, work, postscale)
 
     def synchronize(self, handle: _Reduction) -> torch.Tensor:
         """Wait for a started allreduce; returns its result."""
@@ -338,7 +334,7 @@ class TorchDistExchange(Messages):
         if self.size > 1:
             retain(data)
             self.dist.all_reduce(data, op=ops[op], group=self.group)
-        return self._count_reduce(data)
+        return self._count(data)
 
     def broadcast_(self, data: torch.Tensor, root: int) -> torch.Tensor:
         """Rank ``root``'s ``data`` written into ``data`` on every rank (one ``broadcast``); bytes
@@ -346,7 +342,7 @@ class TorchDistExchange(Messages):
         if self.size > 1:
             retain(data)
             self.dist.broadcast(data, src=self.ranks[root], group=self.group)
-        return self._count_broadcast(data, root)
+        return self._count(data, root)
 
     def _exchange(self, outgoing: dict, sources: Sequence[int], max_bytes: Optional[int] = None) -> dict:
         """:func:`exchange_messages` of host copies of ``outgoing``, counted; a received message
