@@ -640,10 +640,8 @@ class AutoState:
 
     def _shadow(self, step: int, record) -> None:
         """Compress this step's gradient copy with every candidate, as on one rank, or, for a
-        leader's top-k (:attr:`across`), with the group's collectives: each rank sends its values
-        at the leader's positions, and its error is what it keeps (its new residual), so the
-        leader rule (cyclic or VAR-Topk's) shows in the error. Collective where any candidate is
-        measured across the ranks: every rank calls it at the same step, a joined DDP rank too."""
+        leader's top-k (:attr:`across`), with the group's collectives (docs/auto.md): then
+        collective, called by every rank at the same step, a joined DDP rank too."""
         if record is not None:
             self.probe_records.append(record[1])
         grads = self.snapshot or {}
@@ -795,12 +793,8 @@ class AutoState:
 
     def state_dict(self) -> dict:
         """The choice, the carry, every candidate's state and all that later decisions depend on
-        (tensors, numbers, strings: ``torch.load(weights_only=True)``): the policy (decisions so
-        far, the measured compute, coding costs and errors, the regime, Accordion's last norm, the
-        drift calibration, the cost model), where the probe and window in progress stand and what
-        they have summed, and the one-rank copies' state (their residuals) - so a run resumed from
-        a checkpoint taken mid-probe decides as the uninterrupted run. Per rank, as the method's
-        state."""
+        (docs/auto.md, "Checkpoints"), per rank, in tensors, numbers and strings
+        (``torch.load(weights_only=True)``): a run resumed mid-probe decides as the uninterrupted run."""
         policy = self.policy
         return {"current": self.labels[policy.current], "steps": self.steps,
                 "carry": {k: v.clone() for k, v in self.carry.items()},
