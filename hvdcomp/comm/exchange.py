@@ -11,7 +11,8 @@ from typing import List, Optional, Protocol, Sequence, Tuple
 import numpy as np
 import torch
 
-__all__ = ["moved_bytes", "PointToPoint", "MPIExchange", "HorovodExchange", "SubGroup", "node_ids", "pack_payload", "unpack_payload"]
+__all__ = ["moved_bytes", "PointToPoint", "Messages", "MPIExchange", "HorovodExchange", "SubGroup", "node_ids",
+           "pack_payload", "unpack_payload"]
 
 # dtypes a payload tensor may have, by their code in a packed header
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8,

@@ -114,11 +114,10 @@ class CyclicLeaderTopKCompressor(SparseStepMethod):
 
     def reduce_sparse(self, acc, k, comm, timer):
         leader = self._leader
+        itype = torch.int32 if acc.numel() < 2**31 else torch.int64
         with timer.phase("compress"):
-            if comm.rank == leader:
-                idx = exact_topk(acc, k, magnitudes=False).to(torch.int32 if acc.numel() < 2**31 else torch.int64)
-            else:
-                idx = torch.zeros(k, dtype=torch.int32 if acc.numel() < 2**31 else torch.int64, device=acc.device)
+            idx = (exact_topk(acc, k, magnitudes=False).to(itype) if comm.rank == leader
+                   else torch.zeros(k, dtype=itype, device=acc.device))
         if comm.size > 1:
             idx = comm.broadcast(idx, leader, "cltk.indices")
         idx = idx.long()
