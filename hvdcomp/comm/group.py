@@ -8,6 +8,7 @@ differs (how an average rounds, whether issue order must match) is said on each 
 from __future__ import annotations
 
 import abc
+import os
 import pickle
 import time
 from typing import Any, List, Sequence
@@ -264,12 +265,53 @@ class HorovodGroup(ProcessGroup):
             return mine.tolist()
         return self.hvd.allgather(mine, name=name, process_set=self.process_set).tolist()
 
-    def allgatherer(self, prefer: str = "auto", prefix: str = "hvdcomp"):
-        """:func:`hvdcomp.comm.make_allgatherer` over the set (mpi4py where Horovod runs on MPI,
-        else Horovod's allgather, its collectives named ``prefix.*``)."""
-        from . import make_allgatherer
+    def allgatherer(self, prefer="auto", prefix: str = "hvdcomp"):
+        """The allgather of payloads over the set (collective over its members).
 
-        return make_allgatherer(prefer, self, prefix)
+        Args:
+            prefer: an :class:`~hvdcomp.comm.allgatherv.Allgatherer` (used as it is), ``"auto"``
+                (mpi4py when Horovod runs on MPI, else Horovod's allgather), ``"mpi4py"``,
+                ``"hierarchical"`` (:class:`hvdcomp.comm.hierarchical.HierarchicalAllgatherer`) or
+                ``"horovod"``; overridden by ``HVDCOMP_ALLGATHER``.
+            prefix: names Horovod's collectives of the transport (:func:`instance_prefix`).
+
+        Raises:
+            RuntimeError: ``"mpi4py"`` or ``"hierarchical"`` without Horovod on MPI (e.g.
+                ``horovodrun --gloo``) or with an mpi4py world other than Horovod's.
+            ValueError: unknown ``prefer``.
+        """
+        from . import _warn_if_mpi4py_after_horovod, log
+        from .allgatherv import Allgatherer, HorovodAllgatherer, MPIAllgatherer
+        from .hierarchical import HierarchicalAllgatherer
+
+        if isinstance(prefer, Allgatherer):  # injected (tests, custom transports)
+            return prefer
+        prefer = os.environ.get("HVDCOMP_ALLGATHER", prefer)
+        if prefer not in ("auto", "mpi4py", "hierarchical", "horovod"):
+            raise ValueError(f"allgather transport must be auto, mpi4py, hierarchical or horovod, got {prefer!r}")
+        hvd = self.hvd
+        if prefer == "horovod":
+            return HorovodAllgatherer(self, prefix)
+        if hvd.mpi_enabled():
+            try:
+                _warn_if_mpi4py_after_horovod(hvd)
+                from mpi4py import MPI
+
+                if MPI.COMM_WORLD.Get_size() != hvd.size():
+                    reason = f"MPI world size {MPI.COMM_WORLD.Get_size()} != Horovod size {hvd.size()}"
+                elif prefer == "hierarchical":
+                    return HierarchicalAllgatherer(comm=self.mpi_comm())
+                else:
+                    return MPIAllgatherer(comm=self.mpi_comm())
+            except ImportError as exc:
+                reason = f"mpi4py is not importable ({exc})"
+        else:
+            reason = "Horovod is not running on MPI (e.g. horovodrun --gloo)"
+        if prefer in ("mpi4py", "hierarchical"):
+            raise RuntimeError(f"the {prefer} allgather path is unusable: {reason}. Launch with mpirun or "
+                               "horovodrun --mpi, or use allgather='horovod'.")
+        log.info("hvdcomp: sparse payloads use Horovod allgather: %s", reason)
+        return HorovodAllgatherer(self, prefix)
 
     def point_to_point(self, gatherer=None):
         """:class:`hvdcomp.comm.exchange.MPIExchange` on a duplicate of an mpi4py communicator of
