@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 __all__ = ["moved_bytes", "PointToPoint", "Messages", "MPIExchange", "HorovodExchange", "SubGroup", "node_ids",
-           "pack_payload", "unpack_payload"]
+           "pack_payload", "unpack_payload", "message_bytes"]
 
 # dtypes a payload tensor may have, by their code in a packed header
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8,
@@ -294,6 +294,12 @@ def pack_payload(payload: Sequence[torch.Tensor]) -> torch.Tensor:
         header += [_DTYPES.index(t.dtype), t.numel()]
     head = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
     return torch.cat([head] + [t.detach().reshape(-1).contiguous().cpu().view(torch.uint8) for t in payload])
+
+
+def message_bytes(numels: Sequence[int], itemsizes: Sequence[int]) -> int:
+    """Exact bytes of one message (:func:`pack_payload`): the int64 header
+    ``8·(1 + 2·tensors)`` (count; dtype and element count per tensor) plus the tensors' bytes."""
+    return 8 * (1 + 2 * len(numels)) + sum(int(n) * int(s) for n, s in zip(numels, itemsizes))
 
 
 def unpack_payload(data: torch.Tensor, device=None) -> List[torch.Tensor]:

@@ -23,13 +23,12 @@ import numpy as np
 import torch
 
 from ..comm.allgatherv import poll
-from ..comm.exchange import pack_payload, unpack_payload
+from ..comm.exchange import message_bytes, pack_payload, unpack_payload  # noqa: F401
 from .base import Transport
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NeighborTransport", "NeighborTimeoutError", "CollectiveTimeoutError", "neighbor_terms", "message_bytes",
-           "neighbor_edges"]
+__all__ = ["NeighborTransport", "NeighborTimeoutError", "CollectiveTimeoutError", "neighbor_terms", "neighbor_edges"]
 
 TAG_SPACE = 1 << 15    # MPI guarantees tags up to 32767
 
@@ -67,12 +66,6 @@ class CollectiveTimeoutError(TimeoutError):
                          "cannot say which. Every rank must step the same number of times; with nonfinite='ignore' "
                          "no such collective runs and a neighbour that sends nothing is named (raise timeout= for "
                          "very slow steps)")
-
-
-def message_bytes(numels: Sequence[int], itemsizes: Sequence[int]) -> int:
-    """Exact bytes of one message (:func:`hvdcomp.comm.exchange.pack_payload`): the int64 header
-    ``8·(1 + 2·tensors)`` (count; dtype and element count per tensor) plus the tensors' bytes."""
-    return 8 * (1 + 2 * len(numels)) + sum(int(n) * int(s) for n, s in zip(numels, itemsizes))
 
 
 def neighbor_terms(degree: int, nbytes: float, exchanges: int = 1) -> Tuple[float, float]:
@@ -285,15 +278,15 @@ def neighbor_edges(group, prefix: str = "hvdcomp.gossip"):
         return TorchDistEdges(group)
     from ..launch import elastic_launch
 
-    if elastic_launch():  # (no MPI world: mpi4py is not even imported)
-        return HorovodEdges(group, prefix)
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return HorovodEdges(group, prefix)
-    if MPI.COMM_WORLD.Get_size() != group.hvd.size():
-        return HorovodEdges(group, prefix)
-    return MPIEdges(group.mpi_comm())
+    if not elastic_launch():  # (elastic: no MPI world, mpi4py is not even imported)
+        try:
+            from mpi4py import MPI
+
+            if MPI.COMM_WORLD.Get_size() == group.hvd.size():
+                return MPIEdges(group.mpi_comm())
+        except ImportError:
+            pass
+    return HorovodEdges(group, prefix)
 
 
 class NeighborTransport(Transport):
