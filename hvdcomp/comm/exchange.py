@@ -106,10 +106,8 @@ class MPIExchange(Messages):
     def allreduce_(self, data: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce ``data`` in place over every rank with one MPI Allreduce; returns it.
 
-        ``data``: a contiguous CPU tensor of a dtype NumPy holds (e.g. a packed float32 buffer,
-        int64 counts), the same shape on every rank; ``op``: ``"sum"``, ``"max"`` or ``"min"``.
-        Counts ``data``'s bytes as sent and as received (hvdcomp's convention: a reduction of n
-        bytes sends n and receives n on every rank, whatever algorithm MPI runs).
+        ``data``: a contiguous CPU tensor of a dtype NumPy holds, the same shape on every rank;
+        ``op``: ``"sum"``, ``"max"`` or ``"min"``. Bytes: :func:`moved_bytes`.
 
         Raises:
             ValueError: an unknown ``op``, or ``data`` not a contiguous CPU tensor.
@@ -123,9 +121,8 @@ class MPIExchange(Messages):
     def broadcast_(self, data: torch.Tensor, root: int) -> torch.Tensor:
         """Rank ``root``'s ``data`` written into ``data`` on every rank (one MPI Bcast); returns it.
 
-        ``data``: a contiguous CPU tensor, the same shape and dtype on every rank. Counts its bytes
-        as sent at ``root`` and as received on every rank, the root's included (the buffer the
-        collective fills).
+        ``data``: a contiguous CPU tensor, the same shape and dtype on every rank. Bytes:
+        :func:`moved_bytes`.
 
         Raises:
             ValueError: ``data`` not a contiguous CPU tensor.

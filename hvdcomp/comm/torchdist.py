@@ -194,19 +194,12 @@ class _Gather:
 
 class TorchDistAllgatherer(Allgatherer):
     """The variable-size allgather of payloads over a :class:`TorchDistGroup`
-    (:class:`~hvdcomp.comm.allgatherv.Allgatherer`), on the group itself (gloo on the host, NCCL on
-    the device: no staging copy), issued from the caller's thread in call order:
-
-    1. counts: every rank's element count per payload tensor (int64, one
-       ``all_gather_into_tensor``), started by :meth:`start`;
-    2. data: each rank's payload tensors laid end to end as bytes (each from a multiple of 8),
-       padded to the largest rank's row, gathered by one ``all_gather_into_tensor`` (gloo and NCCL
-       gather equal sizes); started once the counts are in: at the next :meth:`start` (so it
-       overlaps with what follows) or at :meth:`finish`.
-
-    Bytes, as for every allgatherer: sent = the counts (8 per tensor) and this rank's row
-    (padding included: it is on the wire); received = the whole gathered counts and rows, this
-    rank's own included.
+    (:class:`~hvdcomp.comm.allgatherv.Allgatherer`), on the group itself (no staging copy),
+    issued from the caller's thread in call order: the int64 counts (one
+    ``all_gather_into_tensor``, started by :meth:`start`), then each rank's tensors end to end as
+    bytes (each from a multiple of 8), padded to the largest rank's row (gloo and NCCL gather equal
+    sizes), started at the next :meth:`start` or at :meth:`finish`. Bytes: the counts and rows,
+    padding included (docs/architecture.md, "One definition of bytes").
 
     Args:
         group: the :class:`TorchDistGroup`.
