@@ -101,9 +101,8 @@ def _unpack(buf: np.ndarray, count: int, device, source: int) -> List[torch.Tens
 
 class MPIEdges:
     """The neighbour transport's messages over mpi4py (a duplicate of ``comm``): ``Isend`` per
-    edge, and the receiver learns a message's size with a matched probe (``Improbe`` + ``Irecv``),
-    so one message per edge and exchange; the requests are polled with short sleeps (0.05 ms
-    growing to 1 ms), and a neighbour that sent nothing within the timeout is named."""
+    edge, received after a matched probe (``Improbe`` + ``Irecv``: one message per edge and
+    exchange), polled with short sleeps; a neighbour silent past the timeout is named."""
 
     kind, how = "mpi4py-neighbor", "mpi4py Isend/Mprobe"
 
@@ -172,14 +171,11 @@ class MPIEdges:
 
 
 class TorchDistEdges:
-    """The neighbour transport's messages over ``torch.distributed``: a gloo group over the ranks
-    of ``group`` made for them (host memory whatever the devices); per edge and exchange an int64
-    size header, then the bytes (``isend`` / ``irecv``, tagged by exchange). Gloo's
-    point-to-point work cannot be polled (``is_completed`` stays False) and a wait that times out
-    closes the connection, so the exchange posts every send and header receive, then waits on
-    each in turn with what is left of the timeout: a neighbour that sends nothing is named, and
-    the job ends. The per-step agreement's allgather runs on a second gloo group, so that it never
-    meets the messages the background thread moves at the same time."""
+    """The neighbour transport's messages over ``torch.distributed``
+    (:func:`hvdcomp.comm.torchdist.exchange_messages`, tagged by exchange) on a gloo group made for
+    them. Gloo's point-to-point work cannot be polled and a wait that times out closes the
+    connection, so each wait gets what is left of the timeout: a silent neighbour is named, and the
+    job ends. The per-step agreement runs on a second gloo group, apart from the messages."""
 
     kind, how = "torch.distributed-neighbor", "torch.distributed isend/irecv"
     threaded = True
