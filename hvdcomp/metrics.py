@@ -129,9 +129,8 @@ class PhaseTimer:
 
     Use ``begin_step()``, ``with timer.phase(name): ...``, ``add_bytes(...)``, ``end_step()``;
     ``history`` holds one dict per finished step (the last ``history_limit``), ``steps`` counts
-    them all; :attr:`events` holds what the pipeline decided along the way (:meth:`event`, e.g.
-    ``compression="auto"``'s decisions), outside the per-step sums. A loop that never ends a step keeps nothing per step: in events mode the events are
-    resolved into :attr:`seconds` every :attr:`MAX_MARKS` boundaries (one host sync each time).
+    them all; :attr:`events`, what the pipeline decided (:meth:`event`), outside the sums. Without
+    ``end_step()``, events mode resolves every :attr:`MAX_MARKS` boundaries (one host sync).
 
     Raises:
         ValueError: ``history_limit`` not an integer ≥ 1 (or None).

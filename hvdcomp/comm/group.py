@@ -154,10 +154,9 @@ class ProcessGroup(abc.ABC):
         counted in ``timer``), with the given :meth:`point_to_point` messages (or None)."""
         from .stepcomm import timed_step_comm
 
-        p2p = point_to_point
         return timed_step_comm(lambda tensor, name: self.allreduce(tensor, f"{prefix}.{name}"),
                                lambda tensor, root, name: self.broadcast(tensor, root, f"{prefix}.{name}"),
-                               self.rank, self.size, timer, p2p)
+                               self.rank, self.size, timer, point_to_point)
 
     def latency(self, prefix: str, calls: int = 5) -> float:
         """Seconds of one tiny allreduce in this group (its cycle and negotiation): the median of
