@@ -125,12 +125,8 @@ class MPIEdges:
         """
         MPI = self.MPI
         sends = {j: self.comm.Isend([send[j], MPI.BYTE], dest=j, tag=tag) for j in peers}
-        waiting = set(peers)     # no message matched yet
-        recvs: Dict[int, object] = {}
-        buffers: Dict[int, np.ndarray] = {}
-        deadline = time.monotonic() + timeout
-        pause = 5e-5
-        status = MPI.Status()
+        waiting, recvs, buffers = set(peers), {}, {}  # (waiting: no message matched yet)
+        deadline, pause, status = time.monotonic() + timeout, 5e-5, MPI.Status()
         while waiting or recvs or sends:
             progressed = False
             for j in sorted(waiting):
@@ -140,16 +136,10 @@ class MPIEdges:
                     recvs[j] = msg.Irecv([buffers[j], MPI.BYTE])
                     waiting.discard(j)
                     progressed = True
-            for j in list(recvs):
-                if recvs[j].Test():
-                    del recvs[j]
+            for pending in (recvs, sends):
+                for j in [j for j, request in pending.items() if request.Test()]:
+                    del pending[j]
                     progressed = True
-            for j in list(sends):
-                if sends[j].Test():
-                    del sends[j]
-                    progressed = True
-            if not (waiting or recvs or sends):
-                break
             if progressed:
                 pause = 5e-5
                 continue
