@@ -29,6 +29,7 @@ from ..compressors.registry import register
 from ..compressors.selection import exact_topk
 from ..compressors.topk import num_kept
 from ..plan import StepRoute, register_step_route
+from .gtopk import topk_alternative
 from .stepwide import SparseStepMethod, StepTransport
 
 __all__ = ["CyclicLeaderTopKCompressor"]
@@ -154,13 +155,5 @@ def _collectives(method, numels, p, bucket_bytes):
     return choose + [("broadcast", 4.0 * k, 1), ("allreduce", 4.0 * k, 1)]
 
 
-def _alternative(compression):
-    """The leader's top-k at the same density, for top-k with error feedback (``transport="auto"``)."""
-    desc = compression.describe()
-    if desc.get("name") == "topk" and desc.get("ef", False):
-        return CyclicLeaderTopKCompressor(density=desc["density"])
-    return None
-
-
 register_step_route(StepRoute(CyclicLeaderTopKCompressor, "broadcast+allreduce", _collectives,
-                              alternative=_alternative, build=StepTransport))
+                              alternative=topk_alternative(CyclicLeaderTopKCompressor), build=StepTransport))

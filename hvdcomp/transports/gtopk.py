@@ -85,13 +85,14 @@ def _collectives(method, numels, p, bucket_bytes):
     return [("sparse-allreduce", 8.0 * num_kept(sum(numels), method.density), 1)]
 
 
-def _alternative(compression):
-    """Global top-k at the same density, for top-k with error feedback (``transport="auto"``)."""
-    desc = compression.describe()
-    if desc.get("name") == "topk" and desc.get("ef", False):
-        return GlobalTopKCompressor(density=desc["density"])
-    return None
+def topk_alternative(cls):
+    """``transport="auto"``'s alternative to top-k with error feedback: ``cls`` at the same density."""
+    def alternative(compression):
+        desc = compression.describe()
+        return cls(density=desc["density"]) if desc.get("name") == "topk" and desc.get("ef", False) else None
+    return alternative
 
 
 register_step_route(StepRoute(GlobalTopKCompressor, "sparse-allreduce", _collectives, needs_point_to_point=True,
-                              needs_messages=True, alternative=_alternative, build=StepTransport))
+                              needs_messages=True, alternative=topk_alternative(GlobalTopKCompressor),
+                              build=StepTransport))
