@@ -1,69 +1,16 @@
 """``compression="auto"``: the method, its setting and its collective chosen from the measured link,
-the measured compute and the training phase, and changed at step boundaries as they change.
+the measured compute and the training phase, and changed at step boundaries as they change
+(docs/auto.md: the rule, what is measured, phases, drift, switching, checkpoints).
 
-**The rule** (:func:`decide`, pure): compress only as much as it takes to hide communication
-behind compute. For every candidate c (dense ``none``/``fp16``, PowerSGD rank r, top-k density ρ by
-allgather, or by an allreduce-compatible route ``cltk``/``gtopk``, QSGD, ...)::
-
-    predicted_step(c) = compute + code(c) + comm(c)
-
-where ``compute`` is the measured compute-only step (forward, backward, optimizer step: the step
-without the reducer's own time), ``code(c)`` the measured encode + decode seconds of c on this
-job's live gradients, and ``comm(c)`` the α-β cost model's price of c's collectives for this
-model's gradients (:func:`comm_seconds`). Among the candidates whose measured relative compression
-error (with error feedback) is at most ``tolerance``, the one with the **least error** whose
-predicted step is within ``slack`` of the compute-only step is chosen; where none is, the
-**fastest predicted** step. In a critical regime (below) ``critical_slack`` replaces ``slack``:
-less compression while the gradient changes fast.
-
-**What is measured** (:class:`AutoState`, driven by the :class:`~hvdcomp.reducer.Reducer` at its
-step boundaries):
-
-* the link: α and β by a few allgathers at construction (:func:`hvdcomp.comm.costmodel.measure_cost_model`,
-  as ``transport="auto"``) plus the wait of one tiny allreduce (Horovod's cycle), or the model
-  given as ``cost_model=(alpha, beta)``; every collective is priced from that one fit (the
-  allreduce and the broadcast are not timed apart);
-* the compute-only step: per step, the time from one step boundary to the next minus the time
-  spent in the reducer (compression during backward, ``synchronize()``); the median over the
-  probe's steps;
-* ``code(c)`` and the error: during a probe (``probe`` steps at the start and every ``interval``
-  steps), each candidate compresses a copy of this rank's gradients as on one rank (its own
-  instance, with its own error feedback over the probe's steps): seconds of encode + decode, and
-  ``‖C(p) − p‖ / ‖p‖`` over the whole model, p = gradient + that candidate's residual. For the
-  step-wide methods this is their one-rank step (PowerSGD's factors of this rank's matrix; gtopk:
-  this rank's top-k), a proxy for the error of the multi-rank step; a leader's top-k (``cltk``,
-  cyclic or VAR-Topk's variance leader) runs its step with the group's collectives, each rank's
-  error being what it keeps off the leader's positions (its new residual), since on one rank
-  every leader rule gives the same top-k.
-
-Every rank takes the same decision: the measurements of every rank are gathered (one small
-allgather per probe and per window) and combined by one deterministic rule (compute and code: the
-slowest rank's; the error: over every rank's gradients), so each rank's :func:`decide` sees the
-same numbers.
-
-**Phases** (Agarwal et al., "Accordion: Adaptive Gradient Communication via Critical Learning
-Regime Identification", MLSys 2021): over each window of ``window`` steps the averaged gradient is
-accumulated; when the norm of that sum changes by ``accordion`` (η, 0.5 in the paper) or more,
-relative to the previous window's, the regime is critical (as Accordion, training starts
-critical). A change of regime re-decides. hvdcomp applies Accordion's test to the whole model (it
-picks one method for the model), where Accordion tests each layer.
-
-**Unpredictable networks**: after each decision the first window calibrates the ratio of the
-measured exposed time (step minus compute) to its prediction; when a later window's ratio moves
-by more than a factor ``drift``, the link is measured again and the rule re-decides. On by default
-with a measured cost model, off with a given one (a given model poses the link: ``drift=2``
-turns the check on).
-
-**Switching keeps error feedback exact**: at the boundary where the method changes, the old
-method's residuals (per parameter) are taken out of it and added to the next step's gradient
-before the new method compresses it (the *carry*, kept until a step with it is applied), so
-``sent + new residual = gradient + old residual``: nothing is dropped. Every rank switches at the
-same step (the decision is taken at an agreed step from agreed numbers).
-
-Decisions (step, chosen method and route, predicted and measured step time, error, why, the whole
-table) are in :attr:`AutoState.decisions`, the optimizer's ``optimizer.auto.describe()``, the
-timer's :attr:`hvdcomp.metrics.PhaseTimer.events` and ``results.json`` of
-``mpi_scripts/train_lm.py --compressor auto``.
+:func:`decide` (pure) picks, among the candidates whose measured relative compression error is at
+most ``tolerance``, the one with the least error whose predicted step
+``compute + code(c) + comm(c)`` (seconds; ``comm``: :func:`comm_seconds`, the α-β cost model) is
+within ``slack`` of the compute-only step, else the fastest predicted; ``critical_slack`` replaces
+``slack`` in Accordion's critical regime (Agarwal et al., "Accordion: Adaptive Gradient
+Communication via Critical Learning Regime Identification", MLSys 2021). :class:`AutoState`
+measures and switches, the same way on every rank; a switch carries the old method's residuals
+into the next step's gradient, so ``sent + new residual = gradient + old residual``. Decisions are
+in :attr:`AutoState.decisions`.
 """
 from __future__ import annotations
 
@@ -693,10 +640,8 @@ class AutoState:
 
     def _shadow(self, step: int, record) -> None:
         """Compress this step's gradient copy with every candidate, as on one rank, or, for a
-        leader's top-k (:attr:`across`), with the group's collectives: each rank sends its values
-        at the leader's positions, and its error is what it keeps (its new residual), so the
-        leader rule (cyclic or VAR-Topk's) shows in the error. Collective where any candidate is
-        measured across the ranks: every rank calls it at the same step, a joined DDP rank too."""
+        leader's top-k (:attr:`across`), with the group's collectives (docs/auto.md): then
+        collective, called by every rank at the same step, a joined DDP rank too."""
         if record is not None:
             self.probe_records.append(record[1])
         grads = self.snapshot or {}
@@ -848,12 +793,8 @@ class AutoState:
 
     def state_dict(self) -> dict:
         """The choice, the carry, every candidate's state and all that later decisions depend on
-        (tensors, numbers, strings: ``torch.load(weights_only=True)``): the policy (decisions so
-        far, the measured compute, coding costs and errors, the regime, Accordion's last norm, the
-        drift calibration, the cost model), where the probe and window in progress stand and what
-        they have summed, and the one-rank copies' state (their residuals) - so a run resumed from
-        a checkpoint taken mid-probe decides as the uninterrupted run. Per rank, as the method's
-        state."""
+        (docs/auto.md, "Checkpoints"), per rank, in tensors, numbers and strings
+        (``torch.load(weights_only=True)``): a run resumed mid-probe decides as the uninterrupted run."""
         policy = self.policy
         return {"current": self.labels[policy.current], "steps": self.steps,
                 "carry": {k: v.clone() for k, v in self.carry.items()},

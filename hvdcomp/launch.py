@@ -226,10 +226,8 @@ def launched_tasks(environ=None) -> LaunchInfo:
 
 def check_frontend_launch(frontend: str, runtime: str, size: int, environ=None) -> LaunchInfo:
     """Refuse a launch that cannot work for ``frontend``: the launcher started N > 1 tasks but
-    the runtime the front-end joins sees one rank, so each task would train its own copy of the
-    model (e.g. the Horovod front-end or a local-update mode under ``torchrun``; gossip or
-    AB-training under ``horovodrun --gloo``; the DDP front-end under ``mpirun`` with a process
-    group of one rank).
+    the runtime the front-end joins sees one rank (each task would train its own copy), e.g. the
+    Horovod front-end under ``torchrun``.
 
     Args:
         frontend: the front-end's name, for the message (e.g. ``"hvdcomp.local.DiLoCo"``).
@@ -348,17 +346,11 @@ def abort_on_uncaught_exception(environ=None) -> bool:
     other ranks waiting in a collective for this one (under ``mpirun`` until an outside timeout:
     ``MPI_Finalize`` at this rank's exit waits for them too).
 
-    The front-ends install it at construction (:func:`start_frontend`; opt out with
-    ``HVDCOMP_ABORT_ON_EXCEPTION=0``). It wraps ``sys.excepthook`` and ``threading.excepthook``:
-    on an uncaught exception (in any thread; ``SystemExit`` in a thread excepted, as Python
-    ignores it) it writes a line naming the rank, calls the hook it replaced (so the traceback
-    prints as before, or a hook of the user's runs), then ends the job: ``MPI_Abort`` where
-    MPI runs the job (:data:`MPI_LAUNCHERS`), else an immediate exit with status 1, skipping the
-    interpreter's finalization (under ``torchrun`` the agent then stops the other workers).
-    Open files the script did not close are not flushed on that path.
-
-    Installed once per process, and only in a job of several ranks (one rank has no one to wait
-    for). Returns whether the hook is installed.
+    Wraps ``sys.excepthook`` and ``threading.excepthook`` (``SystemExit`` in a thread excepted):
+    a line naming the rank, the hook it replaced, then ``MPI_Abort`` where MPI runs the job
+    (:data:`MPI_LAUNCHERS`), else exit status 1 without finalization (docs/robustness.md, "A
+    failing rank"). Installed by the front-ends (:func:`start_frontend`), once per process, in a
+    job of several ranks only. Returns whether the hook is installed.
     """
     global _abort_hook
     if _abort_hook is not None:
@@ -389,7 +381,6 @@ def abort_on_uncaught_exception(environ=None) -> bool:
             traceback.print_exception(args.exc_type, args.exc_value, args.exc_traceback)
         _end_job(info)
 
-    hook._hvdcomp = thread_hook._hvdcomp = True  # type: ignore[attr-defined]
     sys.excepthook, threading.excepthook = hook, thread_hook
     _abort_hook = hook
     return True

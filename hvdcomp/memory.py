@@ -18,14 +18,10 @@ compressor with it; ``lowbit`` (β), DGC (the accumulated velocity), the step-wi
 :mod:`hvdcomp.transports` (global top-k, CLT-k, two-phase worker and server residuals, PowerSGD's
 error) keep theirs in it too.
 
-float16 and bfloat16 gradients are upcast to float32 before ``p = g + e``: the residual of a
-half-precision gradient is kept in float32 (a float16 residual would itself round away what the
-compressor dropped), the inner method compresses the float32 ``p``, and decoded gradients are
-cast back to the gradient's dtype, saturating at its largest finite value. ``p`` may exceed that
-range (a float16 gradient plus its residual); the averaged result then cannot be delivered in
-full, and the part beyond the range is added to the residual on every rank alike (each rank
-decodes the same average), so the mean over ranks of ``delivered + residual`` still equals the
-mean of ``g + e``: the excess is sent at later steps, never dropped. ±inf stays ±inf.
+float16 and bfloat16 gradients are upcast to float32 before ``p = g + e`` (their residual is
+float32) and decoded results cast back, saturating; the part of a result beyond the dtype's range
+is added to every rank's residual alike, so it is sent later, never dropped; ±inf stays ±inf
+(docs/numerics.md, "any method, result cast to a float16/bfloat16 gradient").
 """
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """Per-step instrumentation: phase timers (seconds), bytes on the wire, results JSON.
 
-Phases are timed *exclusively*: when a phase starts inside another (compression inside a
-backward hook, inside the ``compute`` phase), the outer clock pauses, so the phases of a step add
-up to its wall time and ``compute`` is forward+backward without the hook work.
-
-Standard phase names: ``compute`` (forward + backward), ``compress``, ``communicate`` (time this
-rank spends in, or waiting for, collectives), ``decompress`` (decode and aggregation).
-
-Under a profiler every phase is also a labelled range, ``hvdcomp.<phase>`` (e.g.
-``hvdcomp.compress``), so the compression phases of both front-ends show up in
-``torch.profiler`` traces and, under ``torch.autograd.profiler.emit_nvtx()``, as NVTX ranges in
-Nsight Systems. Without a profiler running this costs one check per phase boundary (about
-0.1 µs), not a range.
+Phases are timed *exclusively*: a phase started inside another (compression inside a backward
+hook, inside ``compute``) pauses the outer clock, so the phases of a step add up to its wall time.
+Standard phases: ``compute`` (forward + backward), ``compress``, ``communicate`` (in, or waiting
+for, collectives), ``decompress`` (decode and aggregation). Under a profiler each phase is also a
+range ``hvdcomp.<phase>`` (``torch.profiler``; NVTX under ``emit_nvtx()``); without one, a phase
+boundary costs one check.
 """
 from __future__ import annotations
 
@@ -24,7 +18,6 @@ from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 
 from .checks import check_bool, check_count, check_optional
@@ -136,9 +129,8 @@ class PhaseTimer:
 
     Use ``begin_step()``, ``with timer.phase(name): ...``, ``add_bytes(...)``, ``end_step()``;
     ``history`` holds one dict per finished step (the last ``history_limit``), ``steps`` counts
-    them all; :attr:`events` holds what the pipeline decided along the way (:meth:`event`, e.g.
-    ``compression="auto"``'s decisions), outside the per-step sums. A loop that never ends a step keeps nothing per step: in events mode the events are
-    resolved into :attr:`seconds` every :attr:`MAX_MARKS` boundaries (one host sync each time).
+    them all; :attr:`events`, what the pipeline decided (:meth:`event`), outside the sums. Without
+    ``end_step()``, events mode resolves every :attr:`MAX_MARKS` boundaries (one host sync).
 
     Raises:
         ValueError: ``history_limit`` not an integer ≥ 1 (or None).
@@ -337,29 +329,21 @@ class _Phase:
 
 
 def reduce_across_ranks(values: Dict[str, float]) -> Dict[str, Dict[str, float]]:
-    """min / mean / max over ranks of each numeric value (collective: a Horovod allgather, or a
-    ``torch.distributed`` object gather where Horovod is not initialised, e.g. under the DDP
-    front-end).
+    """min / mean / max over ranks of each numeric value (collective over the job's group,
+    :func:`hvdcomp.comm.resolve_group`: Horovod's, else ``torch.distributed``'s; none: this
+    process alone).
 
     Every rank must call it with the same keys. Returns ``{key: {"min", "mean", "max"}}``.
     """
+    from .comm import resolve_group
+
     keys = sorted(values)
     local = torch.tensor([[float(values[k]) for k in keys]], dtype=torch.float64)
     try:
-        import horovod.torch as hvd
-
-        horovod = hvd.is_initialized()
-    except ImportError:
-        horovod = False
-    if horovod:
-        allv = hvd.allgather(local, name="hvdcomp.metrics.reduce") if hvd.size() > 1 else local
-    else:
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            from .comm.torchdist import TorchDistGroup  # (its gathers hold their tensors: comm/retain.py)
-
-            allv = torch.cat(TorchDistGroup().allgather_object(local))
-        else:
-            allv = local
+        group = resolve_group()
+    except RuntimeError:  # (neither Horovod nor torch.distributed is initialised)
+        group = None
+    allv = torch.cat(group.allgather_object(local, "hvdcomp.metrics.reduce")) if group and group.size > 1 else local
     return {k: {"min": float(allv[:, i].min()), "mean": float(allv[:, i].mean()),
                 "max": float(allv[:, i].max())} for i, k in enumerate(keys)}
 

@@ -80,7 +80,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]  # (run as a script; peers, overhead)
 from mpi_scripts import grid  # noqa: E402
 from mpi_scripts.results import mean as _mean, read_all, read_json, sd as _sd, summary, write_json  # noqa: E402
-from hvdcomp.comm.costmodel import CostModel, fit_alpha_beta, ring_terms  # noqa: E402
+from hvdcomp.comm.costmodel import CostModel, collective_terms, fit_alpha_beta  # noqa: E402
 from hvdcomp.lm import PlateauSchedule  # noqa: E402
 from hvdcomp.lowrank.schedule import STAGES  # noqa: E402  (the stage names' one definition)
 from hvdcomp.lowrank.traffic import read  # noqa: E402  (results before and after the stage rename)
@@ -1685,7 +1685,7 @@ def fit_rate(cells: Dict[int, dict]) -> Dict[str, dict]:
         samples = []
         for p, cell in cells.items():
             for row in cell.get("collectives", {}).get(name, []):
-                a, b = ring_terms(kind, p, row["bytes"])
+                a, b = collective_terms(kind, p, row["bytes"])
                 samples.append((a, b, row["seconds"], p, row["bytes"]))
         if len(samples) < 2:
             continue

@@ -6,14 +6,13 @@ front-end runs on."""
 from __future__ import annotations
 
 import logging
-import os
 
 from .allgatherv import Allgatherer, HorovodAllgatherer, MPIAllgatherer
-from .group import Group, HorovodGroup, ProcessGroup
+from .group import HorovodGroup, ProcessGroup
 from .hierarchical import HierarchicalAllgatherer
 
-__all__ = ["Allgatherer", "HorovodAllgatherer", "MPIAllgatherer", "HierarchicalAllgatherer", "make_allgatherer",
-           "ProcessGroup", "HorovodGroup", "resolve_group"]
+__all__ = ["Allgatherer", "HorovodAllgatherer", "MPIAllgatherer", "HierarchicalAllgatherer", "ProcessGroup",
+           "HorovodGroup", "resolve_group"]
 
 
 def resolve_group(where=None, frontend: str = "") -> ProcessGroup:
@@ -80,65 +79,12 @@ def _pick_group(where, dist) -> ProcessGroup:
 log = logging.getLogger(__name__)
 
 
-def make_allgatherer(prefer: str = "auto", group=None, prefix: str = "hvdcomp") -> Allgatherer:
-    """Pick the allgather transport.
-
-    Args:
-        prefer: an :class:`Allgatherer` (used as it is), ``"auto"`` (mpi4py when Horovod runs on MPI, else Horovod allgather),
-            ``"mpi4py"``, ``"hierarchical"`` (mpi4py, node-aware:
-            :class:`hvdcomp.comm.hierarchical.HierarchicalAllgatherer`) or ``"horovod"``.
-            Overridable with ``HVDCOMP_ALLGATHER``.
-        group: a :class:`hvdcomp.comm.group.Group` (the global process set when None); the
-            transport's collectives stay inside it. Collective over the group's members.
-        prefix: names Horovod's collectives of the transport (``prefix.ints``, ...): unique per
-            front-end object (:func:`hvdcomp.comm.group.instance_prefix`).
-
-    Raises:
-        RuntimeError: ``"mpi4py"`` or ``"hierarchical"`` was asked for but Horovod is not running on MPI (e.g. started
-            with ``horovodrun --gloo``) or mpi4py's world differs from Horovod's.
-        ValueError: unknown ``prefer``.
-    """
-    import horovod.torch as hvd  # (Horovod is optional for the compressors and the DDP front-end)
-
-    if isinstance(prefer, Allgatherer):  # injected (tests, custom transports)
-        return prefer
-    group = Group() if group is None else group
-    prefer = os.environ.get("HVDCOMP_ALLGATHER", prefer)
-    if prefer not in ("auto", "mpi4py", "hierarchical", "horovod"):
-        raise ValueError(f"allgather transport must be auto, mpi4py, hierarchical or horovod, got {prefer!r}")
-    if prefer == "horovod":
-        return HorovodAllgatherer(group.process_set, prefix)
-    if hvd.mpi_enabled():
-        try:
-            _warn_if_mpi4py_after_horovod(hvd)
-            from mpi4py import MPI
-
-            if MPI.COMM_WORLD.Get_size() != hvd.size():
-                reason = f"MPI world size {MPI.COMM_WORLD.Get_size()} != Horovod size {hvd.size()}"
-            elif prefer == "hierarchical":
-                return HierarchicalAllgatherer(comm=group.mpi_comm())
-            else:
-                return MPIAllgatherer(comm=group.mpi_comm())
-        except ImportError as exc:
-            reason = f"mpi4py is not importable ({exc})"
-    else:
-        reason = "Horovod is not running on MPI (e.g. horovodrun --gloo)"
-    if prefer in ("mpi4py", "hierarchical"):
-        raise RuntimeError(f"the {prefer} allgather path is unusable: {reason}. Launch with mpirun or "
-                           "horovodrun --mpi, or use allgather='horovod'.")
-    log.info("hvdcomp: sparse payloads use Horovod allgather: %s", reason)
-    return HorovodAllgatherer(group.process_set, prefix)
-
-
 _warned_import_order = False
 
 
 def _warn_if_mpi4py_after_horovod(hvd) -> None:
-    """Log once when mpi4py is first imported after ``hvd.init()`` started MPI: then Horovod's
-    background thread initialised MPI, and mpi4py's collectives from the training thread crashed
-    here (SIGSEGV in ``MPI_Bcast`` while the optimizer was built: 5 of 24 runs of a 2-rank
-    ``mpirun``; 0 of 14 with mpi4py imported first, Open MPI 4.1, Horovod 0.28.1). The fix is the
-    order the README's template uses: ``from mpi4py import MPI`` before ``import horovod.torch``."""
+    """Log once when mpi4py is first imported after ``hvd.init()`` started MPI, an order that has
+    crashed Open MPI (docs/troubleshooting.md: import mpi4py before ``horovod.torch``)."""
     global _warned_import_order
     import sys
 

@@ -1,38 +1,43 @@
-"""Variable-size allgather of payloads (lists of 1-D tensors), rank by rank.
-
-Two implementations share one protocol:
-
-1. counts (the header): every rank contributes the element count of each payload tensor
-   (int64), gathered on all ranks (a rank may send zero elements);
-2. data: the payload tensors of a rank are laid end to end as raw bytes and moved with one
-   variable-size allgather (no padding to the largest rank); receivers cut the buffer by the
-   counts and view each piece in its dtype.
-
-The optimizer calls this once per *bucket* (the payloads of several gradients together).
-:class:`MPIAllgatherer` uses mpi4py on a duplicate of ``MPI.COMM_WORLD`` (so its messages never
-mix with Horovod's), on a background thread. Where MPI is not the launcher
-(``horovodrun --gloo``), :class:`HorovodAllgatherer` uses ``hvd.allgather_async``. CUDA payloads
-are staged through host memory with one copy per call and come back on the payload's device.
+"""Variable-size allgather of payloads (lists of 1-D tensors), rank by rank: every rank's
+int64 element count per tensor (the header), then every rank's tensors' raw bytes end to end in
+one variable-size allgather (no padding), cut by the counts and viewed in their dtypes. Once per
+bucket: :class:`MPIAllgatherer` (mpi4py on a duplicate communicator, on a background thread) or
+:class:`HorovodAllgatherer` (``hvd.allgather_async``, no MPI); CUDA payloads are staged through
+host memory, one copy per call (docs/transports.md, "Buckets" and "The message layers").
 """
 from __future__ import annotations
 
 import abc
 import logging
+import math
 import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, List, Sequence
+from typing import Any, Callable, List, Sequence
 
 import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Allgatherer", "MPIAllgatherer", "HorovodAllgatherer"]
+__all__ = ["Allgatherer", "MPIAllgatherer", "HorovodAllgatherer", "poll"]
 
 COUNT_BYTES = 8  # one int64 element count per payload tensor
 MAX_COUNT = 2**31 - 1  # MPI counts and displacements are C ints
+
+
+def poll(done: Callable[[], bool], deadline: float = math.inf) -> bool:
+    """Call ``done()`` until it is true, sleeping 0.05 ms growing to 1 ms between calls (so a
+    waiting thread leaves the cores to compute), or until ``time.monotonic()`` passes ``deadline``;
+    returns whether it is done."""
+    pause = 5e-5
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(1e-3, pause * 2)
+    return True
 
 
 def plan_rounds(byte_counts: Sequence[int], limit: int = MAX_COUNT) -> List[List[tuple]]:
@@ -94,16 +99,15 @@ def _split(buf: torch.Tensor, counts: np.ndarray, dtypes, device) -> List[List[t
     """
     buf = buf.to(device)
     out, pos = [], 0
-    sizes = [torch.empty((), dtype=dt).element_size() for dt in dtypes]
     for r in range(counts.shape[0]):
         payload = []
-        for c, dt, itemsize in zip(counts[r], dtypes, sizes):
-            nbytes = int(c) * itemsize
+        for c, dt in zip(counts[r], dtypes):
+            nbytes = int(c) * dt.itemsize
             piece = buf[pos:pos + nbytes]
             if nbytes == 0:  # an empty slice may have a stride a dtype view refuses
                 payload.append(torch.empty(0, dtype=dt, device=buf.device))
                 continue
-            if pos % itemsize:  # a dtype view needs an aligned offset
+            if pos % dt.itemsize:  # a dtype view needs an aligned offset
                 piece = piece.clone()
             payload.append(piece.view(dt))
             pos += nbytes
@@ -153,19 +157,12 @@ class _Handle:
 
 
 class MPIAllgatherer(Allgatherer):
-    """mpi4py path: per call, one ``Allgather`` of the per-tensor element counts (the header),
-    then one ``Allgatherv`` of all the payload bytes, on a duplicate of ``COMM_WORLD``.
-
-    With ``MPI_THREAD_MULTIPLE`` (what Horovod asks for) the exchange runs on one background
-    thread, so it proceeds while backward computes (Open MPI moves non-blocking collectives
-    only inside MPI calls, so a request left alone until ``finish`` would not overlap). The
-    thread waits by polling ``Test`` with short sleeps rather than spinning, so it does not steal
-    the cores that compute needs. Calls must be made in the same order on every rank; the
-    thread keeps that order. Without ``MPI_THREAD_MULTIPLE`` the exchange runs in ``start``.
-
-    A failure on the background thread (an MPI error, memory exhausted) would leave the other
-    ranks waiting forever in the collective, so it prints the traceback and aborts the whole job
-    (``MPI_Abort``): every rank ends within seconds.
+    """mpi4py path: per call, one ``Allgather`` of the per-tensor element counts, then one
+    ``Allgatherv`` of the payload bytes, on a duplicate of ``comm``. With ``MPI_THREAD_MULTIPLE``
+    the exchange runs on one background thread (:func:`poll`; calls in the same order on every
+    rank), else in ``start``; a failure on that thread prints the traceback and aborts the job
+    (``MPI_Abort``) rather than leave the other ranks waiting (docs/transports.md, "The message
+    layers").
 
     Args:
         comm: communicator to duplicate (``MPI.COMM_WORLD`` by default; a process set's
@@ -202,14 +199,11 @@ class MPIAllgatherer(Allgatherer):
         return self._executor is not None
 
     def _wait(self, request) -> None:
-        """Complete ``request``, sleeping between tests (0.05 ms growing to 1 ms)."""
+        """Complete ``request`` (on the background thread: :func:`poll` its ``Test``)."""
         if self._executor is None:
             request.Wait()
-            return
-        pause = 5e-5
-        while not request.Test():
-            time.sleep(pause)
-            pause = min(1e-3, pause * 2)
+        else:
+            poll(request.Test)
 
     def start(self, payload, name):
         h = _Handle()
@@ -238,27 +232,36 @@ class MPIAllgatherer(Allgatherer):
             raise
 
     def _exchange(self, h, counts) -> None:
-        MPI = self.MPI
         if h.ready is not None:
             h.ready.synchronize()
+        h.counts = self._gather_counts(counts)
+        byte_counts = (h.counts * np.array([d.itemsize for d in h.dtypes], dtype=np.int64)).sum(axis=1)
+        h.recv = self._gather_bytes(h, byte_counts.tolist())
+        h.bytes_received = h.counts.size * COUNT_BYTES + h.recv.nbytes
+
+    def _gather_counts(self, counts: np.ndarray) -> np.ndarray:
+        """Every rank's int64 ``counts`` (the same size on every rank), one row per rank."""
         all_counts = np.empty((self.size, counts.size), dtype=np.int64)
         self._wait(self.comm.Iallgather(counts, all_counts))
-        itemsize = np.array([torch.empty((), dtype=d).element_size() for d in h.dtypes], dtype=np.int64)
-        byte_counts = (all_counts * itemsize).sum(axis=1)
-        h.recv = np.empty(int(byte_counts.sum()), dtype=np.uint8)
-        rounds = plan_rounds(byte_counts.tolist(), self.max_count)
+        return all_counts
+
+    def _gather_bytes(self, h, byte_counts: List[int]) -> np.ndarray:
+        """Every rank's ``h.send`` (``byte_counts[r]`` bytes from rank r), in rank order, in
+        :func:`plan_rounds`' rounds."""
+        MPI = self.MPI
+        recv = np.empty(sum(byte_counts), dtype=np.uint8)
+        rounds = plan_rounds(byte_counts, self.max_count)
         for rnd in rounds:  # one round unless the total overflows a C int
             cnts = [c for _, c, _ in rnd]
             offsets = np.concatenate([[0], np.cumsum(cnts)[:-1]]).astype(np.int64).tolist()
             src, mine, _ = rnd[self.comm.Get_rank()]
             single = len(rounds) == 1
-            tmp = h.recv if single else np.empty(sum(cnts), dtype=np.uint8)
+            tmp = recv if single else np.empty(sum(cnts), dtype=np.uint8)
             self._wait(self.comm.Iallgatherv(h.send[src:src + mine], [tmp, cnts, offsets, MPI.BYTE]))
             if not single:
                 for (_, c, dst), off in zip(rnd, offsets):
-                    h.recv[dst:dst + c] = tmp[off:off + c]
-        h.counts = all_counts
-        h.bytes_received = all_counts.size * COUNT_BYTES + h.recv.nbytes
+                    recv[dst:dst + c] = tmp[off:off + c]
+        return recv
 
     def finish(self, h):
         if h.future is not None:
@@ -288,9 +291,7 @@ class MPIAllgatherer(Allgatherer):
 
     def close(self):
         """Stop the background thread (waits for queued exchanges); idempotent. The duplicated
-        communicator is left to ``MPI_Finalize``: freeing a communicator that carried
-        non-blocking collectives while Horovod's thread drives MPI progress crashed Open MPI
-        4.1.4 (segmentation fault inside ``MPI_Comm_free``, in about half the runs)."""
+        communicator is left to ``MPI_Finalize`` (docs/transports.md, "The message layers")."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -300,15 +301,17 @@ class HorovodAllgatherer(Allgatherer):
     """Horovod path (no MPI, e.g. ``horovodrun --gloo``): ``hvd.allgather_async`` of counts and
     bytes; Horovod's own background thread moves them, so this overlaps with backward too. Its
     fixed collectives are named ``prefix.probe``, ``prefix.ints``, ``prefix.agree``: one object's
-    (:func:`hvdcomp.comm.group.instance_prefix`), since two objects' may run at once."""
+    (:func:`hvdcomp.comm.group.instance_prefix`), since two objects' may run at once.
+
+    Args:
+        group: the :class:`~hvdcomp.comm.group.HorovodGroup` the payloads travel in.
+        prefix: names the fixed collectives.
+    """
 
     kind = "horovod"
 
-    def __init__(self, process_set=None, prefix: str = "hvdcomp"):
-        import horovod.torch as hvd
-
-        self.hvd, self.prefix = hvd, prefix
-        self.process_set = hvd.global_process_set if process_set is None else process_set
+    def __init__(self, group, prefix: str = "hvdcomp"):
+        self.group, self.hvd, self.process_set, self.prefix = group, group.hvd, group.process_set, prefix
 
     def start(self, payload, name):
         hvd = self.hvd
@@ -335,13 +338,10 @@ class HorovodAllgatherer(Allgatherer):
                            process_set=self.process_set)
 
     def allgather_ints(self, values):
-        """Every rank's ``values`` by ``hvd.allgather``, in rank order."""
-        mine = torch.tensor([list(values)], dtype=torch.int64)
-        return self.hvd.allgather(mine, name=f"{self.prefix}.ints", process_set=self.process_set).tolist()
+        """Every rank's ``values`` (:meth:`~hvdcomp.comm.group.HorovodGroup.allgather_ints`)."""
+        return self.group.allgather_ints(values, f"{self.prefix}.ints")
 
     def agree(self, values):
-        """Rank 0's ``values`` on every rank, by ``hvd.broadcast``."""
+        """Rank 0's ``values`` on every rank, by the group's broadcast."""
         t = torch.as_tensor(np.asarray(values, dtype=np.float64))
-        root = self.process_set.ranks[0] if self.process_set.ranks else 0
-        return self.hvd.broadcast(t, root_rank=root, name=f"{self.prefix}.agree",
-                                  process_set=self.process_set).numpy()
+        return self.group.broadcast(t, 0, f"{self.prefix}.agree").numpy()

@@ -1,19 +1,12 @@
 """α-β (latency-bandwidth) cost model of the collectives, used to route each gradient.
 
-Hockney's model: sending m bytes between two ranks costs ``α + m·β`` seconds (α: latency in
-seconds, β: inverse bandwidth in seconds per byte). With the bandwidth-optimal ring algorithms
+Hockney's model: m bytes between two ranks cost ``α + m·β`` seconds. With the ring algorithms
 (Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in MPICH",
-IJHPCA 2005), on p ranks:
-
-* allreduce of n bytes:          ``2(p-1)·α + 2(p-1)/p · n·β``
-* allgather of m bytes per rank: ``(p-1)·α + (p-1)·m·β``  (hvdcomp adds one counts exchange,
-  another ``(p-1)·α``, to learn the sizes)
-
-A sparse payload of m bytes per rank therefore beats allreducing the dense tensor (n bytes) only
-while ``(p-1)·m < 2(p-1)/p·n``, i.e. while ``m/n < 2/p``: for top-k with 8 bytes per kept element
-and 4 per dense element, while the density is below ``1/p``. Past that point the gradient is
-better decoded locally and averaged by allreduce (same result, see
-:attr:`hvdcomp.Compressor.aggregate_is_mean`).
+IJHPCA 2005), on p ranks an allreduce of n bytes costs ``2(p-1)·α + 2(p-1)/p·n·β`` and an allgather
+of m bytes per rank ``(p-1)·α + (p-1)·m·β`` (hvdcomp adds a counts exchange, ``(p-1)·α``). A
+sparse payload beats allreducing the dense tensor only while ``m/n < 2/p`` (top-k with 8-byte
+entries: density below ``1/p``); past that the gradient is decoded locally and allreduced (same
+result, :attr:`hvdcomp.Compressor.aggregate_is_mean`).
 """
 from __future__ import annotations
 
@@ -27,33 +20,10 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CostModel", "measure_cost_model", "fit_alpha_beta", "ring_terms", "collective_terms",
-           "COLLECTIVES"]
+__all__ = ["CostModel", "measure_cost_model", "fit_alpha_beta", "collective_terms", "COLLECTIVES"]
 
 #: Collectives :func:`collective_terms` models (the ring ones, and those of the scale-out transports).
 COLLECTIVES = ("allreduce", "allgather", "sparse-allreduce", "broadcast", "alltoall")
-
-
-def ring_terms(kind: str, p: int, nbytes: float) -> Tuple[float, float]:
-    """``(latency terms, byte terms)`` of one ring collective on ``p`` ranks: its time is
-    ``latency_terms·α + byte_terms·β``.
-
-    Args:
-        kind: ``"allreduce"`` (``nbytes`` = the tensor) or ``"allgather"`` (``nbytes`` = one
-            rank's contribution).
-        p: number of ranks; one rank costs nothing.
-        nbytes: bytes.
-
-    Raises:
-        ValueError: unknown ``kind``.
-    """
-    if kind not in ("allreduce", "allgather"):
-        raise ValueError(f"kind must be 'allreduce' or 'allgather', got {kind!r}")
-    if p <= 1:
-        return 0.0, 0.0
-    if kind == "allgather":
-        return p - 1, (p - 1) * nbytes
-    return 2 * (p - 1), 2 * (p - 1) / p * nbytes
 
 
 def collective_terms(kind: str, p: int, nbytes: float) -> Tuple[float, float]:
@@ -63,7 +33,8 @@ def collective_terms(kind: str, p: int, nbytes: float) -> Tuple[float, float]:
     Args:
         kind: one of :data:`COLLECTIVES`:
 
-            * ``"allreduce"``, ``"allgather"``: the rings of :func:`ring_terms`;
+            * ``"allreduce"`` (``nbytes``: the tensor), ``"allgather"`` (``nbytes``: one rank's
+              contribution): the rings of the module docstring;
             * ``"sparse-allreduce"``: gTop-k's recursive doubling
               (:func:`hvdcomp.comm.sparse_allreduce.global_topk`), ``nbytes`` = one rank's k
               entries: log2(q) exchanges of ``nbytes`` (q: the largest power of two ≤ p), plus,
@@ -78,12 +49,14 @@ def collective_terms(kind: str, p: int, nbytes: float) -> Tuple[float, float]:
     Raises:
         ValueError: unknown ``kind``.
     """
-    if kind in ("allreduce", "allgather"):
-        return ring_terms(kind, p, nbytes)
     if kind not in COLLECTIVES:
         raise ValueError(f"kind must be one of {COLLECTIVES}, got {kind!r}")
     if p <= 1:
         return 0.0, 0.0
+    if kind == "allgather":
+        return p - 1, (p - 1) * nbytes
+    if kind == "allreduce":
+        return 2 * (p - 1), 2 * (p - 1) / p * nbytes
     if kind == "sparse-allreduce":
         q = 1 << (int(p).bit_length() - 1)
         rounds, fold = q.bit_length() - 1, q != p
@@ -197,7 +170,7 @@ def measure_cost_model(gather, size: int, sizes: Sequence[int] = (8, 65536, 2621
             t0 = time.perf_counter()
             gather(nbytes)
             best = min(best, time.perf_counter() - t0)
-        samples.append((*ring_terms("allgather", size, nbytes), best))
+        samples.append((*collective_terms("allgather", size, nbytes), best))
     model = fit_alpha_beta(samples)
     values = np.array([model.alpha, model.beta], dtype=np.float64)
     if agree is not None:

@@ -1,21 +1,18 @@
-"""Byte messages among the ranks of an mpi4py communicator: point to point, all-to-all,
-allgather, and the in-place reductions and broadcasts of dense buffers.
-
-The scale-out transports (:mod:`hvdcomp.comm.sparse_allreduce`, the compressed allreduce of
-:mod:`hvdcomp.transports.twophase`) move variable-size byte messages; AB-training
-(:mod:`hvdcomp.lowrank`) reduces and broadcasts packed fp32 buffers. This module is their one
-mpi4py layer and its byte counters; the :class:`PointToPoint` protocol is what the transports need
-(tests run them on simulated ranks in threads, ``tests/simworld.py``). Payloads of several
-tensors travel as one message with :func:`pack_payload` / :func:`unpack_payload`.
+"""Byte messages among ranks (:class:`PointToPoint`: point to point, all-to-all, allgather) over
+mpi4py (:class:`MPIExchange`, also the in-place reductions and broadcasts of AB-training's packed
+buffers) or Horovod's collectives (:class:`HorovodExchange`), with their byte counters
+(:class:`Messages`); and the package's one payload codec, :func:`pack_payload` /
+:func:`unpack_payload` (several tensors as one message).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Protocol, Sequence
+from typing import List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ["PointToPoint", "MPIExchange", "HorovodExchange", "SubGroup", "node_ids", "pack_payload", "unpack_payload"]
+__all__ = ["moved_bytes", "PointToPoint", "Messages", "MPIExchange", "HorovodExchange", "SubGroup", "node_ids",
+           "pack_payload", "unpack_payload", "message_bytes"]
 
 # dtypes a payload tensor may have, by their code in a packed header
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8,
@@ -45,7 +42,42 @@ class PointToPoint(Protocol):
         """Every rank's ``data`` (sizes may differ), in rank order."""
 
 
-class MPIExchange:
+class Messages:
+    """What every byte layer shares (:class:`MPIExchange`, :class:`HorovodExchange`,
+    :class:`hvdcomp.comm.torchdist.TorchDistExchange`): ``bytes_sent`` / ``bytes_received`` (the
+    bytes this rank moved, headers included, docs/architecture.md "One definition of bytes") and
+    the ``nodes`` layout (node id of every rank)."""
+
+    rank = bytes_sent = bytes_received = 0
+    nodes: List[int] = []
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether the group holds ranks of more than one node."""
+        return len(set(self.nodes)) > 1
+
+    def _count(self, data: torch.Tensor, root: Optional[int] = None) -> torch.Tensor:
+        """Count a reduction of ``data`` (or its broadcast from ``root``): :func:`moved_bytes`."""
+        sent, received = moved_bytes(data, self.rank, root)
+        self.bytes_sent += sent
+        self.bytes_received += received
+        return data
+
+
+def moved_bytes(data: torch.Tensor, rank: int = 0, root: Optional[int] = None) -> Tuple[int, int]:
+    """``(sent, received)`` bytes of a collective over ``data`` on ``rank`` (docs/architecture.md,
+    "One definition of bytes"): a reduction sends and receives its bytes on every rank; a
+    broadcast from ``root`` is sent by the root and received by every rank, the root too."""
+    nbytes = data.numel() * data.element_size()
+    return (nbytes if root is None or rank == root else 0), nbytes
+
+
+def _cut(out: torch.Tensor, counts: Sequence[int]) -> List[torch.Tensor]:
+    """``out`` cut into consecutive pieces of ``counts`` elements (views)."""
+    return list(torch.split(out, [int(c) for c in counts]))
+
+
+class MPIExchange(Messages):
     """:class:`PointToPoint` over an mpi4py communicator (host memory: tensors on a GPU are
     copied to the host and back by the callers' ``.cpu()`` / ``.to(device)``).
 
@@ -55,10 +87,6 @@ class MPIExchange:
         nodes: node id of every rank of ``comm``, when the caller knows the layout (e.g. an
             emulated one); None: :func:`node_ids` of the processor names, gathered at
             construction (collective).
-
-    Attributes:
-        bytes_sent, bytes_received: payload bytes this rank moved (headers of sizes included).
-        nodes: node id of every rank (ranks of one host share one).
 
     Raises:
         ValueError: ``nodes`` does not give one id per rank of ``comm``.
@@ -71,24 +99,15 @@ class MPIExchange:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self.bytes_sent = 0
-        self.bytes_received = 0
         if nodes is not None and len(nodes) != self.size:
             raise ValueError(f"nodes gives {len(nodes)} node ids for a communicator of {self.size} ranks")
         self.nodes = list(nodes) if nodes is not None else node_ids(comm.allgather(MPI.Get_processor_name()))
 
-    @property
-    def spans_nodes(self) -> bool:
-        """Whether the communicator holds ranks of more than one node."""
-        return len(set(self.nodes)) > 1
-
     def allreduce_(self, data: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce ``data`` in place over every rank with one MPI Allreduce; returns it.
 
-        ``data``: a contiguous CPU tensor of a dtype NumPy holds (e.g. a packed float32 buffer,
-        int64 counts), the same shape on every rank; ``op``: ``"sum"``, ``"max"`` or ``"min"``.
-        Counts ``data``'s bytes as sent and as received (hvdcomp's convention: a reduction of n
-        bytes sends n and receives n on every rank, whatever algorithm MPI runs).
+        ``data``: a contiguous CPU tensor of a dtype NumPy holds, the same shape on every rank;
+        ``op``: ``"sum"``, ``"max"`` or ``"min"``. Bytes: :func:`moved_bytes`.
 
         Raises:
             ValueError: an unknown ``op``, or ``data`` not a contiguous CPU tensor.
@@ -96,27 +115,20 @@ class MPIExchange:
         ops = {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN}
         if op not in ops:
             raise ValueError(f"allreduce_ op must be one of {sorted(ops)}, got {op!r}")
-        buf = _host_buffer(data)
-        self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=ops[op])
-        self.bytes_sent += buf.nbytes
-        self.bytes_received += buf.nbytes
-        return data
+        self.comm.Allreduce(self.MPI.IN_PLACE, _host_buffer(data), op=ops[op])
+        return self._count(data)
 
     def broadcast_(self, data: torch.Tensor, root: int) -> torch.Tensor:
         """Rank ``root``'s ``data`` written into ``data`` on every rank (one MPI Bcast); returns it.
 
-        ``data``: a contiguous CPU tensor, the same shape and dtype on every rank. Counts its bytes
-        as sent at ``root`` and as received on every rank, the root's included (the buffer the
-        collective fills).
+        ``data``: a contiguous CPU tensor, the same shape and dtype on every rank. Bytes:
+        :func:`moved_bytes`.
 
         Raises:
             ValueError: ``data`` not a contiguous CPU tensor.
         """
-        buf = _host_buffer(data)
-        self.comm.Bcast(buf, root=root)
-        self.bytes_sent += buf.nbytes if self.rank == root else 0
-        self.bytes_received += buf.nbytes
-        return data
+        self.comm.Bcast(_host_buffer(data), root=root)
+        return self._count(data, root)
 
     def send(self, data, dest):
         buf = data.cpu().numpy()
@@ -155,8 +167,7 @@ class MPIExchange:
         me = self.rank
         self.bytes_sent += int(counts.sum() - counts[me]) + 8 * (self.size - 1)
         self.bytes_received += int(recv_counts.sum() - recv_counts[me]) + 8 * (self.size - 1)
-        out = torch.from_numpy(rbuf)
-        return [out[int(o):int(o + c)] for o, c in zip(rdis, recv_counts)]
+        return _cut(torch.from_numpy(rbuf), recv_counts)
 
     def allgather(self, data):
         mine = data.cpu().numpy()
@@ -167,16 +178,14 @@ class MPIExchange:
         self.comm.Allgatherv(mine, [rbuf, counts, dis, self.MPI.BYTE])
         self.bytes_sent += mine.nbytes + 8
         self.bytes_received += int(counts.sum() - counts[self.rank]) + 8 * (self.size - 1)
-        out = torch.from_numpy(rbuf)
-        return [out[int(o):int(o + c)] for o, c in zip(dis, counts)]
+        return _cut(torch.from_numpy(rbuf), counts)
 
 
-class HorovodExchange:
-    """The all-to-all and allgather of :class:`PointToPoint` through Horovod's own collectives
-    (``hvd.alltoall`` with splits, ``hvd.allgather``), for a job whose ranks cannot message
-    each other through MPI: elastic Horovod runs on its Gloo controller, and MPI communicators
-    would not survive its reset anyway. Collectives only: ``send``, ``recv`` and ``sendrecv``
-    raise. Making one runs no collective.
+class HorovodExchange(Messages):
+    """The all-to-all and allgather of :class:`PointToPoint` through Horovod's collectives
+    (``hvd.alltoall`` with splits, ``hvd.allgather``), for elastic Horovod (its Gloo controller; MPI
+    communicators would not survive its reset). ``send``, ``recv`` and ``sendrecv`` raise. Making
+    one runs no collective.
 
     Args:
         hvd: the Horovod module (``horovod.torch``).
@@ -185,8 +194,6 @@ class HorovodExchange:
             one name serves every call).
 
     Attributes:
-        bytes_sent, bytes_received: payload bytes this rank moved (a 4-byte size per message
-            to another rank included).
         messages: False: no ``send``/``recv`` (a method whose route ``needs_messages`` is
             refused at assembly).
     """
@@ -195,7 +202,6 @@ class HorovodExchange:
 
     def __init__(self, hvd, rank: int, size: int, prefix: str):
         self.hvd, self.rank, self.size, self.prefix = hvd, int(rank), int(size), prefix
-        self.bytes_sent = self.bytes_received = 0
 
     def _name(self, what: str) -> str:
         return f"{self.prefix}.{what}"
@@ -216,8 +222,7 @@ class HorovodExchange:
         me = self.rank
         self.bytes_sent += sum(4 + d.numel() for j, d in enumerate(data) if j != me)
         self.bytes_received += sum(4 + c for j, c in enumerate(counts) if j != me)
-        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        return [out[bounds[j]:bounds[j + 1]] for j in range(self.size)]
+        return _cut(out, counts)
 
     def allgather(self, data):
         mine = data.detach().cpu().contiguous().view(torch.uint8).reshape(-1)
@@ -226,8 +231,7 @@ class HorovodExchange:
         out = self.hvd.allgather(mine, name=self._name("allgather"))
         self.bytes_sent += 8 + mine.numel()
         self.bytes_received += sum(8 + c for j, c in enumerate(counts) if j != self.rank)
-        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        return [out[bounds[j]:bounds[j + 1]] for j in range(self.size)]
+        return _cut(out, counts)
 
 
 def _host_buffer(data: torch.Tensor) -> np.ndarray:
@@ -289,6 +293,12 @@ def pack_payload(payload: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([head] + [t.detach().reshape(-1).contiguous().cpu().view(torch.uint8) for t in payload])
 
 
+def message_bytes(numels: Sequence[int], itemsizes: Sequence[int]) -> int:
+    """Exact bytes of one message (:func:`pack_payload`): the int64 header
+    ``8·(1 + 2·tensors)`` (count; dtype and element count per tensor) plus the tensors' bytes."""
+    return 8 * (1 + 2 * len(numels)) + sum(int(n) * int(s) for n, s in zip(numels, itemsizes))
+
+
 def unpack_payload(data: torch.Tensor, device=None) -> List[torch.Tensor]:
     """The tensors :func:`pack_payload` packed (1-D each), on ``device`` (default: the data's)."""
     data = data.cpu()  # (a slice of a receive buffer: views of other dtypes need aligned copies)
@@ -297,7 +307,7 @@ def unpack_payload(data: torch.Tensor, device=None) -> List[torch.Tensor]:
     pos, out = 8 + 16 * count, []
     for j in range(count):
         dtype, numel = _DTYPES[header[2 * j]], header[2 * j + 1]
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         out.append(data[pos:pos + nbytes].clone().view(dtype).to(device or data.device))
         pos += nbytes
     return out

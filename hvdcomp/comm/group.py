@@ -1,23 +1,14 @@
 """The ranks a reduction runs among, and the collectives hvdcomp's core runs among them: one
-interface (:class:`ProcessGroup`), two implementations.
-
-* :class:`HorovodGroup`: a Horovod process set (the global one by default), Horovod's named,
-  negotiated collectives, and mpi4py (a duplicate of the set's communicator) for variable-size
-  allgathers and point-to-point messages where Horovod runs on MPI;
-* :class:`hvdcomp.comm.torchdist.TorchDistGroup`: a ``torch.distributed`` process group (gloo on
-  CPU, NCCL on CUDA; launched by torchrun or srun), no Horovod, no MPI.
-
-Every collective of the core (the transports, the agreements, the step-wide methods' step) goes
-through this interface, so the pipeline, the training modes and their tests are the same under
-either launcher. What differs is said on each implementation: how an average rounds (Horovod
-sums then scales; ``torch.distributed`` divides first, as DDP does), and whether collectives must
-be issued in the same order on every rank (``torch.distributed``: yes; Horovod negotiates by
-name).
+interface (:class:`ProcessGroup`), two implementations, :class:`HorovodGroup` (a Horovod process
+set; mpi4py for variable-size allgathers and messages where Horovod runs on MPI) and
+:class:`hvdcomp.comm.torchdist.TorchDistGroup` (``torch.distributed``: gloo or NCCL; torchrun,
+srun). Every collective of the core goes through it (docs/architecture.md, "The layers"); what
+differs (how an average rounds, whether issue order must match) is said on each implementation.
 """
 from __future__ import annotations
 
 import abc
-import io
+import os
 import pickle
 import time
 from typing import Any, List, Sequence
@@ -37,12 +28,21 @@ _created: dict = {}  # per front-end kind, how many this process built
 
 def instance_prefix(kind: str = "") -> str:
     """The name prefix of a new front-end object's collectives, ``hvdcomp.<kind>.<n>`` (``n``: its
-    creation index among this process's objects of ``kind``): two objects' collectives in flight
-    at once never share a Horovod name, and ranks that build the same objects in the same order
-    build the same names (the set-up agreement compares them)."""
+    creation index among this process's objects of ``kind``): unique per object, and the same on
+    ranks that build the same objects in the same order (the set-up agreement compares them)."""
     base = f"hvdcomp.{kind}" if kind else "hvdcomp"
     n = _created[base] = _created.get(base, -1) + 1
     return f"{base}.{n}"
+
+
+def pickled(obj: Any) -> torch.Tensor:
+    """``obj``'s pickle as a 1-D uint8 tensor (the object gathers and broadcasts of both groups)."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def unpickled(data: torch.Tensor) -> Any:
+    """The object :func:`pickled` turned into ``data`` (a CPU tensor)."""
+    return pickle.loads(data.numpy().tobytes())
 
 
 def horovod():
@@ -154,10 +154,9 @@ class ProcessGroup(abc.ABC):
         counted in ``timer``), with the given :meth:`point_to_point` messages (or None)."""
         from .stepcomm import timed_step_comm
 
-        p2p = point_to_point
         return timed_step_comm(lambda tensor, name: self.allreduce(tensor, f"{prefix}.{name}"),
                                lambda tensor, root, name: self.broadcast(tensor, root, f"{prefix}.{name}"),
-                               self.rank, self.size, timer, p2p)
+                               self.rank, self.size, timer, point_to_point)
 
     def latency(self, prefix: str, calls: int = 5) -> float:
         """Seconds of one tiny allreduce in this group (its cycle and negotiation): the median of
@@ -245,17 +244,11 @@ class HorovodGroup(ProcessGroup):
         """Every member's ``obj`` (picklable), in rank order (two Horovod allgathers)."""
         if self.size == 1:
             return [obj]
-        buf = io.BytesIO()
-        pickle.dump(obj, buf)
-        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        data = pickled(obj)
         sizes = self.hvd.allgather(torch.tensor([data.numel()], dtype=torch.int64), name=f"{name}.sz",
                                    process_set=self.process_set).tolist()
-        gathered = self.hvd.allgather(data, name=f"{name}.data", process_set=self.process_set).numpy()
-        out, start = [], 0
-        for n in sizes:
-            out.append(pickle.loads(gathered[start:start + n].tobytes()))
-            start += n
-        return out
+        gathered = self.hvd.allgather(data, name=f"{name}.data", process_set=self.process_set)
+        return [unpickled(t) for t in torch.split(gathered, sizes)]
 
     def broadcast_object(self, obj: Any, root: int, name: str) -> Any:
         """``obj`` of the member whose rank in the set is ``root``, on every member."""
@@ -271,12 +264,53 @@ class HorovodGroup(ProcessGroup):
             return mine.tolist()
         return self.hvd.allgather(mine, name=name, process_set=self.process_set).tolist()
 
-    def allgatherer(self, prefer: str = "auto", prefix: str = "hvdcomp"):
-        """:func:`hvdcomp.comm.make_allgatherer` over the set (mpi4py where Horovod runs on MPI,
-        else Horovod's allgather, its collectives named ``prefix.*``)."""
-        from . import make_allgatherer
+    def allgatherer(self, prefer="auto", prefix: str = "hvdcomp"):
+        """The allgather of payloads over the set (collective over its members).
 
-        return make_allgatherer(prefer, self, prefix)
+        Args:
+            prefer: an :class:`~hvdcomp.comm.allgatherv.Allgatherer` (used as it is), ``"auto"``
+                (mpi4py when Horovod runs on MPI, else Horovod's allgather), ``"mpi4py"``,
+                ``"hierarchical"`` (:class:`hvdcomp.comm.hierarchical.HierarchicalAllgatherer`) or
+                ``"horovod"``; overridden by ``HVDCOMP_ALLGATHER``.
+            prefix: names Horovod's collectives of the transport (:func:`instance_prefix`).
+
+        Raises:
+            RuntimeError: ``"mpi4py"`` or ``"hierarchical"`` without Horovod on MPI (e.g.
+                ``horovodrun --gloo``) or with an mpi4py world other than Horovod's.
+            ValueError: unknown ``prefer``.
+        """
+        from . import _warn_if_mpi4py_after_horovod, log
+        from .allgatherv import Allgatherer, HorovodAllgatherer, MPIAllgatherer
+        from .hierarchical import HierarchicalAllgatherer
+
+        if isinstance(prefer, Allgatherer):  # injected (tests, custom transports)
+            return prefer
+        prefer = os.environ.get("HVDCOMP_ALLGATHER", prefer)
+        if prefer not in ("auto", "mpi4py", "hierarchical", "horovod"):
+            raise ValueError(f"allgather transport must be auto, mpi4py, hierarchical or horovod, got {prefer!r}")
+        hvd = self.hvd
+        if prefer == "horovod":
+            return HorovodAllgatherer(self, prefix)
+        if hvd.mpi_enabled():
+            try:
+                _warn_if_mpi4py_after_horovod(hvd)
+                from mpi4py import MPI
+
+                if MPI.COMM_WORLD.Get_size() != hvd.size():
+                    reason = f"MPI world size {MPI.COMM_WORLD.Get_size()} != Horovod size {hvd.size()}"
+                elif prefer == "hierarchical":
+                    return HierarchicalAllgatherer(comm=self.mpi_comm())
+                else:
+                    return MPIAllgatherer(comm=self.mpi_comm())
+            except ImportError as exc:
+                reason = f"mpi4py is not importable ({exc})"
+        else:
+            reason = "Horovod is not running on MPI (e.g. horovodrun --gloo)"
+        if prefer in ("mpi4py", "hierarchical"):
+            raise RuntimeError(f"the {prefer} allgather path is unusable: {reason}. Launch with mpirun or "
+                               "horovodrun --mpi, or use allgather='horovod'.")
+        log.info("hvdcomp: sparse payloads use Horovod allgather: %s", reason)
+        return HorovodAllgatherer(self, prefix)
 
     def point_to_point(self, gatherer=None):
         """:class:`hvdcomp.comm.exchange.MPIExchange` on a duplicate of an mpi4py communicator of
@@ -342,10 +376,8 @@ def world_changed(group: ProcessGroup) -> bool:
 
 
 class FollowsWorld:
-    """What every front-end that follows elastic Horovod (``horovodrun --min-np/--max-np``;
-    :data:`hvdcomp.launch.ELASTIC_FRONTENDS`) does alike when workers are lost or added: the one
-    place that tells whether this is elastic Horovod's world (:func:`elastic_world`), notices
-    that the world changed (:func:`world_changed`), and rebuilds the group over the new world.
+    """How every front-end of :data:`hvdcomp.launch.ELASTIC_FRONTENDS` follows elastic Horovod's
+    world (``horovodrun --min-np/--max-np``) when workers are lost or added.
 
     A front-end calls ``_init_world()`` at construction (no collective: a new worker builds
     its optimizer while the others are in Horovod's reset) and ``_follow_world()`` at each step
@@ -358,18 +390,13 @@ class FollowsWorld:
     _joining = False
 
     def _init_world(self, group: ProcessGroup, what: str) -> None:
-        """Whether ``group`` is elastic Horovod's world (Horovod under ``HOROVOD_ELASTIC=1``); if
-        so, the first step joins it (``_join_world()``).
-
-        Raises:
-            ValueError: a process set other than the whole job under elastic Horovod.
-        """
+        """:func:`elastic_world`; if so, the first step joins it (``_join_world()``)."""
         self._elastic = self._joining = elastic_world(group, what)
 
     def reset(self) -> None:
-        """Follow elastic Horovod's reset (workers lost or added): register it once,
-        ``state.register_reset_callbacks([opt.reset])``. Runs no collective: what depends on the
-        world is rebuilt over the new one, and every rank joins it at its next step.
+        """Follow elastic Horovod's reset: register it once,
+        ``state.register_reset_callbacks([opt.reset])``. No collective: every rank joins the new
+        world at its next step.
 
         Raises:
             ValueError: the front-end does not run on Horovod (elastic Horovod only).
@@ -382,9 +409,8 @@ class FollowsWorld:
         self._joining = True
 
     def _follow_world(self) -> None:
-        """At a step boundary, under elastic Horovod: a world whose size or whose rank of this
-        process changed without :meth:`reset` (no callback registered) is followed as if it had
-        been called; then, at the first step of a world, ``_join_world()``."""
+        """At a step boundary, under elastic Horovod: :meth:`reset` if the world changed without it
+        (:func:`world_changed`), then, at the first step of a world, ``_join_world()``."""
         if not self._elastic:
             return
         if not self._joining and world_changed(self._world_group()):

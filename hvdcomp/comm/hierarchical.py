@@ -1,28 +1,15 @@
-"""Node-aware (hierarchical) variable-size allgather: combine inside a node, exchange between
-nodes once per node, hand the result back inside the node.
-
-A flat ring allgather over p ranks on N nodes sends every payload across node boundaries on
-several ring links and pays (p − 1) latencies. Here, per call (counts header and data alike):
-
-1. inside each node, the ranks' bytes are gathered to the node's leader (its lowest rank):
-   shared memory or NVLink, not the network;
-2. the N leaders exchange their nodes' bundles with one variable-size allgather: N − 1
-   latencies and each node's bytes cross the network once per other leader;
-3. each leader puts the bundles in global rank order and broadcasts the whole buffer inside its
-   node.
-
-Every rank ends with exactly what :class:`hvdcomp.comm.allgatherv.MPIAllgatherer` gives (the
-payloads in rank order), so aggregation, results and checkpoints do not depend on it. As in the
-node-aware collectives of MPICH/Open MPI ("hierarchical" or "two-level" algorithms; Träff,
-"Relationships between regular and irregular collective communication operations", 2013) and
-Horovod's hierarchical allgather (``HOROVOD_HIERARCHICAL_ALLGATHER``).
+"""Node-aware (hierarchical) variable-size allgather: inside each node the ranks' bytes are
+gathered to its leader (its lowest rank), the leaders exchange their nodes' bundles with one
+variable-size allgather, and each leader broadcasts the result inside its node. Every rank ends
+with exactly what :class:`hvdcomp.comm.allgatherv.MPIAllgatherer` gives (docs/transports.md,
+"Node-aware allgather"; Träff, "Relationships between regular and irregular collective
+communication operations", 2013).
 """
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
 import numpy as np
-import torch
 
 from .allgatherv import COUNT_BYTES, MPIAllgatherer
 from .exchange import node_ids
@@ -95,31 +82,21 @@ class HierarchicalAllgatherer(MPIAllgatherer):
             self._wait(self.node.Ibcast(out, root=0))
         return out
 
-    def _exchange(self, h, counts) -> None:
-        if h.ready is not None:
-            h.ready.synchronize()
-        t = counts.size
-        header = self._gather_all(counts.view(np.uint8), [t * COUNT_BYTES] * self.size)
-        all_counts = header.view(np.int64).reshape(self.size, t).copy()
-        itemsize = np.array([_itemsize(d) for d in h.dtypes], dtype=np.int64)
-        byte_counts = (all_counts * itemsize).sum(axis=1)
-        if int(byte_counts.sum()) > self.max_count:  # past a C int: the flat path's rounds
-            h.recv = np.empty(int(byte_counts.sum()), dtype=np.uint8)
-            super()._exchange(h, counts)
-            return
-        h.recv = self._gather_all(h.send, byte_counts.tolist())
-        h.counts = all_counts
-        h.bytes_received = all_counts.size * COUNT_BYTES + h.recv.nbytes
+    def _gather_counts(self, counts):
+        header = self._gather_all(counts.view(np.uint8), [counts.size * COUNT_BYTES] * self.size)
+        return header.view(np.int64).reshape(self.size, counts.size).copy()
+
+    def _gather_bytes(self, h, byte_counts):
+        if sum(byte_counts) > self.max_count:  # past a C int: the flat path's rounds
+            return super()._gather_bytes(h, byte_counts)
+        recv = self._gather_all(h.send, byte_counts)
         if self.is_leader:  # instead of its own payload: its node's bundle, to the other leaders,
             # and (a node of several ranks) the whole result, to its node's ranks
-            node_bytes = sum(int(byte_counts[r]) for r in self.members[self.my_node])
-            h.bytes_sent += node_bytes - h.send.nbytes + (h.recv.nbytes if self.node.Get_size() > 1 else 0)
+            node_bytes = sum(byte_counts[r] for r in self.members[self.my_node])
+            h.bytes_sent += node_bytes - h.send.nbytes + (recv.nbytes if self.node.Get_size() > 1 else 0)
+        return recv
 
     def probe(self, nbytes):
         """Blocking hierarchical allgather of ``nbytes`` zero bytes per rank (cost-model timing)."""
         self._gather_all(np.zeros(int(nbytes), dtype=np.uint8), [int(nbytes)] * self.size)
-
-
-def _itemsize(dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 

@@ -1,30 +1,14 @@
 """Tensors hvdcomp hands to ``torch.distributed`` collectives, held by Python until the backend's
-worker threads have let go of them, and released before the interpreter finalizes.
+worker threads have let go of them, and released before the interpreter finalizes (why: gloo's
+worker freeing a Python tensor while the interpreter finalizes aborts a finished run;
+docs/ddp.md, "A clean exit").
 
-Why. gloo runs every collective on a worker thread that holds the collective's work object (and
-through it the input and output tensors) a little after the caller's ``wait()`` returns; a later
-``barrier`` even keeps earlier works until it is itself released. A tensor created in Python
-whose Python references are all gone by then is freed *by that worker thread*, and freeing its
-Python object needs the GIL. During normal training the worker simply waits for the GIL; but if
-the main thread is already finalizing the interpreter (the script ended), the worker is ended
-inside a ``noexcept`` destructor and the process aborts (SIGABRT, "terminate called without an
-active exception") after all its work is done: a finished run that the launcher reports as
-failed. The DDP hook creates such tensors every step (payloads, gather outputs, the per-step
-agreement's integers), and so do object gathers: ``torch.distributed.all_gather_object`` makes
-its own, so hvdcomp gathers and broadcasts objects over its own tensors instead
-(:meth:`hvdcomp.comm.torchdist.TorchDistGroup.allgather_object`; a run's closing
-``metrics.reduce_across_ranks`` followed by a ``barrier`` aborted that way).
-
-What this does. :func:`retain` keeps a Python reference to each such tensor (one created by
-hvdcomp, owned by Python alone when handed over: ``Tensor._use_count() == 1``), so that a worker
-releasing the work only drops its own reference, which needs no GIL. A retained tensor is let go
-once the backend holds it no more (its use count is back to 1), checked at each later
-:func:`retain` (amortised; at most :data:`CAP` are held). At interpreter exit (``atexit``, which
-runs before finalization, while the worker threads can still take the GIL), :func:`release_all`
-waits, up to :data:`EXIT_WAIT_S` seconds, for the workers to let go of what is still held, then
-drops it from the main thread. A tensor something else holds in C++ when it is handed over (a
-DDP bucket buffer: the reducer frees it from the main thread) is not retained. Call
-:func:`retain` right before the collective: one not yet handed over is let go at the next call.
+:func:`retain` keeps a reference to each tensor owned by Python alone when handed over
+(``Tensor._use_count() == 1``; one held in C++, such as a DDP bucket buffer, is not retained), and
+lets it go once the backend holds it no more, checked at each later call (at most :data:`CAP` are
+held). At exit (``atexit``) :func:`release_all` waits up to :data:`EXIT_WAIT_S` seconds for the
+workers, then drops the rest from the main thread. Call :func:`retain` right before the
+collective.
 """
 from __future__ import annotations
 

@@ -4,23 +4,17 @@ Shi, Wang, Chu, Li and Liu, "A Distributed Synchronous SGD Algorithm with Global
 Sparsification for Low Bandwidth Networks" (gTop-k), ICDCS 2019.
 
 Each rank holds at most k sparse entries (index, value). In round t = 0, 1, …, log2(q) − 1
-(q: the largest power of two ≤ p) rank r exchanges its current entries with rank r XOR 2^t,
-merges the two sets (values at the same index are added) and keeps the k entries of largest
-magnitude. After the last round every rank holds the same ≤ k entries: the global top-k of the
-sum, approximated the gTop-k way (an entry dropped at a round loses the contributions it held).
-The p − q ranks beyond q first fold their entries into rank r − q and receive the result at the
-end. Per rank and step: at most (log2(q) + 1)·k entries sent (p = 8: 3k, under Ok-Topk's 6k
-bound), against (p − 1)·k received by an allgather.
+(q: the largest power of two ≤ p) rank r exchanges its entries with rank r XOR 2^t, merges the
+two sets (values at one index added) and keeps the k entries of largest magnitude; the p − q ranks
+beyond q first fold into rank r − q and receive the result at the end. Every rank ends with the
+same ≤ k entries (an entry dropped at a round loses the contributions it held). Per rank and
+step: at most (log2(q) + 1)·k entries sent, against (p − 1)·k received by an allgather.
 
-Merges are deterministic and symmetric — the union is ordered by index with the lower rank's
-entries first, ties in magnitude are broken by index — so both ranks of a pair compute the same
-bits, and every rank ends with the same result. Entries whose value is exactly zero are not sent:
-a rank with an all-zero gradient sends nothing.
-
-Contributions are tracked for error feedback: :func:`global_topk` also returns the indices at
-which *this rank's* entries are inside the result (they survived every merge on their way). A
-rank keeps the rest as its residual, so the sum over ranks of (result contributions + residuals)
-is the sum of the inputs: nothing is lost, only delayed.
+Merges are deterministic and symmetric (the union ordered by index, the lower rank's entries
+first, magnitude ties broken by index), so both ranks of a pair compute the same bits. Entries
+exactly zero are not sent. :func:`global_topk` also returns the indices where *this rank's*
+entries are inside the result; a rank keeps the rest as its residual, so the sum over ranks of
+(result contributions + residuals) is the sum of the inputs.
 """
 from __future__ import annotations
 
@@ -30,13 +24,12 @@ import torch
 
 from .exchange import PointToPoint, SubGroup
 
-__all__ = ["global_topk", "hierarchical_topk", "merge_entries", "select_largest", "wire_bytes",
-           "expected_rounds"]
+__all__ = ["global_topk", "hierarchical_topk", "merge_entries", "select_largest", "wire_bytes"]
 
 
 def wire_bytes(index_dtype: torch.dtype, value_dtype: torch.dtype) -> int:
     """Bytes one entry takes on the wire (its index plus its value)."""
-    return torch.empty((), dtype=index_dtype).element_size() + torch.empty((), dtype=value_dtype).element_size()
+    return index_dtype.itemsize + value_dtype.itemsize
 
 
 def _pack(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -46,9 +39,8 @@ def _pack(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 def _unpack(data: torch.Tensor, index_dtype, value_dtype, device) -> Tuple[torch.Tensor, torch.Tensor]:
     data = data.to(device)
-    isz = torch.empty((), dtype=index_dtype).element_size()
     n = data.numel() // wire_bytes(index_dtype, value_dtype)
-    return data[:n * isz].view(index_dtype), data[n * isz:].view(value_dtype)
+    return data[:n * index_dtype.itemsize].view(index_dtype), data[n * index_dtype.itemsize:].view(value_dtype)
 
 
 def merge_entries(first: Tuple[torch.Tensor, torch.Tensor],
@@ -135,12 +127,6 @@ def global_topk(indices: torch.Tensor, values: torch.Tensor, k: int, p2p: PointT
         p2p.send(_pack(*cur), extra)
         p2p.send(chain.contiguous().view(torch.uint8), extra)
     return cur[0], cur[1], mine[torch.isin(mine, chain)]
-
-
-def expected_rounds(size: int) -> Tuple[int, bool]:
-    """(pairwise rounds, whether a fold round is needed) of :func:`global_topk` at ``size`` ranks."""
-    q = 1 << (max(1, size).bit_length() - 1)
-    return q.bit_length() - 1, q != size
 
 
 def hierarchical_topk(indices: torch.Tensor, values: torch.Tensor, k: int, p2p: PointToPoint,

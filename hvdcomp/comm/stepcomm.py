@@ -1,16 +1,14 @@
-"""The collectives a batched compressor runs during one step (``reduce_batch``).
-
-Batched compressors (PowerSGD, global top-k, cyclic-leader top-k) reduce every gradient of a
-step together at ``synchronize()``. The optimizer hands them a :class:`StepComm`: callable as
-``allreduce_mean(tensor, name)`` (what PowerSGD needs), plus a broadcast and, under MPI,
-point-to-point messages (:class:`hvdcomp.comm.exchange.PointToPoint`) among the ranks of
-the optimizer's process set. Tests pass simulated ones (``tests/simworld.py``).
+"""The collectives a step-wide method (PowerSGD, global top-k, leader top-k, two-phase) runs
+during one step's ``reduce_batch``: a :class:`StepComm` among the ranks of the front-end's group
+(tests pass simulated ones, ``tests/simworld.py``).
 """
 from __future__ import annotations
 
 from typing import Callable, Optional
 
 import torch
+
+from .exchange import moved_bytes
 
 __all__ = ["StepComm", "timed_step_comm"]
 
@@ -59,8 +57,7 @@ def timed_step_comm(allreduce_mean: Callable[[torch.Tensor, str], torch.Tensor],
                     broadcast: Optional[Callable[[torch.Tensor, int, str], torch.Tensor]], rank: int, size: int,
                     timer, point_to_point=None) -> StepComm:
     """A :class:`StepComm` over the given blocking collectives, each charged to ``timer``'s
-    ``communicate`` phase and counted as the front-ends count: an allreduce of B bytes sends and
-    receives B; a broadcast of B bytes is received by every rank and sent by ``root``.
+    ``communicate`` phase and counted by :func:`hvdcomp.comm.exchange.moved_bytes`.
 
     Args:
         allreduce_mean: ``f(tensor, name) -> mean over ranks`` (one collective, no timing).
@@ -73,15 +70,13 @@ def timed_step_comm(allreduce_mean: Callable[[torch.Tensor, str], torch.Tensor],
     def mean(tensor: torch.Tensor, name: str) -> torch.Tensor:
         with timer.phase("communicate"):
             out = allreduce_mean(tensor, name)
-        nbytes = tensor.numel() * tensor.element_size()
-        timer.add_bytes(sent=nbytes, received=nbytes)
+        timer.add_bytes(*moved_bytes(tensor))
         return out
 
     def bcast(tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
         with timer.phase("communicate"):
             out = broadcast(tensor, root, name)
-        nbytes = tensor.numel() * tensor.element_size()
-        timer.add_bytes(sent=nbytes if rank == root else 0, received=nbytes)
+        timer.add_bytes(*moved_bytes(tensor, rank, root))
         return out
 
     return StepComm(mean, rank, size, bcast if broadcast is not None else None, point_to_point)

@@ -1,32 +1,25 @@
-"""The ranks of a ``torch.distributed`` process group and the collectives hvdcomp runs among them
-(gloo on CPU, NCCL on CUDA; no Horovod, no MPI): the :class:`~hvdcomp.comm.group.ProcessGroup`
-of jobs launched by torchrun or srun.
-
-:class:`TorchDistGroup` is to ``torch.distributed`` what :class:`hvdcomp.comm.group.HorovodGroup`
-is to a Horovod process set. Collectives are matched by issue order, so every member issues them
-in the same order (``ordered``: the transports launch in a fixed order). An average rounds as
-PyTorch's own code does: an in-place allreduce (a gradient reduced where it lies, as DDP reduces a
-bucket) divides by the size first, then sums; an allreduce into a new tensor (a payload) sums,
-then scales (Horovod's ``op=Average``). :class:`TorchDistAllgatherer` is the variable-size
-allgather of payloads and :class:`TorchDistExchange` a
-:class:`~hvdcomp.comm.exchange.PointToPoint` over it.
+"""The :class:`~hvdcomp.comm.group.ProcessGroup` of a ``torch.distributed`` process group (gloo on
+CPU, NCCL on CUDA; torchrun or srun; no Horovod, no MPI): :class:`TorchDistGroup`, its
+variable-size allgather of payloads (:class:`TorchDistAllgatherer`) and its byte messages
+(:class:`TorchDistExchange`). Collectives match by issue order (``ordered``).
 """
 from __future__ import annotations
 
-import pickle
+import datetime
 import socket
-from typing import Any, List, Optional, Sequence
+import time
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from .allgatherv import COUNT_BYTES, Allgatherer
-from .exchange import node_ids
-from .group import ProcessGroup
+from .exchange import Messages, node_ids
+from .group import ProcessGroup, pickled, unpickled
 from .retain import retain
 
-__all__ = ["TorchDistGroup", "TorchDistAllgatherer", "TorchDistExchange"]
+__all__ = ["TorchDistGroup", "TorchDistAllgatherer", "TorchDistExchange", "exchange_messages"]
 
 
 class _Reduction:
@@ -40,7 +33,9 @@ class _Reduction:
 
 
 class TorchDistGroup(ProcessGroup):
-    """The ranks a DDP model averages over, and the collectives hvdcomp runs among them.
+    """The ranks a DDP model averages over, and the collectives hvdcomp runs among them. An
+    in-place average divides by the size first, then sums (as DDP reduces a bucket); an average
+    into a new tensor sums, then scales (as Horovod's ``op=Average``).
 
     Args:
         process_group: a ``torch.distributed`` process group (the default group when None),
@@ -83,27 +78,23 @@ class TorchDistGroup(ProcessGroup):
                          postscale: float = 1.0) -> _Reduction:
         """Start ``postscale · Σ (prescale · tensor / size)`` in place (``/ size`` with
         ``average``; divided first, as DDP reduces a gradient bucket)."""
-        pre = prescale / self.size if average else prescale
-        if pre != 1.0:
-            tensor.mul_(pre)
-        work = None
-        if self.size > 1:
-            retain(tensor)  # (every tensor handed to a collective: held until the backend lets go, retain.py)
-            work = self.dist.all_reduce(tensor, group=self.process_group, async_op=True)
-        return _Reduction(tensor, work, postscale)
+        return self._start(tensor, prescale / self.size if average else prescale, postscale)
 
     def allreduce_async(self, tensor: torch.Tensor, name: str = "", average: bool = True, prescale: float = 1.0,
                         postscale: float = 1.0) -> _Reduction:
         """Start ``postscale · Σ (prescale · tensor) / size`` into a new tensor (``/ size`` with
         ``average``; summed first, then scaled, as Horovod's ``op=Average``)."""
-        out = tensor.detach().clone()
+        return self._start(tensor.detach().clone(), prescale, postscale / self.size if average else postscale)
+
+    def _start(self, tensor: torch.Tensor, prescale: float, postscale: float) -> _Reduction:
+        """Scale ``tensor`` by ``prescale`` and start its in-place sum, ``postscale`` to apply."""
         if prescale != 1.0:
-            out.mul_(prescale)
+            tensor.mul_(prescale)
         work = None
         if self.size > 1:
-            retain(out)
-            work = self.dist.all_reduce(out, group=self.process_group, async_op=True)
-        return _Reduction(out, work, postscale / self.size if average else postscale)
+            retain(tensor)  # (every tensor handed to a collective: held until the backend lets go, retain.py)
+            work = self.dist.all_reduce(tensor, group=self.process_group, async_op=True)
+        return _Reduction(tensor, work, postscale)
 
     def synchronize(self, handle: _Reduction) -> torch.Tensor:
         """Wait for a started allreduce; returns its result."""
@@ -154,30 +145,29 @@ class TorchDistGroup(ProcessGroup):
         return every.view(self.size, -1).tolist()
 
     def allgather_object(self, obj: Any, name: Optional[str] = None) -> List[Any]:
-        """Every rank's ``obj`` (picklable), in rank order (``name``: unused, collectives of one
-        group run in issue order): its pickle's size, then the pickles padded to the longest, over
-        this group's own (retained) gathers, not ``torch.distributed.all_gather_object``, whose
-        tensors gloo's worker may free while the interpreter finalizes (:mod:`hvdcomp.comm.retain`)."""
+        """Every rank's ``obj`` (picklable), in rank order (``name`` unused): the pickles' sizes,
+        then the pickles padded to the longest, over this group's retained gathers
+        (:mod:`hvdcomp.comm.retain` says why not ``torch.distributed.all_gather_object``)."""
         if self.size == 1:
             return [obj]
-        mine = _pickled(obj)
+        mine = pickled(obj)
         sizes = [n for n, in self.allgather_ints([mine.numel()])]
         row = torch.zeros(max(sizes), dtype=torch.uint8)
         row[:mine.numel()] = mine
         every = torch.empty(self.size * row.numel(), dtype=torch.uint8, device=self.device)
         self.all_gather_into_async(every, row.to(self.device)).wait()
         rows = every.cpu().view(self.size, -1)
-        return [_unpickled(rows[r, :n]) for r, n in enumerate(sizes)]
+        return [unpickled(rows[r, :n]) for r, n in enumerate(sizes)]
 
     def broadcast_object(self, obj: Any, root: int, name: Optional[str] = None) -> Any:
         """``obj`` of the member whose group rank is ``root``, on every member (its pickle's
         size, then the pickle, over :meth:`broadcast`)."""
         if self.size == 1:
             return obj
-        mine = _pickled(obj) if self.rank == root else torch.zeros(0, dtype=torch.uint8)
+        mine = pickled(obj) if self.rank == root else torch.zeros(0, dtype=torch.uint8)
         n = int(self.broadcast(torch.tensor([mine.numel()], device=self.device), root)[0])
         data = torch.zeros(n, dtype=torch.uint8) if self.rank != root else mine
-        return _unpickled(self.broadcast(data.to(self.device), root).cpu())
+        return unpickled(self.broadcast(data.to(self.device), root).cpu())
 
     def broadcast(self, tensor: torch.Tensor, root: int, name: Optional[str] = None) -> torch.Tensor:
         """The ``tensor`` of the member whose group rank is ``root`` (same shape and dtype on
@@ -187,13 +177,6 @@ class TorchDistGroup(ProcessGroup):
             retain(out)
             self.dist.broadcast(out, src=self.ranks[root], group=self.process_group)
         return out
-
-def _pickled(obj: Any) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-
-
-def _unpickled(data: torch.Tensor) -> Any:
-    return pickle.loads(data.numpy().tobytes())
 
 
 _ALIGN = 8  # bytes: each payload tensor starts at a multiple of 8 in a gathered row (views any dtype)
@@ -211,19 +194,12 @@ class _Gather:
 
 class TorchDistAllgatherer(Allgatherer):
     """The variable-size allgather of payloads over a :class:`TorchDistGroup`
-    (:class:`~hvdcomp.comm.allgatherv.Allgatherer`), on the group itself (gloo on the host, NCCL on
-    the device: no staging copy), issued from the caller's thread in call order:
-
-    1. counts: every rank's element count per payload tensor (int64, one
-       ``all_gather_into_tensor``), started by :meth:`start`;
-    2. data: each rank's payload tensors laid end to end as bytes (each from a multiple of 8),
-       padded to the largest rank's row, gathered by one ``all_gather_into_tensor`` (gloo and NCCL
-       gather equal sizes); started once the counts are in: at the next :meth:`start` (so it
-       overlaps with what follows) or at :meth:`finish`.
-
-    Bytes, as for every allgatherer: sent = the counts (8 per tensor) and this rank's row
-    (padding included: it is on the wire); received = the whole gathered counts and rows, this
-    rank's own included.
+    (:class:`~hvdcomp.comm.allgatherv.Allgatherer`), on the group itself (no staging copy),
+    issued from the caller's thread in call order: the int64 counts (one
+    ``all_gather_into_tensor``, started by :meth:`start`), then each rank's tensors end to end as
+    bytes (each from a multiple of 8), padded to the largest rank's row (gloo and NCCL gather equal
+    sizes), started at the next :meth:`start` or at :meth:`finish`. Bytes: the counts and rows,
+    padding included (docs/architecture.md, "One definition of bytes").
 
     Args:
         group: the :class:`TorchDistGroup`.
@@ -318,21 +294,12 @@ class TorchDistAllgatherer(Allgatherer):
         return self.group.allgather_ints(values)
 
 
-class TorchDistExchange:
-    """:class:`hvdcomp.comm.exchange.PointToPoint` over ``torch.distributed``: byte messages
-    among the ranks of a :class:`TorchDistGroup`, on a gloo process group over the same ranks (host
-    memory whatever the devices; callers move tensors with ``.cpu()`` / ``.to(device)``, as for
-    MPI). Each message is an int64 size header, then the bytes.
-
-    Made collectively by every member (it creates the gloo group, unless the group is gloo
-    already, and gathers the host names once, unless ``nodes`` is given). Also the byte layer of
-    AB-training's collectives under torch.distributed (:meth:`allreduce_`, :meth:`broadcast_`, as
-    :class:`hvdcomp.comm.exchange.MPIExchange`'s).
-
-    Attributes:
-        rank, size: as the group's.
-        bytes_sent, bytes_received: message bytes this rank moved, headers included.
-        nodes: node id of every rank (ranks of one host share one: :func:`hvdcomp.comm.exchange.node_ids`).
+class TorchDistExchange(Messages):
+    """:class:`hvdcomp.comm.exchange.PointToPoint` among the ranks of a :class:`TorchDistGroup`
+    (:func:`exchange_messages` on a gloo group over the same ranks: host memory), and AB-training's
+    :meth:`allreduce_` / :meth:`broadcast_` as :class:`hvdcomp.comm.exchange.MPIExchange`'s. Made
+    collectively (the gloo group unless the group is gloo; the host names unless ``nodes`` is given).
+    ``rank``, ``size``: as the group's; byte counters and ``nodes``: :class:`~hvdcomp.comm.exchange.Messages`.
     """
 
     def __init__(self, group: TorchDistGroup, nodes: Optional[Sequence[int]] = None):
@@ -343,16 +310,9 @@ class TorchDistExchange:
             self.group = group.process_group
         else:
             self.group = dist.new_group(group.ranks, backend="gloo", use_local_synchronization=True)
-        self.bytes_sent = 0
-        self.bytes_received = 0
         if nodes is None:
             nodes = node_ids(TorchDistGroup(self.group).allgather_object(socket.gethostname()))
         self.nodes = list(nodes)
-
-    @property
-    def spans_nodes(self) -> bool:
-        """Whether the group holds ranks of more than one node."""
-        return len(set(self.nodes)) > 1
 
     def allreduce_(self, data: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce the host tensor ``data`` in place over every rank (one ``all_reduce``); bytes
@@ -367,10 +327,7 @@ class TorchDistExchange:
         if self.size > 1:
             retain(data)
             self.dist.all_reduce(data, op=ops[op], group=self.group)
-        nbytes = data.numel() * data.element_size()
-        self.bytes_sent += nbytes
-        self.bytes_received += nbytes
-        return data
+        return self._count(data)
 
     def broadcast_(self, data: torch.Tensor, root: int) -> torch.Tensor:
         """Rank ``root``'s ``data`` written into ``data`` on every rank (one ``broadcast``); bytes
@@ -378,64 +335,28 @@ class TorchDistExchange:
         if self.size > 1:
             retain(data)
             self.dist.broadcast(data, src=self.ranks[root], group=self.group)
-        nbytes = data.numel() * data.element_size()
-        self.bytes_sent += nbytes if self.rank == root else 0
-        self.bytes_received += nbytes
-        return data
+        return self._count(data, root)
 
-    def _header(self, n: int) -> torch.Tensor:
-        return torch.tensor([n], dtype=torch.int64)
-
-    def send(self, data, dest):
-        data = data.detach().cpu().contiguous().view(torch.uint8)
-        head = self._header(data.numel())
-        retain(head, data)
-        self.dist.send(head, self.ranks[dest], group=self.group)
-        if data.numel():
-            self.dist.send(data, self.ranks[dest], group=self.group)
-        self.bytes_sent += 8 + data.numel()
-
-    def recv(self, source, max_bytes):
-        head = torch.empty(1, dtype=torch.int64)
-        retain(head)
-        self.dist.recv(head, self.ranks[source], group=self.group)
-        n = int(head[0])
-        if n > max_bytes:
-            raise RuntimeError(f"a message of {n} bytes from rank {source} exceeds the {max_bytes} expected")
-        buf = torch.empty(n, dtype=torch.uint8)
-        retain(buf)
-        if n:
-            self.dist.recv(buf, self.ranks[source], group=self.group)
-        self.bytes_received += 8 + n
-        return buf
-
-    def _exchange(self, outgoing: dict, sources: Sequence[int]) -> dict:
-        """Send ``outgoing[dest]`` to each dest and receive one message from each source,
-        without deadlock (non-blocking sends and receives: headers first, then the bytes)."""
-        d = self.dist
+    def _exchange(self, outgoing: dict, sources: Sequence[int], max_bytes: Optional[int] = None) -> dict:
+        """:func:`exchange_messages` of host copies of ``outgoing``, counted; a received message
+        over ``max_bytes`` raises ``RuntimeError``."""
         out = {k: v.detach().cpu().contiguous().view(torch.uint8) for k, v in outgoing.items()}
-        heads = {s: torch.empty(1, dtype=torch.int64) for s in sources}
-        sizes = {k: self._header(v.numel()) for k, v in out.items()}
-        retain(*out.values(), *heads.values(), *sizes.values())
-        works = [d.isend(sizes[k], self.ranks[k], group=self.group) for k in out]
-        works += [d.irecv(h, self.ranks[s], group=self.group) for s, h in heads.items()]
-        for w in works:
-            w.wait()
-        bufs = {s: torch.empty(int(h[0]), dtype=torch.uint8) for s, h in heads.items()}
-        retain(*bufs.values(), *out.values())  # (out again: unused since, the first retain let it go)
-        works = [d.isend(v, self.ranks[k], group=self.group) for k, v in out.items() if v.numel()]
-        works += [d.irecv(b, self.ranks[s], group=self.group) for s, b in bufs.items() if b.numel()]
-        for w in works:
-            w.wait()
+        bufs = exchange_messages(self.dist, self.group, self.ranks, out, sources)
         self.bytes_sent += sum(8 + v.numel() for v in out.values())
         self.bytes_received += sum(8 + b.numel() for b in bufs.values())
+        for j, b in bufs.items():
+            if max_bytes is not None and b.numel() > max_bytes:
+                raise RuntimeError(f"a message of {b.numel()} bytes from rank {j} exceeds the {max_bytes} expected")
         return bufs
 
+    def send(self, data, dest):
+        self._exchange({dest: data}, [])
+
+    def recv(self, source, max_bytes):
+        return self._exchange({}, [source], max_bytes)[source]
+
     def sendrecv(self, data, partner, max_bytes):
-        got = self._exchange({partner: data}, [partner])[partner]
-        if got.numel() > max_bytes:
-            raise RuntimeError(f"a message of {got.numel()} bytes from rank {partner} exceeds the {max_bytes} expected")
-        return got
+        return self._exchange({partner: data}, [partner], max_bytes)[partner]
 
     def alltoall(self, parts):
         if len(parts) != self.size:
@@ -447,3 +368,50 @@ class TorchDistExchange:
 
     def allgather(self, data):
         return self.alltoall([data] * self.size)
+
+
+def exchange_messages(dist, group, ranks: Sequence[int], send: Dict[int, torch.Tensor], sources: Sequence[int],
+                      tag: int = 0, deadline: Optional[float] = None, late=None) -> Dict[int, torch.Tensor]:
+    """Send ``send[j]`` (a 1-D uint8 host tensor) to each j and receive one message from each of
+    ``sources`` (ranks of ``group``; global rank ``ranks[j]``), over ``torch.distributed`` point to
+    point: per message an int64 size header, then the bytes, all posted non-blocking (no pair
+    waits on the other). Returns the received bytes by source.
+
+    With a ``deadline`` (``time.monotonic()`` seconds), a wait that passes it calls
+    ``late(missing, unsent)`` (the peers not heard from, the peers that did not take this rank's
+    message), which raises.
+    """
+    def wait(work) -> bool:
+        if deadline is None:
+            work.wait()
+            return True
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=max(1e-3, deadline - time.monotonic())))
+            return True
+        except RuntimeError:
+            return False
+
+    sources = list(sources)
+    heads = {j: torch.empty(1, dtype=torch.int64) for j in sources}
+    sizes = {j: torch.tensor([data.numel()], dtype=torch.int64) for j, data in send.items()}
+    retain(*heads.values(), *sizes.values(), *send.values())
+    head_works = {j: dist.irecv(heads[j], ranks[j], group=group, tag=tag) for j in sources}
+    sends = {j: [dist.isend(sizes[j], ranks[j], group=group, tag=tag)] for j in send}
+    for j, data in send.items():
+        if data.numel():
+            sends[j].append(dist.isend(data, ranks[j], group=group, tag=tag))
+    buffers, data_works = {}, {}
+    for n, j in enumerate(sources):
+        if not wait(head_works[j]):
+            late(sources[n:], [])
+        buffers[j] = torch.empty(int(heads[j][0]), dtype=torch.uint8)
+        retain(buffers[j])
+        if buffers[j].numel():
+            data_works[j] = dist.irecv(buffers[j], ranks[j], group=group, tag=tag)
+    for j, work in data_works.items():
+        if not wait(work):
+            late([j], [])
+    for j, works in sends.items():
+        if not all(wait(w) for w in works):
+            late([], [j])
+    return buffers

@@ -60,14 +60,10 @@ def world_size() -> int:
     Returns 1 when neither is initialised, so compressors can be used in a single process; inside
     :func:`simulated_world`, the simulated size.
     """
-    if _simulated is not None:
-        return _simulated[0]
-    return _horovod_or("size", 1)
+    return _simulated[0] if _simulated is not None else _horovod_or("size", 1)
 
 
 def rank() -> int:
     """This process's Horovod rank (else its ``torch.distributed`` rank; 0 when neither is
     initialised; the simulated rank inside :func:`simulated_world`)."""
-    if _simulated is not None:
-        return _simulated[1]
-    return _horovod_or("rank", 0)
+    return _simulated[1] if _simulated is not None else _horovod_or("rank", 0)

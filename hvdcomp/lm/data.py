@@ -64,19 +64,15 @@ def default_data_path() -> str:
 
 def tokenize_raw(text: str) -> List[str]:
     """Lower-case words and single punctuation marks, ``<eos>`` after every non-empty line."""
-    out: List[str] = []
-    for line in text.splitlines():
-        words = _WORD.findall(line.lower())
-        if words:
-            out.extend(words)
-            out.append(EOS)
-    return out
+    return _tokens(text, lambda line: _WORD.findall(line.lower()))
 
 
-def _tokenize_pretokenized(text: str) -> List[str]:
+def _tokens(text: str, words_of=str.split) -> List[str]:
+    """``words_of(line)`` for every line of ``text`` (a pre-tokenised corpus: whitespace split),
+    ``<eos>`` after each non-empty one."""
     out: List[str] = []
     for line in text.splitlines():
-        words = line.split()
+        words = words_of(line)
         if words:
             out.extend(words)
             out.append(EOS)
@@ -100,14 +96,14 @@ def _splits(path: str) -> Tuple[List[str], List[str], List[str], str, List[str]]
     for names in _LAYOUTS:
         files = [os.path.join(path, n) for n in names]
         if all(os.path.isfile(f) for f in files):
-            tr, va, te = (_tokenize_pretokenized(_read(f)) for f in files)
+            tr, va, te = (_tokens(_read(f)) for f in files)
             return tr, va, te, f"{names[0]} layout", []
     valid, test = os.path.join(path, "valid.txt"), os.path.join(path, "test.txt")
     if os.path.isfile(valid) and os.path.isfile(test):
-        toks = _tokenize_pretokenized(_read(valid))
+        toks = _tokens(_read(valid))
         a = int(0.9 * len(toks))
         note = "no training split: trained on the first 90 % of valid.txt, validated on its last 10 %"
-        return toks[:a], toks[a:], _tokenize_pretokenized(_read(test)), "valid/test layout", [note]
+        return toks[:a], toks[a:], _tokens(_read(test)), "valid/test layout", [note]
     raise FileNotFoundError(f"{path!r} holds none of the layouts " +
                             ", ".join("/".join(n) for n in _LAYOUTS) + " or valid.txt+test.txt")
 

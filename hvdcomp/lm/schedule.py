@@ -1,13 +1,8 @@
-"""The study's training schedule: linear warm-up, validation-driven annealing, early stopping.
-
-PyTorch's ``word_language_model`` example divides the learning rate by 4 after every epoch whose
-validation loss did not improve; the seed study stops early when validation perplexity has not
-improved for ``patience`` epochs (10, at most 50 epochs). :class:`PlateauSchedule` does both, plus
-an optional linear warm-up over the first optimizer steps.
-
-It computes learning rates rather than wrapping one optimizer (as ``torch.optim.lr_scheduler``
-does) because AB-training rebounds the learning rate at every stage switch on top of it: the
-caller writes the value where its optimizer reads it (``param_groups`` or ``ABTraining.base_lr``).
+"""The study's training schedule: linear warm-up, validation-driven annealing (PyTorch's
+``word_language_model`` example divides the learning rate by 4 after an epoch without
+improvement), early stopping (the seed study: ``patience`` epochs without improvement). It
+computes learning rates rather than wrapping an optimizer, so that AB-training can rebound them
+at each stage switch: the caller writes the value where its optimizer reads it.
 """
 from __future__ import annotations
 
@@ -60,7 +55,6 @@ class PlateauSchedule:
                 raise ValueError(f"{key} must be an integer >= 0, got {val!r}")
         if not 0.0 <= min_improvement < 1.0:
             raise ValueError(f"min_improvement must be in [0, 1), got {min_improvement}")
-        self.peak_lr = float(lr)
         self.anneal, self.anneal_patience, self.early_stop = float(anneal), anneal_patience, early_stop
         self.warmup_steps, self.min_improvement = warmup_steps, float(min_improvement)
         self.min_epochs = min_epochs

@@ -1,36 +1,22 @@
 """``cltk``: leader top-k, a top-k whose values travel by ordinary allreduce, with a cyclic or a
 variance-based leader.
 
-Chen, Ni, Agrawal, Zhang, Cui, Venkataramani, El Maghraoui, Srinivasan and Gopalakrishnan,
-"ScaleCom: Scalable Sparsified Gradient Compression for Communication-Efficient Distributed
-Training", NeurIPS 2020 (CLT-k: cyclic local top-k); Tyagi and Swany, "Flexible Communication for
-Optimal Distributed Learning over Unpredictable Networks", IEEE BigData 2023 (AR-Topk with a
-staggered leader, STAR-Topk, which is the cyclic leader, or a variance-based one, VAR-Topk).
+Chen et al., "ScaleCom: Scalable Sparsified Gradient Compression for Communication-Efficient
+Distributed Training", NeurIPS 2020 (CLT-k: cyclic local top-k); Tyagi and Swany, "Flexible
+Communication for Optimal Distributed Learning over Unpredictable Networks", IEEE BigData 2023
+(STAR-Topk, the cyclic leader; VAR-Topk, a variance-based one).
 
-At each step one rank, the leader, selects the k = ceil(ρ·n) positions of largest magnitude of
-its error-compensated gradient (the whole model as one vector); the positions are broadcast;
-every rank sends its own values at those positions through one allreduce (average). The result
-has the leader's k positions, with the exact mean of every rank's values there; each rank keeps
-the rest of its compensated gradient as residual (error feedback), so nothing is lost. ScaleCom's
-low-pass filter on the residual is not applied (plain error feedback).
+Per step the leader selects the k = ceil(ρ·n) positions of largest magnitude of its
+error-compensated gradient (the whole model as one vector), broadcasts them, and every rank's
+values there are averaged by one allreduce; each rank keeps the rest as residual (plain error
+feedback; ScaleCom's low-pass filter is not applied). ``leader="cyclic"``: rank ``t mod p`` at
+step t. ``leader="variance"``: the first rank with the largest
+``s = Σ_{j=1..m} (1 − α)^j ‖g(t − j + 1)‖ / Σ_{j=1..m} (1 − α)^j`` (α = ``smoothing``, m =
+min(``window``, steps so far); ‖g‖: the L2 norm of the rank's own gradient before error feedback,
+the statistic of the authors' ``var_topk.py``), gathered by one allreduce of p float32.
 
-The leader (``leader=``):
-
-* ``"cyclic"`` (CLT-k, STAR-Topk): rank ``t mod p`` at step t.
-* ``"variance"`` (VAR-Topk): the rank with the largest gradient statistic, the first such rank on
-  a tie. The statistic is the one of the authors' released code (``var_topk.py`` of
-  github.com/sahiltyagi4/ARTopk): the L2 norm of the rank's own gradient (before error feedback,
-  the whole model), smoothed over the last ``window`` steps with weights (1 − α)^j, j = 1 for the
-  newest norm (α = ``smoothing``):
-  ``s = Σ_{j=1..m} (1 − α)^j ‖g(t − j + 1)‖ / Σ_{j=1..m} (1 − α)^j``. Every rank's s reaches every
-  rank by one allreduce of p float32 (a rank writes its own slot, zeros elsewhere; the authors use
-  an allgather of one float). hvdcomp's reading where the code leaves it open: m = min(window,
-  steps so far), so the first ``window − 1`` steps use the norms seen so far (the authors' s is 0
-  on every rank until the window is full, so rank 0 leads then).
-
-Wire per rank and step: a broadcast of k int32 indices and an allreduce of k float32 values —
-the same whatever the number of ranks (a top-k allgather receives (p − 1)·k entries); VAR-Topk
-adds the allreduce of p float32.
+Wire per rank and step: a broadcast of k int32 indices and an allreduce of k float32 values,
+whatever the number of ranks; VAR-Topk adds the allreduce of p float32.
 """
 from __future__ import annotations
 
@@ -43,6 +29,7 @@ from ..compressors.registry import register
 from ..compressors.selection import exact_topk
 from ..compressors.topk import num_kept
 from ..plan import StepRoute, register_step_route
+from .gtopk import topk_alternative
 from .stepwide import SparseStepMethod, StepTransport
 
 __all__ = ["CyclicLeaderTopKCompressor"]
@@ -128,11 +115,10 @@ class CyclicLeaderTopKCompressor(SparseStepMethod):
 
     def reduce_sparse(self, acc, k, comm, timer):
         leader = self._leader
+        itype = torch.int32 if acc.numel() < 2**31 else torch.int64
         with timer.phase("compress"):
-            if comm.rank == leader:
-                idx = exact_topk(acc, k, magnitudes=False).to(torch.int32 if acc.numel() < 2**31 else torch.int64)
-            else:
-                idx = torch.zeros(k, dtype=torch.int32 if acc.numel() < 2**31 else torch.int64, device=acc.device)
+            idx = (exact_topk(acc, k, magnitudes=False).to(itype) if comm.rank == leader
+                   else torch.zeros(k, dtype=itype, device=acc.device))
         if comm.size > 1:
             idx = comm.broadcast(idx, leader, "cltk.indices")
         idx = idx.long()
@@ -169,13 +155,5 @@ def _collectives(method, numels, p, bucket_bytes):
     return choose + [("broadcast", 4.0 * k, 1), ("allreduce", 4.0 * k, 1)]
 
 
-def _alternative(compression):
-    """The leader's top-k at the same density, for top-k with error feedback (``transport="auto"``)."""
-    desc = compression.describe()
-    if desc.get("name") == "topk" and desc.get("ef", False):
-        return CyclicLeaderTopKCompressor(density=desc["density"])
-    return None
-
-
 register_step_route(StepRoute(CyclicLeaderTopKCompressor, "broadcast+allreduce", _collectives,
-                              alternative=_alternative, build=StepTransport))
+                              alternative=topk_alternative(CyclicLeaderTopKCompressor), build=StepTransport))

@@ -3,21 +3,12 @@
 Shi, Wang, Chu, Li and Liu, "A Distributed Synchronous SGD Algorithm with Global Top-k
 Sparsification for Low Bandwidth Networks", ICDCS 2019.
 
-Each rank selects the k = ceil(ρ·n) entries of largest magnitude of its error-compensated
-gradient (the whole model as one vector of n elements, as in the paper), and the ranks combine
-them with :func:`hvdcomp.comm.sparse_allreduce.global_topk`: log2(p) pairwise merges, each keeping
-the k largest of the summed entries. The result, divided by p, is the averaged gradient; it has
-at most k non-zeros (a local top-k allgather's sum has up to p·k). A rank keeps as residual every
-entry of its own that is not inside the result — entries it did not select, and selected ones
-dropped at a merge — so error feedback loses nothing.
-
-Wire per rank and step: at most (log2(p) + 1)·k entries of 8 bytes (int32 index + float32 value;
-int64 indices past 2^31 elements), in log2(p) messages (+2 where p is not a power of two).
-``hierarchical=true`` merges inside each node first (ranks with the same host name), then across
-nodes among one leader per node, then back inside the node
-(:func:`~hvdcomp.comm.sparse_allreduce.hierarchical_topk`): between nodes, only the leaders send,
-log2(nodes)·k entries each. Needs point-to-point messages: MPI (``mpirun`` / ``horovodrun --mpi``
-with mpi4py).
+Each rank's k = ceil(ρ·n) entries of largest magnitude of its error-compensated gradient (the
+whole model as one vector) are combined by :func:`hvdcomp.comm.sparse_allreduce.global_topk`
+(or, ``hierarchical=true``, :func:`~hvdcomp.comm.sparse_allreduce.hierarchical_topk`); the
+result divided by p is the averaged gradient (≤ k non-zeros). A rank keeps as residual every
+entry of its own not inside the result, so error feedback loses nothing. Needs point-to-point
+messages: MPI (``mpirun`` / ``horovodrun --mpi`` with mpi4py).
 """
 from __future__ import annotations
 
@@ -94,13 +85,14 @@ def _collectives(method, numels, p, bucket_bytes):
     return [("sparse-allreduce", 8.0 * num_kept(sum(numels), method.density), 1)]
 
 
-def _alternative(compression):
-    """Global top-k at the same density, for top-k with error feedback (``transport="auto"``)."""
-    desc = compression.describe()
-    if desc.get("name") == "topk" and desc.get("ef", False):
-        return GlobalTopKCompressor(density=desc["density"])
-    return None
+def topk_alternative(cls):
+    """``transport="auto"``'s alternative to top-k with error feedback: ``cls`` at the same density."""
+    def alternative(compression):
+        desc = compression.describe()
+        return cls(density=desc["density"]) if desc.get("name") == "topk" and desc.get("ef", False) else None
+    return alternative
 
 
 register_step_route(StepRoute(GlobalTopKCompressor, "sparse-allreduce", _collectives, needs_point_to_point=True,
-                              needs_messages=True, alternative=_alternative, build=StepTransport))
+                              needs_messages=True, alternative=topk_alternative(GlobalTopKCompressor),
+                              build=StepTransport))

@@ -1,32 +1,15 @@
-"""The neighbour transport: each rank's payload to its neighbours in a graph, point to point.
+"""The neighbour transport: each rank's payload to its neighbours in a graph, point to point
+(docs/gossip.md, "Transport and failures").
 
-Decentralized methods (:mod:`hvdcomp.gossip`) exchange only along the edges of a topology, so a
-rank's traffic per step is its degree times its payload, whatever the number of ranks. The
-messages travel over one of three edge layers of the job's process group, never mixing with its
-other collectives: mpi4py on a duplicate of the job's (or the process set's) communicator
-(:class:`MPIEdges`: mpirun, horovodrun), ``torch.distributed`` point-to-point on a gloo group made
-for them (:class:`TorchDistEdges`: torchrun, srun), or Horovod's own alltoall where Horovod runs
-without a usable MPI world (:class:`HorovodEdges`: elastic Horovod, ``horovodrun --gloo``).
-
-Per exchange and edge, one message in the package's one payload codec
-(:func:`hvdcomp.comm.exchange.pack_payload`: an int64 header, the number of tensors, then each
-tensor's dtype and element count, then the tensors' raw bytes). Over MPI the receiver learns its
-size with a matched probe (``Improbe`` + ``Irecv``), so variable-size payloads need no counts
-round; per-edge requests rather than a neighbourhood collective (``Neighbor_alltoallv``) let each
-edge carry its own payload (PowerGossip), follow a time-varying graph without one communicator
-per round, and name a missing neighbour: a wait past ``timeout`` raises
-:class:`NeighborTimeoutError` naming the rank(s) that sent nothing, instead of hanging the job.
-
-As :class:`hvdcomp.comm.allgatherv.MPIAllgatherer` does, the exchange runs on one background thread
-when MPI provides ``MPI_THREAD_MULTIPLE`` (what Horovod asks for), so it proceeds while the next
-forward and backward compute, polling with short sleeps (0.05 ms growing to 1 ms); otherwise
-inside :meth:`NeighborTransport.post`. Exchanges complete in the order they were started. Bytes
-are counted exactly at the wire: a handle's ``bytes_sent`` / ``bytes_received`` are the message
-sizes, header included, summed over its edges.
-
-Cost in the α-β model (:func:`neighbor_terms`): sending m bytes to each of d neighbours through
-one full-duplex interface takes ``d·α + d·m·β`` per exchange: constant in the number of ranks p
-for a fixed degree, against the ring allgather's ``(p−1)·α + (p−1)·m·β``.
+Three edge layers, each on a communicator or group of its own: mpi4py (:class:`MPIEdges`: mpirun,
+horovodrun; matched-probe receives), ``torch.distributed`` on a gloo group (:class:`TorchDistEdges`:
+torchrun, srun) and Horovod's alltoall (:class:`HorovodEdges`: elastic Horovod, ``horovodrun
+--gloo``). One message per exchange and edge, in the package's payload codec
+(:func:`hvdcomp.comm.exchange.pack_payload`); bytes are the message sizes, header included. A wait
+past ``timeout`` raises :class:`NeighborTimeoutError` naming the silent rank(s). The exchange runs
+on a background thread where MPI provides ``MPI_THREAD_MULTIPLE``; exchanges complete in the order
+they were started. Cost (:func:`neighbor_terms`): ``d·α + d·m·β`` per exchange for m bytes to each
+of d neighbours, constant in the number of ranks.
 """
 from __future__ import annotations
 
@@ -39,13 +22,13 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from ..comm.exchange import pack_payload, unpack_payload
+from ..comm.allgatherv import poll
+from ..comm.exchange import message_bytes, pack_payload, unpack_payload  # noqa: F401
 from .base import Transport
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NeighborTransport", "NeighborTimeoutError", "CollectiveTimeoutError", "neighbor_terms", "message_bytes",
-           "neighbor_edges"]
+__all__ = ["NeighborTransport", "NeighborTimeoutError", "CollectiveTimeoutError", "neighbor_terms", "neighbor_edges"]
 
 TAG_SPACE = 1 << 15    # MPI guarantees tags up to 32767
 
@@ -85,12 +68,6 @@ class CollectiveTimeoutError(TimeoutError):
                          "very slow steps)")
 
 
-def message_bytes(numels: Sequence[int], itemsizes: Sequence[int]) -> int:
-    """Exact bytes of one message (:func:`hvdcomp.comm.exchange.pack_payload`): the int64 header
-    ``8·(1 + 2·tensors)`` (count; dtype and element count per tensor) plus the tensors' bytes."""
-    return 8 * (1 + 2 * len(numels)) + sum(int(n) * int(s) for n, s in zip(numels, itemsizes))
-
-
 def neighbor_terms(degree: int, nbytes: float, exchanges: int = 1) -> Tuple[float, float]:
     """``(latency terms, byte terms)`` of a rank's neighbour exchanges in one step: time is
     ``latency_terms·α + byte_terms·β``. Each exchange sends ``nbytes`` (header included) to each of
@@ -124,9 +101,8 @@ def _unpack(buf: np.ndarray, count: int, device, source: int) -> List[torch.Tens
 
 class MPIEdges:
     """The neighbour transport's messages over mpi4py (a duplicate of ``comm``): ``Isend`` per
-    edge, and the receiver learns a message's size with a matched probe (``Improbe`` + ``Irecv``),
-    so one message per edge and exchange; the requests are polled with short sleeps (0.05 ms
-    growing to 1 ms), and a neighbour that sent nothing within the timeout is named."""
+    edge, received after a matched probe (``Improbe`` + ``Irecv``: one message per edge and
+    exchange), polled with short sleeps; a neighbour silent past the timeout is named."""
 
     kind, how = "mpi4py-neighbor", "mpi4py Isend/Mprobe"
 
@@ -149,12 +125,8 @@ class MPIEdges:
         """
         MPI = self.MPI
         sends = {j: self.comm.Isend([send[j], MPI.BYTE], dest=j, tag=tag) for j in peers}
-        waiting = set(peers)     # no message matched yet
-        recvs: Dict[int, object] = {}
-        buffers: Dict[int, np.ndarray] = {}
-        deadline = time.monotonic() + timeout
-        pause = 5e-5
-        status = MPI.Status()
+        waiting, recvs, buffers = set(peers), {}, {}  # (waiting: no message matched yet)
+        deadline, pause, status = time.monotonic() + timeout, 5e-5, MPI.Status()
         while waiting or recvs or sends:
             progressed = False
             for j in sorted(waiting):
@@ -164,16 +136,10 @@ class MPIEdges:
                     recvs[j] = msg.Irecv([buffers[j], MPI.BYTE])
                     waiting.discard(j)
                     progressed = True
-            for j in list(recvs):
-                if recvs[j].Test():
-                    del recvs[j]
+            for pending in (recvs, sends):
+                for j in [j for j, request in pending.items() if request.Test()]:
+                    del pending[j]
                     progressed = True
-            for j in list(sends):
-                if sends[j].Test():
-                    del sends[j]
-                    progressed = True
-            if not (waiting or recvs or sends):
-                break
             if progressed:
                 pause = 5e-5
                 continue
@@ -195,14 +161,11 @@ class MPIEdges:
 
 
 class TorchDistEdges:
-    """The neighbour transport's messages over ``torch.distributed``: a gloo group over the ranks
-    of ``group`` made for them (host memory whatever the devices); per edge and exchange an int64
-    size header, then the bytes (``isend`` / ``irecv``, tagged by exchange). Gloo's
-    point-to-point work cannot be polled (``is_completed`` stays False) and a wait that times out
-    closes the connection, so the exchange posts every send and header receive, then waits on
-    each in turn with what is left of the timeout: a neighbour that sends nothing is named, and
-    the job ends. The per-step agreement's allgather runs on a second gloo group, so that it never
-    meets the messages the background thread moves at the same time."""
+    """The neighbour transport's messages over ``torch.distributed``
+    (:func:`hvdcomp.comm.torchdist.exchange_messages`, tagged by exchange) on a gloo group made for
+    them. Gloo's point-to-point work cannot be polled and a wait that times out closes the
+    connection, so each wait gets what is left of the timeout: a silent neighbour is named, and the
+    job ends. The per-step agreement runs on a second gloo group, apart from the messages."""
 
     kind, how = "torch.distributed-neighbor", "torch.distributed isend/irecv"
     threaded = True
@@ -216,54 +179,21 @@ class TorchDistEdges:
         self.agreement = dist.new_group(group.ranks, backend="gloo", use_local_synchronization=True)
         self.collectives = group
 
-    def _wait(self, work, deadline: float) -> bool:
-        import datetime
-
-        left = max(1e-3, deadline - time.monotonic())
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=left))
-            return True
-        except RuntimeError:
-            return False
-
     def exchange(self, send: Dict[int, np.ndarray], peers: Sequence[int], tag: int, timeout: float,
                  index: int) -> Dict[int, np.ndarray]:
-        """As :meth:`MPIEdges.exchange`.
+        """As :meth:`MPIEdges.exchange` (:func:`hvdcomp.comm.torchdist.exchange_messages`).
 
         Raises:
             NeighborTimeoutError: naming the first neighbour found missing and those not yet heard.
         """
-        d, g, ranks = self.dist, self.group, self.ranks
-        deadline = time.monotonic() + timeout
-        from ..comm.retain import retain
+        from ..comm.torchdist import exchange_messages
 
-        keep, sends = [], {}
-        heads = {j: torch.empty(1, dtype=torch.int64) for j in peers}
-        retain(*heads.values())
-        head_works = {j: d.irecv(heads[j], ranks[j], group=g, tag=tag) for j in peers}
-        for j in peers:
-            data = torch.from_numpy(send[j])
-            head = torch.tensor([data.numel()], dtype=torch.int64)
-            keep += [data, head]
-            retain(head, data)
-            sends[j] = [d.isend(head, ranks[j], group=g, tag=tag)]
-            if data.numel():
-                sends[j].append(d.isend(data, ranks[j], group=g, tag=tag))
-        buffers, data_works = {}, {}
-        for n, j in enumerate(peers):
-            if not self._wait(head_works[j], deadline):
-                raise NeighborTimeoutError(self.rank, list(peers[n:]), [], timeout, index)
-            buffers[j] = torch.empty(int(heads[j][0]), dtype=torch.uint8)
-            retain(buffers[j])
-            if buffers[j].numel():
-                data_works[j] = d.irecv(buffers[j], ranks[j], group=g, tag=tag)
-        for j, work in data_works.items():
-            if not self._wait(work, deadline):
-                raise NeighborTimeoutError(self.rank, [j], [], timeout, index)
-        for j, works in sends.items():
-            if not all(self._wait(w, deadline) for w in works):
-                raise NeighborTimeoutError(self.rank, [], [j], timeout, index)
-        return {j: b.numpy() for j, b in buffers.items()}
+        def late(missing, unsent):
+            raise NeighborTimeoutError(self.rank, list(missing), list(unsent), timeout, index)
+
+        got = exchange_messages(self.dist, self.group, self.ranks, {j: torch.from_numpy(send[j]) for j in peers},
+                                peers, tag, time.monotonic() + timeout, late)
+        return {j: b.numpy() for j, b in got.items()}
 
     def allgather_object(self, obj):
         return self.collectives.allgather_object(obj)
@@ -334,30 +264,25 @@ def neighbor_edges(group, prefix: str = "hvdcomp.gossip"):
         return TorchDistEdges(group)
     from ..launch import elastic_launch
 
-    if elastic_launch():  # (no MPI world: mpi4py is not even imported)
-        return HorovodEdges(group, prefix)
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return HorovodEdges(group, prefix)
-    if MPI.COMM_WORLD.Get_size() != group.hvd.size():
-        return HorovodEdges(group, prefix)
-    return MPIEdges(group.mpi_comm())
+    if not elastic_launch():  # (elastic: no MPI world, mpi4py is not even imported)
+        try:
+            from mpi4py import MPI
+
+            if MPI.COMM_WORLD.Get_size() == group.hvd.size():
+                return MPIEdges(group.mpi_comm())
+        except ImportError:
+            pass
+    return HorovodEdges(group, prefix)
 
 
 class NeighborTransport(Transport):
-    """Exchanges payloads with the neighbours of this rank (module docstring): a
-    :class:`~hvdcomp.transports.base.Transport` whose units are the gossip rounds of a step.
-    :meth:`start` ``(r)`` asks the gossip method for round ``r``'s payload (``method.outgoing``,
-    timed as ``compress``) and starts its exchange with ``method.peers()``; :meth:`finish` waits
-    for every started round, in order, and hands the neighbours' payloads to ``method.absorb``
-    (``decompress``: the update is staged), adding their bytes to :attr:`unapplied`.
-
-    Below that, any payloads: :meth:`post` ``(payload, peers) -> handle`` (a list of 1-D tensors
-    for every peer, or a dict peer -> list), :meth:`wait` ``(handle) -> {peer: tensors}`` (each
-    on the device of the payload sent to that peer), :meth:`exchange` both. Every rank posts in
-    the same order with matching peers (j in i's peers iff i in j's); :meth:`allgather_object`
-    and :meth:`allgather_ints` are the set-up's and the per-step agreement's collectives.
+    """Exchanges payloads with the neighbours of this rank: a
+    :class:`~hvdcomp.transports.base.Transport` whose units are the gossip rounds of a step
+    (:meth:`start`, :meth:`finish`). Below that, any payloads: :meth:`post` ``(payload, peers) ->
+    handle`` (a list of 1-D tensors for every peer, or a dict peer -> list), :meth:`wait`
+    ``(handle) -> {peer: tensors}`` (each on the device of the payload sent to that peer),
+    :meth:`exchange` both. Every rank posts in the same order with matching peers (j in i's peers
+    iff i in j's).
 
     Args:
         edges: the edge layer (:func:`neighbor_edges`), or an mpi4py communicator to duplicate
@@ -524,10 +449,7 @@ class NeighborTransport(Transport):
 
     def allgather_ints(self, values: Sequence[int], what: str = "the step's non-finite agreement") -> List[List[int]]:
         """Every rank's ``values`` (a few integers, the same count on every rank), in rank order:
-        one int64 ``Iallgather`` (collective), waited for as the exchanges are, with short sleeps,
-        on the caller's thread beside the exchange in flight on the transport's
-        (``MPI_THREAD_MULTIPLE``; a collective never matches the exchanges' point-to-point
-        messages).
+        one int64 allgather (collective) polled on the caller's thread beside the exchange in flight.
 
         Raises:
             CollectiveTimeoutError: not complete within ``timeout`` (a rank dead, stalled or not
@@ -535,13 +457,8 @@ class NeighborTransport(Transport):
         """
         mine = np.asarray(list(values), dtype=np.int64)
         done, out = self.edges.iallgather_ints(mine)
-        deadline = time.monotonic() + self.timeout
-        pause = 5e-5
-        while not done():
-            if time.monotonic() > deadline:
-                raise CollectiveTimeoutError(self.rank, self.size, self.timeout, what)
-            time.sleep(pause)
-            pause = min(1e-3, pause * 2)
+        if not poll(done, time.monotonic() + self.timeout):
+            raise CollectiveTimeoutError(self.rank, self.size, self.timeout, what)
         return out.tolist()
 
     def close(self) -> None:

@@ -1,27 +1,20 @@
 """``twophase``: a compressed allreduce for quantizers, with error feedback on both sides.
 
-Tang, Gan, Awan, Rajbhandari, Li, Lian, Liu, Zhang and He, "1-bit Adam: Communication Efficient
-Large-Scale Training with Adam's Convergence Speed", ICML 2021 (the compressed allreduce of
-DeepSpeed); error feedback on worker and server as in Zheng, Huang and Kwok, "Communication-
-Efficient Distributed Blockwise Momentum SGD with Error-Feedback", NeurIPS 2019.
+Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's Convergence
+Speed", ICML 2021 (DeepSpeed's compressed allreduce); worker and server error feedback as in Zheng,
+Huang and Kwok, "Communication-Efficient Distributed Blockwise Momentum SGD with Error-Feedback",
+NeurIPS 2019.
 
-Each rank compresses the whole model's compensated gradient ``acc`` (n elements, ``+ worker
-residual``) cut into p contiguous chunks, one per rank, with a quantizer ``Q`` (``base``):
-
-1. **all-to-all**: chunk j's payload goes to rank j; rank j decodes the p payloads of its chunk
-   and averages them: ``m_j = (1/p)·Σ_r decode(Q(acc_r[j]))``;
-2. rank j re-compresses its average with its *server residual*: ``Q(m_j + s_j)``;
-   ``s_j ← m_j + s_j − decode(Q(m_j + s_j))``;
-3. **allgather** of the p re-compressed chunks; every rank decodes them into the result.
-
-Worker residual: ``acc − decode(Q(acc))`` per chunk. Over the whole step, nothing is lost:
+Each rank cuts the whole model's compensated gradient ``acc`` into p chunks and compresses them
+with the quantizer ``Q`` (``base``): (1) all-to-all: rank j averages the p payloads of chunk j,
+``m_j = (1/p)·Σ_r decode(Q(acc_r[j]))``; (2) rank j sends ``Q(m_j + s_j)`` and keeps the server
+residual ``s_j ← m_j + s_j − decode(Q(m_j + s_j))``; (3) allgather of the p chunks, decoded by
+every rank. Worker residual: ``acc − decode(Q(acc))``; nothing is lost:
 ``p·result + p·Σ_j (s_j new − s_j old) + Σ_r worker residual_r = Σ_r acc_r``.
 
-Wire per rank and step, for a payload of B bytes for the whole model: (p−1)/p·B sent in the
-all-to-all and B/p contributed to the allgather (B in all as hvdcomp's byte counters count, plus
-the size headers; a ring allgather forwards (p−1)/p·B, so 2·(p−1)/p·B on the links), whatever p
-is; a quantizer's allgather receives (p−1)·B. Needs MPI
-(``mpirun`` / ``horovodrun --mpi`` with mpi4py) for the all-to-all, or elastic Horovod (Horovod's).
+Wire per rank and step for a B-byte payload: (p−1)/p·B in the all-to-all and B/p to the allgather
+(plus size headers), whatever p is. Needs MPI (``mpirun`` / ``horovodrun --mpi`` with mpi4py) for
+the all-to-all, or elastic Horovod (Horovod's).
 """
 from __future__ import annotations
 
