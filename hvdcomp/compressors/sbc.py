@@ -3,60 +3,14 @@
 Sattler, Wiedemann, Müller and Samek, "Sparse Binary Compression: Towards Distributed Deep
 Learning with minimal Communication", IJCNN 2019.
 
-The rule, for a gradient x of n elements and k = max(1, ceil(ρ·n)) (:func:`~hvdcomp.compressors.
-topk.num_kept`), computed in float32 (float16, bfloat16 and float64 gradients are cast first,
-float64 saturating at ±float32 max):
-
-* positives: the k largest entries among those with x > 0 (all of them when fewer than k are
-  positive); negatives: the k smallest among those with x < 0. Ties at the k-th value are broken
-  by the lower index (the set a stable sort would give). NaN is neither positive nor negative.
-* μ+ = mean of the kept positives, μ− = mean of |kept negatives| (0 for an empty side), each
-  summed in float64 and rounded to float32 (the same whichever tied entries were picked).
-* The side with the larger float32 mean is sent; on a tie the positive side (so an all-zero
-  tensor, where both sides are empty, sends no position and decodes to zeros).
-* Decoding puts +μ+ (or −μ−) at the sent positions and 0 elsewhere.
-
-The paper's *temporal* sparsity (communicating only every few steps, accumulating locally in
-between) is not part of this module: it is local gradient accumulation, which users get from
-ordinary gradient accumulation (``DistributedOptimizer(backward_passes_per_step=...)``). Its
-residual accumulation is error feedback, on by default (:class:`hvdcomp.ErrorFeedback`;
-``ef=false`` turns it off).
-
-Position coding (Golomb–Rice, vectorised). The m sent positions idx_0 < idx_1 < ... are coded by
-their gaps g_0 = idx_0, g_i = idx_i − idx_{i−1} − 1 ≥ 0. With Rice parameter b (remainder bits),
-q_i = g_i >> b and r_i = g_i & (2^b − 1). Instead of interleaving the unary quotients and the
-remainders (which needs a sequential bit writer) they travel as two streams of the same total
-size (within one byte):
-
-1. ``unary``: for each gap, q_i one-bits followed by a zero-bit, concatenated, then padded with
-   one-bits to a whole byte. Bits are little-endian within a byte (stream bit j is bit j % 8 of
-   byte j // 8, the layout of :mod:`~hvdcomp.compressors.bitpack`). The decoder finds the zero
-   bits: m is their number, q_i the run of ones before the i-th; the padding ones have no
-   terminating zero and are ignored.
-2. ``remainders``: r_i packed at b bits each (:func:`~hvdcomp.compressors.bitpack.pack_bits` for
-   b ≤ 16, the same little-endian layout bit by bit above), ceil(m·b/8) bytes (none for b = 0).
-
-b follows Kiely's rule for geometric gaps, as in the SBC paper, from the density p = m/n of the
-*sent* positions: b = max(0, 1 + floor(log2(ln(φ − 1) / ln(1 − p)))), φ = (1 + √5)/2 the golden
-ratio; b = 0 for p > 2 − φ ≈ 0.382 (there the ratio is below 1; this covers p = 1, where
-ln(1 − p) = −∞) and for m = 0. Worked number: p = 0.01 gives ln(0.618…)/ln(0.99) = 0.48121/
-0.0100503 = 47.88, log2 = 5.58, b = 1 + 5 = 6. Encoder and decoder both compute b from (n, m): n
-is the tensor's size (the decoder's context) and m the actual number of sent positions (counted in
-the unary stream), never the configured density, so they agree even when fewer than k entries of
-the chosen sign exist.
-
-Payload: ``[mu (1,) float32, unary (ceil(U/8),) uint8, remainders (ceil(m·b/8),) uint8]`` with
-U = Σ(q_i + 1) the unary bits; mu is +μ+ or −μ− (0.0 when nothing is sent). Every rank's payload
-is gathered (allgather); :meth:`SBCCompressor.unpack` turns one into ``(mu repeated (m,) float32,
-indices (m,) int64 ascending)``, from which the sparse machinery of
-:class:`~hvdcomp.compressors.sparse.SparseCompressor` decodes, aggregates (mean over ranks of the
-decodes) and forms the error-feedback residual.
-
-Bytes: 4 + ceil(U/8) + ceil(m·b/8), data-dependent. For positions spread uniformly the gaps are
-about geometric with parameter p, so E[q] = θ/(1 − θ) with θ = (1 − p)^(2^b) and a position costs
-b + 1 + θ/(1 − θ) bits: 8.11 bits at p = 0.01 (b = 6), against 32 (int32 index) + 32 (float32
-value) for ``topk``. At most 4 + ceil((m + ⌊(n − m)/2^b⌋)/8) + ceil(m·b/8) bytes whatever the
-positions (Σq_i ≤ Σg_i / 2^b ≤ (n − m)/2^b).
+In float32, of the k = max(1, ceil(ρ·n)) largest positive and the k most negative entries, the
+side with the larger mean μ (float64 sum, float32 mean; ties: positive) is sent as one ±μ and its
+positions; decoding puts ±μ there and 0 elsewhere. Positions travel Golomb–Rice coded as two
+streams (unary quotients, b-bit remainders; b by Kiely's rule from n and the sent count):
+``[mu (1,) float32, unary uint8, remainders uint8]``, data-dependent bytes (about 8.1 bits per
+position at ρ = 1 %). The paper's temporal sparsity is gradient accumulation
+(``backward_passes_per_step``); its residual is error feedback, on by default. The rule, the
+coding and its sizes in full: docs/methods.md, "SBC".
 """
 from __future__ import annotations
 
@@ -138,7 +92,7 @@ def rice_encode(idx: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns:
         ``(unary, remainders)``, uint8 tensors of ceil(Σ(q_i + 1)/8) and ceil(m·b/8) bytes (see
-        the module docstring for the layout).
+        docs/methods.md, "SBC", for the layout).
     """
     idx = idx.reshape(-1).to(torch.int64)
     device = idx.device
@@ -323,7 +277,7 @@ class SBCCompressor(SparseCompressor):
         """The sbc payload sending ``values`` (``(m,)`` or ``(1,)`` float) at the ascending int64
         positions ``idx`` (m,) of an n-element tensor, binarized as SBC does: one float32 value,
         the mean of ``values`` (summed in float64), at every position. Returns
-        ``[mu (1,) float32, unary uint8, remainders uint8]`` (module docstring).
+        ``[mu (1,) float32, unary uint8, remainders uint8]`` (docs/methods.md).
         """
         if values.numel() == 0:
             mu = torch.zeros(1, dtype=torch.float32, device=idx.device)
@@ -348,7 +302,7 @@ class SBCCompressor(SparseCompressor):
 
     def payload_bytes(self, numel: int, kept: int) -> int:
         """Expected bytes of a payload sending ``kept`` positions spread uniformly among ``numel``:
-        4 + ceil(kept·(1 + θ/(1 − θ))/8) + ceil(kept·b/8) (module docstring); the actual size
+        4 + ceil(kept·(1 + θ/(1 − θ))/8) + ceil(kept·b/8) (docs/methods.md); the actual size
         depends on the positions (at most :meth:`max_payload_bytes`)."""
         if kept <= 0 or numel <= 0:
             return 4
@@ -394,7 +348,7 @@ class SBCCompressor(SparseCompressor):
         return _lowest_index_ties(x, neg_idx, k, -1), -mu_neg
 
     def select(self, flat, name=None):
-        """Ascending int64 positions of the side sent (see the module docstring)."""
+        """Ascending int64 positions of the side sent (docs/methods.md)."""
         return self._choose(flat)[0]
 
     def _encode(self, tensor, name=None):
