@@ -191,34 +191,25 @@ class QSGDCompressor(DrawsPerCall, AggregateInto, Compressor):
 
     def aggregate_into(self, out, payloads, ctx):
         """Mean over ranks of ``scale·(code - s)/s``, written into ``out``: one pass over ``out`` per
-        payload at most (native: one pass in all), the scales broadcast over their blocks."""
-        if isinstance(ctx, SegmentsContext):
-            return self._aggregate_segments(out, payloads, ctx)
-        shape, dtype, n = ctx
+        payload at most (native: one pass in all, one call for every segment of segmented
+        payloads; else segment by segment), the scales broadcast over their blocks."""
+        segments = ctx.segments if isinstance(ctx, SegmentsContext) else None
         flat = float32_flat(out)
-        if not payloads or n == 0:
+        if not payloads or flat.numel() == 0:
             flat.zero_()
         elif self.bits <= 8 and native.usable(flat, *[t for p in payloads for t in p]):
-            native.qsgd_aggregate(flat, [p[0].contiguous() for p in payloads],
-                                  [p[1].contiguous() for p in payloads], self.block, self.levels, self.bits)
+            scales, codes = [p[0].contiguous() for p in payloads], [p[1].contiguous() for p in payloads]
+            if segments is None:
+                native.qsgd_aggregate(flat, scales, codes, self.block, self.levels, self.bits)
+            else:
+                native.qsgd_aggregate_segments(flat, scales, codes, segments.sizes_tensor(), self.block,
+                                               self.levels, self.bits)
+        elif segments is None:
+            self._aggregate_torch(flat, payloads, flat.numel())
         else:
-            self._aggregate_torch(flat, payloads, n)
-        return write_back(out, flat)
-
-    def _aggregate_segments(self, out, payloads, ctx):
-        """:meth:`aggregate_into` of segmented payloads: one native call for every segment, else
-        the per-tensor aggregate segment by segment."""
-        segments = ctx.segments
-        flat = float32_flat(out)
-        if not payloads:
-            flat.zero_()
-        elif self.bits <= 8 and native.usable(flat, *[t for p in payloads for t in p]):
-            native.qsgd_aggregate_segments(flat, [p[0].contiguous() for p in payloads],
-                                           [p[1].contiguous() for p in payloads], segments.sizes_tensor(),
-                                           self.block, self.levels, self.bits)
-        else:
-            for j, (view, n) in enumerate(zip(segments.split(flat), segments.sizes)):
-                self.aggregate_into(view, self._segment_payloads(payloads, ctx, j), (view.shape, torch.float32, n))
+            for j, view in enumerate(segments.split(flat)):
+                self.aggregate_into(view, self._segment_payloads(payloads, ctx, j),
+                                    (view.shape, torch.float32, view.numel()))
         return write_back(out, flat)
 
     def _aggregate_torch(self, flat, payloads, n):
@@ -236,9 +227,3 @@ class QSGDCompressor(DrawsPerCall, AggregateInto, Compressor):
                         torch.mul(lv, f, out=ov)
                     else:
                         ov.addcmul_(lv, f)
-
-    def state_dict(self):
-        return {"rng": self.rng.state_dict()}
-
-    def load_state_dict(self, state):
-        self.rng.load_state_dict(state.get("rng", {}))

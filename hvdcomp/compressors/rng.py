@@ -59,7 +59,8 @@ class DrawOrder:
 class DrawsPerCall:
     """Mixin of methods that draw from their per-rank generator (``self.rng``, a
     :class:`RankGenerators`) at each call: ``draws_per_call`` (read by
-    :func:`hvdcomp.compressors.segments.needs_draw_order`) and :meth:`bind_draw_order`."""
+    :func:`hvdcomp.compressors.segments.needs_draw_order`), :meth:`bind_draw_order`, and the
+    generator's state as the checkpoint."""
 
     draws_per_call = True
 
@@ -67,6 +68,13 @@ class DrawsPerCall:
         """Take the generator's draws in ``order`` (a :class:`DrawOrder`, or None: in call
         order); set by the optimizer on fused pipelines."""
         self.rng.order = order
+
+    def state_dict(self):
+        """The per-rank generator's state: ``{"rng": ...}``."""
+        return {"rng": self.rng.state_dict()}
+
+    def load_state_dict(self, state):
+        self.rng.load_state_dict(state.get("rng", {}))
 
 
 class RankGenerators:

@@ -164,59 +164,43 @@ class ScaledSignCompressor(AggregateInto, Compressor):
 
     def aggregate_into(self, out, payloads, ctx):
         """Mean over ranks of ``scale_r·sign_r`` (each scale divided by the rank count first, so
-        the sum cannot overflow), written into ``out``."""
-        if isinstance(ctx, SegmentsContext):
-            return self._aggregate_segments(out, payloads, ctx)
+        the sum cannot overflow), written into ``out``; segmented payloads with each segment's
+        factors ``scale_r/W``."""
+        segments = ctx.segments if isinstance(ctx, SegmentsContext) else None
         flat = float32_flat(out)
-        n, world = flat.numel(), len(payloads)
         if not payloads:
             flat.zero_()
             return write_back(out, flat)
-        factors = torch.cat([p[0].reshape(1).to(torch.float32) for p in payloads]).div_(world)
-        if native.usable(flat, factors, *[p[1] for p in payloads]):
-            native.scaled_sign_aggregate(flat, factors, [p[1].contiguous() for p in payloads])
+        if segments is None:
+            factors = torch.cat([p[0].reshape(1).to(torch.float32) for p in payloads]).div_(len(payloads))
         else:
-            for w, (_, packed) in enumerate(payloads):
-                sign = unpack_codes(packed, 1, n).to(torch.float32).mul_(2).sub_(1)
-                f = factors[w].to(flat.device)
-                if w == 0:
-                    torch.mul(sign, f, out=flat)
-                else:
-                    flat.addcmul_(sign, f)
-        return write_back(out, flat)
-
-    def _aggregate_segments(self, out, payloads, ctx):
-        """:meth:`aggregate_into` of segmented payloads: each segment's factors ``scale_r/W``."""
-        segments = ctx.segments
-        flat = float32_flat(out)
-        if not payloads:
-            flat.zero_()
-            return write_back(out, flat)
-        factors = torch.stack([p[0].to(torch.float32) for p in payloads]).div_(len(payloads))
+            factors = torch.stack([p[0].to(torch.float32) for p in payloads]).div_(len(payloads))
         if native.usable(flat, factors, *[p[1] for p in payloads]):
-            native.scaled_sign_aggregate_segments(flat, factors, [p[1].contiguous() for p in payloads],
-                                                  segments.sizes_tensor())
-        else:  # the per-tensor torch arithmetic, each element with its segment's factor
-            for w, (_, packed) in enumerate(payloads):
-                sign = unpack_codes(packed, 1, flat.numel()).to(torch.float32).mul_(2).sub_(1)
-                f = segments.expand(factors[w].to(flat.device))
-                if w == 0:
-                    torch.mul(sign, f, out=flat)
-                else:
-                    flat.addcmul_(sign, f)
+            packed = [p[1].contiguous() for p in payloads]
+            if segments is None:
+                native.scaled_sign_aggregate(flat, factors, packed)
+            else:
+                native.scaled_sign_aggregate_segments(flat, factors, packed, segments.sizes_tensor())
+            return write_back(out, flat)
+        for w, (_, packed) in enumerate(payloads):  # each element with its (segment's) factor
+            sign = unpack_codes(packed, 1, flat.numel()).to(torch.float32).mul_(2).sub_(1)
+            f = factors[w].to(flat.device)
+            if segments is not None:
+                f = segments.expand(f)
+            if w == 0:
+                torch.mul(sign, f, out=flat)
+            else:
+                flat.addcmul_(sign, f)
         return write_back(out, flat)
 
     def residual_(self, p, payload, ctx):
         """``p - scale·sign`` in ``p``'s memory (contiguous float32 CPU ``p``, native kernels)."""
-        if isinstance(ctx, SegmentsContext):
-            scale, packed = payload
-            if p.dtype == torch.float32 and p.is_contiguous() and native.usable(p, scale, packed):
-                native.scaled_sign_aggregate_segments(p.view(-1), scale.reshape(1, -1).to(torch.float32),
-                                                      [packed], ctx.segments.sizes_tensor(), decrement=True)
-                return p
-            return p - self.decode(payload, ctx)
         scale, packed = payload
         if p.dtype != torch.float32 or not p.is_contiguous() or not native.usable(p, scale, packed):
             return super().residual_(p, payload, ctx)
-        native.scaled_sign_aggregate(p.view(-1), scale.reshape(1).to(torch.float32), [packed], decrement=True)
+        if isinstance(ctx, SegmentsContext):
+            native.scaled_sign_aggregate_segments(p.view(-1), scale.reshape(1, -1).to(torch.float32), [packed],
+                                                  ctx.segments.sizes_tensor(), decrement=True)
+        else:
+            native.scaled_sign_aggregate(p.view(-1), scale.reshape(1).to(torch.float32), [packed], decrement=True)
         return p

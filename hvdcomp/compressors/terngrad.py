@@ -164,47 +164,32 @@ class TernGradCompressor(DrawsPerCall, AggregateInto, Compressor):
         return [s.reshape(1), pack_bits(codes, 2)]
 
     def aggregate_into(self, out, payloads, ctx):
-        """Mean over ranks of ``s·(code - 1)``, written into ``out`` (native: in one pass)."""
-        if isinstance(ctx, SegmentsContext):
-            return self._aggregate_segments(out, payloads, ctx)
-        shape, dtype, n = ctx
+        """Mean over ranks of ``s·(code - 1)``, written into ``out`` (native: in one pass, one call
+        for every segment of segmented payloads; else segment by segment)."""
+        segments = ctx.segments if isinstance(ctx, SegmentsContext) else None
         flat = float32_flat(out)
         world = len(payloads)
-        if not payloads or n == 0:
+        if not payloads or flat.numel() == 0:
             flat.zero_()
         elif native.usable(flat, *[t for p in payloads for t in p]):
-            factors = torch.cat([p[0].reshape(1).to(torch.float32) for p in payloads]).div_(world)
-            native.terngrad_aggregate(flat, factors, [p[1].contiguous() for p in payloads])
-        else:
+            codes = [p[1].contiguous() for p in payloads]
+            if segments is None:
+                factors = torch.cat([p[0].reshape(1).to(torch.float32) for p in payloads]).div_(world)
+                native.terngrad_aggregate(flat, factors, codes)
+            else:
+                factors = torch.stack([p[0].to(torch.float32) for p in payloads]).div_(world)
+                native.terngrad_aggregate_segments(flat, factors, codes, segments.sizes_tensor())
+        elif segments is None:
             for w, (s, packed) in enumerate(payloads):
-                codes = unpack_codes(packed, 2, n)
+                codes = unpack_codes(packed, 2, flat.numel())
                 f = (s.to(torch.float32) / world).to(flat.device)
                 if w == 0:
                     flat.copy_(codes).sub_(1).mul_(f)
                 else:
                     flat.addcmul_(codes.to(torch.float32).sub_(1), f)
-        return write_back(out, flat)
-
-    def _aggregate_segments(self, out, payloads, ctx):
-        """:meth:`aggregate_into` of segmented payloads: one native call for every segment, else
-        the per-tensor aggregate segment by segment."""
-        segments = ctx.segments
-        flat = float32_flat(out)
-        if not payloads:
-            flat.zero_()
-        elif native.usable(flat, *[t for p in payloads for t in p]):
-            factors = torch.stack([p[0].to(torch.float32) for p in payloads]).div_(len(payloads))
-            native.terngrad_aggregate_segments(flat, factors, [p[1].contiguous() for p in payloads],
-                                               segments.sizes_tensor())
         else:
             at = self._layout(segments)
-            for j, (view, n) in enumerate(zip(segments.split(flat), segments.sizes)):
+            for j, view in enumerate(segments.split(flat)):
                 own = [[p[0][j:j + 1], p[1][at[j]:at[j + 1]]] for p in payloads]
-                self.aggregate_into(view, own, (view.shape, torch.float32, n))
+                self.aggregate_into(view, own, (view.shape, torch.float32, view.numel()))
         return write_back(out, flat)
-
-    def state_dict(self):
-        return {"rng": self.rng.state_dict()}
-
-    def load_state_dict(self, state):
-        self.rng.load_state_dict(state.get("rng", {}))
