@@ -131,12 +131,6 @@ class DGCCompressor(DrawsPerCall, SparseCompressor):
         return self.rng.ordered(names, items, lambda todo: sample_draws(
             self.rng, todo, lambda n: num_kept(n, density), self.sample_ratio, self.min_sample, counts))
 
-    def threshold_select(self, mag: torch.Tensor, k: int) -> torch.Tensor:
-        """Indices (int64) of about k entries of ``mag`` (1-D, >= 0) via a sampled threshold
-        (:func:`hvdcomp.compressors.selection.sampled_threshold_topk` with this generator)."""
-        return sampled_threshold_topk(mag, k, self.sample_ratio, self.rng,
-                                      min_sample=self.min_sample)
-
     def _encode(self, tensor, name=None):
         if name is None:
             raise ValueError("dgc keeps momentum per parameter and needs its name: use "

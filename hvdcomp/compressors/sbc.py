@@ -235,7 +235,7 @@ class SBCCompressor(SparseCompressor):
     position at ρ = 0.01 for spread-out positions). :meth:`nominal_ratio` follows the seed
     study's convention (32-bit values and indices: k indices and one value, n/(k + 1));
     :meth:`payload_bytes` / :meth:`expected_payload_bytes` give the expected coded size for
-    uniformly spread positions, :meth:`max_payload_bytes` the worst case. There is no dense
+    uniformly spread positions (docs/methods.md, "SBC": the worst case). There is no dense
     fallback: even the worst case is below the dense 4n bytes for n ≥ 2.
 
     Error feedback is on by default (``default_error_feedback``), as in SBC; the paper's temporal
@@ -303,20 +303,12 @@ class SBCCompressor(SparseCompressor):
     def payload_bytes(self, numel: int, kept: int) -> int:
         """Expected bytes of a payload sending ``kept`` positions spread uniformly among ``numel``:
         4 + ceil(kept·(1 + θ/(1 − θ))/8) + ceil(kept·b/8) (docs/methods.md); the actual size
-        depends on the positions (at most :meth:`max_payload_bytes`)."""
+        depends on the positions (at most 4 + ceil((kept + ⌊(numel − kept)/2^b⌋)/8) + ceil(kept·b/8))."""
         if kept <= 0 or numel <= 0:
             return 4
         b = rice_parameter(numel, kept)
         unary_bits = kept * (expected_bits_per_position(numel, kept) - b)
         return 4 + math.ceil(unary_bits / 8) + packed_nbytes(kept, b)
-
-    def max_payload_bytes(self, numel: int, kept: int) -> int:
-        """Largest payload for ``kept`` positions among ``numel``, whatever the positions:
-        4 + ceil((kept + ⌊(numel − kept)/2^b⌋)/8) + ceil(kept·b/8)."""
-        if kept <= 0 or numel <= 0:
-            return 4
-        b = rice_parameter(numel, kept)
-        return 4 + (kept + ((numel - kept) >> b) + 7) // 8 + packed_nbytes(kept, b)
 
     def expected_payload_bytes(self, numel):
         """:meth:`payload_bytes` with kept = k (``None`` for an empty tensor)."""

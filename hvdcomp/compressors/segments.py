@@ -84,8 +84,6 @@ class Segments:
         self.numel = total
         #: each segment's shape as a 1-D tensor, ``(n,)``: for state kept flat (DGC's momenta)
         self.flat_shapes: Tuple[torch.Size, ...] = tuple(torch.Size([n]) for n in self.sizes)
-        #: positions of the non-empty segments
-        self.nonempty: List[int] = [j for j, n in enumerate(self.sizes) if n]
         self._classes: Dict[torch.device, list] = {}
         self._cache: Dict[Any, Any] = {}
 

@@ -231,7 +231,7 @@ class ABTraining(SkipSynchronize):
         self.always_full = [(n, p) for n, p in self.named if id(p) not in fact_ids]
         params = [p for _, p in self.named] + [t for f in self.factorized for t in (f.a, f.b)]
         self.optimizer: torch.optim.Optimizer = optimizer_factory(params)
-        self.step_count, self.switches = 0, 0
+        self.step_count = 0
         self.stage: Optional[str] = None
         self.cycle: Optional[int] = None
         self.dense_bytes_per_step = 4 * sum(p.numel() for _, p in self.named)
@@ -332,7 +332,6 @@ class ABTraining(SkipSynchronize):
             first = not self.compression_history
             self._factorize_all(cut=self.cut_first or not first)
         if self.stage is not None:
-            self.switches += 1
             self.rebound.restart()
             if self.reset_optimizer:
                 self.optimizer.state.clear()
