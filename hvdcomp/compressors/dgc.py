@@ -150,28 +150,38 @@ class DGCCompressor(DrawsPerCall, SparseCompressor):
         # on CPU they reuse the memory of the (u, v) replaced at the previous step (no page faults)
         u = self._spare("u", name, g)
         u = torch.empty_like(g) if u is None else u
-        if self.nesterov:
-            torch.add(u_old, g, out=u).mul_(self.momentum)
-            v = self.memory.compensate(name, u).add_(g)       # v = v + u + g
-        else:
-            torch.mul(u_old, self.momentum, out=u).add_(g)    # u = m·u + g, rounded as two ops
-            v = self.memory.compensate(name, u)                # v = v + u
+        v = self._momentum(u_old, g, u, lambda u: self.memory.compensate(name, u))
         idx = self.select(v, name)
         values = v.index_select(0, idx)
         payload = self.pack(values, idx, n)  # float16 values saturate: the excess stays in the velocity
+        self._take_sent(v, u, idx, values, payload)
+        self._put("u", name, u)
+        self.memory.keep(name, v)                              # what was not sent stays in v
+        return payload, (tensor.shape, tensor.dtype)
+
+    def _momentum(self, u_old, g, u, compensate):
+        """u = m·u_old + g into ``u`` (Nesterov: m·(u_old + g)), rounded as two operations; returns
+        the velocity ``compensate(u)`` (v + u; Nesterov: v + u + g)."""
+        if self.nesterov:
+            torch.add(u_old, g, out=u).mul_(self.momentum)
+            return compensate(u).add_(g)
+        torch.mul(u_old, self.momentum, out=u).add_(g)
+        return compensate(u)
+
+    def _take_sent(self, v, u, idx, values, payload, segments=None):
+        """Remove what ``payload`` sends (``values`` = v[idx]) from the velocity ``v``, keeping the
+        rounding error of fp16 / int2 / stat2 values in it; zero ``u`` at ``idx`` with momentum
+        masking."""
         if self.value_coding == "fp32":
             v.index_fill_(0, idx, 0.0)
-        else:  # keep the rounding error of the fp16 / int2 values in the accumulation (v[idx] is values)
-            sent, sent_idx = self.unpack(payload, n)
+        else:
+            sent, sent_idx = self.unpack(payload, v.numel(), segments)
             if sent_idx is None:  # written densely
                 v.index_copy_(0, idx, values - sent.index_select(0, idx))
             else:  # (int2 sends no exact zeros: fewer entries than idx)
                 v.index_add_(0, sent_idx, sent, alpha=-1)
         if self.momentum_masking:
             u.index_fill_(0, idx, 0.0)
-        self._put("u", name, u)
-        self.memory.keep(name, v)                              # what was not sent stays in v
-        return payload, (tensor.shape, tensor.dtype)
 
     def _encode_segments(self, flat, segments):
         """:meth:`_encode` of every segment at once (see the class docstring); the thresholds are
@@ -189,28 +199,14 @@ class DGCCompressor(DrawsPerCall, SparseCompressor):
             u_old = torch.cat([torch.zeros(m, device=g.device) if t is None else t.reshape(-1)
                                for t, m in zip(self._get_many("u", names), segments.sizes)])
         u = torch.empty_like(g)
-        if self.nesterov:
-            torch.add(u_old, g, out=u).mul_(self.momentum)
-            v = self.memory.compensate_segments_(u.clone(), segments).add_(g)
-        else:
-            torch.mul(u_old, self.momentum, out=u).add_(g)
-            v = self.memory.compensate_segments_(u.clone(), segments)
+        v = self._momentum(u_old, g, u, lambda u: self.memory.compensate_segments_(u.clone(), segments))
         density = self.density_at(self.epoch)
         draws = self._draws(names, [(m, v.device) for m in segments.sizes])
         idx = select_segments(v, segments, lambda m: num_kept(m, density), self.sample_ratio, draws,
                               self.min_sample, key=("dgc", density))
         values = v.index_select(0, idx)
         payload = self.pack(values, idx, n, segments=segments)
-        if self.value_coding == "fp32":
-            v.index_fill_(0, idx, 0.0)
-        else:
-            sent, sent_idx = self.unpack(payload, n, segments)
-            if sent_idx is None:
-                v.index_copy_(0, idx, values - sent.index_select(0, idx))
-            else:
-                v.index_add_(0, sent_idx, sent, alpha=-1)
-        if self.momentum_masking:
-            u.index_fill_(0, idx, 0.0)
+        self._take_sent(v, u, idx, values, payload, segments)
         self._put_segments("u", segments, u, flat_shapes=True)
         self.memory.keep_segments(v, segments, flat_shapes=True)
         return payload, SegmentsContext(flat.shape, flat.dtype, segments)
