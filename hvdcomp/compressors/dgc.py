@@ -8,16 +8,12 @@ Per parameter, with momentum m, velocity u and accumulation v (both zero at firs
     g = g · min(1, (C·N^-1/2) / ||g||)     # local gradient clipping (C: the global clip norm)
     u = m·u + g                            # momentum correction
     v = v + u                              # local accumulation
-    send v at |v| >= thr                   # thr from a ~1 % sample of |v|
+    send v at |v| >= thr                   # thr from a ~1 % sample of |v| (selection.py)
     u[sent] = 0 ; v[sent] = 0              # momentum factor masking
 
-The threshold is the smallest of the top ceil(ρ·s) magnitudes of s sampled entries; if more
-than 1.3k entries pass, the exact top-k of them is sent; if fewer than 0.8k pass, the threshold
-is lowered ×0.8 and tried again (at most 10 times). Density warms up exponentially over the
-first W epochs: ρ_e = ρ^((e+1)/(W+1)) (W = 4, ρ = 0.001: 0.251, 0.063, 0.0158, 0.0040, then ρ).
-
-DGC applies momentum itself: the optimizer must not apply momentum again (use plain SGD with
-``momentum=0``; :class:`hvdcomp.DistributedOptimizer` refuses otherwise).
+Density warms up exponentially over the first W epochs: ρ_e = ρ^((e+1)/(W+1)). DGC applies
+momentum itself: use plain SGD with ``momentum=0`` (:class:`hvdcomp.DistributedOptimizer`
+refuses otherwise).
 """
 from __future__ import annotations
 

@@ -9,17 +9,9 @@ For a block v of d elements and s levels::
     r_i     = s·|v_i| / scale ;  level_i = floor(r_i) + Bernoulli(r_i - floor(r_i))
     Q(v)_i  = scale · sign(v_i) · level_i / s        (unbiased: E[Q(v)] = v)
 
-Levels in [−s, s] travel as unsigned codes ``level + s`` packed at ``ceil(log2(2s+1))`` bits
-(s = 127 and 64 → 8 bits: plain bytes, one per element; 16 → 6; 4 → 4), plus one fp32 scale per
-block. An all-zero block decodes to exact zeros. Scales differ per rank, so payloads go through
-the allgather path.
-
-Kernels: on CPU the native kernels (:mod:`hvdcomp.native`) encode in one pass over the input
-(scales of a run of blocks computed while it is in cache, then rounding and packing) and decode
-or aggregate W payloads writing each output element once (unpack and scale multiply fused); the
-uniforms come from a counter-based generator keyed by one draw of the per-rank generator. On CUDA
-(or with the native kernels off) the same computation runs as vectorised torch ops with
-``torch.rand`` from the per-rank generator.
+Levels in [−s, s] travel as unsigned codes ``level + s`` packed at ``ceil(log2(2s+1))`` bits,
+plus one fp32 scale per block; an all-zero block decodes to exact zeros. Scales differ per rank
+(allgather). Kernels (native on CPU, torch elsewhere): docs/kernels.md.
 """
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
 """Per-rank random generators for stochastic compressors (never the global RNG), and the order
-in which a fused pipeline takes their draws.
-
-Order of draws. A method that draws from its per-rank generator at each call (QSGD's and
-TernGrad's rounding, the sampled thresholds of ``topk:select=sample`` and DGC) gets, with one call
-per gradient, the draws in the order the gradients are encoded: the order backward completes them
-(its hooks), then the rest in the order ``synchronize()`` sends them. A fused bucket encodes
-several gradients in one call, later than some of them were complete. So that its draws are the
-same, the optimizer hands such a method a :class:`DrawOrder` (the step's order of one call per
-gradient, kept by :class:`hvdcomp.step.StepState`) and the method takes its draws through
-:meth:`RankGenerators.ordered`: each gradient's draw is the one it would have had, whatever
-order the fused units are encoded in (draws for gradients of units encoded later are made in
-order and held until then).
+in which a fused pipeline takes their draws (:class:`DrawOrder`, :meth:`RankGenerators.ordered`:
+each gradient of a fused bucket gets the draw one call per gradient would give it; see
+docs/fused-compression.md, "Random draws").
 """
 from __future__ import annotations
 

@@ -5,12 +5,8 @@ Non-Convex Problems", ICML 2018; Bernstein, Zhao, Azizzadenesheli and Anandkumar
 Majority Vote is Communication Efficient and Fault Tolerant", ICLR 2019.
 
 Each rank sends sign(g) ∈ {−1, +1} (sign(0) = +1); the aggregate is sign(Σ_ranks sign(g_r)), again
-with sign(0) = +1 — the elementwise majority, ties going to +1. The optimizer then steps by
-``lr · vote``.
-
-Kernels: on CPU the native kernels (:mod:`hvdcomp.native`) compute signs (and EF-signSGD's Σ|p|)
-in one pass, and decode / aggregate W payloads writing each output element once; elsewhere
-vectorised torch ops (:mod:`hvdcomp.compressors.bitpack` for the 1-bit packing).
+with sign(0) = +1: the elementwise majority, ties going to +1. The optimizer then steps by
+``lr · vote``. Kernels (native on CPU, torch elsewhere): docs/kernels.md.
 """
 from __future__ import annotations
 

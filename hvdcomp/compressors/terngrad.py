@@ -5,12 +5,8 @@ Distributed Deep Learning", NeurIPS 2017.
 
 ``g = clamp(g, ±2.5·max(std(g), |mean(g)|))``; ``s = max|g|``; ``b_i ~ Bernoulli(|g_i|/s)``;
 ``out = s·sign(g)·b`` ∈ {−s, 0, s} (unbiased for the clipped gradient). Codes ``sign·b + 1`` travel
-at 2 bits per element with one fp32 scale; scales differ per rank, so the allgather path is used.
-
-Kernels: on CPU the native kernels (:mod:`hvdcomp.native`) take two passes over the input (moments
-and max|g| in float64, then clipping, rounding and packing, with counter-based uniforms keyed by
-one draw of the per-rank generator), and decode / aggregate W payloads writing each output element
-once. On CUDA (or with the native kernels off) vectorised torch ops with ``torch.rand``.
+at 2 bits per element with one fp32 scale; scales differ per rank (allgather). Kernels (native on
+CPU, torch elsewhere): docs/kernels.md.
 """
 from __future__ import annotations
 
