@@ -37,18 +37,6 @@ FP32_MAX = torch.finfo(torch.float32).max
 _CHUNK = 1 << 18
 
 
-def _check_bits(bits) -> int:
-    return check_int(bits, "bits", 2, 8, " (4 or 8 in the paper, e.g. bits=4)")
-
-
-def _check_block(block) -> int:
-    return check_count(block, "block", 1, " (elements per quantization block, e.g. block=512)")
-
-
-def _check_beta(beta) -> float:
-    return check_range(beta, "beta", 0.0, 1.0, high_open=True, hint=" (0: classic error feedback, e.g. beta=0)")
-
-
 def _largest_scale(levels: int) -> float:
     """The largest float32 s with float32(levels·s) finite (float32's max / L, rounded down
     until the product is finite: for L = 127, float32(max/127)·127 rounds to Inf)."""
@@ -116,9 +104,10 @@ class LowBitCompressor(AggregateInto, Compressor):
     elementwise = False
 
     def __init__(self, bits: int = 4, block: int = 512, beta: float = 0.0):
-        self.bits = _check_bits(bits)
-        self.block = _check_block(block)
-        self.beta = _check_beta(beta)
+        self.bits = check_int(bits, "bits", 2, 8, " (4 or 8 in the paper, e.g. bits=4)")
+        self.block = check_count(block, "block", 1, " (elements per quantization block, e.g. block=512)")
+        self.beta = check_range(beta, "beta", 0.0, 1.0, high_open=True,
+                                hint=" (0: classic error feedback, e.g. beta=0)")
         self.levels = (1 << (self.bits - 1)) - 1          # L
         unit = math.lcm(self.block, 8)                    # chunks start on whole blocks and bytes
         self._chunk = max(1, _CHUNK // unit) * unit
@@ -129,13 +118,9 @@ class LowBitCompressor(AggregateInto, Compressor):
         return {"name": self.name, "bits": self.bits, "block": self.block, "beta": self.beta}
 
     # ---- sizes ---------------------------------------------------------------------------------
-    def wire_bytes(self, numel: int) -> int:
-        """Exact payload bytes for ``numel`` elements: ``4·ceil(n/block) + ceil(n·bits/8)``."""
-        return 4 * math.ceil(numel / self.block) + packed_nbytes(numel, self.bits)
-
     def expected_payload_bytes(self, numel: int) -> int:
-        """Exact bytes one rank sends for ``numel`` elements (:meth:`wire_bytes`; 0 for 0)."""
-        return self.wire_bytes(numel)
+        """Exact bytes one rank sends for ``numel`` elements: ``4·ceil(n/block) + ceil(n·bits/8)``."""
+        return 4 * math.ceil(numel / self.block) + packed_nbytes(numel, self.bits)
 
     @property
     def error_bound(self):

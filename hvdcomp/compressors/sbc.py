@@ -38,8 +38,8 @@ _BITPACK_MAX = 16
 
 def rice_parameter(numel: int, kept: int) -> int:
     """Rice parameter b for ``kept`` positions among ``numel``: Kiely's rule for geometric gaps,
-    b = max(0, 1 + floor(log2(ln(φ − 1) / ln(1 − p)))) with p = kept/numel (see the module
-    docstring; p = 0.01 → b = 6). 0 when nothing is kept or p > 2 − φ (p = 1 included)."""
+    b = max(0, 1 + floor(log2(ln(φ − 1) / ln(1 − p)))) with p = kept/numel (see
+    docs/methods.md; p = 0.01 → b = 6). 0 when nothing is kept or p > 2 − φ (p = 1 included)."""
     if kept <= 0 or numel <= 0:
         return 0
     p = kept / numel
@@ -220,7 +220,7 @@ class SBCCompressor(SparseCompressor):
     Keeps the k = max(1, ceil(ρ·n)) largest positive entries and the k most negative ones, and
     sends the side with the larger mean magnitude as that mean (one float32) at its positions
     (coded by gaps, Golomb–Rice with Kiely's parameter). The exact rule, the coding and the byte
-    counts are in :mod:`hvdcomp.compressors.sbc`.
+    counts are in docs/methods.md, "SBC".
 
     Args:
         density: ρ in (0, 1]; 0.01 keeps at most 1 % of the entries (of one sign).
