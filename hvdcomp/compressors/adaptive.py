@@ -113,7 +113,7 @@ def _parse_candidates(candidates, budget, knob: str) -> List:
 
 @register("adaptive")
 class AdaptiveCompressor(Compressor):
-    """Per-layer settings of ``base`` chosen by dynamic programming (see the module docstring).
+    """Per-layer settings of ``base`` chosen by dynamic programming (docs/methods.md, "Per-layer settings").
 
     Args:
         base: a method of :data:`KNOBS` (``topk``, ``randomk``, ``qsgd``).

@@ -16,7 +16,7 @@ __all__ = ["RankGenerators", "DrawOrder", "DrawsPerCall", "rounding_draws"]
 
 class DrawOrder:
     """The order in which one call per gradient would encode the gradients of the current step
-    (see the module docstring).
+    (docs/fused-compression.md, "Random draws").
 
     Args:
         names, sizes, devices: per gradient, in the optimizer's launch order: its parameter name,
@@ -80,7 +80,7 @@ class RankGenerators:
         self.seed = int(seed)
         self._gens: Dict[str, torch.Generator] = {}
         self._pending: Dict[str, torch.Tensor] = {}
-        self.order: Optional[DrawOrder] = None  # set on fused pipelines (the module docstring)
+        self.order: Optional[DrawOrder] = None  # set on fused pipelines (docs/fused-compression.md)
         self._step: Optional[list] = None  # the step (its DrawOrder.ready list) the draws below are of
         self._done = 0                      # draws made in the step's order so far
         self._held: Dict[int, Any] = {}     # position -> draw made ahead, for a unit encoded later

@@ -226,17 +226,11 @@ class SBCCompressor(SparseCompressor):
         density: ρ in (0, 1]; 0.01 keeps at most 1 % of the entries (of one sign).
 
     Payload: ``[mu (1,) float32, unary (ceil(U/8),) uint8, remainders (ceil(m·b/8),) uint8]``
-    (m ≤ k sent positions, U = Σ(q_i + 1) unary bits, b the Rice parameter from n and m).
-    :meth:`unpack` gives ``(mu repeated (m,) float32, indices (m,) int64 ascending)``; payloads
-    of different ranks are gathered and scatter-added into zeros, then divided by the world size
-    (the mean of the ranks' decodes). Decoded tensors have the gradient's shape and dtype.
-
-    Bytes: 4 + ceil(U/8) + ceil(m·b/8), which depends on the positions (about 8.1 bits per
-    position at ρ = 0.01 for spread-out positions). :meth:`nominal_ratio` follows the seed
-    study's convention (32-bit values and indices: k indices and one value, n/(k + 1));
-    :meth:`payload_bytes` / :meth:`expected_payload_bytes` give the expected coded size for
-    uniformly spread positions (docs/methods.md, "SBC": the worst case). There is no dense
-    fallback: even the worst case is below the dense 4n bytes for n ≥ 2.
+    (m ≤ k sent positions, U = Σ(q_i + 1) unary bits, b the Rice parameter from n and m):
+    4 + ceil(U/8) + ceil(m·b/8) bytes, depending on the positions (:meth:`payload_bytes`: the
+    expected size; no dense fallback, even the worst case is below 4n bytes for n ≥ 2).
+    :meth:`unpack` gives ``(mu repeated (m,) float32, indices (m,) int64 ascending)``, decoded,
+    aggregated and kept as residual as :class:`~hvdcomp.compressors.sparse.SparseCompressor`'s.
 
     Error feedback is on by default (``default_error_feedback``), as in SBC; the paper's temporal
     sparsity (communication delay) is local accumulation and not part of this module.

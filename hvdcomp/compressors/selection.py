@@ -61,7 +61,7 @@ def _empty_index(device) -> torch.Tensor:
 
 
 def exact_topk(flat: torch.Tensor, k: int, *, magnitudes: bool = True) -> torch.Tensor:
-    """Indices (int64, 1-D, ascending) of the k entries of largest magnitude (see module docstring).
+    """Indices (int64, 1-D, ascending) of the k entries of largest magnitude (docs/kernels.md, "Top-k selection").
 
     Args:
         flat: 1-D tensor of n elements; magnitudes (>= 0) when ``magnitudes``, else signed values
@@ -183,13 +183,8 @@ def sample_positions(n: int, k: int, sample_ratio: float, generator, device=None
     target ``k``: ``ceil(sample_ratio·n)`` draws in [0, n) from ``generator`` (a
     ``torch.Generator`` or :class:`~hvdcomp.compressors.rng.RankGenerators`), or None (nothing
     drawn) where it takes the whole tensor or the exact top-k instead."""
-    samples = math.ceil(sample_ratio * n)
-    if k >= n or samples < min_sample or k <= 0:
-        return None
     device = torch.device("cpu") if device is None else torch.device(device)
-    if not isinstance(generator, torch.Generator):
-        generator = generator.get(device)
-    return torch.randint(0, n, (samples,), generator=generator, device=device)
+    return sample_draws(generator, [(n, device)], lambda _: k, sample_ratio, min_sample)[0]
 
 
 def sample_draws(generator, items, kept, sample_ratio: float, min_sample: int = MIN_SAMPLE,

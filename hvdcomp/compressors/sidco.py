@@ -210,12 +210,9 @@ class SIDCoCompressor(SparseCompressor):
         tolerance: ε in (0, 1] (default 0.2): a selection is on target when
             (1−ε)·k <= kept <= (1+ε)·k.
 
-    Payload: ``[values (m,) float32, indices (m,) int32]`` (int64 when n >= 2^31), ascending
-    indices, m varying per rank and step around k (gradient units; 8 bytes per kept element by
-    default; ``values=fp16`` or ``int2`` / ``index=compact`` shrink it, see
-    :mod:`hvdcomp.compressors.sparse`). Payloads of different ranks are gathered and
-    scatter-added into zeros, then divided by the world size. Error feedback is on by default
-    (as in the paper), through :class:`hvdcomp.ErrorFeedback`.
+    Payload: ``[values (m,) float32, indices (m,) int32]``, ascending indices, m varying per
+    rank and step around k (:mod:`hvdcomp.compressors.sparse`: other codings, how ranks combine).
+    Error feedback (:class:`hvdcomp.ErrorFeedback`) is on by default, as in the paper.
 
     State: the current number of stages per parameter name, ``state_dict() == {"stages":
     {name: M}}`` (staged until commit within a step: a rolled-back step leaves it unchanged).

@@ -70,6 +70,14 @@ def int2_encode(values: torch.Tensor, groups: Optional[torch.Tensor] = None, cou
     return torch.cat([scale.view(torch.uint8), bitpack.pack_bits(codes, 2)])
 
 
+def _split_coded(data: torch.Tensor, count: int, header: int, what: str):
+    """The float32 header (``header`` bytes) and the ``count`` 2-bit codes of an int2 or stat2
+    payload; raises ``ValueError`` naming ``what`` unless ``data`` is uint8 of the right size."""
+    if data.dtype != torch.uint8 or data.numel() != header + (count + 3) // 4:
+        raise ValueError(f"{what} has {header + (count + 3) // 4} uint8 bytes, got {data.numel()} of {data.dtype}")
+    return data[:header].clone().view(torch.float32), bitpack.unpack_codes(data[header:], 2, count)
+
+
 def int2_decode(data: torch.Tensor, count: int, groups: Optional[torch.Tensor] = None,
                 ngroups: int = 1) -> torch.Tensor:
     """Inverse of :func:`int2_encode`: ``count`` float32 values, ±1 or ±float32(1/3) times the
@@ -78,12 +86,8 @@ def int2_decode(data: torch.Tensor, count: int, groups: Optional[torch.Tensor] =
     Raises:
         ValueError: ``data`` is not a uint8 tensor of ``4·ngroups + ⌈count/4⌉`` bytes.
     """
-    header = INT2_HEADER * ngroups
-    if data.dtype != torch.uint8 or data.numel() != header + (count + 3) // 4:
-        raise ValueError(f"an int2 payload of {count} values and {ngroups} scale(s) has {header + (count + 3) // 4} "
-                         f"uint8 bytes, got {data.numel()} of {data.dtype}")
-    scale = data[:header].clone().view(torch.float32)
-    codes = bitpack.unpack_codes(data[header:], 2, count)
+    scale, codes = _split_coded(data, count, INT2_HEADER * ngroups,
+                                f"an int2 payload of {count} values and {ngroups} scale(s)")
     # levels from Python scalars (no host-to-device copy): sign ±1 times 1 (codes 0, 3) or 1/3
     level = torch.where(codes >= 2, 1.0, -1.0) * torch.where((codes == 0) | (codes == 3), 1.0, 1.0 / 3.0)
     return level * (scale if groups is None else scale.index_select(0, groups))
@@ -130,12 +134,9 @@ def stat2_decode(data: torch.Tensor, count: int, groups: Optional[torch.Tensor] 
     Raises:
         ValueError: ``data`` is not a uint8 tensor of ``20·ngroups + ⌈count/4⌉`` bytes.
     """
-    header = STAT2_HEADER * ngroups
-    if data.dtype != torch.uint8 or data.numel() != header + (count + 3) // 4:
-        raise ValueError(f"a stat2 payload of {count} values and {ngroups} group(s) has "
-                         f"{header + (count + 3) // 4} uint8 bytes, got {data.numel()} of {data.dtype}")
-    table = data[:header].clone().view(torch.float32).view(ngroups, 1 + STAT2_BINS)
-    codes = bitpack.unpack_codes(data[header:], 2, count).long()
+    table, codes = _split_coded(data, count, STAT2_HEADER * ngroups,
+                                f"a stat2 payload of {count} values and {ngroups} group(s)")
+    table, codes = table.view(ngroups, 1 + STAT2_BINS), codes.long()
     if groups is None:
         return table[0, 1:][codes] + table[0, 0]
     return table[groups, 1 + codes] + table[groups, 0]

@@ -132,12 +132,12 @@ class ABTraining(SkipSynchronize):
             form rank group g). ``groups=`` is its deprecated spelling (one release).
         ranks_per_node: emulate a node layout of ranks ``[i·R, (i+1)·R)`` on node i (for
             ``rank_groups="node"`` and the between-node byte counts); None: the machine's own.
-        warmup_steps, steps_between_syncs, full_rank_steps: the stages (see the module doc).
+        warmup_steps, steps_between_syncs, full_rank_steps: the stages (docs/ab-training.md).
             The authors' VGG16/CIFAR-10 run: 4330, 699 (= 759 − 60) and 60.
         cutoff: keep σ_i > cutoff·σ_1 when factorising after a full-rank stage (default 0.15,
             the authors' VGG16/CIFAR-10 configuration).
         cut_first: also cut at the first factorisation after warm-up (the authors' is exact).
-        mode: ``"only-b"`` or ``"ab"`` (see the module doc).
+        mode: ``"only-b"`` or ``"ab"`` (docs/ab-training.md).
         sync: what the sync averages: ``"b"`` (only-b's default) or ``"full"`` (W) in mode
             only-b; ``"full"`` (default), ``"with-stale"`` or ``"only-learned"`` in mode ab.
         orientation: ``"tall"`` (B the small factor) or ``"rows"``.
