@@ -51,11 +51,8 @@ class DGCCompressor(DrawsPerCall, SparseCompressor):
     State per parameter name: ``u``, ``v`` (1-D, float32); plus the epoch and the generator
     state.
 
-    Several gradients in one call (``segments``, :mod:`hvdcomp.compressors.segments`): each keeps
-    its own clipping norm, momentum, accumulation and sampled threshold (the payload and state one
-    call per gradient gives); u and v of a fused bucket are kept as one flat buffer each (the
-    names' states are views of it), so the momentum correction, the accumulation and the masking
-    are a few operations over the bucket; the payload is one ``[values, indices]`` pair over it.
+    Several gradients in one call (``segments``): each keeps its own clipping, momentum,
+    accumulation and threshold; one ``[values, indices]`` pair over the bucket.
 
     Raises:
         ValueError: any argument out of range.

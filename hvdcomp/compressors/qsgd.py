@@ -48,10 +48,8 @@ class QSGDCompressor(DrawsPerCall, AggregateInto, Compressor):
 
     Payload: ``[scales (ceil(n/d),) float32, codes (ceil(n·b/8),) uint8]`` with b =
     ``ceil(log2(2s+1))`` bits per element (for b = 8 the codes are the bytes themselves).
-    Several gradients in one call (``segments``, :mod:`hvdcomp.compressors.segments`): each
-    keeps its own blocks, scales and random stream (the payload one call per gradient gives);
-    the payload is every gradient's scales, then every gradient's codes, each gradient's codes
-    starting on a byte; one native call encodes, one aggregates.
+    Several gradients in one call (``segments``): every gradient's scales, then every gradient's
+    codes, each gradient's codes starting on a byte.
 
     State: the per-rank generator, ``state_dict()["rng"]``.
 

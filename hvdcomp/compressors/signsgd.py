@@ -50,9 +50,6 @@ class SignSGDCompressor(AggregateInto, Compressor):
     Payload: ``[votes (n,) int32]`` (allreduce; after it, the summed votes) or
     ``[signs (ceil(n/8),) uint8]`` (allgather, bit i = [g_i >= 0]).
 
-    Several gradients in one call (``segments``): signs and votes are element-wise, so a fused
-    bucket is signed and voted on as one tensor (the same votes per element).
-
     Raises:
         ValueError: unknown ``vote``.
     """
@@ -117,10 +114,8 @@ class ScaledSignCompressor(AggregateInto, Compressor):
 
     Payload: ``[scale (1,) float32, signs (ceil(n/8),) uint8]`` (1 bit per element,
     sign(0) = +1). The scale differs per rank, so payloads are gathered and the decoded
-    ``scale_r·sign_r`` averaged. Several gradients in one call (``segments``,
-    :mod:`hvdcomp.compressors.segments`): each keeps its own scale (its own mean ``|p|``, summed
-    as alone); the payload is ``[scales (one per gradient,) float32, signs of the whole buffer]``;
-    one native call each for the signs, the scales, the aggregate and the residual.
+    ``scale_r·sign_r`` averaged. Several gradients in one call (``segments``): ``[scales (one
+    per gradient,) float32, signs of the whole buffer]``.
     """
 
     name = "efsignsgd"

@@ -31,16 +31,13 @@ class TernGradCompressor(DrawsPerCall, AggregateInto, Compressor):
 
     Args:
         clip_sigmas: clip at this many standard deviations (2.5 in the paper; 0 disables), but
-            never below ``clip_sigmas·|mean(g)|``: the paper's 2.5σ assumes zero-centred
-            gradients, and for a constant (or nearly constant) tensor σ is 0 or float rounding
-            noise, which clipped every value to about 0 (``[0.7] * 8`` decoded to ±1.6e-7).
+            never below ``clip_sigmas·|mean(g)|`` (the paper's 2.5σ assumes zero-centred
+            gradients: a constant tensor has σ = 0).
         seed: base seed of the per-rank generator.
 
     Payload: ``[scale (1,) float32, codes (ceil(n/4),) uint8]`` (2 bits per element). Several
-    gradients in one call (``segments``, :mod:`hvdcomp.compressors.segments`): each keeps its
-    own clipping, scale and random stream (the payload one call per gradient gives); the payload
-    is ``[scales (one per gradient,) float32, codes]``, each gradient's codes starting on a byte;
-    one native call takes the moments, one encodes, one aggregates.
+    gradients in one call (``segments``): ``[scales (one per gradient,) float32, codes]``, each
+    gradient's codes starting on a byte.
 
     State: the per-rank generator, ``state_dict()["rng"]``.
 
