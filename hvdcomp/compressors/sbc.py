@@ -32,8 +32,6 @@ __all__ = ["SBCCompressor", "decode_positions", "encode_positions", "expected_bi
 _LN_PHI_MINUS_1 = math.log((math.sqrt(5.0) - 1.0) / 2.0)
 #: Above this density Kiely's rule gives b = 0 (2 − φ ≈ 0.382).
 _B0_DENSITY = (3.0 - math.sqrt(5.0)) / 2.0
-#: Widest remainder bitpack.pack_bits handles; wider ones are packed bit by bit here.
-_BITPACK_MAX = 16
 
 
 def rice_parameter(numel: int, kept: int) -> int:
@@ -59,28 +57,14 @@ def expected_bits_per_position(numel: int, kept: int) -> float:
     return b + 1.0 + theta / (1.0 - theta)
 
 
-def _pack_remainders(r: torch.Tensor, b: int) -> torch.Tensor:
-    """``r`` (m,) int64 in [0, 2^b) at b bits each, little-endian (bitpack's layout)."""
-    if b == 0 or r.numel() == 0:
-        return torch.zeros(0, dtype=torch.uint8, device=r.device)
-    if b <= _BITPACK_MAX:
-        return pack_bits(r, b)
-    shifts = torch.arange(b, dtype=torch.int64, device=r.device)
-    bits = ((r.reshape(-1, 1) >> shifts) & 1).reshape(-1).to(torch.uint8)
-    return pack_bits(bits, 1)
-
-
 def _unpack_remainders(packed: torch.Tensor, b: int, m: int) -> torch.Tensor:
-    """Inverse of :func:`_pack_remainders`: (m,) int64."""
+    """The ``m`` remainders of ``b`` bits each (:func:`~hvdcomp.compressors.bitpack.pack_bits`'
+    layout) as int64 (m,)."""
     if b == 0 or m == 0:
         return torch.zeros(m, dtype=torch.int64, device=packed.device)
     if packed.numel() < packed_nbytes(m, b):
         raise ValueError(f"sbc payload: {packed.numel()} remainder bytes cannot hold {m} codes of {b} bits")
-    if b <= _BITPACK_MAX:
-        return unpack_bits(packed, b, m)
-    bits = unpack_bits(packed, 1, m * b).reshape(m, b)
-    weights = 1 << torch.arange(b, dtype=torch.int64, device=packed.device)
-    return (bits * weights).sum(1)
+    return unpack_bits(packed, b, m)
 
 
 def rice_encode(idx: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +92,7 @@ def rice_encode(idx: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     cleared = torch.zeros(nbytes, dtype=torch.int64, device=device)
     cleared.index_add_(0, zeros_at >> 3, 1 << (zeros_at & 7))
     unary = (255 - cleared).to(torch.uint8)
-    rem = _pack_remainders(gaps & ((1 << b) - 1), b)
+    rem = pack_bits(gaps & ((1 << b) - 1), b) if b else torch.zeros(0, dtype=torch.uint8, device=device)
     return unary, rem
 
 
