@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from itertools import accumulate
 from typing import Optional
 
 import torch
@@ -125,13 +126,9 @@ class QSGDCompressor(DrawsPerCall, AggregateInto, Compressor):
     def _layout(self, segments):
         """Per segment: where its scales and its code bytes start in a segmented payload
         (``(len + 1)`` offsets each, cached)."""
-        def make(seg):
-            scales, codes = [0], [0]
-            for n in seg.sizes:
-                scales.append(scales[-1] + math.ceil(n / self.block))
-                codes.append(codes[-1] + packed_nbytes(n, self.bits))
-            return scales, codes
-        return segments.cached(("qsgd", self.block, self.bits), make)
+        return segments.cached(("qsgd", self.block, self.bits), lambda seg: (
+            list(accumulate((math.ceil(n / self.block) for n in seg.sizes), initial=0)),
+            list(accumulate((packed_nbytes(n, self.bits) for n in seg.sizes), initial=0))))
 
     def _encode_segments(self, flat, segments):
         """Every segment as :meth:`_encode` would encode it alone, one native call for all (one

@@ -8,6 +8,7 @@ docs/fused-compression.md.
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any, Callable, Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
@@ -56,12 +57,7 @@ class Segments:
         self.names: Tuple[str, ...] = tuple(names)
         self.shapes: Tuple[torch.Size, ...] = tuple(torch.Size(s) for s in shapes)
         self.sizes: List[int] = [s.numel() for s in self.shapes]
-        self.offsets: List[int] = []
-        total = 0
-        for n in self.sizes:
-            self.offsets.append(total)
-            total += n
-        self.numel = total
+        *self.offsets, self.numel = accumulate(self.sizes, initial=0)
         #: each segment's shape as a 1-D tensor, ``(n,)``: for state kept flat (DGC's momenta)
         self.flat_shapes: Tuple[torch.Size, ...] = tuple(torch.Size([n]) for n in self.sizes)
         self._classes: Dict[torch.device, list] = {}

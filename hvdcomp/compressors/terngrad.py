@@ -11,6 +11,7 @@ CPU, torch elsewhere): docs/kernels.md.
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 
 import numpy as np
@@ -115,12 +116,8 @@ class TernGradCompressor(DrawsPerCall, AggregateInto, Compressor):
 
     def _layout(self, segments):
         """Per segment: where its code bytes start in a segmented payload (cached)."""
-        def make(seg):
-            at = [0]
-            for n in seg.sizes:
-                at.append(at[-1] + packed_nbytes(n, 2))
-            return at
-        return segments.cached("terngrad", make)
+        return segments.cached("terngrad", lambda seg: list(accumulate((packed_nbytes(n, 2) for n in seg.sizes),
+                                                                       initial=0)))
 
     def _encode_segments(self, flat, segments):
         """Every segment as :meth:`_encode` would encode it alone: one native call for the
