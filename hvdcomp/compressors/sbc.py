@@ -103,27 +103,18 @@ def rice_decode(unary: torch.Tensor, remainders: torch.Tensor, b: int) -> torch.
     Raises:
         ValueError: fewer remainder bytes than m codes of b bits need.
     """
-    positions, _ = _rice_decode(unary, remainders, lambda m: b)
-    return positions
-
-
-def _quotients(unary: torch.Tensor) -> torch.Tensor:
-    """q_i (m,) int64 from the unary stream: runs of one-bits before each zero-bit."""
-    u = unary.reshape(-1)
-    if u.numel() == 0:
-        return torch.zeros(0, dtype=torch.int64, device=u.device)
-    bits = unpack_codes(u, 1, 8 * u.numel())
-    zeros_at = torch.nonzero(bits == 0).reshape(-1)
-    return torch.diff(zeros_at, prepend=zeros_at.new_full((1,), -1)) - 1
+    return _rice_decode(unary, remainders, lambda m: b)
 
 
 def _rice_decode(unary, remainders, b_of_m):
-    q = _quotients(unary)
-    m = q.numel()
-    b = b_of_m(m)
-    r = _unpack_remainders(remainders.reshape(-1), b, m)
-    gaps = (q << b) | r
-    return torch.cumsum(gaps + 1, 0) - 1, b
+    """Ascending int64 positions from the two streams, with b = ``b_of_m(m)``: the quotients q_i
+    are the runs of one-bits before each of the m zero-bits of ``unary``."""
+    u = unary.reshape(-1)
+    zeros_at = torch.nonzero(unpack_codes(u, 1, 8 * u.numel()) == 0).reshape(-1)
+    q = torch.diff(zeros_at, prepend=zeros_at.new_full((1,), -1)) - 1
+    b = b_of_m(q.numel())
+    r = _unpack_remainders(remainders.reshape(-1), b, q.numel())
+    return torch.cumsum(((q << b) | r) + 1, 0) - 1
 
 
 def encode_positions(idx: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +128,7 @@ def decode_positions(unary: torch.Tensor, remainders: torch.Tensor, numel: int) 
     Raises:
         ValueError: a corrupt payload (too few remainder bytes, or a position ≥ ``numel``).
     """
-    positions, _ = _rice_decode(unary, remainders, lambda m: rice_parameter(numel, m))
+    positions = _rice_decode(unary, remainders, lambda m: rice_parameter(numel, m))
     if positions.numel() and int(positions[-1]) >= numel:
         raise ValueError(f"sbc payload codes position {int(positions[-1])} of a tensor of {numel} "
                          "elements: it was encoded for another tensor, or corrupted")

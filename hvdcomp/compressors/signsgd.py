@@ -20,11 +20,6 @@ from .registry import register
 from .segments import SegmentsContext
 
 
-def _sign(x: torch.Tensor) -> torch.Tensor:
-    """+1 where x >= 0, else -1 (float32)."""
-    return torch.where(x >= 0, 1.0, -1.0).to(torch.float32)
-
-
 def _sign_bits(flat: torch.Tensor, abs_sum: bool = False):
     """1-bit payload [x >= 0] of the 1-D ``flat`` and, with ``abs_sum``, Σ|x| as a 0-d float64
     tensor (native, for contiguous float32 CPU input: one pass for both)."""
@@ -101,7 +96,7 @@ class SignSGDCompressor(AggregateInto, Compressor):
                 total = sum(p[0] for p in payloads)
             else:
                 total = sum(unpack_codes(p[0], 1, n).to(torch.int32) * 2 - 1 for p in payloads)
-            flat.copy_(_sign(total).reshape(-1))
+            flat.copy_(torch.where(total >= 0, 1.0, -1.0).reshape(-1))  # sign(0) = +1
         return write_back(out, flat)
 
 

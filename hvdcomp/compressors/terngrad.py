@@ -74,24 +74,21 @@ class TernGradCompressor(DrawsPerCall, AggregateInto, Compressor):
         g = tensor.reshape(-1).to(torch.float32).contiguous()
         ctx = (tensor.shape, tensor.dtype, g.numel())
         draw = self._draws([name], [(g.numel(), g.device)])[0]
-        if native.usable(g):
-            return self._encode_native(g, draw), ctx
-        return self._encode_torch(g, draw), ctx
+        if not native.usable(g):
+            return self._encode_torch(g, draw), ctx
+        n = g.numel()
+        packed = torch.empty(packed_nbytes(n, 2), dtype=torch.uint8)
+        if n == 0:
+            return [torch.zeros(1), packed], ctx
+        clip, s = self._clip_and_scale(np.array([native.moments(g)]), np.array([n]))
+        native.terngrad_encode(g, float(clip[0]), float(s[0]), draw, packed)
+        return [torch.tensor([float(s[0])], dtype=torch.float32), packed], ctx
 
     def _draws(self, names, items):
         """Each gradient's rounding draw (a native key, or the torch uniforms), in the order one
         call per gradient takes them (:meth:`hvdcomp.compressors.rng.RankGenerators.ordered`)."""
         return self.rng.ordered(names, items, lambda todo: rounding_draws(
             self.rng, todo, native.usable_on, lambda n: (n,)))
-
-    def _encode_native(self, g, key):
-        n = g.numel()
-        packed = torch.empty(packed_nbytes(n, 2), dtype=torch.uint8)
-        if n == 0:
-            return [torch.zeros(1), packed]
-        clip, s = self._clip_and_scale(np.array([native.moments(g)]), np.array([n]))
-        native.terngrad_encode(g, float(clip[0]), float(s[0]), key, packed)
-        return [torch.tensor([float(s[0])], dtype=torch.float32), packed]
 
     def _clip_and_scale(self, moments: np.ndarray, n: np.ndarray):
         """Per tensor, from its moments (rows Σ(x−K), Σ(x−K)², max|x|, K in float64) and its size
