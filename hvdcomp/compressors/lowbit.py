@@ -83,11 +83,7 @@ class LowBitCompressor(AggregateInto, Compressor):
 
     State: h per parameter name, the gradient's shape, float32 for float16/bfloat16 gradients and
     the gradient's dtype otherwise, on the gradient's device; ``state_dict() ==
-    {"residuals": {name: h}}`` (per rank; AMP loss-scale changes rescale it,
-    :meth:`rescale_state`). Updates are staged during an open step (:meth:`begin_step`), and a
-    new tensor is made every step (a committed h is never changed in place by encoding). Besides,
-    on CPU a float32 work buffer of the largest gradient's size (rounded up to whole blocks) is
-    kept between calls (not state).
+    {"residuals": {name: h}}`` (per rank, staged during an open step).
 
     Raises:
         ValueError: ``bits`` not an integer in [2, 8], ``block`` not an integer ≥ 1, ``beta`` not
@@ -118,9 +114,13 @@ class LowBitCompressor(AggregateInto, Compressor):
         return {"name": self.name, "bits": self.bits, "block": self.block, "beta": self.beta}
 
     # ---- sizes ---------------------------------------------------------------------------------
-    def expected_payload_bytes(self, numel: int) -> int:
-        """Exact bytes one rank sends for ``numel`` elements: ``4·ceil(n/block) + ceil(n·bits/8)``."""
+    def wire_bytes(self, numel: int) -> int:
+        """Exact payload bytes for ``numel`` elements: ``4·ceil(n/block) + ceil(n·bits/8)``."""
         return 4 * math.ceil(numel / self.block) + packed_nbytes(numel, self.bits)
+
+    def expected_payload_bytes(self, numel: int) -> int:
+        """Exact bytes one rank sends for ``numel`` elements (:meth:`wire_bytes`; 0 for 0)."""
+        return self.wire_bytes(numel)
 
     @property
     def error_bound(self):
