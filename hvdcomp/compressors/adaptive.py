@@ -14,7 +14,7 @@ without a collective of its own. The schedule and the program in full: docs/meth
 from __future__ import annotations
 
 import inspect
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -246,39 +246,38 @@ class AdaptiveCompressor(Compressor):
                                        .clamp(max=torch.finfo(torch.float32).max)]
         return payload, (chosen, ctx, measuring, name, t // self.every)
 
-    def _record(self, ctx, tables: Sequence[torch.Tensor]) -> None:
-        """Keep the mean over ranks of a measuring step's error tables."""
-        _, _, measuring, name, rnd = ctx
+    def _unwrap(self, payloads, ctx):
+        """The chosen method and ``payloads`` without their error tables; on measuring steps the
+        mean over ranks of the tables is kept for the next plan (after an allreduce the one table
+        is the mean already)."""
+        chosen, _, measuring, name, rnd = ctx
         if measuring:
-            mean = torch.stack([t.to(torch.float64).cpu() for t in tables]).mean(0).numpy()
+            mean = torch.stack([p[-1].to(torch.float64).cpu() for p in payloads]).mean(0).numpy()
             self._put("errors", name, (rnd, mean))
-
-    def _split(self, payload, ctx):
-        return payload[:-1] if ctx[2] else payload
+            payloads = [p[:-1] for p in payloads]
+        return self.methods[chosen], payloads
 
     def decode(self, payload, ctx):
-        """The base method's decode of ``payload`` (its error table, on measuring steps, is
-        recorded as the ranks' mean: after an allreduce it is the mean already)."""
-        self._record(ctx, payload[-1:] if ctx[2] else [])
-        return self.methods[ctx[0]].decode(self._split(payload, ctx), ctx[1])
+        """The base method's decode of ``payload`` (:meth:`_unwrap`)."""
+        method, (payload,) = self._unwrap([payload], ctx)
+        return method.decode(payload, ctx[1])
 
     def decode_into(self, out, payload, ctx):
-        self._record(ctx, payload[-1:] if ctx[2] else [])
-        return self.methods[ctx[0]].decode_into(out, self._split(payload, ctx), ctx[1])
+        method, (payload,) = self._unwrap([payload], ctx)
+        return method.decode_into(out, payload, ctx[1])
 
     def aggregate(self, payloads, ctx):
-        """The base method's aggregate of every rank's payload; the mean of their error tables
-        (measuring steps) is recorded for the next plan."""
-        self._record(ctx, [p[-1] for p in payloads] if ctx[2] else [])
-        return self.methods[ctx[0]].aggregate([self._split(p, ctx) for p in payloads], ctx[1])
+        """The base method's aggregate of every rank's payload (:meth:`_unwrap`)."""
+        method, payloads = self._unwrap(payloads, ctx)
+        return method.aggregate(payloads, ctx[1])
 
     def aggregate_into(self, out, payloads, ctx):
-        self._record(ctx, [p[-1] for p in payloads] if ctx[2] else [])
-        return self.methods[ctx[0]].aggregate_into(out, [self._split(p, ctx) for p in payloads], ctx[1])
+        method, payloads = self._unwrap(payloads, ctx)
+        return method.aggregate_into(out, payloads, ctx[1])
 
     def residual_(self, p, payload, ctx):
         """The base method's residual of this rank's own payload (nothing is recorded)."""
-        return self.methods[ctx[0]].residual_(p, self._split(payload, ctx), ctx[1])
+        return self.methods[ctx[0]].residual_(p, payload[:-1] if ctx[2] else payload, ctx[1])
 
     # ---- staged state and checkpoints ------------------------------------------------------------
     def staged_children(self):
