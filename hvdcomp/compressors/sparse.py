@@ -31,6 +31,7 @@ _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 _VALUE_CODINGS = ("fp32", "fp16", "int2", "stat2")
 _INDEX_CODINGS = ("int", "compact")
 _AVERAGES = ("ranks", "senders")
+_WIRE_DEFAULTS = {"values": "fp32", "index": "int", "average": "ranks"}
 FP16_MAX = 65504.0
 INT2_HEADER = 4  # bytes of the float32 scale in front of an int2 payload's codes
 #: why a sparsifier with int2 values has no error bound (:attr:`SparseCompressor.error_bound`)
@@ -183,10 +184,8 @@ class SparseCompressor(AggregateInto, Compressor):
         value coding: fp16 values round each kept value (relative error ≤ 2⁻¹¹ in float16's
         normal range), so δ shrinks by the factor 1 − 2⁻²²; int2 values are no contraction at all
         (:data:`INT2_ERROR`)."""
-        if self.value_coding == "int2":
-            return ErrorBound("none", INT2_ERROR)
-        if self.value_coding == "stat2":
-            return ErrorBound("none", STAT2_ERROR)
+        if self.value_coding in ("int2", "stat2"):
+            return ErrorBound("none", INT2_ERROR if self.value_coding == "int2" else STAT2_ERROR)
         bound = self._exact_values_bound()
         if self.value_coding == "fp32" or bound.kind != "contraction":
             return bound
@@ -216,14 +215,8 @@ class SparseCompressor(AggregateInto, Compressor):
 
     def wire_options(self) -> dict:
         """The non-default wire options, for :meth:`describe` (empty with the defaults)."""
-        out = {}
-        if self.value_coding != "fp32":
-            out["values"] = self.value_coding
-        if self.index_coding != "int":
-            out["index"] = self.index_coding
-        if self.average != "ranks":
-            out["average"] = self.average
-        return out
+        chosen = {"values": self.value_coding, "index": self.index_coding, "average": self.average}
+        return {k: v for k, v in chosen.items() if v != _WIRE_DEFAULTS[k]}
 
     def _value_bytes(self) -> int:
         return torch.empty((), dtype=_VALUE_DTYPES[self.value_coding]).element_size()
@@ -263,14 +256,13 @@ class SparseCompressor(AggregateInto, Compressor):
         feedback). float32, int2 and stat2 values are unaffected; int2 drops the entries whose
         value is exactly 0 (no level holds it: they would decode as ±s/3)."""
         m, ib = idx.numel(), self._index_bytes(numel)
-        if self.value_coding == "int2":
-            sent = values != 0  # (NaN is sent: it makes its gradient's scale NaN, loud)
-            values, idx = values[sent], idx[sent]
+        if self.value_coding in ("int2", "stat2"):
+            if self.value_coding == "int2":
+                sent = values != 0  # (NaN is sent: it makes its gradient's scale NaN, loud)
+                values, idx = values[sent], idx[sent]
             groups = None if segments is None else segments.segment_of(idx)
-            vals = int2_encode(values, groups, 1 if segments is None else len(segments))
-        elif self.value_coding == "stat2":
-            groups = None if segments is None else segments.segment_of(idx)
-            vals = stat2_encode(values, groups, 1 if segments is None else len(segments))
+            encode = int2_encode if self.value_coding == "int2" else stat2_encode
+            vals = encode(values, groups, 1 if segments is None else len(segments))
         else:
             vdt = _VALUE_DTYPES[self.value_coding]
             if vdt == torch.float16 and overflow == "saturate":
