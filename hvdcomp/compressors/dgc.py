@@ -116,13 +116,12 @@ class DGCCompressor(DrawsPerCall, SparseCompressor):
                                       self.rng, magnitudes=False,
                                       min_sample=self.min_sample, positions=positions)
 
-    def _draws(self, names, items):
-        """Each gradient's sampled positions for its threshold, in the order one call per gradient
-        draws them (:meth:`hvdcomp.compressors.rng.RankGenerators.ordered`)."""
+    def _draw(self, items):
+        """The sampled positions of ``items`` for their thresholds."""
         density = self.density_at(self.epoch)
         counts = self.__dict__.setdefault("_sample_counts", {}).setdefault(density, {})
-        return self.rng.ordered(names, items, lambda todo: sample_draws(
-            self.rng, todo, lambda n: num_kept(n, density), self.sample_ratio, self.min_sample, counts))
+        return sample_draws(self.rng, items, lambda n: num_kept(n, density), self.sample_ratio, self.min_sample,
+                            counts)
 
     def _encode(self, tensor, name=None):
         if name is None:

@@ -114,12 +114,10 @@ class QSGDCompressor(DrawsPerCall, AggregateInto, Compressor):
             return [scales, packed], ctx
         return self._encode_torch(flat, draw), ctx
 
-    def _draws(self, names, items):
-        """Each gradient's rounding draw (a native key, or the torch uniforms), in the order one
-        call per gradient takes them (:meth:`hvdcomp.compressors.rng.RankGenerators.ordered`)."""
-        return self.rng.ordered(names, items, lambda todo: rounding_draws(
-            self.rng, todo, lambda device: self.bits <= 8 and native.usable_on(device),
-            lambda n: (math.ceil(n / self.block), self.block)))
+    def _draw(self, items):
+        """The rounding draws of ``items`` (a native key, or the torch uniforms)."""
+        return rounding_draws(self.rng, items, lambda device: self.bits <= 8 and native.usable_on(device),
+                              lambda n: (math.ceil(n / self.block), self.block))
 
     def _layout(self, segments):
         """Per segment: where its scales and its code bytes start in a segmented payload

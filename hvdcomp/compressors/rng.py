@@ -60,6 +60,11 @@ class DrawsPerCall:
         order); set by the optimizer on fused pipelines."""
         self.rng.order = order
 
+    def _draws(self, names, items):
+        """Each named gradient's draw (``self._draw`` of a list of ``(numel, device)``), in the
+        order one call per gradient takes them (:meth:`RankGenerators.ordered`)."""
+        return self.rng.ordered(names, items, self._draw)
+
     def state_dict(self):
         """The per-rank generator's state: ``{"rng": ...}``."""
         return {"rng": self.rng.state_dict()}

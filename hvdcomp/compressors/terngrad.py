@@ -84,11 +84,9 @@ class TernGradCompressor(DrawsPerCall, AggregateInto, Compressor):
         native.terngrad_encode(g, float(clip[0]), float(s[0]), draw, packed)
         return [torch.tensor([float(s[0])], dtype=torch.float32), packed], ctx
 
-    def _draws(self, names, items):
-        """Each gradient's rounding draw (a native key, or the torch uniforms), in the order one
-        call per gradient takes them (:meth:`hvdcomp.compressors.rng.RankGenerators.ordered`)."""
-        return self.rng.ordered(names, items, lambda todo: rounding_draws(
-            self.rng, todo, native.usable_on, lambda n: (n,)))
+    def _draw(self, items):
+        """The rounding draws of ``items`` (a native key, or the torch uniforms)."""
+        return rounding_draws(self.rng, items, native.usable_on, lambda n: (n,))
 
     def _clip_and_scale(self, moments: np.ndarray, n: np.ndarray):
         """Per tensor, from its moments (rows Σ(x−K), Σ(x−K)², max|x|, K in float64) and its size

@@ -159,12 +159,10 @@ class TopKCompressor(DrawsPerCall, SparseCompressor):
                                           positions=positions)
         return exact_topk(flat, k, magnitudes=False)
 
-    def _draws(self, names, items):
-        """Each gradient's sampled positions (``select=sample``), in the order one call per
-        gradient draws them (:meth:`hvdcomp.compressors.rng.RankGenerators.ordered`)."""
+    def _draw(self, items):
+        """The sampled positions of ``items`` (``select=sample``)."""
         counts = self.__dict__.setdefault("_sample_counts", {})
-        return self.rng.ordered(names, items, lambda todo: sample_draws(
-            self.rng, todo, lambda n: num_kept(n, self.density), self.sample_ratio, counts=counts))
+        return sample_draws(self.rng, items, lambda n: num_kept(n, self.density), self.sample_ratio, counts=counts)
 
     def state_dict(self):
         return {"rng": self.rng.state_dict()} if self.select_mode == "sample" else {}
