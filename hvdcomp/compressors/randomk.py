@@ -26,7 +26,11 @@ _MASK63 = (1 << 63) - 1
 
 def shared_seed(seed: int, name: str, step: int) -> int:
     """A seed equal on every rank for (seed, parameter name, step); Python's ``hash`` is not."""
-    return ((seed * 1_000_003 + zlib.crc32(name.encode())) * 1_000_003 + step) & _MASK63
+    return (_name_seed(seed, name) + step) & _MASK63
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) * 1_000_003
 
 
 def _first_distinct(draw, k: int) -> torch.Tensor:
@@ -113,8 +117,8 @@ class RandomKCompressor(AggregateInto, Compressor):
             for name, n in zip(seg.names, seg.sizes):
                 k = num_kept(n, self.density)
                 how = "none" if k == 0 else ("perm" if 8 * k > n else "draw")
-                base = (self.seed * 1_000_003 + zlib.crc32(name.encode())) * 1_000_003
-                rows.append((n, k, how, k + k * k // n + k // 16 + 64 if n else 0, base, torch.Generator()))
+                rows.append((n, k, how, k + k * k // n + k // 16 + 64 if n else 0, _name_seed(self.seed, name),
+                             torch.Generator()))
             return rows
         return segments.cached(("randomk", self.density, self.seed), make)
 
