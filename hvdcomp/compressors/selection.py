@@ -135,9 +135,8 @@ def indices_at_least(flat: torch.Tensor, thr: torch.Tensor, *, magnitudes: bool 
                      chunk: int = CPU_CHUNK, chunked=None) -> torch.Tensor:
     """Ascending int64 indices i with ``flat[i] >= thr`` (``|flat[i]| >= thr`` if not ``magnitudes``).
 
-    Equals ``torch.nonzero(mag >= thr).view(-1)`` (NaN never passes). On CPU the tensor is scanned
-    in chunks of ``chunk`` elements with two chunk-sized buffers, so no full-size temporary is
-    allocated; on other devices it is one ``nonzero`` (one host synchronisation).
+    Equals ``torch.nonzero(mag >= thr).view(-1)`` (NaN never passes), without a full-size
+    temporary on CPU (docs/kernels.md, "Top-k selection").
 
     Args:
         flat: 1-D tensor of n elements.
@@ -279,10 +278,6 @@ def select_segments(flat: torch.Tensor, segments, kept, sample_ratio=None, draws
             the positions ``draws[j]`` (:func:`sample_positions`).
         key: a hashable value that determines ``kept`` (e.g. the density): how each segment is
             selected is then decided once and cached on ``segments``.
-
-    Segments whose selection is an exact top-k of fewer than :data:`EXACT_MIN_NUMEL` elements
-    are ranked together: one ``torch.topk`` over the rows of each distinct size; the sampled
-    ones are thresholded one by one.
     """
     def plan(seg):
         def how(n: int) -> str:
