@@ -319,13 +319,8 @@ class SparseCompressor(AggregateInto, Compressor):
         (zeroed first): one write pass over ``out`` plus work proportional to the kept entries.
         With ``average="senders"``: the sum at each index divided by the number of payloads that
         sent it (0 where none did), by ``index_add_`` in payload order.
-
-        Writes in place (no full-size temporary) when ``out`` is contiguous float32. On CPU the
-        native kernel does it chunk by chunk (each chunk zeroed, then every payload's entries in it
-        added, in payload order): every element of ``out`` is written once, while it is in cache.
-        It needs ascending indices, which every hvdcomp sparsifier sends; other payloads take the
-        ``index_add_`` path, which adds in the same order and rounding (``scale·value``, then the
-        sum), so a fused bucket's aggregate equals its gradients' aggregates on either path.
+        In place when ``out`` is contiguous float32; the native CPU kernel (ascending indices) and
+        the ``index_add_`` path add in the same order and rounding (docs/kernels.md).
         """
         if out.dtype != torch.float32 or not out.is_contiguous():
             return super().aggregate_into(out, payloads, ctx)
