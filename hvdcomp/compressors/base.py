@@ -229,9 +229,9 @@ class Compressor(Method, _HorovodCompressor, metaclass=abc.ABCMeta):
     Subclasses implement :meth:`_encode` (called by :meth:`encode` after input checks) and
     :meth:`decode`; stateful ones keep their state in dictionaries keyed by parameter name
     (staged: :class:`hvdcomp.compressors.state.StagedState`) and extend :meth:`state_dict` /
-    :meth:`load_state_dict`.
+    :meth:`load_state_dict`. Class attributes besides :class:`Method`'s:
 
-    Class attributes (besides :class:`Method`'s):
+    Class attributes:
         payload_kind: what the payloads are (:class:`PayloadKind`; ``MEAN`` here).
         aggregate_is_mean: :meth:`aggregate` equals the mean over ranks of :meth:`decode`, so a
             gathered payload may equally be averaged as its local decode (opt-in).
