@@ -133,9 +133,7 @@ class ABTraining(SkipSynchronize):
         ranks_per_node: emulate a node layout of ranks ``[i·R, (i+1)·R)`` on node i (for
             ``rank_groups="node"`` and the between-node byte counts); None: the machine's own.
         warmup_steps, steps_between_syncs, full_rank_steps: the stages (docs/ab-training.md).
-            The authors' VGG16/CIFAR-10 run: 4330, 699 (= 759 − 60) and 60.
-        cutoff: keep σ_i > cutoff·σ_1 when factorising after a full-rank stage (default 0.15,
-            the authors' VGG16/CIFAR-10 configuration).
+        cutoff: keep σ_i > cutoff·σ_1 when factorising after a full-rank stage.
         cut_first: also cut at the first factorisation after warm-up (the authors' is exact).
         mode: ``"only-b"`` or ``"ab"`` (docs/ab-training.md).
         sync: what the sync averages: ``"b"`` (only-b's default) or ``"full"`` (W) in mode
@@ -148,7 +146,7 @@ class ABTraining(SkipSynchronize):
             (default in mode ab).
         reset_optimizer: clear the optimizer state at every switch instead of carrying it.
         ramp_steps, ramp_start_lr: the learning-rate rebound after each switch
-            (:class:`hvdcomp.lowrank.schedule.Rebound`; the authors: 267 steps from 1e-5 on VGG16).
+            (:class:`hvdcomp.lowrank.schedule.Rebound`).
         full_rank: parameter names that are never factorised (the authors keep the first layer
             and the classifier).
         base_lr: the rate the rebound climbs back to (update it for schedules).
