@@ -58,25 +58,27 @@ def fit_exponential(y: torch.Tensor) -> float:
     return float(y.sum(dtype=_F64)) / y.numel()
 
 
+def _moment_fit(m: float, v: float, dist: str) -> Tuple[float, float]:
+    """The ``"gamma"`` (α, β) or ``"gpareto"`` (ξ, σ) method-of-moments fit from mean m and
+    variance v (see :func:`fit_gamma`, :func:`fit_gpareto`); ``(nan, nan)`` when degenerate."""
+    if not (m > 0 and v > 0 and math.isfinite(m) and math.isfinite(v)):
+        return float("nan"), float("nan")
+    r = m * m / v
+    return (r, v / m) if dist == "gamma" else (0.5 * (1.0 - r), 0.5 * m * (r + 1.0))
+
+
 def fit_gamma(y: torch.Tensor) -> Tuple[float, float]:
     """Method-of-moments gamma fit: ``(shape α = m²/s², scale β = s²/m)`` with m the mean and s² the
     unbiased sample variance of ``y`` (1-D, at least 2 entries). ``(nan, nan)`` when degenerate
     (s² = 0, m <= 0) or not finite."""
-    m, v = _mean_var(y)
-    if not (m > 0 and v > 0 and math.isfinite(m) and math.isfinite(v)):
-        return float("nan"), float("nan")
-    return m * m / v, v / m
+    return _moment_fit(*_mean_var(y), "gamma")
 
 
 def fit_gpareto(y: torch.Tensor) -> Tuple[float, float]:
     """Method-of-moments generalized Pareto fit (location 0): ``(ξ, σ)`` with
     ξ = ½(1 − m²/s²) and σ = ½·m·(m²/s² + 1) (m: mean, s²: unbiased sample variance of ``y``,
     1-D, at least 2 entries). ``(nan, nan)`` when degenerate (s² = 0, m <= 0) or not finite."""
-    m, v = _mean_var(y)
-    if not (m > 0 and v > 0 and math.isfinite(m) and math.isfinite(v)):
-        return float("nan"), float("nan")
-    r = m * m / v
-    return 0.5 * (1.0 - r), 0.5 * m * (r + 1.0)
+    return _moment_fit(*_mean_var(y), "gpareto")
 
 
 # ---- inverse survival functions (float64) ---------------------------------------------------------
@@ -272,15 +274,10 @@ class SIDCoCompressor(SparseCompressor):
         m, v = _mean_var(a)
         if not (math.isfinite(m) and math.isfinite(v)):
             return (self.dist, (math.nan, math.nan)), math.nan, "non-finite"
-        if self.dist == "gamma":
-            shape, scale = fit_gamma(a) if v > 0 else (math.nan, math.nan)
-            if not (math.isfinite(shape) and math.isfinite(scale)):
-                return ("gamma", (shape, scale)), math.nan, "degenerate"
-            return ("gamma", (shape, scale)), gamma_isf(shape, scale, delta), ""
-        xi, sigma = fit_gpareto(a) if v > 0 else (math.nan, math.nan)
-        if not (math.isfinite(xi) and math.isfinite(sigma)):
-            return ("gpareto", (xi, sigma)), math.nan, "degenerate"
-        return ("gpareto", (xi, sigma)), gpareto_isf(xi, sigma, delta), ""
+        params = _moment_fit(m, v, self.dist)  # (the moments of this one pass)
+        if not (math.isfinite(params[0]) and math.isfinite(params[1])):
+            return (self.dist, params), math.nan, "degenerate"
+        return (self.dist, params), (gamma_isf if self.dist == "gamma" else gpareto_isf)(*params, delta), ""
 
     def _fit_tail(self, y: torch.Tensor, delta: float):
         """Stage m >= 2 on the exceedances ``y`` (float64): ``((dist, params), quantile)``,
