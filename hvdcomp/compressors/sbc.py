@@ -207,9 +207,6 @@ class SBCCompressor(SparseCompressor):
     :meth:`unpack` gives ``(mu repeated (m,) float32, indices (m,) int64 ascending)``, decoded,
     aggregated and kept as residual as :class:`~hvdcomp.compressors.sparse.SparseCompressor`'s.
 
-    Error feedback is on by default (``default_error_feedback``), as in SBC; the paper's temporal
-    sparsity (communication delay) is local accumulation and not part of this module.
-
     Raises:
         ValueError: ``density`` not a number in (0, 1]; the sparse wire options ``values=fp16``
             or ``index=compact`` (SBC codes its own positions and sends one float32 value).
