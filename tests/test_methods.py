@@ -9,6 +9,7 @@ import hvdcomp
 from hvdcomp.compressors import PayloadKind
 from hvdcomp.compressors import bitpack
 from hvdcomp.compressors.randomk import shared_seed
+from hvdcomp.compressors.selection import sampled_threshold_topk
 from hvdcomp.compressors.topk import num_kept
 
 ALL_SPECS = ["none", "fp16", "bf16", "topk:density=0.1", "randomk:density=0.1",
@@ -204,7 +205,8 @@ def test_dgc_sampled_threshold_close_to_k():
     comp = hvdcomp.get_compressor("dgc", density=0.01, sample_ratio=0.01)
     g = torch.Generator().manual_seed(0)
     mag = torch.randn(200_000, generator=g).abs()
-    idx = comp.threshold_select(mag, 2000)
+    # (DGC's selection function with the method's own generator and sample ratio)
+    idx = sampled_threshold_topk(mag, 2000, comp.sample_ratio, comp.rng, min_sample=comp.min_sample)
     assert 0.8 * 2000 <= idx.numel() <= 1.3 * 2000
     assert idx.min() >= 0 and idx.max() < 200_000
     # every selected magnitude is at least every unselected one's (a threshold, not a sample)

@@ -202,7 +202,8 @@ def test_position_coding_round_trip_and_layout(case):
     # two streams = the interleaved Rice code, within the one byte of separate rounding
     rice = ref_rice_bits(idx, b)
     assert math.ceil(rice / 8) <= unary.numel() + rem.numel() <= math.ceil(rice / 8) + 1
-    assert 4 + unary.numel() + rem.numel() <= sbc.SBCCompressor().max_payload_bytes(n, m)
+    # the largest payload whatever the positions: Σq_i ≤ (n − m)/2^b
+    assert 4 + unary.numel() + rem.numel() <= 4 + math.ceil((m + (n - m) // 2**b) / 8) + math.ceil(m * b / 8)
 
 
 def test_code_size_for_uniform_positions_matches_geometric_expectation():

@@ -3,42 +3,18 @@
 Alimohammadi, Markov, Frantar and Alistarh, "L-GreCo: Layerwise-Adaptive Gradient Compression for
 Efficient and Accurate Deep Learning", MLSys 2024.
 
-A wrapper around a per-tensor method ``base`` with one knob (top-k's and random-k's ``density``,
-QSGD's ``levels``). The user states the uniform setting, ``budget`` (e.g. density 0.01); the
-wrapper may give each gradient (layer) ``l`` its own setting ``c_l`` from a set of candidates
-(by default ``budget × {1/4, 1/2, 1, 2, 4}``), chosen so that
-
-    minimise   Σ_l err_l(c_l)      subject to   Σ_l bytes_l(c_l) ≤ B = Σ_l bytes_l(budget)
-
-where ``err_l(c) = mean over ranks of ‖x_l − C_c(x_l)‖²`` is the squared L2 compression error of
-candidate ``c`` on the tensor the method compresses (the gradient plus error-feedback residual),
-and ``bytes_l(c)`` is the base method's :meth:`~hvdcomp.Compressor.expected_payload_bytes` for
-layer l's element count. The total bytes never exceed the uniform setting's, and the total error
-is never larger than the uniform setting's (the uniform plan is kept when the program finds
-nothing better).
-
-Schedule, counted per gradient name (encode number t = 0, 1, 2, ...):
-
-* at every t ≡ 0 (mod ``every``) the wrapper *measures*: besides its payload it computes
-  ``err_l(c)`` for every candidate (one compression per candidate, on the same input) and sends
-  the C numbers along as one extra float32 tensor at the end of the payload. They travel with the
-  payload, so every rank receives every rank's numbers (allgather) or their mean (allreduce):
-  every rank computes the same mean table, bit for bit, without a collective of its own;
-* at the first encode of step t ≥ 1 after a measurement round, every rank solves the program
-  on that table (:func:`choose_settings`, deterministic): all ranks agree on the plan, which
-  holds until the next round. Step 0 uses the uniform setting.
-
-The program is a knapsack over bytes discretised into ``R`` units of ``B / R`` bytes, costs rounded
-up (so a plan that fits in units fits in bytes): O(L·C·R) time, R = min(B, max(4096, 64·L)).
-
-Payload: the base method's payload for the layer's current setting, plus on measuring steps a
-``(C,) float32`` tensor of errors. Error feedback (on by default where the base method's is)
-wraps this wrapper, so the residual is what the chosen setting dropped.
+A wrapper around a per-tensor method ``base`` with one knob (:data:`KNOBS`). Each layer l gets
+the candidate c_l minimising Σ_l err_l(c_l) (the mean over ranks of ‖x_l − C_c(x_l)‖²) subject
+to Σ_l bytes_l(c_l) ≤ the uniform setting's bytes (:func:`choose_settings`). Every ``every``
+encodes of a name the errors of all candidates are measured and travel as one extra ``(C,)
+float32`` tensor at the end of the payload, so every rank re-plans on the same mean table,
+without a collective of its own. The schedule and the program in full: docs/methods.md,
+"Per-layer settings".
 """
 from __future__ import annotations
 
 import inspect
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -137,7 +113,7 @@ def _parse_candidates(candidates, budget, knob: str) -> List:
 
 @register("adaptive")
 class AdaptiveCompressor(Compressor):
-    """Per-layer settings of ``base`` chosen by dynamic programming (see the module docstring).
+    """Per-layer settings of ``base`` chosen by dynamic programming (docs/methods.md, "Per-layer settings").
 
     Args:
         base: a method of :data:`KNOBS` (``topk``, ``randomk``, ``qsgd``).
@@ -270,39 +246,38 @@ class AdaptiveCompressor(Compressor):
                                        .clamp(max=torch.finfo(torch.float32).max)]
         return payload, (chosen, ctx, measuring, name, t // self.every)
 
-    def _record(self, ctx, tables: Sequence[torch.Tensor]) -> None:
-        """Keep the mean over ranks of a measuring step's error tables."""
-        _, _, measuring, name, rnd = ctx
+    def _unwrap(self, payloads, ctx):
+        """The chosen method and ``payloads`` without their error tables; on measuring steps the
+        mean over ranks of the tables is kept for the next plan (after an allreduce the one table
+        is the mean already)."""
+        chosen, _, measuring, name, rnd = ctx
         if measuring:
-            mean = torch.stack([t.to(torch.float64).cpu() for t in tables]).mean(0).numpy()
+            mean = torch.stack([p[-1].to(torch.float64).cpu() for p in payloads]).mean(0).numpy()
             self._put("errors", name, (rnd, mean))
-
-    def _split(self, payload, ctx):
-        return payload[:-1] if ctx[2] else payload
+            payloads = [p[:-1] for p in payloads]
+        return self.methods[chosen], payloads
 
     def decode(self, payload, ctx):
-        """The base method's decode of ``payload`` (its error table, on measuring steps, is
-        recorded as the ranks' mean: after an allreduce it is the mean already)."""
-        self._record(ctx, payload[-1:] if ctx[2] else [])
-        return self.methods[ctx[0]].decode(self._split(payload, ctx), ctx[1])
+        """The base method's decode of ``payload`` (:meth:`_unwrap`)."""
+        method, (payload,) = self._unwrap([payload], ctx)
+        return method.decode(payload, ctx[1])
 
     def decode_into(self, out, payload, ctx):
-        self._record(ctx, payload[-1:] if ctx[2] else [])
-        return self.methods[ctx[0]].decode_into(out, self._split(payload, ctx), ctx[1])
+        method, (payload,) = self._unwrap([payload], ctx)
+        return method.decode_into(out, payload, ctx[1])
 
     def aggregate(self, payloads, ctx):
-        """The base method's aggregate of every rank's payload; the mean of their error tables
-        (measuring steps) is recorded for the next plan."""
-        self._record(ctx, [p[-1] for p in payloads] if ctx[2] else [])
-        return self.methods[ctx[0]].aggregate([self._split(p, ctx) for p in payloads], ctx[1])
+        """The base method's aggregate of every rank's payload (:meth:`_unwrap`)."""
+        method, payloads = self._unwrap(payloads, ctx)
+        return method.aggregate(payloads, ctx[1])
 
     def aggregate_into(self, out, payloads, ctx):
-        self._record(ctx, [p[-1] for p in payloads] if ctx[2] else [])
-        return self.methods[ctx[0]].aggregate_into(out, [self._split(p, ctx) for p in payloads], ctx[1])
+        method, payloads = self._unwrap(payloads, ctx)
+        return method.aggregate_into(out, payloads, ctx[1])
 
     def residual_(self, p, payload, ctx):
         """The base method's residual of this rank's own payload (nothing is recorded)."""
-        return self.methods[ctx[0]].residual_(p, self._split(payload, ctx), ctx[1])
+        return self.methods[ctx[0]].residual_(p, payload[:-1] if ctx[2] else payload, ctx[1])
 
     # ---- staged state and checkpoints ------------------------------------------------------------
     def staged_children(self):

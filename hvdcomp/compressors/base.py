@@ -2,22 +2,10 @@
 :class:`Compressor` (a per-tensor method: encode / decode / aggregate / residual).
 
 A compressor turns one gradient tensor into a *payload* (a list of 1-D tensors that travel) plus a
-*context* (what stays local, e.g. the shape), and back. It is a subclass of Horovod's
-``horovod.torch.compression.Compressor`` so that dense, mean-payload compressors can be handed to
-a stock ``hvd.DistributedOptimizer(compression=...)`` unchanged; hvdcomp's own
-:class:`hvdcomp.DistributedOptimizer` calls the richer, name-aware :meth:`Compressor.encode` /
-:meth:`Compressor.decode` API.
-
-A method says what its payloads *are* (:class:`PayloadKind`), never how they travel: the
-transports (:mod:`hvdcomp.transports`) each declare the payload kinds they carry, and the plan
-(:mod:`hvdcomp.plan`) picks one per gradient.
-
-* ``PayloadKind.MEAN``: payloads of different ranks average elementwise, so
-  ``decode(mean of payloads)`` is the averaged gradient (``decode`` is linear in the payload);
-* ``PayloadKind.SUM``: payloads are summed over ranks and ``decode`` receives the sum (sign votes);
-* ``PayloadKind.GATHERED``: payloads differ in size or meaning per rank (top-k values and
-  indices, per-rank scales); every rank receives all of them and :meth:`Compressor.aggregate`
-  combines them.
+*context* (what stays local, e.g. the shape), and back. It subclasses Horovod's ``Compressor``, so
+dense, mean-payload compressors also work with a stock ``hvd.DistributedOptimizer(compression=...)``.
+A method says what its payloads are (:class:`PayloadKind`), never how they travel: the transports
+(:mod:`hvdcomp.transports`) declare the kinds they carry and the plan (:mod:`hvdcomp.plan`) picks one.
 """
 from __future__ import annotations
 
@@ -44,8 +32,11 @@ __all__ = ["Method", "Compressor", "PayloadKind", "AggregateInto", "Payload", "E
 
 
 class PayloadKind(str, enum.Enum):
-    """What a compressor's payloads are (see the module docstring); transports declare the kinds
-    they carry."""
+    """What a compressor's payloads are. ``MEAN``: payloads of different ranks average
+    elementwise and ``decode`` is linear in the payload; ``SUM``: payloads are summed over ranks
+    and ``decode`` receives the sum (sign votes); ``GATHERED``: payloads differ in size or meaning
+    per rank (top-k values and indices, per-rank scales): every rank receives all of them and
+    :meth:`Compressor.aggregate` combines them."""
 
     MEAN = "mean"
     SUM = "sum"
@@ -78,10 +69,6 @@ def cast_saturating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``tensor.to(dtype)``, finite values clamped to ``dtype``'s finite range first when ``dtype``
     is a narrower floating type (float32 → float16: 1e5 becomes 65504, not inf). NaN stays NaN,
     and ±inf stays ±inf: an overflow upstream stays loud instead of becoming a finite value.
-
-    A decoded gradient can exceed its own dtype's range although every input was finite (QSGD's
-    level rounding, error feedback adding a float32 residual to a float16 gradient); saturating
-    keeps such outputs finite.
     """
     if (dtype.is_floating_point and tensor.is_floating_point() and dtype != tensor.dtype
             and torch.finfo(dtype).max < torch.finfo(tensor.dtype).max):
@@ -242,15 +229,12 @@ class Compressor(Method, _HorovodCompressor, metaclass=abc.ABCMeta):
     Subclasses implement :meth:`_encode` (called by :meth:`encode` after input checks) and
     :meth:`decode`; stateful ones keep their state in dictionaries keyed by parameter name
     (staged: :class:`hvdcomp.compressors.state.StagedState`) and extend :meth:`state_dict` /
-    :meth:`load_state_dict`.
-
-    Class attributes (in addition to :class:`Method`'s, listed there):
+    :meth:`load_state_dict`. Class attributes besides :class:`Method`'s:
 
     Class attributes:
         payload_kind: what the payloads are (:class:`PayloadKind`; ``MEAN`` here).
         aggregate_is_mean: :meth:`aggregate` equals the mean over ranks of :meth:`decode`, so a
-            gathered payload may equally be averaged as its local decode (the plan may route it
-            so where the cost model finds that cheaper; the result is the same). Opt-in.
+            gathered payload may equally be averaged as its local decode (opt-in).
         payload_is_gradient: the payload may be the gradient itself (one tensor viewing its
             memory) and ``decode`` the identity (``none``): it can be reduced in place, as stock
             Horovod does, without a copy.
@@ -327,8 +311,7 @@ class Compressor(Method, _HorovodCompressor, metaclass=abc.ABCMeta):
 
         Returns:
             The mean over ranks of ``decode(payload_r)``, shape and dtype of the original tensor,
-            accumulated in float32 (or float64) and cast back saturating: summing float16
-            decodes in float16 overflowed (two ranks of 4e4) and rounded at every addition.
+            accumulated in float32 (or float64) and cast back saturating.
         """
         total = None
         for p in payloads:

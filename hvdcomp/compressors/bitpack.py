@@ -1,4 +1,4 @@
-"""Packing of small unsigned integer codes at b bits each (1 ≤ b ≤ 16), any length.
+"""Packing of small unsigned integer codes at b bits each (1 ≤ b ≤ 62), any length.
 
 Codes are laid out little-endian within the bit stream: code i occupies bits
 ``[i·b, (i+1)·b)``; the last byte is zero-padded. ``ceil(m·b/8)`` bytes for m codes.
@@ -12,7 +12,7 @@ A fixed number of passes per width, each a whole-tensor op on a reshaped view:
 * b = 1, 2, 4: 8/b codes per byte: one shift per code position, summed (disjoint bits) into bytes;
   unpacking shifts and masks a ``(bytes, 8/b)`` view;
 * b = 3, 5, 6, 7: 8 codes fill exactly b bytes: one int64 word per group of 8, split into bytes;
-* 9 ≤ b ≤ 16: bit by bit (O(m·b); QSGD with s > 127 only).
+* 9 ≤ b ≤ 62: bit by bit (O(m·b); QSGD with s > 127, SBC's wide remainders).
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def packed_nbytes(m: int, bits: int) -> int:
 
 
 def _check(bits):
-    if not isinstance(bits, int) or not 1 <= bits <= 16:
-        raise ValueError(f"bits must be an integer in [1, 16], got {bits!r}")
+    if not isinstance(bits, int) or not 1 <= bits <= 62:
+        raise ValueError(f"bits must be an integer in [1, 62], got {bits!r}")
 
 
 def _padded(flat: torch.Tensor, multiple: int, dtype: torch.dtype) -> torch.Tensor:
@@ -55,7 +55,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     Returns a new 1-D uint8 tensor of ``packed_nbytes(codes.numel(), bits)`` bytes.
 
     Raises:
-        ValueError: ``bits`` outside [1, 16].
+        ValueError: ``bits`` outside [1, 62].
     """
     _check(bits)
     flat = codes.reshape(-1)
@@ -74,8 +74,8 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         word = (c << torch.arange(0, 8 * bits, bits, dtype=torch.int64, device=c.device)).sum(1)
         byte_shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int64, device=c.device)
         return ((word[:, None] >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)[:nbytes]
-    shifts = torch.arange(bits, device=flat.device, dtype=torch.int32)
-    stream = ((flat.reshape(-1, 1).to(torch.int32) >> shifts) & 1).reshape(-1).to(torch.uint8)
+    shifts = torch.arange(bits, device=flat.device, dtype=torch.int64)
+    stream = ((flat.reshape(-1, 1).to(torch.int64) >> shifts) & 1).reshape(-1).to(torch.uint8)
     stream = _padded(stream, 8, torch.uint8).view(-1, 8)
     return (stream << torch.arange(8, dtype=torch.uint8, device=flat.device)).sum(1, dtype=torch.uint8)
 
@@ -115,7 +115,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, m: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: the first ``m`` codes as an int64 tensor.
 
     Raises:
-        ValueError: ``bits`` outside [1, 16] or too few bytes for ``m`` codes.
+        ValueError: ``bits`` outside [1, 62] or too few bytes for ``m`` codes.
     """
     _need(packed, bits, m)
     if bits <= 8:

@@ -8,16 +8,12 @@ Per parameter, with momentum m, velocity u and accumulation v (both zero at firs
     g = g · min(1, (C·N^-1/2) / ||g||)     # local gradient clipping (C: the global clip norm)
     u = m·u + g                            # momentum correction
     v = v + u                              # local accumulation
-    send v at |v| >= thr                   # thr from a ~1 % sample of |v|
+    send v at |v| >= thr                   # thr from a ~1 % sample of |v| (selection.py)
     u[sent] = 0 ; v[sent] = 0              # momentum factor masking
 
-The threshold is the smallest of the top ceil(ρ·s) magnitudes of s sampled entries; if more
-than 1.3k entries pass, the exact top-k of them is sent; if fewer than 0.8k pass, the threshold
-is lowered ×0.8 and tried again (at most 10 times). Density warms up exponentially over the
-first W epochs: ρ_e = ρ^((e+1)/(W+1)) (W = 4, ρ = 0.001: 0.251, 0.063, 0.0158, 0.0040, then ρ).
-
-DGC applies momentum itself: the optimizer must not apply momentum again (use plain SGD with
-``momentum=0``; :class:`hvdcomp.DistributedOptimizer` refuses otherwise).
+Density warms up exponentially over the first W epochs: ρ_e = ρ^((e+1)/(W+1)). DGC applies
+momentum itself: use plain SGD with ``momentum=0`` (:class:`hvdcomp.DistributedOptimizer`
+refuses otherwise).
 """
 from __future__ import annotations
 
@@ -55,11 +51,8 @@ class DGCCompressor(DrawsPerCall, SparseCompressor):
     State per parameter name: ``u``, ``v`` (1-D, float32); plus the epoch and the generator
     state.
 
-    Several gradients in one call (``segments``, :mod:`hvdcomp.compressors.segments`): each keeps
-    its own clipping norm, momentum, accumulation and sampled threshold (the payload and state one
-    call per gradient gives); u and v of a fused bucket are kept as one flat buffer each (the
-    names' states are views of it), so the momentum correction, the accumulation and the masking
-    are a few operations over the bucket; the payload is one ``[values, indices]`` pair over it.
+    Several gradients in one call (``segments``): each keeps its own clipping, momentum,
+    accumulation and threshold; one ``[values, indices]`` pair over the bucket.
 
     Raises:
         ValueError: any argument out of range.
@@ -123,19 +116,12 @@ class DGCCompressor(DrawsPerCall, SparseCompressor):
                                       self.rng, magnitudes=False,
                                       min_sample=self.min_sample, positions=positions)
 
-    def _draws(self, names, items):
-        """Each gradient's sampled positions for its threshold, in the order one call per gradient
-        draws them (:meth:`hvdcomp.compressors.rng.RankGenerators.ordered`)."""
+    def _draw(self, items):
+        """The sampled positions of ``items`` for their thresholds."""
         density = self.density_at(self.epoch)
         counts = self.__dict__.setdefault("_sample_counts", {}).setdefault(density, {})
-        return self.rng.ordered(names, items, lambda todo: sample_draws(
-            self.rng, todo, lambda n: num_kept(n, density), self.sample_ratio, self.min_sample, counts))
-
-    def threshold_select(self, mag: torch.Tensor, k: int) -> torch.Tensor:
-        """Indices (int64) of about k entries of ``mag`` (1-D, >= 0) via a sampled threshold
-        (:func:`hvdcomp.compressors.selection.sampled_threshold_topk` with this generator)."""
-        return sampled_threshold_topk(mag, k, self.sample_ratio, self.rng,
-                                      min_sample=self.min_sample)
+        return sample_draws(self.rng, items, lambda n: num_kept(n, density), self.sample_ratio, self.min_sample,
+                            counts)
 
     def _encode(self, tensor, name=None):
         if name is None:
@@ -156,28 +142,38 @@ class DGCCompressor(DrawsPerCall, SparseCompressor):
         # on CPU they reuse the memory of the (u, v) replaced at the previous step (no page faults)
         u = self._spare("u", name, g)
         u = torch.empty_like(g) if u is None else u
-        if self.nesterov:
-            torch.add(u_old, g, out=u).mul_(self.momentum)
-            v = self.memory.compensate(name, u).add_(g)       # v = v + u + g
-        else:
-            torch.mul(u_old, self.momentum, out=u).add_(g)    # u = m·u + g, rounded as two ops
-            v = self.memory.compensate(name, u)                # v = v + u
+        v = self._momentum(u_old, g, u, lambda u: self.memory.compensate(name, u))
         idx = self.select(v, name)
         values = v.index_select(0, idx)
         payload = self.pack(values, idx, n)  # float16 values saturate: the excess stays in the velocity
+        self._take_sent(v, u, idx, values, payload)
+        self._put("u", name, u)
+        self.memory.keep(name, v)                              # what was not sent stays in v
+        return payload, (tensor.shape, tensor.dtype)
+
+    def _momentum(self, u_old, g, u, compensate):
+        """u = m·u_old + g into ``u`` (Nesterov: m·(u_old + g)), rounded as two operations; returns
+        the velocity ``compensate(u)`` (v + u; Nesterov: v + u + g)."""
+        if self.nesterov:
+            torch.add(u_old, g, out=u).mul_(self.momentum)
+            return compensate(u).add_(g)
+        torch.mul(u_old, self.momentum, out=u).add_(g)
+        return compensate(u)
+
+    def _take_sent(self, v, u, idx, values, payload, segments=None):
+        """Remove what ``payload`` sends (``values`` = v[idx]) from the velocity ``v``, keeping the
+        rounding error of fp16 / int2 / stat2 values in it; zero ``u`` at ``idx`` with momentum
+        masking."""
         if self.value_coding == "fp32":
             v.index_fill_(0, idx, 0.0)
-        else:  # keep the rounding error of the fp16 / int2 values in the accumulation (v[idx] is values)
-            sent, sent_idx = self.unpack(payload, n)
+        else:
+            sent, sent_idx = self.unpack(payload, v.numel(), segments)
             if sent_idx is None:  # written densely
                 v.index_copy_(0, idx, values - sent.index_select(0, idx))
             else:  # (int2 sends no exact zeros: fewer entries than idx)
                 v.index_add_(0, sent_idx, sent, alpha=-1)
         if self.momentum_masking:
             u.index_fill_(0, idx, 0.0)
-        self._put("u", name, u)
-        self.memory.keep(name, v)                              # what was not sent stays in v
-        return payload, (tensor.shape, tensor.dtype)
 
     def _encode_segments(self, flat, segments):
         """:meth:`_encode` of every segment at once (see the class docstring); the thresholds are
@@ -195,28 +191,14 @@ class DGCCompressor(DrawsPerCall, SparseCompressor):
             u_old = torch.cat([torch.zeros(m, device=g.device) if t is None else t.reshape(-1)
                                for t, m in zip(self._get_many("u", names), segments.sizes)])
         u = torch.empty_like(g)
-        if self.nesterov:
-            torch.add(u_old, g, out=u).mul_(self.momentum)
-            v = self.memory.compensate_segments_(u.clone(), segments).add_(g)
-        else:
-            torch.mul(u_old, self.momentum, out=u).add_(g)
-            v = self.memory.compensate_segments_(u.clone(), segments)
+        v = self._momentum(u_old, g, u, lambda u: self.memory.compensate_segments_(u.clone(), segments))
         density = self.density_at(self.epoch)
         draws = self._draws(names, [(m, v.device) for m in segments.sizes])
         idx = select_segments(v, segments, lambda m: num_kept(m, density), self.sample_ratio, draws,
                               self.min_sample, key=("dgc", density))
         values = v.index_select(0, idx)
         payload = self.pack(values, idx, n, segments=segments)
-        if self.value_coding == "fp32":
-            v.index_fill_(0, idx, 0.0)
-        else:
-            sent, sent_idx = self.unpack(payload, n, segments)
-            if sent_idx is None:
-                v.index_copy_(0, idx, values - sent.index_select(0, idx))
-            else:
-                v.index_add_(0, sent_idx, sent, alpha=-1)
-        if self.momentum_masking:
-            u.index_fill_(0, idx, 0.0)
+        self._take_sent(v, u, idx, values, payload, segments)
         self._put_segments("u", segments, u, flat_shapes=True)
         self.memory.keep_segments(v, segments, flat_shapes=True)
         return payload, SegmentsContext(flat.shape, flat.dtype, segments)

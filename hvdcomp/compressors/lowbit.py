@@ -1,77 +1,16 @@
 """``lowbit``: 4- and 8-bit block quantization with moving-average error compensation.
 
 After Xie, Lin, Toh and Zhou, "LoCo: Low-Bit Communication Adaptor for Large-scale Model
-Training", 2024: quantize the compensated gradient to a few bits and feed a moving average of
-the quantization errors back into the next gradient of the same parameter.
-
-Quantizer Q (deterministic, symmetric, uniform), per *quantization block* of ``block`` elements
-(consecutive elements of the flattened gradient; the last block may be shorter; "block", not
-"bucket": a bucket is a group of gradients that travel together)::
-
-    L    = 2^(bits−1) − 1                    (7 for 4 bits, 127 for 8 bits)
-    s_j  = max_{i in block j} |v_i| / L      (float32; s_j = 0 for an all-zero block)
-    c_i  = clamp(round(v_i / s_j), −L, L)    (round half to even; c_i = 0 where s_j = 0)
-    Q(v)_i = s_j · c_i
-
-(Only where max|v| lies within a few float32 ulps of float32's largest value, 3.4e38, s_j is
-lowered to the largest float32 whose L-fold product is finite, so that a finite block never
-decodes to Inf.)
-
-Codes travel unsigned, ``c_i + L`` in [0, 2L], packed at ``bits`` bits each
-(:mod:`hvdcomp.compressors.bitpack`: little-endian within the bit stream; 8 bits: one byte per
-element). An all-zero block decodes to exact zeros. Per element, up to float32 rounding,
-``|v_i − Q(v)_i| ≤ s_j / 2`` (float32 rounding of v/s and of s·c adds at most ``2L·2^−24·s_j``).
-
-Error compensation (per parameter name; the state h starts at zero)::
-
-    p_t = g_t + h_{t−1}
-    q_t = Q(p_t)                                   (what this rank sends)
-    h_t = β·h_{t−1} + (1 − β)·(p_t − q_t)
-
-β = 0 is classic error feedback exactly (``h_t = p_t − q_t``, as :class:`hvdcomp.ErrorFeedback`
-around :class:`LowBitQuantizer`). Substituting p_t::
-
-    h_t − h_{t−1} = (1 − β)·(g_t − q_t)
-    Σ_{t=1..T} q_t = Σ_{t=1..T} g_t − (h_T − h_0) / (1 − β)
-
-Nothing is lost for any β in [0, 1): what a step does not deliver is delivered later. The
-undelivered total (the backlog) is ``(h_T − h_0)/(1 − β)``; with h_0 = 0 and ``|p_t − q_t| ≤
-s_t/2`` elementwise (s_t: the element's block scale at step t), h_t is a convex combination of
-such errors, ``|h_t| ≤ max_τ s_τ / 2``, so the backlog is at most ``max_τ s_τ / (2(1 − β))``:
-the error is delivered later, amplified by 1/(1 − β) relative to classic error feedback. Put
-differently, ``h_{t−1} = h_0 + (1 − β)·backlog_{t−1}``: β > 0 feeds back only the fraction
-(1 − β) of the backlog at each step (a smoother, slower compensation).
-
-Default β = 0: it is classic error feedback exactly (analysed by Stich et al., NeurIPS 2018;
-Karimireddy et al., ICML 2019), it keeps the smallest backlog (β > 0 only enlarges its bound by
-1/(1 − β)), and it adds no hyper-parameter to tune. β > 0 is the moving average of the paper,
-for smoothing the compensation; this module does not claim a better β for any workload.
-
-Differences from the paper: LoCo also keeps the compensation itself in low precision (to save
-memory) and periodically resets it; this module keeps h in full precision (float32 for
-float16/bfloat16 gradients, else the gradient's dtype) and never resets it. The quantizer here
-(max-abs scale per block, deterministic rounding) is this module's choice.
-
-Dtypes: the compensated p_t is formed in h's dtype and quantized in float32 (a float64 p_t is
-cast to float32, saturating at its largest finite value); ``p_t − q_t`` is formed in h's dtype.
-p_t itself is not saturated: a float32 gradient within h of float32's largest value can make it
-Inf (as with :class:`hvdcomp.ErrorFeedback`). Decoded gradients come back in the gradient's
-dtype, saturating (float16: ±65504).
-
-Non-finite gradients: a NaN or Inf makes its block's scale NaN or Inf and its block decodes to
-NaN (other blocks are unaffected); encoding does not fail. The optimizer's non-finite guard
-(:class:`hvdcomp.agreement.NonFiniteGuard`) then skips the step and :meth:`Compressor.rollback` drops the staged h,
-so the committed h stays finite. Outside an open step (no ``begin_step``) the new h is committed
-at once, NaN included, as with :class:`hvdcomp.ErrorFeedback`.
-
-Scales differ per rank, so payloads travel by allgather; the aggregate is the mean over ranks
-of the decodes, accumulated in float32 (equal, up to float32 rounding, to averaging decoded
-tensors), so the payload may also travel as its local decode through an allreduce
-(``aggregate_is_mean``).
-
-Kernels: vectorised torch ops, device-agnostic (tested on CPU); no native kernel. Encoding
-takes about ten elementwise passes over the gradient; aggregation adds every rank's codes into
-a cache-sized float32 chunk and writes each output element once.
+Training", 2024. Per quantization block j of ``block`` elements, L = 2^(bits−1) − 1 and
+s_j = max|v_i| / L (float32), the codes c_i = clamp(round(v_i / s_j), −L, L) travel unsigned at
+``bits`` bits each and decode as s_j·c_i (|v_i − Q(v)_i| ≤ s_j / 2 up to float32 rounding). The
+compensation h (per parameter name, float32 for float16/bfloat16 gradients, else the gradient's
+dtype) follows p_t = g_t + h_{t−1}, q_t = Q(p_t), h_t = β·h_{t−1} + (1 − β)·(p_t − q_t); β = 0
+is error feedback exactly. A NaN or Inf decodes its block as NaN (encoding does not fail; the
+optimizer's non-finite guard skips the step and the rollback drops the staged h). Scales differ
+per rank (allgather); the aggregate is the mean of the decodes (``aggregate_is_mean``). The
+quantizer, the backlog bound and the differences from the paper: docs/methods.md, "Low-bit
+quantization with error compensation".
 """
 from __future__ import annotations
 
@@ -96,18 +35,6 @@ FP32_MAX = torch.finfo(torch.float32).max
 #: float32 scratch buffers of this size (1 MiB each) take every rank's codes before the chunk is
 #: written once; smaller chunks were slower on CPU (Python overhead per chunk and rank).
 _CHUNK = 1 << 18
-
-
-def _check_bits(bits) -> int:
-    return check_int(bits, "bits", 2, 8, " (4 or 8 in the paper, e.g. bits=4)")
-
-
-def _check_block(block) -> int:
-    return check_count(block, "block", 1, " (elements per quantization block, e.g. block=512)")
-
-
-def _check_beta(beta) -> float:
-    return check_range(beta, "beta", 0.0, 1.0, high_open=True, hint=" (0: classic error feedback, e.g. beta=0)")
 
 
 def _largest_scale(levels: int) -> float:
@@ -140,8 +67,8 @@ def _pack4(codes: torch.Tensor) -> torch.Tensor:
 
 @register("lowbit")
 class LowBitCompressor(AggregateInto, Compressor):
-    """Block quantization at ``bits`` bits with moving-average error compensation (see the
-    module docstring for every formula).
+    """Block quantization at ``bits`` bits with moving-average error compensation (see
+    docs/methods.md for every formula).
 
     Args:
         bits: bits per element, 2 ≤ bits ≤ 8 (the paper: 4 or 8); L = 2^(bits−1) − 1 levels per
@@ -149,18 +76,14 @@ class LowBitCompressor(AggregateInto, Compressor):
         block: elements per quantization block (one float32 scale each), ≥ 1. Default 512 (as
             QSGD's bucket here): 1/16 bit of scale per element.
         beta: β in [0, 1), the weight of the previous compensation in its moving average.
-            Default 0 (classic error feedback; see the module docstring).
+            Default 0 (classic error feedback; docs/methods.md).
 
     Payload: ``[scales (ceil(n/block),) float32, codes (ceil(n·bits/8),) uint8]``;
     ``4·ceil(n/block) + ceil(n·bits/8)`` bytes (:meth:`expected_payload_bytes`, exact).
 
     State: h per parameter name, the gradient's shape, float32 for float16/bfloat16 gradients and
     the gradient's dtype otherwise, on the gradient's device; ``state_dict() ==
-    {"residuals": {name: h}}`` (per rank; AMP loss-scale changes rescale it,
-    :meth:`rescale_state`). Updates are staged during an open step (:meth:`begin_step`), and a
-    new tensor is made every step (a committed h is never changed in place by encoding). Besides,
-    on CPU a float32 work buffer of the largest gradient's size (rounded up to whole blocks) is
-    kept between calls (not state).
+    {"residuals": {name: h}}`` (per rank, staged during an open step).
 
     Raises:
         ValueError: ``bits`` not an integer in [2, 8], ``block`` not an integer ≥ 1, ``beta`` not
@@ -177,9 +100,10 @@ class LowBitCompressor(AggregateInto, Compressor):
     elementwise = False
 
     def __init__(self, bits: int = 4, block: int = 512, beta: float = 0.0):
-        self.bits = _check_bits(bits)
-        self.block = _check_block(block)
-        self.beta = _check_beta(beta)
+        self.bits = check_int(bits, "bits", 2, 8, " (4 or 8 in the paper, e.g. bits=4)")
+        self.block = check_count(block, "block", 1, " (elements per quantization block, e.g. block=512)")
+        self.beta = check_range(beta, "beta", 0.0, 1.0, high_open=True,
+                                hint=" (0: classic error feedback, e.g. beta=0)")
         self.levels = (1 << (self.bits - 1)) - 1          # L
         unit = math.lcm(self.block, 8)                    # chunks start on whole blocks and bytes
         self._chunk = max(1, _CHUNK // unit) * unit

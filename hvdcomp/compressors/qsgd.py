@@ -9,22 +9,15 @@ For a block v of d elements and s levels::
     r_i     = s·|v_i| / scale ;  level_i = floor(r_i) + Bernoulli(r_i - floor(r_i))
     Q(v)_i  = scale · sign(v_i) · level_i / s        (unbiased: E[Q(v)] = v)
 
-Levels in [−s, s] travel as unsigned codes ``level + s`` packed at ``ceil(log2(2s+1))`` bits
-(s = 127 and 64 → 8 bits: plain bytes, one per element; 16 → 6; 4 → 4), plus one fp32 scale per
-block. An all-zero block decodes to exact zeros. Scales differ per rank, so payloads go through
-the allgather path.
-
-Kernels: on CPU the native kernels (:mod:`hvdcomp.native`) encode in one pass over the input
-(scales of a run of blocks computed while it is in cache, then rounding and packing) and decode
-or aggregate W payloads writing each output element once (unpack and scale multiply fused); the
-uniforms come from a counter-based generator keyed by one draw of the per-rank generator. On CUDA
-(or with the native kernels off) the same computation runs as vectorised torch ops with
-``torch.rand`` from the per-rank generator.
+Levels in [−s, s] travel as unsigned codes ``level + s`` packed at ``ceil(log2(2s+1))`` bits,
+plus one fp32 scale per block; an all-zero block decodes to exact zeros. Scales differ per rank
+(allgather). Kernels (native on CPU, torch elsewhere): docs/kernels.md.
 """
 from __future__ import annotations
 
 import math
 import warnings
+from itertools import accumulate
 from typing import Optional
 
 import torch
@@ -56,10 +49,8 @@ class QSGDCompressor(DrawsPerCall, AggregateInto, Compressor):
 
     Payload: ``[scales (ceil(n/d),) float32, codes (ceil(n·b/8),) uint8]`` with b =
     ``ceil(log2(2s+1))`` bits per element (for b = 8 the codes are the bytes themselves).
-    Several gradients in one call (``segments``, :mod:`hvdcomp.compressors.segments`): each
-    keeps its own blocks, scales and random stream (the payload one call per gradient gives);
-    the payload is every gradient's scales, then every gradient's codes, each gradient's codes
-    starting on a byte; one native call encodes, one aggregates.
+    Several gradients in one call (``segments``): every gradient's scales, then every gradient's
+    codes, each gradient's codes starting on a byte.
 
     State: the per-rank generator, ``state_dict()["rng"]``.
 
@@ -123,25 +114,17 @@ class QSGDCompressor(DrawsPerCall, AggregateInto, Compressor):
             return [scales, packed], ctx
         return self._encode_torch(flat, draw), ctx
 
-    def _native_on(self, device) -> bool:
-        return self.bits <= 8 and native.usable_on(device)
-
-    def _draws(self, names, items):
-        """Each gradient's rounding draw (a native key, or the torch uniforms), in the order one
-        call per gradient takes them (:meth:`hvdcomp.compressors.rng.RankGenerators.ordered`)."""
-        return self.rng.ordered(names, items, lambda todo: rounding_draws(
-            self.rng, todo, self._native_on, lambda n: (math.ceil(n / self.block), self.block)))
+    def _draw(self, items):
+        """The rounding draws of ``items`` (a native key, or the torch uniforms)."""
+        return rounding_draws(self.rng, items, lambda device: self.bits <= 8 and native.usable_on(device),
+                              lambda n: (math.ceil(n / self.block), self.block))
 
     def _layout(self, segments):
         """Per segment: where its scales and its code bytes start in a segmented payload
         (``(len + 1)`` offsets each, cached)."""
-        def make(seg):
-            scales, codes = [0], [0]
-            for n in seg.sizes:
-                scales.append(scales[-1] + math.ceil(n / self.block))
-                codes.append(codes[-1] + packed_nbytes(n, self.bits))
-            return scales, codes
-        return segments.cached(("qsgd", self.block, self.bits), make)
+        return segments.cached(("qsgd", self.block, self.bits), lambda seg: (
+            list(accumulate((math.ceil(n / self.block) for n in seg.sizes), initial=0)),
+            list(accumulate((packed_nbytes(n, self.bits) for n in seg.sizes), initial=0))))
 
     def _encode_segments(self, flat, segments):
         """Every segment as :meth:`_encode` would encode it alone, one native call for all (one
@@ -191,34 +174,25 @@ class QSGDCompressor(DrawsPerCall, AggregateInto, Compressor):
 
     def aggregate_into(self, out, payloads, ctx):
         """Mean over ranks of ``scale·(code - s)/s``, written into ``out``: one pass over ``out`` per
-        payload at most (native: one pass in all), the scales broadcast over their blocks."""
-        if isinstance(ctx, SegmentsContext):
-            return self._aggregate_segments(out, payloads, ctx)
-        shape, dtype, n = ctx
+        payload at most (native: one pass in all, one call for every segment of segmented
+        payloads; else segment by segment), the scales broadcast over their blocks."""
+        segments = ctx.segments if isinstance(ctx, SegmentsContext) else None
         flat = float32_flat(out)
-        if not payloads or n == 0:
+        if not payloads or flat.numel() == 0:
             flat.zero_()
         elif self.bits <= 8 and native.usable(flat, *[t for p in payloads for t in p]):
-            native.qsgd_aggregate(flat, [p[0].contiguous() for p in payloads],
-                                  [p[1].contiguous() for p in payloads], self.block, self.levels, self.bits)
+            scales, codes = [p[0].contiguous() for p in payloads], [p[1].contiguous() for p in payloads]
+            if segments is None:
+                native.qsgd_aggregate(flat, scales, codes, self.block, self.levels, self.bits)
+            else:
+                native.qsgd_aggregate_segments(flat, scales, codes, segments.sizes_tensor(), self.block,
+                                               self.levels, self.bits)
+        elif segments is None:
+            self._aggregate_torch(flat, payloads, flat.numel())
         else:
-            self._aggregate_torch(flat, payloads, n)
-        return write_back(out, flat)
-
-    def _aggregate_segments(self, out, payloads, ctx):
-        """:meth:`aggregate_into` of segmented payloads: one native call for every segment, else
-        the per-tensor aggregate segment by segment."""
-        segments = ctx.segments
-        flat = float32_flat(out)
-        if not payloads:
-            flat.zero_()
-        elif self.bits <= 8 and native.usable(flat, *[t for p in payloads for t in p]):
-            native.qsgd_aggregate_segments(flat, [p[0].contiguous() for p in payloads],
-                                           [p[1].contiguous() for p in payloads], segments.sizes_tensor(),
-                                           self.block, self.levels, self.bits)
-        else:
-            for j, (view, n) in enumerate(zip(segments.split(flat), segments.sizes)):
-                self.aggregate_into(view, self._segment_payloads(payloads, ctx, j), (view.shape, torch.float32, n))
+            for j, view in enumerate(segments.split(flat)):
+                self.aggregate_into(view, self._segment_payloads(payloads, ctx, j),
+                                    (view.shape, torch.float32, view.numel()))
         return write_back(out, flat)
 
     def _aggregate_torch(self, flat, payloads, n):
@@ -236,9 +210,3 @@ class QSGDCompressor(DrawsPerCall, AggregateInto, Compressor):
                         torch.mul(lv, f, out=ov)
                     else:
                         ov.addcmul_(lv, f)
-
-    def state_dict(self):
-        return {"rng": self.rng.state_dict()}
-
-    def load_state_dict(self, state):
-        self.rng.load_state_dict(state.get("rng", {}))

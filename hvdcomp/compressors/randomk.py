@@ -4,13 +4,9 @@ Stich, Cordonnier and Jaggi, "Sparsified SGD with Memory", NeurIPS 2018 (rand-k 
 Wangni et al., "Gradient Sparsification for Communication-Efficient Distributed Optimization",
 NeurIPS 2018. Every rank draws the same k indices from a dedicated ``torch.Generator`` seeded from
 (seed, parameter name, step), so only the values travel and Horovod allreduce averages them. The
-global RNG is never touched.
-
-The k indices are a uniformly random k-subset: the first k distinct values of a stream of uniform
-draws in [0, n) (sequential sampling without replacement), found with a bitmap by the native
-kernels or by sorting with torch (the same set either way, so ranks agree whichever they use);
-O(k log k) instead of the O(n) of a full permutation. When k > n/8, repeats would be frequent
-and a permutation's first k entries are used instead.
+indices are the first k distinct values of a stream of uniform draws in [0, n) (a uniformly
+random k-subset; the native bitmap and torch's sort find the same set), or a permutation's first
+k entries when k > n/8.
 """
 from __future__ import annotations
 
@@ -30,7 +26,11 @@ _MASK63 = (1 << 63) - 1
 
 def shared_seed(seed: int, name: str, step: int) -> int:
     """A seed equal on every rank for (seed, parameter name, step); Python's ``hash`` is not."""
-    return ((seed * 1_000_003 + zlib.crc32(name.encode())) * 1_000_003 + step) & _MASK63
+    return (_name_seed(seed, name) + step) & _MASK63
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) * 1_000_003
 
 
 def _first_distinct(draw, k: int) -> torch.Tensor:
@@ -61,9 +61,7 @@ class RandomKCompressor(AggregateInto, Compressor):
     Payload: ``[values (k,) float32]``; indices are regenerated locally, so 4 bytes per kept
     element travel (nominal ratio counts indices anyway, as the study does). Error feedback is on
     by default (``ef=false`` to turn it off; the study shows that diverges). Several gradients in
-    one call (``segments``, :mod:`hvdcomp.compressors.segments`): each gradient's indices come
-    from its own (seed, name, step) generator, as alone; the payload is their values in buffer
-    order (one gather; the native kernels mark every gradient's draws in one call).
+    one call (``segments``): each gradient's values at its own indices, in buffer order.
 
     State: a step counter per parameter name (``state_dict()["steps"]``).
 
@@ -119,8 +117,8 @@ class RandomKCompressor(AggregateInto, Compressor):
             for name, n in zip(seg.names, seg.sizes):
                 k = num_kept(n, self.density)
                 how = "none" if k == 0 else ("perm" if 8 * k > n else "draw")
-                base = (self.seed * 1_000_003 + zlib.crc32(name.encode())) * 1_000_003
-                rows.append((n, k, how, k + k * k // n + k // 16 + 64 if n else 0, base, torch.Generator()))
+                rows.append((n, k, how, k + k * k // n + k // 16 + 64 if n else 0, _name_seed(self.seed, name),
+                             torch.Generator()))
             return rows
         return segments.cached(("randomk", self.density, self.seed), make)
 

@@ -1,16 +1,7 @@
 """Per-rank random generators for stochastic compressors (never the global RNG), and the order
-in which a fused pipeline takes their draws.
-
-Order of draws. A method that draws from its per-rank generator at each call (QSGD's and
-TernGrad's rounding, the sampled thresholds of ``topk:select=sample`` and DGC) gets, with one call
-per gradient, the draws in the order the gradients are encoded: the order backward completes them
-(its hooks), then the rest in the order ``synchronize()`` sends them. A fused bucket encodes
-several gradients in one call, later than some of them were complete. So that its draws are the
-same, the optimizer hands such a method a :class:`DrawOrder` (the step's order of one call per
-gradient, kept by :class:`hvdcomp.step.StepState`) and the method takes its draws through
-:meth:`RankGenerators.ordered`: each gradient's draw is the one it would have had, whatever
-order the fused units are encoded in (draws for gradients of units encoded later are made in
-order and held until then).
+in which a fused pipeline takes their draws (:class:`DrawOrder`, :meth:`RankGenerators.ordered`:
+each gradient of a fused bucket gets the draw one call per gradient would give it; see
+docs/fused-compression.md, "Random draws").
 """
 from __future__ import annotations
 
@@ -25,7 +16,7 @@ __all__ = ["RankGenerators", "DrawOrder", "DrawsPerCall", "rounding_draws"]
 
 class DrawOrder:
     """The order in which one call per gradient would encode the gradients of the current step
-    (see the module docstring).
+    (docs/fused-compression.md, "Random draws").
 
     Args:
         names, sizes, devices: per gradient, in the optimizer's launch order: its parameter name,
@@ -59,7 +50,8 @@ class DrawOrder:
 class DrawsPerCall:
     """Mixin of methods that draw from their per-rank generator (``self.rng``, a
     :class:`RankGenerators`) at each call: ``draws_per_call`` (read by
-    :func:`hvdcomp.compressors.segments.needs_draw_order`) and :meth:`bind_draw_order`."""
+    :func:`hvdcomp.compressors.segments.needs_draw_order`), :meth:`bind_draw_order`, and the
+    generator's state as the checkpoint."""
 
     draws_per_call = True
 
@@ -67,6 +59,18 @@ class DrawsPerCall:
         """Take the generator's draws in ``order`` (a :class:`DrawOrder`, or None: in call
         order); set by the optimizer on fused pipelines."""
         self.rng.order = order
+
+    def _draws(self, names, items):
+        """Each named gradient's draw (``self._draw`` of a list of ``(numel, device)``), in the
+        order one call per gradient takes them (:meth:`RankGenerators.ordered`)."""
+        return self.rng.ordered(names, items, self._draw)
+
+    def state_dict(self):
+        """The per-rank generator's state: ``{"rng": ...}``."""
+        return {"rng": self.rng.state_dict()}
+
+    def load_state_dict(self, state):
+        self.rng.load_state_dict(state.get("rng", {}))
 
 
 class RankGenerators:
@@ -81,7 +85,7 @@ class RankGenerators:
         self.seed = int(seed)
         self._gens: Dict[str, torch.Generator] = {}
         self._pending: Dict[str, torch.Tensor] = {}
-        self.order: Optional[DrawOrder] = None  # set on fused pipelines (the module docstring)
+        self.order: Optional[DrawOrder] = None  # set on fused pipelines (docs/fused-compression.md)
         self._step: Optional[list] = None  # the step (its DrawOrder.ready list) the draws below are of
         self._done = 0                      # draws made in the step's order so far
         self._held: Dict[int, Any] = {}     # position -> draw made ahead, for a unit encoded later

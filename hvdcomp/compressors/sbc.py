@@ -3,60 +3,14 @@
 Sattler, Wiedemann, Müller and Samek, "Sparse Binary Compression: Towards Distributed Deep
 Learning with minimal Communication", IJCNN 2019.
 
-The rule, for a gradient x of n elements and k = max(1, ceil(ρ·n)) (:func:`~hvdcomp.compressors.
-topk.num_kept`), computed in float32 (float16, bfloat16 and float64 gradients are cast first,
-float64 saturating at ±float32 max):
-
-* positives: the k largest entries among those with x > 0 (all of them when fewer than k are
-  positive); negatives: the k smallest among those with x < 0. Ties at the k-th value are broken
-  by the lower index (the set a stable sort would give). NaN is neither positive nor negative.
-* μ+ = mean of the kept positives, μ− = mean of |kept negatives| (0 for an empty side), each
-  summed in float64 and rounded to float32 (the same whichever tied entries were picked).
-* The side with the larger float32 mean is sent; on a tie the positive side (so an all-zero
-  tensor, where both sides are empty, sends no position and decodes to zeros).
-* Decoding puts +μ+ (or −μ−) at the sent positions and 0 elsewhere.
-
-The paper's *temporal* sparsity (communicating only every few steps, accumulating locally in
-between) is not part of this module: it is local gradient accumulation, which users get from
-ordinary gradient accumulation (``DistributedOptimizer(backward_passes_per_step=...)``). Its
-residual accumulation is error feedback, on by default (:class:`hvdcomp.ErrorFeedback`;
-``ef=false`` turns it off).
-
-Position coding (Golomb–Rice, vectorised). The m sent positions idx_0 < idx_1 < ... are coded by
-their gaps g_0 = idx_0, g_i = idx_i − idx_{i−1} − 1 ≥ 0. With Rice parameter b (remainder bits),
-q_i = g_i >> b and r_i = g_i & (2^b − 1). Instead of interleaving the unary quotients and the
-remainders (which needs a sequential bit writer) they travel as two streams of the same total
-size (within one byte):
-
-1. ``unary``: for each gap, q_i one-bits followed by a zero-bit, concatenated, then padded with
-   one-bits to a whole byte. Bits are little-endian within a byte (stream bit j is bit j % 8 of
-   byte j // 8, the layout of :mod:`~hvdcomp.compressors.bitpack`). The decoder finds the zero
-   bits: m is their number, q_i the run of ones before the i-th; the padding ones have no
-   terminating zero and are ignored.
-2. ``remainders``: r_i packed at b bits each (:func:`~hvdcomp.compressors.bitpack.pack_bits` for
-   b ≤ 16, the same little-endian layout bit by bit above), ceil(m·b/8) bytes (none for b = 0).
-
-b follows Kiely's rule for geometric gaps, as in the SBC paper, from the density p = m/n of the
-*sent* positions: b = max(0, 1 + floor(log2(ln(φ − 1) / ln(1 − p)))), φ = (1 + √5)/2 the golden
-ratio; b = 0 for p > 2 − φ ≈ 0.382 (there the ratio is below 1; this covers p = 1, where
-ln(1 − p) = −∞) and for m = 0. Worked number: p = 0.01 gives ln(0.618…)/ln(0.99) = 0.48121/
-0.0100503 = 47.88, log2 = 5.58, b = 1 + 5 = 6. Encoder and decoder both compute b from (n, m): n
-is the tensor's size (the decoder's context) and m the actual number of sent positions (counted in
-the unary stream), never the configured density, so they agree even when fewer than k entries of
-the chosen sign exist.
-
-Payload: ``[mu (1,) float32, unary (ceil(U/8),) uint8, remainders (ceil(m·b/8),) uint8]`` with
-U = Σ(q_i + 1) the unary bits; mu is +μ+ or −μ− (0.0 when nothing is sent). Every rank's payload
-is gathered (allgather); :meth:`SBCCompressor.unpack` turns one into ``(mu repeated (m,) float32,
-indices (m,) int64 ascending)``, from which the sparse machinery of
-:class:`~hvdcomp.compressors.sparse.SparseCompressor` decodes, aggregates (mean over ranks of the
-decodes) and forms the error-feedback residual.
-
-Bytes: 4 + ceil(U/8) + ceil(m·b/8), data-dependent. For positions spread uniformly the gaps are
-about geometric with parameter p, so E[q] = θ/(1 − θ) with θ = (1 − p)^(2^b) and a position costs
-b + 1 + θ/(1 − θ) bits: 8.11 bits at p = 0.01 (b = 6), against 32 (int32 index) + 32 (float32
-value) for ``topk``. At most 4 + ceil((m + ⌊(n − m)/2^b⌋)/8) + ceil(m·b/8) bytes whatever the
-positions (Σq_i ≤ Σg_i / 2^b ≤ (n − m)/2^b).
+In float32, of the k = max(1, ceil(ρ·n)) largest positive and the k most negative entries, the
+side with the larger mean μ (float64 sum, float32 mean; ties: positive) is sent as one ±μ and its
+positions; decoding puts ±μ there and 0 elsewhere. Positions travel Golomb–Rice coded as two
+streams (unary quotients, b-bit remainders; b by Kiely's rule from n and the sent count):
+``[mu (1,) float32, unary uint8, remainders uint8]``, data-dependent bytes (about 8.1 bits per
+position at ρ = 1 %). The paper's temporal sparsity is gradient accumulation
+(``backward_passes_per_step``); its residual is error feedback, on by default. The rule, the
+coding and its sizes in full: docs/methods.md, "SBC".
 """
 from __future__ import annotations
 
@@ -78,14 +32,12 @@ __all__ = ["SBCCompressor", "decode_positions", "encode_positions", "expected_bi
 _LN_PHI_MINUS_1 = math.log((math.sqrt(5.0) - 1.0) / 2.0)
 #: Above this density Kiely's rule gives b = 0 (2 − φ ≈ 0.382).
 _B0_DENSITY = (3.0 - math.sqrt(5.0)) / 2.0
-#: Widest remainder bitpack.pack_bits handles; wider ones are packed bit by bit here.
-_BITPACK_MAX = 16
 
 
 def rice_parameter(numel: int, kept: int) -> int:
     """Rice parameter b for ``kept`` positions among ``numel``: Kiely's rule for geometric gaps,
-    b = max(0, 1 + floor(log2(ln(φ − 1) / ln(1 − p)))) with p = kept/numel (see the module
-    docstring; p = 0.01 → b = 6). 0 when nothing is kept or p > 2 − φ (p = 1 included)."""
+    b = max(0, 1 + floor(log2(ln(φ − 1) / ln(1 − p)))) with p = kept/numel (see
+    docs/methods.md; p = 0.01 → b = 6). 0 when nothing is kept or p > 2 − φ (p = 1 included)."""
     if kept <= 0 or numel <= 0:
         return 0
     p = kept / numel
@@ -105,28 +57,14 @@ def expected_bits_per_position(numel: int, kept: int) -> float:
     return b + 1.0 + theta / (1.0 - theta)
 
 
-def _pack_remainders(r: torch.Tensor, b: int) -> torch.Tensor:
-    """``r`` (m,) int64 in [0, 2^b) at b bits each, little-endian (bitpack's layout)."""
-    if b == 0 or r.numel() == 0:
-        return torch.zeros(0, dtype=torch.uint8, device=r.device)
-    if b <= _BITPACK_MAX:
-        return pack_bits(r, b)
-    shifts = torch.arange(b, dtype=torch.int64, device=r.device)
-    bits = ((r.reshape(-1, 1) >> shifts) & 1).reshape(-1).to(torch.uint8)
-    return pack_bits(bits, 1)
-
-
 def _unpack_remainders(packed: torch.Tensor, b: int, m: int) -> torch.Tensor:
-    """Inverse of :func:`_pack_remainders`: (m,) int64."""
+    """The ``m`` remainders of ``b`` bits each (:func:`~hvdcomp.compressors.bitpack.pack_bits`'
+    layout) as int64 (m,)."""
     if b == 0 or m == 0:
         return torch.zeros(m, dtype=torch.int64, device=packed.device)
     if packed.numel() < packed_nbytes(m, b):
         raise ValueError(f"sbc payload: {packed.numel()} remainder bytes cannot hold {m} codes of {b} bits")
-    if b <= _BITPACK_MAX:
-        return unpack_bits(packed, b, m)
-    bits = unpack_bits(packed, 1, m * b).reshape(m, b)
-    weights = 1 << torch.arange(b, dtype=torch.int64, device=packed.device)
-    return (bits * weights).sum(1)
+    return unpack_bits(packed, b, m)
 
 
 def rice_encode(idx: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +76,7 @@ def rice_encode(idx: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns:
         ``(unary, remainders)``, uint8 tensors of ceil(Σ(q_i + 1)/8) and ceil(m·b/8) bytes (see
-        the module docstring for the layout).
+        docs/methods.md, "SBC", for the layout).
     """
     idx = idx.reshape(-1).to(torch.int64)
     device = idx.device
@@ -154,7 +92,7 @@ def rice_encode(idx: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     cleared = torch.zeros(nbytes, dtype=torch.int64, device=device)
     cleared.index_add_(0, zeros_at >> 3, 1 << (zeros_at & 7))
     unary = (255 - cleared).to(torch.uint8)
-    rem = _pack_remainders(gaps & ((1 << b) - 1), b)
+    rem = pack_bits(gaps & ((1 << b) - 1), b) if b else torch.zeros(0, dtype=torch.uint8, device=device)
     return unary, rem
 
 
@@ -165,27 +103,18 @@ def rice_decode(unary: torch.Tensor, remainders: torch.Tensor, b: int) -> torch.
     Raises:
         ValueError: fewer remainder bytes than m codes of b bits need.
     """
-    positions, _ = _rice_decode(unary, remainders, lambda m: b)
-    return positions
-
-
-def _quotients(unary: torch.Tensor) -> torch.Tensor:
-    """q_i (m,) int64 from the unary stream: runs of one-bits before each zero-bit."""
-    u = unary.reshape(-1)
-    if u.numel() == 0:
-        return torch.zeros(0, dtype=torch.int64, device=u.device)
-    bits = unpack_codes(u, 1, 8 * u.numel())
-    zeros_at = torch.nonzero(bits == 0).reshape(-1)
-    return torch.diff(zeros_at, prepend=zeros_at.new_full((1,), -1)) - 1
+    return _rice_decode(unary, remainders, lambda m: b)
 
 
 def _rice_decode(unary, remainders, b_of_m):
-    q = _quotients(unary)
-    m = q.numel()
-    b = b_of_m(m)
-    r = _unpack_remainders(remainders.reshape(-1), b, m)
-    gaps = (q << b) | r
-    return torch.cumsum(gaps + 1, 0) - 1, b
+    """Ascending int64 positions from the two streams, with b = ``b_of_m(m)``: the quotients q_i
+    are the runs of one-bits before each of the m zero-bits of ``unary``."""
+    u = unary.reshape(-1)
+    zeros_at = torch.nonzero(unpack_codes(u, 1, 8 * u.numel()) == 0).reshape(-1)
+    q = torch.diff(zeros_at, prepend=zeros_at.new_full((1,), -1)) - 1
+    b = b_of_m(q.numel())
+    r = _unpack_remainders(remainders.reshape(-1), b, q.numel())
+    return torch.cumsum(((q << b) | r) + 1, 0) - 1
 
 
 def encode_positions(idx: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,7 +128,7 @@ def decode_positions(unary: torch.Tensor, remainders: torch.Tensor, numel: int) 
     Raises:
         ValueError: a corrupt payload (too few remainder bytes, or a position ≥ ``numel``).
     """
-    positions, _ = _rice_decode(unary, remainders, lambda m: rice_parameter(numel, m))
+    positions = _rice_decode(unary, remainders, lambda m: rice_parameter(numel, m))
     if positions.numel() and int(positions[-1]) >= numel:
         raise ValueError(f"sbc payload codes position {int(positions[-1])} of a tensor of {numel} "
                          "elements: it was encoded for another tensor, or corrupted")
@@ -266,26 +195,17 @@ class SBCCompressor(SparseCompressor):
     Keeps the k = max(1, ceil(ρ·n)) largest positive entries and the k most negative ones, and
     sends the side with the larger mean magnitude as that mean (one float32) at its positions
     (coded by gaps, Golomb–Rice with Kiely's parameter). The exact rule, the coding and the byte
-    counts are in :mod:`hvdcomp.compressors.sbc`.
+    counts are in docs/methods.md, "SBC".
 
     Args:
         density: ρ in (0, 1]; 0.01 keeps at most 1 % of the entries (of one sign).
 
     Payload: ``[mu (1,) float32, unary (ceil(U/8),) uint8, remainders (ceil(m·b/8),) uint8]``
-    (m ≤ k sent positions, U = Σ(q_i + 1) unary bits, b the Rice parameter from n and m).
-    :meth:`unpack` gives ``(mu repeated (m,) float32, indices (m,) int64 ascending)``; payloads
-    of different ranks are gathered and scatter-added into zeros, then divided by the world size
-    (the mean of the ranks' decodes). Decoded tensors have the gradient's shape and dtype.
-
-    Bytes: 4 + ceil(U/8) + ceil(m·b/8), which depends on the positions (about 8.1 bits per
-    position at ρ = 0.01 for spread-out positions). :meth:`nominal_ratio` follows the seed
-    study's convention (32-bit values and indices: k indices and one value, n/(k + 1));
-    :meth:`payload_bytes` / :meth:`expected_payload_bytes` give the expected coded size for
-    uniformly spread positions, :meth:`max_payload_bytes` the worst case. There is no dense
-    fallback: even the worst case is below the dense 4n bytes for n ≥ 2.
-
-    Error feedback is on by default (``default_error_feedback``), as in SBC; the paper's temporal
-    sparsity (communication delay) is local accumulation and not part of this module.
+    (m ≤ k sent positions, U = Σ(q_i + 1) unary bits, b the Rice parameter from n and m):
+    4 + ceil(U/8) + ceil(m·b/8) bytes, depending on the positions (:meth:`payload_bytes`: the
+    expected size; no dense fallback, even the worst case is below 4n bytes for n ≥ 2).
+    :meth:`unpack` gives ``(mu repeated (m,) float32, indices (m,) int64 ascending)``, decoded,
+    aggregated and kept as residual as :class:`~hvdcomp.compressors.sparse.SparseCompressor`'s.
 
     Raises:
         ValueError: ``density`` not a number in (0, 1]; the sparse wire options ``values=fp16``
@@ -323,7 +243,7 @@ class SBCCompressor(SparseCompressor):
         """The sbc payload sending ``values`` (``(m,)`` or ``(1,)`` float) at the ascending int64
         positions ``idx`` (m,) of an n-element tensor, binarized as SBC does: one float32 value,
         the mean of ``values`` (summed in float64), at every position. Returns
-        ``[mu (1,) float32, unary uint8, remainders uint8]`` (module docstring).
+        ``[mu (1,) float32, unary uint8, remainders uint8]`` (docs/methods.md).
         """
         if values.numel() == 0:
             mu = torch.zeros(1, dtype=torch.float32, device=idx.device)
@@ -348,21 +268,13 @@ class SBCCompressor(SparseCompressor):
 
     def payload_bytes(self, numel: int, kept: int) -> int:
         """Expected bytes of a payload sending ``kept`` positions spread uniformly among ``numel``:
-        4 + ceil(kept·(1 + θ/(1 − θ))/8) + ceil(kept·b/8) (module docstring); the actual size
-        depends on the positions (at most :meth:`max_payload_bytes`)."""
+        4 + ceil(kept·(1 + θ/(1 − θ))/8) + ceil(kept·b/8) (docs/methods.md); the actual size
+        depends on the positions (at most 4 + ceil((kept + ⌊(numel − kept)/2^b⌋)/8) + ceil(kept·b/8))."""
         if kept <= 0 or numel <= 0:
             return 4
         b = rice_parameter(numel, kept)
         unary_bits = kept * (expected_bits_per_position(numel, kept) - b)
         return 4 + math.ceil(unary_bits / 8) + packed_nbytes(kept, b)
-
-    def max_payload_bytes(self, numel: int, kept: int) -> int:
-        """Largest payload for ``kept`` positions among ``numel``, whatever the positions:
-        4 + ceil((kept + ⌊(numel − kept)/2^b⌋)/8) + ceil(kept·b/8)."""
-        if kept <= 0 or numel <= 0:
-            return 4
-        b = rice_parameter(numel, kept)
-        return 4 + (kept + ((numel - kept) >> b) + 7) // 8 + packed_nbytes(kept, b)
 
     def expected_payload_bytes(self, numel):
         """:meth:`payload_bytes` with kept = k (``None`` for an empty tensor)."""
@@ -394,7 +306,7 @@ class SBCCompressor(SparseCompressor):
         return _lowest_index_ties(x, neg_idx, k, -1), -mu_neg
 
     def select(self, flat, name=None):
-        """Ascending int64 positions of the side sent (see the module docstring)."""
+        """Ascending int64 positions of the side sent (docs/methods.md)."""
         return self._choose(flat)[0]
 
     def _encode(self, tensor, name=None):

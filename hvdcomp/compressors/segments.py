@@ -1,33 +1,14 @@
 """Several gradients compressed in one call, each by its own rules ("segments" of a flat buffer).
 
-Under :class:`hvdcomp.DistributedOptimizer` with ``granularity="tensor"`` (the default), the
-gradients of one bucket are copied into one flat buffer and a *segmentable* compressor compresses
-the buffer in one vectorised call while keeping per-tensor semantics: each segment (one
-parameter's gradient) gets its own top-k, its own fp16 scale, its own residual. The result is the
-one per-tensor calls would give; what changes is the cost (a few tensor operations per bucket
-instead of per gradient: the per-tensor fixed cost of issue 17) and the wire (one payload per
-bucket, see each method's docstring).
-
-Which methods are segmentable, and how (each method's ``_encode_segments``):
-
-* element-wise methods (``bf16``, ``threshold``, ``signsgd``): the buffer is one tensor;
-* ``fp16``: each segment's own power-of-two scale, a few operations over the buffer;
-* ``topk`` (both selections), ``dgc``: each segment's own selection (small segments of one size
-  by one batched ``torch.topk``, sampled thresholds segment by segment), one payload of indices
-  into the buffer; DGC's momentum and accumulation as flat buffers;
-* ``qsgd``, ``terngrad``, ``efsignsgd``: one native call over the buffer (the segmented kernels
-  of :mod:`hvdcomp.native`), each segment with its own scales and random stream;
-* ``randomk``: each segment's indices from its own (seed, name, step) generator, one gather.
-
-Random draws. Methods that draw from a per-rank generator at each call (QSGD's and TernGrad's
-rounding, the sampled thresholds of ``topk:select=sample`` and DGC) take each segment's draw as
-one call per gradient would take it: under the optimizer, in the order backward completes the
-gradients (then the rest in the order ``synchronize()`` sends them), whatever the order the
-fused units are encoded in (:class:`hvdcomp.compressors.rng.DrawOrder`,
-:func:`needs_draw_order`); called directly, in segment order.
+A *segmentable* compressor compresses a bucket's flat buffer in one call while keeping
+per-tensor semantics (each segment its own top-k, scale, residual and random draw): the result
+is the one per-tensor calls would give. What each method does over a bucket, and how the draws
+keep their order (:class:`hvdcomp.compressors.rng.DrawOrder`, :func:`needs_draw_order`):
+docs/fused-compression.md.
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any, Callable, Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
@@ -76,16 +57,9 @@ class Segments:
         self.names: Tuple[str, ...] = tuple(names)
         self.shapes: Tuple[torch.Size, ...] = tuple(torch.Size(s) for s in shapes)
         self.sizes: List[int] = [s.numel() for s in self.shapes]
-        self.offsets: List[int] = []
-        total = 0
-        for n in self.sizes:
-            self.offsets.append(total)
-            total += n
-        self.numel = total
+        *self.offsets, self.numel = accumulate(self.sizes, initial=0)
         #: each segment's shape as a 1-D tensor, ``(n,)``: for state kept flat (DGC's momenta)
         self.flat_shapes: Tuple[torch.Size, ...] = tuple(torch.Size([n]) for n in self.sizes)
-        #: positions of the non-empty segments
-        self.nonempty: List[int] = [j for j, n in enumerate(self.sizes) if n]
         self._classes: Dict[torch.device, list] = {}
         self._cache: Dict[Any, Any] = {}
 

@@ -1,32 +1,11 @@
 """Index selection for the top-k-like sparsifiers (``topk``, ``dgc``): one place for the logic.
 
-Two ways to pick about k entries of largest magnitude of a 1-D tensor of n elements:
-
-* :func:`exact_topk`: exactly the k largest magnitudes. On CPU with the native kernels and n ≥
-  :data:`EXACT_MIN_NUMEL`, by a threshold: the magnitude at a rank slightly above k/n of an evenly
-  spaced sample of ~1 % of the entries (every (n/s)-th) is a threshold that ≥ k entries pass (else
-  it is lowered), one fused scan collects those candidates (about 1.1–1.2k, ascending, with their
-  values), and a linear-time selection (``torch.kthvalue``) among them finds the k-th largest
-  magnitude t: the result is every candidate above t plus the first candidates equal to t (ties
-  broken by lower index), i.e. the same set as ``torch.topk``, O(n). Otherwise ``torch.topk`` (the reference;
-  O(n log k), single-threaded on CPU). Either way the indices come out in ascending order.
-* :func:`sampled_threshold_topk`: the sampled threshold of Lin, Han, Mao, Wang and Dally, "Deep
-  Gradient Compression", ICLR 2018 (the threshold sampling hvdcomp's DGC has always used): sample
-  s = ceil(sample_ratio·n) entries uniformly (with replacement), take as threshold the smallest of
-  the top ceil(k/n·s) sampled magnitudes, and keep every entry whose magnitude is at least the
-  threshold. If more than 1.3k entries pass, the exact top-k of those candidates is kept; if fewer
-  than 0.8k pass, the threshold is lowered ×0.8 and the scan repeated (at most 10 scans). O(n).
-
-The scan (:func:`indices_at_least`) never builds a full-size temporary on CPU. With the native
-kernels (:mod:`hvdcomp.native`) it is a fused threshold-and-compact: a counting pass and a writing
-pass over fixed parts of the tensor (both multi-threaded, ascending output). Without them it walks
-the tensor in chunks of :data:`CPU_CHUNK` elements through two cache-sized buffers (|x| compared
-in place, then a bool mask) and finds the set mask bytes eight at a time (the mask viewed as int64
-words). On CUDA it is ``torch.nonzero(|x| >= thr)``; each scan synchronises with the host once (to
-learn the count), so a tensor costs at most ``max_tries`` synchronisations, never one per element.
-
-NaN never passes a threshold: with NaN in the tensor the threshold paths ignore those entries
-(``torch.topk`` would rank them first); the optimizer skips steps with non-finite gradients.
+:func:`exact_topk`: exactly the k largest magnitudes (the set of ``torch.topk``; O(n) on CPU with
+the native kernels by a sampled threshold and a linear-time selection). :func:`sampled_threshold_topk`:
+DGC's sampled threshold (Lin, Han, Mao, Wang and Dally, "Deep Gradient Compression", ICLR 2018),
+about k entries (0.8k to 1.3k). Indices come out int64 and ascending; NaN never passes a
+threshold. The scan (:func:`indices_at_least`) builds no full-size temporary on CPU and
+synchronises with the host once per scan on CUDA. In full: docs/kernels.md, "Top-k selection".
 """
 from __future__ import annotations
 
@@ -82,7 +61,7 @@ def _empty_index(device) -> torch.Tensor:
 
 
 def exact_topk(flat: torch.Tensor, k: int, *, magnitudes: bool = True) -> torch.Tensor:
-    """Indices (int64, 1-D, ascending) of the k entries of largest magnitude (see module docstring).
+    """Indices (int64, 1-D, ascending) of the k entries of largest magnitude (docs/kernels.md, "Top-k selection").
 
     Args:
         flat: 1-D tensor of n elements; magnitudes (>= 0) when ``magnitudes``, else signed values
@@ -156,9 +135,8 @@ def indices_at_least(flat: torch.Tensor, thr: torch.Tensor, *, magnitudes: bool 
                      chunk: int = CPU_CHUNK, chunked=None) -> torch.Tensor:
     """Ascending int64 indices i with ``flat[i] >= thr`` (``|flat[i]| >= thr`` if not ``magnitudes``).
 
-    Equals ``torch.nonzero(mag >= thr).view(-1)`` (NaN never passes). On CPU the tensor is scanned
-    in chunks of ``chunk`` elements with two chunk-sized buffers, so no full-size temporary is
-    allocated; on other devices it is one ``nonzero`` (one host synchronisation).
+    Equals ``torch.nonzero(mag >= thr).view(-1)`` (NaN never passes), without a full-size
+    temporary on CPU (docs/kernels.md, "Top-k selection").
 
     Args:
         flat: 1-D tensor of n elements.
@@ -204,13 +182,8 @@ def sample_positions(n: int, k: int, sample_ratio: float, generator, device=None
     target ``k``: ``ceil(sample_ratio·n)`` draws in [0, n) from ``generator`` (a
     ``torch.Generator`` or :class:`~hvdcomp.compressors.rng.RankGenerators`), or None (nothing
     drawn) where it takes the whole tensor or the exact top-k instead."""
-    samples = math.ceil(sample_ratio * n)
-    if k >= n or samples < min_sample or k <= 0:
-        return None
     device = torch.device("cpu") if device is None else torch.device(device)
-    if not isinstance(generator, torch.Generator):
-        generator = generator.get(device)
-    return torch.randint(0, n, (samples,), generator=generator, device=device)
+    return sample_draws(generator, [(n, device)], lambda _: k, sample_ratio, min_sample)[0]
 
 
 def sample_draws(generator, items, kept, sample_ratio: float, min_sample: int = MIN_SAMPLE,
@@ -305,10 +278,6 @@ def select_segments(flat: torch.Tensor, segments, kept, sample_ratio=None, draws
             the positions ``draws[j]`` (:func:`sample_positions`).
         key: a hashable value that determines ``kept`` (e.g. the density): how each segment is
             selected is then decided once and cached on ``segments``.
-
-    Segments whose selection is an exact top-k of fewer than :data:`EXACT_MIN_NUMEL` elements
-    are ranked together: one ``torch.topk`` over the rows of each distinct size; the sampled
-    ones are thresholded one by one.
     """
     def plan(seg):
         def how(n: int) -> str:

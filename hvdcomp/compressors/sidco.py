@@ -3,68 +3,13 @@
 Abdelmoniem, Elzanaty, Alouini and Canini, "An Efficient Statistical-based Gradient Compression
 Technique for Distributed Training Systems", MLSys 2021.
 
-Instead of sorting (top-k) or sampling (DGC), SIDCo fits a sparsity-inducing distribution to the
-gradient's magnitudes and reads the threshold off the fitted distribution's quantile: O(n), a
-few passes, no sort. Every entry with ``|x_i| >= η`` is sent, so the number sent m varies around
-the target k = max(1, ceil(ρ·n)) (ρ: ``density``).
-
-Estimator (magnitudes a = |x| in float32; the scalar statistics in float64). With M stages, target
-count t = ρ·n, η_0 = 0 and c_0 = n:
-
-* stage m's tail ratio: δ_m = min(1, t / c_{m-1})^(1/(M-m+1)), i.e. the remaining ratio split
-  evenly over the remaining stages: δ_1 = ρ^(1/M), and δ_m = ρ^(1/M) again whenever the earlier
-  stages kept exactly their expected counts (the product of the ratios is ρ); a stage that kept
-  too many or too few is corrected by the next ones;
-* stage 1 fits ``dist`` to all n magnitudes a (zeros included):
-
-  - ``exp`` (double exponential on x): MLE scale μ = mean(a); quantile η = μ·ln(1/δ);
-  - ``gamma`` (double gamma on x): method of moments, shape α = m²/s², scale β = s²/m (m: mean,
-    s²: unbiased sample variance); η = β·Q⁻¹(α, δ), the inverse of the regularized upper
-    incomplete gamma function Q = ``torch.special.gammaincc`` (no closed form: solved by a
-    bracketed Newton iteration on ln Q in float64, see :func:`gamma_isf`). Moments rather than
-    the approximate MLE (shape from ln(mean) − mean(ln a)): they accept exact zeros, and at
-    ρ = 1 % on the small LSTM's gradients (5 SGD steps) the MLE, which fits the bulk near zero,
-    kept 1.1–3.0× k on the LSTM weight matrices against 0.97–1.17× k for the moments (on the
-    much heavier-tailed embedding gradient: MLE 1.8–2.1×, moments 0.27–0.34×; more stages fix
-    the latter, see ``benchmarks/sidco_fit.py``);
-  - ``gpareto`` (generalized Pareto on a): method of moments, ξ = ½(1 − m²/s²),
-    σ = ½·m·(m²/s² + 1); quantile y = σ/ξ·(δ^(−ξ) − 1) (σ·ln(1/δ) at ξ = 0);
-
-* stage m ≥ 2 fits the exceedances y = a − η_{m-1} of the c_{m-1} entries with a ≥ η_{m-1}
-  (peaks over threshold): an exponential (MLE μ = mean(y)) for ``exp`` (memoryless), a generalized
-  Pareto (moments, as above) for ``gamma`` and ``gpareto``; η_m = η_{m-1} + quantile(δ_m);
-* every η_m is rounded to the nearest float32 (the selection compares float32 magnitudes with
-  it); the result is {i : a_i >= η_M}, ascending. Stage 1 scans the n entries once; stage m ≥ 2
-  only the c_{m-1} survivors of stage m-1.
-
-Staging stops early (the last threshold reached is the result) when the survivors are already at
-or below the target (c_{m-1} <= t) or too few to fit (c_{m-1} < 2), or when a later stage's fit
-is degenerate (all exceedances equal) or not finite.
-
-Stage adaptation (per parameter name; M starts at 1): after each selection whose threshold came
-from a fit, with kept count m and target k::
-
-    if |m/k − 1| > ε:  M ← min(M + 1, stages)      (fit the tail more locally)
-    else:              M unchanged
-
-M never decreases. Fallbacks that do not use a fit (below) leave M unchanged.
-
-Fallback (``Estimate.fallback``): the exact top-k (:func:`~hvdcomp.compressors.selection.
-exact_topk` of the magnitudes, k entries, its zero entries dropped since sending a zero changes
-nothing) when
-
-* ``"sparse"``: fewer than 2 nonzero magnitudes (an all-zero tensor sends nothing);
-* ``"degenerate"``: the stage-1 fit is degenerate (all magnitudes equal: zero variance for
-  ``gamma`` / ``gpareto``) or its threshold rounds to 0 in float32 (denormal magnitudes);
-* ``"non-finite"``: a stage-1 statistic is not finite (NaN or ±inf in the gradient, or squares
-  beyond float32's range): as ``topk`` (NaN never passes a threshold; ``torch.topk`` ranks NaN
-  first; the optimizer skips steps with non-finite gradients);
-* ``"none-kept"``: the fitted threshold keeps no entry (so that something is always sent);
-  this one counts as a miss for the adaptation (m = 0).
-
-Thresholds are in the gradient's units. The kept count is not capped: a poor fit may send many
-more than k entries (a payload that would be larger than the dense tensor is sent densely, see
-:mod:`hvdcomp.compressors.sparse`).
+A sparsity-inducing distribution (``exp``, ``gamma`` or ``gpareto``) is fitted to the gradient's
+magnitudes, over up to ``stages`` stages of peaks over threshold, and every entry with
+``|x_i| >= η`` (η the fitted quantile, in the gradient's units, rounded to float32) is sent: O(n),
+no sort; the kept count varies around k = max(1, ceil(ρ·n)) and is not capped. The stage count
+adapts per parameter name until the kept count is within ``tolerance`` of k. Degenerate,
+non-finite or empty fits fall back to the exact top-k (:class:`Estimate`'s ``fallback``). The
+estimator, its stages and fallbacks in full: docs/methods.md, "SIDCo".
 """
 from __future__ import annotations
 
@@ -113,25 +58,27 @@ def fit_exponential(y: torch.Tensor) -> float:
     return float(y.sum(dtype=_F64)) / y.numel()
 
 
+def _moment_fit(m: float, v: float, dist: str) -> Tuple[float, float]:
+    """The ``"gamma"`` (α, β) or ``"gpareto"`` (ξ, σ) method-of-moments fit from mean m and
+    variance v (see :func:`fit_gamma`, :func:`fit_gpareto`); ``(nan, nan)`` when degenerate."""
+    if not (m > 0 and v > 0 and math.isfinite(m) and math.isfinite(v)):
+        return float("nan"), float("nan")
+    r = m * m / v
+    return (r, v / m) if dist == "gamma" else (0.5 * (1.0 - r), 0.5 * m * (r + 1.0))
+
+
 def fit_gamma(y: torch.Tensor) -> Tuple[float, float]:
     """Method-of-moments gamma fit: ``(shape α = m²/s², scale β = s²/m)`` with m the mean and s² the
     unbiased sample variance of ``y`` (1-D, at least 2 entries). ``(nan, nan)`` when degenerate
     (s² = 0, m <= 0) or not finite."""
-    m, v = _mean_var(y)
-    if not (m > 0 and v > 0 and math.isfinite(m) and math.isfinite(v)):
-        return float("nan"), float("nan")
-    return m * m / v, v / m
+    return _moment_fit(*_mean_var(y), "gamma")
 
 
 def fit_gpareto(y: torch.Tensor) -> Tuple[float, float]:
     """Method-of-moments generalized Pareto fit (location 0): ``(ξ, σ)`` with
     ξ = ½(1 − m²/s²) and σ = ½·m·(m²/s² + 1) (m: mean, s²: unbiased sample variance of ``y``,
     1-D, at least 2 entries). ``(nan, nan)`` when degenerate (s² = 0, m <= 0) or not finite."""
-    m, v = _mean_var(y)
-    if not (m > 0 and v > 0 and math.isfinite(m) and math.isfinite(v)):
-        return float("nan"), float("nan")
-    r = m * m / v
-    return 0.5 * (1.0 - r), 0.5 * m * (r + 1.0)
+    return _moment_fit(*_mean_var(y), "gpareto")
 
 
 # ---- inverse survival functions (float64) ---------------------------------------------------------
@@ -226,12 +173,12 @@ class Estimate(NamedTuple):
             ``fallback``; nan when no fit was made.
         kept: entries the fitted threshold keeps (before a ``"none-kept"`` fallback); -1 when no
             fit was made.
-        stages: stages run (may be fewer than asked, see the module docstring).
+        stages: stages run (may be fewer than asked, docs/methods.md).
         thresholds: η after each stage run.
         params: per stage, ``(distribution, parameters)``: ``("exp", (μ,))``,
             ``("gamma", (α, β))`` or ``("gpareto", (ξ, σ))``.
         fallback: ``""`` (the fitted threshold), ``"sparse"``, ``"degenerate"``,
-            ``"non-finite"`` or ``"none-kept"`` (exact top-k, see the module docstring).
+            ``"non-finite"`` or ``"none-kept"`` (exact top-k, docs/methods.md).
     """
 
     indices: torch.Tensor
@@ -251,7 +198,7 @@ class Estimate(NamedTuple):
 @register("sidco")
 class SIDCoCompressor(SparseCompressor):
     """SIDCo: send every entry whose magnitude passes a threshold fitted to the gradient's
-    magnitudes by a multi-stage sparsity-inducing distribution (module docstring: the exact
+    magnitudes by a multi-stage sparsity-inducing distribution (docs/methods.md, "SIDCo": the exact
     estimator, the stage adaptation and the fallbacks).
 
     Args:
@@ -265,12 +212,9 @@ class SIDCoCompressor(SparseCompressor):
         tolerance: ε in (0, 1] (default 0.2): a selection is on target when
             (1−ε)·k <= kept <= (1+ε)·k.
 
-    Payload: ``[values (m,) float32, indices (m,) int32]`` (int64 when n >= 2^31), ascending
-    indices, m varying per rank and step around k (gradient units; 8 bytes per kept element by
-    default; ``values=fp16`` or ``int2`` / ``index=compact`` shrink it, see
-    :mod:`hvdcomp.compressors.sparse`). Payloads of different ranks are gathered and
-    scatter-added into zeros, then divided by the world size. Error feedback is on by default
-    (as in the paper), through :class:`hvdcomp.ErrorFeedback`.
+    Payload: ``[values (m,) float32, indices (m,) int32]``, ascending indices, m varying per
+    rank and step around k (:mod:`hvdcomp.compressors.sparse`: other codings, how ranks combine).
+    Error feedback (:class:`hvdcomp.ErrorFeedback`) is on by default, as in the paper.
 
     State: the current number of stages per parameter name, ``state_dict() == {"stages":
     {name: M}}`` (staged until commit within a step: a rolled-back step leaves it unchanged).
@@ -330,15 +274,10 @@ class SIDCoCompressor(SparseCompressor):
         m, v = _mean_var(a)
         if not (math.isfinite(m) and math.isfinite(v)):
             return (self.dist, (math.nan, math.nan)), math.nan, "non-finite"
-        if self.dist == "gamma":
-            shape, scale = fit_gamma(a) if v > 0 else (math.nan, math.nan)
-            if not (math.isfinite(shape) and math.isfinite(scale)):
-                return ("gamma", (shape, scale)), math.nan, "degenerate"
-            return ("gamma", (shape, scale)), gamma_isf(shape, scale, delta), ""
-        xi, sigma = fit_gpareto(a) if v > 0 else (math.nan, math.nan)
-        if not (math.isfinite(xi) and math.isfinite(sigma)):
-            return ("gpareto", (xi, sigma)), math.nan, "degenerate"
-        return ("gpareto", (xi, sigma)), gpareto_isf(xi, sigma, delta), ""
+        params = _moment_fit(m, v, self.dist)  # (the moments of this one pass)
+        if not (math.isfinite(params[0]) and math.isfinite(params[1])):
+            return (self.dist, params), math.nan, "degenerate"
+        return (self.dist, params), (gamma_isf if self.dist == "gamma" else gpareto_isf)(*params, delta), ""
 
     def _fit_tail(self, y: torch.Tensor, delta: float):
         """Stage m >= 2 on the exceedances ``y`` (float64): ``((dist, params), quantile)``,
@@ -358,7 +297,7 @@ class SIDCoCompressor(SparseCompressor):
         return Estimate(idx, threshold, kept, stages, tuple(thresholds), tuple(params), kind)
 
     def estimate(self, flat: torch.Tensor, stages: Optional[int] = None) -> Estimate:
-        """Run the estimator (module docstring) on ``flat`` (1-D, any floating dtype) with
+        """Run the estimator (docs/methods.md, "SIDCo") on ``flat`` (1-D, any floating dtype) with
         ``stages`` stages (default: ``stages`` given at construction). No state is read or
         written.
 

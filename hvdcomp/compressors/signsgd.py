@@ -5,12 +5,8 @@ Non-Convex Problems", ICML 2018; Bernstein, Zhao, Azizzadenesheli and Anandkumar
 Majority Vote is Communication Efficient and Fault Tolerant", ICLR 2019.
 
 Each rank sends sign(g) ∈ {−1, +1} (sign(0) = +1); the aggregate is sign(Σ_ranks sign(g_r)), again
-with sign(0) = +1 — the elementwise majority, ties going to +1. The optimizer then steps by
-``lr · vote``.
-
-Kernels: on CPU the native kernels (:mod:`hvdcomp.native`) compute signs (and EF-signSGD's Σ|p|)
-in one pass, and decode / aggregate W payloads writing each output element once; elsewhere
-vectorised torch ops (:mod:`hvdcomp.compressors.bitpack` for the 1-bit packing).
+with sign(0) = +1: the elementwise majority, ties going to +1. The optimizer then steps by
+``lr · vote``. Kernels (native on CPU, torch elsewhere): docs/kernels.md.
 """
 from __future__ import annotations
 
@@ -22,11 +18,6 @@ from .base import AggregateInto, Compressor, ErrorBound, float32_flat, write_bac
 from .bitpack import pack_bits, packed_nbytes, unpack_codes
 from .registry import register
 from .segments import SegmentsContext
-
-
-def _sign(x: torch.Tensor) -> torch.Tensor:
-    """+1 where x >= 0, else -1 (float32)."""
-    return torch.where(x >= 0, 1.0, -1.0).to(torch.float32)
 
 
 def _sign_bits(flat: torch.Tensor, abs_sum: bool = False):
@@ -53,9 +44,6 @@ class SignSGDCompressor(AggregateInto, Compressor):
 
     Payload: ``[votes (n,) int32]`` (allreduce; after it, the summed votes) or
     ``[signs (ceil(n/8),) uint8]`` (allgather, bit i = [g_i >= 0]).
-
-    Several gradients in one call (``segments``): signs and votes are element-wise, so a fused
-    bucket is signed and voted on as one tensor (the same votes per element).
 
     Raises:
         ValueError: unknown ``vote``.
@@ -108,7 +96,7 @@ class SignSGDCompressor(AggregateInto, Compressor):
                 total = sum(p[0] for p in payloads)
             else:
                 total = sum(unpack_codes(p[0], 1, n).to(torch.int32) * 2 - 1 for p in payloads)
-            flat.copy_(_sign(total).reshape(-1))
+            flat.copy_(torch.where(total >= 0, 1.0, -1.0).reshape(-1))  # sign(0) = +1
         return write_back(out, flat)
 
 
@@ -121,10 +109,8 @@ class ScaledSignCompressor(AggregateInto, Compressor):
 
     Payload: ``[scale (1,) float32, signs (ceil(n/8),) uint8]`` (1 bit per element,
     sign(0) = +1). The scale differs per rank, so payloads are gathered and the decoded
-    ``scale_r·sign_r`` averaged. Several gradients in one call (``segments``,
-    :mod:`hvdcomp.compressors.segments`): each keeps its own scale (its own mean ``|p|``, summed
-    as alone); the payload is ``[scales (one per gradient,) float32, signs of the whole buffer]``;
-    one native call each for the signs, the scales, the aggregate and the residual.
+    ``scale_r·sign_r`` averaged. Several gradients in one call (``segments``): ``[scales (one
+    per gradient,) float32, signs of the whole buffer]``.
     """
 
     name = "efsignsgd"
@@ -164,59 +150,43 @@ class ScaledSignCompressor(AggregateInto, Compressor):
 
     def aggregate_into(self, out, payloads, ctx):
         """Mean over ranks of ``scale_r·sign_r`` (each scale divided by the rank count first, so
-        the sum cannot overflow), written into ``out``."""
-        if isinstance(ctx, SegmentsContext):
-            return self._aggregate_segments(out, payloads, ctx)
+        the sum cannot overflow), written into ``out``; segmented payloads with each segment's
+        factors ``scale_r/W``."""
+        segments = ctx.segments if isinstance(ctx, SegmentsContext) else None
         flat = float32_flat(out)
-        n, world = flat.numel(), len(payloads)
         if not payloads:
             flat.zero_()
             return write_back(out, flat)
-        factors = torch.cat([p[0].reshape(1).to(torch.float32) for p in payloads]).div_(world)
-        if native.usable(flat, factors, *[p[1] for p in payloads]):
-            native.scaled_sign_aggregate(flat, factors, [p[1].contiguous() for p in payloads])
+        if segments is None:
+            factors = torch.cat([p[0].reshape(1).to(torch.float32) for p in payloads]).div_(len(payloads))
         else:
-            for w, (_, packed) in enumerate(payloads):
-                sign = unpack_codes(packed, 1, n).to(torch.float32).mul_(2).sub_(1)
-                f = factors[w].to(flat.device)
-                if w == 0:
-                    torch.mul(sign, f, out=flat)
-                else:
-                    flat.addcmul_(sign, f)
-        return write_back(out, flat)
-
-    def _aggregate_segments(self, out, payloads, ctx):
-        """:meth:`aggregate_into` of segmented payloads: each segment's factors ``scale_r/W``."""
-        segments = ctx.segments
-        flat = float32_flat(out)
-        if not payloads:
-            flat.zero_()
-            return write_back(out, flat)
-        factors = torch.stack([p[0].to(torch.float32) for p in payloads]).div_(len(payloads))
+            factors = torch.stack([p[0].to(torch.float32) for p in payloads]).div_(len(payloads))
         if native.usable(flat, factors, *[p[1] for p in payloads]):
-            native.scaled_sign_aggregate_segments(flat, factors, [p[1].contiguous() for p in payloads],
-                                                  segments.sizes_tensor())
-        else:  # the per-tensor torch arithmetic, each element with its segment's factor
-            for w, (_, packed) in enumerate(payloads):
-                sign = unpack_codes(packed, 1, flat.numel()).to(torch.float32).mul_(2).sub_(1)
-                f = segments.expand(factors[w].to(flat.device))
-                if w == 0:
-                    torch.mul(sign, f, out=flat)
-                else:
-                    flat.addcmul_(sign, f)
+            packed = [p[1].contiguous() for p in payloads]
+            if segments is None:
+                native.scaled_sign_aggregate(flat, factors, packed)
+            else:
+                native.scaled_sign_aggregate_segments(flat, factors, packed, segments.sizes_tensor())
+            return write_back(out, flat)
+        for w, (_, packed) in enumerate(payloads):  # each element with its (segment's) factor
+            sign = unpack_codes(packed, 1, flat.numel()).to(torch.float32).mul_(2).sub_(1)
+            f = factors[w].to(flat.device)
+            if segments is not None:
+                f = segments.expand(f)
+            if w == 0:
+                torch.mul(sign, f, out=flat)
+            else:
+                flat.addcmul_(sign, f)
         return write_back(out, flat)
 
     def residual_(self, p, payload, ctx):
         """``p - scale·sign`` in ``p``'s memory (contiguous float32 CPU ``p``, native kernels)."""
-        if isinstance(ctx, SegmentsContext):
-            scale, packed = payload
-            if p.dtype == torch.float32 and p.is_contiguous() and native.usable(p, scale, packed):
-                native.scaled_sign_aggregate_segments(p.view(-1), scale.reshape(1, -1).to(torch.float32),
-                                                      [packed], ctx.segments.sizes_tensor(), decrement=True)
-                return p
-            return p - self.decode(payload, ctx)
         scale, packed = payload
         if p.dtype != torch.float32 or not p.is_contiguous() or not native.usable(p, scale, packed):
             return super().residual_(p, payload, ctx)
-        native.scaled_sign_aggregate(p.view(-1), scale.reshape(1).to(torch.float32), [packed], decrement=True)
+        if isinstance(ctx, SegmentsContext):
+            native.scaled_sign_aggregate_segments(p.view(-1), scale.reshape(1, -1).to(torch.float32), [packed],
+                                                  ctx.segments.sizes_tensor(), decrement=True)
+        else:
+            native.scaled_sign_aggregate(p.view(-1), scale.reshape(1).to(torch.float32), [packed], decrement=True)
         return p

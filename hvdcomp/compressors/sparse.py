@@ -1,57 +1,14 @@
-"""Shared wire format of the sparsifiers: ``[values, indices]``, with optional compact coding.
+"""Shared wire format of the sparsifiers: ``[values (m,), indices (m,)]``, with optional coding.
 
-Default coding: values float32 and indices int32 (int64 when n >= 2^31), 8 bytes per kept
-element. Two options (spec keys, accepted by every sparsifier through
-:func:`hvdcomp.get_compressor`) shrink it:
-
-* ``values=fp16``: values travel as float16, 2 bytes. A value float16 cannot hold (|v| ≥
-  65520) travels as ±inf (loud: the averaged gradient is non-finite, as float16 makes it)
-  unless a residual keeps what the wire drops: under error feedback (:class:`hvdcomp.ErrorFeedback`'s
-  :meth:`SparseCompressor.residual_`, DGC's velocity) it is sent as ±65504 and the excess stays
-  in the residual, sent at later steps (nothing is lost: sent + residual = input, exactly while
-  |input| − 65504 < 2^29; beyond that the float32 residual input ∓ 65504 is rounded once, a relative
-  error of at most 2^-24);
-* ``values=int2``: 2 bits per kept value (SparseLoCo's low-bit values: Sarfi, Thérien, Lidin and
-  Belilovsky, "Communication Efficient LLM Pre-training with SparseLoCo", 2025). The payload's
-  values are a uint8 tensor: the float32 scale s = max |v| of the kept values (4 bytes), then
-  ⌈k/4⌉ bytes of 2-bit codes (:mod:`hvdcomp.compressors.bitpack`'s layout), each value rounded to the
-  nearest of the levels (−1, −1/3, +1/3, +1)·s (ties to the even code). Deterministic, so
-  biased: meant for error feedback (top-k's default, DGC's velocity, SparseLoCo), which keeps
-  v − level·s in the residual (sent + residual = input, to float32 rounding). Kept entries whose
-  value is exactly 0 are not sent (no level holds 0), so zeros decode as zeros. A non-finite kept
-  value makes s non-finite and every decoded value of its tensor non-finite: loud, never a finite
-  wrong value. One scale per gradient: several gradients compressed in one call (``segments``)
-  send one scale per gradient, 4 bytes each, in segment order before the codes (the receivers
-  know the layout); a bucket of ``granularity="bucket"`` is one tensor, one scale. No dense
-  fallback: the levels have no zero;
-* ``values=stat2``: 2 bits per kept value, SparseLoCo's released coding (the authors' statistical
-  quantizer, ``quantization_bins=4, quantization_range=6``; see :mod:`hvdcomp.compressors.tiles`
-  for where their code is read). Per gradient (group): the mean μ of the kept values is
-  subtracted, each centred value c is put in one of 4 bins, code = clamp(round(c/(1.5σ) + 2), 0, 3)
-  (σ the sample standard deviation of the centred values, ‖c‖/√(m−1); a zero, NaN or Inf width
-  becomes 1; ties to the even code), and the receiver decodes code b as μ + the mean of the
-  centred values that fell in bin b (0 for an empty bin). The payload's values are a uint8
-  tensor: per gradient 20 bytes (float32 μ and the 4 bin means), in segment order, then ⌈k/4⌉
-  bytes of 2-bit codes. Unlike ``int2`` the bins hold the data's own levels (asymmetric, and a
-  kept zero is sent like any value); deterministic and biased, meant for error feedback, which
-  keeps v − decoded. A NaN or Inf kept value makes its gradient's μ non-finite: every decoded value
-  of that gradient is NaN (loud). No dense fallback;
-* ``index=compact``: each index travels in the fewest whole bytes that hold n-1
-  (b = 1, 2 or 3 bytes for n <= 2^8, 2^16, 2^24; a uint8 tensor of k·b bytes, little-endian).
-
-How the ranks' payloads combine (``average``, the third option): ``ranks`` (default) adds every
-rank's values at their indices and divides by the number of ranks, the mean over ranks of the
-decoded gradients (an index one rank sent and another did not counts the other's zero);
-``senders`` divides each index by the number of ranks that sent it (SparseLoCo's released code:
-two ranks sending 1.0 at different indices give [1, 1], ``ranks`` gives [0.5, 0.5]). With
-``senders`` the aggregate is not the mean of the decodes (``aggregate_is_mean`` is False, so no
-transport averages local decodes instead), and payloads never fall back to dense (the receivers
-need each sender's indices).
-
-Dense fallback (fp32 and fp16 values): when the sparse payload of a tensor would be larger than
-its dense encoding (k·(value + index bytes) > n·value bytes), the payload is the *same sparse
-vector* written densely, ``[values (n,), indices (0,)]``. Decoding gives the same tensor either
-way, so error feedback and momentum masking do not notice; only the bytes change.
+Default: values float32 and indices int32 (int64 when n ≥ 2^31), 8 bytes per kept element. Spec
+keys accepted by every sparsifier: ``values`` = ``fp32`` | ``fp16`` (±inf beyond float16's range,
+±65504 where a residual keeps the excess) | ``int2`` (2-bit levels (−1, −1/3, 1/3, 1)·s, one float32
+scale s per gradient; SparseLoCo, Sarfi et al. 2025) | ``stat2`` (SparseLoCo's released 4-bin
+statistical coding, 20 header bytes per gradient); ``index`` = ``int`` | ``compact`` (the fewest
+whole bytes holding n − 1); ``average`` = ``ranks`` (sum over ranks / number of ranks) |
+``senders`` (each index / the number of ranks that sent it). A fp32 or fp16 payload larger than
+the dense tensor is written densely, ``[values (n,), indices (0,)]`` (same decode), except with
+``average=senders``. Each coding in full: docs/methods.md, "Sparse wire coding".
 """
 from __future__ import annotations
 
@@ -74,6 +31,7 @@ _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 _VALUE_CODINGS = ("fp32", "fp16", "int2", "stat2")
 _INDEX_CODINGS = ("int", "compact")
 _AVERAGES = ("ranks", "senders")
+_WIRE_DEFAULTS = {"values": "fp32", "index": "int", "average": "ranks"}
 FP16_MAX = 65504.0
 INT2_HEADER = 4  # bytes of the float32 scale in front of an int2 payload's codes
 #: why a sparsifier with int2 values has no error bound (:attr:`SparseCompressor.error_bound`)
@@ -95,7 +53,7 @@ def segments_of(ctx) -> Optional[Segments]:
 
 
 def int2_encode(values: torch.Tensor, groups: Optional[torch.Tensor] = None, count: int = 1) -> torch.Tensor:
-    """2-bit coding of ``values`` (m,) float32 (see the module docstring): a uint8 tensor of
+    """2-bit coding of ``values`` (m,) float32 (docs/methods.md): a uint8 tensor of
     ``4·count + ⌈m/4⌉`` bytes, the float32 scales then the codes. ``groups``: int64 (m,), the
     group (gradient) 0..count−1 of each value, each group with its own scale s = max |v| over its
     values (0 for a group without values); None: one group. Same device as ``values``."""
@@ -113,6 +71,14 @@ def int2_encode(values: torch.Tensor, groups: Optional[torch.Tensor] = None, cou
     return torch.cat([scale.view(torch.uint8), bitpack.pack_bits(codes, 2)])
 
 
+def _split_coded(data: torch.Tensor, count: int, header: int, what: str):
+    """The float32 header (``header`` bytes) and the ``count`` 2-bit codes of an int2 or stat2
+    payload; raises ``ValueError`` naming ``what`` unless ``data`` is uint8 of the right size."""
+    if data.dtype != torch.uint8 or data.numel() != header + (count + 3) // 4:
+        raise ValueError(f"{what} has {header + (count + 3) // 4} uint8 bytes, got {data.numel()} of {data.dtype}")
+    return data[:header].clone().view(torch.float32), bitpack.unpack_codes(data[header:], 2, count)
+
+
 def int2_decode(data: torch.Tensor, count: int, groups: Optional[torch.Tensor] = None,
                 ngroups: int = 1) -> torch.Tensor:
     """Inverse of :func:`int2_encode`: ``count`` float32 values, ±1 or ±float32(1/3) times the
@@ -121,19 +87,15 @@ def int2_decode(data: torch.Tensor, count: int, groups: Optional[torch.Tensor] =
     Raises:
         ValueError: ``data`` is not a uint8 tensor of ``4·ngroups + ⌈count/4⌉`` bytes.
     """
-    header = INT2_HEADER * ngroups
-    if data.dtype != torch.uint8 or data.numel() != header + (count + 3) // 4:
-        raise ValueError(f"an int2 payload of {count} values and {ngroups} scale(s) has {header + (count + 3) // 4} "
-                         f"uint8 bytes, got {data.numel()} of {data.dtype}")
-    scale = data[:header].clone().view(torch.float32)
-    codes = bitpack.unpack_codes(data[header:], 2, count)
+    scale, codes = _split_coded(data, count, INT2_HEADER * ngroups,
+                                f"an int2 payload of {count} values and {ngroups} scale(s)")
     # levels from Python scalars (no host-to-device copy): sign ±1 times 1 (codes 0, 3) or 1/3
     level = torch.where(codes >= 2, 1.0, -1.0) * torch.where((codes == 0) | (codes == 3), 1.0, 1.0 / 3.0)
     return level * (scale if groups is None else scale.index_select(0, groups))
 
 
 def _stat2_group(v: torch.Tensor):
-    """One gradient's stat2 coding (see the module docstring): (header float32 (5,), codes uint8 (m,))."""
+    """One gradient's stat2 coding (docs/methods.md): (header float32 (5,), codes uint8 (m,))."""
     if v.numel() == 0:
         return v.new_zeros(1 + STAT2_BINS), torch.zeros(0, dtype=torch.uint8, device=v.device)
     shift = v.mean()
@@ -151,7 +113,7 @@ def _stat2_group(v: torch.Tensor):
 
 
 def stat2_encode(values: torch.Tensor, groups: Optional[torch.Tensor] = None, count: int = 1) -> torch.Tensor:
-    """stat2 coding of ``values`` (m,) (see the module docstring): a uint8 tensor of
+    """stat2 coding of ``values`` (m,) (docs/methods.md): a uint8 tensor of
     ``20·count + ⌈m/4⌉`` bytes, the groups' headers (float32 μ and 4 bin means) then the codes.
     ``groups``: int64 (m,), non-decreasing, the group (gradient) 0..count−1 of each value (the
     values of a group are contiguous: a segmented payload's indices ascend); None: one group.
@@ -173,12 +135,9 @@ def stat2_decode(data: torch.Tensor, count: int, groups: Optional[torch.Tensor] 
     Raises:
         ValueError: ``data`` is not a uint8 tensor of ``20·ngroups + ⌈count/4⌉`` bytes.
     """
-    header = STAT2_HEADER * ngroups
-    if data.dtype != torch.uint8 or data.numel() != header + (count + 3) // 4:
-        raise ValueError(f"a stat2 payload of {count} values and {ngroups} group(s) has "
-                         f"{header + (count + 3) // 4} uint8 bytes, got {data.numel()} of {data.dtype}")
-    table = data[:header].clone().view(torch.float32).view(ngroups, 1 + STAT2_BINS)
-    codes = bitpack.unpack_codes(data[header:], 2, count).long()
+    table, codes = _split_coded(data, count, STAT2_HEADER * ngroups,
+                                f"a stat2 payload of {count} values and {ngroups} group(s)")
+    table, codes = table.view(ngroups, 1 + STAT2_BINS), codes.long()
     if groups is None:
         return table[0, 1:][codes] + table[0, 0]
     return table[groups, 1 + codes] + table[groups, 0]
@@ -225,10 +184,8 @@ class SparseCompressor(AggregateInto, Compressor):
         value coding: fp16 values round each kept value (relative error ≤ 2⁻¹¹ in float16's
         normal range), so δ shrinks by the factor 1 − 2⁻²²; int2 values are no contraction at all
         (:data:`INT2_ERROR`)."""
-        if self.value_coding == "int2":
-            return ErrorBound("none", INT2_ERROR)
-        if self.value_coding == "stat2":
-            return ErrorBound("none", STAT2_ERROR)
+        if self.value_coding in ("int2", "stat2"):
+            return ErrorBound("none", INT2_ERROR if self.value_coding == "int2" else STAT2_ERROR)
         bound = self._exact_values_bound()
         if self.value_coding == "fp32" or bound.kind != "contraction":
             return bound
@@ -258,14 +215,8 @@ class SparseCompressor(AggregateInto, Compressor):
 
     def wire_options(self) -> dict:
         """The non-default wire options, for :meth:`describe` (empty with the defaults)."""
-        out = {}
-        if self.value_coding != "fp32":
-            out["values"] = self.value_coding
-        if self.index_coding != "int":
-            out["index"] = self.index_coding
-        if self.average != "ranks":
-            out["average"] = self.average
-        return out
+        chosen = {"values": self.value_coding, "index": self.index_coding, "average": self.average}
+        return {k: v for k, v in chosen.items() if v != _WIRE_DEFAULTS[k]}
 
     def _value_bytes(self) -> int:
         return torch.empty((), dtype=_VALUE_DTYPES[self.value_coding]).element_size()
@@ -305,14 +256,13 @@ class SparseCompressor(AggregateInto, Compressor):
         feedback). float32, int2 and stat2 values are unaffected; int2 drops the entries whose
         value is exactly 0 (no level holds it: they would decode as ±s/3)."""
         m, ib = idx.numel(), self._index_bytes(numel)
-        if self.value_coding == "int2":
-            sent = values != 0  # (NaN is sent: it makes its gradient's scale NaN, loud)
-            values, idx = values[sent], idx[sent]
+        if self.value_coding in ("int2", "stat2"):
+            if self.value_coding == "int2":
+                sent = values != 0  # (NaN is sent: it makes its gradient's scale NaN, loud)
+                values, idx = values[sent], idx[sent]
             groups = None if segments is None else segments.segment_of(idx)
-            vals = int2_encode(values, groups, 1 if segments is None else len(segments))
-        elif self.value_coding == "stat2":
-            groups = None if segments is None else segments.segment_of(idx)
-            vals = stat2_encode(values, groups, 1 if segments is None else len(segments))
+            encode = int2_encode if self.value_coding == "int2" else stat2_encode
+            vals = encode(values, groups, 1 if segments is None else len(segments))
         else:
             vdt = _VALUE_DTYPES[self.value_coding]
             if vdt == torch.float16 and overflow == "saturate":
@@ -369,13 +319,8 @@ class SparseCompressor(AggregateInto, Compressor):
         (zeroed first): one write pass over ``out`` plus work proportional to the kept entries.
         With ``average="senders"``: the sum at each index divided by the number of payloads that
         sent it (0 where none did), by ``index_add_`` in payload order.
-
-        Writes in place (no full-size temporary) when ``out`` is contiguous float32. On CPU the
-        native kernel does it chunk by chunk (each chunk zeroed, then every payload's entries in it
-        added, in payload order): every element of ``out`` is written once, while it is in cache.
-        It needs ascending indices, which every hvdcomp sparsifier sends; other payloads take the
-        ``index_add_`` path, which adds in the same order and rounding (``scale·value``, then the
-        sum), so a fused bucket's aggregate equals its gradients' aggregates on either path.
+        In place when ``out`` is contiguous float32; the native CPU kernel (ascending indices) and
+        the ``index_add_`` path add in the same order and rounding (docs/kernels.md).
         """
         if out.dtype != torch.float32 or not out.is_contiguous():
             return super().aggregate_into(out, payloads, ctx)

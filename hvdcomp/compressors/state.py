@@ -1,22 +1,15 @@
 """Staged state: what a method changes while compressing a step is kept apart until the step is
 applied, so that a skipped or discarded step leaves no trace.
 
-Every stateful method (a :class:`hvdcomp.Compressor`, or a step-wide method of
-:mod:`hvdcomp.transports`) keeps its state in dictionaries keyed by parameter name (its
-*stores*, e.g. ``residuals``), in counters, and in random generators. Between
-:meth:`StagedState.begin_step` and :meth:`StagedState.commit` (or
-:meth:`StagedState.rollback`), writes through :meth:`StagedState._put` are staged: reads through
-:meth:`StagedState._get` see them, the committed stores do not change, and generator states are
-snapshotted so a rollback rewinds them. Methods that wrap others (error feedback, ``adaptive``,
-``twophase``) name them in :meth:`StagedState.staged_children`, and the step is opened, committed
-and rolled back on them too: the one delegation of staged state.
-
-Memory reuse on CPU: a store named in ``recycled_stores`` keeps the memory of a tensor it no
-longer needs (replaced at a commit, dropped at a rollback) as a spare, which
-:meth:`StagedState._spare` hands back for the next step's value of the same name, so a step
-allocates no full-size tensor (large fresh CPU tensors page-fault on first use; CUDA's caching
-allocator already reuses memory, so spares are kept on CPU only). A committed tensor of such a
-store must therefore not be held by the caller across steps (``state_dict`` returns copies).
+A stateful method keeps per-name state in dictionaries (its *stores*, e.g. ``residuals``), in
+counters and in random generators. Between :meth:`StagedState.begin_step` and
+:meth:`StagedState.commit` (or :meth:`StagedState.rollback`), writes through
+:meth:`StagedState._put` are staged (reads through :meth:`StagedState._get` see them) and
+generator states are snapshotted; wrapped methods (:meth:`StagedState.staged_children`) follow
+the same step. A store named in ``recycled_stores`` reuses, on CPU, the memory of the tensor it
+no longer needs for the next step's value of the same name (:meth:`StagedState._spare`): a
+committed tensor of such a store must not be held by the caller across steps (``state_dict``
+returns copies).
 """
 from __future__ import annotations
 
@@ -141,9 +134,7 @@ class StagedState:
             if committed is None:
                 committed = stores[store] = getattr(self, store)
             if store in self.recycled_stores:
-                old = committed.get(name)
-                if isinstance(old, torch.Tensor) and old._base is None:  # (views are never recycled)
-                    self._recycle(store, name, old)
+                self._recycle(store, name, committed.get(name))
             committed[name] = value
         self._pending = None
         self._generator_snapshot = None
@@ -160,7 +151,7 @@ class StagedState:
             else:
                 gen.load_state_dict(state)
         for (store, name), value in (self._pending or {}).items():
-            if store in self.recycled_stores and isinstance(value, torch.Tensor) and value._base is None:
+            if store in self.recycled_stores:
                 self._recycle(store, name, value)
         self._pending = None
         self._generator_snapshot = None

@@ -5,16 +5,13 @@ Distributed Deep Learning", NeurIPS 2017.
 
 ``g = clamp(g, ±2.5·max(std(g), |mean(g)|))``; ``s = max|g|``; ``b_i ~ Bernoulli(|g_i|/s)``;
 ``out = s·sign(g)·b`` ∈ {−s, 0, s} (unbiased for the clipped gradient). Codes ``sign·b + 1`` travel
-at 2 bits per element with one fp32 scale; scales differ per rank, so the allgather path is used.
-
-Kernels: on CPU the native kernels (:mod:`hvdcomp.native`) take two passes over the input (moments
-and max|g| in float64, then clipping, rounding and packing, with counter-based uniforms keyed by
-one draw of the per-rank generator), and decode / aggregate W payloads writing each output element
-once. On CUDA (or with the native kernels off) vectorised torch ops with ``torch.rand``.
+at 2 bits per element with one fp32 scale; scales differ per rank (allgather). Kernels (native on
+CPU, torch elsewhere): docs/kernels.md.
 """
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 
 import numpy as np
@@ -35,16 +32,13 @@ class TernGradCompressor(DrawsPerCall, AggregateInto, Compressor):
 
     Args:
         clip_sigmas: clip at this many standard deviations (2.5 in the paper; 0 disables), but
-            never below ``clip_sigmas·|mean(g)|``: the paper's 2.5σ assumes zero-centred
-            gradients, and for a constant (or nearly constant) tensor σ is 0 or float rounding
-            noise, which clipped every value to about 0 (``[0.7] * 8`` decoded to ±1.6e-7).
+            never below ``clip_sigmas·|mean(g)|`` (the paper's 2.5σ assumes zero-centred
+            gradients: a constant tensor has σ = 0).
         seed: base seed of the per-rank generator.
 
     Payload: ``[scale (1,) float32, codes (ceil(n/4),) uint8]`` (2 bits per element). Several
-    gradients in one call (``segments``, :mod:`hvdcomp.compressors.segments`): each keeps its
-    own clipping, scale and random stream (the payload one call per gradient gives); the payload
-    is ``[scales (one per gradient,) float32, codes]``, each gradient's codes starting on a byte;
-    one native call takes the moments, one encodes, one aggregates.
+    gradients in one call (``segments``): ``[scales (one per gradient,) float32, codes]``, each
+    gradient's codes starting on a byte.
 
     State: the per-rank generator, ``state_dict()["rng"]``.
 
@@ -80,24 +74,19 @@ class TernGradCompressor(DrawsPerCall, AggregateInto, Compressor):
         g = tensor.reshape(-1).to(torch.float32).contiguous()
         ctx = (tensor.shape, tensor.dtype, g.numel())
         draw = self._draws([name], [(g.numel(), g.device)])[0]
-        if native.usable(g):
-            return self._encode_native(g, draw), ctx
-        return self._encode_torch(g, draw), ctx
-
-    def _draws(self, names, items):
-        """Each gradient's rounding draw (a native key, or the torch uniforms), in the order one
-        call per gradient takes them (:meth:`hvdcomp.compressors.rng.RankGenerators.ordered`)."""
-        return self.rng.ordered(names, items, lambda todo: rounding_draws(
-            self.rng, todo, native.usable_on, lambda n: (n,)))
-
-    def _encode_native(self, g, key):
+        if not native.usable(g):
+            return self._encode_torch(g, draw), ctx
         n = g.numel()
         packed = torch.empty(packed_nbytes(n, 2), dtype=torch.uint8)
         if n == 0:
-            return [torch.zeros(1), packed]
+            return [torch.zeros(1), packed], ctx
         clip, s = self._clip_and_scale(np.array([native.moments(g)]), np.array([n]))
-        native.terngrad_encode(g, float(clip[0]), float(s[0]), key, packed)
-        return [torch.tensor([float(s[0])], dtype=torch.float32), packed]
+        native.terngrad_encode(g, float(clip[0]), float(s[0]), draw, packed)
+        return [torch.tensor([float(s[0])], dtype=torch.float32), packed], ctx
+
+    def _draw(self, items):
+        """The rounding draws of ``items`` (a native key, or the torch uniforms)."""
+        return rounding_draws(self.rng, items, native.usable_on, lambda n: (n,))
 
     def _clip_and_scale(self, moments: np.ndarray, n: np.ndarray):
         """Per tensor, from its moments (rows Σ(x−K), Σ(x−K)², max|x|, K in float64) and its size
@@ -122,12 +111,8 @@ class TernGradCompressor(DrawsPerCall, AggregateInto, Compressor):
 
     def _layout(self, segments):
         """Per segment: where its code bytes start in a segmented payload (cached)."""
-        def make(seg):
-            at = [0]
-            for n in seg.sizes:
-                at.append(at[-1] + packed_nbytes(n, 2))
-            return at
-        return segments.cached("terngrad", make)
+        return segments.cached("terngrad", lambda seg: list(accumulate((packed_nbytes(n, 2) for n in seg.sizes),
+                                                                       initial=0)))
 
     def _encode_segments(self, flat, segments):
         """Every segment as :meth:`_encode` would encode it alone: one native call for the
@@ -164,47 +149,32 @@ class TernGradCompressor(DrawsPerCall, AggregateInto, Compressor):
         return [s.reshape(1), pack_bits(codes, 2)]
 
     def aggregate_into(self, out, payloads, ctx):
-        """Mean over ranks of ``s·(code - 1)``, written into ``out`` (native: in one pass)."""
-        if isinstance(ctx, SegmentsContext):
-            return self._aggregate_segments(out, payloads, ctx)
-        shape, dtype, n = ctx
+        """Mean over ranks of ``s·(code - 1)``, written into ``out`` (native: in one pass, one call
+        for every segment of segmented payloads; else segment by segment)."""
+        segments = ctx.segments if isinstance(ctx, SegmentsContext) else None
         flat = float32_flat(out)
         world = len(payloads)
-        if not payloads or n == 0:
+        if not payloads or flat.numel() == 0:
             flat.zero_()
         elif native.usable(flat, *[t for p in payloads for t in p]):
-            factors = torch.cat([p[0].reshape(1).to(torch.float32) for p in payloads]).div_(world)
-            native.terngrad_aggregate(flat, factors, [p[1].contiguous() for p in payloads])
-        else:
+            codes = [p[1].contiguous() for p in payloads]
+            if segments is None:
+                factors = torch.cat([p[0].reshape(1).to(torch.float32) for p in payloads]).div_(world)
+                native.terngrad_aggregate(flat, factors, codes)
+            else:
+                factors = torch.stack([p[0].to(torch.float32) for p in payloads]).div_(world)
+                native.terngrad_aggregate_segments(flat, factors, codes, segments.sizes_tensor())
+        elif segments is None:
             for w, (s, packed) in enumerate(payloads):
-                codes = unpack_codes(packed, 2, n)
+                codes = unpack_codes(packed, 2, flat.numel())
                 f = (s.to(torch.float32) / world).to(flat.device)
                 if w == 0:
                     flat.copy_(codes).sub_(1).mul_(f)
                 else:
                     flat.addcmul_(codes.to(torch.float32).sub_(1), f)
-        return write_back(out, flat)
-
-    def _aggregate_segments(self, out, payloads, ctx):
-        """:meth:`aggregate_into` of segmented payloads: one native call for every segment, else
-        the per-tensor aggregate segment by segment."""
-        segments = ctx.segments
-        flat = float32_flat(out)
-        if not payloads:
-            flat.zero_()
-        elif native.usable(flat, *[t for p in payloads for t in p]):
-            factors = torch.stack([p[0].to(torch.float32) for p in payloads]).div_(len(payloads))
-            native.terngrad_aggregate_segments(flat, factors, [p[1].contiguous() for p in payloads],
-                                               segments.sizes_tensor())
         else:
             at = self._layout(segments)
-            for j, (view, n) in enumerate(zip(segments.split(flat), segments.sizes)):
+            for j, view in enumerate(segments.split(flat)):
                 own = [[p[0][j:j + 1], p[1][at[j]:at[j + 1]]] for p in payloads]
-                self.aggregate_into(view, own, (view.shape, torch.float32, n))
+                self.aggregate_into(view, own, (view.shape, torch.float32, view.numel()))
         return write_back(out, flat)
-
-    def state_dict(self):
-        return {"rng": self.rng.state_dict()}
-
-    def load_state_dict(self, state):
-        self.rng.load_state_dict(state.get("rng", {}))

@@ -2,27 +2,10 @@
 (``topk:tile=64``, :class:`hvdcomp.compressors.topk.TopKCompressor`).
 
 Sarfi, Thérien, Lidin and Belilovsky, "Communication Efficient LLM Pre-training with SparseLoCo",
-2025. What the authors' released code (``one-covenant/SparseLoCo``, ``src/tplr/sparseloco.py``:
-``ChunkingTransform``, ``TopKCompressor``, ``SparseLoCo.step``; read through the unchanged copy in
-the public fork ``QErywan/RobustDiLoCo``, the original repository could not be fetched here) does
-with one tensor of the error-feedback buffer, and what ``topk:density=ρ,tile=T`` does alike:
-
-* **tiles**: a matrix (m, n) is cut into tiles of h × w, h the largest divisor of m that is at
-  most T (their ``chunk_size``, 64) and w the same for n; a vector of n elements into chunks of
-  the largest divisor of n that is at most T. A dimension with no divisor near T gets narrow
-  tiles (a prime n > 64: tiles of width 1, so every entry is sent, as in their code);
-* **k per tile**: max(1, round(ρ·h·w)) (Python's round, half to even), at most h·w; theirs is
-  max(1, round(h·w·top_k / chunk_size²)), so ρ = top_k / chunk_size² (128 / 64² = 1/32 in their
-  released configuration: 128 of each full 64 × 64 tile, 2 of each 64-element chunk);
-* **selection**: the k entries of largest magnitude in each tile (``torch.topk``).
-
-Their values travel at 2 bits through their statistical quantizer (``values=stat2``, one header
-per tensor) and the receivers average each index over the ranks that sent it
-(``average=senders``): :mod:`hvdcomp.compressors.sparse`; :class:`hvdcomp.local.SparseLoCo`
-sets all three.
-
-Extension: their chunking handles 1-D and 2-D tensors only; here a tensor of more dimensions is
-tiled as the matrix (shape[0], the product of the rest), and a 0-d tensor as a vector of one.
+2025. A matrix (m, n) (a tensor of more dimensions: (shape[0], the rest); a vector: one row) is
+cut into h × w tiles, h and w the largest divisors of its dimensions not above T, and each tile
+keeps its max(1, round(ρ·h·w)) entries of largest magnitude. How this follows the authors'
+released code: docs/methods.md, "Top-k within tiles".
 """
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
 """``topk``: magnitude top-k sparsification.
 
 Stich, Cordonnier and Jaggi, "Sparsified SGD with Memory", NeurIPS 2018. The memory (error
-feedback) is not part of this module: :func:`hvdcomp.get_compressor` wraps top-k in
-:class:`hvdcomp.ErrorFeedback` by default (``ef=False`` turns it off).
-
-``select=sample`` replaces the exact ``torch.topk`` by DGC's sampled threshold (Lin et al.,
-ICLR 2018; :mod:`hvdcomp.compressors.selection`): O(n), about k entries (0.8k to 1.3k) instead of
-exactly k.
-
-``tile=T`` keeps the top max(1, round(ρ·h·w)) of every h × w tile of the gradient instead of the
-top ⌈ρ·n⌉ of the whole (SparseLoCo's released selection, :mod:`hvdcomp.compressors.tiles`).
+feedback) is :class:`hvdcomp.ErrorFeedback`, on by default (``ef=False`` turns it off).
 """
 from __future__ import annotations
 
@@ -57,27 +49,18 @@ class TopKCompressor(DrawsPerCall, SparseCompressor):
         density: ρ in (0, 1]; 0.01 keeps 1 % ("50x" in the seed study's convention).
         select: how the entries are found:
 
-            * ``"exact"`` (default, the reference): ``torch.topk``, exactly k entries;
+            * ``"exact"`` (default, the reference): exactly k entries (the set of ``torch.topk``);
             * ``"sample"``: DGC's sampled threshold (:func:`~hvdcomp.compressors.selection.
-              sampled_threshold_topk`), O(n): every entry whose magnitude is at least a threshold
-              estimated from a random sample, 0.8k to 1.3k of them (exactly k when more than 1.3k
-              pass or when the sample would have fewer than 64 entries).
+              sampled_threshold_topk`), O(n), 0.8k to 1.3k entries.
         sample_ratio: fraction of the entries sampled by ``select=sample``, in (0, 1] (0.01).
         seed: base seed of the per-rank sampling generator (``select=sample``).
-        tile: None (default: the top k of the whole gradient), or the tile side T: each gradient,
-            seen as a matrix (its first dimension by the rest; a vector as one row), is cut into
-            h × w tiles (h, w the largest divisors of its dimensions not above T) and each tile
+        tile: None (default: the top k of the whole gradient), or the tile side T: each tile
             keeps its own max(1, round(ρ·h·w)) largest entries (:mod:`hvdcomp.compressors.tiles`;
             with ``select=exact`` only).
 
-    Several gradients in one call (``segments``, see :mod:`hvdcomp.compressors.segments`): each
-    gradient keeps its own top-k or sampled threshold (the same entries as alone); the payload
-    is one ``[values, indices]`` pair over the flat buffer, indices into it.
-
-    Payload: ``[values (k,) float32, indices (k,) int32]`` (int64 when n ≥ 2^31), i.e. 8 bytes
-    per kept element by default (``values=fp16`` or ``int2`` / ``index=compact`` shrink it, see
-    :mod:`hvdcomp.compressors.sparse`). Payloads of different ranks are gathered and scatter-added into zeros
-    (indices chosen by several ranks add up), then divided by the world size.
+    Payload: ``[values (k,) float32, indices (k,) int32]`` (:mod:`hvdcomp.compressors.sparse`:
+    other codings, how ranks combine). Several gradients in one call (``segments``): each keeps
+    its own selection; one ``[values, indices]`` pair over the flat buffer.
 
     State (``select=sample`` only): the sampling generator's state, ``state_dict()["rng"]``.
 
@@ -176,12 +159,10 @@ class TopKCompressor(DrawsPerCall, SparseCompressor):
                                           positions=positions)
         return exact_topk(flat, k, magnitudes=False)
 
-    def _draws(self, names, items):
-        """Each gradient's sampled positions (``select=sample``), in the order one call per
-        gradient draws them (:meth:`hvdcomp.compressors.rng.RankGenerators.ordered`)."""
+    def _draw(self, items):
+        """The sampled positions of ``items`` (``select=sample``)."""
         counts = self.__dict__.setdefault("_sample_counts", {})
-        return self.rng.ordered(names, items, lambda todo: sample_draws(
-            self.rng, todo, lambda n: num_kept(n, self.density), self.sample_ratio, counts=counts))
+        return sample_draws(self.rng, items, lambda n: num_kept(n, self.density), self.sample_ratio, counts=counts)
 
     def state_dict(self):
         return {"rng": self.rng.state_dict()} if self.select_mode == "sample" else {}

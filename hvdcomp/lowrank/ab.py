@@ -1,62 +1,13 @@
 """AB-training: each weight factorised as W = A·B, the small factor B trained inside rank groups.
 
 Coquelin, Flügel, Weiel, Kiefer, Öz, Debus, Streit and Götz, "AB-Training: A
-Communication-Efficient Approach for Distributed Low-Rank Learning", arXiv:2405.01067 (2024).
-The method's defaults (mode, sync, orientation, scopes, ``cutoff`` 0.15, the rebound's start
-1e-5) follow the authors' code (github.com/Helmholtz-AI-Energy/AB-Training, package ``madonna``,
-trainer ``trainers/ab_lowrank.py``, configuration ``configs/cifar10/vgg16/``); the step counts
-depend on the run (theirs for VGG16/CIFAR-10 are in :class:`ABTraining`'s arguments).
-
-Stages over optimizer steps (:mod:`hvdcomp.lowrank.schedule`; all counts configurable, recorded
-by :meth:`ABTraining.describe`)::
-
-    warmup      warmup_steps full-rank steps (every gradient averaged over all ranks)
-    factorise   exactly (every singular value kept)
-    repeat:
-      grouped   steps_between_syncs steps: each rank group (default: the ranks of one node)
-                averages the gradient of the factor it trains, of the 1-D parameters and of the
-                layers kept at full rank; nothing crosses a rank group's boundary
-      sync      B averaged over all ranks (mode "only-b"); the parameters trained inside the
-                rank groups but never factorised taken from rank 0 (a broadcast, as the authors'
-                trainer does where full-rank training resumes)
-      full-rank full_rank_steps steps (all ranks average every gradient)
-      factorise with the cut: keep the σ_i > cutoff·σ_1
-
-**Factors** (:mod:`hvdcomp.lowrank.factors`, :mod:`hvdcomp.lowrank.weights`). A weight's 2-D view
-is ``(out, in·kh·kw)``, transposed when it has fewer rows than columns (``orientation="tall"``,
-the authors'), so it is n × m with n ≥ m. Its SVD ``U Σ Vᵀ`` gives ``A = U_k √Σ_k`` (n × k, frozen
-in mode "only-b") and ``B = √Σ_k V_kᵀ`` (k × m): B is the small factor, k ≤ m = min(dims).
-Example: the 64 × 64 × 3 × 3 convolution ``features.7`` of ``train_cnn.py``'s DigitsVGG is viewed
-as 576 × 64; exactly factorised, B is 64 × 64, so a grouped step sends 4,096 of the layer's 36,864
-gradient values (1/9). ``orientation="rows"`` keeps ``(out, in·kh·kw)`` as it is (hvdcomp's
-earlier layout: B then is the large factor when out < in·kh·kw). Embeddings, weights whose 2-D
-view has a dimension of 1, 1-D parameters and the names in ``full_rank`` are never factorised.
-
-**Modes.** ``mode="only-b"`` (default, the authors' CIFAR-10/VGG16 runs): every rank trains B.
-``mode="ab"``: the first half of the rank groups train A, the second half B (at least 2 rank
-groups), with ``sync`` "full" (W = mean over ranks of A·B; hvdcomp's earlier default),
-"with-stale" (W = mean(A)·mean(B), the untrained factors included) or "only-learned" (A averaged
-over the A-trainers and B over the B-trainers, each broadcast from its first trainer). The
-unfactorised parameters trained inside the rank groups are then averaged over all ranks (the
-authors' choice in these modes). ``unfactorized_scope="world"`` averages them over all ranks at
-every grouped step instead (hvdcomp's earlier behaviour).
-
-**Optimizer.** One optimizer for the whole run, over every model parameter and every factor. A
-parameter not trained in a stage has no gradient, so PyTorch's optimizers (SGD, Adam, AdamW)
-leave it and its state alone; momentum and Adam moments are carried across switches, padded with
-zeros or truncated where a factor's matrix rank changes. ``reset_optimizer=True`` clears the
-state at every switch instead (hvdcomp's earlier behaviour). Weight decay reaches only what is
-trained: B while grouped, which is what lets singular values shrink below the cut. After every
-switch the learning rate rebounds (:class:`hvdcomp.lowrank.schedule.Rebound`).
-
-**Bytes** (:mod:`hvdcomp.lowrank.traffic`) are counted per rank at the collective by
-:class:`hvdcomp.comm.exchange.MPIExchange`; "between nodes" counts the collectives whose
-communicator holds ranks of more than one node (``ranks_per_node`` emulates a node layout;
-otherwise the machine's own, from MPI's shared-memory split). Kept ranks are agreed (max over
-ranks, int64 per factorised weight) at every cut.
-
-Transport: mpi4py on a duplicate of the process set's communicator (``COMM_WORLD`` by default)
-and on ``Split`` sub-communicators per rank group.
+Communication-Efficient Approach for Distributed Low-Rank Learning", arXiv:2405.01067 (2024);
+defaults from the authors' code. Stages over optimizer steps (:mod:`hvdcomp.lowrank.schedule`):
+warm-up at full rank, an exact factorisation, then cycles of grouped steps (each rank group
+averages the factor it trains), a sync over all ranks, full-rank steps and a cut
+(σ_i > cutoff·σ_1). Factors: :mod:`hvdcomp.lowrank.factors` and :mod:`hvdcomp.lowrank.weights`;
+bytes: :mod:`hvdcomp.lowrank.traffic` (mpi4py on a duplicate of the process set's communicator
+and ``Split`` sub-communicators per rank group). The stages, modes and options: docs/ab-training.md.
 """
 from __future__ import annotations
 
@@ -181,12 +132,10 @@ class ABTraining(SkipSynchronize):
             form rank group g). ``groups=`` is its deprecated spelling (one release).
         ranks_per_node: emulate a node layout of ranks ``[i·R, (i+1)·R)`` on node i (for
             ``rank_groups="node"`` and the between-node byte counts); None: the machine's own.
-        warmup_steps, steps_between_syncs, full_rank_steps: the stages (see the module doc).
-            The authors' VGG16/CIFAR-10 run: 4330, 699 (= 759 − 60) and 60.
-        cutoff: keep σ_i > cutoff·σ_1 when factorising after a full-rank stage (default 0.15,
-            the authors' VGG16/CIFAR-10 configuration).
+        warmup_steps, steps_between_syncs, full_rank_steps: the stages (docs/ab-training.md).
+        cutoff: keep σ_i > cutoff·σ_1 when factorising after a full-rank stage.
         cut_first: also cut at the first factorisation after warm-up (the authors' is exact).
-        mode: ``"only-b"`` or ``"ab"`` (see the module doc).
+        mode: ``"only-b"`` or ``"ab"`` (docs/ab-training.md).
         sync: what the sync averages: ``"b"`` (only-b's default) or ``"full"`` (W) in mode
             only-b; ``"full"`` (default), ``"with-stale"`` or ``"only-learned"`` in mode ab.
         orientation: ``"tall"`` (B the small factor) or ``"rows"``.
@@ -197,7 +146,7 @@ class ABTraining(SkipSynchronize):
             (default in mode ab).
         reset_optimizer: clear the optimizer state at every switch instead of carrying it.
         ramp_steps, ramp_start_lr: the learning-rate rebound after each switch
-            (:class:`hvdcomp.lowrank.schedule.Rebound`; the authors: 267 steps from 1e-5 on VGG16).
+            (:class:`hvdcomp.lowrank.schedule.Rebound`).
         full_rank: parameter names that are never factorised (the authors keep the first layer
             and the classifier).
         base_lr: the rate the rebound climbs back to (update it for schedules).
@@ -280,7 +229,7 @@ class ABTraining(SkipSynchronize):
         self.always_full = [(n, p) for n, p in self.named if id(p) not in fact_ids]
         params = [p for _, p in self.named] + [t for f in self.factorized for t in (f.a, f.b)]
         self.optimizer: torch.optim.Optimizer = optimizer_factory(params)
-        self.step_count, self.switches = 0, 0
+        self.step_count = 0
         self.stage: Optional[str] = None
         self.cycle: Optional[int] = None
         self.dense_bytes_per_step = 4 * sum(p.numel() for _, p in self.named)
@@ -381,7 +330,6 @@ class ABTraining(SkipSynchronize):
             first = not self.compression_history
             self._factorize_all(cut=self.cut_first or not first)
         if self.stage is not None:
-            self.switches += 1
             self.rebound.restart()
             if self.reset_optimizer:
                 self.optimizer.state.clear()

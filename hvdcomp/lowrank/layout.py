@@ -1,10 +1,6 @@
-"""Where AB-training's ranks sit: the node of every rank, its rank group, the factor it trains.
-
-A **rank group** is a block of ranks that averages among itself during the grouped stage
-(default: the ranks of one node, the authors' ``group_size`` on their 4-GPU nodes). It is neither
-a Horovod process set (the ranks AB-training runs on at all, ``process_set=``) nor a Horovod
-fusion group (``DistributedOptimizer(groups=...)``). :class:`RankLayout` is pure (lists of
-integers in, lists out), so the rule is testable without MPI; :func:`node_of_ranks` asks MPI.
+"""Where AB-training's ranks sit: the node of every rank, its rank group (the block of ranks
+that averages among itself while grouped, docs/ab-training.md), the factor it trains.
+:class:`RankLayout` is pure (lists of integers in, lists out); :func:`node_of_ranks` asks MPI.
 """
 from __future__ import annotations
 

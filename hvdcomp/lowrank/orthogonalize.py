@@ -10,20 +10,12 @@ def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
     """Orthonormalise the columns of ``matrix`` in place and return it: an n × r matrix (r ≤ n,
     floating), or a batch of them (..., n, r), each orthonormalised on its own.
 
-    Gram–Schmidt for r ≤ 2 or half precision, Householder QR otherwise (faster for larger r).
-    Gram–Schmidt projects each column against the finished ones twice: once is not enough when a
-    column is (nearly) a combination of them, e.g. P = M·Q for a gradient M of rank 1 < r. The
-    remainder is then rounding noise that is not orthogonal to them, and P·Pᵀ stops being a
-    projection (PowerSGD at r = 2 sent up to twice a rank-1 gradient).
-
-    Scale-safe: each Gram–Schmidt column is divided by its largest magnitude before its norm is
-    taken, so columns of any finite magnitude (1e-30 or 1e30 in float32, whose squares under- or
-    overflow) come out orthonormal; QR (LAPACK) scales internally. A zero column stays zero under
-    Gram–Schmidt (never NaN); QR returns some orthonormal column in its place. With
-    ``epsilon > 0`` a column is divided by ``‖column‖ + epsilon`` (PyTorch DDP's
-    ``orthogonalization_epsilon``), which is not scale-invariant: columns of norm far below
-    ``epsilon`` shrink towards zero. A batch costs the same number of kernel calls as one matrix
-    (PowerSGD batches matrices of equal shape).
+    Gram–Schmidt for r ≤ 2 or half precision (each column projected against the finished ones
+    twice, so a column that is nearly their combination, as P = M·Q for a rank-1 M, still comes
+    out orthogonal), Householder QR otherwise. Scale-safe: a column of any finite magnitude comes
+    out orthonormal. A zero column stays zero under Gram–Schmidt (never NaN); QR returns some
+    orthonormal column in its place. With ``epsilon > 0`` a column is divided by
+    ``‖column‖ + epsilon`` (PyTorch DDP's ``orthogonalization_epsilon``; not scale-invariant).
 
     Raises:
         ValueError: fewer than 2 dimensions, or more columns than rows.

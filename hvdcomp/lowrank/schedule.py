@@ -69,16 +69,8 @@ class Rebound:
     ``slope = (lr_s − ramp_start_lr) / ramp_steps``, lr_s being ``base_lr`` at the first step
     after the switch, that step runs at ``min(ramp_start_lr, slope)`` and the k-th
     (k = 2 … ramp_steps) at ``min(base_lr, k·slope)``; ``base_lr`` before the first switch, after
-    the ramp, and always when ``ramp_steps`` is 0.
-
-    This is what the authors' trainer does (``_setup_lr_rebound`` / ``_pre_forward`` of
-    ``madonna/trainers/ab_lowrank.py``, with the per-update learning-rate schedule of their
-    configurations): at the switch it reads the rate the schedule has set for the next step
-    (lr_s) and sets the rate to ``ramp_start_lr``; before each of the next ``ramp_steps`` steps
-    it lowers the rate that is set (the first step: still ``ramp_start_lr``; later ones: the
-    schedule's, ``base_lr`` here) to ``k·slope`` where that is lower. One deliberate difference:
-    where lr_s < ``ramp_start_lr`` their slope is negative (a negative learning rate); here it is
-    0, so the rebound's steps run at rate 0.
+    the ramp, and always when ``ramp_steps`` is 0. Where lr_s < ``ramp_start_lr`` the slope is 0
+    (the authors' would be negative). How this follows their trainer: docs/ab-training.md.
 
     Args:
         ramp_steps: steps of the ramp (≥ 0; the authors: 267 on VGG16).

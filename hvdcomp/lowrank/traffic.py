@@ -175,11 +175,9 @@ def _pack(tensors: List[torch.Tensor]) -> torch.Tensor:
 
 
 def _unpack(flat: torch.Tensor, tensors: List[torch.Tensor]) -> None:
-    pos = 0
     with torch.no_grad():
-        for t in tensors:
-            t.copy_(flat[pos:pos + t.numel()].view_as(t))
-            pos += t.numel()
+        for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(part.view_as(t))
 
 
 def traffic_summary(reports: Sequence[dict]) -> dict:
