@@ -91,6 +91,8 @@ checkpoint).
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from typing import List, NamedTuple, Optional
 
@@ -224,21 +226,66 @@ def _sent_scaled(values: torch.Tensor, k: int, limit: float) -> torch.Tensor:
     return _ldexp(_ldexp(values, k).clamp(-limit, limit).to(torch.float16).to(torch.float32), -k)
 
 
+class _Runs:
+    """Segments of ``sizes`` (back to back in a 1-D buffer) as strided runs, each one ``(count, n)``
+    view of the buffer: segments of one size n at equal spacing (a model's repeated layers).
+    ``order``: the non-empty segments, run by run; ``runs``: ``(start, stride, count, n)``."""
+
+    def __init__(self, sizes: tuple):
+        self.sizes, by_size = sizes, {}
+        for j, (n, at) in enumerate(zip(sizes, itertools.accumulate(sizes, initial=0))):
+            if n:
+                by_size.setdefault(n, []).append((j, at))
+        self.order, self.runs = [], []
+        for n, members in by_size.items():
+            run = None
+            for j, at in members:
+                if run is not None and (run[2] == 1 or at == run[0] + run[1] * run[2]):
+                    run = (run[0], at - run[0] if run[2] == 1 else run[1], run[2] + 1, n)
+                else:
+                    self.runs += [run] if run else []
+                    run = (at, n, 1, n)
+                self.order.append(j)
+            self.runs.append(run)
+        self._index: dict = {}
+
+    def amax(self, flat: torch.Tensor) -> torch.Tensor:
+        """max |segment| per segment of the contiguous 1-D ``flat``: ``(len(sizes),)``, 0 for an
+        empty segment; NaN propagates (one ``amax`` per run)."""
+        top = flat.new_zeros(len(self.sizes))
+        if self.runs:
+            if flat.device not in self._index:
+                self._index[flat.device] = torch.tensor(self.order, device=flat.device)
+            top[self._index[flat.device]] = torch.cat([v.amax(dim=1) for v in self.views(flat.abs())])
+        return top
+
+    def views(self, flat: torch.Tensor) -> list:
+        """The runs of the contiguous 1-D ``flat``, ``(count, n)`` views, in :attr:`runs` order."""
+        base = flat.storage_offset()
+        return [flat.as_strided((count, n), (stride, 1), base + start) for start, stride, count, n in self.runs]
+
+
+_runs = functools.lru_cache(maxsize=64)(_Runs)
+
+
 def _ldexp_segments(values: torch.Tensor, sizes: List[int], ks: List[int],
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``values`` (1-D, segments of ``sizes`` back to back; float16 or float32) with segment j
     times 2^ks[j], as float32, by the same two multiplications as :func:`_ldexp`: ``values`` cast
-    to float32 (exact) into ``out``, then each segment multiplied in place by its two powers of
-    two with one ``_foreach_mul_`` per multiplication (no per-element factor buffer: building one
-    by ``repeat_interleave`` cost ~11 ms per step on the transformer's 400 gradients). ``out``: a
-    float32 tensor of ``values``' length to write into (may be ``values`` itself when float32)."""
+    to float32 (exact) into ``out`` (a float32 tensor of ``values``' length, may be ``values``
+    itself), then two in-place multiplications per strided run of segments (:class:`_Runs`)."""
     if out is None:
         out = values.to(torch.float32, copy=True)
     elif out.data_ptr() != values.data_ptr():
         out.copy_(values)
-    parts = list(out.split(sizes))
-    torch._foreach_mul_(parts, [2.0 ** (k // 2) for k in ks])
-    torch._foreach_mul_(parts, [2.0 ** (k - k // 2) for k in ks])
+    plan = _runs(tuple(sizes))
+    half = [ks[j] // 2 for j in plan.order]
+    factors = torch.tensor([2.0 ** h for h in half] + [2.0 ** (ks[j] - h) for j, h in zip(plan.order, half)],
+                           device=out.device).view(2, -1, 1)
+    at = 0
+    for view in plan.views(out):
+        view.mul_(factors[0, at:at + len(view)]).mul_(factors[1, at:at + len(view)])
+        at += len(view)
     return out
 
 
@@ -468,10 +515,10 @@ class FP16Compressor(SaturationCheck, Compressor):
         agreed = self._get_many("exponents", segments.names)
         scaled = [j for j, e in enumerate(agreed) if e is not None]
         probe = [j for j, e in enumerate(agreed) if e is None]
-        top = segments.amax(flat)
+        top = _runs(tuple(segments.sizes)).amax(flat)
         _, local = torch.frexp(top)
         local, present = local.to(torch.int64) - 1, top > 0
-        views = segments.split(flat)
+        views = segments.split(flat) if probe else None  # (all scaled: no per-segment view)
         payload, ks, exps = [], [], []
         if scaled:
             exps = [agreed[j] for j in scaled]
