@@ -104,7 +104,7 @@ class PowerSGDCompressor(StepMethod):
         self.seed = check_seed(seed)
         self.counters: Dict[str, int] = {"step": 0}
         self.q: Dict[str, torch.Tensor] = {}
-        self.p: Dict[str, torch.Tensor] = {}  # last orthonormal P per tensor (n × r), for inspection
+        self._ps: Dict[tuple, torch.Tensor] = {}  # per batch's names: its last orthonormal Ps (B × n × r)
         self.memory = Residuals(self, "error")  # error feedback: M − P·Qᵀ per tensor
         self._layouts: Dict[tuple, Tuple[int, int, bool]] = {}
         self._plans: Optional[_Plan] = None  # the last step's batches (see _plan)
@@ -180,12 +180,11 @@ class PowerSGDCompressor(StepMethod):
             for group, mats, p_local in batches:
                 p = orthogonalize(first[pos:pos + p_local.numel()].view_as(p_local), self.epsilon)
                 pos += p.numel()
-                self.p.update(zip(group.names, p.unbind(0)))
+                self._ps[group.names] = p
                 ps.append(p)
                 reduced.append(torch.bmm(mats.transpose(1, 2), p))
             if plain and plan.plain_flat:    # float32: the averaged values themselves, as views
-                views = torch._C._nn.unflatten_dense_tensors(first[pos:], plain)
-                for i, v in zip(plan.plain, views):
+                for i, v in zip(plan.plain, first[pos:].split(plan.plain_flat)):
                     out[i] = v
             else:
                 for i, g in zip(plan.plain, plain):
@@ -232,7 +231,8 @@ class PowerSGDCompressor(StepMethod):
             groups.setdefault((n, m, min(self.matrix_rank, n, m), device), []).append(i)
         plan = self._plans = _Plan(names, signature, [
             _Group(key, idx, [names[i] for i in idx], [signature[i] for i in idx]) for key, idx in groups.items()],
-            plain, all(len(signature[i][0]) == 1 and signature[i][2] == torch.float32 for i in plain))
+            plain, [signature[i][0][0] for i in plain]
+            if all(len(signature[i][0]) == 1 and signature[i][2] == torch.float32 for i in plain) else None)
         return plan
 
     def _layout(self, name: str, shape) -> Tuple[int, int, bool]:
@@ -289,6 +289,11 @@ class PowerSGDCompressor(StepMethod):
         qs = [self._draw(m, r, device) if q is None or tuple(q.shape) != (m, r) else q
               for q in self._get_many("q", group.names)]
         return torch.stack(qs)  # a new tensor
+
+    @property
+    def p(self) -> Dict[str, torch.Tensor]:
+        """The last orthonormal P per tensor (n × r), for inspection."""
+        return {name: p for names, ps in self._ps.items() for name, p in zip(names, ps.unbind(0))}
 
     @property
     def step(self) -> int:
@@ -369,14 +374,14 @@ class _Group:
 
 class _Plan(NamedTuple):
     """A step's layout (:meth:`PowerSGDCompressor._plan`): the names and (shape, device, dtype) of
-    the gradients it was made for, the batches, the uncompressed positions, and whether those
-    are all 1-D float32 (sent and returned without a copy)."""
+    the gradients it was made for, the batches, the uncompressed positions, and their sizes where
+    they are all 1-D float32 (sent and returned without a copy; else None)."""
 
     names: List[str]
     signature: List[tuple]
     groups: List[_Group]
     plain: List[int]
-    plain_flat: bool
+    plain_flat: Optional[List[int]]
 
 
 def _collectives(method, numels, p, bucket_bytes):
