@@ -31,27 +31,14 @@ Scheme (tensors with a name, i.e. under :class:`hvdcomp.DistributedOptimizer`):
    No extra collective, no host synchronisation in ``encode``; ``decode`` (after the allreduce)
    reads the histogram (one synchronisation on GPU).
 3. **Saturation is detected, never delivered.** A value that grew more than about 2^headroom
-   since the previous step lands above C_N and is clamped there: finite and wrong. Each rank
-   knows exactly whether it clamped (s·max|x_r| > C_N, from the maximum ``encode`` computes
-   anyway: a 0-d tensor, no extra pass) and says so in its histogram: a rank that clamped counts
-   its exponent as at least E + h + 2, a bin no unclamped rank can reach (an unclamped rank has
-   s·max|x_r| ≤ C_N < 2^(L+1), L = ⌊log2(65504/N)⌋, so e_r ≤ E + h + 1; a clamped one has
-   e_r ≥ E + h + 1, and only that binade is bumped up by one). After the allreduce every rank
-   reads the same histogram, so every rank knows identically, per tensor, whether some rank
-   saturated (:meth:`FP16Compressor.saturation`). Then, by ``on_saturation``:
-
-   * ``"resend"`` (default): the transport allreduces that tensor again as a float32 probe
-     payload (one more collective, only on such steps, only for the tensors that saturated):
-     the delivered mean is the probe step's, exact to float32 rounding, and its histogram
-     re-learns E at once. With error feedback the residual follows what was sent (this rank's
-     float32 values: the residual of a resent float32 gradient becomes 0).
-   * ``"skip"``: the step is reported as overflowed: the tensor's averaged gradient reads NaN
-     on every rank, so the optimizer's non-finite guard skips the step on every rank (state as
-     before it; every ``.grad`` NaN, so a ``GradScaler`` backs off), as an overflow of stock
-     Horovod's float16 would. The agreed exponent still moves up (by up to J binades per such
-     step) so that the next step fits.
-
-   The histogram carries the flag: the payload is the same size as before.
+   since the previous step lands above C_N and is clamped there: finite and wrong. A rank that
+   clamped (s·max|x_r| > C_N, from the maximum ``encode`` computes anyway) counts its exponent
+   as at least E + h + 2 in its histogram, a bin no unclamped rank can reach (an unclamped rank
+   has s·max|x_r| ≤ C_N < 2^(L+1), L = ⌊log2(65504/N)⌋, so e_r ≤ E + h + 1; a clamped one has
+   e_r ≥ E + h + 1, and only that binade is bumped up by one). Every rank reads the same reduced
+   histogram, so every rank knows, per tensor, whether some rank saturated
+   (:meth:`FP16Compressor.saturation`) and resends that tensor in float32 or skips the step
+   (``on_saturation``; docs/numerics.md). The flag costs no byte: the payload keeps its size.
 4. **Static** (no name: stock ``hvd.DistributedOptimizer(compression=...)``, which keeps no
    per-tensor state and cannot resend): s = 1/N; |x/N| is clamped at C_N only where x itself is
    a float16 value (|x| < 65520, so the clamp is at most 2^-10 relative: within the bound
@@ -84,10 +71,9 @@ payload carries 25 extra float16 (50 bytes); a gradient that grows by more than 
 one step (at least; up to 2^(h+2) where max|x| of the previous step sat low in its binade and
 C_N high in its own) costs that tensor a second allreduce of 4·(n + 277) bytes (``"resend"``) or
 the step (``"skip"``); larger ``headroom`` tolerates faster growth and costs one binade of ρ_N
-per unit. The
-compressor keeps one integer per tensor (``state_dict()["exponents"]``); it must be identical on
-every rank (it is, when each rank decodes the same allreduced payloads or loads the same
-checkpoint).
+per unit. The compressor keeps one integer per tensor (``state_dict()["exponents"]``); it must be
+identical on every rank (it is, when each rank decodes the same allreduced payloads or loads the
+same checkpoint).
 """
 from __future__ import annotations
 
@@ -228,26 +214,21 @@ def _sent_scaled(values: torch.Tensor, k: int, limit: float) -> torch.Tensor:
 
 class _Runs:
     """Segments of ``sizes`` (back to back in a 1-D buffer) as strided runs, each one ``(count, n)``
-    view of the buffer: segments of one size n at equal spacing (a model's repeated layers).
+    view of the buffer: the segments of one size n at one spacing (a model's repeated layers; per
+    size, the spacing that gives the fewest runs of those to its first 16 equal segments).
     ``order``: the non-empty segments, run by run; ``runs``: ``(start, stride, count, n)``."""
 
     def __init__(self, sizes: tuple):
-        self.sizes, by_size = sizes, {}
-        for j, (n, at) in enumerate(zip(sizes, itertools.accumulate(sizes, initial=0))):
+        self.sizes, offsets, by_size = sizes, list(itertools.accumulate(sizes, initial=0)), {}
+        for j, n in enumerate(sizes):
             if n:
-                by_size.setdefault(n, []).append((j, at))
-        self.order, self.runs = [], []
+                by_size.setdefault(n, []).append(j)
+        self.order, self.runs, self._index = [], [], {}
         for n, members in by_size.items():
-            run = None
-            for j, at in members:
-                if run is not None and (run[2] == 1 or at == run[0] + run[1] * run[2]):
-                    run = (run[0], at - run[0] if run[2] == 1 else run[1], run[2] + 1, n)
-                else:
-                    self.runs += [run] if run else []
-                    run = (at, n, 1, n)
-                self.order.append(j)
-            self.runs.append(run)
-        self._index: dict = {}
+            strides = {offsets[j] - offsets[members[0]] for j in members[1:17]} or {n}
+            for start, stride, run in min((_strided(members, offsets, s) for s in strides), key=len):
+                self.runs.append((start, stride, len(run), n))
+                self.order += run
 
     def amax(self, flat: torch.Tensor) -> torch.Tensor:
         """max |segment| per segment of the contiguous 1-D ``flat``: ``(len(sizes),)``, 0 for an
@@ -265,7 +246,21 @@ class _Runs:
         return [flat.as_strided((count, n), (stride, 1), base + start) for start, stride, count, n in self.runs]
 
 
-_runs = functools.lru_cache(maxsize=64)(_Runs)
+def _strided(members: list, offsets: list, stride: int) -> list:
+    """``members`` (segments of one size, in order) as runs ``(start, stride, [segments])`` of
+    that spacing, each segment appended to the run that expects it."""
+    expected, runs = {}, []
+    for j in members:
+        run = expected.pop(offsets[j], None)
+        if run is None:
+            run = (offsets[j], stride, [])
+            runs.append(run)
+        run[2].append(j)
+        expected[offsets[j] + stride] = run
+    return runs
+
+
+_runs = functools.lru_cache(maxsize=256)(_Runs)
 
 
 def _ldexp_segments(values: torch.Tensor, sizes: List[int], ks: List[int],
@@ -283,9 +278,9 @@ def _ldexp_segments(values: torch.Tensor, sizes: List[int], ks: List[int],
     factors = torch.tensor([2.0 ** h for h in half] + [2.0 ** (ks[j] - h) for j, h in zip(plan.order, half)],
                            device=out.device).view(2, -1, 1)
     at = 0
-    for view in plan.views(out):
-        view.mul_(factors[0, at:at + len(view)]).mul_(factors[1, at:at + len(view)])
-        at += len(view)
+    for view, (_, _, count, _) in zip(plan.views(out), plan.runs):
+        view.mul_(factors[0, at:at + count]).mul_(factors[1, at:at + count])
+        at += count
     return out
 
 
@@ -300,10 +295,6 @@ class SaturationCheck:
         """e_r − E as the histogram counts it: at least h + 2 where this rank clamped (the
         saturation flag, see the module docstring). Tensors of any shape, no host sync."""
         return torch.where(clamped, offset.clamp(min=self.headroom + 2), offset)
-
-    def _saturated(self, top_bin: Optional[int]) -> bool:
-        """Whether the highest occupied bin of a reduced scaled histogram says some rank clamped."""
-        return top_bin is not None and top_bin >= SPAN + self.headroom + 2
 
     def saturation(self, payload, ctx) -> Optional[Saturation]:
         """Whether some rank's values of a scaled tensor (or segment) were clamped at C_N this step,
@@ -330,7 +321,7 @@ class SaturationCheck:
             return None
         top = _highest_bins(payload[0][ctx.numel:].view(1, 2 * SPAN + 1))[0]
         self._remember(ctx, payload[0], [top])
-        if not self._saturated(top):
+        if top is None or top < SPAN + self.headroom + 2:  # (no rank clamped)
             return None
         if self.on_saturation == "skip":
             self.exponents[ctx.name] = ctx.exponent + top - SPAN
@@ -351,7 +342,7 @@ class SaturationCheck:
         count = sum(map(sizes.__getitem__, ctx.scaled))
         tops = _highest_bins(payload[0][count:].view(len(ctx.scaled), 2 * SPAN + 1))
         self._remember(ctx, payload[0], tops)
-        bound = SPAN + self.headroom + 2  # (as _saturated, inline: once per segment)
+        bound = SPAN + self.headroom + 2  # (the lowest bin of a rank that clamped)
         hit = [(i, j, t) for i, (j, t) in enumerate(zip(ctx.scaled, tops)) if t is not None and t >= bound]
         if not hit:
             return None
@@ -465,11 +456,7 @@ class FP16Compressor(SaturationCheck, Compressor):
 
     @property
     def error_bound(self):
-        """None for one call alone: the power-of-two scale is agreed between ranks through the
-        averaged payload and kept from call to call (an allreduce's protocol), so a tensor that
-        grew more than 2³ times since the previous call saturates (measured: ‖C(v) − v‖²/‖v‖² =
-        0.85 on a Cauchy sample after a call on values of 1), and a payload decoded alone (gossip)
-        is outside that agreement: Choco-SGD with fp16 on a ring of 8 reached NaN within 30 steps."""
+        """None: the scale is agreed between ranks through the averaged payload (see the message)."""
         return ErrorBound("none", "its power-of-two scale is agreed between ranks through the averaged payload and kept "
                                   "from call to call (an allreduce's protocol); decoded alone, one neighbour's payload at "
                                   "a time, it saturates or diverges (Choco-SGD on a ring of 8 reached NaN within 30 "
@@ -545,8 +532,8 @@ class FP16Compressor(SaturationCheck, Compressor):
         parts = [None] * len(sizes)
         wire = 0
         if ctx.scaled:
-            count = sum(map(sizes.__getitem__, ctx.scaled))
             scaled_sizes = [sizes[j] for j in ctx.scaled]
+            count = sum(scaled_sizes)
             if len(ctx.scaled) == len(sizes):
                 return _ldexp_segments(payload[wire][:count], scaled_sizes, [-k for k in ctx.ks], out=out)
             values = _ldexp_segments(payload[wire][:count], scaled_sizes, [-k for k in ctx.ks])
