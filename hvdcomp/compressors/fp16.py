@@ -214,9 +214,8 @@ def _sent_scaled(values: torch.Tensor, k: int, limit: float) -> torch.Tensor:
 
 class _Runs:
     """Segments of ``sizes`` (back to back in a 1-D buffer) as strided runs, each one ``(count, n)``
-    view of the buffer: the segments of one size n at one spacing (a model's repeated layers; per
-    size, the spacing that gives the fewest runs of those to its first 16 equal segments).
-    ``order``: the non-empty segments, run by run; ``runs``: ``(start, stride, count, n)``."""
+    view: segments of one size n at one spacing (a model's repeated layers; per size, the spacing to
+    one of its first 16 that gives the fewest runs). ``order``: the non-empty segments, run by run."""
 
     def __init__(self, sizes: tuple):
         self.sizes, offsets, by_size = sizes, list(itertools.accumulate(sizes, initial=0)), {}
@@ -265,10 +264,9 @@ _runs = functools.lru_cache(maxsize=256)(_Runs)
 
 def _ldexp_segments(values: torch.Tensor, sizes: List[int], ks: List[int],
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``values`` (1-D, segments of ``sizes`` back to back; float16 or float32) with segment j
-    times 2^ks[j], as float32, by the same two multiplications as :func:`_ldexp`: ``values`` cast
-    to float32 (exact) into ``out`` (a float32 tensor of ``values``' length, may be ``values``
-    itself), then two in-place multiplications per strided run of segments (:class:`_Runs`)."""
+    """``values`` (1-D, segments of ``sizes`` back to back; float16 or float32) times 2^ks[j] in
+    segment j, as float32 (into ``out``, float32, may be ``values``), by :func:`_ldexp`'s two
+    multiplications: one pair per strided run of segments (:class:`_Runs`)."""
     if out is None:
         out = values.to(torch.float32, copy=True)
     elif out.data_ptr() != values.data_ptr():
@@ -383,19 +381,6 @@ class SaturationCheck:
             pos += size
         return out
 
-    def _record_resend(self, payload, ctx: FP16ResendContext) -> None:
-        """The first payload's exponents, then the resent segments' from the replacement's probe
-        histograms."""
-        self._record_segments(ctx.averaged, ctx.base)
-        segments = ctx.base.segments
-        count = sum(map(segments.sizes.__getitem__, ctx.resent))
-        bins = payload[0][count:].view(len(ctx.resent), EXP_MAX - EXP_MIN + 1)
-        for j, top in zip(ctx.resent, _highest_bins(bins)):
-            if top is not None:
-                self._put("exponents", segments.names[j], EXP_MIN + top)
-
-    # ---- decode ----------------------------------------------------------------------------
-
 
 @register("fp16")
 class FP16Compressor(SaturationCheck, Compressor):
@@ -410,22 +395,19 @@ class FP16Compressor(SaturationCheck, Compressor):
         on_saturation: what a step does where some rank's values grew past the scale's window:
             ``"resend"`` (default: that tensor is allreduced again in float32, one more
             collective on such steps only) or ``"skip"`` (the step is reported non-finite and
-            skipped on every rank, as an overflow; cheaper on the wire, costs the step). See the
-            module docstring.
+            skipped on every rank, as an overflow; cheaper on the wire, costs the step).
 
     Payload (one tensor, as stock Horovod needs): float32 ``(n + 277,)`` on a probe step, float16
     ``(n + 25,)`` on a scaled step, float16 ``(n,)`` without a name. Several gradients in one call
     (``segments``, :mod:`hvdcomp.compressors.segments`): each keeps its own scale and exponent,
     exactly as alone; the payload is ``[float16 (values of the scaled gradients, then a 25-bin
     histogram each)]`` followed by ``[float32 (values of the probing ones, then 277 bins each)]``,
-    either omitted when empty. ``decode`` is linear in the
-    payload, so ``decode(average of payloads)`` is the averaged gradient, under hvdcomp and under
-    stock ``hvd.DistributedOptimizer(compression=FP16Compressor())`` (``op=Average``). On its
-    own, ``decode`` of a saturated scaled payload gives the clamped values: a transport asks
-    :meth:`saturation` first (hvdcomp's allreduce transport and DDP hook do, so a saturated value is never
-    delivered; a decoder without that check must call it too). ``decode`` also
-    records the agreed exponent of named tensors, so call it once per step on the *averaged*
-    payload (error feedback uses :meth:`residual_`, which records nothing).
+    either omitted when empty. ``decode`` is linear in the payload, so ``decode(average of
+    payloads)`` is the averaged gradient, under hvdcomp and under stock
+    ``hvd.DistributedOptimizer(compression=FP16Compressor())`` (``op=Average``). Ask
+    :meth:`saturation` before ``decode`` (hvdcomp's transports do): alone, ``decode`` of a
+    saturated payload gives the clamped values. ``decode`` records the agreed exponent of named
+    tensors: call it once per step on the *averaged* payload (:meth:`residual_` records nothing).
 
     State: ``exponents`` (parameter name → agreed exponent E, an int).
 
@@ -559,11 +541,15 @@ class FP16Compressor(SaturationCheck, Compressor):
             self._put_many("exponents", [n for n, _ in agreed], [e for _, e in agreed])
             wire = 1
         if ctx.probe:
-            count = sum(map(ctx.segments.sizes.__getitem__, ctx.probe))
-            bins = payload[wire][count:].view(len(ctx.probe), EXP_MAX - EXP_MIN + 1)
-            for j, top in zip(ctx.probe, _highest_bins(bins)):
-                if top is not None:
-                    self._put("exponents", names[j], EXP_MIN + top)
+            self._record_probes(ctx.segments, ctx.probe, payload[wire])
+
+    def _record_probes(self, segments, positions: List[int], wire: torch.Tensor) -> None:
+        """The agreed exponents of the probing segments ``positions`` from the reduced ``wire``
+        (their float32 values, then 277 bins each; one host read)."""
+        bins = wire[sum(map(segments.sizes.__getitem__, positions)):].view(len(positions), EXP_MAX - EXP_MIN + 1)
+        for j, top in zip(positions, _highest_bins(bins)):
+            if top is not None:
+                self._put("exponents", segments.names[j], EXP_MIN + top)
 
     # ---- saturation (after the first allreduce) ------------------------------------------------
     def _values(self, payload, ctx) -> torch.Tensor:
@@ -586,8 +572,9 @@ class FP16Compressor(SaturationCheck, Compressor):
         if isinstance(ctx, FP16SegmentsContext):
             self._record_segments(payload, ctx)
             return
-        if isinstance(ctx, FP16ResendContext):
-            self._record_resend(payload, ctx)
+        if isinstance(ctx, FP16ResendContext):  # (the first payload's, then the resent segments')
+            self._record_segments(ctx.averaged, ctx.base)
+            self._record_probes(ctx.base.segments, ctx.resent, payload[0])
             return
         if ctx.mode == STATIC:
             return
