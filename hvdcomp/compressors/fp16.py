@@ -262,6 +262,13 @@ def _strided(members: list, offsets: list, stride: int) -> list:
 _runs = functools.lru_cache(maxsize=256)(_Runs)
 
 
+def _on(device: torch.device, values: list) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device``; on a GPU by an asynchronous copy from pinned memory
+    (``torch.tensor(values, device=...)`` would wait for the device)."""
+    host = torch.tensor(values)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
 def _ldexp_segments(values: torch.Tensor, sizes: List[int], ks: List[int],
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``values`` (1-D, segments of ``sizes`` back to back; float16 or float32) times 2^ks[j] in
@@ -273,8 +280,8 @@ def _ldexp_segments(values: torch.Tensor, sizes: List[int], ks: List[int],
         out.copy_(values)
     plan = _runs(tuple(sizes))
     half = [ks[j] // 2 for j in plan.order]
-    factors = torch.tensor([2.0 ** h for h in half] + [2.0 ** (ks[j] - h) for j, h in zip(plan.order, half)],
-                           device=out.device).view(2, -1, 1)
+    factors = _on(out.device, [2.0 ** h for h in half] + [2.0 ** (ks[j] - h) for j, h in zip(plan.order, half)])
+    factors = factors.view(2, -1, 1)
     at = 0
     for view, (_, _, count, _) in zip(plan.views(out), plan.runs):
         view.mul_(factors[0, at:at + count]).mul_(factors[1, at:at + count])
@@ -495,13 +502,13 @@ class FP16Compressor(SaturationCheck, Compressor):
             ks = [base - e for e in exps]
             values = flat if len(scaled) == len(segments) else torch.cat([views[j] for j in scaled])
             values = _ldexp_segments(values, [segments.sizes[j] for j in scaled], ks).clamp_(-limit, limit)
-            pick = torch.tensor(scaled, device=flat.device)
+            pick = _on(flat.device, scaled)
             clamped = _ldexp_segments(top[pick], [1] * len(scaled), ks) > limit
-            offset = self._flagged_offset(local[pick] - torch.tensor(exps, device=flat.device), clamped)
+            offset = self._flagged_offset(local[pick] - _on(flat.device, exps), clamped)
             hist = _one_hot(offset + SPAN, present[pick], 2 * SPAN + 1, self.wire_dtype)
             payload.append(torch.cat([values.to(self.wire_dtype), hist.reshape(-1)]))
         if probe:
-            pick = torch.tensor(probe, device=flat.device)
+            pick = _on(flat.device, probe)
             hist = _one_hot(local[pick] - EXP_MIN, present[pick], EXP_MAX - EXP_MIN + 1, torch.float32)
             payload.append(torch.cat([views[j] for j in probe] + [hist.reshape(-1)]))
         return payload, FP16SegmentsContext(flat.numel(), dtype, size, segments, scaled, ks, exps, probe,

@@ -147,9 +147,7 @@ class PowerSGDCompressor(StepMethod):
             batches = []  # (group, M (B, n, m), P (B, n, r))
             for group in plan.groups:
                 members = [grads[i] for i in group.positions]
-                if group.matrices:            # every gradient is an n × m float32 matrix
-                    mats = torch.stack(members)
-                elif group.shape is not None:  # one shape for all: one stack, one view
+                if group.shape is not None:  # one shape for all: one stack, one view
                     mats = torch.stack(members).view(len(members), group.n, group.m).to(torch.float32)
                 else:
                     mats = torch.stack([g.reshape(group.n, group.m) for g in members]).to(torch.float32)
@@ -193,9 +191,7 @@ class PowerSGDCompressor(StepMethod):
                 self._put_segments("q", group, q)
                 self.memory.keep_segments(mats.sub_(approx), group)  # e = M − P·Qᵀ (M is not read again)
                 # saturating: with the error added, g + e (and so P·Qᵀ) can exceed a float16 g's range
-                if group.matrices:
-                    results = approx.unbind(0)
-                elif group.shape is not None and group.dtype == torch.float32:
+                if group.shape is not None and group.dtype == torch.float32:
                     results = approx.view(len(group.positions), *group.shape).unbind(0)
                 else:
                     results = [cast_saturating(a.reshape(grads[i].shape), grads[i].dtype)
@@ -322,11 +318,10 @@ class _Group:
 
     Attributes:
         key: ``(n, m, r, device)``; positions, names: its gradients in the step's order.
-        shape: the gradients' common shape (None if they differ); dtype: their common dtype
-            (None if they differ); matrices: they are all float32 n × m matrices.
+        shape, dtype: the gradients' common shape and dtype (None where they differ).
     """
 
-    __slots__ = ("key", "positions", "names", "n", "m", "device", "shape", "dtype", "matrices")
+    __slots__ = ("key", "positions", "names", "n", "m", "device", "shape", "dtype")
 
     def __init__(self, key, positions, names, signature):
         self.key, self.positions, self.names = key, positions, tuple(names)
@@ -335,7 +330,6 @@ class _Group:
         dtypes = {d for _, _, d in signature}
         self.shape = next(iter(shapes)) if len(shapes) == 1 else None
         self.dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
-        self.matrices = self.shape == (self.n, self.m) and self.dtype == torch.float32
 
     def views(self, stacked: torch.Tensor, flat_shapes: bool = False) -> List[torch.Tensor]:
         """The per-gradient slices of a (B, ...) tensor."""
