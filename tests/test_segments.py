@@ -7,6 +7,8 @@ carries residuals), and the averaged results, the residuals and the agreed expon
 bit-identical. The per-tensor path is itself checked against dense references elsewhere.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -128,6 +130,29 @@ def test_fp16_segments_scale_each_tensor():
     assert payload[0].dtype == torch.float16 and len(payload) == 1
     assert comp.state_dict()["exponents"] == {"big": 11, "small": -8}  # floor(log2 4000), floor(log2 0.004)
     assert torch.allclose(out, flat, rtol=2 ** -10, atol=0)
+
+
+def _fp16_operations(layers):
+    """Torch operations (the profiler's, nested ones included) of one scaled fp16 step, encode,
+    saturation check and decode, over a bucket of ``layers`` × (64 × 64 weight, 64 bias)."""
+    from torch.profiler import profile
+    seg = Segments([f"p{i}" for i in range(2 * layers)], [(64, 64), (64,)] * layers)
+    comp, flat, out = hvdcomp.get_compressor("fp16"), torch.randn(seg.numel), torch.empty(seg.numel)
+    with simulated_world(2, 0):
+        for step in range(3):  # a probe step, a scaled step, then the one counted
+            with profile() if step == 2 else contextlib.nullcontext() as prof:
+                payload, ctx = comp.encode(flat, None, seg)
+                comp.saturation(payload, ctx)
+                comp.decode_into(out, payload, ctx)
+    return len(prof.events())
+
+
+def test_fp16_segments_make_the_same_operations_for_any_number_of_repeated_layers():
+    """A scaled step over a fused bucket makes a fixed number of torch operations however many
+    gradients of repeated layers it holds: each strided run of equal segments is scaled in one
+    operation (issue 58; before: two per segment, inside ``_foreach_mul_``, and a view per segment:
+    1 836 operations at 20 layers, 16 956 at 200; after: 205 at both)."""
+    assert _fp16_operations(20) == _fp16_operations(200) <= 250
 
 
 def test_segments_errors():

@@ -31,27 +31,14 @@ Scheme (tensors with a name, i.e. under :class:`hvdcomp.DistributedOptimizer`):
    No extra collective, no host synchronisation in ``encode``; ``decode`` (after the allreduce)
    reads the histogram (one synchronisation on GPU).
 3. **Saturation is detected, never delivered.** A value that grew more than about 2^headroom
-   since the previous step lands above C_N and is clamped there: finite and wrong. Each rank
-   knows exactly whether it clamped (s·max|x_r| > C_N, from the maximum ``encode`` computes
-   anyway: a 0-d tensor, no extra pass) and says so in its histogram: a rank that clamped counts
-   its exponent as at least E + h + 2, a bin no unclamped rank can reach (an unclamped rank has
-   s·max|x_r| ≤ C_N < 2^(L+1), L = ⌊log2(65504/N)⌋, so e_r ≤ E + h + 1; a clamped one has
-   e_r ≥ E + h + 1, and only that binade is bumped up by one). After the allreduce every rank
-   reads the same histogram, so every rank knows identically, per tensor, whether some rank
-   saturated (:meth:`FP16Compressor.saturation`). Then, by ``on_saturation``:
-
-   * ``"resend"`` (default): the transport allreduces that tensor again as a float32 probe
-     payload (one more collective, only on such steps, only for the tensors that saturated):
-     the delivered mean is the probe step's, exact to float32 rounding, and its histogram
-     re-learns E at once. With error feedback the residual follows what was sent (this rank's
-     float32 values: the residual of a resent float32 gradient becomes 0).
-   * ``"skip"``: the step is reported as overflowed: the tensor's averaged gradient reads NaN
-     on every rank, so the optimizer's non-finite guard skips the step on every rank (state as
-     before it; every ``.grad`` NaN, so a ``GradScaler`` backs off), as an overflow of stock
-     Horovod's float16 would. The agreed exponent still moves up (by up to J binades per such
-     step) so that the next step fits.
-
-   The histogram carries the flag: the payload is the same size as before.
+   since the previous step lands above C_N and is clamped there: finite and wrong. A rank that
+   clamped (s·max|x_r| > C_N, from the maximum ``encode`` computes anyway) counts its exponent
+   as at least E + h + 2 in its histogram, a bin no unclamped rank can reach (an unclamped rank
+   has s·max|x_r| ≤ C_N < 2^(L+1), L = ⌊log2(65504/N)⌋, so e_r ≤ E + h + 1; a clamped one has
+   e_r ≥ E + h + 1, and only that binade is bumped up by one). Every rank reads the same reduced
+   histogram, so every rank knows, per tensor, whether some rank saturated
+   (:meth:`FP16Compressor.saturation`) and resends that tensor in float32 or skips the step
+   (``on_saturation``; docs/numerics.md). The flag costs no byte: the payload keeps its size.
 4. **Static** (no name: stock ``hvd.DistributedOptimizer(compression=...)``, which keeps no
    per-tensor state and cannot resend): s = 1/N; |x/N| is clamped at C_N only where x itself is
    a float16 value (|x| < 65520, so the clamp is at most 2^-10 relative: within the bound
@@ -84,13 +71,14 @@ payload carries 25 extra float16 (50 bytes); a gradient that grows by more than 
 one step (at least; up to 2^(h+2) where max|x| of the previous step sat low in its binade and
 C_N high in its own) costs that tensor a second allreduce of 4·(n + 277) bytes (``"resend"``) or
 the step (``"skip"``); larger ``headroom`` tolerates faster growth and costs one binade of ρ_N
-per unit. The
-compressor keeps one integer per tensor (``state_dict()["exponents"]``); it must be identical on
-every rank (it is, when each rank decodes the same allreduced payloads or loads the same
-checkpoint).
+per unit. The compressor keeps one integer per tensor (``state_dict()["exponents"]``); it must be
+identical on every rank (it is, when each rank decodes the same allreduced payloads or loads the
+same checkpoint).
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from typing import List, NamedTuple, Optional
 
@@ -224,21 +212,80 @@ def _sent_scaled(values: torch.Tensor, k: int, limit: float) -> torch.Tensor:
     return _ldexp(_ldexp(values, k).clamp(-limit, limit).to(torch.float16).to(torch.float32), -k)
 
 
+class _Runs:
+    """Segments of ``sizes`` (back to back in a 1-D buffer) as strided runs, each one ``(count, n)``
+    view: segments of one size n at one spacing (a model's repeated layers; per size, the spacing to
+    one of its first 16 that gives the fewest runs). ``order``: the non-empty segments, run by run."""
+
+    def __init__(self, sizes: tuple):
+        self.sizes, offsets, by_size = sizes, list(itertools.accumulate(sizes, initial=0)), {}
+        for j, n in enumerate(sizes):
+            if n:
+                by_size.setdefault(n, []).append(j)
+        self.order, self.runs, self._index = [], [], {}
+        for n, members in by_size.items():
+            strides = {offsets[j] - offsets[members[0]] for j in members[1:17]} or {n}
+            for start, stride, run in min((_strided(members, offsets, s) for s in strides), key=len):
+                self.runs.append((start, stride, len(run), n))
+                self.order += run
+
+    def amax(self, flat: torch.Tensor) -> torch.Tensor:
+        """max |segment| per segment of the contiguous 1-D ``flat``: ``(len(sizes),)``, 0 for an
+        empty segment; NaN propagates (one ``amax`` per run)."""
+        top = flat.new_zeros(len(self.sizes))
+        if self.runs:
+            if flat.device not in self._index:
+                self._index[flat.device] = torch.tensor(self.order, device=flat.device)
+            top[self._index[flat.device]] = torch.cat([v.amax(dim=1) for v in self.views(flat.abs())])
+        return top
+
+    def views(self, flat: torch.Tensor) -> list:
+        """The runs of the contiguous 1-D ``flat``, ``(count, n)`` views, in :attr:`runs` order."""
+        base = flat.storage_offset()
+        return [flat.as_strided((count, n), (stride, 1), base + start) for start, stride, count, n in self.runs]
+
+
+def _strided(members: list, offsets: list, stride: int) -> list:
+    """``members`` (segments of one size, in order) as runs ``(start, stride, [segments])`` of
+    that spacing, each segment appended to the run that expects it."""
+    expected, runs = {}, []
+    for j in members:
+        run = expected.pop(offsets[j], None)
+        if run is None:
+            run = (offsets[j], stride, [])
+            runs.append(run)
+        run[2].append(j)
+        expected[offsets[j] + stride] = run
+    return runs
+
+
+_runs = functools.lru_cache(maxsize=256)(_Runs)
+
+
+def _on(device: torch.device, values: list) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device``; on a GPU by an asynchronous copy from pinned memory
+    (``torch.tensor(values, device=...)`` would wait for the device)."""
+    host = torch.tensor(values)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
 def _ldexp_segments(values: torch.Tensor, sizes: List[int], ks: List[int],
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``values`` (1-D, segments of ``sizes`` back to back; float16 or float32) with segment j
-    times 2^ks[j], as float32, by the same two multiplications as :func:`_ldexp`: ``values`` cast
-    to float32 (exact) into ``out``, then each segment multiplied in place by its two powers of
-    two with one ``_foreach_mul_`` per multiplication (no per-element factor buffer: building one
-    by ``repeat_interleave`` cost ~11 ms per step on the transformer's 400 gradients). ``out``: a
-    float32 tensor of ``values``' length to write into (may be ``values`` itself when float32)."""
+    """``values`` (1-D, segments of ``sizes`` back to back; float16 or float32) times 2^ks[j] in
+    segment j, as float32 (into ``out``, float32, may be ``values``), by :func:`_ldexp`'s two
+    multiplications: one pair per strided run of segments (:class:`_Runs`)."""
     if out is None:
         out = values.to(torch.float32, copy=True)
     elif out.data_ptr() != values.data_ptr():
         out.copy_(values)
-    parts = list(out.split(sizes))
-    torch._foreach_mul_(parts, [2.0 ** (k // 2) for k in ks])
-    torch._foreach_mul_(parts, [2.0 ** (k - k // 2) for k in ks])
+    plan = _runs(tuple(sizes))
+    half = [ks[j] // 2 for j in plan.order]
+    factors = _on(out.device, [2.0 ** h for h in half] + [2.0 ** (ks[j] - h) for j, h in zip(plan.order, half)])
+    factors = factors.view(2, -1, 1)
+    at = 0
+    for view, (_, _, count, _) in zip(plan.views(out), plan.runs):
+        view.mul_(factors[0, at:at + count]).mul_(factors[1, at:at + count])
+        at += count
     return out
 
 
@@ -253,10 +300,6 @@ class SaturationCheck:
         """e_r − E as the histogram counts it: at least h + 2 where this rank clamped (the
         saturation flag, see the module docstring). Tensors of any shape, no host sync."""
         return torch.where(clamped, offset.clamp(min=self.headroom + 2), offset)
-
-    def _saturated(self, top_bin: Optional[int]) -> bool:
-        """Whether the highest occupied bin of a reduced scaled histogram says some rank clamped."""
-        return top_bin is not None and top_bin >= SPAN + self.headroom + 2
 
     def saturation(self, payload, ctx) -> Optional[Saturation]:
         """Whether some rank's values of a scaled tensor (or segment) were clamped at C_N this step,
@@ -283,7 +326,7 @@ class SaturationCheck:
             return None
         top = _highest_bins(payload[0][ctx.numel:].view(1, 2 * SPAN + 1))[0]
         self._remember(ctx, payload[0], [top])
-        if not self._saturated(top):
+        if top is None or top < SPAN + self.headroom + 2:  # (no rank clamped)
             return None
         if self.on_saturation == "skip":
             self.exponents[ctx.name] = ctx.exponent + top - SPAN
@@ -304,7 +347,7 @@ class SaturationCheck:
         count = sum(map(sizes.__getitem__, ctx.scaled))
         tops = _highest_bins(payload[0][count:].view(len(ctx.scaled), 2 * SPAN + 1))
         self._remember(ctx, payload[0], tops)
-        bound = SPAN + self.headroom + 2  # (as _saturated, inline: once per segment)
+        bound = SPAN + self.headroom + 2  # (the lowest bin of a rank that clamped)
         hit = [(i, j, t) for i, (j, t) in enumerate(zip(ctx.scaled, tops)) if t is not None and t >= bound]
         if not hit:
             return None
@@ -345,19 +388,6 @@ class SaturationCheck:
             pos += size
         return out
 
-    def _record_resend(self, payload, ctx: FP16ResendContext) -> None:
-        """The first payload's exponents, then the resent segments' from the replacement's probe
-        histograms."""
-        self._record_segments(ctx.averaged, ctx.base)
-        segments = ctx.base.segments
-        count = sum(map(segments.sizes.__getitem__, ctx.resent))
-        bins = payload[0][count:].view(len(ctx.resent), EXP_MAX - EXP_MIN + 1)
-        for j, top in zip(ctx.resent, _highest_bins(bins)):
-            if top is not None:
-                self._put("exponents", segments.names[j], EXP_MIN + top)
-
-    # ---- decode ----------------------------------------------------------------------------
-
 
 @register("fp16")
 class FP16Compressor(SaturationCheck, Compressor):
@@ -372,22 +402,19 @@ class FP16Compressor(SaturationCheck, Compressor):
         on_saturation: what a step does where some rank's values grew past the scale's window:
             ``"resend"`` (default: that tensor is allreduced again in float32, one more
             collective on such steps only) or ``"skip"`` (the step is reported non-finite and
-            skipped on every rank, as an overflow; cheaper on the wire, costs the step). See the
-            module docstring.
+            skipped on every rank, as an overflow; cheaper on the wire, costs the step).
 
     Payload (one tensor, as stock Horovod needs): float32 ``(n + 277,)`` on a probe step, float16
     ``(n + 25,)`` on a scaled step, float16 ``(n,)`` without a name. Several gradients in one call
     (``segments``, :mod:`hvdcomp.compressors.segments`): each keeps its own scale and exponent,
     exactly as alone; the payload is ``[float16 (values of the scaled gradients, then a 25-bin
     histogram each)]`` followed by ``[float32 (values of the probing ones, then 277 bins each)]``,
-    either omitted when empty. ``decode`` is linear in the
-    payload, so ``decode(average of payloads)`` is the averaged gradient, under hvdcomp and under
-    stock ``hvd.DistributedOptimizer(compression=FP16Compressor())`` (``op=Average``). On its
-    own, ``decode`` of a saturated scaled payload gives the clamped values: a transport asks
-    :meth:`saturation` first (hvdcomp's allreduce transport and DDP hook do, so a saturated value is never
-    delivered; a decoder without that check must call it too). ``decode`` also
-    records the agreed exponent of named tensors, so call it once per step on the *averaged*
-    payload (error feedback uses :meth:`residual_`, which records nothing).
+    either omitted when empty. ``decode`` is linear in the payload, so ``decode(average of
+    payloads)`` is the averaged gradient, under hvdcomp and under stock
+    ``hvd.DistributedOptimizer(compression=FP16Compressor())`` (``op=Average``). Ask
+    :meth:`saturation` before ``decode`` (hvdcomp's transports do): alone, ``decode`` of a
+    saturated payload gives the clamped values. ``decode`` records the agreed exponent of named
+    tensors: call it once per step on the *averaged* payload (:meth:`residual_` records nothing).
 
     State: ``exponents`` (parameter name → agreed exponent E, an int).
 
@@ -418,11 +445,7 @@ class FP16Compressor(SaturationCheck, Compressor):
 
     @property
     def error_bound(self):
-        """None for one call alone: the power-of-two scale is agreed between ranks through the
-        averaged payload and kept from call to call (an allreduce's protocol), so a tensor that
-        grew more than 2³ times since the previous call saturates (measured: ‖C(v) − v‖²/‖v‖² =
-        0.85 on a Cauchy sample after a call on values of 1), and a payload decoded alone (gossip)
-        is outside that agreement: Choco-SGD with fp16 on a ring of 8 reached NaN within 30 steps."""
+        """None: the scale is agreed between ranks through the averaged payload (see the message)."""
         return ErrorBound("none", "its power-of-two scale is agreed between ranks through the averaged payload and kept "
                                   "from call to call (an allreduce's protocol); decoded alone, one neighbour's payload at "
                                   "a time, it saturates or diverges (Choco-SGD on a ring of 8 reached NaN within 30 "
@@ -468,10 +491,10 @@ class FP16Compressor(SaturationCheck, Compressor):
         agreed = self._get_many("exponents", segments.names)
         scaled = [j for j, e in enumerate(agreed) if e is not None]
         probe = [j for j, e in enumerate(agreed) if e is None]
-        top = segments.amax(flat)
+        top = _runs(tuple(segments.sizes)).amax(flat)
         _, local = torch.frexp(top)
         local, present = local.to(torch.int64) - 1, top > 0
-        views = segments.split(flat)
+        views = segments.split(flat) if probe else None  # (all scaled: no per-segment view)
         payload, ks, exps = [], [], []
         if scaled:
             exps = [agreed[j] for j in scaled]
@@ -479,13 +502,13 @@ class FP16Compressor(SaturationCheck, Compressor):
             ks = [base - e for e in exps]
             values = flat if len(scaled) == len(segments) else torch.cat([views[j] for j in scaled])
             values = _ldexp_segments(values, [segments.sizes[j] for j in scaled], ks).clamp_(-limit, limit)
-            pick = torch.tensor(scaled, device=flat.device)
+            pick = _on(flat.device, scaled)
             clamped = _ldexp_segments(top[pick], [1] * len(scaled), ks) > limit
-            offset = self._flagged_offset(local[pick] - torch.tensor(exps, device=flat.device), clamped)
+            offset = self._flagged_offset(local[pick] - _on(flat.device, exps), clamped)
             hist = _one_hot(offset + SPAN, present[pick], 2 * SPAN + 1, self.wire_dtype)
             payload.append(torch.cat([values.to(self.wire_dtype), hist.reshape(-1)]))
         if probe:
-            pick = torch.tensor(probe, device=flat.device)
+            pick = _on(flat.device, probe)
             hist = _one_hot(local[pick] - EXP_MIN, present[pick], EXP_MAX - EXP_MIN + 1, torch.float32)
             payload.append(torch.cat([views[j] for j in probe] + [hist.reshape(-1)]))
         return payload, FP16SegmentsContext(flat.numel(), dtype, size, segments, scaled, ks, exps, probe,
@@ -498,8 +521,8 @@ class FP16Compressor(SaturationCheck, Compressor):
         parts = [None] * len(sizes)
         wire = 0
         if ctx.scaled:
-            count = sum(map(sizes.__getitem__, ctx.scaled))
             scaled_sizes = [sizes[j] for j in ctx.scaled]
+            count = sum(scaled_sizes)
             if len(ctx.scaled) == len(sizes):
                 return _ldexp_segments(payload[wire][:count], scaled_sizes, [-k for k in ctx.ks], out=out)
             values = _ldexp_segments(payload[wire][:count], scaled_sizes, [-k for k in ctx.ks])
@@ -525,11 +548,15 @@ class FP16Compressor(SaturationCheck, Compressor):
             self._put_many("exponents", [n for n, _ in agreed], [e for _, e in agreed])
             wire = 1
         if ctx.probe:
-            count = sum(map(ctx.segments.sizes.__getitem__, ctx.probe))
-            bins = payload[wire][count:].view(len(ctx.probe), EXP_MAX - EXP_MIN + 1)
-            for j, top in zip(ctx.probe, _highest_bins(bins)):
-                if top is not None:
-                    self._put("exponents", names[j], EXP_MIN + top)
+            self._record_probes(ctx.segments, ctx.probe, payload[wire])
+
+    def _record_probes(self, segments, positions: List[int], wire: torch.Tensor) -> None:
+        """The agreed exponents of the probing segments ``positions`` from the reduced ``wire``
+        (their float32 values, then 277 bins each; one host read)."""
+        bins = wire[sum(map(segments.sizes.__getitem__, positions)):].view(len(positions), EXP_MAX - EXP_MIN + 1)
+        for j, top in zip(positions, _highest_bins(bins)):
+            if top is not None:
+                self._put("exponents", segments.names[j], EXP_MIN + top)
 
     # ---- saturation (after the first allreduce) ------------------------------------------------
     def _values(self, payload, ctx) -> torch.Tensor:
@@ -552,8 +579,9 @@ class FP16Compressor(SaturationCheck, Compressor):
         if isinstance(ctx, FP16SegmentsContext):
             self._record_segments(payload, ctx)
             return
-        if isinstance(ctx, FP16ResendContext):
-            self._record_resend(payload, ctx)
+        if isinstance(ctx, FP16ResendContext):  # (the first payload's, then the resent segments')
+            self._record_segments(ctx.averaged, ctx.base)
+            self._record_probes(ctx.base.segments, ctx.resent, payload[0])
             return
         if ctx.mode == STATIC:
             return

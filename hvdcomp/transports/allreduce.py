@@ -195,15 +195,12 @@ class AllreduceTransport(Transport):
 
     def resend_saturated(self, done: List[tuple]) -> int:
         """The fp16 saturation resend (every front-end's: the DDP hook's buckets travel here too),
-        after the step's first allreduce: a method that can saturate (fp16's scaled steps) reads
-        from each reduced payload whether some rank's values left its scale's window
-        (``compression.saturation(outputs, ctx)``, identical on every rank: they read the same
-        reduced payload), and a saturated payload is never decoded as is. A replacement payload is
-        allreduced with the same op, prescale and postscale (every one started, in unit order,
-        before the first is waited for: every rank issues the same collectives in the same order)
-        and decoded with its new context; no replacement (fp16's ``on_saturation="skip"``): the
-        unit is marked ``"overflow"`` (its target reads NaN, for the non-finite guard to skip the
-        step on every rank) and listed in :attr:`overflowed`.
+        after the step's first allreduce: a method that can saturate reads from each reduced
+        payload, identically on every rank, whether some rank's values left its scale's window
+        (``compression.saturation(outputs, ctx)``). A replacement payload is allreduced with the
+        same op, prescale and postscale (all started, in unit order, before the first is waited
+        for) and decoded with its new context; without one (``on_saturation="skip"``) the unit is
+        marked ``"overflow"`` (its target reads NaN) and listed in :attr:`overflowed`.
 
         Args:
             done: ``(unit, kind, reduced outputs, ctx, payload dtypes)`` per finished unit,

@@ -17,13 +17,7 @@ any with (n + m)·r·min_compression_rate ≥ n·m — travel uncompressed (exac
 The initial Q of every tensor comes from one generator seeded identically on all ranks (as PyTorch's
 DDP ``powerSGD_hook`` seeds its own), drawn one tensor at a time, grouped by matrix shape, in the
 order the front-end hands the gradients over (the expected backward order: the reverse of
-``model.parameters()``). ``powerSGD_hook`` draws in its bucket's buffer order and seeds each bucket
-anew, so the two give the same results on the same gradients and seed only with one bucket that
-DDP rebuilt in gradient-ready order; with ``find_unused_parameters=True`` (a layer left unused) DDP
-keeps ``model.parameters()`` order and they differ from the first compressed step (by 0.6 relative
-per matrix in ``tests/ddp_checks.py``'s check; docs/ddp.md). The defaults differ as well: here
-rank 2 from step 0 wherever low rank saves bytes; PyTorch's rank 1 from iteration 1000 where it
-saves 2x.
+``model.parameters()``); when this and ``powerSGD_hook`` agree, and their defaults: docs/ddp.md.
 
 Robustness (no collapse). The warm start makes Q sticky: an all-zero gradient (a frozen layer,
 a parameter unused in a step, which the optimizer sends as zeros) gives P = 0 and then
@@ -104,9 +98,8 @@ class PowerSGDCompressor(StepMethod):
         self.seed = check_seed(seed)
         self.counters: Dict[str, int] = {"step": 0}
         self.q: Dict[str, torch.Tensor] = {}
-        self.p: Dict[str, torch.Tensor] = {}  # last orthonormal P per tensor (n × r), for inspection
+        self._ps: Dict[tuple, torch.Tensor] = {}  # per batch's names: its last orthonormal Ps (B × n × r)
         self.memory = Residuals(self, "error")  # error feedback: M − P·Qᵀ per tensor
-        self._layouts: Dict[tuple, Tuple[int, int, bool]] = {}
         self._plans: Optional[_Plan] = None  # the last step's batches (see _plan)
         self._gen = torch.Generator().manual_seed(int(np.random.RandomState(self.seed).randint(1_000_000_000)))
 
@@ -145,7 +138,8 @@ class PowerSGDCompressor(StepMethod):
         self._put("counters", "step", step + 1)
         if step < self.start_step:
             flat = torch.cat([g.reshape(-1).to(torch.float32) for _, g in named_grads])
-            return self._split(allreduce_mean(flat, "powersgd.dense"), named_grads)
+            flat = allreduce_mean(flat, "powersgd.dense").split([g.numel() for _, g in named_grads])
+            return [cast_saturating(v.view_as(g), g.dtype) for v, (_, g) in zip(flat, named_grads)]
         plan = self._plan(named_grads)
         grads = [g for _, g in named_grads]
         with timer.phase("compress"):
@@ -153,9 +147,7 @@ class PowerSGDCompressor(StepMethod):
             batches = []  # (group, M (B, n, m), P (B, n, r))
             for group in plan.groups:
                 members = [grads[i] for i in group.positions]
-                if group.matrices:            # every gradient is an n × m float32 matrix
-                    mats = torch.stack(members)
-                elif group.shape is not None:  # one shape for all: one stack, one view
+                if group.shape is not None:  # one shape for all: one stack, one view
                     mats = torch.stack(members).view(len(members), group.n, group.m).to(torch.float32)
                 else:
                     mats = torch.stack([g.reshape(group.n, group.m) for g in members]).to(torch.float32)
@@ -180,17 +172,13 @@ class PowerSGDCompressor(StepMethod):
             for group, mats, p_local in batches:
                 p = orthogonalize(first[pos:pos + p_local.numel()].view_as(p_local), self.epsilon)
                 pos += p.numel()
-                self.p.update(zip(group.names, p.unbind(0)))
+                self._ps.pop(group.names, None)  # (re-inserted last: the latest P wins in :attr:`p`)
+                self._ps[group.names] = p
                 ps.append(p)
                 reduced.append(torch.bmm(mats.transpose(1, 2), p))
-            if plain and plan.plain_flat:    # float32: the averaged values themselves, as views
-                views = torch._C._nn.unflatten_dense_tensors(first[pos:], plain)
-                for i, v in zip(plan.plain, views):
-                    out[i] = v
-            else:
-                for i, g in zip(plan.plain, plain):
-                    out[i] = cast_saturating(first[pos:pos + g.numel()].view_as(g), g.dtype)
-                    pos += g.numel()
+            sizes = plan.plain_flat or [t.numel() for t in plain]  # (1-D float32: the averages as views)
+            for i, g, v in zip(plan.plain, plain, first[pos:].split(sizes)):
+                out[i] = v if plan.plain_flat else cast_saturating(v.view_as(g), g.dtype)
             second = torch.cat([q.reshape(-1) for q in reduced]) if reduced else first.new_zeros(0)
         if reduced:
             second = allreduce_mean(second, "powersgd.q")
@@ -203,9 +191,7 @@ class PowerSGDCompressor(StepMethod):
                 self._put_segments("q", group, q)
                 self.memory.keep_segments(mats.sub_(approx), group)  # e = M − P·Qᵀ (M is not read again)
                 # saturating: with the error added, g + e (and so P·Qᵀ) can exceed a float16 g's range
-                if group.matrices:
-                    results = approx.unbind(0)
-                elif group.shape is not None and group.dtype == torch.float32:
+                if group.shape is not None and group.dtype == torch.float32:
                     results = approx.view(len(group.positions), *group.shape).unbind(0)
                 else:
                     results = [cast_saturating(a.reshape(grads[i].shape), grads[i].dtype)
@@ -224,25 +210,17 @@ class PowerSGDCompressor(StepMethod):
             return cached
         groups: Dict[tuple, List[int]] = {}  # (n, m, r, device) -> positions: one batch each
         plain = []
-        for i, (name, (shape, device, _)) in enumerate(zip(names, signature)):
-            n, m, compress = self._layout(name, shape)
-            if not compress:
+        for i, (shape, device, _) in enumerate(signature):
+            n, m = self.matrix_shape(shape)
+            if not self.compressible(shape):
                 plain.append(i)
                 continue
             groups.setdefault((n, m, min(self.matrix_rank, n, m), device), []).append(i)
         plan = self._plans = _Plan(names, signature, [
             _Group(key, idx, [names[i] for i in idx], [signature[i] for i in idx]) for key, idx in groups.items()],
-            plain, all(len(signature[i][0]) == 1 and signature[i][2] == torch.float32 for i in plain))
+            plain, [signature[i][0][0] for i in plain]
+            if all(len(signature[i][0]) == 1 and signature[i][2] == torch.float32 for i in plain) else None)
         return plan
-
-    def _layout(self, name: str, shape) -> Tuple[int, int, bool]:
-        """(n, m, compressible) of a gradient, cached per name and shape."""
-        key = (name, tuple(shape))
-        hit = self._layouts.get(key)
-        if hit is None:
-            n, m = self.matrix_shape(shape)
-            hit = self._layouts[key] = (n, m, self.compressible(shape))
-        return hit
 
     def _warm_starts(self, named_grads, groups) -> Dict[tuple, torch.Tensor]:
         """Per batch of equal shapes, the orthonormal Qs (B × m × r, float32) to multiply by.
@@ -291,6 +269,11 @@ class PowerSGDCompressor(StepMethod):
         return torch.stack(qs)  # a new tensor
 
     @property
+    def p(self) -> Dict[str, torch.Tensor]:
+        """The last orthonormal P per tensor (n × r), for inspection."""
+        return {name: p for names, ps in self._ps.items() for name, p in zip(names, ps.unbind(0))}
+
+    @property
     def step(self) -> int:
         """Steps reduced so far (committed)."""
         return self.counters["step"]
@@ -302,14 +285,6 @@ class PowerSGDCompressor(StepMethod):
     def _draw(self, m: int, columns: int, device) -> torch.Tensor:
         """``columns`` fresh m-vectors (float32) from the generator shared by all ranks."""
         return torch.randn(m, columns, generator=self._gen).to(device)
-
-    @staticmethod
-    def _split(flat, named_grads):
-        out, pos = [], 0
-        for _, g in named_grads:
-            out.append(cast_saturating(flat[pos:pos + g.numel()].view_as(g), g.dtype))
-            pos += g.numel()
-        return out
 
     def state_dict(self):
         return {"step": self.step, "q": {k: v.clone() for k, v in self.q.items()},
@@ -343,11 +318,10 @@ class _Group:
 
     Attributes:
         key: ``(n, m, r, device)``; positions, names: its gradients in the step's order.
-        shape: the gradients' common shape (None if they differ); dtype: their common dtype
-            (None if they differ); matrices: they are all float32 n × m matrices.
+        shape, dtype: the gradients' common shape and dtype (None where they differ).
     """
 
-    __slots__ = ("key", "positions", "names", "n", "m", "device", "shape", "dtype", "matrices")
+    __slots__ = ("key", "positions", "names", "n", "m", "device", "shape", "dtype")
 
     def __init__(self, key, positions, names, signature):
         self.key, self.positions, self.names = key, positions, tuple(names)
@@ -356,7 +330,6 @@ class _Group:
         dtypes = {d for _, _, d in signature}
         self.shape = next(iter(shapes)) if len(shapes) == 1 else None
         self.dtype = next(iter(dtypes)) if len(dtypes) == 1 else None
-        self.matrices = self.shape == (self.n, self.m) and self.dtype == torch.float32
 
     def views(self, stacked: torch.Tensor, flat_shapes: bool = False) -> List[torch.Tensor]:
         """The per-gradient slices of a (B, ...) tensor."""
@@ -369,14 +342,14 @@ class _Group:
 
 class _Plan(NamedTuple):
     """A step's layout (:meth:`PowerSGDCompressor._plan`): the names and (shape, device, dtype) of
-    the gradients it was made for, the batches, the uncompressed positions, and whether those
-    are all 1-D float32 (sent and returned without a copy)."""
+    the gradients it was made for, the batches, the uncompressed positions, and their sizes where
+    they are all 1-D float32 (sent and returned without a copy; else None)."""
 
     names: List[str]
     signature: List[tuple]
     groups: List[_Group]
     plain: List[int]
-    plain_flat: bool
+    plain_flat: Optional[List[int]]
 
 
 def _collectives(method, numels, p, bucket_bytes):

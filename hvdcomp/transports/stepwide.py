@@ -185,7 +185,9 @@ class StepTransport(Transport):
     def start(self, u: int) -> None:
         """Prepare unit ``u``'s gradients (zeros where unused, sparse made dense); nothing travels."""
         for i in self.units.members[u]:
-            self.units.gradient(self.units.order[i])
+            p = self.units.order[i]
+            if p.grad is None or p.grad.is_sparse:
+                self.units.gradient(p)
 
     def reset(self) -> None:
         """Nothing to drop: a step-wide step runs within :meth:`finish`."""
