@@ -129,14 +129,5 @@ class Segments:
             s.offsets[1:], dtype=torch.int64, device=positions.device))
         return torch.bucketize(positions, starts, right=True)
 
-    def amax(self, flat: torch.Tensor) -> torch.Tensor:
-        """``max |segment|`` per segment: float32 ``(len(self),)``, 0 for an empty segment; NaN
-        propagates."""
-        mags = flat.abs()
-        out = torch.zeros(len(self), dtype=mags.dtype, device=flat.device)
-        for n, positions, index, _ in self.size_classes(flat.device):
-            out[index] = self.rows(mags, positions, n).amax(dim=1)
-        return out
-
     def __repr__(self) -> str:
         return f"Segments({len(self)} tensors, {self.numel} elements)"
