@@ -2096,7 +2096,7 @@ def local_targets(rows: Dict[str, dict], baseline: str, rate: str, versus: str) 
     """The issue's targets, met, missed or not judged, for the local-update contenders at one rate
     (``versus``: the second time-to-target reference, synchronous top-k)."""
     base = rows.get(baseline)
-    lines = []
+    lines = auto_targets(rows, baseline, rate) if AUTO in rows else []
     for c, row in rows.items():
         if c.startswith("sync|") or base is None:
             continue
@@ -2118,6 +2118,41 @@ def local_targets(rows: Dict[str, dict], baseline: str, rate: str, versus: str) 
             lines.append(f"  speed-up to the target over the baseline: {f1}, over synchronous top-k: {f2} "
                          f"(no verdict: the time targets are for 10 Mbit/s)")
     return lines
+
+
+AUTO = "sync|auto"
+
+
+def auto_targets(rows: Dict[str, dict], baseline: str, rate: str) -> List[str]:
+    """Issue 59's targets for ``compression="auto"`` (contender :data:`AUTO`) at one rate: time to
+    the target within 1.1x of the best static contender's (the other ``sync|`` rows, fastest mean
+    time to the target over seeds that all reached it), final perplexity within that contender's
+    seed spread, and at 10 Mbit/s at least 5x faster to the target than ``baseline``."""
+    static = {c: r for c, r in rows.items() if c.startswith("sync|") and c != AUTO}
+    timed = {c: r["time_to_target_s"] for c, r in static.items() if r["time_to_target_s"] is not None}
+    auto = rows[AUTO]
+    if not timed:
+        return [f"- {AUTO}: not judged (no static contender reached the target on every seed)"]
+    best = min(timed, key=timed.get)
+    t = auto["time_to_target_s"]
+    within = ("n/a", "missed (it did not reach the target on every seed)") if t is None else (
+        f"{t / timed[best]:.2f}x", "met" if t <= 1.1 * timed[best] else "missed")
+    spread, verdict = spread_verdict(auto["best_val_ppl"]["mean"], static[best]["best_val_ppl"], best)
+    lines = [f"- {AUTO}: time to target within 1.1x of the best static contender's ({best}, "
+             f"{timed[best]:.0f} s): {within[0]}: {within[1]}; final perplexity {auto['best_val_ppl']['mean']:.1f} "
+             f"within its seed spread ({static[best]['best_val_ppl']['mean']:.1f} + {spread:.1f}): {verdict}"]
+    if rate == "10mbit" and baseline in rows:
+        f, v = speedup_verdict(rows, AUTO, "speedup_vs_baseline", lambda x: x >= 5, baseline)
+        lines.append(f"  time to target >= 5x less than {baseline} ({f}): {v}")
+    return lines
+
+
+def auto_rows(cells: List[dict]) -> List[dict]:
+    """The ``compression="auto"`` cells as :func:`auto_table` / :func:`auto_plot` rows."""
+    return [{"variant": f"{c['driver']['rate']} {c['contender']}", "seed": c["train_lm"]["config"].get("seed"),
+             "auto": c["train_lm"]["auto"], "val": [e["val_ppl"] for e in c["train_lm"]["epochs"]],
+             "steps_per_epoch": max(e["steps"] for e in c["train_lm"]["epochs"])}
+            for c in cells if c.get("status") == "ok" and c["train_lm"].get("auto")]
 
 
 def local_markdown(summary: Dict[str, dict], baseline: str, versus: str) -> str:
@@ -2322,6 +2357,9 @@ def _local(p: argparse.ArgumentParser):
     p.add_argument("--baseline", default="sync|fp16@ring", help="the target's and the first speed-up's reference")
     p.add_argument("--versus", default="sync|topk:density=0.01", help="the second speed-up's reference")
     p.add_argument("--target-factor", type=float, default=1.1, help="target = factor x baseline's best val ppl")
+    p.add_argument("--include-loaded", action="store_true",
+                   help="keep cells started on a loaded machine (a shared machine: every cell of the sitting "
+                        "ran under its recorded load, so ratios within the sitting still compare)")
 
     def run(args) -> int:
         if not args.target_factor >= 1 or math.isnan(args.target_factor):
@@ -2337,15 +2375,20 @@ def _local(p: argparse.ArgumentParser):
         machines = [c.get("driver", {}).get("machine", {}) for c in cells]
         loaded = [c["driver"]["rate"] + "/" + c["contender"] for c, m in zip(cells, machines) if m.get("loaded")]
         loads = [m["before"]["load_1min"] for m in machines if (m.get("before") or {}).get("load_1min") is not None]
-        rows = local_summary([c for c, m in zip(cells, machines) if not m.get("loaded")],
-                             args.baseline, args.versus, args.target_factor)
+        kept = [c for c, m in zip(cells, machines) if args.include_loaded or not m.get("loaded")]
+        rows = local_summary(kept, args.baseline, args.versus, args.target_factor)
         write_json(os.path.join(args.output, "report.json"), rows)
         text = local_markdown(rows, args.baseline, args.versus)
         if loads:
             text += (f"\n1-minute load average before each cell: {min(loads):.2f}-{max(loads):.2f} "
                      f"({len(loads)} cells).\n")
         if loaded:
-            text += f"Left out, started on a loaded machine: {', '.join(loaded)}.\n"
+            text += (f"{'Kept (--include-loaded)' if args.include_loaded else 'Left out'}, started on a loaded "
+                     f"machine: {', '.join(loaded)}.\n")
+        auto = auto_rows(kept)
+        if auto:
+            text += ("\n## compression=\"auto\": its decisions\n\n![the chosen method over training]("
+                     f"{auto_plot(auto, args.output)})\n\n{auto_table(auto)}\n")
         return _write_report(args.output, text)
     return run
 
